@@ -1,0 +1,37 @@
+# Everything runs in .venv, created here from the machine's python3 (3.11+).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-dev
+BENCH_STAMP := $(VENV)/.installed-bench
+
+.PHONY: test demo bench bench-full lint clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	touch $@
+
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,bench]'
+	touch $@
+
+lint: $(STAMP)
+	$(PY) -m ruff check jax_reshard tests benchmarks
+	$(PY) -m ruff format --check jax_reshard tests benchmarks
+	$(PY) -m mypy
+
+test: lint
+	$(PY) -m pytest
+
+demo: $(STAMP)
+	$(PY) -m jax_reshard demo
+
+bench: $(BENCH_STAMP)
+	$(PY) -m benchmarks.refit --quick
+
+bench-full: $(BENCH_STAMP)
+	$(PY) -m benchmarks.refit --full
+
+clean:
+	rm -rf $(VENV) bench_results

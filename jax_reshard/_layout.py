@@ -1,0 +1,220 @@
+"""Layouts: which box of a global array every device holds.
+
+A :class:`Layout` is a plain value (tuples of ints) built either from a real
+``jax.sharding.Sharding`` through ``Sharding.devices_indices_map`` (JAX's own tiling rules,
+never re-derived) or from a plain description of a ``NamedSharding`` (mesh shape, axis names,
+device ids, partition spec) so that plans can be made for clusters that are not present.
+This module imports no JAX tracing code; ``from_sharding`` only queries the sharding object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jax_reshard._errors import ReshardError
+
+SpecEntry = None | str | tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Layout:
+  """The index box every device holds of a global array of ``shape``.
+
+  Attributes:
+    shape: global array shape.
+    device_ids: device ids, ascending.
+    starts: per device (same order as ``device_ids``), the first index held in each dimension.
+    stops: per device, one past the last index held in each dimension.
+    process_indices: per device, the process that owns it.
+    platform: the devices' platform (``"cpu"``, ``"gpu"``, ``"tpu"``...).
+    description: a human-readable summary of the sharding, for messages only.
+  """
+
+  shape: tuple[int, ...]
+  device_ids: tuple[int, ...]
+  starts: tuple[tuple[int, ...], ...]
+  stops: tuple[tuple[int, ...], ...]
+  process_indices: tuple[int, ...]
+  platform: str = "cpu"
+  description: str = dataclasses.field(default="", compare=False)
+
+  @property
+  def ndim(self) -> int:
+    return len(self.shape)
+
+  @property
+  def num_devices(self) -> int:
+    return len(self.device_ids)
+
+  def shard_shape(self) -> tuple[int, ...]:
+    """The shape every device holds (shardings tile evenly, so it is the same for all)."""
+    if not self.device_ids:
+      return self.shape
+    return tuple(b - a for a, b in zip(self.starts[0], self.stops[0], strict=True))
+
+  def box_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+    """``(starts, stops)`` as ``int64`` arrays of shape ``(num_devices, ndim)``."""
+    n, d = self.num_devices, self.ndim
+    starts = np.asarray(self.starts, dtype=np.int64).reshape(n, d)
+    stops = np.asarray(self.stops, dtype=np.int64).reshape(n, d)
+    return starts, stops
+
+  @classmethod
+  def from_sharding(cls, sharding: Any, shape: Sequence[int]) -> Layout:
+    """Builds the layout of an array of ``shape`` placed with a ``jax.sharding.Sharding``.
+
+    Args:
+      sharding: any ``jax.sharding.Sharding``.
+      shape: the global array shape.
+
+    Raises:
+      ReshardError: if the sharding does not tile ``shape`` evenly.
+    """
+    shape = tuple(int(s) for s in shape)
+    try:
+      index_map = sharding.devices_indices_map(shape)
+    except ValueError as e:  # jax's IndivisibleError is a ValueError
+      raise ReshardError(str(e)) from None
+    devices = sorted(index_map, key=lambda d: d.id)
+    starts, stops = [], []
+    for d in devices:
+      idx = index_map[d]
+      lo, hi = [], []
+      for sl, size in zip(idx, shape, strict=True):
+        a, b, step = sl.indices(size)
+        if step != 1:
+          raise ReshardError(f"sharding {sharding} uses strided shards, which are not supported")
+        lo.append(a)
+        hi.append(max(a, b))
+      starts.append(tuple(lo))
+      stops.append(tuple(hi))
+    platforms = {d.platform for d in devices}
+    return cls(
+      shape=shape,
+      device_ids=tuple(int(d.id) for d in devices),
+      starts=tuple(starts),
+      stops=tuple(stops),
+      process_indices=tuple(int(d.process_index) for d in devices),
+      platform=platforms.pop() if len(platforms) == 1 else ",".join(sorted(platforms)),
+      description=describe_sharding(sharding),
+    )
+
+  @classmethod
+  def from_description(
+    cls,
+    shape: Sequence[int],
+    *,
+    mesh_shape: Sequence[int],
+    axis_names: Sequence[str],
+    spec: Sequence[SpecEntry],
+    device_ids: Sequence[int] | np.ndarray | None = None,
+    process_indices: Sequence[int] | np.ndarray | None = None,
+    devices_per_process: int | None = None,
+    platform: str = "gpu",
+  ) -> Layout:
+    """Builds the layout a ``NamedSharding(Mesh(...), P(*spec))`` would have, without devices.
+
+    Follows ``NamedSharding``'s tiling: dimension ``i`` is split into the product of the sizes
+    of the mesh axes named by ``spec[i]`` (the first named axis is the most major), and the
+    remaining mesh axes replicate.
+
+    Args:
+      shape: global array shape.
+      mesh_shape: sizes of the mesh axes.
+      axis_names: names of the mesh axes.
+      spec: one entry per array dimension (missing trailing entries mean ``None``): ``None``,
+        an axis name, or a tuple of axis names.
+      device_ids: device ids in mesh order (row-major over ``mesh_shape``); default ``0..n-1``.
+      process_indices: owning process per device, in the order of ``device_ids``. Default:
+        ``device_id // devices_per_process`` when that is given, else 0.
+      devices_per_process: devices per process (host), for the default ``process_indices``.
+      platform: platform name recorded in the layout.
+
+    Example:
+      >>> lay = Layout.from_description((8, 4), mesh_shape=(2, 2), axis_names=("x", "y"),
+      ...                               spec=("x", None))
+      >>> lay.starts
+      ((0, 0), (0, 0), (4, 0), (4, 0))
+    """
+    shape = tuple(int(s) for s in shape)
+    mesh_shape = tuple(int(s) for s in mesh_shape)
+    axis_names = tuple(axis_names)
+    if len(mesh_shape) != len(axis_names):
+      raise ReshardError(f"mesh_shape {mesh_shape} and axis_names {axis_names} differ in length")
+    n = math.prod(mesh_shape)
+    ids = np.arange(n) if device_ids is None else np.asarray(device_ids, dtype=np.int64)
+    if ids.shape != (n,) or len(set(ids.tolist())) != n:
+      raise ReshardError(f"need {n} distinct device ids for mesh {mesh_shape}, got {ids.shape}")
+    entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+    if len(entries) != len(shape):
+      raise ReshardError(f"spec {tuple(spec)} has more entries than the array has dimensions")
+    coords = np.indices(mesh_shape).reshape(len(mesh_shape), n)  # (naxes, n), row-major
+    starts = np.zeros((n, len(shape)), dtype=np.int64)
+    stops = np.tile(np.asarray(shape, dtype=np.int64), (n, 1))
+    used: set[str] = set()
+    for dim, entry in enumerate(entries):
+      names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+      for name in names:
+        if name not in axis_names or name in used:
+          raise ReshardError(f"spec {tuple(spec)}: unknown or repeated mesh axis {name!r}")
+        used.add(name)
+      if not names:
+        continue
+      sizes = [mesh_shape[axis_names.index(a)] for a in names]
+      parts = math.prod(sizes)
+      if shape[dim] % parts:
+        raise ReshardError(
+          f"spec {tuple(spec)} splits array axis {dim} into {parts} parts, but the dimension "
+          f"size is {shape[dim]} (full shape: {shape}); it must divide evenly"
+        )
+      block = shape[dim] // parts
+      k = np.ravel_multi_index([coords[axis_names.index(a)] for a in names], sizes)
+      starts[:, dim] = k * block
+      stops[:, dim] = k * block + block
+    if process_indices is not None:
+      procs = np.asarray(process_indices, dtype=np.int64)
+    elif devices_per_process:
+      procs = ids // devices_per_process
+    else:
+      procs = np.zeros(n, dtype=np.int64)
+    order = np.argsort(ids, kind="stable")
+    mesh_txt = ", ".join(f"{a}={s}" for a, s in zip(axis_names, mesh_shape, strict=True))
+    return cls(
+      shape=shape,
+      device_ids=tuple(ids[order].tolist()),
+      starts=tuple(map(tuple, starts[order].tolist())),
+      stops=tuple(map(tuple, stops[order].tolist())),
+      process_indices=tuple(procs[order].tolist()),
+      platform=platform,
+      description=f"mesh ({mesh_txt}) spec {format_spec(entries)}",
+    )
+
+
+def format_spec(entries: Sequence[Any]) -> str:
+  """``P('x', None)``-style text for a partition spec."""
+  return "P(" + ", ".join(repr(e) for e in entries) + ")"
+
+
+def describe_sharding(sharding: Any) -> str:
+  """A one-line description of a sharding: mesh axes, device ids and spec where it has them."""
+  mesh = getattr(sharding, "mesh", None)
+  spec = getattr(sharding, "spec", None)
+  if mesh is not None and spec is not None and hasattr(mesh, "devices"):
+    axes = ", ".join(f"{a}={s}" for a, s in mesh.shape.items())
+    ids = [int(d.id) for d in np.asarray(mesh.devices).flat]
+    return f"mesh ({axes}) devices {_format_ids(ids)} spec {format_spec(tuple(spec))}"
+  ids = sorted(int(d.id) for d in sharding.device_set)
+  return f"{type(sharding).__name__} on devices {_format_ids(ids)}"
+
+
+def _format_ids(ids: Sequence[int]) -> str:
+  if len(ids) > 2 and list(ids) == list(range(ids[0], ids[0] + len(ids))):
+    return f"[{ids[0]}..{ids[-1]}]"
+  if len(ids) > 16:
+    return "[" + ", ".join(map(str, ids[:8])) + f", ... ({len(ids)} devices)]"
+  return "[" + ", ".join(map(str, ids)) + "]"

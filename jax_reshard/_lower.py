@@ -1,0 +1,257 @@
+"""Lowering: the only module that traces JAX code.
+
+A bucket becomes one compiled ``shard_map`` program over a 1-D *union mesh* of every source and
+destination device (ordered by device id). Each leaf enters as a staged array whose block on a
+device is that device's source shard, assembled zero-copy with
+``jax.make_array_from_single_device_arrays`` (devices without a source shard contribute a
+placeholder). Inside the program every device runs its own static code, selected with
+``lax.switch`` on its position in the mesh: per round it packs the bytes it sends into one
+payload, ``lax.ppermute`` moves all payloads of the round, and at the end every destination
+device assembles its shard from received bytes and its own resident data. The destination
+blocks are re-wrapped zero-copy into the destination sharding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jax_reshard._layout import Layout
+from jax_reshard._planner import LeafPlan
+from jax_reshard._schedule import Bucket
+
+AXIS = "u"
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class LeafSpec:
+  """What the lowering needs to know about one leaf."""
+
+  plan: LeafPlan
+  src: Layout
+  dst: Layout
+  dtype: np.dtype
+  dst_sharding: Any
+
+
+def _block_shape(shard_shape: tuple[int, ...]) -> tuple[int, ...]:
+  return shard_shape if shard_shape else (1,)
+
+
+def _staged_shape(shard_shape: tuple[int, ...], n: int) -> tuple[int, ...]:
+  block = _block_shape(shard_shape)
+  return (n * block[0], *block[1:])
+
+
+def _to_bytes(x: jax.Array) -> jax.Array:
+  if x.dtype == jnp.bool_:
+    return x.astype(jnp.uint8).reshape(-1)
+  return jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
+
+
+def _from_bytes(b: jax.Array, dtype: np.dtype, shape: tuple[int, ...]) -> jax.Array:
+  if dtype == np.bool_:
+    return (b != 0).reshape(shape)
+  if dtype.itemsize == 1:
+    return jax.lax.bitcast_convert_type(b, dtype).reshape(shape)
+  return jax.lax.bitcast_convert_type(b.reshape(-1, dtype.itemsize), dtype).reshape(shape)
+
+
+def _switch(index_table: np.ndarray, branches: list[Callable[..., Any]], *operands: Any) -> Any:
+  """Runs ``branches[index_table[my position]]``; a single branch needs no conditional."""
+  if len(branches) == 1:
+    return branches[0](*operands)
+  me = jax.lax.axis_index(AXIS)
+  return jax.lax.switch(jnp.asarray(index_table, dtype=np.int32)[me], branches, *operands)
+
+
+class BucketProgram:
+  """One bucket lowered and compiled once; calling it moves the bucket's leaves."""
+
+  def __init__(
+    self,
+    bucket: Bucket,
+    leaves: Sequence[LeafSpec],
+    devices: dict[int, Any],
+    union_ids: Sequence[int],
+  ) -> None:
+    self.bucket = bucket
+    self.leaves = [leaves[i] for i in bucket.leaves]
+    self.union_ids = list(union_ids)
+    self.pos = {d: i for i, d in enumerate(self.union_ids)}
+    self.devices = devices
+    self.mesh = Mesh(np.array([devices[i] for i in self.union_ids]), (AXIS,))
+    self.staged_sharding = NamedSharding(self.mesh, PartitionSpec(AXIS))
+    self._compiled: Any = None
+
+  # ---- per-device static code -------------------------------------------------------------
+
+  def _local_view(self, k: int, blocks: Sequence[jax.Array]) -> list[jax.Array]:
+    return [b.reshape(spec.src.shard_shape()) for b, spec in zip(blocks, self.leaves, strict=True)]
+
+  def _src_start(self, leaf: LeafSpec, dev: int) -> np.ndarray:
+    i = leaf.src.device_ids.index(dev)
+    return np.asarray(leaf.src.starts[i], dtype=np.int64)
+
+  def _dst_start(self, leaf: LeafSpec, dev: int) -> np.ndarray:
+    i = leaf.dst.device_ids.index(dev)
+    return np.asarray(leaf.dst.starts[i], dtype=np.int64)
+
+  def _cut(self, shards: Sequence[jax.Array], li: int, t: int, dev: int) -> jax.Array:
+    """Transfer ``t`` of bucket leaf ``li``, sliced out of ``dev``'s source shard."""
+    leaf = self.leaves[li]
+    start = self._src_start(leaf, dev)
+    lo = leaf.plan.lo[t] - start
+    hi = leaf.plan.hi[t] - start
+    x = shards[li]
+    if tuple(lo) == (0,) * x.ndim and tuple(hi) == x.shape:
+      return x
+    return jax.lax.slice(x, tuple(lo.tolist()), tuple(hi.tolist()))
+
+  def _pack_branch(self, dev: int, pieces: Sequence[Any], nbytes: int) -> Callable[..., Any]:
+    local_leaf = {leaf_index: li for li, leaf_index in enumerate(self.bucket.leaves)}
+
+    def branch(*blocks: jax.Array) -> jax.Array:
+      shards = self._local_view(dev, blocks)
+      parts = [_to_bytes(self._cut(shards, local_leaf[p.leaf], p.transfer, dev)) for p in pieces]
+      used = sum(p.nbytes for p in pieces)
+      if used < nbytes:
+        parts.append(jnp.zeros((nbytes - used,), jnp.uint8))
+      return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+    return branch
+
+  def _assemble_branch(
+    self, dev: int, incoming: dict[int, list[tuple[int, int, Any]]]
+  ) -> Callable[..., Any]:
+    """``incoming[li]``: (transfer, round, piece) received for bucket leaf ``li``."""
+
+    def branch(blocks: Sequence[jax.Array], recvs: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+      shards = self._local_view(dev, blocks)
+      outs = []
+      for li, leaf in enumerate(self.leaves):
+        dst_shape = leaf.dst.shard_shape()
+        block_shape = _block_shape(dst_shape)
+        if dev not in leaf.dst.device_ids:
+          outs.append(jnp.zeros(block_shape, leaf.dtype))
+          continue
+        start = self._dst_start(leaf, dev)
+        parts: list[tuple[np.ndarray, jax.Array]] = []
+        plan = leaf.plan
+        for t in np.nonzero(plan.local & (plan.dst_device == dev))[0].tolist():
+          parts.append((plan.lo[t] - start, self._cut(shards, li, t, dev)))
+        for t, r, piece in incoming.get(li, []):
+          box = tuple((plan.hi[t] - plan.lo[t]).tolist())
+          raw = jax.lax.slice(recvs[r], (piece.offset,), (piece.offset + piece.nbytes,))
+          parts.append((plan.lo[t] - start, _from_bytes(raw, leaf.dtype, box)))
+        if len(parts) == 1 and parts[0][1].shape == dst_shape:
+          out = parts[0][1]
+        else:
+          out = jnp.zeros(dst_shape, leaf.dtype)
+          for rel, val in parts:
+            out = jax.lax.dynamic_update_slice(out, val, tuple(int(v) for v in rel))
+        outs.append(out.reshape(block_shape))
+      return tuple(outs)
+
+    return branch
+
+  # ---- the program --------------------------------------------------------------------------
+
+  def _body(self, *blocks: jax.Array) -> tuple[jax.Array, ...]:
+    n = len(self.union_ids)
+    pieces = self.bucket.pieces()
+    recvs = []
+    incoming: dict[int, dict[int, list[tuple[int, int, Any]]]] = defaultdict(
+      lambda: defaultdict(list)
+    )
+    local_leaf = {leaf_index: li for li, leaf_index in enumerate(self.bucket.leaves)}
+    for r, rnd in enumerate(self.bucket.rounds):
+      table = np.zeros(n, dtype=np.int32)
+      branches: list[Callable[..., Any]] = [
+        lambda *_, nb=rnd.nbytes: jnp.zeros((nb,), jnp.uint8)
+      ]
+      for s_dev, d_dev in rnd.pairs:
+        table[self.pos[s_dev]] = len(branches)
+        branches.append(self._pack_branch(s_dev, pieces[(s_dev, d_dev)], rnd.nbytes))
+        for p in pieces[(s_dev, d_dev)]:
+          incoming[d_dev][local_leaf[p.leaf]].append((p.transfer, r, p))
+      payload = _switch(table, branches, *blocks)
+      perm = [(self.pos[s], self.pos[d]) for s, d in rnd.pairs]
+      recvs.append(jax.lax.ppermute(payload, AXIS, perm))
+
+    dst_devs = sorted({d for leaf in self.leaves for d in leaf.dst.device_ids})
+    table = np.zeros(n, dtype=np.int32)
+
+    def idle(blocks: Sequence[jax.Array], recvs: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+      return tuple(jnp.zeros(_block_shape(leaf.dst.shard_shape()), leaf.dtype) for leaf in self.leaves)
+
+    branches = [idle]
+    for dev in dst_devs:
+      table[self.pos[dev]] = len(branches)
+      branches.append(self._assemble_branch(dev, incoming[dev]))
+    return tuple(_switch(table, branches, list(blocks), recvs))
+
+  def _compile(self) -> Any:
+    n = len(self.union_ids)
+    specs = tuple(PartitionSpec(AXIS) for _ in self.leaves)
+    fn = jax.shard_map(
+      self._body, mesh=self.mesh, in_specs=specs, out_specs=specs, check_vma=False
+    )
+    avals = [
+      jax.ShapeDtypeStruct(
+        _staged_shape(leaf.src.shard_shape(), n), leaf.dtype, sharding=self.staged_sharding
+      )
+      for leaf in self.leaves
+    ]
+    return jax.jit(fn).lower(*avals).compile()
+
+  # ---- staging and execution ----------------------------------------------------------------
+
+  def _stage(self, leaf: LeafSpec, x: jax.Array) -> jax.Array:
+    held = {s.device.id: s.data for s in x.addressable_shards}
+    shard_shape = leaf.src.shard_shape()
+    block_shape = _block_shape(shard_shape)
+    blocks = []
+    for dev_id in self.union_ids:
+      dev = self.devices[dev_id]
+      if dev.process_index != jax.process_index():
+        continue
+      data = held.get(dev_id)
+      if data is None:
+        data = jnp.zeros(block_shape, leaf.dtype, device=dev)
+      elif not shard_shape:
+        data = data.reshape(block_shape)
+      blocks.append(data)
+    n = len(self.union_ids)
+    return jax.make_array_from_single_device_arrays(
+      _staged_shape(shard_shape, n), self.staged_sharding, blocks
+    )
+
+  def _unstage(self, leaf: LeafSpec, y: jax.Array) -> jax.Array:
+    held = {s.device.id: s.data for s in y.addressable_shards}
+    dst_shape = leaf.dst.shard_shape()
+    arrays = []
+    for dev in leaf.dst_sharding.addressable_devices_indices_map(leaf.dst.shape):
+      data = held[dev.id]
+      arrays.append(data if dst_shape else data.reshape(()))
+    return jax.make_array_from_single_device_arrays(leaf.dst.shape, leaf.dst_sharding, arrays)
+
+  def __call__(self, xs: Sequence[jax.Array]) -> list[jax.Array]:
+    if self._compiled is None:
+      self._compiled = self._compile()
+    staged = [self._stage(leaf, x) for leaf, x in zip(self.leaves, xs, strict=True)]
+    ys = self._compiled(*staged)
+    return [self._unstage(leaf, y) for leaf, y in zip(self.leaves, ys, strict=True)]
+
+
+def empty_like_sharded(shape: tuple[int, ...], dtype: np.dtype, sharding: Any) -> jax.Array:
+  """A zero-element array in ``sharding`` (nothing to move)."""
+  zeros = np.zeros(shape, dtype)
+  return jax.make_array_from_callback(shape, sharding, lambda idx: zeros[idx])
