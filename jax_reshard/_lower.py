@@ -50,18 +50,35 @@ def _staged_shape(shard_shape: tuple[int, ...], n: int) -> tuple[int, ...]:
   return (n * block[0], *block[1:])
 
 
-def _to_bytes(x: jax.Array) -> jax.Array:
+def _uint_dtype(dtype: np.dtype) -> np.dtype:
+  """The unsigned integer type of the same width: all data movement happens in it, so that no
+  backend pass that upcasts floats (e.g. bf16 to f32 on CPU) can canonicalise NaN payloads."""
+  return np.dtype(f"uint{8 * dtype.itemsize}")
+
+
+def _to_uint(x: jax.Array) -> jax.Array:
   if x.dtype == jnp.bool_:
-    return x.astype(jnp.uint8).reshape(-1)
+    return x.astype(jnp.uint8)
+  return jax.lax.bitcast_convert_type(x, _uint_dtype(np.dtype(x.dtype)))
+
+
+def _from_uint(x: jax.Array, dtype: np.dtype) -> jax.Array:
+  if dtype == np.bool_:
+    return x != 0
+  return jax.lax.bitcast_convert_type(x, dtype)
+
+
+def _to_bytes(x: jax.Array) -> jax.Array:
+  """Raw bytes of an unsigned-integer array, flattened."""
+  if x.dtype == jnp.uint8:
+    return x.reshape(-1)
   return jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
 
 
-def _from_bytes(b: jax.Array, dtype: np.dtype, shape: tuple[int, ...]) -> jax.Array:
-  if dtype == np.bool_:
-    return (b != 0).reshape(shape)
-  if dtype.itemsize == 1:
-    return jax.lax.bitcast_convert_type(b, dtype).reshape(shape)
-  return jax.lax.bitcast_convert_type(b.reshape(-1, dtype.itemsize), dtype).reshape(shape)
+def _from_bytes(b: jax.Array, udtype: np.dtype, shape: tuple[int, ...]) -> jax.Array:
+  if udtype.itemsize == 1:
+    return b.reshape(shape)
+  return jax.lax.bitcast_convert_type(b.reshape(-1, udtype.itemsize), udtype).reshape(shape)
 
 
 def _switch(index_table: np.ndarray, branches: list[Callable[..., Any]], *operands: Any) -> Any:
@@ -94,7 +111,9 @@ class BucketProgram:
   # ---- per-device static code -------------------------------------------------------------
 
   def _local_view(self, k: int, blocks: Sequence[jax.Array]) -> list[jax.Array]:
-    return [b.reshape(spec.src.shard_shape()) for b, spec in zip(blocks, self.leaves, strict=True)]
+    return [
+      _to_uint(b.reshape(spec.src.shard_shape())) for b, spec in zip(blocks, self.leaves, strict=True)
+    ]
 
   def _src_start(self, leaf: LeafSpec, dev: int) -> np.ndarray:
     i = leaf.src.device_ids.index(dev)
@@ -143,6 +162,7 @@ class BucketProgram:
           outs.append(jnp.zeros(block_shape, leaf.dtype))
           continue
         start = self._dst_start(leaf, dev)
+        udtype = _uint_dtype(leaf.dtype)
         parts: list[tuple[np.ndarray, jax.Array]] = []
         plan = leaf.plan
         for t in np.nonzero(plan.local & (plan.dst_device == dev))[0].tolist():
@@ -150,14 +170,14 @@ class BucketProgram:
         for t, r, piece in incoming.get(li, []):
           box = tuple((plan.hi[t] - plan.lo[t]).tolist())
           raw = jax.lax.slice(recvs[r], (piece.offset,), (piece.offset + piece.nbytes,))
-          parts.append((plan.lo[t] - start, _from_bytes(raw, leaf.dtype, box)))
+          parts.append((plan.lo[t] - start, _from_bytes(raw, udtype, box)))
         if len(parts) == 1 and parts[0][1].shape == dst_shape:
           out = parts[0][1]
         else:
-          out = jnp.zeros(dst_shape, leaf.dtype)
+          out = jnp.zeros(dst_shape, udtype)
           for rel, val in parts:
             out = jax.lax.dynamic_update_slice(out, val, tuple(int(v) for v in rel))
-        outs.append(out.reshape(block_shape))
+        outs.append(_from_uint(out, leaf.dtype).reshape(block_shape))
       return tuple(outs)
 
     return branch

@@ -1,0 +1,167 @@
+"""Shared test helpers: a seeded case generator and a pure-NumPy oracle."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+DTYPES = [
+  np.dtype(np.float32),
+  np.dtype(jnp.bfloat16),
+  np.dtype(np.float16),
+  np.dtype(jnp.float8_e4m3fn),
+  np.dtype(np.int8),
+  np.dtype(np.int32),
+  np.dtype(np.uint32),
+  np.dtype(np.bool_),
+]
+
+
+def random_host_array(rng: np.random.Generator, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+  """Random bit patterns (NaNs and infinities included for floats), bools as 0/1."""
+  dtype = np.dtype(dtype)
+  n = math.prod(shape)
+  if dtype == np.bool_:
+    return rng.integers(0, 2, size=shape).astype(bool)
+  raw = rng.integers(0, 256, size=n * dtype.itemsize, dtype=np.uint8)
+  return raw.view(dtype).reshape(shape)
+
+
+def bits(a: Any) -> np.ndarray:
+  """Raw bytes of an array, for bit-for-bit comparison."""
+  a = np.ascontiguousarray(np.asarray(a))
+  return a.reshape(-1).view(np.uint8) if a.dtype != np.bool_ else a.reshape(-1).astype(np.uint8)
+
+
+def assert_matches_oracle(y: jax.Array, host: np.ndarray, dst_sharding: Any) -> None:
+  """Every addressable shard of ``y`` equals ``host[index]`` bit for bit, in ``dst_sharding``."""
+  assert y.shape == host.shape and np.dtype(y.dtype) == host.dtype
+  assert y.sharding.is_equivalent_to(dst_sharding, host.ndim), (y.sharding, dst_sharding)
+  expect = dst_sharding.addressable_devices_indices_map(host.shape)
+  got = {s.device: s for s in y.addressable_shards}
+  assert set(got) == set(expect)
+  for dev, index in expect.items():
+    want = host[index]
+    have = np.asarray(got[dev].data)
+    assert have.shape == want.shape, (dev, have.shape, want.shape)
+    np.testing.assert_array_equal(bits(have), bits(want), err_msg=f"device {dev}")
+
+
+def independent_lower_bound(src: Any, dst: Any, shape: tuple[int, ...], itemsize: int) -> int:
+  """Bytes each destination device lacks, from ``devices_indices_map`` alone."""
+  src_map = src.devices_indices_map(shape)
+  total = 0
+  for dev, index in dst.devices_indices_map(shape).items():
+    dbox = [sl.indices(n)[:2] for sl, n in zip(index, shape, strict=True)]
+    need = math.prod(b - a for a, b in dbox)
+    if dev in src_map:
+      sbox = [sl.indices(n)[:2] for sl, n in zip(src_map[dev], shape, strict=True)]
+      need -= math.prod(max(0, min(b, d) - max(a, c)) for (a, b), (c, d) in zip(dbox, sbox))
+    total += need * itemsize
+  return total
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One randomly generated leaf: shape, dtype and both shardings."""
+
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  src: NamedSharding
+  dst: NamedSharding
+  kind: str
+
+  def __str__(self) -> str:
+    return (
+      f"[{self.kind}] {self.dtype}{list(self.shape)}: {dict(self.src.mesh.shape)} "
+      f"{self.src.spec} -> {dict(self.dst.mesh.shape)} {self.dst.spec}"
+    )
+
+
+def _factorizations(n: int, max_axes: int = 3) -> list[tuple[int, ...]]:
+  out = [(n,)]
+  for k in range(2, max_axes + 1):
+    for sizes in itertools.product(range(1, n + 1), repeat=k):
+      if math.prod(sizes) == n and all(s > 1 for s in sizes):
+        out.append(sizes)
+  return out
+
+
+def random_mesh(rng: np.random.Generator, devices: list[Any], prefix: str) -> Mesh:
+  options = _factorizations(len(devices))
+  sizes = options[rng.integers(len(options))]
+  names = tuple(f"{prefix}{i}" for i in range(len(sizes)))
+  return Mesh(np.array(devices, dtype=object).reshape(sizes), names)
+
+
+def random_spec(rng: np.random.Generator, mesh: Mesh, rank: int) -> PartitionSpec:
+  """Each mesh axis goes to a random dimension (or none); several axes may share one."""
+  entries: list[list[str]] = [[] for _ in range(rank)]
+  for name in mesh.axis_names:
+    if rank and rng.random() < 0.75:
+      entries[rng.integers(rank)].append(name)
+  spec = []
+  for names in entries:
+    rng.shuffle(names)
+    spec.append(None if not names else names[0] if len(names) == 1 else tuple(names))
+  return PartitionSpec(*spec)
+
+
+def _parts(mesh: Mesh, entry: Any) -> int:
+  if entry is None:
+    return 1
+  names = (entry,) if isinstance(entry, str) else entry
+  return math.prod(mesh.shape[a] for a in names)
+
+
+DEVICE_SETS = ["colocated", "reordered", "disjoint", "overlapping", "subset", "single"]
+
+
+def device_sets(kind: str, rng: np.random.Generator) -> tuple[list[Any], list[Any]]:
+  devs = list(jax.devices())
+  if kind == "colocated":
+    return devs, devs
+  if kind == "reordered":
+    perm = [devs[i] for i in rng.permutation(8)]
+    return devs, perm
+  if kind == "disjoint":
+    return devs[:4], devs[4:]
+  if kind == "overlapping":
+    return devs[:6], devs[2:]
+  if kind == "subset":
+    return devs, devs[2:6] if rng.random() < 0.5 else devs[:2]
+  if kind == "single":
+    one = [devs[int(rng.integers(8))]]
+    return (one, devs[4:]) if rng.random() < 0.5 else (devs[:4], one)
+  raise ValueError(kind)
+
+
+def random_case(rng: np.random.Generator, kind: str | None = None) -> Case:
+  kind = kind or DEVICE_SETS[rng.integers(len(DEVICE_SETS))]
+  src_devs, dst_devs = device_sets(kind, rng)
+  rank = int(rng.integers(0, 5))
+  src_mesh = random_mesh(rng, src_devs, "s")
+  dst_mesh = random_mesh(rng, dst_devs, "d")
+  src_spec = random_spec(rng, src_mesh, rank)
+  dst_spec = random_spec(rng, dst_mesh, rank)
+  shape = []
+  for i in range(rank):
+    a = _parts(src_mesh, src_spec[i] if i < len(src_spec) else None)
+    b = _parts(dst_mesh, dst_spec[i] if i < len(dst_spec) else None)
+    lcm = math.lcm(a, b)
+    shape.append(0 if rng.random() < 0.04 else lcm * int(rng.integers(1, 4)))
+  dtype = DTYPES[rng.integers(len(DTYPES))]
+  return Case(
+    shape=tuple(shape),
+    dtype=dtype,
+    src=NamedSharding(src_mesh, src_spec),
+    dst=NamedSharding(dst_mesh, dst_spec),
+    kind=kind,
+  )
