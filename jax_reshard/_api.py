@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -144,8 +143,8 @@ def _check_leaf(leaf: _Leaf, dst_template: Any) -> None:
         f"destination dtype {np.dtype(dst_template.dtype)} differs from the source dtype "
         f"{leaf.dtype}; cast with x.astype(...) before or after resharding." + _fix_hint(leaf)
       )
-  src_platforms = {d.platform for d in leaf.src_sharding.device_set}
-  dst_platforms = {d.platform for d in leaf.dst_sharding.device_set}
+  src_platforms = {getattr(d, "platform", "?") for d in leaf.src_sharding.device_set}
+  dst_platforms = {getattr(d, "platform", "?") for d in leaf.dst_sharding.device_set}
   if src_platforms != dst_platforms or len(src_platforms) != 1:
     raise ReshardError(
       f"source devices are on {sorted(src_platforms)} but destination devices on "
@@ -153,6 +152,12 @@ def _check_leaf(leaf: _Leaf, dst_template: Any) -> None:
       "jax.device_put to cross platforms." + _fix_hint(leaf)
     )
   for which, sharding in (("source", leaf.src_sharding), ("destination", leaf.dst_sharding)):
+    spec = getattr(sharding, "spec", None)
+    if spec is not None and len(spec) > len(leaf.shape):
+      raise ReshardError(
+        f"the {which} spec {spec} has {len(spec)} entries but the array has rank "
+        f"{len(leaf.shape)}; give a spec with at most one entry per dimension." + _fix_hint(leaf)
+      )
     try:
       sharding.shard_shape(leaf.shape)
     except ValueError as e:
@@ -177,7 +182,10 @@ class ReshardPlan:
     self._treedef = treedef
     self._leaves = leaves
     self.layouts = [
-      (Layout.from_sharding(lf.src_sharding, lf.shape), Layout.from_sharding(lf.dst_sharding, lf.shape))
+      (
+        Layout.from_sharding(lf.src_sharding, lf.shape),
+        Layout.from_sharding(lf.dst_sharding, lf.shape),
+      )
       for lf in leaves
     ]
     itemsizes = [lf.dtype.itemsize for lf in leaves]
@@ -283,11 +291,11 @@ def format_plan(plan: ReshardPlan) -> str:
     groups.setdefault((s.description, d.description), []).append(i)
   st = plan.stats
   lines = [f"ReshardPlan: {len(plan.layouts)} leaves, {len(groups)} layout groups"]
-  for (s, d), idx in groups.items():
+  for (src_txt, dst_txt), idx in groups.items():
     moved = sum(plan.leaf_plans[i].bytes_moved for i in idx)
     local = sum(plan.leaf_plans[i].local_copy_bytes for i in idx)
-    lines.append(f"  {len(idx):4d} leaves  {s}")
-    lines.append(f"             -> {d}")
+    lines.append(f"  {len(idx):4d} leaves  {src_txt}")
+    lines.append(f"             -> {dst_txt}")
     lines.append(f"             moved {_fmt_bytes(moved)}, local {_fmt_bytes(local)}")
   ratio = st.gather_broadcast_bytes / st.bytes_moved if st.bytes_moved else float("inf")
   lines += [
@@ -310,7 +318,9 @@ def _fmt_bytes(n: float) -> str:
   raise AssertionError("unreachable")
 
 
-def make_plan(src: Any, dst: Any, *, max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES) -> ReshardPlan:
+def make_plan(
+  src: Any, dst: Any, *, max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES
+) -> ReshardPlan:
   """Plans the reshard of a pytree from its current layout to ``dst``.
 
   Args:
@@ -360,5 +370,3 @@ def reshard(x: Any, dst: Any, *, max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTE
 def plan_cache_clear() -> None:
   """Forgets cached plans (and their compiled programs)."""
   _cached_plan.cache_clear()
-
-

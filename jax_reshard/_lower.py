@@ -112,7 +112,8 @@ class BucketProgram:
 
   def _local_view(self, k: int, blocks: Sequence[jax.Array]) -> list[jax.Array]:
     return [
-      _to_uint(b.reshape(spec.src.shard_shape())) for b, spec in zip(blocks, self.leaves, strict=True)
+      _to_uint(b.reshape(spec.src.shard_shape()))
+      for b, spec in zip(blocks, self.leaves, strict=True)
     ]
 
   def _src_start(self, leaf: LeafSpec, dev: int) -> np.ndarray:
@@ -194,9 +195,7 @@ class BucketProgram:
     local_leaf = {leaf_index: li for li, leaf_index in enumerate(self.bucket.leaves)}
     for r, rnd in enumerate(self.bucket.rounds):
       table = np.zeros(n, dtype=np.int32)
-      branches: list[Callable[..., Any]] = [
-        lambda *_, nb=rnd.nbytes: jnp.zeros((nb,), jnp.uint8)
-      ]
+      branches: list[Callable[..., Any]] = [lambda *_, nb=rnd.nbytes: jnp.zeros((nb,), jnp.uint8)]
       for s_dev, d_dev in rnd.pairs:
         table[self.pos[s_dev]] = len(branches)
         branches.append(self._pack_branch(s_dev, pieces[(s_dev, d_dev)], rnd.nbytes))
@@ -210,7 +209,9 @@ class BucketProgram:
     table = np.zeros(n, dtype=np.int32)
 
     def idle(blocks: Sequence[jax.Array], recvs: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
-      return tuple(jnp.zeros(_block_shape(leaf.dst.shard_shape()), leaf.dtype) for leaf in self.leaves)
+      return tuple(
+        jnp.zeros(_block_shape(leaf.dst.shard_shape()), leaf.dtype) for leaf in self.leaves
+      )
 
     branches = [idle]
     for dev in dst_devs:
@@ -221,9 +222,7 @@ class BucketProgram:
   def _compile(self) -> Any:
     n = len(self.union_ids)
     specs = tuple(PartitionSpec(AXIS) for _ in self.leaves)
-    fn = jax.shard_map(
-      self._body, mesh=self.mesh, in_specs=specs, out_specs=specs, check_vma=False
-    )
+    fn = jax.shard_map(self._body, mesh=self.mesh, in_specs=specs, out_specs=specs, check_vma=False)
     avals = [
       jax.ShapeDtypeStruct(
         _staged_shape(leaf.src.shard_shape(), n), leaf.dtype, sharding=self.staged_sharding

@@ -243,6 +243,4 @@ def plan_leaves(
 ) -> list[LeafPlan]:
   """Plans every leaf of a tree, balancing send load across all of them."""
   load: dict[int, int] = {}
-  return [
-    plan_leaf(s, d, isz, load) for (s, d), isz in zip(layouts, itemsizes, strict=True)
-  ]
+  return [plan_leaf(s, d, isz, load) for (s, d), isz in zip(layouts, itemsizes, strict=True)]

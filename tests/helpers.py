@@ -63,7 +63,8 @@ def independent_lower_bound(src: Any, dst: Any, shape: tuple[int, ...], itemsize
     need = math.prod(b - a for a, b in dbox)
     if dev in src_map:
       sbox = [sl.indices(n)[:2] for sl, n in zip(src_map[dev], shape, strict=True)]
-      need -= math.prod(max(0, min(b, d) - max(a, c)) for (a, b), (c, d) in zip(dbox, sbox))
+      pairs = zip(dbox, sbox, strict=True)
+      need -= math.prod(max(0, min(b, d) - max(a, c)) for (a, b), (c, d) in pairs)
     total += need * itemsize
   return total
 

@@ -29,19 +29,19 @@ def test_systematic_tree(seed: int) -> None:
   kind = DEVICE_SETS[seed % len(DEVICE_SETS)]
   cases = [random_case(rng, kind if i % 2 == 0 else None) for i in range(LEAVES_PER_TREE)]
   hosts = [random_host_array(rng, c.shape, c.dtype) for c in cases]
-  src = {f"leaf{i}": jax.device_put(h, c.src) for i, (c, h) in enumerate(zip(cases, hosts))}
+  src = {
+    f"leaf{i}": jax.device_put(h, c.src) for i, (c, h) in enumerate(zip(cases, hosts, strict=True))
+  }
   dst = {f"leaf{i}": c.dst for i, c in enumerate(cases)}
   bucket = int(rng.choice([64, 4096, 1 << 30]))
   plan = jr.make_plan(src, dst, max_bucket_bytes=bucket)
 
-  lower = sum(
-    independent_lower_bound(c.src, c.dst, c.shape, c.dtype.itemsize) for c in cases
-  )
+  lower = sum(independent_lower_bound(c.src, c.dst, c.shape, c.dtype.itemsize) for c in cases)
   assert plan.stats.lower_bound_bytes == lower, [str(c) for c in cases]
   assert plan.stats.bytes_moved == lower, [str(c) for c in cases]
 
   out = plan(src)
-  for i, (c, h) in enumerate(zip(cases, hosts)):
+  for i, (c, h) in enumerate(zip(cases, hosts, strict=True)):
     assert_matches_oracle(out[f"leaf{i}"], h, c.dst)
     np.testing.assert_array_equal(np.asarray(src[f"leaf{i}"]).shape, h.shape)
   # The source is untouched and still usable.

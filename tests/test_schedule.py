@@ -1,0 +1,57 @@
+"""Rounds are proper edge colourings with the optimal count; buckets respect the bound."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from jax_reshard import Layout
+from jax_reshard._planner import plan_leaves
+from jax_reshard._schedule import color_bipartite, make_schedule
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_coloring_is_proper_and_optimal(seed: int) -> None:
+  rng = np.random.default_rng(seed)
+  edges = [
+    (int(s), int(d)) for s, d in rng.integers(0, int(rng.integers(2, 12)), size=(60, 2)) if s != d
+  ]
+  colours = color_bipartite(edges)
+  deg = Counter([("s", s) for s, _ in edges] + [("d", d) for _, d in edges])
+  assert max(colours) + 1 == max(deg.values())
+  seen = set()
+  for (s, d), c in zip(edges, colours, strict=True):
+    assert ("s", s, c) not in seen and ("d", d, c) not in seen
+    seen |= {("s", s, c), ("d", d, c)}
+
+
+def _layouts(n_leaves: int):
+  src = Layout.from_description((32, 32), mesh_shape=(4,), axis_names=("x",), spec=("x",))
+  dst = Layout.from_description(
+    (32, 32), mesh_shape=(4,), axis_names=("y",), spec=(None, "y"), device_ids=range(4, 8)
+  )
+  return [(src, dst)] * n_leaves
+
+
+def test_uniform_all_to_all_needs_degree_rounds_and_no_padding() -> None:
+  layouts = _layouts(3)
+  plans = plan_leaves(layouts, [4] * 3)
+  sched = make_schedule(plans, layouts, [4] * 3)
+  assert len(sched.buckets) == 1
+  assert sched.num_rounds == 4 and sched.padding_bytes == 0
+  for r in sched.buckets[0].rounds:
+    assert len({s for s, _ in r.pairs}) == len(r.pairs) == len({d for _, d in r.pairs})
+
+
+def test_buckets_respect_bound() -> None:
+  layouts = _layouts(8)
+  plans = plan_leaves(layouts, [4] * 8)
+  one = make_schedule(plans, layouts, [4] * 8)
+  bound = one.peak_staging_bytes // 3
+  split = make_schedule(plans, layouts, [4] * 8, max_bucket_bytes=bound)
+  assert len(split.buckets) > 1
+  assert split.peak_staging_bytes <= bound
+  assert sorted(i for b in split.buckets for i in b.leaves) == list(range(8))
+  assert split.padding_bytes == 0
