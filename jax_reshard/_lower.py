@@ -68,17 +68,18 @@ def _from_uint(x: jax.Array, dtype: np.dtype) -> jax.Array:
   return jax.lax.bitcast_convert_type(x, dtype)
 
 
-def _to_bytes(x: jax.Array) -> jax.Array:
-  """Raw bytes of an unsigned-integer array, flattened."""
-  if x.dtype == jnp.uint8:
+def _to_units(x: jax.Array, unit: np.dtype) -> jax.Array:
+  """An unsigned-integer array as a flat vector of ``unit`` words (``unit`` no wider)."""
+  if x.dtype == unit:
     return x.reshape(-1)
-  return jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
+  return jax.lax.bitcast_convert_type(x, unit).reshape(-1)
 
 
-def _from_bytes(b: jax.Array, udtype: np.dtype, shape: tuple[int, ...]) -> jax.Array:
-  if udtype.itemsize == 1:
+def _from_units(b: jax.Array, udtype: np.dtype, shape: tuple[int, ...]) -> jax.Array:
+  if b.dtype == udtype:
     return b.reshape(shape)
-  return jax.lax.bitcast_convert_type(b.reshape(-1, udtype.itemsize), udtype).reshape(shape)
+  ratio = udtype.itemsize // b.dtype.itemsize
+  return jax.lax.bitcast_convert_type(b.reshape(-1, ratio), udtype).reshape(shape)
 
 
 def _switch(index_table: np.ndarray, branches: list[Callable[..., Any]], *operands: Any) -> Any:
@@ -107,6 +108,8 @@ class BucketProgram:
     self.mesh = Mesh(np.array([devices[i] for i in self.union_ids]), (AXIS,))
     self.staged_sharding = NamedSharding(self.mesh, PartitionSpec(AXIS))
     self._compiled: Any = None
+    # Payload word: the narrowest element width in the bucket, so every piece is whole words.
+    self.unit = _uint_dtype(min((leaf.dtype for leaf in self.leaves), key=lambda d: d.itemsize))
 
   # ---- per-device static code -------------------------------------------------------------
 
@@ -140,10 +143,13 @@ class BucketProgram:
 
     def branch(*blocks: jax.Array) -> jax.Array:
       shards = self._local_view(dev, blocks)
-      parts = [_to_bytes(self._cut(shards, local_leaf[p.leaf], p.transfer, dev)) for p in pieces]
+      unit = self.unit
+      parts = [
+        _to_units(self._cut(shards, local_leaf[p.leaf], p.transfer, dev), unit) for p in pieces
+      ]
       used = sum(p.nbytes for p in pieces)
       if used < nbytes:
-        parts.append(jnp.zeros((nbytes - used,), jnp.uint8))
+        parts.append(jnp.zeros(((nbytes - used) // unit.itemsize,), unit))
       return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
     return branch
@@ -170,8 +176,12 @@ class BucketProgram:
           parts.append((plan.lo[t] - start, self._cut(shards, li, t, dev)))
         for t, r, piece in incoming.get(li, []):
           box = tuple((plan.hi[t] - plan.lo[t]).tolist())
-          raw = jax.lax.slice(recvs[r], (piece.offset,), (piece.offset + piece.nbytes,))
-          parts.append((plan.lo[t] - start, _from_bytes(raw, udtype, box)))
+          a, b = (
+            piece.offset // self.unit.itemsize,
+            (piece.offset + piece.nbytes) // self.unit.itemsize,
+          )
+          raw = jax.lax.slice(recvs[r], (a,), (b,))
+          parts.append((plan.lo[t] - start, _from_units(raw, udtype, box)))
         if len(parts) == 1 and parts[0][1].shape == dst_shape:
           out = parts[0][1]
         else:
@@ -195,7 +205,8 @@ class BucketProgram:
     local_leaf = {leaf_index: li for li, leaf_index in enumerate(self.bucket.leaves)}
     for r, rnd in enumerate(self.bucket.rounds):
       table = np.zeros(n, dtype=np.int32)
-      branches: list[Callable[..., Any]] = [lambda *_, nb=rnd.nbytes: jnp.zeros((nb,), jnp.uint8)]
+      words = rnd.nbytes // self.unit.itemsize
+      branches: list[Callable[..., Any]] = [lambda *_, nw=words: jnp.zeros((nw,), self.unit)]
       for s_dev, d_dev in rnd.pairs:
         table[self.pos[s_dev]] = len(branches)
         branches.append(self._pack_branch(s_dev, pieces[(s_dev, d_dev)], rnd.nbytes))
@@ -233,7 +244,7 @@ class BucketProgram:
 
   # ---- staging and execution ----------------------------------------------------------------
 
-  def _stage(self, leaf: LeafSpec, x: jax.Array) -> jax.Array:
+  def _stage(self, leaf: LeafSpec, x: jax.Array, placeholders: dict[Any, jax.Array]) -> jax.Array:
     held = {s.device.id: s.data for s in x.addressable_shards}
     shard_shape = leaf.src.shard_shape()
     block_shape = _block_shape(shard_shape)
@@ -243,8 +254,11 @@ class BucketProgram:
       if dev.process_index != jax.process_index():
         continue
       data = held.get(dev_id)
-      if data is None:
-        data = jnp.zeros(block_shape, leaf.dtype, device=dev)
+      if data is None:  # one shared placeholder per device, shape and dtype in a call
+        key = (dev_id, block_shape, leaf.dtype)
+        if key not in placeholders:
+          placeholders[key] = jnp.zeros(block_shape, leaf.dtype, device=dev)
+        data = placeholders[key]
       elif not shard_shape:
         data = data.reshape(block_shape)
       blocks.append(data)
@@ -265,7 +279,8 @@ class BucketProgram:
   def __call__(self, xs: Sequence[jax.Array]) -> list[jax.Array]:
     if self._compiled is None:
       self._compiled = self._compile()
-    staged = [self._stage(leaf, x) for leaf, x in zip(self.leaves, xs, strict=True)]
+    placeholders: dict[Any, jax.Array] = {}
+    staged = [self._stage(leaf, x, placeholders) for leaf, x in zip(self.leaves, xs, strict=True)]
     ys = self._compiled(*staged)
     return [self._unstage(leaf, y) for leaf, y in zip(self.leaves, ys, strict=True)]
 
