@@ -80,32 +80,40 @@ def _as_sharding(path: str, d: Any) -> Sharding:
   )
 
 
-def _flatten(src: Any, dst: Any) -> tuple[Any, list[_Leaf], list[Any]]:
-  """Validates ``src``/``dst`` and returns (treedef, leaves, destination templates)."""
-  src_leaves, treedef = jax.tree_util.tree_flatten_with_path(src)
-  if isinstance(dst, Sharding):
-    dst_leaves = [dst] * len(src_leaves)
-  else:
-    try:
-      dst_leaves = jax.tree_util.tree_broadcast(
-        dst, src, is_leaf=lambda x: isinstance(x, Sharding) or x is None
-      )
-      dst_leaves = jax.tree_util.tree_leaves(
-        dst_leaves, is_leaf=lambda x: isinstance(x, Sharding) or x is None
-      )
-    except (ValueError, TypeError) as e:
-      raise ReshardError(
-        "the destination tree must be one Sharding or a pytree prefix of the source tree "
-        f"whose leaves are Shardings.\n  source tree:      {treedef}\n  destination tree: "
-        f"{jax.tree_util.tree_structure(dst)}\n  ({e})"
-      ) from None
-  if len(dst_leaves) != len(src_leaves):
-    raise ReshardError(
-      f"destination tree has {len(dst_leaves)} leaves for {len(src_leaves)} source leaves.\n"
-      f"  source tree:      {treedef}\n  destination tree: {jax.tree_util.tree_structure(dst)}"
+def _broadcast_shardings(prefix: Any, full: Any, treedef: Any, n: int, what: str) -> list[Any]:
+  """One Sharding (or template) per leaf of ``full`` from a Sharding or a pytree prefix."""
+  if isinstance(prefix, Sharding):
+    return [prefix] * n
+  try:
+    out = jax.tree_util.tree_broadcast(
+      prefix, full, is_leaf=lambda x: isinstance(x, Sharding) or x is None
     )
+    leaves = jax.tree_util.tree_leaves(out, is_leaf=lambda x: isinstance(x, Sharding) or x is None)
+  except (ValueError, TypeError) as e:
+    raise ReshardError(
+      f"the {what} tree must be one Sharding or a pytree prefix of the source tree "
+      f"whose leaves are Shardings.\n  source tree:      {treedef}\n  {what} tree: "
+      f"{jax.tree_util.tree_structure(prefix)}\n  ({e})"
+    ) from None
+  if len(leaves) != n:
+    raise ReshardError(
+      f"{what} tree has {len(leaves)} leaves for {n} source leaves.\n"
+      f"  source tree: {treedef}\n  {what} tree: {jax.tree_util.tree_structure(prefix)}"
+    )
+  return leaves
+
+
+def _flatten(
+  src: Any, dst: Any, src_shardings: list[Any] | None = None
+) -> tuple[Any, list[_Leaf], list[Any]]:
+  """Validates ``src``/``dst`` and returns (treedef, leaves, destination templates).
+
+  ``src_shardings`` overrides the leaves' own ``.sharding`` (used for traced values).
+  """
+  src_leaves, treedef = jax.tree_util.tree_flatten_with_path(src)
+  dst_leaves = _broadcast_shardings(dst, src, treedef, len(src_leaves), "destination")
   leaves = []
-  for (path, x), d in zip(src_leaves, dst_leaves, strict=True):
+  for i, ((path, x), d) in enumerate(zip(src_leaves, dst_leaves, strict=True)):
     name = jax.tree_util.keystr(path)
     if not isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
       raise ReshardTypeError(
@@ -113,7 +121,7 @@ def _flatten(src: Any, dst: Any) -> tuple[Any, list[_Leaf], list[Any]]:
         "jax.ShapeDtypeStruct with a sharding. Put host data on devices first with "
         "jax.device_put(x, sharding)."
       )
-    src_sharding = getattr(x, "sharding", None)
+    src_sharding = src_shardings[i] if src_shardings else getattr(x, "sharding", None)
     if not isinstance(src_sharding, Sharding):
       raise ReshardTypeError(
         f"source leaf {name or '<root>'} has no sharding; build it as "
@@ -268,6 +276,10 @@ class ReshardPlan:
   def __call__(self, x: Any) -> Any:
     """Reshards ``x`` (a pytree matching the plan's source) into the destination layouts."""
     leaves = self._check_input(x)
+    if jax.process_count() > 1:  # all processes must hold this plan before any collective
+      from jax_reshard import _distributed
+
+      _distributed.check_plan(self)
     if self._programs is None:
       self._programs = self._build_programs()
     out: list[Any] = [None] * len(leaves)
@@ -348,14 +360,20 @@ def _cached_plan(treedef: Any, leaves: tuple[_Leaf, ...], max_bucket_bytes: int)
   return ReshardPlan(treedef, list(leaves), max_bucket_bytes=max_bucket_bytes)
 
 
-def reshard(x: Any, dst: Any, *, max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES) -> Any:
+def reshard(
+  x: Any, dst: Any, *, src: Any = None, max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES
+) -> Any:
   """Moves ``x`` into the destination layout(s), sending each device only what it lacks.
 
   Args:
     x: a ``jax.Array`` or pytree of them.
     dst: one Sharding for every leaf, or a pytree prefix of ``x`` with Sharding leaves (or
       arrays / ShapeDtypeStructs carrying ``.sharding``).
-    max_bucket_bytes: bound on transient staging bytes per device per compiled program.
+    src: only for traced ``x`` (inside ``jax.jit``): the source Sharding(s), one or a pytree
+      prefix of ``x``. Needed when JAX does not know the layout of the traced value (meshes
+      whose axes are not ``Explicit``).
+    max_bucket_bytes: bound on transient staging bytes per device per compiled program
+      (eager calls; inside ``jax.jit`` XLA schedules the memory of the whole computation).
 
   Returns:
     A pytree like ``x`` whose leaves are laid out as ``dst``. ``x`` is left untouched.
@@ -363,6 +381,12 @@ def reshard(x: Any, dst: Any, *, max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTE
   Example:
     >>> y = jr.reshard(x, NamedSharding(sampler_mesh, P(None, 'tp')))  # doctest: +SKIP
   """
+  from jax_reshard import _traced
+
+  if _traced.is_traced(x):
+    return _traced.reshard_traced(x, dst, src)
+  if src is not None:
+    raise ReshardError("src= is only for traced values; concrete arrays carry their sharding")
   plan = make_plan(x, dst, max_bucket_bytes=max_bucket_bytes)
   return plan(x)
 

@@ -82,32 +82,31 @@ def _from_units(b: jax.Array, udtype: np.dtype, shape: tuple[int, ...]) -> jax.A
   return jax.lax.bitcast_convert_type(b.reshape(-1, ratio), udtype).reshape(shape)
 
 
-def _switch(index_table: np.ndarray, branches: list[Callable[..., Any]], *operands: Any) -> Any:
+def _switch(
+  axis: Any, index_table: np.ndarray, branches: list[Callable[..., Any]], *operands: Any
+) -> Any:
   """Runs ``branches[index_table[my position]]``; a single branch needs no conditional."""
   if len(branches) == 1:
     return branches[0](*operands)
-  me = jax.lax.axis_index(AXIS)
+  me = jax.lax.axis_index(axis)
   return jax.lax.switch(jnp.asarray(index_table, dtype=np.int32)[me], branches, *operands)
 
 
-class BucketProgram:
-  """One bucket lowered and compiled once; calling it moves the bucket's leaves."""
+class _Body:
+  """The per-device program of one bucket: pack, ``ppermute`` rounds, assemble.
+
+  ``union_ids`` lists device ids in the order of the mesh positions that ``axis`` (one mesh
+  axis name or a tuple of all of them) enumerates.
+  """
 
   def __init__(
-    self,
-    bucket: Bucket,
-    leaves: Sequence[LeafSpec],
-    devices: dict[int, Any],
-    union_ids: Sequence[int],
+    self, bucket: Bucket, leaves: Sequence[LeafSpec], union_ids: Sequence[int], axis: Any
   ) -> None:
     self.bucket = bucket
     self.leaves = [leaves[i] for i in bucket.leaves]
     self.union_ids = list(union_ids)
     self.pos = {d: i for i, d in enumerate(self.union_ids)}
-    self.devices = devices
-    self.mesh = Mesh(np.array([devices[i] for i in self.union_ids]), (AXIS,))
-    self.staged_sharding = NamedSharding(self.mesh, PartitionSpec(AXIS))
-    self._compiled: Any = None
+    self.axis = axis
     # Payload word: the narrowest element width in the bucket, so every piece is whole words.
     self.unit = _uint_dtype(min((leaf.dtype for leaf in self.leaves), key=lambda d: d.itemsize))
 
@@ -212,9 +211,9 @@ class BucketProgram:
         branches.append(self._pack_branch(s_dev, pieces[(s_dev, d_dev)], rnd.nbytes))
         for p in pieces[(s_dev, d_dev)]:
           incoming[d_dev][local_leaf[p.leaf]].append((p.transfer, r, p))
-      payload = _switch(table, branches, *blocks)
+      payload = _switch(self.axis, table, branches, *blocks)
       perm = [(self.pos[s], self.pos[d]) for s, d in rnd.pairs]
-      recvs.append(jax.lax.ppermute(payload, AXIS, perm))
+      recvs.append(jax.lax.ppermute(payload, self.axis, perm))
 
     dst_devs = sorted({d for leaf in self.leaves for d in leaf.dst.device_ids})
     table = np.zeros(n, dtype=np.int32)
@@ -228,7 +227,24 @@ class BucketProgram:
     for dev in dst_devs:
       table[self.pos[dev]] = len(branches)
       branches.append(self._assemble_branch(dev, incoming[dev]))
-    return tuple(_switch(table, branches, list(blocks), recvs))
+    return tuple(_switch(self.axis, table, branches, list(blocks), recvs))
+
+
+class BucketProgram(_Body):
+  """One bucket over the union mesh, compiled once; calling it moves the bucket's leaves."""
+
+  def __init__(
+    self,
+    bucket: Bucket,
+    leaves: Sequence[LeafSpec],
+    devices: dict[int, Any],
+    union_ids: Sequence[int],
+  ) -> None:
+    super().__init__(bucket, leaves, union_ids, AXIS)
+    self.devices = devices
+    self.mesh = Mesh(np.array([devices[i] for i in self.union_ids]), (AXIS,))
+    self.staged_sharding = NamedSharding(self.mesh, PartitionSpec(AXIS))
+    self._compiled: Any = None
 
   def _compile(self) -> Any:
     n = len(self.union_ids)
@@ -289,3 +305,95 @@ def empty_like_sharded(shape: tuple[int, ...], dtype: np.dtype, sharding: Any) -
   """A zero-element array in ``sharding`` (nothing to move)."""
   zeros = np.zeros(shape, dtype)
   return jax.make_array_from_callback(shape, sharding, lambda idx: zeros[idx])
+
+
+def traced_move(
+  xs: Sequence[jax.Array],
+  bucket: Bucket,
+  leaves: Sequence[LeafSpec],
+  src_mesh: Mesh,
+  src_specs: Sequence[PartitionSpec],
+  dst_mesh: Mesh,
+) -> list[jax.Array]:
+  """Moves traced arrays inside a computation whose device list holds both meshes.
+
+  Both meshes list the same devices in the same order (JAX requires it inside one
+  computation). A ``shard_map`` over ``src_mesh`` takes every source shard where it lives, runs
+  the rounds and emits each device's destination shard as one block per mesh position; a second
+  ``shard_map`` over ``dst_mesh`` re-reads those blocks as destination shards, which moves no
+  data because position ``i`` is the same device in both meshes.
+  """
+  axes = tuple(src_mesh.axis_names)
+  body = _Body(bucket, leaves, [d.id for d in src_mesh.devices.flat], axes)
+  staged_spec = PartitionSpec(axes)
+  moved = jax.shard_map(
+    body._body,
+    mesh=src_mesh,
+    in_specs=tuple(src_specs),
+    out_specs=tuple(staged_spec for _ in body.leaves),
+    check_vma=False,
+  )(*xs)
+  dst_axes = tuple(dst_mesh.axis_names)
+  outs = []
+  for y, leaf in zip(moved, body.leaves, strict=True):
+    shard_shape = leaf.dst.shard_shape()
+    outs.append(
+      jax.shard_map(
+        lambda b, shape=shard_shape: b.reshape(shape),
+        mesh=dst_mesh,
+        in_specs=PartitionSpec(dst_axes),
+        out_specs=leaf.dst_sharding.spec,
+        check_vma=False,
+      )(y)
+    )
+  return outs
+
+
+def make_traced_fn(
+  *,
+  leaves: Sequence[tuple[tuple[int, ...], np.dtype, Any, Any]],
+  moving: Sequence[int],
+  bucket: Bucket | None,
+  specs: Sequence[LeafSpec],
+  src_mesh: Mesh,
+  dst_mesh: Mesh,
+  reverse: Callable[[], Callable[..., Any]],
+) -> Callable[..., Any]:
+  """A differentiable traced reshard of ``leaves`` (shape, dtype, src, dst) as one function.
+
+  Its VJP reshards the cotangents back with ``reverse()`` (the plan from destination to
+  source). Zero-element leaves need no data and are created in place.
+  """
+
+  def move(*xs: jax.Array) -> tuple[jax.Array, ...]:
+    out: list[Any] = [None] * len(leaves)
+    if bucket is not None:
+      src_specs = [leaves[i][2].spec for i in moving]
+      ys = traced_move([xs[i] for i in moving], bucket, specs, src_mesh, src_specs, dst_mesh)
+      for i, y in zip(moving, ys, strict=True):
+        out[i] = y
+    for i, (shape, dtype, _, dst) in enumerate(leaves):
+      if out[i] is None:
+        out[i] = jax.device_put(jnp.zeros(shape, dtype), dst)
+    return tuple(out)
+
+  @jax.custom_vjp
+  def fn(*xs: jax.Array) -> tuple[jax.Array, ...]:
+    return move(*xs)
+
+  def fwd(*xs: jax.Array) -> tuple[tuple[jax.Array, ...], None]:
+    return move(*xs), None
+
+  def bwd(_: None, cts: tuple[Any, ...]) -> tuple[Any, ...]:
+    # Integer leaves carry float0 cotangents: pass them through, move only the others.
+    real = [
+      ct if ct.dtype != jax.dtypes.float0 else jnp.zeros(ct.shape, leaves[i][1])
+      for i, ct in enumerate(cts)
+    ]
+    back = reverse()(*real)
+    return tuple(
+      ct if ct.dtype == jax.dtypes.float0 else b for ct, b in zip(cts, back, strict=True)
+    )
+
+  fn.defvjp(fwd, bwd)
+  return fn

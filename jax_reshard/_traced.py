@@ -1,0 +1,142 @@
+"""``reshard`` on traced values (inside ``jax.jit``, ``scan``, ``cond``, ``grad``).
+
+Resolves the source layout of every traced leaf (explicit ``src=``, or the value's type when
+its mesh axes are ``Explicit``), checks that source and destination live on one device set (the
+computation's), and plans each group of leaves that share a (source mesh, destination mesh)
+pair with the same planner and schedule as the eager path. Plans are cached per layout, so
+retracing is cheap; the traced program itself is built in ``_lower``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding, Sharding
+
+from jax_reshard import _lower
+from jax_reshard._api import _broadcast_shardings, _fix_hint, _flatten, _Leaf
+from jax_reshard._errors import ReshardError
+from jax_reshard._layout import Layout
+from jax_reshard._planner import plan_leaves
+from jax_reshard._schedule import make_schedule
+
+_NO_BUCKETS = 1 << 62  # XLA schedules memory inside one computation: one bucket per group
+
+
+def is_traced(x: Any) -> bool:
+  return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(x))
+
+
+def _source_sharding(path: str, x: Any, dst: Any) -> Sharding:
+  """The layout JAX knows for a traced value, or a clear error asking for ``src=``."""
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  explicit = (
+    mesh is not None
+    and mesh.axis_names
+    and all(str(t).endswith("Explicit") for t in mesh.axis_types)
+  )
+  if isinstance(mesh, Mesh) and explicit:
+    return sharding  # type: ignore[return-value]
+  if explicit and isinstance(getattr(dst, "mesh", None), Mesh):
+    if dst.mesh.abstract_mesh == mesh:  # the destination names the concrete mesh
+      return NamedSharding(dst.mesh, sharding.spec)  # type: ignore[union-attr]
+  raise ReshardError(
+    f"cannot tell the source layout of traced leaf {path or '<root>'}: inside jax.jit JAX "
+    "only knows it for meshes with Explicit axis types. Pass it explicitly:\n"
+    "  >>> jr.reshard(x, dst, src=NamedSharding(trainer_mesh, P('fsdp', 'tp')))"
+  )
+
+
+def reshard_traced(x: Any, dst: Any, src: Any) -> Any:
+  """``reshard`` for a pytree containing tracers; see :func:`jax_reshard.reshard`."""
+  flat, treedef = jax.tree_util.tree_flatten_with_path(x)
+  if src is not None:
+    src_list = _broadcast_shardings(src, x, treedef, len(flat), "source")
+  else:
+    dst_list = _broadcast_shardings(dst, x, treedef, len(flat), "destination")
+    src_list = [
+      _source_sharding(jax.tree_util.keystr(p), leaf, d)
+      for (p, leaf), d in zip(flat, dst_list, strict=True)
+    ]
+  _, leaves, _ = _flatten(x, dst, src_shardings=src_list)
+  groups: dict[tuple[Any, Any], list[int]] = {}
+  for i, leaf in enumerate(leaves):
+    _check_traceable(leaf)
+    key = (leaf.src_sharding.mesh, leaf.dst_sharding.mesh)  # type: ignore[attr-defined]
+    groups.setdefault(key, []).append(i)
+  values = [v for _, v in flat]
+  out: list[Any] = [None] * len(values)
+  for idx in groups.values():
+    fn = _group_fn(tuple(leaves[i] for i in idx))
+    for i, y in zip(idx, fn(*(values[i] for i in idx)), strict=True):
+      out[i] = y
+  return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(x), out)
+
+
+def _check_traceable(leaf: _Leaf) -> None:
+  for which, s in (("source", leaf.src_sharding), ("destination", leaf.dst_sharding)):
+    if not (isinstance(s, NamedSharding) and isinstance(s.mesh, Mesh)):
+      raise ReshardError(
+        f"inside jax.jit the {which} must be a NamedSharding over a concrete Mesh, got "
+        f"{type(s).__name__}." + _fix_hint(leaf)
+      )
+  if leaf.src_sharding.device_set != leaf.dst_sharding.device_set:
+    raise ReshardError(
+      "inside jax.jit, source and destination must live on the same devices (the "
+      "computation's device list); these differ. Call jr.reshard outside jax.jit on the "
+      "concrete arrays (it moves data between any device sets), e.g.\n"
+      "  >>> y = step(x); z = jr.reshard(y, sampler_sharding)" + _fix_hint(leaf)
+    )
+  src_order = [d.id for d in leaf.src_sharding.mesh.devices.flat]  # type: ignore[attr-defined]
+  dst_order = [d.id for d in leaf.dst_sharding.mesh.devices.flat]  # type: ignore[attr-defined]
+  if src_order != dst_order:
+    raise ReshardError(
+      "inside jax.jit, JAX requires every mesh of a computation to list the devices in one "
+      f"order; the source mesh lists {src_order} and the destination mesh {dst_order}. Build "
+      "both meshes from the same device order (they may differ in shape and axis names), or "
+      "call jr.reshard outside jax.jit, which handles any order." + _fix_hint(leaf)
+    )
+
+
+@functools.lru_cache(maxsize=512)
+def _group_fn(leaves: tuple[_Leaf, ...]) -> Any:
+  """A differentiable traced function moving leaves that share a source and destination mesh."""
+  src_mesh = leaves[0].src_sharding.mesh  # type: ignore[attr-defined]
+  dst_mesh = leaves[0].dst_sharding.mesh  # type: ignore[attr-defined]
+  moving = [i for i, lf in enumerate(leaves) if all(lf.shape)]
+  specs, layouts, itemsizes = [], [], []
+  for i in moving:
+    lf = leaves[i]
+    src = Layout.from_sharding(lf.src_sharding, lf.shape)
+    dst = Layout.from_sharding(lf.dst_sharding, lf.shape)
+    layouts.append((src, dst))
+    itemsizes.append(lf.dtype.itemsize)
+  plans = plan_leaves(layouts, itemsizes)
+  schedule = make_schedule(plans, layouts, itemsizes, max_bucket_bytes=_NO_BUCKETS)
+  for (src, dst), plan, i in zip(layouts, plans, moving, strict=True):
+    lf = leaves[i]
+    specs.append(
+      _lower.LeafSpec(plan=plan, src=src, dst=dst, dtype=lf.dtype, dst_sharding=lf.dst_sharding)
+    )
+  return _lower.make_traced_fn(
+    leaves=[(lf.shape, lf.dtype, lf.src_sharding, lf.dst_sharding) for lf in leaves],
+    moving=moving,
+    bucket=schedule.buckets[0] if schedule.buckets else None,
+    specs=specs,
+    src_mesh=src_mesh,
+    dst_mesh=dst_mesh,
+    reverse=lambda: _group_fn(tuple(_reverse(lf) for lf in leaves)),
+  )
+
+
+def _reverse(leaf: _Leaf) -> _Leaf:
+  return _Leaf(
+    path=leaf.path,
+    shape=leaf.shape,
+    dtype=leaf.dtype,
+    src_sharding=leaf.dst_sharding,
+    dst_sharding=leaf.src_sharding,
+  )
