@@ -173,12 +173,13 @@ def plan_leaf(
   sender = g.need_dst.copy()  # local copies send to themselves
   remote = np.nonzero(~g.need_local)[0]
   if len(remote):
-    dst_proc = dict(zip(dst.device_ids, dst.process_indices, strict=True))
+    d_ids = np.asarray(dst.device_ids, dtype=np.int64)
+    need_proc = np.asarray(dst.process_indices, dtype=np.int64)[np.searchsorted(d_ids, g.need_dst)]
     # Largest first within each source box; ties by destination id (deterministic).
     order = remote[np.lexsort((g.need_dst[remote], -need_bytes[remote], need_u[remote]))]
     bounds = np.nonzero(np.diff(need_u[order]))[0] + 1
     for group in np.split(order, bounds):
-      _assign_senders(group, g, need_u, need_bytes, dst_proc, load, sender)
+      _assign_senders(group, g, need_u, need_bytes, need_proc, load, sender)
   return LeafPlan(
     src_device=sender,
     dst_device=g.need_dst,
@@ -196,46 +197,64 @@ def _assign_senders(
   g: _Geometry,
   need_u: np.ndarray,
   need_bytes: np.ndarray,
-  dst_proc: dict[int, int],
+  need_proc: np.ndarray,
   load: MutableMapping[int, int],
   sender: np.ndarray,
 ) -> None:
-  """Longest-processing-time assignment of the needs of one source box to its replicas."""
+  """Longest-processing-time assignment of the needs of one source box to its replicas.
+
+  Needs of a receiver go to the least-loaded replica in the receiver's process (ties: lowest
+  device id); needs without such a replica are balanced over all replicas afterwards.
+  """
   u = int(need_u[group[0]])
-  ids = g.replica_ids[u].tolist()
-  procs = g.replica_procs[u].tolist()
-  by_proc: dict[int, list[int]] = {}
-  for i, p in zip(ids, procs, strict=True):
-    by_proc.setdefault(p, []).append(i)
-  heaps = {p: [(load.get(i, 0), i) for i in members] for p, members in by_proc.items()}
-  for h in heaps.values():
-    heapq.heapify(h)
-  fallback = []
-  for k in group.tolist():
-    heap = heaps.get(dst_proc[int(g.need_dst[k])])
-    if heap is None:
-      fallback.append(k)
-      continue
-    _pop_assign(heap, k, need_bytes, load, sender)
-  if fallback:  # no replica in the receiver's process: balance over all replicas
-    heap = [(load.get(i, 0), i) for i in ids]
-    heapq.heapify(heap)
-    for k in fallback:
-      _pop_assign(heap, k, need_bytes, load, sender)
+  ids = g.replica_ids[u]
+  procs = g.replica_procs[u]
+  need_procs = need_proc[group]
+  matched = np.isin(need_procs, procs)
+  for p in np.unique(need_procs[matched]).tolist():
+    _assign_lpt(group[need_procs == p], ids[procs == p], need_bytes, load, sender)
+  if not matched.all():  # no replica in the receiver's process: balance over all replicas
+    _assign_lpt(group[~matched], ids, need_bytes, load, sender)
 
 
-def _pop_assign(
-  heap: list[tuple[int, int]],
-  k: int,
+def _assign_lpt(
+  needs: np.ndarray,
+  ids: np.ndarray,
   need_bytes: np.ndarray,
   load: MutableMapping[int, int],
   sender: np.ndarray,
 ) -> None:
-  cur, dev = heapq.heappop(heap)
-  nb = int(need_bytes[k])
-  sender[k] = dev
-  load[dev] = cur + nb
-  heapq.heappush(heap, (cur + nb, dev))
+  """Assigns ``needs`` (in order) one by one to the replica of least (load, id)."""
+  sizes = need_bytes[needs]
+  k, r = len(needs), len(ids)
+  if r == 1:
+    dev = int(ids[0])
+    sender[needs] = dev
+    load[dev] = load.get(dev, 0) + int(sizes.sum())
+    return
+  loads = np.fromiter((load.get(i, 0) for i in ids.tolist()), dtype=np.int64, count=r)
+  b = int(sizes[0])
+  if (sizes == b).all():
+    # Equal sizes: a heap that pops the least (load, id) and pushes it back b bytes heavier
+    # pops, in order, the smallest k of the merged sequences load_i + j * b (ties by id).
+    top = int(loads.max()) + -(-k // r) * b  # at least k candidates are <= top
+    counts = np.minimum((top - loads) // b + 1, k)
+    rep = np.repeat(np.arange(r), counts)
+    j = np.arange(len(rep)) - np.repeat(np.cumsum(counts) - counts, counts)
+    keys = loads[rep] + j * b
+    chosen = rep[np.lexsort((ids[rep], keys))[:k]]
+    sender[needs] = ids[chosen]
+    loads += np.bincount(chosen, minlength=r) * b
+    for i, v in zip(ids.tolist(), loads.tolist(), strict=True):
+      load[i] = v
+    return
+  heap = list(zip(loads.tolist(), ids.tolist(), strict=True))
+  heapq.heapify(heap)
+  for kk, nb in zip(needs.tolist(), sizes.tolist(), strict=True):
+    cur, dev = heapq.heappop(heap)
+    sender[kk] = dev
+    load[dev] = cur + nb
+    heapq.heappush(heap, (cur + nb, dev))
 
 
 def plan_leaves(
