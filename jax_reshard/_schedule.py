@@ -70,21 +70,26 @@ class Schedule:
     return sum(len(b.rounds) for b in self.buckets)
 
 
+def _placeholder_bytes(src: Layout, dst: Layout, itemsize: int, union: np.ndarray) -> np.ndarray:
+  """Per union device: placeholder input / discarded output bytes of a leaf on the union mesh."""
+  src_shard = int(np.prod(src.shard_shape(), dtype=np.int64)) * itemsize
+  dst_shard = int(np.prod(dst.shard_shape(), dtype=np.int64)) * itemsize
+  not_src = ~np.isin(union, np.asarray(src.device_ids, dtype=np.int64))
+  not_dst = ~np.isin(union, np.asarray(dst.device_ids, dtype=np.int64))
+  return not_src * src_shard + not_dst * dst_shard
+
+
 def _leaf_staging(
   plan: LeafPlan, src: Layout, dst: Layout, itemsize: int, union: Sequence[int]
 ) -> dict[int, int]:
   """Bytes a leaf keeps on each device while its bucket runs, beyond source and result."""
-  out: dict[int, int] = defaultdict(int)
+  u = np.asarray(union, dtype=np.int64)
+  out = dict(zip(union, _placeholder_bytes(src, dst, itemsize, u).tolist(), strict=True))
   remote = ~plan.local
-  for dev, nb in zip(plan.src_device[remote].tolist(), plan.nbytes[remote].tolist(), strict=True):
-    out[dev] += nb
-  for dev, nb in zip(plan.dst_device[remote].tolist(), plan.nbytes[remote].tolist(), strict=True):
-    out[dev] += nb
-  src_shard = int(np.prod(src.shard_shape(), dtype=np.int64)) * itemsize
-  dst_shard = int(np.prod(dst.shard_shape(), dtype=np.int64)) * itemsize
-  src_set, dst_set = set(src.device_ids), set(dst.device_ids)
-  for dev in union:  # placeholder inputs / discarded outputs on the union mesh
-    out[dev] += (dev not in src_set) * src_shard + (dev not in dst_set) * dst_shard
+  nbytes = plan.nbytes[remote].tolist()
+  for devs in (plan.src_device[remote].tolist(), plan.dst_device[remote].tolist()):
+    for dev, nb in zip(devs, nbytes, strict=True):
+      out[dev] = out.get(dev, 0) + nb
   return out
 
 
@@ -219,36 +224,38 @@ def make_schedule(
   sent: dict[int, int] = defaultdict(int)
   recv: dict[int, int] = defaultdict(int)
   peak = 0
+  union_arr = np.asarray(union, dtype=np.int64)
+  union_pos = {d: i for i, d in enumerate(union)}
   for leaves in _split_buckets(staging, max_bucket_bytes):
     pieces: dict[tuple[int, int], list[Piece]] = defaultdict(list)
     fill: dict[tuple[int, int], int] = defaultdict(int)
     for leaf in leaves:
       p = plans[leaf]
-      for t in np.nonzero(~p.local)[0].tolist():
-        pair = (int(p.src_device[t]), int(p.dst_device[t]))
-        nb = int(p.nbytes[t])
-        if nb == 0:
-          continue
-        pieces[pair].append(Piece(leaf=leaf, transfer=t, offset=fill[pair], nbytes=nb))
-        fill[pair] += nb
+      ts = np.nonzero(~p.local & (p.nbytes != 0))[0]
+      for t, s_dev, d_dev, nb in zip(
+        ts.tolist(),
+        p.src_device[ts].tolist(),
+        p.dst_device[ts].tolist(),
+        p.nbytes[ts].tolist(),
+        strict=True,
+      ):
+        pair = (s_dev, d_dev)
+        off = fill[pair]
+        pieces[pair].append(Piece(leaf, t, off, nb))
+        fill[pair] = off + nb
     rounds = _make_rounds(dict(fill))
-    bucket_stage: dict[int, int] = defaultdict(int)
+    bucket_stage = np.zeros(len(union), dtype=np.int64)
     for leaf in leaves:  # placeholders
       s, d = layouts[leaf]
-      isz = itemsizes[leaf]
-      src_shard = int(np.prod(s.shard_shape(), dtype=np.int64)) * isz
-      dst_shard = int(np.prod(d.shard_shape(), dtype=np.int64)) * isz
-      for dev in union:
-        bucket_stage[dev] += (dev not in s.device_ids) * src_shard
-        bucket_stage[dev] += (dev not in d.device_ids) * dst_shard
+      bucket_stage += _placeholder_bytes(s, d, itemsizes[leaf], union_arr)
     for r in rounds:
       for s_dev, d_dev in r.pairs:
         padding += r.nbytes - fill[(s_dev, d_dev)]
         sent[s_dev] += r.nbytes
         recv[d_dev] += r.nbytes
-        bucket_stage[s_dev] += r.nbytes
-        bucket_stage[d_dev] += r.nbytes
-    peak = max(peak, max(bucket_stage.values(), default=0))
+        bucket_stage[union_pos[s_dev]] += r.nbytes
+        bucket_stage[union_pos[d_dev]] += r.nbytes
+    peak = max(peak, int(bucket_stage.max(initial=0)))
     buckets.append(
       Bucket(
         leaves=tuple(leaves),
