@@ -1,0 +1,315 @@
+"""One process of a two-process jax.distributed test; started by tests/test_multiprocess.py.
+
+Usage: python tests/mp_worker.py PROCESS_ID PORT SCENARIO HEARTBEAT_S
+
+Each process has 4 simulated CPU devices and uses gloo collectives. It prints ``OK <step>``
+after every step that passed (the test collects these lines) and exits 0 when the scenario
+finished; any failure exits non-zero with a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import traceback
+from typing import Any
+
+import jax
+
+PID, PORT, SCENARIO, HEARTBEAT_S = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
+jax.config.update("jax_num_cpu_devices", 4)
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(
+  f"127.0.0.1:{PORT}",
+  num_processes=2,
+  process_id=PID,
+  initialization_timeout=30,
+  heartbeat_timeout_seconds=HEARTBEAT_S,
+)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from helpers import assert_matches_oracle, random_host_array  # noqa: E402
+
+import jax_reshard as jr  # noqa: E402
+from jax_reshard import _distributed  # noqa: E402
+
+DEVS = sorted(jax.devices(), key=lambda d: d.id)
+P0 = [d for d in DEVS if d.process_index == 0]
+P1 = [d for d in DEVS if d.process_index == 1]
+assert len(P0) == len(P1) == 4, DEVS
+
+
+T0 = time.monotonic()
+
+
+def ok(step: str) -> None:
+  print(f"OK {step} ({time.monotonic() - T0:.1f} s)", flush=True)
+
+
+def mesh(devices: list[Any], shape: tuple[int, ...], names: tuple[str, ...]) -> Mesh:
+  return Mesh(np.array(devices, dtype=object).reshape(shape), names)
+
+
+def put(host: np.ndarray, sharding: Any) -> jax.Array:
+  """A global array from host data; only this process's shards are materialised."""
+  return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx], dtype=host.dtype)
+
+
+def check_tree(ys: Any, hosts: dict[str, np.ndarray], dsts: dict[str, Any]) -> None:
+  for k, host in hosts.items():
+    assert_matches_oracle(ys[k], host, dsts[k])
+    if PID == 1 and dsts[k].addressable_devices:
+      assert ys[k].addressable_shards, k
+
+
+def make_hosts(seed: int, specs: dict[str, tuple[tuple[int, ...], Any]]) -> dict[str, np.ndarray]:
+  rng = np.random.default_rng(seed)  # the same on every process
+  return {k: random_host_array(rng, shape, dtype) for k, (shape, dtype) in sorted(specs.items())}
+
+
+def case_a() -> None:
+  """Trainer mesh only on process 0, sampler mesh only on process 1, different layouts."""
+  trainer = mesh(P0, (2, 2), ("fsdp", "tp"))
+  sampler = mesh(P1[::-1], (2, 2), ("dp", "tp"))
+  specs = {"w": ((16, 12), np.float32), "e": ((8, 6, 4), jnp.bfloat16), "b": ((8,), np.int8)}
+  src = {"w": P("fsdp", "tp"), "e": P("tp", None, "fsdp"), "b": P(("fsdp", "tp"))}
+  dst = {"w": P(None, "tp"), "e": P("tp", "dp"), "b": P()}
+  src_sh = {k: NamedSharding(trainer, s) for k, s in src.items()}
+  dst_sh = {k: NamedSharding(sampler, s) for k, s in dst.items()}
+  plan = None
+  for seed in (1, 2):  # the second call reuses the compiled plan
+    hosts = make_hosts(seed, specs)
+    xs = {k: put(h, src_sh[k]) for k, h in hosts.items()}
+    if PID == 1:
+      assert all(not x.addressable_shards for x in xs.values())
+    plan = plan or jr.make_plan(xs, dst_sh)
+    ys = plan(xs)
+    check_tree(ys, hosts, dst_sh)
+    for k in hosts:  # the source is left untouched
+      assert_matches_oracle(xs[k], hosts[k], src_sh[k])
+  assert plan is not None and plan.stats.bytes_moved == plan.stats.lower_bound_bytes
+  ok("case_a")
+
+
+def case_b() -> None:
+  """Both meshes span both processes, with different shapes and device orders."""
+  order = [5, 2, 7, 0, 3, 6, 1, 4]
+  trainer = mesh(DEVS, (4, 2), ("fsdp", "tp"))
+  sampler = mesh([DEVS[i] for i in order], (2, 4), ("dp", "tp"))
+  specs = {
+    "w": ((32, 16), np.float32),
+    "q": ((16, 8), np.int8),
+    "v": ((64,), np.uint32),
+    "f8": ((8, 8), jnp.float8_e4m3fn),
+  }
+  src = {"w": P("fsdp", "tp"), "q": P(("fsdp", "tp")), "v": P("fsdp"), "f8": P("tp", "fsdp")}
+  dst = {"w": P("dp", "tp"), "q": P(None, "tp"), "v": P(("tp", "dp")), "f8": P(None, ("dp", "tp"))}
+  src_sh = {k: NamedSharding(trainer, s) for k, s in src.items()}
+  dst_sh = {k: NamedSharding(sampler, s) for k, s in dst.items()}
+  hosts = make_hosts(3, specs)
+  xs = {k: put(h, src_sh[k]) for k, h in hosts.items()}
+  ys = jr.reshard(xs, dst_sh)
+  check_tree(ys, hosts, dst_sh)
+  # and back, into the trainer layout
+  back = jr.reshard(ys, src_sh)
+  check_tree(back, hosts, src_sh)
+  ok("case_b")
+
+
+def case_c() -> None:
+  """A pytree of replicated and sharded leaves (a scalar and an empty leaf included)."""
+  trainer = mesh(DEVS, (2, 4), ("fsdp", "tp"))
+  sampler = mesh(P1, (4,), ("tp",))
+  everywhere = mesh(DEVS[::-1], (8,), ("all",))
+  specs = {
+    "emb": ((16, 8), np.float32),
+    "ln": ((16,), jnp.bfloat16),
+    "w": ((8, 16), np.float16),
+    "step": ((), np.int32),
+    "mask": ((4, 8), np.bool_),
+    "empty": ((0, 4), np.float32),
+  }
+  src_sh = {
+    "emb": NamedSharding(trainer, P()),
+    "ln": NamedSharding(trainer, P()),
+    "w": NamedSharding(trainer, P("fsdp", "tp")),
+    "step": NamedSharding(trainer, P()),
+    "mask": NamedSharding(mesh(P0, (4,), ("x",)), P()),
+    "empty": NamedSharding(trainer, P(None, "tp")),
+  }
+  dst_sh = {
+    "emb": NamedSharding(sampler, P("tp")),
+    "ln": NamedSharding(sampler, P()),
+    "w": NamedSharding(everywhere, P()),
+    "step": NamedSharding(sampler, P()),
+    "mask": NamedSharding(everywhere, P(None, "all")),
+    "empty": NamedSharding(sampler, P("tp")),
+  }
+  hosts = make_hosts(4, specs)
+  xs = {k: put(h, src_sh[k]) for k, h in hosts.items()}
+  tree = {"params": {k: xs[k] for k in ("emb", "ln", "w", "empty")}, "state": [xs["step"]]}
+  tree["state"].append(xs["mask"])
+  dst = {
+    "params": {k: dst_sh[k] for k in ("emb", "ln", "w", "empty")},
+    "state": [dst_sh["step"], dst_sh["mask"]],
+  }
+  ys = jr.reshard(tree, dst)
+  flat = {**ys["params"], "step": ys["state"][0], "mask": ys["state"][1]}
+  check_tree(flat, hosts, dst_sh)
+  ok("case_c")
+
+
+def built_differently() -> None:
+  """Equal plans built differently on each process agree (no false mismatch) and run."""
+  specs = {"a": ((8, 8), np.float32), "b": ((16,), np.int32)}
+  hosts = make_hosts(5, specs)
+  trainer = mesh(DEVS, (4, 2), ("fsdp", "tp"))
+  src_sh = {"a": NamedSharding(trainer, P("fsdp")), "b": NamedSharding(trainer, P("tp"))}
+  if PID == 0:
+    sampler = mesh(P1, (4,), ("tp",))
+    dst = {"a": NamedSharding(sampler, P("tp")), "b": NamedSharding(sampler, P())}
+  else:  # reversed dict order, device list enumerated differently, other names/specs
+    devs = sorted((d for d in jax.devices()[::-1] if d.process_index == 1), key=lambda d: d.id)
+    sampler = mesh(devs, (4, 1), ("model", "unused"))
+    dst = {"b": NamedSharding(sampler, P(None)), "a": NamedSharding(sampler, P("model", None))}
+  xs = {k: put(h, src_sh[k]) for k, h in hosts.items()}
+  ys = jr.reshard(xs, dst)
+  check_tree(ys, hosts, dst)
+  ok("built_differently")
+
+
+def mismatch() -> None:
+  """Different destination layouts per process: every process raises, nobody hangs."""
+  hosts = make_hosts(6, {"w": ((16, 8), np.float32)})
+  src = NamedSharding(mesh(P0, (4,), ("x",)), P("x"))
+  sampler = mesh(P1, (4,), ("y",))
+  dst = NamedSharding(sampler, P("y") if PID == 0 else P(None, "y"))
+  x = {"w": put(hosts["w"], src)}
+  t0 = time.monotonic()
+  try:
+    jr.reshard(x, dst)
+  except jr.ReshardError as e:
+    assert isinstance(e, _distributed.ReshardPlanMismatchError), type(e)
+    msg = str(e)
+    print(msg, flush=True)
+    assert "different plans" in msg and "first differing leaf #0" in msg, msg
+    assert "process 0: ['w'] float32[16, 8]" in msg and "process 1: ['w']" in msg, msg
+    assert "spec P('y')" in msg and "spec P(None, 'y')" in msg, msg
+  else:
+    raise AssertionError("a plan mismatch was not detected")
+  assert time.monotonic() - t0 < 20
+  ok("mismatch_raised")
+  # Both processes are still in step: a matching call afterwards works.
+  dst = NamedSharding(sampler, P("y"))
+  check_tree(jr.reshard(x, dst), hosts, {"w": dst})
+  ok("after_mismatch")
+
+
+def missing_peer() -> None:
+  """Process 1 skips a call: process 0 times out with ReshardPeerError, and from then on
+  both refuse multi-process reshards instead of running out of step."""
+  client = _distributed._client()
+  hosts = make_hosts(7, {"w": ((8, 4), np.float32)})
+  src = NamedSharding(mesh(P0, (4,), ("x",)), P("x"))
+  dst = NamedSharding(mesh(P1, (4,), ("y",)), P(None, "y"))
+  x = put(hosts["w"], src)
+  if PID == 0:
+    os.environ[_distributed.TIMEOUT_ENV] = "2"
+    t0 = time.monotonic()
+    try:
+      jr.reshard(x, dst)
+      raise AssertionError("no ReshardPeerError")
+    except _distributed.ReshardPeerError as e:
+      took = time.monotonic() - t0
+      assert 1.5 < took < 10, took
+      assert "process(es) [1] did not join" in str(e) and "within 2 s" in str(e), e
+    ok("missing_peer_timeout")
+    client.key_value_set("test/p0_timed_out", "1")
+  else:
+    client.blocking_key_value_get("test/p0_timed_out", 30_000)
+  t0 = time.monotonic()
+  try:
+    jr.reshard(x, dst)
+    raise AssertionError("no ReshardPeerError after the timeout")
+  except _distributed.ReshardPeerError as e:
+    assert time.monotonic() - t0 < 5
+    expect = "out of step" if PID == 0 else "process 0 gave up"
+    assert expect in str(e), e
+  ok("missing_peer_after")
+
+
+def die_before() -> None:
+  """Process 1 dies before a reshard; process 0 raises ReshardPeerError (JAX_RESHARD_TIMEOUT_S)."""
+  hosts = make_hosts(8, {"w": ((8, 4), np.float32)})
+  src = NamedSharding(mesh(P0, (4,), ("x",)), P("x"))
+  dst = NamedSharding(mesh(P1, (4,), ("y",)), P(None, "y"))
+  x = put(hosts["w"], src)
+  check_tree({"w": jr.reshard(x, dst)}, hosts, {"w": dst})
+  ok("warm")
+  if PID == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+  os.environ[_distributed.TIMEOUT_ENV] = "3"
+  t0 = time.monotonic()
+  try:
+    jr.reshard(x, dst)
+  except _distributed.ReshardPeerError as e:
+    print(f"RAISED ReshardPeerError after {time.monotonic() - t0:.1f} s: {e}", flush=True)
+    os._exit(3)  # the dead peer would block jax.distributed's shutdown barrier
+  raise AssertionError("the reshard with a dead peer returned")
+
+
+def die_during(victim: int, *, freeze: bool = False) -> None:
+  """The victim dies (or freezes: SIGSTOP, sockets stay open) after the plan check, while the
+  survivor runs the collective."""
+  hosts = make_hosts(9, {"w": ((8, 4), np.float32)})
+  src = NamedSharding(mesh(DEVS, (8,), ("x",)), P("x"))
+  dst = NamedSharding(mesh(DEVS[::-1], (2, 4), ("a", "b")), P("b", "a"))
+  x = put(hosts["w"], src)
+  plan = jr.make_plan(x, dst)
+  check_tree({"w": plan(x)}, hosts, {"w": dst})
+  ok("warm")
+  if victim == PID:
+    _distributed.check_plan(plan)  # joins the rendezvous, then dies before the collective
+    os.kill(os.getpid(), signal.SIGSTOP if freeze else signal.SIGKILL)
+  t0 = time.monotonic()
+  y = plan(x)
+  ok("dispatched")
+  try:
+    y.block_until_ready()
+  except Exception as e:  # gloo: "Connection closed by peer"
+    print(f"RAISED {type(e).__name__} after {time.monotonic() - t0:.1f} s: {e}", flush=True)
+    os._exit(4)  # the dead peer would block jax.distributed's shutdown barrier
+  print(f"UNEXPECTED: finished after {time.monotonic() - t0:.1f} s", flush=True)
+  os._exit(5)
+
+
+def main() -> None:
+  if SCENARIO == "cases":
+    for step in (case_a, case_b, case_c, built_differently, mismatch, missing_peer):
+      step()
+  elif SCENARIO == "die_before":
+    die_before()
+  elif SCENARIO.startswith(("die_during", "freeze_during")):
+    die_during(int(SCENARIO[-1]), freeze=SCENARIO.startswith("freeze"))
+  else:
+    raise SystemExit(f"unknown scenario {SCENARIO}")
+  ok("done")
+  jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+  try:
+    main()
+  except BaseException as e:
+    print(f"FAILED {type(e).__name__}: {e}", flush=True)
+    traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)  # never wait for a peer in jax.distributed's shutdown barrier
