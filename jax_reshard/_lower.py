@@ -280,7 +280,7 @@ class BucketProgram(_Body):
       blocks.append(data)
     n = len(self.union_ids)
     return jax.make_array_from_single_device_arrays(
-      _staged_shape(shard_shape, n), self.staged_sharding, blocks
+      _staged_shape(shard_shape, n), self.staged_sharding, blocks, dtype=leaf.dtype
     )
 
   def _unstage(self, leaf: LeafSpec, y: jax.Array) -> jax.Array:
@@ -290,7 +290,10 @@ class BucketProgram(_Body):
     for dev in leaf.dst_sharding.addressable_devices_indices_map(leaf.dst.shape):
       data = held[dev.id]
       arrays.append(data if dst_shape else data.reshape(()))
-    return jax.make_array_from_single_device_arrays(leaf.dst.shape, leaf.dst_sharding, arrays)
+    # dtype=: a process may hold no destination shard (multi-process), then arrays is empty.
+    return jax.make_array_from_single_device_arrays(
+      leaf.dst.shape, leaf.dst_sharding, arrays, dtype=leaf.dtype
+    )
 
   def __call__(self, xs: Sequence[jax.Array]) -> list[jax.Array]:
     if self._compiled is None:
@@ -304,7 +307,7 @@ class BucketProgram(_Body):
 def empty_like_sharded(shape: tuple[int, ...], dtype: np.dtype, sharding: Any) -> jax.Array:
   """A zero-element array in ``sharding`` (nothing to move)."""
   zeros = np.zeros(shape, dtype)
-  return jax.make_array_from_callback(shape, sharding, lambda idx: zeros[idx])
+  return jax.make_array_from_callback(shape, sharding, lambda idx: zeros[idx], dtype=dtype)
 
 
 def traced_move(

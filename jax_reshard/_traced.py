@@ -40,9 +40,9 @@ def _source_sharding(path: str, x: Any, dst: Any) -> Sharding:
   )
   if isinstance(mesh, Mesh) and explicit:
     return sharding  # type: ignore[return-value]
-  if explicit and isinstance(getattr(dst, "mesh", None), Mesh):
-    if dst.mesh.abstract_mesh == mesh:  # the destination names the concrete mesh
-      return NamedSharding(dst.mesh, sharding.spec)  # type: ignore[union-attr]
+  dst_mesh = getattr(dst, "mesh", None)
+  if explicit and isinstance(dst_mesh, Mesh) and dst_mesh.abstract_mesh == mesh:
+    return NamedSharding(dst_mesh, sharding.spec)  # type: ignore[union-attr]
   raise ReshardError(
     f"cannot tell the source layout of traced leaf {path or '<root>'}: inside jax.jit JAX "
     "only knows it for meshes with Explicit axis types. Pass it explicitly:\n"
