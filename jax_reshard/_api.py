@@ -283,8 +283,9 @@ class ReshardPlan:
     if self._programs is None:
       self._programs = self._build_programs()
     out: list[Any] = [None] * len(leaves)
+    moving = set(self._moving)
     for i, lf in enumerate(self._leaves):
-      if i not in self._moving:
+      if i not in moving:
         out[i] = _lower.empty_like_sharded(lf.shape, lf.dtype, lf.dst_sharding)
     for prog in self._programs:
       idx = [self._moving[j] for j in prog.bucket.leaves]

@@ -245,6 +245,7 @@ class BucketProgram(_Body):
     self.mesh = Mesh(np.array([devices[i] for i in self.union_ids]), (AXIS,))
     self.staged_sharding = NamedSharding(self.mesh, PartitionSpec(AXIS))
     self._compiled: Any = None
+    self._dst_orders: dict[int, list[int]] = {}
 
   def _compile(self) -> Any:
     n = len(self.union_ids)
@@ -283,12 +284,20 @@ class BucketProgram(_Body):
       _staged_shape(shard_shape, n), self.staged_sharding, blocks, dtype=leaf.dtype
     )
 
+  def _dst_order(self, leaf: LeafSpec) -> list[int]:
+    """Addressable destination device ids in the sharding's order (computed once per leaf)."""
+    order = self._dst_orders.get(id(leaf))
+    if order is None:
+      index_map = leaf.dst_sharding.addressable_devices_indices_map(leaf.dst.shape)
+      order = self._dst_orders[id(leaf)] = [d.id for d in index_map]
+    return order
+
   def _unstage(self, leaf: LeafSpec, y: jax.Array) -> jax.Array:
     held = {s.device.id: s.data for s in y.addressable_shards}
     dst_shape = leaf.dst.shard_shape()
     arrays = []
-    for dev in leaf.dst_sharding.addressable_devices_indices_map(leaf.dst.shape):
-      data = held[dev.id]
+    for dev_id in self._dst_order(leaf):
+      data = held[dev_id]
       arrays.append(data if dst_shape else data.reshape(()))
     # dtype=: a process may hold no destination shard (multi-process), then arrays is empty.
     return jax.make_array_from_single_device_arrays(
