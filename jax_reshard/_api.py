@@ -224,12 +224,9 @@ class ReshardPlan:
     """The destination shardings, in the structure of the source tree."""
     return jax.tree_util.tree_unflatten(self._treedef, [lf.dst_sharding for lf in self._leaves])
 
-  def _build_programs(self) -> list[_lower.BucketProgram]:
-    devices = {}
-    for lf in self._leaves:
-      for d in (*lf.src_sharding.device_set, *lf.dst_sharding.device_set):
-        devices[d.id] = d
-    specs = [
+  def leaf_specs(self) -> list[_lower.LeafSpec]:
+    """What the lowering needs per leaf that moves data (leaves with elements), in order."""
+    return [
       _lower.LeafSpec(
         plan=self.leaf_plans[i],
         src=self.layouts[i][0],
@@ -239,6 +236,13 @@ class ReshardPlan:
       )
       for i in self._moving
     ]
+
+  def _build_programs(self) -> list[_lower.BucketProgram]:
+    devices = {}
+    for lf in self._leaves:
+      for d in (*lf.src_sharding.device_set, *lf.dst_sharding.device_set):
+        devices[d.id] = d
+    specs = self.leaf_specs()
     return [
       _lower.BucketProgram(b, specs, devices, self.schedule.union_device_ids)
       for b in self.schedule.buckets
@@ -261,7 +265,9 @@ class ReshardPlan:
           f"{lf.path or '<root>'}: {a.dtype}{list(a.shape)} but the plan was made for "
           f"{lf.dtype}{list(lf.shape)}"
         )
-      elif not a.sharding.is_equivalent_to(lf.src_sharding, len(lf.shape)):
+      elif a.sharding != lf.src_sharding and not a.sharding.is_equivalent_to(
+        lf.src_sharding, len(lf.shape)
+      ):  # equality first: it is the common case and much cheaper on every refit
         problems.append(
           f"{lf.path or '<root>'}: placed as {describe_sharding(a.sharding)} but the plan "
           f"was made for {describe_sharding(lf.src_sharding)}"

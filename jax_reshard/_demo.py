@@ -53,7 +53,7 @@ def _weights(layers: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any
   return shapes, train, sample
 
 
-def _median_time(fn: Any, arg: Any) -> float:
+def _time_once(fn: Any, arg: Any) -> float:
   t0 = time.perf_counter()
   jax.block_until_ready(fn(arg))
   return time.perf_counter() - t0
@@ -104,8 +104,8 @@ def run(*, layers: int = 4, repeats: int = 7) -> int:
 
   ours, put = [], []
   for _ in range(repeats):  # interleaved so that machine noise hits both alike
-    ours.append(_median_time(plan, params))
-    put.append(_median_time(lambda p: jax.device_put(p, dst_sh), params))
+    ours.append(_time_once(plan, params))
+    put.append(_time_once(lambda p: jax.device_put(p, dst_sh), params))
   m_ours, m_put = statistics.median(ours), statistics.median(put)
   print(f"planning {t_plan * 1e3:.1f} ms; first call (compile + run) {t_first * 1e3:.0f} ms")
   print(

@@ -112,7 +112,7 @@ class _Body:
 
   # ---- per-device static code -------------------------------------------------------------
 
-  def _local_view(self, k: int, blocks: Sequence[jax.Array]) -> list[jax.Array]:
+  def _local_view(self, blocks: Sequence[jax.Array]) -> list[jax.Array]:
     return [
       _to_uint(b.reshape(spec.src.shard_shape()))
       for b, spec in zip(blocks, self.leaves, strict=True)
@@ -141,7 +141,7 @@ class _Body:
     local_leaf = {leaf_index: li for li, leaf_index in enumerate(self.bucket.leaves)}
 
     def branch(*blocks: jax.Array) -> jax.Array:
-      shards = self._local_view(dev, blocks)
+      shards = self._local_view(blocks)
       unit = self.unit
       parts = [
         _to_units(self._cut(shards, local_leaf[p.leaf], p.transfer, dev), unit) for p in pieces
@@ -159,7 +159,7 @@ class _Body:
     """``incoming[li]``: (transfer, round, piece) received for bucket leaf ``li``."""
 
     def branch(blocks: Sequence[jax.Array], recvs: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
-      shards = self._local_view(dev, blocks)
+      shards = self._local_view(blocks)
       outs = []
       for li, leaf in enumerate(self.leaves):
         dst_shape = leaf.dst.shard_shape()
@@ -246,6 +246,8 @@ class BucketProgram(_Body):
     self.staged_sharding = NamedSharding(self.mesh, PartitionSpec(AXIS))
     self._compiled: Any = None
     self._dst_orders: dict[int, list[int]] = {}
+    me = jax.process_index()
+    self._local_ids = [i for i in self.union_ids if devices[i].process_index == me]
 
   def _compile(self) -> Any:
     n = len(self.union_ids)
@@ -266,15 +268,12 @@ class BucketProgram(_Body):
     shard_shape = leaf.src.shard_shape()
     block_shape = _block_shape(shard_shape)
     blocks = []
-    for dev_id in self.union_ids:
-      dev = self.devices[dev_id]
-      if dev.process_index != jax.process_index():
-        continue
+    for dev_id in self._local_ids:
       data = held.get(dev_id)
       if data is None:  # one shared placeholder per device, shape and dtype in a call
         key = (dev_id, block_shape, leaf.dtype)
         if key not in placeholders:
-          placeholders[key] = jnp.zeros(block_shape, leaf.dtype, device=dev)
+          placeholders[key] = jnp.zeros(block_shape, leaf.dtype, device=self.devices[dev_id])
         data = placeholders[key]
       elif not shard_shape:
         data = data.reshape(block_shape)

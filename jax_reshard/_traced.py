@@ -16,11 +16,8 @@ import jax
 from jax.sharding import Mesh, NamedSharding, Sharding
 
 from jax_reshard import _lower
-from jax_reshard._api import _broadcast_shardings, _fix_hint, _flatten, _Leaf
+from jax_reshard._api import ReshardPlan, _broadcast_shardings, _fix_hint, _flatten, _Leaf
 from jax_reshard._errors import ReshardError
-from jax_reshard._layout import Layout
-from jax_reshard._planner import plan_leaves
-from jax_reshard._schedule import make_schedule
 
 _NO_BUCKETS = 1 << 62  # XLA schedules memory inside one computation: one bucket per group
 
@@ -106,26 +103,13 @@ def _group_fn(leaves: tuple[_Leaf, ...]) -> Any:
   """A differentiable traced function moving leaves that share a source and destination mesh."""
   src_mesh = leaves[0].src_sharding.mesh  # type: ignore[attr-defined]
   dst_mesh = leaves[0].dst_sharding.mesh  # type: ignore[attr-defined]
-  moving = [i for i, lf in enumerate(leaves) if all(lf.shape)]
-  specs, layouts, itemsizes = [], [], []
-  for i in moving:
-    lf = leaves[i]
-    src = Layout.from_sharding(lf.src_sharding, lf.shape)
-    dst = Layout.from_sharding(lf.dst_sharding, lf.shape)
-    layouts.append((src, dst))
-    itemsizes.append(lf.dtype.itemsize)
-  plans = plan_leaves(layouts, itemsizes)
-  schedule = make_schedule(plans, layouts, itemsizes, max_bucket_bytes=_NO_BUCKETS)
-  for (src, dst), plan, i in zip(layouts, plans, moving, strict=True):
-    lf = leaves[i]
-    specs.append(
-      _lower.LeafSpec(plan=plan, src=src, dst=dst, dtype=lf.dtype, dst_sharding=lf.dst_sharding)
-    )
+  plan = ReshardPlan(None, list(leaves), max_bucket_bytes=_NO_BUCKETS)  # same planner as eager
+  buckets = plan.schedule.buckets
   return _lower.make_traced_fn(
     leaves=[(lf.shape, lf.dtype, lf.src_sharding, lf.dst_sharding) for lf in leaves],
-    moving=moving,
-    bucket=schedule.buckets[0] if schedule.buckets else None,
-    specs=specs,
+    moving=plan._moving,
+    bucket=buckets[0] if buckets else None,
+    specs=plan.leaf_specs(),
     src_mesh=src_mesh,
     dst_mesh=dst_mesh,
     reverse=lambda: _group_fn(tuple(_reverse(lf) for lf in leaves)),

@@ -66,11 +66,13 @@ def test_spec_longer_than_rank() -> None:
 def test_shape_and_dtype_of_template() -> None:
   tree = _tree()
   wrong_shape = jax.ShapeDtypeStruct((4, 8), np.float32, sharding=DST)
-  with pytest.raises(jr.ReshardError, match=r"\['w'\]|shape \(4, 8\) differs"):
+  with pytest.raises(jr.ReshardError, match=r"shape \(4, 8\) differs") as e:
     jr.reshard(tree, {"w": wrong_shape, "b": DST_ROW})
+  assert "['w']" in str(e.value)
   wrong_dtype = jax.ShapeDtypeStruct((8, 4), np.float16, sharding=DST)
-  with pytest.raises(jr.ReshardError, match="dtype float16 differs"):
+  with pytest.raises(jr.ReshardError, match="dtype float16 differs") as e:
     jr.reshard(tree, {"w": wrong_dtype, "b": DST_ROW})
+  assert "['w']" in str(e.value)
   _untouched(tree)
 
 

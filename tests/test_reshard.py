@@ -43,7 +43,6 @@ def test_systematic_tree(seed: int) -> None:
   out = plan(src)
   for i, (c, h) in enumerate(zip(cases, hosts, strict=True)):
     assert_matches_oracle(out[f"leaf{i}"], h, c.dst)
-    np.testing.assert_array_equal(np.asarray(src[f"leaf{i}"]).shape, h.shape)
   # The source is untouched and still usable.
   for i, h in enumerate(hosts):
     assert not src[f"leaf{i}"].is_deleted()
