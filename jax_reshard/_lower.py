@@ -82,6 +82,74 @@ def _from_units(b: jax.Array, udtype: np.dtype, shape: tuple[int, ...]) -> jax.A
   return jax.lax.bitcast_convert_type(b.reshape(-1, ratio), udtype).reshape(shape)
 
 
+def _word_dtype(leaf: LeafSpec) -> np.dtype:
+  """The widest unsigned word dividing every last-dimension boundary of a leaf.
+
+  Words go up to 4 bytes, or 8 when ``jax_enable_x64`` is on (JAX has no 64-bit types without
+  it); leaves with wider elements keep their own width.
+  """
+  itemsize = max(leaf.dtype.itemsize, 1)
+  if not leaf.src.shape:
+    return _uint_dtype(leaf.dtype)
+  bounds = [leaf.src.shard_shape()[-1], leaf.dst.shard_shape()[-1], leaf.src.shape[-1]]
+  g = int(np.gcd.reduce(np.concatenate([bounds, leaf.plan.lo[:, -1], leaf.plan.hi[:, -1]])))
+  word = itemsize
+  widest = 8 if jax.config.read("jax_enable_x64") else 4
+  while word < widest and g % ((word * 2) // itemsize) == 0:
+    word *= 2
+  return np.dtype(f"uint{8 * word}")
+
+
+def _widen(x: jax.Array, word: np.dtype) -> jax.Array:
+  """An unsigned array viewed in wider words along its last dimension (free bitcast)."""
+  if x.dtype == word:
+    return x
+  k = word.itemsize // x.dtype.itemsize
+  return jax.lax.bitcast_convert_type(x.reshape(*x.shape[:-1], x.shape[-1] // k, k), word)
+
+
+def _narrow(x: jax.Array, leaf: LeafSpec) -> jax.Array:
+  """Inverse of :func:`_widen`: back to the leaf's own unsigned element type."""
+  udtype = _uint_dtype(leaf.dtype) if leaf.dtype != np.bool_ else np.dtype(np.uint8)
+  if x.dtype == udtype:
+    return x
+  y = jax.lax.bitcast_convert_type(x, udtype)  # (..., n, k)
+  return y.reshape(*y.shape[:-2], y.shape[-2] * y.shape[-1])
+
+
+def _tile(
+  parts: Sequence[tuple[tuple[int, ...], jax.Array]], shape: tuple[int, ...], dtype: np.dtype
+) -> jax.Array:
+  """The array of ``shape`` made of ``parts`` (offset, value) that tile it.
+
+  Parts that form a product grid (always, for the tilings JAX shardings produce) are joined by
+  nested concatenation, which writes each element once; anything else falls back to
+  ``dynamic_update_slice`` into zeros.
+  """
+  if len(parts) == 1 and parts[0][1].shape == shape:
+    return parts[0][1]
+  if not shape:
+    raise AssertionError("a rank-0 shard has exactly one part")
+  starts = [sorted({off[d] for off, _ in parts}) for d in range(len(shape))]
+  if len(parts) == int(np.prod([len(s) for s in starts])):
+    grid = {tuple(starts[d].index(off[d]) for d in range(len(shape))): v for off, v in parts}
+
+    def join(prefix: tuple[int, ...]) -> jax.Array:
+      d = len(prefix)
+      if d == len(shape):
+        return grid[prefix]
+      pieces = [join((*prefix, i)) for i in range(len(starts[d]))]
+      return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=d)
+
+    out = join(())
+    if out.shape == shape:
+      return out
+  out = jnp.zeros(shape, dtype)
+  for off, val in parts:
+    out = jax.lax.dynamic_update_slice(out, val, off)
+  return out
+
+
 def _switch(
   axis: Any, index_table: np.ndarray, branches: list[Callable[..., Any]], *operands: Any
 ) -> Any:
@@ -97,6 +165,11 @@ class _Body:
 
   ``union_ids`` lists device ids in the order of the mesh positions that ``axis`` (one mesh
   axis name or a tuple of all of them) enumerates.
+
+  Data moves as unsigned-integer *words*: each leaf's last dimension is viewed in the widest
+  word (up to 4 bytes, 8 with ``jax_enable_x64``) that every shard and transfer boundary on it
+  is a multiple of, so that slicing, packing and assembling run over few wide elements instead
+  of many narrow ones.
   """
 
   def __init__(
@@ -107,35 +180,44 @@ class _Body:
     self.union_ids = list(union_ids)
     self.pos = {d: i for i, d in enumerate(self.union_ids)}
     self.axis = axis
-    # Payload word: the narrowest element width in the bucket, so every piece is whole words.
-    self.unit = _uint_dtype(min((leaf.dtype for leaf in self.leaves), key=lambda d: d.itemsize))
+    # Payload word: the narrowest widest-word of the bucket, so every piece is whole words.
+    self.unit = min((_word_dtype(leaf) for leaf in self.leaves), key=lambda d: d.itemsize)
+    # Each leaf works in the payload word, or in its own element width where that is wider.
+    # (Widening and then narrowing below the element width trips XLA's bitcast folding.)
+    self.word = [
+      max(_uint_dtype(lf.dtype), self.unit, key=lambda d: d.itemsize) for lf in self.leaves
+    ]
 
   # ---- per-device static code -------------------------------------------------------------
 
+  def _ratio(self, li: int) -> int:
+    """Elements of leaf ``li`` per word."""
+    return self.word[li].itemsize // max(self.leaves[li].dtype.itemsize, 1)
+
+  def _in_words(self, li: int, v: np.ndarray) -> tuple[int, ...]:
+    """Element coordinates (or a shape) of leaf ``li`` in word units."""
+    v = np.asarray(v, dtype=np.int64).copy()
+    if v.size:
+      v[-1] //= self._ratio(li)
+    return tuple(v.tolist())
+
   def _local_view(self, blocks: Sequence[jax.Array]) -> list[jax.Array]:
-    return [
-      _to_uint(b.reshape(spec.src.shard_shape()))
-      for b, spec in zip(blocks, self.leaves, strict=True)
-    ]
-
-  def _src_start(self, leaf: LeafSpec, dev: int) -> np.ndarray:
-    i = leaf.src.device_ids.index(dev)
-    return np.asarray(leaf.src.starts[i], dtype=np.int64)
-
-  def _dst_start(self, leaf: LeafSpec, dev: int) -> np.ndarray:
-    i = leaf.dst.device_ids.index(dev)
-    return np.asarray(leaf.dst.starts[i], dtype=np.int64)
+    out = []
+    for li, (b, leaf) in enumerate(zip(blocks, self.leaves, strict=True)):
+      x = _to_uint(b.reshape(leaf.src.shard_shape()))
+      out.append(_widen(x, self.word[li]))
+    return out
 
   def _cut(self, shards: Sequence[jax.Array], li: int, t: int, dev: int) -> jax.Array:
-    """Transfer ``t`` of bucket leaf ``li``, sliced out of ``dev``'s source shard."""
+    """Transfer ``t`` of bucket leaf ``li``, sliced (in words) out of ``dev``'s source shard."""
     leaf = self.leaves[li]
-    start = self._src_start(leaf, dev)
-    lo = leaf.plan.lo[t] - start
-    hi = leaf.plan.hi[t] - start
+    start = np.asarray(leaf.src.starts[leaf.src.device_ids.index(dev)], dtype=np.int64)
+    lo = self._in_words(li, leaf.plan.lo[t] - start)
+    hi = self._in_words(li, leaf.plan.hi[t] - start)
     x = shards[li]
-    if tuple(lo) == (0,) * x.ndim and tuple(hi) == x.shape:
+    if lo == (0,) * x.ndim and hi == x.shape:
       return x
-    return jax.lax.slice(x, tuple(lo.tolist()), tuple(hi.tolist()))
+    return jax.lax.slice(x, lo, hi)
 
   def _pack_branch(self, dev: int, pieces: Sequence[Any], nbytes: int) -> Callable[..., Any]:
     local_leaf = {leaf_index: li for li, leaf_index in enumerate(self.bucket.leaves)}
@@ -162,32 +244,24 @@ class _Body:
       shards = self._local_view(blocks)
       outs = []
       for li, leaf in enumerate(self.leaves):
-        dst_shape = leaf.dst.shard_shape()
-        block_shape = _block_shape(dst_shape)
+        block_shape = _block_shape(leaf.dst.shard_shape())
         if dev not in leaf.dst.device_ids:
           outs.append(jnp.zeros(block_shape, leaf.dtype))
           continue
-        start = self._dst_start(leaf, dev)
-        udtype = _uint_dtype(leaf.dtype)
-        parts: list[tuple[np.ndarray, jax.Array]] = []
+        start = np.asarray(leaf.dst.starts[leaf.dst.device_ids.index(dev)], dtype=np.int64)
+        word = self.word[li]
+        parts: list[tuple[tuple[int, ...], jax.Array]] = []
         plan = leaf.plan
         for t in np.nonzero(plan.local & (plan.dst_device == dev))[0].tolist():
-          parts.append((plan.lo[t] - start, self._cut(shards, li, t, dev)))
+          parts.append((self._in_words(li, plan.lo[t] - start), self._cut(shards, li, t, dev)))
         for t, r, piece in incoming.get(li, []):
-          box = tuple((plan.hi[t] - plan.lo[t]).tolist())
-          a, b = (
-            piece.offset // self.unit.itemsize,
-            (piece.offset + piece.nbytes) // self.unit.itemsize,
-          )
+          box = self._in_words(li, plan.hi[t] - plan.lo[t])
+          a = piece.offset // self.unit.itemsize
+          b = (piece.offset + piece.nbytes) // self.unit.itemsize
           raw = jax.lax.slice(recvs[r], (a,), (b,))
-          parts.append((plan.lo[t] - start, _from_units(raw, udtype, box)))
-        if len(parts) == 1 and parts[0][1].shape == dst_shape:
-          out = parts[0][1]
-        else:
-          out = jnp.zeros(dst_shape, udtype)
-          for rel, val in parts:
-            out = jax.lax.dynamic_update_slice(out, val, tuple(int(v) for v in rel))
-        outs.append(_from_uint(out, leaf.dtype).reshape(block_shape))
+          parts.append((self._in_words(li, plan.lo[t] - start), _from_units(raw, word, box)))
+        out = _tile(parts, self._in_words(li, np.asarray(leaf.dst.shard_shape())), word)
+        outs.append(_from_uint(_narrow(out, leaf), leaf.dtype).reshape(block_shape))
       return tuple(outs)
 
     return branch
