@@ -111,8 +111,9 @@ def _schedule_digest(schedule: Schedule) -> str:
     _feed_ints(h, b.leaves)
     for r in b.rounds:
       _feed_ints(h, [r.nbytes, *np.asarray(r.pairs, dtype=np.int64).reshape(-1).tolist()])
-    for (s, d), pieces in b.payloads:
-      _feed_ints(h, [s, d, *(v for p in pieces for v in (p.leaf, p.transfer, p.offset, p.nbytes))])
+    pieces = (b.piece_src, b.piece_dst, b.piece_leaf, b.piece_transfer, b.piece_offset)
+    for a in (*pieces, b.piece_nbytes):
+      _feed_ints(h, a)
   return h.hexdigest()[:16]
 
 

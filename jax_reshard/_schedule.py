@@ -12,6 +12,7 @@ so that the staging memory of every device stays under ``max_bucket_bytes``.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -42,16 +43,39 @@ class Round:
   pairs: tuple[tuple[int, int], ...]
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class Bucket:
-  """Leaves executed together in one compiled program."""
+  """Leaves executed together in one compiled program.
+
+  The ``piece_*`` arrays hold one row per remote transfer, sorted by (source, destination,
+  leaf, transfer): the payload of a (source, destination) pair is its rows in that order, each
+  at ``piece_offset`` bytes into the payload.
+  """
 
   leaves: tuple[int, ...]
   rounds: tuple[Round, ...]
-  payloads: tuple[tuple[tuple[int, int], tuple[Piece, ...]], ...]  # (pair, pieces) sorted
+  piece_src: np.ndarray
+  piece_dst: np.ndarray
+  piece_leaf: np.ndarray
+  piece_transfer: np.ndarray
+  piece_offset: np.ndarray
+  piece_nbytes: np.ndarray
 
-  def pieces(self) -> dict[tuple[int, int], tuple[Piece, ...]]:
-    return dict(self.payloads)
+  def pieces(self) -> dict[tuple[int, int], list[Piece]]:
+    """Per (source, destination) pair, its payload's pieces in order."""
+    out: dict[tuple[int, int], list[Piece]] = defaultdict(list)
+    rows = zip(
+      self.piece_src.tolist(),
+      self.piece_dst.tolist(),
+      self.piece_leaf.tolist(),
+      self.piece_transfer.tolist(),
+      self.piece_offset.tolist(),
+      self.piece_nbytes.tolist(),
+      strict=True,
+    )
+    for s, d, leaf, t, off, nb in rows:
+      out[(s, d)].append(Piece(leaf, t, off, nb))
+    return out
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -79,32 +103,30 @@ def _placeholder_bytes(src: Layout, dst: Layout, itemsize: int, union: np.ndarra
   return not_src * src_shard + not_dst * dst_shard
 
 
-def _leaf_staging(
-  plan: LeafPlan, src: Layout, dst: Layout, itemsize: int, union: Sequence[int]
-) -> dict[int, int]:
-  """Bytes a leaf keeps on each device while its bucket runs, beyond source and result."""
-  u = np.asarray(union, dtype=np.int64)
-  out = dict(zip(union, _placeholder_bytes(src, dst, itemsize, u).tolist(), strict=True))
-  remote = ~plan.local
-  nbytes = plan.nbytes[remote].tolist()
-  for devs in (plan.src_device[remote].tolist(), plan.dst_device[remote].tolist()):
-    for dev, nb in zip(devs, nbytes, strict=True):
-      out[dev] = out.get(dev, 0) + nb
-  return out
+def _split_buckets(
+  plans: Sequence[LeafPlan],
+  placeholders: Sequence[np.ndarray],
+  union: np.ndarray,
+  max_bucket_bytes: int,
+) -> list[list[int]]:
+  """Consecutive leaves per bucket while every device's staging stays under the bound.
 
-
-def _split_buckets(staging: Sequence[dict[int, int]], max_bucket_bytes: int) -> list[list[int]]:
+  A leaf's staging on a device is what it sends and receives there plus its placeholders.
+  """
   buckets: list[list[int]] = []
   current: list[int] = []
-  acc: dict[int, int] = defaultdict(int)
-  for leaf, st in enumerate(staging):
-    over = any(acc[d] + b > max_bucket_bytes for d, b in st.items())
-    if current and over:
+  acc = np.zeros(len(union), dtype=np.int64)
+  n = len(union)
+  for leaf, (plan, ph) in enumerate(zip(plans, placeholders, strict=True)):
+    remote = ~plan.local
+    nb = plan.nbytes[remote]
+    st = ph + np.bincount(np.searchsorted(union, plan.src_device[remote]), nb, minlength=n)
+    st = st + np.bincount(np.searchsorted(union, plan.dst_device[remote]), nb, minlength=n)
+    if current and int((acc + st).max()) > max_bucket_bytes:
       buckets.append(current)
-      current, acc = [], defaultdict(int)
+      current, acc = [], np.zeros(n, dtype=np.int64)
     current.append(leaf)
-    for d, b in st.items():
-      acc[d] += b
+    acc += st.astype(np.int64)
   if current:
     buckets.append(current)
   return buckets
@@ -114,8 +136,10 @@ def color_bipartite(edges: Sequence[tuple[int, int]]) -> list[int]:
   """Colours the edges of a bipartite multigraph with max-degree colours.
 
   Left vertices are senders, right vertices receivers (a device may be both). Edges sharing a
-  sender or a receiver get different colours. Uses alternating-path recolouring (Konig's
-  theorem), so the number of colours equals the maximum degree.
+  sender or a receiver get different colours, and the number of colours equals the maximum
+  degree (Konig's theorem). A first-fit pass with per-vertex bitmasks (O(1) an edge) is tried
+  first and kept when it is optimal, which it is for the regular refit patterns measured in
+  ``benchmarks/plan_scale.py``; otherwise alternating-path recolouring finishes the job.
 
   Example:
     >>> color_bipartite([(0, 1), (0, 2), (1, 2)])
@@ -129,6 +153,28 @@ def color_bipartite(edges: Sequence[tuple[int, int]]) -> list[int]:
     deg_s[s] += 1
     deg_d[d] += 1
   k = max(max(deg_s.values()), max(deg_d.values()))
+  first_fit = _color_first_fit(edges)
+  if max(first_fit) < k:
+    return first_fit
+  return _color_alternating(edges, k)
+
+
+def _color_first_fit(edges: Sequence[tuple[int, int]]) -> list[int]:
+  """Each edge takes the lowest colour free at both ends (at most 2k - 1 colours)."""
+  used_s: dict[int, int] = defaultdict(int)
+  used_d: dict[int, int] = defaultdict(int)
+  out = []
+  for s, d in edges:
+    m = used_s[s] | used_d[d]
+    c = (~m & (m + 1)).bit_length() - 1
+    used_s[s] |= 1 << c
+    used_d[d] |= 1 << c
+    out.append(c)
+  return out
+
+
+def _color_alternating(edges: Sequence[tuple[int, int]], k: int) -> list[int]:
+  """Konig colouring with exactly ``k`` (the maximum degree) colours."""
   at_s: dict[int, list[int]] = defaultdict(lambda: [-1] * k)  # colour -> edge index
   at_d: dict[int, list[int]] = defaultdict(lambda: [-1] * k)
   colour = [-1] * len(edges)
@@ -164,38 +210,50 @@ def color_bipartite(edges: Sequence[tuple[int, int]]) -> list[int]:
   return colour
 
 
-def _make_rounds(pair_bytes: dict[tuple[int, int], int]) -> list[Round]:
-  """Size classes within SIZE_TOLERANCE, each coloured optimally; largest payloads first."""
-  pairs = sorted(pair_bytes, key=lambda p: (-pair_bytes[p], p))
-  classes: list[list[tuple[int, int]]] = []
-  for p in pairs:
-    if classes and pair_bytes[p] >= (1 - SIZE_TOLERANCE) * pair_bytes[classes[-1][0]]:
-      classes[-1].append(p)
-    else:
-      classes.append([p])
-  degree = _max_degree(pairs)
-  if sum(_max_degree(c) for c in classes) > 2 * degree:
-    classes = [pairs]  # too many distinct sizes: fewer rounds beat less padding
-  rounds = []
-  for cls in classes:
-    colours = color_bipartite(cls)
-    by_colour: dict[int, list[tuple[int, int]]] = defaultdict(list)
-    for p, c in zip(cls, colours, strict=True):
-      by_colour[c].append(p)
-    for c in sorted(by_colour):
-      members = tuple(sorted(by_colour[c]))
-      rounds.append(Round(nbytes=max(pair_bytes[p] for p in members), pairs=members))
-  return rounds
+def _make_rounds(
+  ps: np.ndarray, pd: np.ndarray, fill: np.ndarray
+) -> tuple[list[Round], np.ndarray]:
+  """Rounds for pairs ``(ps[i], pd[i])`` of ``fill[i]`` bytes, and each pair's round size.
+
+  Size classes within SIZE_TOLERANCE are coloured separately, largest payloads first, unless
+  that would more than double the rounds (then fewer rounds beat less padding).
+  """
+  order = np.lexsort((pd, ps, -fill))
+  ps, pd, fill = ps[order], pd[order], fill[order]
+  bounds = [0]
+  while bounds[-1] < len(fill):  # fill is descending: classes are runs above a threshold
+    floor = (1 - SIZE_TOLERANCE) * fill[bounds[-1]]
+    bounds.append(int(np.searchsorted(-fill, -floor, side="right")))
+  classes = list(itertools.pairwise(bounds))
+  if sum(_max_degree(ps[a:b], pd[a:b]) for a, b in classes) > 2 * _max_degree(ps, pd):
+    classes = [(0, len(fill))]
+  colour = np.empty(len(fill), dtype=np.int64)
+  base = 0
+  for a, b in classes:
+    edges = list(zip(ps[a:b].tolist(), pd[a:b].tolist(), strict=True))
+    colour[a:b] = base + np.asarray(color_bipartite(edges))
+    base = int(colour[a:b].max()) + 1
+  if not base:
+    return [], np.zeros(0, dtype=np.int64)
+  size = np.zeros(base, dtype=np.int64)
+  np.maximum.at(size, colour, fill)
+  by_round = np.lexsort((pd, ps, colour))
+  cuts = np.searchsorted(colour[by_round], np.arange(1, base))
+  rounds = [
+    Round(nbytes=int(size[r]), pairs=tuple(zip(ps[idx].tolist(), pd[idx].tolist(), strict=True)))
+    for r, idx in enumerate(np.split(by_round, cuts))
+  ]
+  pair_round_bytes = np.empty(len(fill), dtype=np.int64)
+  pair_round_bytes[order] = size[colour]
+  return rounds, pair_round_bytes
 
 
-def _max_degree(pairs: Sequence[tuple[int, int]]) -> int:
-  if not pairs:
+def _max_degree(ps: np.ndarray, pd: np.ndarray) -> int:
+  if not len(ps):
     return 0
-  deg: dict[tuple[int, int], int] = defaultdict(int)
-  for s, d in pairs:
-    deg[(0, s)] += 1
-    deg[(1, d)] += 1
-  return max(deg.values())
+  return int(
+    max(np.unique(ps, return_counts=True)[1].max(), np.unique(pd, return_counts=True)[1].max())
+  )
 
 
 def make_schedule(
@@ -214,60 +272,66 @@ def make_schedule(
     max_bucket_bytes: bound on staging bytes per device per bucket. A single leaf whose own
       staging exceeds it runs alone in its bucket.
   """
-  union = sorted({i for s, d in layouts for i in (*s.device_ids, *d.device_ids)})
-  staging = [
-    _leaf_staging(p, s, d, isz, union)
-    for p, (s, d), isz in zip(plans, layouts, itemsizes, strict=True)
+  union = np.asarray(
+    sorted({i for s, d in layouts for i in (*s.device_ids, *d.device_ids)}), dtype=np.int64
+  )
+  n = len(union)
+  placeholders = [
+    _placeholder_bytes(s, d, isz, union) for (s, d), isz in zip(layouts, itemsizes, strict=True)
   ]
   buckets = []
   padding = 0
-  sent: dict[int, int] = defaultdict(int)
-  recv: dict[int, int] = defaultdict(int)
+  sent = np.zeros(n, dtype=np.int64)
+  recv = np.zeros(n, dtype=np.int64)
   peak = 0
-  union_arr = np.asarray(union, dtype=np.int64)
-  union_pos = {d: i for i, d in enumerate(union)}
-  for leaves in _split_buckets(staging, max_bucket_bytes):
-    pieces: dict[tuple[int, int], list[Piece]] = defaultdict(list)
-    fill: dict[tuple[int, int], int] = defaultdict(int)
+  for leaves in _split_buckets(plans, placeholders, union, max_bucket_bytes):
+    cols: list[list[np.ndarray]] = [[], [], [], [], []]
     for leaf in leaves:
       p = plans[leaf]
       ts = np.nonzero(~p.local & (p.nbytes != 0))[0]
-      for t, s_dev, d_dev, nb in zip(
-        ts.tolist(),
-        p.src_device[ts].tolist(),
-        p.dst_device[ts].tolist(),
-        p.nbytes[ts].tolist(),
+      for col, v in zip(
+        cols,
+        (p.src_device[ts], p.dst_device[ts], np.full(len(ts), leaf), ts, p.nbytes[ts]),
         strict=True,
       ):
-        pair = (s_dev, d_dev)
-        off = fill[pair]
-        pieces[pair].append(Piece(leaf, t, off, nb))
-        fill[pair] = off + nb
-    rounds = _make_rounds(dict(fill))
-    bucket_stage = np.zeros(len(union), dtype=np.int64)
-    for leaf in leaves:  # placeholders
-      s, d = layouts[leaf]
-      bucket_stage += _placeholder_bytes(s, d, itemsizes[leaf], union_arr)
-    for r in rounds:
-      for s_dev, d_dev in r.pairs:
-        padding += r.nbytes - fill[(s_dev, d_dev)]
-        sent[s_dev] += r.nbytes
-        recv[d_dev] += r.nbytes
-        bucket_stage[union_pos[s_dev]] += r.nbytes
-        bucket_stage[union_pos[d_dev]] += r.nbytes
-    peak = max(peak, int(bucket_stage.max(initial=0)))
+        col.append(np.asarray(v, dtype=np.int64))
+    src, dst, leaf_of, transfer, nbytes = (np.concatenate(c) for c in cols)
+    order = np.lexsort((transfer, leaf_of, dst, src))
+    src, dst, leaf_of, transfer, nbytes = (a[order] for a in (src, dst, leaf_of, transfer, nbytes))
+    # Offsets inside each pair's payload: a cumulative sum restarted at every new pair.
+    new_pair = np.r_[True, (src[1:] != src[:-1]) | (dst[1:] != dst[:-1])][: len(src)]
+    first = np.flatnonzero(new_pair)
+    ends = np.cumsum(nbytes)
+    offset = ends - nbytes - (ends[first] - nbytes[first])[np.cumsum(new_pair) - 1]
+    fill = np.add.reduceat(nbytes, first) if len(src) else nbytes
+    ps, pd = src[first], dst[first]
+    rounds, round_bytes = _make_rounds(ps, pd, fill)
+
+    padding += int((round_bytes - fill).sum())
+    s_pos, d_pos = np.searchsorted(union, ps), np.searchsorted(union, pd)
+    out_b = np.bincount(s_pos, round_bytes, minlength=n).astype(np.int64)
+    in_b = np.bincount(d_pos, round_bytes, minlength=n).astype(np.int64)
+    sent += out_b
+    recv += in_b
+    stage = sum((placeholders[leaf] for leaf in leaves), np.zeros(n, dtype=np.int64))
+    peak = max(peak, int((stage + out_b + in_b).max(initial=0)))
     buckets.append(
       Bucket(
         leaves=tuple(leaves),
         rounds=tuple(rounds),
-        payloads=tuple((pair, tuple(pieces[pair])) for pair in sorted(pieces)),
+        piece_src=src,
+        piece_dst=dst,
+        piece_leaf=leaf_of,
+        piece_transfer=transfer,
+        piece_offset=offset,
+        piece_nbytes=nbytes,
       )
     )
   return Schedule(
     buckets=tuple(buckets),
-    union_device_ids=tuple(union),
+    union_device_ids=tuple(union.tolist()),
     padding_bytes=padding,
-    max_send_bytes=max(sent.values(), default=0),
-    max_recv_bytes=max(recv.values(), default=0),
+    max_send_bytes=int(sent.max(initial=0)),
+    max_recv_bytes=int(recv.max(initial=0)),
     peak_staging_bytes=peak,
   )

@@ -9,7 +9,7 @@ import pytest
 
 from jax_reshard import Layout
 from jax_reshard._planner import plan_leaves
-from jax_reshard._schedule import color_bipartite, make_schedule
+from jax_reshard._schedule import _color_first_fit, color_bipartite, make_schedule
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -55,3 +55,17 @@ def test_buckets_respect_bound() -> None:
   assert split.peak_staging_bytes <= bound
   assert sorted(i for b in split.buckets for i in b.leaves) == list(range(8))
   assert split.padding_bytes == 0
+
+
+def test_alternating_paths_when_first_fit_is_not_optimal() -> None:
+  # Maximum degree 2, but first fit gives (2,1)=0, (0,0)=0, (1,1)=1, (2,2)=1 and then (0,2)
+  # finds colours 0 and 1 taken: the alternating-path pass must be used.
+  edges = [(2, 1), (0, 0), (1, 1), (2, 2), (0, 2)]
+
+  assert max(_color_first_fit(edges)) + 1 == 3
+  colours = color_bipartite(edges)
+  assert max(colours) + 1 == 2
+  seen = set()
+  for (s, d), c in zip(edges, colours, strict=True):
+    assert ("s", s, c) not in seen and ("d", d, c) not in seen
+    seen |= {("s", s, c), ("d", d, c)}
