@@ -151,12 +151,11 @@ def _tile(
 
 
 def _switch(
-  axis: Any, index_table: np.ndarray, branches: list[Callable[..., Any]], *operands: Any
+  me: jax.Array, index_table: np.ndarray, branches: list[Callable[..., Any]], *operands: Any
 ) -> Any:
-  """Runs ``branches[index_table[my position]]``; a single branch needs no conditional."""
-  if len(branches) == 1:
-    return branches[0](*operands)
-  me = jax.lax.axis_index(axis)
+  """Runs ``branches[index_table[me]]`` (``me``: mesh position); one branch needs no switch."""
+  if len(set(index_table.tolist())) == 1:
+    return branches[int(index_table[0])](*operands)
   return jax.lax.switch(jnp.asarray(index_table, dtype=np.int32)[me], branches, *operands)
 
 
@@ -208,58 +207,137 @@ class _Body:
       out.append(_widen(x, self.word[li]))
     return out
 
-  def _cut(self, shards: Sequence[jax.Array], li: int, t: int, dev: int) -> jax.Array:
-    """Transfer ``t`` of bucket leaf ``li``, sliced (in words) out of ``dev``'s source shard."""
+  def _src_box(self, li: int, t: int, dev: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offset, shape) in words of transfer ``t`` of leaf ``li`` inside ``dev``'s source shard."""
     leaf = self.leaves[li]
     start = np.asarray(leaf.src.starts[leaf.src.device_ids.index(dev)], dtype=np.int64)
     lo = self._in_words(li, leaf.plan.lo[t] - start)
-    hi = self._in_words(li, leaf.plan.hi[t] - start)
-    x = shards[li]
-    if lo == (0,) * x.ndim and hi == x.shape:
-      return x
-    return jax.lax.slice(x, lo, hi)
+    return lo, self._in_words(li, leaf.plan.hi[t] - leaf.plan.lo[t])
 
-  def _pack_branch(self, dev: int, pieces: Sequence[Any], nbytes: int) -> Callable[..., Any]:
+  def _dst_offset(self, li: int, t: int, dev: int) -> tuple[int, ...]:
+    leaf = self.leaves[li]
+    start = np.asarray(leaf.dst.starts[leaf.dst.device_ids.index(dev)], dtype=np.int64)
+    return self._in_words(li, leaf.plan.lo[t] - start)
+
+  def _slicer(
+    self, offsets: dict[int, tuple[int, ...]], shape: tuple[int, ...]
+  ) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    """Slices ``shape`` at a per-device offset (``offsets``: mesh position -> offset).
+
+    One offset for all devices gives a static slice; otherwise the offset is read from a
+    constant table at the device's position, so devices with the same piece shapes share code.
+    """
+    distinct = set(offsets.values())
+    if len(distinct) == 1:
+      lo = distinct.pop()
+
+      def static(x: jax.Array, me: jax.Array) -> jax.Array:
+        if lo == (0,) * x.ndim and shape == x.shape:
+          return x
+        return jax.lax.slice(x, lo, tuple(a + b for a, b in zip(lo, shape, strict=True)))
+
+      return static
+    table = np.zeros((len(self.union_ids), len(shape)), dtype=np.int32)
+    for pos, lo in offsets.items():
+      table[pos] = lo
+
+    def dynamic(x: jax.Array, me: jax.Array) -> jax.Array:
+      row = jnp.asarray(table)[me]
+      return jax.lax.dynamic_slice(x, [row[j] for j in range(len(shape))], shape)
+
+    return dynamic
+
+  def _pack_branch(
+    self, members: Sequence[tuple[int, Sequence[Any]]], nbytes: int
+  ) -> Callable[..., Any]:
+    """Packing code shared by senders whose payloads have the same pieces up to offsets.
+
+    ``members``: (sending device, its pieces) for every sender of the group.
+    """
     local_leaf = {leaf_index: li for li, leaf_index in enumerate(self.bucket.leaves)}
+    first = members[0][1]
+    cuts = []
+    for k, p in enumerate(first):
+      li = local_leaf[p.leaf]
+      offsets = {}
+      for dev, pieces in members:
+        lo, shape = self._src_box(li, pieces[k].transfer, dev)
+        offsets[self.pos[dev]] = lo
+      cuts.append((li, self._slicer(offsets, shape)))
+    used = sum(p.nbytes for p in first)
+    unit = self.unit
 
-    def branch(*blocks: jax.Array) -> jax.Array:
+    def branch(me: jax.Array, *blocks: jax.Array) -> jax.Array:
       shards = self._local_view(blocks)
-      unit = self.unit
-      parts = [
-        _to_units(self._cut(shards, local_leaf[p.leaf], p.transfer, dev), unit) for p in pieces
-      ]
-      used = sum(p.nbytes for p in pieces)
+      parts = [_to_units(cut(shards[li], me), unit) for li, cut in cuts]
       if used < nbytes:
         parts.append(jnp.zeros(((nbytes - used) // unit.itemsize,), unit))
       return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
     return branch
 
-  def _assemble_branch(
-    self, dev: int, incoming: dict[int, list[tuple[int, int, Any]]]
-  ) -> Callable[..., Any]:
-    """``incoming[li]``: (transfer, round, piece) received for bucket leaf ``li``."""
+  def _assembly(self, dev: int, incoming: dict[int, list[tuple[int, int, Any]]]) -> tuple[Any, ...]:
+    """What device ``dev`` assembles: per leaf, its parts ordered by destination offset, each
+    (offset, shape, source) with source ``("local", transfer)`` or ``("recv", round, words)``.
+    The signature without the local transfers' source offsets decides shared code."""
+    out: list[Any] = []
+    for li, leaf in enumerate(self.leaves):
+      if dev not in leaf.dst.device_ids:
+        out.append(None)
+        continue
+      plan = leaf.plan
+      parts: list[tuple[Any, ...]] = []
+      for t in np.nonzero(plan.local & (plan.dst_device == dev))[0].tolist():
+        parts.append((self._dst_offset(li, t, dev), self._src_box(li, t, dev)[1], ("local", t)))
+      for t, r, piece in incoming.get(li, []):
+        a = piece.offset // self.unit.itemsize
+        b = (piece.offset + piece.nbytes) // self.unit.itemsize
+        box = self._in_words(li, plan.hi[t] - plan.lo[t])
+        parts.append((self._dst_offset(li, t, dev), box, ("recv", r, a, b)))
+      out.append(tuple(sorted(parts, key=lambda q: q[0])))
+    return tuple(out)
 
-    def branch(blocks: Sequence[jax.Array], recvs: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+  @staticmethod
+  def _shape_of(assembly: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(
+      None
+      if parts is None
+      else tuple((o, sh, src if src[0] == "recv" else "local") for o, sh, src in parts)
+      for parts in assembly
+    )
+
+  def _assemble_branch(self, members: Sequence[tuple[int, tuple[Any, ...]]]) -> Callable[..., Any]:
+    """Assembly code shared by destination devices with the same :meth:`_assembly` shape."""
+    first = members[0][1]
+    local_cuts: dict[tuple[int, int], Callable[[jax.Array, jax.Array], jax.Array]] = {}
+    for li, parts in enumerate(first):
+      for k, (_, shape, src) in enumerate(parts or ()):
+        if src[0] == "local":
+          offsets = {}
+          for dev, assembly in members:
+            t = assembly[li][k][2][1]
+            offsets[self.pos[dev]] = self._src_box(li, t, dev)[0]
+          local_cuts[(li, k)] = self._slicer(offsets, shape)
+
+    def branch(
+      me: jax.Array, blocks: Sequence[jax.Array], recvs: Sequence[jax.Array]
+    ) -> tuple[jax.Array, ...]:
       shards = self._local_view(blocks)
       outs = []
       for li, leaf in enumerate(self.leaves):
         block_shape = _block_shape(leaf.dst.shard_shape())
-        if dev not in leaf.dst.device_ids:
+        parts_spec = first[li]
+        if parts_spec is None:
           outs.append(jnp.zeros(block_shape, leaf.dtype))
           continue
-        start = np.asarray(leaf.dst.starts[leaf.dst.device_ids.index(dev)], dtype=np.int64)
         word = self.word[li]
-        parts: list[tuple[tuple[int, ...], jax.Array]] = []
-        plan = leaf.plan
-        for t in np.nonzero(plan.local & (plan.dst_device == dev))[0].tolist():
-          parts.append((self._in_words(li, plan.lo[t] - start), self._cut(shards, li, t, dev)))
-        for t, r, piece in incoming.get(li, []):
-          box = self._in_words(li, plan.hi[t] - plan.lo[t])
-          a = piece.offset // self.unit.itemsize
-          b = (piece.offset + piece.nbytes) // self.unit.itemsize
-          raw = jax.lax.slice(recvs[r], (a,), (b,))
-          parts.append((self._in_words(li, plan.lo[t] - start), _from_units(raw, word, box)))
+        parts = []
+        for k, (off, shape, src) in enumerate(parts_spec):
+          if src[0] == "local":
+            parts.append((off, local_cuts[(li, k)](shards[li], me)))
+          else:
+            _, r, a, b = src
+            parts.append((off, _from_units(jax.lax.slice(recvs[r], (a,), (b,)), word, shape)))
         out = _tile(parts, self._in_words(li, np.asarray(leaf.dst.shard_shape())), word)
         outs.append(_from_uint(_narrow(out, leaf), leaf.dtype).reshape(block_shape))
       return tuple(outs)
@@ -270,6 +348,7 @@ class _Body:
 
   def _body(self, *blocks: jax.Array) -> tuple[jax.Array, ...]:
     n = len(self.union_ids)
+    me = jax.lax.axis_index(self.axis)
     pieces = self.bucket.pieces()
     recvs = []
     incoming: dict[int, dict[int, list[tuple[int, int, Any]]]] = defaultdict(
@@ -277,31 +356,42 @@ class _Body:
     )
     local_leaf = {leaf_index: li for li, leaf_index in enumerate(self.bucket.leaves)}
     for r, rnd in enumerate(self.bucket.rounds):
-      table = np.zeros(n, dtype=np.int32)
-      words = rnd.nbytes // self.unit.itemsize
-      branches: list[Callable[..., Any]] = [lambda *_, nw=words: jnp.zeros((nw,), self.unit)]
+      groups: dict[tuple[Any, ...], list[tuple[int, Sequence[Any]]]] = defaultdict(list)
       for s_dev, d_dev in rnd.pairs:
-        table[self.pos[s_dev]] = len(branches)
-        branches.append(self._pack_branch(s_dev, pieces[(s_dev, d_dev)], rnd.nbytes))
-        for p in pieces[(s_dev, d_dev)]:
+        ps = pieces[(s_dev, d_dev)]
+        shapes = tuple(
+          (local_leaf[p.leaf], self._src_box(local_leaf[p.leaf], p.transfer, s_dev)[1]) for p in ps
+        )
+        groups[shapes].append((s_dev, ps))
+        for p in ps:
           incoming[d_dev][local_leaf[p.leaf]].append((p.transfer, r, p))
-      payload = _switch(self.axis, table, branches, *blocks)
+      words = rnd.nbytes // self.unit.itemsize
+      table = np.zeros(n, dtype=np.int32)
+      branches: list[Callable[..., Any]] = [lambda me, *_, nw=words: jnp.zeros((nw,), self.unit)]
+      for members in groups.values():
+        for dev, _ in members:
+          table[self.pos[dev]] = len(branches)
+        branches.append(self._pack_branch(members, rnd.nbytes))
+      payload = _switch(me, table, branches, me, *blocks)
       perm = [(self.pos[s], self.pos[d]) for s, d in rnd.pairs]
       recvs.append(jax.lax.ppermute(payload, self.axis, perm))
 
-    dst_devs = sorted({d for leaf in self.leaves for d in leaf.dst.device_ids})
-    table = np.zeros(n, dtype=np.int32)
-
-    def idle(blocks: Sequence[jax.Array], recvs: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+    def idle(me: jax.Array, blocks: Any, recvs: Any) -> tuple[jax.Array, ...]:
       return tuple(
         jnp.zeros(_block_shape(leaf.dst.shard_shape()), leaf.dtype) for leaf in self.leaves
       )
 
-    branches = [idle]
-    for dev in dst_devs:
-      table[self.pos[dev]] = len(branches)
-      branches.append(self._assemble_branch(dev, incoming[dev]))
-    return tuple(_switch(self.axis, table, branches, list(blocks), recvs))
+    assemble: dict[tuple[Any, ...], list[tuple[int, tuple[Any, ...]]]] = defaultdict(list)
+    for dev in sorted({d for leaf in self.leaves for d in leaf.dst.device_ids}):
+      assembly = self._assembly(dev, incoming[dev])
+      assemble[self._shape_of(assembly)].append((dev, assembly))
+    table = np.zeros(n, dtype=np.int32)
+    assemblers: list[Callable[..., Any]] = [idle]
+    for dst_members in assemble.values():
+      for dev, _ in dst_members:
+        table[self.pos[dev]] = len(assemblers)
+      assemblers.append(self._assemble_branch(dst_members))
+    return tuple(_switch(me, table, assemblers, me, list(blocks), recvs))
 
 
 class BucketProgram(_Body):
