@@ -4,11 +4,13 @@ A bucket becomes one compiled ``shard_map`` program over a 1-D *union mesh* of e
 destination device (ordered by device id). Each leaf enters as a staged array whose block on a
 device is that device's source shard, assembled zero-copy with
 ``jax.make_array_from_single_device_arrays`` (devices without a source shard contribute a
-placeholder). Inside the program every device runs its own static code, selected with
-``lax.switch`` on its position in the mesh: per round it packs the bytes it sends into one
-payload, ``lax.ppermute`` moves all payloads of the round, and at the end every destination
-device assembles its shard from received bytes and its own resident data. The destination
-blocks are re-wrapped zero-copy into the destination sharding.
+placeholder). Per round every sender packs the bytes it sends into one payload,
+``lax.ppermute`` moves all payloads of the round, and at the end every destination device
+assembles its shard from received words and its own resident data. Devices whose work differs
+only in offsets share one piece of code that reads its offsets from a constant table at the
+device's mesh position; different work is selected with ``lax.switch`` on that position (so the
+program grows with the number of distinct roles, not of devices). The destination blocks are
+re-wrapped zero-copy into the destination sharding.
 """
 
 from __future__ import annotations
