@@ -414,6 +414,39 @@ class BucketProgram(_Body):
     self._dst_orders: dict[int, list[int]] = {}
     me = jax.process_index()
     self._local_ids = [i for i in self.union_ids if devices[i].process_index == me]
+    # Placeholders: per (block shape, dtype), the union devices that hold no source shard of
+    # some leaf of that kind; all are made by one compiled program per distinct device set.
+    needs: dict[tuple[Any, ...], set[int]] = defaultdict(set)
+    for leaf in self.leaves:
+      key = (_block_shape(leaf.src.shard_shape()), leaf.dtype)
+      needs[key] |= set(self.union_ids) - set(leaf.src.device_ids)
+    by_devices: dict[tuple[int, ...], list[tuple[Any, ...]]] = defaultdict(list)
+    for key, devs in needs.items():
+      if devs:
+        by_devices[tuple(sorted(devs))].append(key)
+    self._placeholder_groups = list(by_devices.items())
+    self._placeholder_fns: list[Any] = []
+
+  def _placeholders(self) -> dict[tuple[Any, ...], jax.Array]:
+    """Zero blocks for this call, keyed by (device id, block shape, dtype): one dispatch per
+    distinct device set instead of one per device and leaf."""
+    if not self._placeholder_fns:
+      for ids, keys in self._placeholder_groups:
+        mesh = Mesh(np.array([self.devices[i] for i in ids]), ("p",))
+        sharding = NamedSharding(mesh, PartitionSpec("p"))
+
+        def make(keys: list[tuple[Any, ...]] = keys, k: int = len(ids)) -> tuple[jax.Array, ...]:
+          return tuple(jnp.zeros((k * shape[0], *shape[1:]), dtype) for shape, dtype in keys)
+
+        self._placeholder_fns.append(
+          jax.jit(make, out_shardings=tuple(sharding for _ in keys)).lower().compile()
+        )
+    out = {}
+    for (_, keys), fn in zip(self._placeholder_groups, self._placeholder_fns, strict=True):
+      for key, arr in zip(keys, fn(), strict=True):
+        for shard in arr.addressable_shards:
+          out[(shard.device.id, *key)] = shard.data
+    return out
 
   def _compile(self) -> Any:
     n = len(self.union_ids)
@@ -436,11 +469,8 @@ class BucketProgram(_Body):
     blocks = []
     for dev_id in self._local_ids:
       data = held.get(dev_id)
-      if data is None:  # one shared placeholder per device, shape and dtype in a call
-        key = (dev_id, block_shape, leaf.dtype)
-        if key not in placeholders:
-          placeholders[key] = jnp.zeros(block_shape, leaf.dtype, device=self.devices[dev_id])
-        data = placeholders[key]
+      if data is None:  # a zero block shared by leaves of one shape and dtype
+        data = placeholders[(dev_id, block_shape, leaf.dtype)]
       elif not shard_shape:
         data = data.reshape(block_shape)
       blocks.append(data)
@@ -472,7 +502,7 @@ class BucketProgram(_Body):
   def __call__(self, xs: Sequence[jax.Array]) -> list[jax.Array]:
     if self._compiled is None:
       self._compiled = self._compile()
-    placeholders: dict[Any, jax.Array] = {}
+    placeholders = self._placeholders()
     staged = [self._stage(leaf, x, placeholders) for leaf, x in zip(self.leaves, xs, strict=True)]
     ys = self._compiled(*staged)
     return [self._unstage(leaf, y) for leaf, y in zip(self.leaves, ys, strict=True)]

@@ -22,7 +22,7 @@ from jax_reshard._layout import Layout
 from jax_reshard._planner import LeafPlan
 
 DEFAULT_MAX_BUCKET_BYTES = 1 << 30
-SIZE_TOLERANCE = 0.02  # payloads within 2% of a round's largest share the round
+SIZE_TOLERANCE = 0.02  # size classes: payloads within 2% of the class's largest
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -215,28 +215,36 @@ def _make_rounds(
 ) -> tuple[list[Round], np.ndarray]:
   """Rounds for pairs ``(ps[i], pd[i])`` of ``fill[i]`` bytes, and each pair's round size.
 
-  Size classes within SIZE_TOLERANCE are coloured separately, largest payloads first, unless
-  that would more than double the rounds (then fewer rounds beat less padding).
+  Two colourings are compared by the time they imply where devices run in parallel, the sum
+  over rounds of the round's largest payload: one that colours size classes (payloads within
+  SIZE_TOLERANCE of each other) separately, which pads little but may leave devices idle, and
+  one that colours all pairs together, largest first. Ties go to less padding.
   """
+  if not len(fill):
+    return [], np.zeros(0, dtype=np.int64)
   order = np.lexsort((pd, ps, -fill))
   ps, pd, fill = ps[order], pd[order], fill[order]
   bounds = [0]
   while bounds[-1] < len(fill):  # fill is descending: classes are runs above a threshold
     floor = (1 - SIZE_TOLERANCE) * fill[bounds[-1]]
     bounds.append(int(np.searchsorted(-fill, -floor, side="right")))
-  classes = list(itertools.pairwise(bounds))
-  if sum(_max_degree(ps[a:b], pd[a:b]) for a, b in classes) > 2 * _max_degree(ps, pd):
-    classes = [(0, len(fill))]
-  colour = np.empty(len(fill), dtype=np.int64)
-  base = 0
-  for a, b in classes:
-    edges = list(zip(ps[a:b].tolist(), pd[a:b].tolist(), strict=True))
-    colour[a:b] = base + np.asarray(color_bipartite(edges))
-    base = int(colour[a:b].max()) + 1
-  if not base:
-    return [], np.zeros(0, dtype=np.int64)
-  size = np.zeros(base, dtype=np.int64)
-  np.maximum.at(size, colour, fill)
+  best = None
+  for classes in (list(itertools.pairwise(bounds)), [(0, len(fill))]):
+    colour = np.empty(len(fill), dtype=np.int64)
+    base = 0
+    for a, b in classes:
+      edges = list(zip(ps[a:b].tolist(), pd[a:b].tolist(), strict=True))
+      colour[a:b] = base + np.asarray(color_bipartite(edges))
+      base = int(colour[a:b].max()) + 1
+    size = np.zeros(base, dtype=np.int64)
+    np.maximum.at(size, colour, fill)
+    cost = (int(size.sum()), int((size[colour] - fill).sum()))
+    if best is None or cost < best[0]:
+      best = (cost, colour, base, size)
+    if len(classes) == 1:
+      break
+  assert best is not None
+  _, colour, base, size = best
   by_round = np.lexsort((pd, ps, colour))
   cuts = np.searchsorted(colour[by_round], np.arange(1, base))
   rounds = [
@@ -246,14 +254,6 @@ def _make_rounds(
   pair_round_bytes = np.empty(len(fill), dtype=np.int64)
   pair_round_bytes[order] = size[colour]
   return rounds, pair_round_bytes
-
-
-def _max_degree(ps: np.ndarray, pd: np.ndarray) -> int:
-  if not len(ps):
-    return 0
-  return int(
-    max(np.unique(ps, return_counts=True)[1].max(), np.unique(pd, return_counts=True)[1].max())
-  )
 
 
 def make_schedule(
