@@ -2,12 +2,13 @@
 
 All remote transfers between one (source device, destination device) pair inside a bucket are
 packed into one byte payload. Pairs are grouped into rounds in which every device sends at most
-once and receives at most once: a bipartite edge colouring, computed with the alternating-path
-method so that a set of pairs of maximum degree ``k`` needs exactly ``k`` rounds. Pairs whose
-payload sizes are within a small tolerance are coloured together so that padding (every sender
-of a round sends the round's largest payload size) stays small. Leaves are split into buckets
-so that the staging memory of every device stays under ``max_bucket_bytes``.
-"""
+once and receives at most once: a bipartite edge colouring with as many colours as the maximum
+degree (first fit with per-device bitmasks when that reaches the optimum, else alternating-path
+recolouring). Every sender of a round sends the round's largest payload size, so colouring size
+classes apart pads little but can leave devices idle; both that and one colouring of all pairs
+are computed and the one with the smaller sum of round maxima (the time when devices run in
+parallel) is kept. Leaves are split into buckets so that the staging memory of every device
+stays under ``max_bucket_bytes``. Everything is NumPy over arrays of transfers."""
 
 from __future__ import annotations
 
