@@ -244,8 +244,7 @@ class ReshardPlan:
         devices[d.id] = d
     specs = self.leaf_specs()
     return [
-      _lower.BucketProgram(b, specs, devices, self.schedule.union_device_ids)
-      for b in self.schedule.buckets
+      _lower.BucketProgram(b, specs, devices, b.union_device_ids) for b in self.schedule.buckets
     ]
 
   def _check_input(self, x: Any) -> list[Any]:

@@ -109,6 +109,7 @@ def _schedule_digest(schedule: Schedule) -> str:
   _feed_ints(h, schedule.union_device_ids)
   for b in schedule.buckets:
     _feed_ints(h, b.leaves)
+    _feed_ints(h, b.union_device_ids)
     for r in b.rounds:
       _feed_ints(h, [r.nbytes, *np.asarray(r.pairs, dtype=np.int64).reshape(-1).tolist()])
     pieces = (b.piece_src, b.piece_dst, b.piece_leaf, b.piece_transfer, b.piece_offset)

@@ -55,6 +55,7 @@ class Bucket:
 
   leaves: tuple[int, ...]
   rounds: tuple[Round, ...]
+  union_device_ids: tuple[int, ...]  # the bucket's mesh: every device of its leaves, ascending
   piece_src: np.ndarray
   piece_dst: np.ndarray
   piece_leaf: np.ndarray
@@ -96,7 +97,8 @@ class Schedule:
 
 
 def _placeholder_bytes(src: Layout, dst: Layout, itemsize: int, union: np.ndarray) -> np.ndarray:
-  """Per union device: placeholder input / discarded output bytes of a leaf on the union mesh."""
+  """Per device of ``union``: the placeholder input and discarded output bytes a leaf costs
+  there if that device is on the leaf's mesh."""
   src_shard = int(np.prod(src.shard_shape(), dtype=np.int64)) * itemsize
   dst_shard = int(np.prod(dst.shard_shape(), dtype=np.int64)) * itemsize
   not_src = ~np.isin(union, np.asarray(src.device_ids, dtype=np.int64))
@@ -107,27 +109,37 @@ def _placeholder_bytes(src: Layout, dst: Layout, itemsize: int, union: np.ndarra
 def _split_buckets(
   plans: Sequence[LeafPlan],
   placeholders: Sequence[np.ndarray],
+  members: Sequence[np.ndarray],
   union: np.ndarray,
   max_bucket_bytes: int,
 ) -> list[list[int]]:
   """Consecutive leaves per bucket while every device's staging stays under the bound.
 
-  A leaf's staging on a device is what it sends and receives there plus its placeholders.
+  A bucket runs on the devices of its leaves only. A leaf's staging on a device of its bucket is
+  what it sends and receives there plus its placeholder blocks (``placeholders``, per device of
+  ``union``, counted on the bucket's devices ``members``).
   """
   buckets: list[list[int]] = []
   current: list[int] = []
-  acc = np.zeros(len(union), dtype=np.int64)
   n = len(union)
-  for leaf, (plan, ph) in enumerate(zip(plans, placeholders, strict=True)):
+  acc_ph = np.zeros(n, dtype=np.int64)
+  acc_pay = np.zeros(n, dtype=np.int64)
+  mask = np.zeros(n, dtype=bool)
+  for leaf, (plan, ph, own) in enumerate(zip(plans, placeholders, members, strict=True)):
     remote = ~plan.local
     nb = plan.nbytes[remote]
-    st = ph + np.bincount(np.searchsorted(union, plan.src_device[remote]), nb, minlength=n)
-    st = st + np.bincount(np.searchsorted(union, plan.dst_device[remote]), nb, minlength=n)
-    if current and int((acc + st).max()) > max_bucket_bytes:
+    pay = np.bincount(np.searchsorted(union, plan.src_device[remote]), nb, minlength=n)
+    pay = pay + np.bincount(np.searchsorted(union, plan.dst_device[remote]), nb, minlength=n)
+    pay = pay.astype(np.int64)
+    staged = (acc_ph + ph) * (mask | own) + acc_pay + pay
+    if current and int(staged.max()) > max_bucket_bytes:
       buckets.append(current)
-      current, acc = [], np.zeros(n, dtype=np.int64)
+      current = []
+      acc_ph, acc_pay, mask = np.zeros_like(acc_ph), np.zeros_like(acc_pay), np.zeros_like(mask)
     current.append(leaf)
-    acc += st.astype(np.int64)
+    acc_ph += ph
+    acc_pay += pay
+    mask |= own
   if current:
     buckets.append(current)
   return buckets
@@ -280,12 +292,16 @@ def make_schedule(
   placeholders = [
     _placeholder_bytes(s, d, isz, union) for (s, d), isz in zip(layouts, itemsizes, strict=True)
   ]
+  members = [
+    np.isin(union, np.asarray((*s.device_ids, *d.device_ids), dtype=np.int64)) for s, d in layouts
+  ]
   buckets = []
   padding = 0
   sent = np.zeros(n, dtype=np.int64)
   recv = np.zeros(n, dtype=np.int64)
   peak = 0
-  for leaves in _split_buckets(plans, placeholders, union, max_bucket_bytes):
+  for leaves in _split_buckets(plans, placeholders, members, union, max_bucket_bytes):
+    in_bucket = np.logical_or.reduce([members[leaf] for leaf in leaves])
     cols: list[list[np.ndarray]] = [[], [], [], [], []]
     for leaf in leaves:
       p = plans[leaf]
@@ -314,12 +330,13 @@ def make_schedule(
     in_b = np.bincount(d_pos, round_bytes, minlength=n).astype(np.int64)
     sent += out_b
     recv += in_b
-    stage = sum((placeholders[leaf] for leaf in leaves), np.zeros(n, dtype=np.int64))
+    stage = sum((placeholders[leaf] for leaf in leaves), np.zeros(n, dtype=np.int64)) * in_bucket
     peak = max(peak, int((stage + out_b + in_b).max(initial=0)))
     buckets.append(
       Bucket(
         leaves=tuple(leaves),
         rounds=tuple(rounds),
+        union_device_ids=tuple(union[in_bucket].tolist()),
         piece_src=src,
         piece_dst=dst,
         piece_leaf=leaf_of,

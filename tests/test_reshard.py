@@ -150,3 +150,19 @@ def test_stats_fields_consistent() -> None:
   assert st.gather_broadcast_bytes == 4 * (full - full // 4) + 4 * full
   assert st.num_rounds == 4 and st.padding_bytes == 0
   assert st.max_recv_bytes == full
+
+
+def test_buckets_run_on_their_own_devices() -> None:
+  """Leaves of different pipeline stages land in different buckets, each meshed over only the
+  devices its leaves use (no idle participants holding placeholders for other stages)."""
+  devs = np.array(jax.devices())
+  stage0 = NamedSharding(Mesh(devs[0:2], ("a",)), P("a"))
+  stage1 = NamedSharding(Mesh(devs[2:4], ("a",)), P("a"))
+  sampler0 = NamedSharding(Mesh(devs[4:6], ("b",)), P(None, "b"))
+  sampler1 = NamedSharding(Mesh(devs[6:8], ("b",)), P(None, "b"))
+  hosts = [np.arange(64, dtype=np.float32).reshape(8, 8) + i for i in range(2)]
+  xs = [jax.device_put(hosts[0], stage0), jax.device_put(hosts[1], stage1)]
+  plan = jr.make_plan(xs, [sampler0, sampler1], max_bucket_bytes=300)
+  assert [b.union_device_ids for b in plan.schedule.buckets] == [(0, 1, 4, 5), (2, 3, 6, 7)]
+  for y, h, s in zip(plan(xs), hosts, (sampler0, sampler1), strict=True):
+    assert_matches_oracle(y, h, s)
