@@ -1,8 +1,8 @@
 """Lowering: the only module that traces JAX code.
 
 A bucket becomes one compiled ``shard_map`` program over a 1-D *union mesh* of the source and
-destination devices of its leaves (ordered by device id). Each leaf enters as a staged array whose block on a
-device is that device's source shard, assembled zero-copy with
+destination devices of its leaves (ordered by device id). Each leaf enters as a staged array
+whose block on a device is that device's source shard, assembled zero-copy with
 ``jax.make_array_from_single_device_arrays`` (devices without a source shard contribute a
 placeholder). Per round every sender packs the bytes it sends into one payload,
 ``lax.ppermute`` moves all payloads of the round, and at the end every destination device
