@@ -9,11 +9,11 @@ BENCH_STAMP := $(VENV)/.installed-bench
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,flax,viz,notebooks]'
 	touch $@
 
 $(BENCH_STAMP): $(STAMP)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,bench]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,flax,viz,notebooks,bench]'
 	touch $@
 
 lint: $(STAMP)
