@@ -1,14 +1,14 @@
 """jax_reshard: exact minimal-traffic resharding between any two JAX layouts."""
 
-from jax_reshard._api import PlanStats as PlanStats
 from jax_reshard._api import ReshardPlan as ReshardPlan
 from jax_reshard._api import make_plan as make_plan
 from jax_reshard._api import plan_cache_clear as plan_cache_clear
-from jax_reshard._api import reshard as reshard
 from jax_reshard._distributed import ReshardPeerError as ReshardPeerError
 from jax_reshard._distributed import ReshardPlanMismatchError as ReshardPlanMismatchError
 from jax_reshard._errors import ReshardError as ReshardError
 from jax_reshard._errors import ReshardTypeError as ReshardTypeError
 from jax_reshard._layout import Layout as Layout
+from jax_reshard._plan import PlanStats as PlanStats
+from jax_reshard._reshard import reshard as reshard
 
 __version__ = "0.1.0"

@@ -1,178 +1,18 @@
-"""Public entry points: ``make_plan``, ``ReshardPlan`` and ``reshard``."""
+"""Eager plans: ``make_plan`` and ``ReshardPlan``."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
 import jax
-import numpy as np
-from jax.sharding import Sharding
 
 from jax_reshard import _lower
-from jax_reshard._errors import ReshardError, ReshardTypeError
-from jax_reshard._layout import Layout, describe_sharding
-from jax_reshard._planner import LeafPlan, plan_leaves
-from jax_reshard._schedule import DEFAULT_MAX_BUCKET_BYTES, Schedule, make_schedule
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class PlanStats:
-  """Byte and round counts of a plan. Per-device fields are maxima over devices.
-
-  Attributes:
-    bytes_moved: bytes received by devices from other devices (without padding).
-    lower_bound_bytes: sum over destination devices of their shard bytes minus what they
-      already hold in the source; ``bytes_moved`` equals it for every plan.
-    padding_bytes: extra bytes sent only to make the payloads of a round one size.
-    local_copy_bytes: bytes copied device-locally because the device already holds them.
-    gather_broadcast_bytes: bytes devices would receive in the conventional refit: an
-      all-gather over the source devices, then the full tensor sent to every destination device
-      that is not a source device.
-    num_rounds: collective (``ppermute``) rounds over all buckets.
-    num_buckets: compiled programs the plan runs, one after another.
-    max_send_bytes: most bytes one device sends (padding included).
-    max_recv_bytes: most bytes one device receives (padding included).
-    peak_staging_bytes: most transient bytes one device holds in a bucket: send and receive
-      payloads plus placeholder blocks for leaves it has no source or destination shard of.
-  """
-
-  bytes_moved: int
-  lower_bound_bytes: int
-  padding_bytes: int
-  local_copy_bytes: int
-  gather_broadcast_bytes: int
-  num_rounds: int
-  num_buckets: int
-  max_send_bytes: int
-  max_recv_bytes: int
-  peak_staging_bytes: int
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Leaf:
-  path: str
-  shape: tuple[int, ...]
-  dtype: np.dtype
-  src_sharding: Sharding
-  dst_sharding: Sharding
-
-
-def _fix_hint(leaf: _Leaf) -> str:
-  return (
-    f"\n  leaf:        {leaf.path or '<root>'} shape={leaf.shape} dtype={leaf.dtype}"
-    f"\n  source:      {describe_sharding(leaf.src_sharding)}"
-    f"\n  destination: {describe_sharding(leaf.dst_sharding)}"
-  )
-
-
-def _as_sharding(path: str, d: Any) -> Sharding:
-  if isinstance(d, Sharding):
-    return d
-  sharding = getattr(d, "sharding", None)
-  if isinstance(sharding, Sharding):
-    return sharding
-  raise ReshardTypeError(
-    f"destination for leaf {path or '<root>'} is {type(d).__name__}, not a "
-    "jax.sharding.Sharding (nor an array / ShapeDtypeStruct with a .sharding). Pass e.g.\n"
-    "  >>> jr.reshard(x, NamedSharding(mesh, P('tp')))"
-  )
-
-
-def _broadcast_shardings(prefix: Any, full: Any, treedef: Any, n: int, what: str) -> list[Any]:
-  """One Sharding (or template) per leaf of ``full`` from a Sharding or a pytree prefix."""
-  if isinstance(prefix, Sharding):
-    return [prefix] * n
-  try:
-    out = jax.tree_util.tree_broadcast(
-      prefix, full, is_leaf=lambda x: isinstance(x, Sharding) or x is None
-    )
-    leaves = jax.tree_util.tree_leaves(out, is_leaf=lambda x: isinstance(x, Sharding) or x is None)
-  except (ValueError, TypeError) as e:
-    raise ReshardError(
-      f"the {what} tree must be one Sharding or a pytree prefix of the source tree "
-      f"whose leaves are Shardings.\n  source tree:      {treedef}\n  {what} tree: "
-      f"{jax.tree_util.tree_structure(prefix)}\n  ({e})"
-    ) from None
-  if len(leaves) != n:
-    raise ReshardError(
-      f"{what} tree has {len(leaves)} leaves for {n} source leaves.\n"
-      f"  source tree: {treedef}\n  {what} tree: {jax.tree_util.tree_structure(prefix)}"
-    )
-  return leaves
-
-
-def _flatten(
-  src: Any, dst: Any, src_shardings: list[Any] | None = None
-) -> tuple[Any, list[_Leaf], list[Any]]:
-  """Validates ``src``/``dst`` and returns (treedef, leaves, destination templates).
-
-  ``src_shardings`` overrides the leaves' own ``.sharding`` (used for traced values).
-  """
-  src_leaves, treedef = jax.tree_util.tree_flatten_with_path(src)
-  dst_leaves = _broadcast_shardings(dst, src, treedef, len(src_leaves), "destination")
-  leaves = []
-  for i, ((path, x), d) in enumerate(zip(src_leaves, dst_leaves, strict=True)):
-    name = jax.tree_util.keystr(path)
-    if not isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
-      raise ReshardTypeError(
-        f"source leaf {name or '<root>'} is {type(x).__name__}; expected a jax.Array or a "
-        "jax.ShapeDtypeStruct with a sharding. Put host data on devices first with "
-        "jax.device_put(x, sharding)."
-      )
-    src_sharding = src_shardings[i] if src_shardings else getattr(x, "sharding", None)
-    if not isinstance(src_sharding, Sharding):
-      raise ReshardTypeError(
-        f"source leaf {name or '<root>'} has no sharding; build it as "
-        "jax.ShapeDtypeStruct(shape, dtype, sharding=...)"
-      )
-    leaf = _Leaf(
-      path=name,
-      shape=tuple(int(s) for s in x.shape),
-      dtype=np.dtype(x.dtype),
-      src_sharding=src_sharding,
-      dst_sharding=_as_sharding(name, d),
-    )
-    _check_leaf(leaf, d)
-    leaves.append(leaf)
-  return treedef, leaves, dst_leaves
-
-
-def _check_leaf(leaf: _Leaf, dst_template: Any) -> None:
-  if hasattr(dst_template, "shape") and not isinstance(dst_template, Sharding):
-    if tuple(dst_template.shape) != leaf.shape:
-      raise ReshardError(
-        f"destination shape {tuple(dst_template.shape)} differs from the source shape "
-        f"{leaf.shape}; reshard moves data, it does not reshape." + _fix_hint(leaf)
-      )
-    if np.dtype(dst_template.dtype) != leaf.dtype:
-      raise ReshardError(
-        f"destination dtype {np.dtype(dst_template.dtype)} differs from the source dtype "
-        f"{leaf.dtype}; cast with x.astype(...) before or after resharding." + _fix_hint(leaf)
-      )
-  src_platforms = {getattr(d, "platform", "?") for d in leaf.src_sharding.device_set}
-  dst_platforms = {getattr(d, "platform", "?") for d in leaf.dst_sharding.device_set}
-  if src_platforms != dst_platforms or len(src_platforms) != 1:
-    raise ReshardError(
-      f"source devices are on {sorted(src_platforms)} but destination devices on "
-      f"{sorted(dst_platforms)}; reshard moves data between devices of one platform. Use "
-      "jax.device_put to cross platforms." + _fix_hint(leaf)
-    )
-  for which, sharding in (("source", leaf.src_sharding), ("destination", leaf.dst_sharding)):
-    spec = getattr(sharding, "spec", None)
-    if spec is not None and len(spec) > len(leaf.shape):
-      raise ReshardError(
-        f"the {which} spec {spec} has {len(spec)} entries but the array has rank "
-        f"{len(leaf.shape)}; give a spec with at most one entry per dimension." + _fix_hint(leaf)
-      )
-    try:
-      sharding.shard_shape(leaf.shape)
-    except ValueError as e:
-      raise ReshardError(
-        f"the {which} sharding does not divide the shape evenly: {e}. Change the mesh axis "
-        "sizes or the partition spec, or pad the array." + _fix_hint(leaf)
-      ) from None
+from jax_reshard._layout import Layout
+from jax_reshard._plan import LayoutPlan, PlanStats, format_plan, plan_layouts
+from jax_reshard._planner import LeafPlan
+from jax_reshard._schedule import DEFAULT_MAX_BUCKET_BYTES, Schedule
+from jax_reshard._tree import Leaf, check_arrays, flatten_tree
 
 
 class ReshardPlan:
@@ -184,156 +24,77 @@ class ReshardPlan:
     stats: :class:`PlanStats` of the whole tree.
     schedule: the buckets and rounds the plan runs.
     leaf_plans: per leaf, the planned transfers.
+    layouts: per leaf, the ``(source, destination)`` :class:`Layout`.
+    leaves: per leaf, its path, shape, dtype and both shardings.
+    layout_plan: the plan of the layouts alone (what :func:`plan_layouts` returns).
   """
 
-  def __init__(self, treedef: Any, leaves: list[_Leaf], *, max_bucket_bytes: int) -> None:
+  def __init__(self, treedef: Any, leaves: list[Leaf], *, max_bucket_bytes: int | None) -> None:
     self._treedef = treedef
-    self._leaves = leaves
-    self.layouts = [
-      (
-        Layout.from_sharding(lf.src_sharding, lf.shape),
-        Layout.from_sharding(lf.dst_sharding, lf.shape),
-      )
-      for lf in leaves
-    ]
-    itemsizes = [lf.dtype.itemsize for lf in leaves]
-    self.leaf_plans: list[LeafPlan] = plan_leaves(self.layouts, itemsizes)
-    self._moving = [i for i, lf in enumerate(leaves) if int(np.prod(lf.shape)) > 0]
-    self.schedule: Schedule = make_schedule(
-      [self.leaf_plans[i] for i in self._moving],
-      [self.layouts[i] for i in self._moving],
-      [itemsizes[i] for i in self._moving],
+    self.leaves: tuple[Leaf, ...] = tuple(leaves)
+    self.layout_plan: LayoutPlan = plan_layouts(
+      [lf.layouts() for lf in leaves],
+      [lf.dtype.itemsize for lf in leaves],
       max_bucket_bytes=max_bucket_bytes,
     )
-    self.stats = PlanStats(
-      bytes_moved=sum(p.bytes_moved for p in self.leaf_plans),
-      lower_bound_bytes=sum(p.lower_bound_bytes for p in self.leaf_plans),
-      padding_bytes=self.schedule.padding_bytes,
-      local_copy_bytes=sum(p.local_copy_bytes for p in self.leaf_plans),
-      gather_broadcast_bytes=sum(p.gather_broadcast_bytes for p in self.leaf_plans),
-      num_rounds=self.schedule.num_rounds,
-      num_buckets=len(self.schedule.buckets),
-      max_send_bytes=self.schedule.max_send_bytes,
-      max_recv_bytes=self.schedule.max_recv_bytes,
-      peak_staging_bytes=self.schedule.peak_staging_bytes,
-    )
+    scheduled = set(self.layout_plan.scheduled)
+    self._unscheduled = [i for i in range(len(self.leaves)) if i not in scheduled]
+    self._bucket_leaves = [
+      self.layout_plan.bucket_leaves(b) for b in range(len(self.schedule.buckets))
+    ]
     self._programs: list[_lower.BucketProgram] | None = None
+
+  @property
+  def stats(self) -> PlanStats:
+    return self.layout_plan.stats
+
+  @property
+  def schedule(self) -> Schedule:
+    return self.layout_plan.schedule
+
+  @property
+  def leaf_plans(self) -> tuple[LeafPlan, ...]:
+    return self.layout_plan.leaf_plans
+
+  @property
+  def layouts(self) -> tuple[tuple[Layout, Layout], ...]:
+    return self.layout_plan.layouts
 
   @property
   def dst_shardings(self) -> Any:
     """The destination shardings, in the structure of the source tree."""
-    return jax.tree_util.tree_unflatten(self._treedef, [lf.dst_sharding for lf in self._leaves])
-
-  def leaf_specs(self) -> list[_lower.LeafSpec]:
-    """What the lowering needs per leaf that moves data (leaves with elements), in order."""
-    return [
-      _lower.LeafSpec(
-        plan=self.leaf_plans[i],
-        src=self.layouts[i][0],
-        dst=self.layouts[i][1],
-        dtype=self._leaves[i].dtype,
-        dst_sharding=self._leaves[i].dst_sharding,
-      )
-      for i in self._moving
-    ]
+    return jax.tree_util.tree_unflatten(self._treedef, [lf.dst_sharding for lf in self.leaves])
 
   def _build_programs(self) -> list[_lower.BucketProgram]:
     devices = {}
-    for lf in self._leaves:
+    for lf in self.leaves:
       for d in (*lf.src_sharding.device_set, *lf.dst_sharding.device_set):
         devices[d.id] = d
-    specs = self.leaf_specs()
+    specs = _lower.leaf_specs(self.layout_plan, self.leaves)
     return [
       _lower.BucketProgram(b, specs, devices, b.union_device_ids) for b in self.schedule.buckets
     ]
 
-  def _check_input(self, x: Any) -> list[Any]:
-    leaves, treedef = jax.tree_util.tree_flatten(x)
-    if treedef != self._treedef:
-      raise ReshardError(
-        f"input tree does not match the plan's tree.\n  plan:  {self._treedef}\n  input: {treedef}"
-      )
-    problems = []
-    for lf, a in zip(self._leaves, leaves, strict=True):
-      if not isinstance(a, jax.Array):
-        problems.append(f"{lf.path or '<root>'}: {type(a).__name__} is not a jax.Array")
-      elif a.is_deleted():
-        problems.append(f"{lf.path or '<root>'}: the array has been deleted (donated?)")
-      elif tuple(a.shape) != lf.shape or np.dtype(a.dtype) != lf.dtype:
-        problems.append(
-          f"{lf.path or '<root>'}: {a.dtype}{list(a.shape)} but the plan was made for "
-          f"{lf.dtype}{list(lf.shape)}"
-        )
-      elif a.sharding != lf.src_sharding and not a.sharding.is_equivalent_to(
-        lf.src_sharding, len(lf.shape)
-      ):  # equality first: it is the common case and much cheaper on every refit
-        problems.append(
-          f"{lf.path or '<root>'}: placed as {describe_sharding(a.sharding)} but the plan "
-          f"was made for {describe_sharding(lf.src_sharding)}"
-        )
-    if problems:
-      raise ReshardError(
-        "input does not match the plan (make a new plan with jr.make_plan for this input):\n  "
-        + "\n  ".join(problems)
-      )
-    return leaves
-
   def __call__(self, x: Any) -> Any:
     """Reshards ``x`` (a pytree matching the plan's source) into the destination layouts."""
-    leaves = self._check_input(x)
+    arrays = check_arrays(self._treedef, self.leaves, x)
     if jax.process_count() > 1:  # all processes must hold this plan before any collective
       from jax_reshard import _distributed
 
       _distributed.check_plan(self)
     if self._programs is None:
       self._programs = self._build_programs()
-    out: list[Any] = [None] * len(leaves)
-    moving = set(self._moving)
-    for i, lf in enumerate(self._leaves):
-      if i not in moving:
-        out[i] = _lower.empty_like_sharded(lf.shape, lf.dtype, lf.dst_sharding)
-    for prog in self._programs:
-      idx = [self._moving[j] for j in prog.bucket.leaves]
-      for i, y in zip(idx, prog([leaves[i] for i in idx]), strict=True):
+    out: list[Any] = [None] * len(arrays)
+    for i in self._unscheduled:
+      lf = self.leaves[i]
+      out[i] = _lower.empty_like_sharded(lf.shape, lf.dtype, lf.dst_sharding)
+    for idx, prog in zip(self._bucket_leaves, self._programs, strict=True):
+      for i, y in zip(idx, prog([arrays[i] for i in idx]), strict=True):
         out[i] = y
     return jax.tree_util.tree_unflatten(self._treedef, out)
 
   def __repr__(self) -> str:
-    return format_plan(self)
-
-
-def format_plan(plan: ReshardPlan) -> str:
-  """A short summary: one line per (source layout -> destination layout) group, then totals."""
-  groups: dict[tuple[str, str], list[int]] = {}
-  for i, (s, d) in enumerate(plan.layouts):
-    groups.setdefault((s.description, d.description), []).append(i)
-  st = plan.stats
-  lines = [f"ReshardPlan: {len(plan.layouts)} leaves, {len(groups)} layout groups"]
-  for (src_txt, dst_txt), idx in groups.items():
-    moved = sum(plan.leaf_plans[i].bytes_moved for i in idx)
-    local = sum(plan.leaf_plans[i].local_copy_bytes for i in idx)
-    lines.append(f"  {len(idx):4d} leaves  {src_txt}")
-    lines.append(f"             -> {dst_txt}")
-    lines.append(f"             moved {_fmt_bytes(moved)}, local {_fmt_bytes(local)}")
-  ratio = st.gather_broadcast_bytes / st.bytes_moved if st.bytes_moved else float("inf")
-  lines += [
-    f"  bytes moved        {_fmt_bytes(st.bytes_moved)} (lower bound "
-    f"{_fmt_bytes(st.lower_bound_bytes)}, padding {_fmt_bytes(st.padding_bytes)})",
-    f"  local copies       {_fmt_bytes(st.local_copy_bytes)}",
-    f"  gather+broadcast   {_fmt_bytes(st.gather_broadcast_bytes)} ({ratio:.1f}x ours)",
-    f"  rounds {st.num_rounds} in {st.num_buckets} bucket(s); per device max send "
-    f"{_fmt_bytes(st.max_send_bytes)}, recv {_fmt_bytes(st.max_recv_bytes)}, staging "
-    f"{_fmt_bytes(st.peak_staging_bytes)}",
-  ]
-  return "\n".join(lines)
-
-
-def _fmt_bytes(n: float) -> str:
-  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-    if abs(n) < 1024 or unit == "TiB":
-      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-    n /= 1024
-  raise AssertionError("unreachable")
+    return format_plan(self.layout_plan, "ReshardPlan")
 
 
 def make_plan(
@@ -357,44 +118,13 @@ def make_plan(
     >>> plan = jr.make_plan(params, sampler_shardings)  # doctest: +SKIP
     >>> new_params = plan(params)  # doctest: +SKIP
   """
-  treedef, leaves, _ = _flatten(src, dst)
+  treedef, leaves = flatten_tree(src, dst)
   return _cached_plan(treedef, tuple(leaves), max_bucket_bytes)
 
 
 @functools.lru_cache(maxsize=256)
-def _cached_plan(treedef: Any, leaves: tuple[_Leaf, ...], max_bucket_bytes: int) -> ReshardPlan:
+def _cached_plan(treedef: Any, leaves: tuple[Leaf, ...], max_bucket_bytes: int) -> ReshardPlan:
   return ReshardPlan(treedef, list(leaves), max_bucket_bytes=max_bucket_bytes)
-
-
-def reshard(
-  x: Any, dst: Any, *, src: Any = None, max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES
-) -> Any:
-  """Moves ``x`` into the destination layout(s), sending each device only what it lacks.
-
-  Args:
-    x: a ``jax.Array`` or pytree of them.
-    dst: one Sharding for every leaf, or a pytree prefix of ``x`` with Sharding leaves (or
-      arrays / ShapeDtypeStructs carrying ``.sharding``).
-    src: only for traced ``x`` (inside ``jax.jit``): the source Sharding(s), one or a pytree
-      prefix of ``x``. Needed when JAX does not know the layout of the traced value (meshes
-      whose axes are not ``Explicit``).
-    max_bucket_bytes: bound on transient staging bytes per device per compiled program
-      (eager calls; inside ``jax.jit`` XLA schedules the memory of the whole computation).
-
-  Returns:
-    A pytree like ``x`` whose leaves are laid out as ``dst``. ``x`` is left untouched.
-
-  Example:
-    >>> y = jr.reshard(x, NamedSharding(sampler_mesh, P(None, 'tp')))  # doctest: +SKIP
-  """
-  from jax_reshard import _traced
-
-  if _traced.is_traced(x):
-    return _traced.reshard_traced(x, dst, src)
-  if src is not None:
-    raise ReshardError("src= is only for traced values; concrete arrays carry their sharding")
-  plan = make_plan(x, dst, max_bucket_bytes=max_bucket_bytes)
-  return plan(x)
 
 
 def plan_cache_clear() -> None:

@@ -162,8 +162,8 @@ def plan_fingerprint(plan: Any) -> PlanFingerprint:
   fp = _fingerprints.get(plan)
   if fp is None:
     fp = fingerprint(
-      [lf.path for lf in plan._leaves],
-      [lf.dtype for lf in plan._leaves],
+      [lf.path for lf in plan.leaves],
+      [lf.dtype for lf in plan.leaves],
       plan.layouts,
       plan.leaf_plans,
       plan.schedule,

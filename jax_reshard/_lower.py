@@ -43,6 +43,20 @@ class LeafSpec:
   dst_sharding: Any
 
 
+def leaf_specs(plan: Any, leaves: Sequence[Any]) -> list[LeafSpec]:
+  """What the lowering needs per scheduled leaf of a ``LayoutPlan``, in schedule order."""
+  return [
+    LeafSpec(
+      plan=plan.leaf_plans[i],
+      src=plan.layouts[i][0],
+      dst=plan.layouts[i][1],
+      dtype=leaves[i].dtype,
+      dst_sharding=leaves[i].dst_sharding,
+    )
+    for i in plan.scheduled
+  ]
+
+
 def _block_shape(shard_shape: tuple[int, ...]) -> tuple[int, ...]:
   return shard_shape if shard_shape else (1,)
 

@@ -111,7 +111,7 @@ def _split_buckets(
   placeholders: Sequence[np.ndarray],
   members: Sequence[np.ndarray],
   union: np.ndarray,
-  max_bucket_bytes: int,
+  max_bucket_bytes: int | None,
 ) -> list[list[int]]:
   """Consecutive leaves per bucket while every device's staging stays under the bound.
 
@@ -132,7 +132,7 @@ def _split_buckets(
     pay = pay + np.bincount(np.searchsorted(union, plan.dst_device[remote]), nb, minlength=n)
     pay = pay.astype(np.int64)
     staged = (acc_ph + ph) * (mask | own) + acc_pay + pay
-    if current and int(staged.max()) > max_bucket_bytes:
+    if current and max_bucket_bytes is not None and int(staged.max()) > max_bucket_bytes:
       buckets.append(current)
       current = []
       acc_ph, acc_pay, mask = np.zeros_like(acc_ph), np.zeros_like(acc_pay), np.zeros_like(mask)
@@ -274,7 +274,7 @@ def make_schedule(
   layouts: Sequence[tuple[Layout, Layout]],
   itemsizes: Sequence[int],
   *,
-  max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
+  max_bucket_bytes: int | None = DEFAULT_MAX_BUCKET_BYTES,
 ) -> Schedule:
   """Packs the remote transfers of all leaves into buckets, payloads and rounds.
 
@@ -283,7 +283,7 @@ def make_schedule(
     layouts: ``(src, dst)`` layouts per leaf.
     itemsizes: bytes per element per leaf.
     max_bucket_bytes: bound on staging bytes per device per bucket. A single leaf whose own
-      staging exceeds it runs alone in its bucket.
+      staging exceeds it runs alone in its bucket. ``None``: no bound (one bucket).
   """
   union = np.asarray(
     sorted({i for s, d in layouts for i in (*s.device_ids, *d.device_ids)}), dtype=np.int64

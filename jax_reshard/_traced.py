@@ -16,14 +16,9 @@ import jax
 from jax.sharding import Mesh, NamedSharding, Sharding
 
 from jax_reshard import _lower
-from jax_reshard._api import ReshardPlan, _broadcast_shardings, _fix_hint, _flatten, _Leaf
 from jax_reshard._errors import ReshardError
-
-_NO_BUCKETS = 1 << 62  # XLA schedules memory inside one computation: one bucket per group
-
-
-def is_traced(x: Any) -> bool:
-  return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(x))
+from jax_reshard._plan import plan_layouts
+from jax_reshard._tree import Leaf, broadcast_shardings, flatten_tree
 
 
 def _source_sharding(path: str, x: Any, dst: Any) -> Sharding:
@@ -51,14 +46,14 @@ def reshard_traced(x: Any, dst: Any, src: Any) -> Any:
   """``reshard`` for a pytree containing tracers; see :func:`jax_reshard.reshard`."""
   flat, treedef = jax.tree_util.tree_flatten_with_path(x)
   if src is not None:
-    src_list = _broadcast_shardings(src, x, treedef, len(flat), "source")
+    src_list = broadcast_shardings(src, x, treedef, len(flat), "source")
   else:
-    dst_list = _broadcast_shardings(dst, x, treedef, len(flat), "destination")
+    dst_list = broadcast_shardings(dst, x, treedef, len(flat), "destination")
     src_list = [
       _source_sharding(jax.tree_util.keystr(p), leaf, d)
       for (p, leaf), d in zip(flat, dst_list, strict=True)
     ]
-  _, leaves, _ = _flatten(x, dst, src_shardings=src_list)
+  _, leaves = flatten_tree(x, dst, src_shardings=src_list)
   groups: dict[tuple[Any, Any], list[int]] = {}
   for i, leaf in enumerate(leaves):
     _check_traceable(leaf)
@@ -73,19 +68,19 @@ def reshard_traced(x: Any, dst: Any, src: Any) -> Any:
   return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(x), out)
 
 
-def _check_traceable(leaf: _Leaf) -> None:
+def _check_traceable(leaf: Leaf) -> None:
   for which, s in (("source", leaf.src_sharding), ("destination", leaf.dst_sharding)):
     if not (isinstance(s, NamedSharding) and isinstance(s.mesh, Mesh)):
       raise ReshardError(
         f"inside jax.jit the {which} must be a NamedSharding over a concrete Mesh, got "
-        f"{type(s).__name__}." + _fix_hint(leaf)
+        f"{type(s).__name__}." + leaf.describe()
       )
   if leaf.src_sharding.device_set != leaf.dst_sharding.device_set:
     raise ReshardError(
       "inside jax.jit, source and destination must live on the same devices (the "
       "computation's device list); these differ. Call jr.reshard outside jax.jit on the "
       "concrete arrays (it moves data between any device sets), e.g.\n"
-      "  >>> y = step(x); z = jr.reshard(y, sampler_sharding)" + _fix_hint(leaf)
+      "  >>> y = step(x); z = jr.reshard(y, sampler_sharding)" + leaf.describe()
     )
   src_order = [d.id for d in leaf.src_sharding.mesh.devices.flat]  # type: ignore[attr-defined]
   dst_order = [d.id for d in leaf.dst_sharding.mesh.devices.flat]  # type: ignore[attr-defined]
@@ -94,33 +89,27 @@ def _check_traceable(leaf: _Leaf) -> None:
       "inside jax.jit, JAX requires every mesh of a computation to list the devices in one "
       f"order; the source mesh lists {src_order} and the destination mesh {dst_order}. Build "
       "both meshes from the same device order (they may differ in shape and axis names), or "
-      "call jr.reshard outside jax.jit, which handles any order." + _fix_hint(leaf)
+      "call jr.reshard outside jax.jit, which handles any order." + leaf.describe()
     )
 
 
 @functools.lru_cache(maxsize=512)
-def _group_fn(leaves: tuple[_Leaf, ...]) -> Any:
+def _group_fn(leaves: tuple[Leaf, ...]) -> Any:
   """A differentiable traced function moving leaves that share a source and destination mesh."""
   src_mesh = leaves[0].src_sharding.mesh  # type: ignore[attr-defined]
   dst_mesh = leaves[0].dst_sharding.mesh  # type: ignore[attr-defined]
-  plan = ReshardPlan(None, list(leaves), max_bucket_bytes=_NO_BUCKETS)  # same planner as eager
+  # The same planner as the eager path; XLA schedules the memory of the whole computation, so
+  # there is one bucket.
+  plan = plan_layouts(
+    [lf.layouts() for lf in leaves], [lf.dtype.itemsize for lf in leaves], max_bucket_bytes=None
+  )
   buckets = plan.schedule.buckets
   return _lower.make_traced_fn(
     leaves=[(lf.shape, lf.dtype, lf.src_sharding, lf.dst_sharding) for lf in leaves],
-    moving=plan._moving,
+    moving=plan.scheduled,
     bucket=buckets[0] if buckets else None,
-    specs=plan.leaf_specs(),
+    specs=_lower.leaf_specs(plan, leaves),
     src_mesh=src_mesh,
     dst_mesh=dst_mesh,
-    reverse=lambda: _group_fn(tuple(_reverse(lf) for lf in leaves)),
-  )
-
-
-def _reverse(leaf: _Leaf) -> _Leaf:
-  return _Leaf(
-    path=leaf.path,
-    shape=leaf.shape,
-    dtype=leaf.dtype,
-    src_sharding=leaf.dst_sharding,
-    dst_sharding=leaf.src_sharding,
+    reverse=lambda: _group_fn(tuple(lf.reversed() for lf in leaves)),
   )

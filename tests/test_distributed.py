@@ -102,7 +102,7 @@ def test_fingerprint_depends_only_on_the_numbers():
     (lay((8,), (4, 2), ("a",)), lay((8,), (2, 2), ())),
     (lay((16, 8), (4, 2), ("a", "b")), lay((16, 8), (2, 2), (None, "b"))),
   ]
-  order = [lf.path for lf in plan._leaves]  # jax sorts dict keys: ['b'], ['w']
+  order = [lf.path for lf in plan.leaves]  # jax sorts dict keys: ['b'], ['w']
   assert order == ["['b']", "['w']"]
   dtypes = [np.dtype(np.int32), np.dtype(jnp.bfloat16)]
   leaf_plans = plan_leaves(layouts, [d.itemsize for d in dtypes])

@@ -48,7 +48,7 @@ def test_x64_words_in_own_process() -> None:
     import numpy as np, jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     import jax_reshard as jr
-    from jax_reshard._lower import _word_dtype
+    from jax_reshard._lower import _word_dtype, leaf_specs
     devs = np.array(jax.devices())
     src = NamedSharding(Mesh(devs.reshape(4, 2), ("a", "b")), P("a", "b"))
     dst = NamedSharding(Mesh(devs.reshape(2, 4), ("c", "d")), P(None, "d"))
@@ -57,7 +57,7 @@ def test_x64_words_in_own_process() -> None:
              rng.standard_normal((8, 16))]
     xs = [jax.device_put(h, src) for h in hosts]
     plan = jr.make_plan(xs, dst)
-    words = [_word_dtype(s) for s in plan.leaf_specs()]
+    words = [_word_dtype(s) for s in leaf_specs(plan.layout_plan, plan.leaves)]
     assert words == [np.dtype(np.uint64)] * 2, words
     for y, h in zip(plan(xs), hosts):
       for s in y.addressable_shards:

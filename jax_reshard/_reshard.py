@@ -1,0 +1,40 @@
+"""``reshard``: one call for concrete and traced trees."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jax_reshard import _traced
+from jax_reshard._api import make_plan
+from jax_reshard._errors import ReshardError
+from jax_reshard._schedule import DEFAULT_MAX_BUCKET_BYTES
+from jax_reshard._tree import is_traced
+
+
+def reshard(
+  x: Any, dst: Any, *, src: Any = None, max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES
+) -> Any:
+  """Moves ``x`` into the destination layout(s), sending each device only what it lacks.
+
+  Args:
+    x: a ``jax.Array`` or pytree of them.
+    dst: one Sharding for every leaf, or a pytree prefix of ``x`` with Sharding leaves (or
+      arrays / ShapeDtypeStructs carrying ``.sharding``).
+    src: only for traced ``x`` (inside ``jax.jit``): the source Sharding(s), one or a pytree
+      prefix of ``x``. Needed when JAX does not know the layout of the traced value (meshes
+      whose axes are not ``Explicit``).
+    max_bucket_bytes: bound on transient staging bytes per device per compiled program
+      (eager calls; inside ``jax.jit`` XLA schedules the memory of the whole computation).
+
+  Returns:
+    A pytree like ``x`` whose leaves are laid out as ``dst``. ``x`` is left untouched.
+
+  Example:
+    >>> y = jr.reshard(x, NamedSharding(sampler_mesh, P(None, 'tp')))  # doctest: +SKIP
+  """
+  if is_traced(x):
+    return _traced.reshard_traced(x, dst, src)
+  if src is not None:
+    raise ReshardError("src= is only for traced values; concrete arrays carry their sharding")
+  plan = make_plan(x, dst, max_bucket_bytes=max_bucket_bytes)
+  return plan(x)

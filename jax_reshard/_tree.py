@@ -1,0 +1,229 @@
+"""Trees in, leaves out: validation and flattening shared by the eager and the traced path.
+
+A :class:`Leaf` is one array of a source tree together with its source and destination
+sharding. Every check here runs before any device work and raises a :class:`ReshardError` that
+names the leaf (``jax.tree_util.keystr`` of its path), shows both layouts and says how to fix
+the call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Sharding
+
+from jax_reshard._errors import ReshardError, ReshardTypeError
+from jax_reshard._layout import Layout, describe_sharding
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Leaf:
+  """One array of a tree to reshard.
+
+  Attributes:
+    path: ``jax.tree_util.keystr`` of the leaf's path (``""`` for a bare array).
+    shape: global shape.
+    dtype: element type.
+    src_sharding: where the leaf is.
+    dst_sharding: where it goes.
+  """
+
+  path: str
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  src_sharding: Sharding
+  dst_sharding: Sharding
+
+  @property
+  def name(self) -> str:
+    """The path for messages (``<root>`` for a bare array)."""
+    return self.path or "<root>"
+
+  def layouts(self) -> tuple[Layout, Layout]:
+    """The (source, destination) index boxes of every device."""
+    return (
+      Layout.from_sharding(self.src_sharding, self.shape),
+      Layout.from_sharding(self.dst_sharding, self.shape),
+    )
+
+  def reversed(self) -> Leaf:
+    """The same leaf moving back from its destination to its source."""
+    return dataclasses.replace(self, src_sharding=self.dst_sharding, dst_sharding=self.src_sharding)
+
+  def describe(self) -> str:
+    """The leaf and both layouts, as the last lines of an error message."""
+    return (
+      f"\n  leaf:        {self.name} shape={self.shape} dtype={self.dtype}"
+      f"\n  source:      {describe_sharding(self.src_sharding)}"
+      f"\n  destination: {describe_sharding(self.dst_sharding)}"
+    )
+
+
+def is_traced(x: Any) -> bool:
+  """Whether any leaf of ``x`` is a tracer (inside ``jax.jit``, ``grad``, ``scan``...)."""
+  return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(x))
+
+
+def as_sharding(path: str, d: Any) -> Sharding:
+  """The Sharding a destination leaf stands for (itself, or its ``.sharding``)."""
+  if isinstance(d, Sharding):
+    return d
+  sharding = getattr(d, "sharding", None)
+  if isinstance(sharding, Sharding):
+    return sharding
+  raise ReshardTypeError(
+    f"destination for leaf {path or '<root>'} is {type(d).__name__}, not a "
+    "jax.sharding.Sharding (nor an array / ShapeDtypeStruct with a .sharding). Pass e.g.\n"
+    "  >>> jr.reshard(x, NamedSharding(mesh, P('tp')))"
+  )
+
+
+def broadcast_shardings(prefix: Any, full: Any, treedef: Any, n: int, what: str) -> list[Any]:
+  """One Sharding (or template) per leaf of ``full`` from a Sharding or a pytree prefix."""
+  if isinstance(prefix, Sharding):
+    return [prefix] * n
+  try:
+    out = jax.tree_util.tree_broadcast(
+      prefix, full, is_leaf=lambda x: isinstance(x, Sharding) or x is None
+    )
+    leaves = jax.tree_util.tree_leaves(out, is_leaf=lambda x: isinstance(x, Sharding) or x is None)
+  except (ValueError, TypeError) as e:
+    raise ReshardError(
+      f"the {what} tree must be one Sharding or a pytree prefix of the source tree "
+      f"whose leaves are Shardings.\n  source tree:      {treedef}\n  {what} tree: "
+      f"{jax.tree_util.tree_structure(prefix)}\n  ({e})"
+    ) from None
+  if len(leaves) != n:
+    raise ReshardError(
+      f"{what} tree has {len(leaves)} leaves for {n} source leaves.\n"
+      f"  source tree: {treedef}\n  {what} tree: {jax.tree_util.tree_structure(prefix)}"
+    )
+  return leaves
+
+
+def flatten_tree(
+  src: Any, dst: Any, src_shardings: Sequence[Any] | None = None
+) -> tuple[Any, list[Leaf]]:
+  """Validates ``src``/``dst`` and returns the source treedef and one :class:`Leaf` per leaf.
+
+  Args:
+    src: pytree of ``jax.Array``, ``jax.ShapeDtypeStruct`` or tracers.
+    dst: one Sharding for every leaf, or a pytree prefix of ``src`` whose leaves are Shardings
+      (or arrays / ShapeDtypeStructs carrying ``.sharding``).
+    src_shardings: per leaf, the source Sharding to use instead of the leaf's own
+      ``.sharding`` (for traced values).
+
+  Raises:
+    ReshardError: a bad tree, leaf, shape, dtype, platform or sharding (nothing is moved).
+  """
+  src_leaves, treedef = jax.tree_util.tree_flatten_with_path(src)
+  dst_leaves = broadcast_shardings(dst, src, treedef, len(src_leaves), "destination")
+  leaves = []
+  for i, ((path, x), d) in enumerate(zip(src_leaves, dst_leaves, strict=True)):
+    name = jax.tree_util.keystr(path)
+    if not isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
+      raise ReshardTypeError(
+        f"source leaf {name or '<root>'} is {type(x).__name__}; expected a jax.Array or a "
+        "jax.ShapeDtypeStruct with a sharding. Put host data on devices first with "
+        "jax.device_put(x, sharding)."
+      )
+    src_sharding = src_shardings[i] if src_shardings else getattr(x, "sharding", None)
+    if not isinstance(src_sharding, Sharding):
+      raise ReshardTypeError(
+        f"source leaf {name or '<root>'} has no sharding; build it as "
+        "jax.ShapeDtypeStruct(shape, dtype, sharding=...)"
+      )
+    leaf = Leaf(
+      path=name,
+      shape=tuple(int(s) for s in x.shape),
+      dtype=np.dtype(x.dtype),
+      src_sharding=src_sharding,
+      dst_sharding=as_sharding(name, d),
+    )
+    _check_template(leaf, d)
+    _check_shardings(leaf)
+    leaves.append(leaf)
+  return treedef, leaves
+
+
+def _check_template(leaf: Leaf, dst_template: Any) -> None:
+  """A destination array / ShapeDtypeStruct must match the source's shape and dtype."""
+  if not hasattr(dst_template, "shape") or isinstance(dst_template, Sharding):
+    return
+  if tuple(dst_template.shape) != leaf.shape:
+    raise ReshardError(
+      f"destination shape {tuple(dst_template.shape)} differs from the source shape "
+      f"{leaf.shape}; reshard moves data, it does not reshape." + leaf.describe()
+    )
+  if np.dtype(dst_template.dtype) != leaf.dtype:
+    raise ReshardError(
+      f"destination dtype {np.dtype(dst_template.dtype)} differs from the source dtype "
+      f"{leaf.dtype}; cast with x.astype(...) before or after resharding." + leaf.describe()
+    )
+
+
+def _check_shardings(leaf: Leaf) -> None:
+  """One platform, specs no longer than the rank, and shards that tile the shape evenly."""
+  src_platforms = {getattr(d, "platform", "?") for d in leaf.src_sharding.device_set}
+  dst_platforms = {getattr(d, "platform", "?") for d in leaf.dst_sharding.device_set}
+  if src_platforms != dst_platforms or len(src_platforms) != 1:
+    raise ReshardError(
+      f"source devices are on {sorted(src_platforms)} but destination devices on "
+      f"{sorted(dst_platforms)}; reshard moves data between devices of one platform. Use "
+      "jax.device_put to cross platforms." + leaf.describe()
+    )
+  for which, sharding in (("source", leaf.src_sharding), ("destination", leaf.dst_sharding)):
+    spec = getattr(sharding, "spec", None)
+    if spec is not None and len(spec) > len(leaf.shape):
+      raise ReshardError(
+        f"the {which} spec {spec} has {len(spec)} entries but the array has rank "
+        f"{len(leaf.shape)}; give a spec with at most one entry per dimension." + leaf.describe()
+      )
+    try:
+      sharding.shard_shape(leaf.shape)
+    except ValueError as e:
+      raise ReshardError(
+        f"the {which} sharding does not divide the shape evenly: {e}. Change the mesh axis "
+        "sizes or the partition spec, or pad the array." + leaf.describe()
+      ) from None
+
+
+def check_arrays(treedef: Any, leaves: Sequence[Leaf], x: Any) -> list[Any]:
+  """The arrays of ``x`` if ``x`` is a tree of live arrays laid out as ``leaves`` say.
+
+  Raises:
+    ReshardError: listing every leaf that does not match (tree, type, deleted, shape, dtype or
+      placement).
+  """
+  arrays, x_treedef = jax.tree_util.tree_flatten(x)
+  if x_treedef != treedef:
+    raise ReshardError(
+      f"input tree does not match the plan's tree.\n  plan:  {treedef}\n  input: {x_treedef}"
+    )
+  problems = []
+  for lf, a in zip(leaves, arrays, strict=True):
+    if not isinstance(a, jax.Array):
+      problems.append(f"{lf.name}: {type(a).__name__} is not a jax.Array")
+    elif a.is_deleted():
+      problems.append(f"{lf.name}: the array has been deleted (donated?)")
+    elif tuple(a.shape) != lf.shape or np.dtype(a.dtype) != lf.dtype:
+      problems.append(
+        f"{lf.name}: {a.dtype}{list(a.shape)} but the plan was made for {lf.dtype}{list(lf.shape)}"
+      )
+    elif a.sharding != lf.src_sharding and not a.sharding.is_equivalent_to(
+      lf.src_sharding, len(lf.shape)
+    ):  # equality first: it is the common case and much cheaper on every refit
+      problems.append(
+        f"{lf.name}: placed as {describe_sharding(a.sharding)} but the plan "
+        f"was made for {describe_sharding(lf.src_sharding)}"
+      )
+  if problems:
+    raise ReshardError(
+      "input does not match the plan (make a new plan with jr.make_plan for this input):\n  "
+      + "\n  ".join(problems)
+    )
+  return arrays
