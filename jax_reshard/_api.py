@@ -7,10 +7,11 @@ from typing import Any
 
 import jax
 
-from jax_reshard import _lower
+from jax_reshard._emit import BucketExecutable, empty_like_sharded, max_word_bytes
 from jax_reshard._layout import Layout
 from jax_reshard._plan import LayoutPlan, PlanStats, format_plan, plan_layouts
 from jax_reshard._planner import LeafPlan
+from jax_reshard._program import BucketProgram, make_bucket_program
 from jax_reshard._schedule import DEFAULT_MAX_BUCKET_BYTES, Schedule
 from jax_reshard._tree import Leaf, check_arrays, flatten_tree
 
@@ -42,7 +43,8 @@ class ReshardPlan:
     self._bucket_leaves = [
       self.layout_plan.bucket_leaves(b) for b in range(len(self.schedule.buckets))
     ]
-    self._programs: list[_lower.BucketProgram] | None = None
+    self._programs: list[BucketProgram] | None = None
+    self._executables: list[BucketExecutable] | None = None
 
   @property
   def stats(self) -> PlanStats:
@@ -65,15 +67,30 @@ class ReshardPlan:
     """The destination shardings, in the structure of the source tree."""
     return jax.tree_util.tree_unflatten(self._treedef, [lf.dst_sharding for lf in self.leaves])
 
-  def _build_programs(self) -> list[_lower.BucketProgram]:
-    devices = {}
-    for lf in self.leaves:
-      for d in (*lf.src_sharding.device_set, *lf.dst_sharding.device_set):
-        devices[d.id] = d
-    specs = _lower.leaf_specs(self.layout_plan, self.leaves)
-    return [
-      _lower.BucketProgram(b, specs, devices, b.union_device_ids) for b in self.schedule.buckets
-    ]
+  def programs(self) -> list[BucketProgram]:
+    """Per bucket, what every device does (NumPy data; ``print`` one to read it)."""
+    if self._programs is None:
+      dtypes = [lf.dtype for lf in self.leaves]
+      self._programs = [
+        make_bucket_program(
+          self.layout_plan, b, dtypes, bucket.union_device_ids, max_word_bytes=max_word_bytes()
+        )
+        for b, bucket in enumerate(self.schedule.buckets)
+      ]
+    return self._programs
+
+  def executables(self) -> list[BucketExecutable]:
+    """Per bucket, its program emitted for its union mesh (compiled on the first call)."""
+    if self._executables is None:
+      devices = {}
+      for lf in self.leaves:
+        for d in (*lf.src_sharding.device_set, *lf.dst_sharding.device_set):
+          devices[d.id] = d
+      self._executables = [
+        BucketExecutable(p, devices, [self.leaves[lf.index].dst_sharding for lf in p.leaves])
+        for p in self.programs()
+      ]
+    return self._executables
 
   def __call__(self, x: Any) -> Any:
     """Reshards ``x`` (a pytree matching the plan's source) into the destination layouts."""
@@ -82,14 +99,13 @@ class ReshardPlan:
       from jax_reshard import _distributed
 
       _distributed.check_plan(self)
-    if self._programs is None:
-      self._programs = self._build_programs()
+    executables = self.executables()
     out: list[Any] = [None] * len(arrays)
     for i in self._unscheduled:
       lf = self.leaves[i]
-      out[i] = _lower.empty_like_sharded(lf.shape, lf.dtype, lf.dst_sharding)
-    for idx, prog in zip(self._bucket_leaves, self._programs, strict=True):
-      for i, y in zip(idx, prog([arrays[i] for i in idx]), strict=True):
+      out[i] = empty_like_sharded(lf.shape, lf.dtype, lf.dst_sharding)
+    for idx, exe in zip(self._bucket_leaves, executables, strict=True):
+      for i, y in zip(idx, exe([arrays[i] for i in idx]), strict=True):
         out[i] = y
     return jax.tree_util.tree_unflatten(self._treedef, out)
 

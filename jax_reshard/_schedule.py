@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -96,14 +97,28 @@ class Schedule:
     return sum(len(b.rounds) for b in self.buckets)
 
 
+def staged_block_shape(shard_shape: tuple[int, ...]) -> tuple[int, ...]:
+  """The block a device stages for a shard in a bucket's 1-D mesh: the shard, rank 0 as (1,)."""
+  return shard_shape if shard_shape else (1,)
+
+
+def placeholder_mask(layout: Layout, device_ids: np.ndarray) -> np.ndarray:
+  """The placeholder rule: which of ``device_ids`` (a bucket's mesh) hold no shard of ``layout``.
+
+  A bucket's program runs on every device of its mesh with one block per leaf in and one out.
+  A device without a source shard of a leaf stages a zero *placeholder* block of the source
+  block's shape; a device without a destination shard returns a block of the destination
+  block's shape that is discarded. Both count as staging.
+  """
+  return ~np.isin(device_ids, np.asarray(layout.device_ids, dtype=np.int64))
+
+
 def _placeholder_bytes(src: Layout, dst: Layout, itemsize: int, union: np.ndarray) -> np.ndarray:
   """Per device of ``union``: the placeholder input and discarded output bytes a leaf costs
-  there if that device is on the leaf's mesh."""
-  src_shard = int(np.prod(src.shard_shape(), dtype=np.int64)) * itemsize
-  dst_shard = int(np.prod(dst.shard_shape(), dtype=np.int64)) * itemsize
-  not_src = ~np.isin(union, np.asarray(src.device_ids, dtype=np.int64))
-  not_dst = ~np.isin(union, np.asarray(dst.device_ids, dtype=np.int64))
-  return not_src * src_shard + not_dst * dst_shard
+  there if that device is on the leaf's mesh (see :func:`placeholder_mask`)."""
+  src_block = math.prod(staged_block_shape(src.shard_shape())) * itemsize
+  dst_block = math.prod(staged_block_shape(dst.shard_shape())) * itemsize
+  return placeholder_mask(src, union) * src_block + placeholder_mask(dst, union) * dst_block
 
 
 def _split_buckets(

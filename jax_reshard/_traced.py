@@ -4,20 +4,23 @@ Resolves the source layout of every traced leaf (explicit ``src=``, or the value
 its mesh axes are ``Explicit``), checks that source and destination live on one device set (the
 computation's), and plans each group of leaves that share a (source mesh, destination mesh)
 pair with the same planner and schedule as the eager path. Plans are cached per layout, so
-retracing is cheap; the traced program itself is built in ``_lower``.
+retracing is cheap; the traced program is a :class:`BucketProgram` emitted by ``_emit``.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, Sharding
 
-from jax_reshard import _lower
+from jax_reshard._emit import emit_traced_move, max_word_bytes
 from jax_reshard._errors import ReshardError
 from jax_reshard._plan import plan_layouts
+from jax_reshard._program import BucketProgram, make_bucket_program
 from jax_reshard._tree import Leaf, broadcast_shardings, flatten_tree
 
 
@@ -103,13 +106,60 @@ def _group_fn(leaves: tuple[Leaf, ...]) -> Any:
   plan = plan_layouts(
     [lf.layouts() for lf in leaves], [lf.dtype.itemsize for lf in leaves], max_bucket_bytes=None
   )
-  buckets = plan.schedule.buckets
-  return _lower.make_traced_fn(
-    leaves=[(lf.shape, lf.dtype, lf.src_sharding, lf.dst_sharding) for lf in leaves],
-    moving=plan.scheduled,
-    bucket=buckets[0] if buckets else None,
-    specs=_lower.leaf_specs(plan, leaves),
-    src_mesh=src_mesh,
-    dst_mesh=dst_mesh,
-    reverse=lambda: _group_fn(tuple(lf.reversed() for lf in leaves)),
+  program = None
+  if plan.schedule.buckets:
+    device_ids = [d.id for d in src_mesh.devices.flat]
+    dtypes = [lf.dtype for lf in leaves]
+    program = make_bucket_program(plan, 0, dtypes, device_ids, max_word_bytes=max_word_bytes())
+  return _differentiable_move(
+    leaves, program, src_mesh, dst_mesh, lambda: _group_fn(tuple(lf.reversed() for lf in leaves))
   )
+
+
+def _differentiable_move(
+  leaves: Sequence[Leaf],
+  program: BucketProgram | None,
+  src_mesh: Mesh,
+  dst_mesh: Mesh,
+  reverse: Callable[[], Callable[..., Any]],
+) -> Callable[..., Any]:
+  """A traced reshard of ``leaves`` by ``program`` (``None``: no leaf has elements) as one
+  function whose VJP reshards the cotangents back with ``reverse()`` (the move from destination
+  to source). Zero-element leaves need no data and are created in place."""
+  moved = [] if program is None else [lf.index for lf in program.leaves]
+
+  def move(*xs: jax.Array) -> tuple[jax.Array, ...]:
+    out: list[Any] = [None] * len(leaves)
+    if program is not None:
+      src_specs = [leaves[i].src_sharding.spec for i in moved]  # type: ignore[attr-defined]
+      dst_specs = [leaves[i].dst_sharding.spec for i in moved]  # type: ignore[attr-defined]
+      ys = emit_traced_move(
+        [xs[i] for i in moved], program, src_mesh, src_specs, dst_mesh, dst_specs
+      )
+      for i, y in zip(moved, ys, strict=True):
+        out[i] = y
+    for i, lf in enumerate(leaves):
+      if out[i] is None:
+        out[i] = jax.device_put(jnp.zeros(lf.shape, lf.dtype), lf.dst_sharding)
+    return tuple(out)
+
+  @jax.custom_vjp
+  def fn(*xs: jax.Array) -> tuple[jax.Array, ...]:
+    return move(*xs)
+
+  def fwd(*xs: jax.Array) -> tuple[tuple[jax.Array, ...], None]:
+    return move(*xs), None
+
+  def bwd(_: None, cts: tuple[Any, ...]) -> tuple[Any, ...]:
+    # Integer leaves carry float0 cotangents: pass them through, move only the others.
+    real = [
+      ct if ct.dtype != jax.dtypes.float0 else jnp.zeros(ct.shape, leaves[i].dtype)
+      for i, ct in enumerate(cts)
+    ]
+    back = reverse()(*real)
+    return tuple(
+      ct if ct.dtype == jax.dtypes.float0 else b for ct, b in zip(cts, back, strict=True)
+    )
+
+  fn.defvjp(fwd, bwd)
+  return fn

@@ -1,8 +1,10 @@
-"""Lowering details: word widening, grid assembly, and 64-bit words under jax_enable_x64."""
+"""Bucket programs and their emitters: word widening, grid assembly, 64-bit words under
+jax_enable_x64, and roles shared by devices in the compiled code."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -10,7 +12,8 @@ import textwrap
 import jax.numpy as jnp
 import numpy as np
 
-from jax_reshard._lower import _narrow, _tile, _widen
+from jax_reshard._emit import _narrow, _tile, _widen
+from jax_reshard._program import BucketProgram, role_table
 
 
 def test_tile_grid_and_fallback() -> None:
@@ -32,10 +35,7 @@ def test_widen_is_a_view_of_the_same_bytes() -> None:
   assert wide.shape == (4, 4) and wide.dtype == np.uint32
   np.testing.assert_array_equal(np.asarray(wide), x.view(np.uint32))
 
-  class Leaf:
-    dtype = np.dtype(np.uint16)
-
-  np.testing.assert_array_equal(np.asarray(_narrow(wide, Leaf())), x)  # type: ignore[arg-type]
+  np.testing.assert_array_equal(np.asarray(_narrow(wide, np.dtype(np.uint16))), x)
 
 
 def test_x64_words_in_own_process() -> None:
@@ -48,7 +48,6 @@ def test_x64_words_in_own_process() -> None:
     import numpy as np, jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     import jax_reshard as jr
-    from jax_reshard._lower import _word_dtype, leaf_specs
     devs = np.array(jax.devices())
     src = NamedSharding(Mesh(devs.reshape(4, 2), ("a", "b")), P("a", "b"))
     dst = NamedSharding(Mesh(devs.reshape(2, 4), ("c", "d")), P(None, "d"))
@@ -57,7 +56,7 @@ def test_x64_words_in_own_process() -> None:
              rng.standard_normal((8, 16))]
     xs = [jax.device_put(h, src) for h in hosts]
     plan = jr.make_plan(xs, dst)
-    words = [_word_dtype(s) for s in leaf_specs(plan.layout_plan, plan.leaves)]
+    words = [lf.word for lf in plan.programs()[0].leaves]
     assert words == [np.dtype(np.uint64)] * 2, words
     for y, h in zip(plan(xs), hosts):
       for s in y.addressable_shards:
@@ -72,8 +71,20 @@ def test_x64_words_in_own_process() -> None:
   assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
 
 
+def _branch_counts(program: BucketProgram) -> list[int]:
+  """The ``lax.switch`` branch counts the emitter must produce for ``program``: per round and
+  for the assembly, idle plus one branch per role, where devices differ in role."""
+  n = len(program.device_ids)
+  out = []
+  for roles in [*(r.packs for r in program.rounds), program.assembles]:
+    if len(set(role_table(n, roles).tolist())) > 1:
+      out.append(1 + len(roles))
+  return sorted(out)
+
+
 def test_devices_with_alike_pieces_share_code() -> None:
-  """Senders whose payloads differ only in offsets run one branch with table-driven offsets."""
+  """Senders whose payloads differ only in offsets run one branch with table-driven offsets,
+  and the compiled program has exactly the branches the bucket program describes."""
   import jax
   from helpers import assert_matches_oracle
   from jax.sharding import Mesh, NamedSharding
@@ -89,9 +100,38 @@ def test_devices_with_alike_pieces_share_code() -> None:
   plan = jr.make_plan(xs, dst)
   for y, h in zip(plan(xs), hosts, strict=True):
     assert_matches_oracle(y, h, dst)
-  hlo = plan._programs[0]._compiled.as_text()
+  (program,) = plan.programs()
+  assert plan.stats.num_rounds == len(program.rounds) == 4
+  # Every round's senders share one packing role, whose offsets differ per device (a table).
+  assert [len(r.packs) for r in program.rounds] == [1, 1, 1, 1]
+  assert all(c.static_offset is None for r in program.rounds for c in r.packs[0].cuts)
+  # Rounds 0 and 1 have every device sending (no switch), rounds 2 and 3 an idle device too
+  # (idle + the shared role); the 8 destination devices assemble in 8 roles (+ idle).
+  assert _branch_counts(program) == [2, 2, 9]
+  hlo = plan.executables()[0].compile().as_text()
   assert "dynamic-slice(" in hlo
-  # Every round's senders share one packing branch (plus an idle one for devices not sending):
-  # only the final assembly may still branch per device.
-  branches = sorted(line.count("%region") for line in hlo.splitlines() if " conditional(" in line)
-  assert plan.stats.num_rounds == 4 and max(branches[:-1], default=0) <= 2, branches
+  conditionals = [re.search(r"branch_computations=\{([^}]*)\}", line) for line in hlo.splitlines()]
+  compiled = sorted(len(m.group(1).split(",")) for m in conditionals if m)
+  assert compiled == _branch_counts(program), compiled
+
+
+def test_program_prints_and_needs_no_devices() -> None:
+  """A bucket program is NumPy data: built from described layouts, printable."""
+  from jax_reshard import Layout
+  from jax_reshard._plan import plan_layouts
+  from jax_reshard._program import Received, Resident, make_bucket_program
+
+  src = Layout.from_description((8, 8), mesh_shape=(4,), axis_names=("x",), spec=("x",))
+  dst = Layout.from_description((8, 8), mesh_shape=(2, 2), axis_names=("a", "b"), spec=("a", "b"))
+  plan = plan_layouts([(src, dst)], [2])
+  program = make_bucket_program(plan, 0, [np.dtype(np.float16)], range(4), max_word_bytes=4)
+  assert program.unit == np.dtype(np.uint32)  # 4 columns of 2 bytes: 4-byte words
+  (role,) = [a for a in program.assembles if 0 in a.positions]
+  parts = role.parts[0]
+  assert parts is not None
+  # Device 0 holds rows 0:2 and needs rows 0:4, cols 0:4: half resident, half received.
+  assert [type(p) for p in parts] == [Resident, Received]
+  assert parts[0].offset == (0, 0) and parts[1].offset == (2, 0)
+  assert sum(len(r.pairs) for r in program.rounds) == len(plan.schedule.buckets[0].piece_src)
+  text = str(program)
+  assert "round 0" in text and "assemble" in text and "uint32" in text

@@ -1,0 +1,481 @@
+"""Bucket programs: what every device of a bucket does, as plain data. NumPy only.
+
+A bucket runs as one program over a 1-D mesh of its devices (*mesh positions*). Per round,
+every sender packs its payload from *cuts* of its own source shards and the round's
+``ppermute`` moves all payloads; at the end every destination device assembles its shards from
+received words and resident data. This module decides all of it and records it as frozen
+dataclasses that print and compare without JAX; ``_emit`` walks them into ``shard_map`` code.
+
+Devices whose work differs only in offsets share one *role* (a :class:`Pack` or an
+:class:`Assemble`): one piece of code that reads its offsets from a table at the device's mesh
+position, so the program grows with the number of roles rather than devices.
+
+Data moves as unsigned-integer *words*: a bucket's payloads are in its *unit*, the narrowest of
+the widest words that every shard and transfer boundary on the last dimension of each of its
+leaves allows (up to 4 bytes, 8 with 64-bit types), so every piece is whole words. Each leaf
+is sliced and assembled in the unit, or in its own element width where that is wider.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jax_reshard._layout import Layout
+from jax_reshard._plan import LayoutPlan
+from jax_reshard._planner import LeafPlan
+from jax_reshard._schedule import Bucket, Piece, placeholder_mask, staged_block_shape
+
+Box = tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LeafView:
+  """One leaf of a bucket as its program sees it.
+
+  Attributes:
+    index: the leaf's index in the plan (tree order).
+    shape: global shape.
+    dtype: element type.
+    word: the unsigned word the leaf is sliced and assembled in.
+    src_shard: source shard shape, in elements.
+    dst_shard: destination shard shape, in elements.
+    src_block: the block every device stages (:func:`staged_block_shape` of ``src_shard``).
+    dst_block: the block every device returns.
+    dst_words: destination shard shape in words (last dimension divided).
+  """
+
+  index: int
+  shape: Box
+  dtype: np.dtype
+  word: np.dtype
+  src_shard: Box
+  dst_shard: Box
+  src_block: Box
+  dst_block: Box
+  dst_words: Box
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Cut:
+  """A box of a leaf's source shard, in words, read by every device of one role.
+
+  Attributes:
+    leaf: position of the leaf in :attr:`BucketProgram.leaves`.
+    shape: box shape in words.
+    offsets: per mesh position of the role, ``(position, box offset in the shard)``.
+  """
+
+  leaf: int
+  shape: Box
+  offsets: tuple[tuple[int, Box], ...]
+
+  @property
+  def static_offset(self) -> Box | None:
+    """The offset when every device of the role cuts at the same one, else ``None``."""
+    distinct = {off for _, off in self.offsets}
+    return distinct.pop() if len(distinct) == 1 else None
+
+  def offset_table(self, num_positions: int) -> np.ndarray:
+    """``(num_positions, ndim)`` int32 offsets by mesh position (zeros outside the role)."""
+    table = np.zeros((num_positions, len(self.shape)), dtype=np.int32)
+    for pos, off in self.offsets:
+      table[pos] = off
+    return table
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Pack:
+  """How the senders of a round whose pieces match up to offsets build their payload.
+
+  Attributes:
+    positions: mesh positions of the senders.
+    cuts: the payload's pieces in order.
+    pad_words: zero words appended to reach the round's payload size.
+  """
+
+  positions: tuple[int, ...]
+  cuts: tuple[Cut, ...]
+  pad_words: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SendRound:
+  """One ``ppermute``: every sender sends ``words`` unit words.
+
+  Attributes:
+    words: payload size in unit words (the same for every sender).
+    pairs: ``(sender position, receiver position)`` per payload.
+    packs: the senders' roles; devices in none send zeros.
+  """
+
+  words: int
+  pairs: tuple[tuple[int, int], ...]
+  packs: tuple[Pack, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Resident:
+  """A part of a destination shard the device copies from its own source shard."""
+
+  offset: Box  # in the destination shard, in words
+  cut: Cut
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Received:
+  """A part of a destination shard taken from a round's received payload."""
+
+  offset: Box  # in the destination shard, in words
+  shape: Box
+  round: int
+  start: int  # unit words into the payload
+  stop: int
+
+
+Part = Resident | Received
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Assemble:
+  """How destination devices whose shards are made of the same parts build them.
+
+  Attributes:
+    positions: mesh positions of the devices.
+    parts: per leaf of the bucket, its parts ordered by offset, or ``None`` where these devices
+      hold no destination shard of the leaf (they return a discarded placeholder block).
+  """
+
+  positions: tuple[int, ...]
+  parts: tuple[tuple[Part, ...] | None, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PlaceholderGroup:
+  """Zero blocks the devices ``device_ids`` stage for leaves they hold no source shard of."""
+
+  device_ids: tuple[int, ...]
+  blocks: tuple[tuple[Box, np.dtype], ...]  # (block shape, dtype), one block of each per device
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BucketProgram:
+  """Everything a bucket's devices do, before any JAX code exists.
+
+  Attributes:
+    device_ids: device id at each mesh position.
+    leaves: the bucket's leaves, in the order the program takes and returns their blocks.
+    unit: the payload word.
+    rounds: the ``ppermute`` rounds, in order.
+    assembles: the destination roles; devices in none hold no destination shard.
+    placeholders: the zero blocks to stage (eager execution on a union mesh).
+  """
+
+  device_ids: tuple[int, ...]
+  leaves: tuple[LeafView, ...]
+  unit: np.dtype
+  rounds: tuple[SendRound, ...]
+  assembles: tuple[Assemble, ...]
+  placeholders: tuple[PlaceholderGroup, ...]
+
+  def __str__(self) -> str:
+    return format_program(self)
+
+
+def role_table(num_positions: int, roles: Sequence[Pack | Assemble]) -> np.ndarray:
+  """Per mesh position, ``1 + k`` for a device of ``roles[k]``, ``0`` for the others."""
+  table = np.zeros(num_positions, dtype=np.int32)
+  for k, role in enumerate(roles):
+    table[list(role.positions)] = k + 1
+  return table
+
+
+def uint_dtype(dtype: np.dtype) -> np.dtype:
+  """The unsigned integer type of the same width (``uint8`` for ``bool``)."""
+  return np.dtype(f"uint{8 * dtype.itemsize}")
+
+
+def widest_word(
+  plan: LeafPlan, src: Layout, dst: Layout, dtype: np.dtype, *, max_word_bytes: int
+) -> np.dtype:
+  """The widest unsigned word dividing every last-dimension boundary of a leaf.
+
+  Words go up to ``max_word_bytes``; leaves with wider elements keep their own width.
+  """
+  itemsize = max(dtype.itemsize, 1)
+  if not src.shape:
+    return uint_dtype(dtype)
+  bounds = [src.shard_shape()[-1], dst.shard_shape()[-1], src.shape[-1]]
+  g = int(np.gcd.reduce(np.concatenate([bounds, plan.lo[:, -1], plan.hi[:, -1]])))
+  word = itemsize
+  while word < max_word_bytes and g % ((word * 2) // itemsize) == 0:
+    word *= 2
+  return np.dtype(f"uint{8 * word}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class _LeafInput:
+  """A leaf's plan and layouts while its program parts are worked out."""
+
+  plan: LeafPlan
+  src: Layout
+  dst: Layout
+  view: LeafView
+
+  def in_words(self, v: np.ndarray) -> Box:
+    """Element coordinates (or a shape) in word units."""
+    v = np.asarray(v, dtype=np.int64).copy()
+    if v.size:
+      v[-1] //= self.view.word.itemsize // max(self.view.dtype.itemsize, 1)
+    return tuple(v.tolist())
+
+  def src_box(self, t: int, dev: int) -> tuple[Box, Box]:
+    """(offset, shape) in words of transfer ``t`` inside ``dev``'s source shard."""
+    start = np.asarray(self.src.starts[self.src.device_ids.index(dev)], dtype=np.int64)
+    return self.in_words(self.plan.lo[t] - start), self.in_words(self.plan.hi[t] - self.plan.lo[t])
+
+  def dst_offset(self, t: int, dev: int) -> Box:
+    """Offset in words of transfer ``t`` inside ``dev``'s destination shard."""
+    start = np.asarray(self.dst.starts[self.dst.device_ids.index(dev)], dtype=np.int64)
+    return self.in_words(self.plan.lo[t] - start)
+
+
+def make_bucket_program(
+  plan: LayoutPlan,
+  bucket: int,
+  dtypes: Sequence[np.dtype],
+  device_ids: Sequence[int],
+  *,
+  max_word_bytes: int,
+) -> BucketProgram:
+  """The program of bucket ``bucket`` of ``plan``.
+
+  Args:
+    plan: the plan.
+    bucket: index into ``plan.schedule.buckets``.
+    dtypes: per leaf of the plan, its element type.
+    device_ids: device id at each mesh position; every device of the bucket appears.
+    max_word_bytes: widest word to move data in (4, or 8 where 64-bit types exist).
+  """
+  leaf_ids = plan.bucket_leaves(bucket)
+  words = [
+    widest_word(plan.leaf_plans[i], *plan.layouts[i], dtypes[i], max_word_bytes=max_word_bytes)
+    for i in leaf_ids
+  ]
+  unit = min(words, key=lambda d: d.itemsize)
+  # Each leaf works in the unit, or in its own element width where that is wider (widening and
+  # then narrowing below the element width trips XLA's bitcast folding).
+  leaves = [
+    _leaf_input(i, plan, dtypes[i], max(uint_dtype(dtypes[i]), unit, key=lambda d: d.itemsize))
+    for i in leaf_ids
+  ]
+  positions = {d: k for k, d in enumerate(device_ids)}
+  sched_bucket = plan.schedule.buckets[bucket]
+  rounds, incoming = _send_rounds(sched_bucket, leaves, unit, positions)
+  return BucketProgram(
+    device_ids=tuple(int(d) for d in device_ids),
+    leaves=tuple(lf.view for lf in leaves),
+    unit=unit,
+    rounds=rounds,
+    assembles=_assembles(leaves, incoming, unit, positions),
+    placeholders=_placeholder_groups(leaves, sched_bucket.union_device_ids),
+  )
+
+
+def _leaf_input(index: int, plan: LayoutPlan, dtype: np.dtype, word: np.dtype) -> _LeafInput:
+  src, dst = plan.layouts[index]
+  dst_words = list(dst.shard_shape())
+  if dst_words:
+    dst_words[-1] //= word.itemsize // max(dtype.itemsize, 1)
+  view = LeafView(
+    index=index,
+    shape=src.shape,
+    dtype=dtype,
+    word=word,
+    src_shard=src.shard_shape(),
+    dst_shard=dst.shard_shape(),
+    src_block=staged_block_shape(src.shard_shape()),
+    dst_block=staged_block_shape(dst.shard_shape()),
+    dst_words=tuple(dst_words),
+  )
+  return _LeafInput(plan.leaf_plans[index], src, dst, view)
+
+
+# Per receiving device, per bucket leaf: (transfer, round, piece) it receives.
+_Incoming = dict[int, dict[int, list[tuple[int, int, Piece]]]]
+
+
+def _send_rounds(
+  bucket: Bucket, leaves: Sequence[_LeafInput], unit: np.dtype, positions: dict[int, int]
+) -> tuple[tuple[SendRound, ...], _Incoming]:
+  """The rounds of a bucket with senders grouped into roles, and what every device receives."""
+  pieces = bucket.pieces()
+  local_leaf = {leaf_index: li for li, leaf_index in enumerate(bucket.leaves)}
+  incoming: _Incoming = defaultdict(lambda: defaultdict(list))
+  rounds = []
+  for r, rnd in enumerate(bucket.rounds):
+    groups: dict[tuple[Any, ...], list[tuple[int, list[Piece]]]] = defaultdict(list)
+    for s_dev, d_dev in rnd.pairs:
+      ps = pieces[(s_dev, d_dev)]
+      key = tuple(
+        (local_leaf[p.leaf], leaves[local_leaf[p.leaf]].src_box(p.transfer, s_dev)[1]) for p in ps
+      )
+      groups[key].append((s_dev, ps))
+      for p in ps:
+        incoming[d_dev][local_leaf[p.leaf]].append((p.transfer, r, p))
+    packs = tuple(
+      _pack(members, leaves, local_leaf, rnd.nbytes, unit, positions) for members in groups.values()
+    )
+    pairs = tuple((positions[s], positions[d]) for s, d in rnd.pairs)
+    rounds.append(SendRound(words=rnd.nbytes // unit.itemsize, pairs=pairs, packs=packs))
+  return tuple(rounds), incoming
+
+
+def _pack(
+  members: Sequence[tuple[int, Sequence[Piece]]],
+  leaves: Sequence[_LeafInput],
+  local_leaf: dict[int, int],
+  nbytes: int,
+  unit: np.dtype,
+  positions: dict[int, int],
+) -> Pack:
+  """The role of senders (``members``: device, its pieces) whose pieces match up to offsets."""
+  first = members[0][1]
+  cuts = []
+  for k, p in enumerate(first):
+    li = local_leaf[p.leaf]
+    offsets: list[tuple[int, Box]] = []
+    shape: Box = ()
+    for dev, pieces in members:
+      lo, shape = leaves[li].src_box(pieces[k].transfer, dev)
+      offsets.append((positions[dev], lo))
+    cuts.append(Cut(leaf=li, shape=shape, offsets=tuple(offsets)))
+  used = sum(p.nbytes for p in first)
+  return Pack(
+    positions=tuple(positions[dev] for dev, _ in members),
+    cuts=tuple(cuts),
+    pad_words=max(nbytes - used, 0) // unit.itemsize,
+  )
+
+
+def _device_parts(
+  dev: int, leaves: Sequence[_LeafInput], incoming: dict[int, list[Any]], unit: np.dtype
+) -> tuple[Any, ...]:
+  """Per leaf, what device ``dev`` assembles its shard from, ordered by destination offset:
+  ``(offset, shape, source)`` with source ``("resident", source offset)`` or a
+  :class:`Received`; ``None`` where it holds no destination shard."""
+  out: list[Any] = []
+  for li, leaf in enumerate(leaves):
+    if dev not in leaf.dst.device_ids:
+      out.append(None)
+      continue
+    plan = leaf.plan
+    parts: list[tuple[Any, ...]] = []
+    for t in np.nonzero(plan.local & (plan.dst_device == dev))[0].tolist():
+      lo, shape = leaf.src_box(t, dev)
+      parts.append((leaf.dst_offset(t, dev), shape, ("resident", lo)))
+    for t, r, piece in incoming.get(li, []):
+      offset, shape = leaf.dst_offset(t, dev), leaf.in_words(plan.hi[t] - plan.lo[t])
+      a = piece.offset // unit.itemsize
+      b = (piece.offset + piece.nbytes) // unit.itemsize
+      parts.append((offset, shape, Received(offset, shape, r, a, b)))
+    out.append(tuple(sorted(parts, key=lambda q: q[0])))
+  return tuple(out)
+
+
+def _role_key(device_parts: tuple[Any, ...]) -> tuple[Any, ...]:
+  """What devices of one assembly role share: everything but resident source offsets."""
+  return tuple(
+    None
+    if parts is None
+    else tuple(src if isinstance(src, Received) else (o, sh) for o, sh, src in parts)
+    for parts in device_parts
+  )
+
+
+def _assembles(
+  leaves: Sequence[_LeafInput], incoming: _Incoming, unit: np.dtype, positions: dict[int, int]
+) -> tuple[Assemble, ...]:
+  """The destination devices grouped into roles of identical assembly up to source offsets."""
+  roles: dict[tuple[Any, ...], list[tuple[int, tuple[Any, ...]]]] = defaultdict(list)
+  for dev in sorted({d for leaf in leaves for d in leaf.dst.device_ids}):
+    device_parts = _device_parts(dev, leaves, incoming[dev], unit)
+    roles[_role_key(device_parts)].append((dev, device_parts))
+  out = []
+  for members in roles.values():
+    first = members[0][1]
+    per_leaf: list[tuple[Part, ...] | None] = []
+    for li, parts in enumerate(first):
+      if parts is None:
+        per_leaf.append(None)
+        continue
+      built: list[Part] = []
+      for k, (offset, shape, src) in enumerate(parts):
+        if isinstance(src, Received):
+          built.append(src)
+          continue
+        offsets = tuple((positions[dev], dp[li][k][2][1]) for dev, dp in members)
+        built.append(Resident(offset, Cut(leaf=li, shape=shape, offsets=offsets)))
+      per_leaf.append(tuple(built))
+    out.append(Assemble(tuple(positions[dev] for dev, _ in members), tuple(per_leaf)))
+  return tuple(out)
+
+
+def _placeholder_groups(
+  leaves: Sequence[_LeafInput], union_device_ids: Sequence[int]
+) -> tuple[PlaceholderGroup, ...]:
+  """Per distinct set of devices, the zero blocks they stage (one per (block shape, dtype))."""
+  union = np.asarray(union_device_ids, dtype=np.int64)
+  needs: dict[tuple[Box, np.dtype], set[int]] = defaultdict(set)
+  for leaf in leaves:
+    key = (leaf.view.src_block, leaf.view.dtype)
+    needs[key] |= set(union[placeholder_mask(leaf.src, union)].tolist())
+  by_devices: dict[tuple[int, ...], list[tuple[Box, np.dtype]]] = defaultdict(list)
+  for key, devs in needs.items():
+    if devs:
+      by_devices[tuple(sorted(devs))].append(key)
+  return tuple(PlaceholderGroup(ids, tuple(keys)) for ids, keys in by_devices.items())
+
+
+def format_program(program: BucketProgram) -> str:
+  """Readable text: the leaves, then per round who packs what, then who assembles what."""
+  lines = [
+    f"BucketProgram on devices {list(program.device_ids)} (positions 0..."
+    f"{len(program.device_ids) - 1}), payload word {program.unit.name}"
+  ]
+  for li, lf in enumerate(program.leaves):
+    lines.append(
+      f"  leaf {li} (#{lf.index}) {lf.dtype.name}{list(lf.shape)} in {lf.word.name}: "
+      f"{list(lf.src_shard)} -> {list(lf.dst_shard)}"
+    )
+  for r, rnd in enumerate(program.rounds):
+    lines.append(f"  round {r}: {rnd.words} words, pairs {list(rnd.pairs)}")
+    for pack in rnd.packs:
+      cuts = ", ".join(_format_cut(c) for c in pack.cuts)
+      pad = f" + {pack.pad_words} zero words" if pack.pad_words else ""
+      lines.append(f"    senders {list(pack.positions)} pack {cuts}{pad}")
+  for a in program.assembles:
+    lines.append(f"  devices {list(a.positions)} assemble")
+    for li, parts in enumerate(a.parts):
+      if parts is not None:
+        lines.append(f"    leaf {li}: " + ", ".join(_format_part(p) for p in parts))
+  for g in program.placeholders:
+    blocks = ", ".join(f"{dt.name}{list(shape)}" for shape, dt in g.blocks)
+    lines.append(f"  placeholders on devices {list(g.device_ids)}: {blocks}")
+  return "\n".join(lines)
+
+
+def _format_cut(cut: Cut) -> str:
+  at = cut.static_offset
+  where = f"@{list(at)}" if at is not None else "@table"
+  return f"leaf {cut.leaf} {list(cut.shape)}{where}"
+
+
+def _format_part(part: Part) -> str:
+  if isinstance(part, Received):
+    return f"{list(part.offset)}: round {part.round} words {part.start}:{part.stop}"
+  return f"{list(part.offset)}: own {_format_cut(part.cut)}"
