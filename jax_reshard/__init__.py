@@ -8,7 +8,9 @@ from jax_reshard._distributed import ReshardPlanMismatchError as ReshardPlanMism
 from jax_reshard._errors import ReshardError as ReshardError
 from jax_reshard._errors import ReshardTypeError as ReshardTypeError
 from jax_reshard._layout import Layout as Layout
+from jax_reshard._plan import LayoutPlan as LayoutPlan
 from jax_reshard._plan import PlanStats as PlanStats
+from jax_reshard._plan import plan_layouts as plan_layouts
 from jax_reshard._reshard import reshard as reshard
 
 __version__ = "0.1.0"
