@@ -14,12 +14,14 @@ a fingerprint of the plan through the coordination service's key-value store:
 The timeout is ``timeout_s`` where given, else the environment variable
 ``JAX_RESHARD_TIMEOUT_S`` (seconds; ``inf`` waits forever), else 300 s.
 
-A peer that dies *during* the collective is detected by JAX itself: the coordination service
-misses its heartbeats for ``heartbeat_timeout_seconds`` (an argument of
+A peer that dies *during* the collective is handled by JAX itself (measured with jax 0.10.2):
+gloo (CPU) fails the collective at once with ``JaxRuntimeError: ... Connection closed by peer``
+when the dead peer's sockets close. Independently, the coordination service declares a process
+dead when it misses heartbeats for ``heartbeat_timeout_seconds`` (an argument of
 ``jax.distributed.initialize``, default 100 s) and then terminates the surviving processes
 (``SIGABRT``, "Terminating process because the JAX distributed service detected fatal
-errors"). If the dead process is process 0 (the coordinator), the others terminate within about
-a second. Gloo collectives themselves do not notice a dead peer.
+errors"); if the dead process is process 0 (the coordinator), the others terminate within about
+a second. That bounds a frozen peer (open sockets, e.g. ``SIGSTOP``) by the heartbeat timeout.
 """
 
 from __future__ import annotations
@@ -132,9 +134,20 @@ def fingerprint(
   equal trees built in another order give the same fingerprint.
 
   Example:
-    >>> fp = plan_fingerprint(jr.make_plan(x, dst))  # doctest: +SKIP
-    >>> fp.digest  # doctest: +SKIP
-    '3f0c...'
+    >>> import jax_reshard as jr
+    >>> src = jr.Layout.from_description((8, 8), mesh_shape=(4,), axis_names=("x",), spec=("x",))
+    >>> dst = jr.Layout.from_description((8, 8), mesh_shape=(4,), axis_names=("y",),
+    ...                                  spec=(None, "y"))
+    >>> plan = jr.plan_layouts([(src, dst)], [4])
+    >>> fp = fingerprint(["['w']"], ["float32"], plan.layouts, plan.leaf_plans, plan.schedule)
+    >>> len(fp.digest), len(fp.leaf_digests)
+    (64, 1)
+    >>> renamed = jr.Layout.from_description((8, 8), mesh_shape=(4,), axis_names=("z",),
+    ...                                      spec=(None, "z"))  # other names, same boxes
+    >>> again = jr.plan_layouts([(src, renamed)], [4])
+    >>> fingerprint(["['w']"], ["float32"], again.layouts, again.leaf_plans,
+    ...             again.schedule).digest == fp.digest
+    True
   """
   leaf_digests, descriptions = [], []
   for path, dtype, (src, dst), lp in zip(paths, dtypes, layouts, leaf_plans, strict=True):
@@ -158,7 +171,18 @@ _fingerprints: weakref.WeakKeyDictionary[Any, PlanFingerprint] = weakref.WeakKey
 
 
 def plan_fingerprint(plan: Any) -> PlanFingerprint:
-  """The (cached) :class:`PlanFingerprint` of a :class:`~jax_reshard.ReshardPlan`."""
+  """The (cached) :class:`PlanFingerprint` of a :class:`~jax_reshard.ReshardPlan`.
+
+  Example:
+    >>> import jax, numpy as np
+    >>> import jax_reshard as jr
+    >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    >>> mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+    >>> x = jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(mesh, P("x")))
+    >>> fp = plan_fingerprint(jr.make_plan(x, NamedSharding(mesh, P(None, "x"))))
+    >>> fp == plan_fingerprint(jr.make_plan(x, NamedSharding(mesh, P(None, "x"))))
+    True
+  """
   fp = _fingerprints.get(plan)
   if fp is None:
     fp = fingerprint(

@@ -115,7 +115,7 @@ class Layout:
     device_ids: Sequence[int] | np.ndarray | None = None,
     process_indices: Sequence[int] | np.ndarray | None = None,
     devices_per_process: int | None = None,
-    platform: str = "gpu",
+    platform: str = "cpu",
   ) -> Layout:
     """Builds the layout a ``NamedSharding(Mesh(...), P(*spec))`` would have, without devices.
 
@@ -133,7 +133,8 @@ class Layout:
       process_indices: owning process per device, in the order of ``device_ids``. Default:
         ``device_id // devices_per_process`` when that is given, else 0.
       devices_per_process: devices per process (host), for the default ``process_indices``.
-      platform: platform name recorded in the layout.
+      platform: platform name recorded in the layout (compared, e.g. in plan fingerprints,
+        never used to plan).
 
     Example:
       >>> lay = Layout.from_description((8, 4), mesh_shape=(2, 2), axis_names=("x", "y"),
@@ -153,29 +154,7 @@ class Layout:
     entries = tuple(spec) + (None,) * (len(shape) - len(spec))
     if len(entries) != len(shape):
       raise ReshardError(f"spec {tuple(spec)} has more entries than the array has dimensions")
-    coords = np.indices(mesh_shape).reshape(len(mesh_shape), n)  # (naxes, n), row-major
-    starts = np.zeros((n, len(shape)), dtype=np.int64)
-    stops = np.tile(np.asarray(shape, dtype=np.int64), (n, 1))
-    used: set[str] = set()
-    for dim, entry in enumerate(entries):
-      names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-      for name in names:
-        if name not in axis_names or name in used:
-          raise ReshardError(f"spec {tuple(spec)}: unknown or repeated mesh axis {name!r}")
-        used.add(name)
-      if not names:
-        continue
-      sizes = [mesh_shape[axis_names.index(a)] for a in names]
-      parts = math.prod(sizes)
-      if shape[dim] % parts:
-        raise ReshardError(
-          f"spec {tuple(spec)} splits array axis {dim} into {parts} parts, but the dimension "
-          f"size is {shape[dim]} (full shape: {shape}); it must divide evenly"
-        )
-      block = shape[dim] // parts
-      k = np.ravel_multi_index([coords[axis_names.index(a)] for a in names], sizes)
-      starts[:, dim] = k * block
-      stops[:, dim] = k * block + block
+    starts, stops = _tile_boxes(shape, mesh_shape, axis_names, entries, tuple(spec))
     if process_indices is not None:
       procs = np.asarray(process_indices, dtype=np.int64)
     elif devices_per_process:
@@ -193,6 +172,44 @@ class Layout:
       platform=platform,
       description=f"mesh ({mesh_txt}) spec {format_spec(entries)}",
     )
+
+
+def _tile_boxes(
+  shape: tuple[int, ...],
+  mesh_shape: tuple[int, ...],
+  axis_names: tuple[str, ...],
+  entries: tuple[SpecEntry, ...],
+  spec: tuple[SpecEntry, ...],
+) -> tuple[np.ndarray, np.ndarray]:
+  """``(starts, stops)`` of every device in mesh order, as ``NamedSharding`` tiles them.
+
+  ``entries``: one spec entry per dimension; ``spec``: the spec as given (for messages).
+  """
+  n = math.prod(mesh_shape)
+  coords = np.indices(mesh_shape).reshape(len(mesh_shape), n)  # (naxes, n), row-major
+  starts = np.zeros((n, len(shape)), dtype=np.int64)
+  stops = np.tile(np.asarray(shape, dtype=np.int64), (n, 1))
+  used: set[str] = set()
+  for dim, entry in enumerate(entries):
+    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    for name in names:
+      if name not in axis_names or name in used:
+        raise ReshardError(f"spec {spec}: unknown or repeated mesh axis {name!r}")
+      used.add(name)
+    if not names:
+      continue
+    sizes = [mesh_shape[axis_names.index(a)] for a in names]
+    parts = math.prod(sizes)
+    if shape[dim] % parts:
+      raise ReshardError(
+        f"spec {spec} splits array axis {dim} into {parts} parts, but the dimension "
+        f"size is {shape[dim]} (full shape: {shape}); it must divide evenly"
+      )
+    block = shape[dim] // parts
+    k = np.ravel_multi_index([coords[axis_names.index(a)] for a in names], sizes)
+    starts[:, dim] = k * block
+    stops[:, dim] = k * block + block
+  return starts, stops
 
 
 def format_spec(entries: Sequence[Any]) -> str:

@@ -18,6 +18,7 @@ from collections.abc import MutableMapping, Sequence
 
 import numpy as np
 
+from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
 
 
@@ -163,9 +164,12 @@ def plan_leaf(
 
   Returns:
     A :class:`LeafPlan` in which every element a destination device lacks arrives exactly once.
+
+  Raises:
+    ReshardError: if the layouts differ in shape.
   """
   if src.shape != dst.shape:
-    raise ValueError(f"layouts of different shapes: {src.shape} vs {dst.shape}")
+    raise ReshardError(f"layouts of different shapes: {src.shape} vs {dst.shape}")
   load: MutableMapping[int, int] = {} if send_load is None else send_load
   g = _geometry(src, dst)
   need_u = g.region_src_box[g.need_region]

@@ -30,7 +30,15 @@ def reshard(
     A pytree like ``x`` whose leaves are laid out as ``dst``. ``x`` is left untouched.
 
   Example:
-    >>> y = jr.reshard(x, NamedSharding(sampler_mesh, P(None, 'tp')))  # doctest: +SKIP
+    >>> import jax, numpy as np
+    >>> import jax_reshard as jr
+    >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    >>> devs = np.array(jax.devices()[:8])
+    >>> x = jax.device_put(np.arange(16.0), NamedSharding(Mesh(devs[:4], ("a",)), P("a")))
+    >>> sampler = NamedSharding(Mesh(devs[4:].reshape(2, 2), ("dp", "tp")), P("tp"))
+    >>> y = jr.reshard(x, sampler)
+    >>> y.sharding == sampler, [s.data.shape for s in y.addressable_shards]
+    (True, [(8,), (8,), (8,), (8,)])
   """
   if is_traced(x):
     return _traced.reshard_traced(x, dst, src)

@@ -49,9 +49,10 @@ class Round:
 class Bucket:
   """Leaves executed together in one compiled program.
 
-  The ``piece_*`` arrays hold one row per remote transfer, sorted by (source, destination,
-  leaf, transfer): the payload of a (source, destination) pair is its rows in that order, each
-  at ``piece_offset`` bytes into the payload.
+  ``leaves`` and ``piece_leaf`` are positions in the list of leaves given to
+  :func:`make_schedule`. The ``piece_*`` arrays hold one row per remote transfer, sorted by
+  (source, destination, leaf, transfer): the payload of a (source, destination) pair is its rows
+  in that order, each at ``piece_offset`` bytes into the payload.
   """
 
   leaves: tuple[int, ...]
@@ -170,8 +171,8 @@ def color_bipartite(edges: Sequence[tuple[int, int]]) -> list[int]:
   ``benchmarks/plan_scale.py``; otherwise alternating-path recolouring finishes the job.
 
   Example:
-    >>> color_bipartite([(0, 1), (0, 2), (1, 2)])
-    [0, 1, 1]
+    >>> color_bipartite([(0, 1), (0, 2), (1, 2)])  # sender 0 twice, receiver 2 twice
+    [0, 1, 0]
   """
   if not edges:
     return []
@@ -284,6 +285,32 @@ def _make_rounds(
   return rounds, pair_round_bytes
 
 
+def _bucket_pieces(plans: Sequence[LeafPlan], leaves: Sequence[int]) -> tuple[np.ndarray, ...]:
+  """The remote transfers of a bucket's leaves as payload pieces, sorted by (source,
+  destination, leaf, transfer): ``(src, dst, leaf, transfer, nbytes, offset, first)``, where
+  ``offset`` is each piece's byte offset in its pair's payload and ``first`` the index of each
+  pair's first piece."""
+  cols: list[list[np.ndarray]] = [[], [], [], [], []]
+  for leaf in leaves:
+    p = plans[leaf]
+    ts = np.nonzero(~p.local & (p.nbytes != 0))[0]
+    for col, v in zip(
+      cols,
+      (p.src_device[ts], p.dst_device[ts], np.full(len(ts), leaf), ts, p.nbytes[ts]),
+      strict=True,
+    ):
+      col.append(np.asarray(v, dtype=np.int64))
+  src, dst, leaf_of, transfer, nbytes = (np.concatenate(c) for c in cols)
+  order = np.lexsort((transfer, leaf_of, dst, src))
+  src, dst, leaf_of, transfer, nbytes = (a[order] for a in (src, dst, leaf_of, transfer, nbytes))
+  # Offsets inside each pair's payload: a cumulative sum restarted at every new pair.
+  new_pair = np.r_[True, (src[1:] != src[:-1]) | (dst[1:] != dst[:-1])][: len(src)]
+  first = np.flatnonzero(new_pair)
+  ends = np.cumsum(nbytes)
+  offset = ends - nbytes - (ends[first] - nbytes[first])[np.cumsum(new_pair) - 1]
+  return src, dst, leaf_of, transfer, nbytes, offset, first
+
+
 def make_schedule(
   plans: Sequence[LeafPlan],
   layouts: Sequence[tuple[Layout, Layout]],
@@ -317,24 +344,7 @@ def make_schedule(
   peak = 0
   for leaves in _split_buckets(plans, placeholders, members, union, max_bucket_bytes):
     in_bucket = np.logical_or.reduce([members[leaf] for leaf in leaves])
-    cols: list[list[np.ndarray]] = [[], [], [], [], []]
-    for leaf in leaves:
-      p = plans[leaf]
-      ts = np.nonzero(~p.local & (p.nbytes != 0))[0]
-      for col, v in zip(
-        cols,
-        (p.src_device[ts], p.dst_device[ts], np.full(len(ts), leaf), ts, p.nbytes[ts]),
-        strict=True,
-      ):
-        col.append(np.asarray(v, dtype=np.int64))
-    src, dst, leaf_of, transfer, nbytes = (np.concatenate(c) for c in cols)
-    order = np.lexsort((transfer, leaf_of, dst, src))
-    src, dst, leaf_of, transfer, nbytes = (a[order] for a in (src, dst, leaf_of, transfer, nbytes))
-    # Offsets inside each pair's payload: a cumulative sum restarted at every new pair.
-    new_pair = np.r_[True, (src[1:] != src[:-1]) | (dst[1:] != dst[:-1])][: len(src)]
-    first = np.flatnonzero(new_pair)
-    ends = np.cumsum(nbytes)
-    offset = ends - nbytes - (ends[first] - nbytes[first])[np.cumsum(new_pair) - 1]
+    src, dst, leaf_of, transfer, nbytes, offset, first = _bucket_pieces(plans, leaves)
     fill = np.add.reduceat(nbytes, first) if len(src) else nbytes
     ps, pd = src[first], dst[first]
     rounds, round_bytes = _make_rounds(ps, pd, fill)
