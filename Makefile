@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-dev
 BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: test demo bench bench-full lint clean
+.PHONY: test test-exhaustive demo bench bench-full lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,9 @@ lint: $(STAMP)
 
 test: lint
 	$(PY) -m pytest
+
+test-exhaustive: lint
+	JAX_RESHARD_EXHAUSTIVE=1 $(PY) -m pytest
 
 demo: $(STAMP)
 	$(PY) -m jax_reshard demo

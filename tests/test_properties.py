@@ -1,0 +1,151 @@
+"""Properties of the planner and the schedule over generated layouts (hypothesis), no devices.
+
+For any tree of layout pairs: every destination element arrives exactly once, from a device
+that holds it; bytes moved equal the lower bound; every round is a matching carrying each
+pair's payload once; and staging stays under the bucket bound (up to round padding) whenever
+every leaf alone does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import jax_reshard as jr
+from jax_reshard import Layout
+from jax_reshard._schedule import make_schedule
+
+MESHES = [(1,), (2,), (4,), (8,), (2, 2), (4, 2), (2, 4), (2, 2, 2)]
+SETTINGS = settings(
+  max_examples=40,
+  deadline=None,
+  derandomize=True,
+  database=None,
+  suppress_health_check=[HealthCheck.too_slow],
+)
+
+
+@st.composite
+def _mesh_and_spec(draw: st.DrawFn, rank: int, prefix: str) -> tuple[tuple[int, ...], tuple]:
+  """A mesh shape and a spec placing each mesh axis on one dimension (or none)."""
+  mesh_shape = draw(st.sampled_from(MESHES))
+  entries: list[list[str]] = [[] for _ in range(rank)]
+  for i in range(len(mesh_shape)):
+    dim = draw(st.integers(-1, rank - 1))
+    if dim >= 0:
+      entries[dim].append(f"{prefix}{i}")
+  spec = tuple(None if not e else e[0] if len(e) == 1 else tuple(e) for e in entries)
+  return mesh_shape, spec
+
+
+def _parts(mesh_shape: tuple[int, ...], entry, prefix: str) -> int:
+  names = () if entry is None else (entry,) if isinstance(entry, str) else entry
+  return math.prod(mesh_shape[int(n[len(prefix) :])] for n in names)
+
+
+@st.composite
+def layout_pairs(draw: st.DrawFn) -> tuple[Layout, Layout]:
+  """Source and destination layouts of one leaf on devices 0..15 (4 per process), which may
+  be disjoint, overlapping or the same, in any order."""
+  rank = draw(st.integers(0, 3))
+  src_mesh, src_spec = draw(_mesh_and_spec(rank, "s"))
+  dst_mesh, dst_spec = draw(_mesh_and_spec(rank, "d"))
+  shape = tuple(
+    math.lcm(_parts(src_mesh, a, "s"), _parts(dst_mesh, b, "d")) * draw(st.integers(1, 3))
+    for a, b in zip(src_spec, dst_spec, strict=True)
+  )
+  out = []
+  for mesh, spec, prefix in ((src_mesh, src_spec, "s"), (dst_mesh, dst_spec, "d")):
+    n = math.prod(mesh)
+    ids = draw(st.permutations(range(16)))[:n]
+    out.append(
+      Layout.from_description(
+        shape,
+        mesh_shape=mesh,
+        axis_names=tuple(f"{prefix}{i}" for i in range(len(mesh))),
+        spec=spec,
+        device_ids=ids,
+        devices_per_process=4,
+      )
+    )
+  return out[0], out[1]
+
+
+trees = st.lists(layout_pairs(), min_size=1, max_size=4)
+itemsizes = st.sampled_from([1, 2, 4])
+
+
+def _box(layout: Layout, dev: int) -> tuple[np.ndarray, np.ndarray]:
+  i = layout.device_ids.index(dev)
+  return np.asarray(layout.starts[i]), np.asarray(layout.stops[i])
+
+
+@SETTINGS
+@given(trees, itemsizes)
+def test_every_destination_element_arrives_once_from_a_holder(tree, itemsize) -> None:
+  plan = jr.plan_layouts(tree, [itemsize] * len(tree))
+  for (src, dst), lp in zip(tree, plan.leaf_plans, strict=True):
+    for t in range(len(lp.nbytes)):  # the sender holds the box in its source shard
+      lo, hi = _box(src, int(lp.src_device[t]))
+      assert (lo <= lp.lo[t]).all() and (lp.hi[t] <= hi).all()
+      assert bool(lp.local[t]) == (lp.src_device[t] == lp.dst_device[t])
+      assert lp.nbytes[t] == math.prod((lp.hi[t] - lp.lo[t]).tolist()) * itemsize
+    for dev in dst.device_ids:  # every element of every destination shard exactly once
+      lo, hi = _box(dst, dev)
+      count = np.zeros(tuple((hi - lo).tolist()), dtype=np.int64)
+      for t in np.nonzero(lp.dst_device == dev)[0]:
+        count[tuple(slice(a, b) for a, b in zip(lp.lo[t] - lo, lp.hi[t] - lo, strict=True))] += 1
+      assert (count == 1).all()
+  lower = 0
+  for src, dst in tree:  # what destination devices lack, from the boxes alone
+    for dev in dst.device_ids:
+      lo, hi = _box(dst, dev)
+      need = math.prod((hi - lo).tolist())
+      if dev in src.device_ids:
+        slo, shi = _box(src, dev)
+        need -= math.prod(np.maximum(np.minimum(hi, shi) - np.maximum(lo, slo), 0).tolist())
+      lower += need * itemsize
+  assert plan.stats.bytes_moved == plan.stats.lower_bound_bytes == lower
+
+
+@SETTINGS
+@given(trees, itemsizes, st.sampled_from([None, 1, 256, 4096]))
+def test_rounds_are_matchings_carrying_each_payload_once(tree, itemsize, bound) -> None:
+  plan = jr.plan_layouts(tree, [itemsize] * len(tree), max_bucket_bytes=bound)
+  assert sorted(i for b in range(plan.stats.num_buckets) for i in plan.bucket_leaves(b)) == list(
+    plan.scheduled
+  )
+  padding = 0
+  for bucket in plan.schedule.buckets:
+    payload: dict[tuple[int, int], int] = {}
+    for s, d, nb in zip(bucket.piece_src, bucket.piece_dst, bucket.piece_nbytes, strict=True):
+      payload[(int(s), int(d))] = payload.get((int(s), int(d)), 0) + int(nb)
+    carried = [pair for r in bucket.rounds for pair in r.pairs]
+    assert sorted(carried) == sorted(payload)  # each pair in exactly one round
+    for r in bucket.rounds:
+      assert len({s for s, _ in r.pairs}) == len({d for _, d in r.pairs}) == len(r.pairs)
+      assert all(r.nbytes >= payload[p] for p in r.pairs)
+      padding += sum(r.nbytes - payload[p] for p in r.pairs)
+    devices = set(bucket.union_device_ids)
+    assert {int(d) for d in (*bucket.piece_src, *bucket.piece_dst)} <= devices
+  assert plan.stats.padding_bytes == padding
+
+
+@SETTINGS
+@given(trees, itemsizes, st.integers(1, 8192))
+def test_staging_bound(tree, itemsize, bound) -> None:
+  """Buckets are split on unpadded staging: a bucket of several leaves stays under the bound
+  before padding, a leaf whose staging alone exceeds it runs alone. Round padding comes on top
+  (each padded pair counts at its sender and its receiver)."""
+  plan = jr.plan_layouts(tree, [itemsize] * len(tree), max_bucket_bytes=bound)
+  alone = [  # each leaf's staging in a bucket of its own, with the transfers planned for the tree
+    make_schedule([lp], [pair], [itemsize]).peak_staging_bytes
+    for lp, pair in zip(plan.leaf_plans, tree, strict=True)
+  ]
+  limit = max(bound, *alone) + 2 * plan.stats.padding_bytes
+  assert plan.stats.peak_staging_bytes <= limit
+  if max(alone) <= bound and plan.stats.padding_bytes == 0:
+    assert plan.stats.peak_staging_bytes <= bound
