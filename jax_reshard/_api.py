@@ -9,7 +9,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec, Sharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, Sharding
 
 from jax_reshard import _lower
 from jax_reshard._errors import ReshardError, ReshardTypeError
@@ -95,7 +95,7 @@ def resolve_sharding(s: Sharding | PartitionSpec, path: str, which: str) -> Shar
   mesh = getattr(s, "mesh", None)
   if isinstance(s, Sharding) and not isinstance(mesh, AbstractMesh):
     return s
-  context = jax.sharding.get_mesh()
+  context = _context_mesh()
   name = path or "<root>"
   if isinstance(s, PartitionSpec):
     what = f"the bare PartitionSpec {s}, not a jax.sharding.Sharding"
@@ -147,6 +147,16 @@ def _broadcast_shardings(prefix: Any, full: Any, treedef: Any, n: int, what: str
       f"  source tree: {treedef}\n  {what} tree: {jax.tree_util.tree_structure(prefix)}"
     )
   return leaves
+
+
+def _context_mesh() -> Mesh:
+  """The concrete mesh of the enclosing ``jax.set_mesh`` (empty when there is none)."""
+  try:
+    return jax.sharding.get_mesh()
+  except ValueError:  # inside jax.jit, where jax only offers the abstract mesh publicly
+    from jax._src import mesh as mesh_lib
+
+    return mesh_lib.get_concrete_mesh()
 
 
 def _axes(mesh: Any) -> dict[str, int]:

@@ -536,26 +536,29 @@ def traced_move(
   axes = tuple(src_mesh.axis_names)
   body = _Body(bucket, leaves, [d.id for d in src_mesh.devices.flat], axes)
   staged_spec = PartitionSpec(axes)
-  moved = jax.shard_map(
-    body._body,
-    mesh=src_mesh,
-    in_specs=tuple(src_specs),
-    out_specs=tuple(staged_spec for _ in body.leaves),
-    check_vma=False,
-  )(*xs)
+  # Each shard_map runs under its own mesh, whatever mesh the caller entered with set_mesh.
+  with jax.sharding.use_abstract_mesh(src_mesh.abstract_mesh):
+    moved = jax.shard_map(
+      body._body,
+      mesh=src_mesh,
+      in_specs=tuple(src_specs),
+      out_specs=tuple(staged_spec for _ in body.leaves),
+      check_vma=False,
+    )(*xs)
   dst_axes = tuple(dst_mesh.axis_names)
   outs = []
-  for y, leaf in zip(moved, body.leaves, strict=True):
-    shard_shape = leaf.dst.shard_shape()
-    outs.append(
-      jax.shard_map(
-        lambda b, shape=shard_shape: b.reshape(shape),
-        mesh=dst_mesh,
-        in_specs=PartitionSpec(dst_axes),
-        out_specs=leaf.dst_sharding.spec,
-        check_vma=False,
-      )(y)
-    )
+  with jax.sharding.use_abstract_mesh(dst_mesh.abstract_mesh):
+    for y, leaf in zip(moved, body.leaves, strict=True):
+      shard_shape = leaf.dst.shard_shape()
+      outs.append(
+        jax.shard_map(
+          lambda b, shape=shard_shape: b.reshape(shape),
+          mesh=dst_mesh,
+          in_specs=PartitionSpec(dst_axes),
+          out_specs=leaf.dst_sharding.spec,
+          check_vma=False,
+        )(y)
+      )
   return outs
 
 

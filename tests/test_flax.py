@@ -181,3 +181,16 @@ def test_linen_boxed_params_keep_their_structure() -> None:
   assert isinstance(box, nn.LogicallyPartitioned) and box.names == ("embed", "mlp")
   host = np.asarray(variables["params"]["kernel"].value)
   assert_matches_oracle(box.value, host, NamedSharding(SAMPLER, P(None, "tp")))
+
+
+def test_partition_spec_destination_inside_jit_under_set_mesh() -> None:
+  """Inside jax.jit a bare spec resolves against the entered mesh; the move runs on its own."""
+  train = Mesh(DEVS.reshape(4, 2), ("fsdp", "tp"))
+  sample = Mesh(DEVS.reshape(2, 4), ("dp", "tp"))
+  src = NamedSharding(train, P("fsdp", "tp"))
+  host = np.arange(8 * 16, dtype=np.float32).reshape(8, 16)
+  x = jax.device_put(host, src)
+  dst = NamedSharding(sample, P(None, "tp"))
+  with jax.set_mesh(sample):
+    y = jax.jit(lambda x: jr.reshard(x, P(None, "tp"), src=src), out_shardings=dst)(x)
+  assert_matches_oracle(y, host, dst)
