@@ -10,5 +10,8 @@ from jax_reshard._distributed import ReshardPlanMismatchError as ReshardPlanMism
 from jax_reshard._errors import ReshardError as ReshardError
 from jax_reshard._errors import ReshardTypeError as ReshardTypeError
 from jax_reshard._layout import Layout as Layout
+from jax_reshard._viz import plot_rounds as plot_rounds
+from jax_reshard._viz import plot_traffic as plot_traffic
+from jax_reshard._viz import traffic_matrix as traffic_matrix
 
 __version__ = "0.1.0"

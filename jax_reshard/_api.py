@@ -16,6 +16,7 @@ from jax_reshard._errors import ReshardError, ReshardTypeError
 from jax_reshard._layout import Layout, describe_sharding
 from jax_reshard._planner import LeafPlan, plan_leaves
 from jax_reshard._schedule import DEFAULT_MAX_BUCKET_BYTES, Schedule, make_schedule
+from jax_reshard._viz import plan_html
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -387,6 +388,10 @@ class ReshardPlan:
 
   def __repr__(self) -> str:
     return format_plan(self)
+
+  def _repr_html_(self) -> str:
+    """Jupyter's rich display: the stats table and one row per layout group."""
+    return plan_html(self)
 
 
 def format_plan(plan: ReshardPlan) -> str:
