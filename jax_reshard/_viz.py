@@ -259,7 +259,7 @@ def plot_traffic(plan: ReshardPlan, ax: Axes | None = None) -> Axes:
       text = _short_bytes(sent) if sent else f"local\n{_short_bytes(kept)}"
       dark = sent and sent / scale < 0.6 * vmax
       ax.text(c, r, text, ha="center", va="center", fontsize=8, color="white" if dark else "black")
-  xpos, xlab = _ticks(m.dst_ids)
+  xpos, xlab = _ticks(m.dst_ids, limit=16)
   ypos, ylab = _ticks(m.src_ids)
   ax.set_xticks(xpos, xlab, fontsize=8)
   ax.set_yticks(ypos, ylab, fontsize=8)
