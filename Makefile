@@ -17,8 +17,8 @@ $(BENCH_STAMP): $(STAMP)
 	touch $@
 
 lint: $(STAMP)
-	$(PY) -m ruff check jax_reshard tests benchmarks
-	$(PY) -m ruff format --check jax_reshard tests benchmarks
+	$(PY) -m ruff check jax_reshard tests benchmarks examples
+	$(PY) -m ruff format --check jax_reshard tests benchmarks examples
 	$(PY) -m mypy
 
 test: lint

@@ -12,5 +12,8 @@ from jax_reshard._plan import LayoutPlan as LayoutPlan
 from jax_reshard._plan import PlanStats as PlanStats
 from jax_reshard._plan import plan_layouts as plan_layouts
 from jax_reshard._reshard import reshard as reshard
+from jax_reshard._viz import plot_rounds as plot_rounds
+from jax_reshard._viz import plot_traffic as plot_traffic
+from jax_reshard._viz import traffic_matrix as traffic_matrix
 
 __version__ = "0.1.0"

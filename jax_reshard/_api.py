@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -14,6 +15,7 @@ from jax_reshard._planner import LeafPlan
 from jax_reshard._program import BucketProgram, make_bucket_program
 from jax_reshard._schedule import DEFAULT_MAX_BUCKET_BYTES, Schedule
 from jax_reshard._tree import Leaf, check_arrays, flatten_tree
+from jax_reshard._viz import plan_html
 
 
 class ReshardPlan:
@@ -99,6 +101,13 @@ class ReshardPlan:
       from jax_reshard import _distributed
 
       _distributed.check_plan(self)
+    # The bucket programs run on meshes of their own: a mesh the caller entered with
+    # jax.set_mesh (e.g. to resolve abstract destinations) must not constrain them.
+    with contextlib.nullcontext() if jax.sharding.get_mesh().empty else jax.set_mesh(None):
+      out = self._run(arrays)
+    return jax.tree_util.tree_unflatten(self._treedef, out)
+
+  def _run(self, arrays: list[Any]) -> list[Any]:
     executables = self.executables()
     out: list[Any] = [None] * len(arrays)
     for i in self._unscheduled:
@@ -107,10 +116,14 @@ class ReshardPlan:
     for idx, exe in zip(self._bucket_leaves, executables, strict=True):
       for i, y in zip(idx, exe([arrays[i] for i in idx]), strict=True):
         out[i] = y
-    return jax.tree_util.tree_unflatten(self._treedef, out)
+    return out
 
   def __repr__(self) -> str:
     return format_plan(self.layout_plan, "ReshardPlan")
+
+  def _repr_html_(self) -> str:
+    """Jupyter's rich display: the stats table and one row per layout group."""
+    return plan_html(self)
 
 
 def make_plan(

@@ -22,7 +22,7 @@ import jax_reshard as jr
 D_MODEL, D_FF, VOCAB, HEADS = 512, 1536, 8192, 8
 
 
-def _weights(layers: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+def weight_specs(layers: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
   """Shapes, trainer specs and sampler specs of a Llama-style model."""
   shapes: dict[str, Any] = {"embed": (VOCAB, D_MODEL), "final_norm": (D_MODEL,)}
   train: dict[str, Any] = {"embed": P("tp", "fsdp"), "final_norm": P()}
@@ -64,7 +64,7 @@ def run(*, layers: int = 4, repeats: int = 7) -> int:
   half = len(devs) // 2
   trainer = Mesh(devs[:half].reshape(2, half // 2), ("fsdp", "tp"))
   sampler = Mesh(devs[half:], ("tp",))
-  shapes, train_specs, sample_specs = _weights(layers)
+  shapes, train_specs, sample_specs = weight_specs(layers)
   is_shape = lambda s: isinstance(s, tuple) and all(isinstance(v, int) for v in s)
   is_spec = lambda s: isinstance(s, P)
 

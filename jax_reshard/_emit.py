@@ -347,23 +347,26 @@ def emit_traced_move(
   """
   axes = tuple(src_mesh.axis_names)
   staged_spec = PartitionSpec(axes)
-  moved = jax.shard_map(
-    emit_body(program, axes),
-    mesh=src_mesh,
-    in_specs=tuple(src_specs),
-    out_specs=tuple(staged_spec for _ in program.leaves),
-    check_vma=False,
-  )(*xs)
+  # Each shard_map runs under its own mesh, whatever mesh the caller entered with set_mesh.
+  with jax.sharding.use_abstract_mesh(src_mesh.abstract_mesh):
+    moved = jax.shard_map(
+      emit_body(program, axes),
+      mesh=src_mesh,
+      in_specs=tuple(src_specs),
+      out_specs=tuple(staged_spec for _ in program.leaves),
+      check_vma=False,
+    )(*xs)
   dst_axes = tuple(dst_mesh.axis_names)
   outs = []
-  for y, lf, spec in zip(moved, program.leaves, dst_specs, strict=True):
-    outs.append(
-      jax.shard_map(
-        lambda b, shape=lf.dst_shard: b.reshape(shape),
-        mesh=dst_mesh,
-        in_specs=PartitionSpec(dst_axes),
-        out_specs=spec,
-        check_vma=False,
-      )(y)
-    )
+  with jax.sharding.use_abstract_mesh(dst_mesh.abstract_mesh):
+    for y, lf, spec in zip(moved, program.leaves, dst_specs, strict=True):
+      outs.append(
+        jax.shard_map(
+          lambda b, shape=lf.dst_shard: b.reshape(shape),
+          mesh=dst_mesh,
+          in_specs=PartitionSpec(dst_axes),
+          out_specs=spec,
+          check_vma=False,
+        )(y)
+      )
   return outs

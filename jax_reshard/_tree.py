@@ -14,7 +14,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Sharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, Sharding
 
 from jax_reshard._errors import ReshardError, ReshardTypeError
 from jax_reshard._layout import Layout, describe_sharding
@@ -69,29 +69,103 @@ def is_traced(x: Any) -> bool:
 
 
 def as_sharding(path: str, d: Any) -> Sharding:
-  """The Sharding a destination leaf stands for (itself, or its ``.sharding``)."""
+  """The concrete Sharding a destination leaf stands for (itself, its ``.sharding``, or a
+  PartitionSpec / abstract sharding resolved by :func:`resolve_sharding`)."""
   if isinstance(d, Sharding):
-    return d
+    return resolve_sharding(d, path, "destination")
+  if isinstance(d, PartitionSpec):
+    return resolve_sharding(d, path, "destination")
   sharding = getattr(d, "sharding", None)
   if isinstance(sharding, Sharding):
-    return sharding
+    return resolve_sharding(sharding, path, "destination")
   raise ReshardTypeError(
     f"destination for leaf {path or '<root>'} is {type(d).__name__}, not a "
-    "jax.sharding.Sharding (nor an array / ShapeDtypeStruct with a .sharding). Pass e.g.\n"
+    "jax.sharding.Sharding (nor a PartitionSpec, nor an array / ShapeDtypeStruct with a "
+    ".sharding). Pass e.g.\n"
     "  >>> jr.reshard(x, NamedSharding(mesh, P('tp')))"
   )
 
 
+def resolve_sharding(s: Sharding | PartitionSpec, path: str, which: str) -> Sharding:
+  """A concrete sharding for ``s``.
+
+  Flax and ``jax.eval_shape`` describe layouts without devices: a ``NamedSharding`` over an
+  ``AbstractMesh``, or a bare ``PartitionSpec``. Those resolve against the concrete mesh of the
+  enclosing ``jax.set_mesh(...)`` when its axis names and sizes match; anything else raises a
+  :class:`ReshardError` that says how to fix the call. Concrete shardings pass through.
+  """
+  mesh = getattr(s, "mesh", None)
+  if isinstance(s, Sharding) and not isinstance(mesh, AbstractMesh):
+    return s
+  context = _context_mesh()
+  name = path or "<root>"
+  if isinstance(s, PartitionSpec):
+    what = f"the bare PartitionSpec {s}, not a jax.sharding.Sharding"
+    spec, memory_kind = s, None
+  else:
+    what = f"a NamedSharding over {mesh}, which names no devices"
+    spec, memory_kind = s.spec, s.memory_kind  # type: ignore[attr-defined]
+  if context.empty:
+    error = ReshardTypeError if isinstance(s, PartitionSpec) else ReshardError
+    raise error(
+      f"the {which} of leaf {name} is {what}. Resolve it against the devices it belongs to by "
+      "entering the concrete mesh first, or pass concrete shardings:\n"
+      "  >>> with jax.set_mesh(sampler_mesh):\n"
+      "  ...   y = jr.reshard(x, abstract_sampler_state)"
+    )
+  if mesh is not None and (
+    tuple(mesh.axis_names) != tuple(context.axis_names)
+    or tuple(mesh.axis_sizes) != tuple(context.axis_sizes)
+  ):
+    raise ReshardError(
+      f"the {which} of leaf {name} is {what}, but the mesh of the enclosing jax.set_mesh "
+      f"has other axes: {dict(context.shape)} against {_axes(mesh)}. "
+      "Enter the mesh these shardings were made for (jax.set_mesh(sampler_mesh)), or pass "
+      "concrete shardings."
+    )
+  return NamedSharding(context, spec, memory_kind=memory_kind)
+
+
+def _context_mesh() -> Mesh:
+  """The concrete mesh of the enclosing ``jax.set_mesh`` (empty when there is none)."""
+  try:
+    return jax.sharding.get_mesh()
+  except ValueError:  # inside jax.jit, where jax only offers the abstract mesh publicly
+    from jax._src import mesh as mesh_lib
+
+    return mesh_lib.get_concrete_mesh()
+
+
+def _axes(mesh: Any) -> dict[str, int]:
+  return dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+
+
+def _leaves_if_same_paths(tree: Any, full: Any, is_leaf: Any) -> list[Any] | None:
+  """``tree``'s leaves when it has exactly the leaf paths of ``full``, else ``None``.
+
+  Trees whose nodes carry different metadata (a Flax NNX trainer state and the sampler's
+  abstract state, whose ``Param`` nodes record other sharding annotations) do not broadcast,
+  yet correspond leaf for leaf.
+  """
+  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
+  full_paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(full)[0]]
+  if [jax.tree_util.keystr(p) for p, _ in flat] != full_paths:
+    return None
+  return [leaf for _, leaf in flat]
+
+
 def broadcast_shardings(prefix: Any, full: Any, treedef: Any, n: int, what: str) -> list[Any]:
   """One Sharding (or template) per leaf of ``full`` from a Sharding or a pytree prefix."""
-  if isinstance(prefix, Sharding):
+  if isinstance(prefix, (Sharding, PartitionSpec)):
     return [prefix] * n
+  is_leaf = lambda x: isinstance(x, (Sharding, PartitionSpec)) or x is None
   try:
-    out = jax.tree_util.tree_broadcast(
-      prefix, full, is_leaf=lambda x: isinstance(x, Sharding) or x is None
-    )
-    leaves = jax.tree_util.tree_leaves(out, is_leaf=lambda x: isinstance(x, Sharding) or x is None)
+    out = jax.tree_util.tree_broadcast(prefix, full, is_leaf=is_leaf)
+    leaves = jax.tree_util.tree_leaves(out, is_leaf=is_leaf)
   except (ValueError, TypeError) as e:
+    same_paths = _leaves_if_same_paths(prefix, full, is_leaf)
+    if same_paths is not None:
+      return same_paths
     raise ReshardError(
       f"the {what} tree must be one Sharding or a pytree prefix of the source tree "
       f"whose leaves are Shardings.\n  source tree:      {treedef}\n  {what} tree: "
@@ -137,6 +211,7 @@ def flatten_tree(
         f"source leaf {name or '<root>'} has no sharding; build it as "
         "jax.ShapeDtypeStruct(shape, dtype, sharding=...)"
       )
+    src_sharding = resolve_sharding(src_sharding, name, "source")
     leaf = Leaf(
       path=name,
       shape=tuple(int(s) for s in x.shape),
@@ -223,7 +298,12 @@ def check_arrays(treedef: Any, leaves: Sequence[Leaf], x: Any) -> list[Any]:
       )
   if problems:
     raise ReshardError(
-      "input does not match the plan (make a new plan with jr.make_plan for this input):\n  "
+      "input does not match the plan:\n  "
       + "\n  ".join(problems)
+      + "\nA jitted train step may change the layout of some leaves after its first call "
+      "(XLA picks output shardings). Call jr.reshard(x, dst) every step (it keeps one cached "
+      "plan per layout, so a changed layout costs one new plan), make a new plan with "
+      "jr.make_plan for this input, or pin the train step's layouts with "
+      "jax.jit(..., out_shardings=...)."
     )
   return arrays

@@ -16,6 +16,7 @@ LAYERS = [
   "_planner",
   "_schedule",
   "_plan",
+  "_viz",
   "_program",
   "_emit",
   "_tree",
@@ -24,10 +25,11 @@ LAYERS = [
   "_traced",
   "_reshard",
   "__init__",
+  "flax",
   "_demo",
   "__main__",
 ]
-NUMPY_ONLY = {"_errors", "_layout", "_planner", "_schedule", "_plan", "_program"}
+NUMPY_ONLY = {"_errors", "_layout", "_planner", "_schedule", "_plan", "_viz", "_program"}
 MAX_FUNCTION_LINES = 80
 
 

@@ -1,0 +1,1 @@
+"""Runnable examples of jax_reshard in a training loop."""

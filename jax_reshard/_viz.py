@@ -1,0 +1,533 @@
+"""Pictures of a plan: who sends how many bytes to whom, and in which round.
+
+``traffic_matrix`` and ``round_table`` turn a :class:`~jax_reshard.ReshardPlan` into NumPy
+tables; ``plot_traffic`` and ``plot_rounds`` draw them with matplotlib, an optional extra
+(``pip install 'jax_reshard[viz]'``) imported only when a plot is made; ``plan_html`` is the
+plan's summary as an HTML table for Jupyter. Nothing here touches devices or traces JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+import numpy as np
+
+from jax_reshard._layout import Layout
+from jax_reshard._plan import PlanStats
+from jax_reshard._planner import LeafPlan
+from jax_reshard._schedule import Schedule
+
+if TYPE_CHECKING:
+  from matplotlib.axes import Axes
+
+
+class PlanLike(Protocol):
+  """What the pictures read of a plan: a :class:`~jax_reshard.ReshardPlan` or a
+  :class:`~jax_reshard.LayoutPlan`."""
+
+  @property
+  def layouts(self) -> Sequence[tuple[Layout, Layout]]: ...
+
+  @property
+  def leaf_plans(self) -> Sequence[LeafPlan]: ...
+
+  @property
+  def schedule(self) -> Schedule: ...
+
+  @property
+  def stats(self) -> PlanStats: ...
+
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+
+# What each PlanStats field means, for the HTML table (fields missing here get no text).
+_STAT_MEANINGS = {
+  "bytes_moved": "bytes received by devices from other devices, padding excluded",
+  "lower_bound_bytes": "per destination device, its shard minus what it already holds, summed",
+  "padding_bytes": "bytes sent only to make the payloads of a round one size",
+  "local_copy_bytes": "bytes copied device-locally (already resident)",
+  "gather_broadcast_bytes": (
+    "bytes devices receive in the conventional refit: all-gather over the source devices, "
+    "then the full tensor to every destination device that is not a source device"
+  ),
+  "num_rounds": "ppermute rounds: every device sends at most once and receives at most once",
+  "num_buckets": "compiled programs the plan runs, one after another",
+  "max_send_bytes": "most bytes one device sends (padding included)",
+  "max_recv_bytes": "most bytes one device receives (padding included)",
+  "peak_staging_bytes": "most transient bytes one device holds in a bucket",
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class TrafficMatrix:
+  """Bytes per (source device, destination device) pair of a plan, summed over its leaves.
+
+  Attributes:
+    src_ids: every device that holds a source shard of some leaf, ascending (rows).
+    dst_ids: every device that holds a destination shard of some leaf, ascending (columns).
+    bytes: ``(len(src_ids), len(dst_ids))`` int64, bytes the source device sends to the
+      destination device (padding excluded). Sums to ``plan.stats.bytes_moved``.
+    local: same shape, bytes a device copies from its own source shard into its destination
+      shard (nonzero only where the row and column are the same device). Sums to
+      ``plan.stats.local_copy_bytes``.
+  """
+
+  src_ids: tuple[int, ...]
+  dst_ids: tuple[int, ...]
+  bytes: np.ndarray
+  local: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class RoundTable:
+  """One row per (round, sending pair) of a plan's schedule, in execution order.
+
+  Attributes:
+    bucket: index of the bucket (compiled program) the round belongs to.
+    round: index of the round over the whole plan (buckets run one after another).
+    src: sending device id.
+    dst: receiving device id.
+    payload: bytes of data the pair's payload carries in that round.
+    padding: bytes sent only to fill the payload up to the round's size.
+  """
+
+  bucket: np.ndarray
+  round: np.ndarray
+  src: np.ndarray
+  dst: np.ndarray
+  payload: np.ndarray
+  padding: np.ndarray
+
+  @property
+  def num_rounds(self) -> int:
+    return int(self.round.max()) + 1 if len(self.round) else 0
+
+  def __len__(self) -> int:
+    return len(self.src)
+
+
+def traffic_matrix(plan: PlanLike) -> TrafficMatrix:
+  """The bytes every source device sends to every destination device, over all leaves.
+
+  Args:
+    plan: a plan from :func:`jax_reshard.make_plan`.
+
+  Returns:
+    A :class:`TrafficMatrix` (rows: source devices, columns: destination devices).
+
+  Example:
+    >>> m = jr.traffic_matrix(plan)  # doctest: +SKIP
+    >>> int(m.bytes.sum()) == plan.stats.bytes_moved  # doctest: +SKIP
+    True
+  """
+  src_ids = np.asarray(sorted({i for s, _ in plan.layouts for i in s.device_ids}), np.int64)
+  dst_ids = np.asarray(sorted({i for _, d in plan.layouts for i in d.device_ids}), np.int64)
+  shape = (len(src_ids), len(dst_ids))
+  remote = np.zeros(shape, dtype=np.int64)
+  local = np.zeros(shape, dtype=np.int64)
+  lps = plan.leaf_plans
+  if lps:
+    src = np.concatenate([np.asarray(p.src_device, np.int64) for p in lps])
+    dst = np.concatenate([np.asarray(p.dst_device, np.int64) for p in lps])
+    nbytes = np.concatenate([np.asarray(p.nbytes, np.int64) for p in lps])
+    is_local = np.concatenate([np.asarray(p.local, bool) for p in lps])
+    row, col = np.searchsorted(src_ids, src), np.searchsorted(dst_ids, dst)
+    np.add.at(remote, (row[~is_local], col[~is_local]), nbytes[~is_local])
+    np.add.at(local, (row[is_local], col[is_local]), nbytes[is_local])
+  return TrafficMatrix(
+    src_ids=tuple(src_ids.tolist()), dst_ids=tuple(dst_ids.tolist()), bytes=remote, local=local
+  )
+
+
+def round_table(plan: PlanLike) -> RoundTable:
+  """Every (source, destination) pair of every round, with its payload and padding bytes.
+
+  A round sends ``Round.nbytes`` from every listed pair; a pair whose pieces fill less than
+  that is padded. The padding column sums to ``plan.stats.padding_bytes``.
+
+  Args:
+    plan: a plan from :func:`jax_reshard.make_plan`.
+
+  Returns:
+    A :class:`RoundTable`, rows ordered by round, then source, then destination.
+  """
+  cols: list[list[np.ndarray]] = [[], [], [], [], [], []]
+  base = 0
+  for b, bucket in enumerate(plan.schedule.buckets):
+    if not bucket.rounds:
+      continue
+    ps = np.asarray(bucket.piece_src, np.int64)
+    pd = np.asarray(bucket.piece_dst, np.int64)
+    nb = np.asarray(bucket.piece_nbytes, np.int64)
+    width = int(max(ps.max(initial=0), pd.max(initial=0))) + 1
+    keys, inv = np.unique(ps * width + pd, return_inverse=True)
+    fill = np.zeros(len(keys), dtype=np.int64)
+    np.add.at(fill, inv.reshape(-1), nb)
+    for r, rnd in enumerate(bucket.rounds):
+      pairs = np.asarray(rnd.pairs, dtype=np.int64).reshape(-1, 2)
+      want = pairs[:, 0] * width + pairs[:, 1]
+      pos = np.clip(np.searchsorted(keys, want), 0, max(len(keys) - 1, 0))
+      found = keys[pos] == want if len(keys) else np.zeros(len(want), bool)
+      payload = np.where(found, fill[pos] if len(keys) else 0, 0)
+      n = len(pairs)
+      for col, v in zip(
+        cols,
+        (
+          np.full(n, b),
+          np.full(n, base + r),
+          pairs[:, 0],
+          pairs[:, 1],
+          payload,
+          rnd.nbytes - payload,
+        ),
+        strict=True,
+      ):
+        col.append(np.asarray(v, dtype=np.int64))
+    base += len(bucket.rounds)
+  arrays = [np.concatenate(c) if c else np.zeros(0, dtype=np.int64) for c in cols]
+  return RoundTable(*arrays)
+
+
+def _unit(n: float) -> tuple[str, int]:
+  """The largest binary unit in which ``n`` bytes is at least 1, and its size."""
+  k = 0
+  while k < len(_UNITS) - 1 and abs(n) >= 1024 ** (k + 1):
+    k += 1
+  return _UNITS[k], 1024**k
+
+
+def _format_bytes(n: float) -> str:
+  unit, scale = _unit(n)
+  return f"{n:.0f} B" if unit == "B" else f"{n / scale:.2f} {unit}"
+
+
+def _short_bytes(n: float) -> str:
+  """Three significant digits in the value's own unit: ``5 MiB``, ``318 KiB``."""
+  unit, scale = _unit(n)
+  return f"{n / scale:.3g} {unit}"
+
+
+def _pyplot() -> Any:
+  try:
+    import matplotlib.pyplot as plt
+  except ImportError as e:
+    raise ImportError(
+      "jax_reshard's plots need matplotlib, which is an optional extra; install it with "
+      "pip install 'jax_reshard[viz]' (or pip install matplotlib)."
+    ) from e
+  return plt
+
+
+def _ticks(ids: tuple[int, ...], limit: int = 32) -> tuple[list[int], list[str]]:
+  """Tick positions and labels: every device, or every k-th when there are many."""
+  step = max(1, -(-len(ids) // limit))
+  pos = list(range(0, len(ids), step))
+  return pos, [str(ids[i]) for i in pos]
+
+
+def plot_traffic(plan: PlanLike, ax: Axes | None = None) -> Axes:
+  """Draws the traffic matrix: bytes each source device (row) sends each destination (column).
+
+  Empty cells send nothing; hatched, outlined cells are local copies (data the device already
+  holds, copied without traffic). Small matrices get each cell's bytes written in it. The title
+  compares the bytes moved with the lower bound and with gather-and-broadcast.
+
+  Args:
+    plan: a plan from :func:`jax_reshard.make_plan`.
+    ax: matplotlib Axes to draw in; a new figure when ``None``.
+
+  Returns:
+    The matplotlib Axes.
+
+  Raises:
+    ImportError: matplotlib is not installed (``pip install 'jax_reshard[viz]'``).
+
+  Example:
+    >>> ax = jr.plot_traffic(plan)  # doctest: +SKIP
+    >>> ax.figure.savefig("traffic.png")  # doctest: +SKIP
+  """
+  plt = _pyplot()
+  from matplotlib.patches import Patch, Rectangle
+
+  m = traffic_matrix(plan)
+  n_src, n_dst = m.bytes.shape
+  if ax is None:
+    _, ax = plt.subplots(
+      figsize=(min(14.0, 4.5 + 0.22 * n_dst), min(12.0, 3.5 + 0.2 * n_src)), layout="constrained"
+    )
+  assert ax is not None
+  unit, scale = _unit(float(max(m.bytes.max(initial=0), m.local.max(initial=0), 1)))
+  data = np.ma.masked_equal(m.bytes, 0).astype(np.float64) / scale
+  cmap = plt.get_cmap("viridis").with_extremes(bad="#f2f2f2")
+  vmax = float(m.bytes.max(initial=0)) / scale or 1.0
+  image = ax.imshow(
+    data, cmap=cmap, vmin=0.0, vmax=vmax, aspect="auto", interpolation="nearest", origin="upper"
+  )
+  ax.figure.colorbar(image, ax=ax, label=f"bytes sent ({unit})")
+
+  rows, cols = np.nonzero(m.local)
+  for r, c in zip(rows.tolist(), cols.tolist(), strict=True):
+    ax.add_patch(
+      Rectangle(
+        (c - 0.5, r - 0.5), 1, 1, fill=False, hatch="///", edgecolor="tab:red", linewidth=1.5
+      )
+    )
+  if n_src * n_dst <= 144:  # small enough to write every cell's bytes
+    for r, c in zip(*np.nonzero((m.bytes > 0) | (m.local > 0)), strict=True):
+      sent, kept = int(m.bytes[r, c]), int(m.local[r, c])
+      text = _short_bytes(sent) if sent else f"local\n{_short_bytes(kept)}"
+      dark = sent and sent / scale < 0.6 * vmax
+      ax.text(c, r, text, ha="center", va="center", fontsize=8, color="white" if dark else "black")
+  xpos, xlab = _ticks(m.dst_ids, limit=16)
+  ypos, ylab = _ticks(m.src_ids)
+  ax.set_xticks(xpos, xlab, fontsize=8)
+  ax.set_yticks(ypos, ylab, fontsize=8)
+  ax.set_xlabel("destination device")
+  ax.set_ylabel("source device")
+  if len(rows):
+    ax.legend(
+      handles=[
+        Patch(facecolor="none", edgecolor="tab:red", hatch="///", label="local copy (no traffic)")
+      ],
+      loc="upper left",
+      bbox_to_anchor=(0.0, -0.08 if n_src <= 16 else -0.04),
+      fontsize=8,
+      frameon=False,
+    )
+  st = plan.stats
+  ratio = f" ({st.gather_broadcast_bytes / st.bytes_moved:.1f}x)" if st.bytes_moved else ""
+  ax.set_title(
+    f"moved {_format_bytes(st.bytes_moved)} (lower bound {_format_bytes(st.lower_bound_bytes)})"
+    f", local {_format_bytes(st.local_copy_bytes)}\n"
+    f"gather+broadcast would move {_format_bytes(st.gather_broadcast_bytes)}{ratio}",
+    fontsize=10,
+  )
+  return ax
+
+
+def plot_rounds(
+  plan: PlanLike, ax: Axes | None = None, *, kind: Literal["bars", "grid"] | None = None
+) -> Axes:
+  """Draws the round schedule: which (source -> destination) pair sends how much, per round.
+
+  Two pictures, chosen by ``kind`` (default: bars up to 96 pairs in all, else the grid):
+
+  - ``"bars"``: one bar per sending pair, grouped by round (left to right, in execution
+    order). A bar's height is the pair's payload; the padding that fills it up to the round's
+    size is stacked on top in another colour. Pairs are labelled ``src→dst`` when few.
+  - ``"grid"``: source devices (rows) by rounds (columns); a cell's colour is the payload the
+    device sends in that round and its text the receiving device; cells with padding are
+    hatched; blank cells are idle.
+
+  Args:
+    plan: a plan from :func:`jax_reshard.make_plan`.
+    ax: matplotlib Axes to draw in; a new figure when ``None``.
+    kind: ``"bars"``, ``"grid"`` or ``None`` (by size).
+
+  Returns:
+    The matplotlib Axes.
+
+  Raises:
+    ImportError: matplotlib is not installed (``pip install 'jax_reshard[viz]'``).
+
+  Example:
+    >>> ax = jr.plot_rounds(plan)  # doctest: +SKIP
+  """
+  plt = _pyplot()
+  t = round_table(plan)
+  if kind is None:
+    kind = "bars" if len(t) <= 96 else "grid"
+  if kind not in ("bars", "grid"):
+    raise ValueError(f"kind must be 'bars', 'grid' or None, not {kind!r}")
+  if ax is None:
+    if kind == "bars":
+      size = (min(16.0, 5.0 + 0.12 * len(t)), 4.5)
+    else:
+      senders = len(np.unique(t.src))
+      size = (min(16.0, 5.0 + 0.6 * t.num_rounds), min(14.0, 3.0 + 0.18 * senders))
+    _, ax = plt.subplots(figsize=size, layout="constrained")
+  assert ax is not None
+  if kind == "bars":
+    _draw_round_bars(ax, t)
+  else:
+    _draw_round_grid(plt, ax, t)
+  st = plan.stats
+  sent = int((t.payload + t.padding).sum())
+  pct = 100 * st.padding_bytes / sent if sent else 0.0
+  ax.set_title(
+    f"{st.num_rounds} rounds in {st.num_buckets} bucket(s): payload "
+    f"{_format_bytes(st.bytes_moved)}, padding {_format_bytes(st.padding_bytes)} "
+    f"({pct:.2g}% of sent)",
+    fontsize=10,
+  )
+  return ax
+
+
+def _round_starts(t: RoundTable) -> np.ndarray:
+  """Row index of the first pair of every round of ``t``."""
+  return np.r_[0, np.flatnonzero(np.diff(t.round)) + 1] if len(t) else np.zeros(0, np.int64)
+
+
+def _draw_round_bars(ax: Axes, t: RoundTable) -> None:
+  n = len(t)
+  total = t.payload + t.padding
+  unit, scale = _unit(float(total.max(initial=1)))
+  x = np.arange(n) + t.round  # pairs side by side, one empty slot between rounds
+  ax.bar(x, t.payload / scale, width=0.85, color="tab:blue", label="payload")
+  ax.bar(
+    x, t.padding / scale, width=0.85, bottom=t.payload / scale, color="tab:orange", label="padding"
+  )
+  few = n <= 48  # few bars: label each pair, and write its payload above it
+  if few:
+    for xi, top, nb in zip(x.tolist(), (total / scale).tolist(), t.payload.tolist(), strict=True):
+      ax.text(xi, top, " " + _short_bytes(nb), ha="center", va="bottom", rotation=90, fontsize=7)
+    ax.set_xticks(x, [f"{s}→{d}" for s, d in zip(t.src, t.dst, strict=True)])
+    ax.tick_params(axis="x", labelrotation=90, labelsize=7)
+    ax.set_xlabel("source→destination device pair")
+  else:
+    ax.set_xticks([])
+    ax.set_xlabel(f"{n} source→destination pairs, grouped by round")
+  ax.set_xlim(-1, max(n + t.num_rounds - 1, 1))
+  ax.set_ylim(0, (1.45 if few else 1.18) * float(total.max(initial=1)) / scale)
+  ax.set_ylabel(f"bytes sent ({unit})")
+  first = _round_starts(t)
+  if n:
+    last = np.r_[first[1:], n] - 1
+    centres = (x[first] + x[last]) / 2
+    step = max(1, -(-len(first) // 24))
+    top = ax.secondary_xaxis("top")
+    top.set_xticks(
+      centres[::step].tolist(), [str(r) for r in t.round[first][::step].tolist()], fontsize=8
+    )
+    top.set_xlabel("round")
+  else:
+    ax.text(0.5, 0.5, "no remote traffic", ha="center", va="center", transform=ax.transAxes)
+  for start in first[1:].tolist():
+    same_bucket = t.bucket[start] == t.bucket[start - 1]
+    ax.axvline(
+      x[start] - 1,
+      color="grey" if same_bucket else "black",
+      linestyle=":" if same_bucket else "--",
+      linewidth=0.8,
+    )
+  ax.legend(loc="upper right", ncols=2, fontsize=8)
+
+
+def _draw_round_grid(plt: Any, ax: Axes, t: RoundTable) -> None:
+  from matplotlib.patches import Patch, Rectangle
+
+  if not len(t):
+    ax.text(0.5, 0.5, "no remote traffic", ha="center", va="center", transform=ax.transAxes)
+    return
+  senders = np.unique(t.src)
+  n_src, n_rounds = len(senders), t.num_rounds
+  row = np.searchsorted(senders, t.src)
+  payload = np.zeros((n_src, n_rounds), dtype=np.int64)
+  busy = np.zeros((n_src, n_rounds), dtype=bool)
+  payload[row, t.round] = t.payload  # a device sends at most once per round
+  busy[row, t.round] = True
+  unit, scale = _unit(float(payload.max(initial=1)))
+  cmap = plt.get_cmap("viridis").with_extremes(bad="#f2f2f2")
+  vmax = float(payload.max(initial=0)) / scale or 1.0
+  image = ax.imshow(
+    np.ma.masked_array(payload / scale, ~busy),
+    cmap=cmap,
+    vmin=0.0,
+    vmax=vmax,
+    aspect="auto",
+    interpolation="nearest",
+  )
+  ax.figure.colorbar(image, ax=ax, label=f"payload sent ({unit})")
+  padded = np.flatnonzero(t.padding > 0)
+  for i in padded.tolist():
+    ax.add_patch(
+      Rectangle(
+        (int(t.round[i]) - 0.5, int(row[i]) - 0.5),
+        1,
+        1,
+        fill=False,
+        hatch="xx",
+        edgecolor="tab:orange",
+        linewidth=1.2,
+      )
+    )
+  if n_src <= 64 and n_rounds <= 32:  # the receiving device, written in each busy cell
+    for i in range(len(t)):
+      dark = t.payload[i] / scale < 0.6 * vmax
+      ax.text(
+        int(t.round[i]),
+        int(row[i]),
+        str(int(t.dst[i])),
+        ha="center",
+        va="center",
+        fontsize=6 if n_src > 16 else 8,
+        color="white" if dark else "black",
+      )
+  for start in _round_starts(t)[1:].tolist():
+    if t.bucket[start] != t.bucket[start - 1]:
+      ax.axvline(int(t.round[start]) - 0.5, color="black", linestyle="--", linewidth=1.0)
+  xpos, xlab = _ticks(tuple(range(n_rounds)), limit=24)
+  ypos, ylab = _ticks(tuple(senders.tolist()))
+  ax.set_xticks(xpos, xlab, fontsize=8)
+  ax.set_yticks(ypos, ylab, fontsize=8)
+  ax.set_xlabel("round (cell text: receiving device)")
+  ax.set_ylabel("source device")
+  if len(padded):
+    ax.legend(
+      handles=[Patch(facecolor="none", edgecolor="tab:orange", hatch="xx", label="padded")],
+      loc="upper left",
+      bbox_to_anchor=(0.0, -0.06),
+      fontsize=8,
+      frameon=False,
+    )
+
+
+def plan_html(plan: PlanLike) -> str:
+  """The plan's summary as HTML, for Jupyter: its stats, then one row per layout group.
+
+  Args:
+    plan: a plan from :func:`jax_reshard.make_plan`.
+
+  Returns:
+    An HTML fragment: a table of the ``PlanStats`` fields (readable value and meaning), and a
+    table of (source layout -> destination layout) groups with their moved and local bytes.
+  """
+  esc = html.escape
+  st = plan.stats
+  groups: dict[tuple[str, str], list[int]] = {}
+  for i, (s, d) in enumerate(plan.layouts):
+    groups.setdefault((s.description, d.description), []).append(i)
+  cell = 'style="text-align:left; padding:2px 8px"'
+  num = 'style="text-align:right; padding:2px 8px"'
+  out = [
+    '<div class="jax-reshard-plan">',
+    f"<p><b>ReshardPlan</b>: {len(plan.layouts)} leaves, {len(groups)} layout groups</p>",
+    f"<table><thead><tr><th {cell}>field</th><th {num}>value</th>"
+    f"<th {cell}>meaning</th></tr></thead><tbody>",
+  ]
+  for f in dataclasses.fields(st):
+    value = getattr(st, f.name)
+    shown = _format_bytes(value) if "bytes" in f.name else str(value)
+    out.append(
+      f"<tr><td {cell}><code>{esc(f.name)}</code></td>"
+      f'<td {num} title="{esc(str(value))}">{esc(shown)}</td>'
+      f"<td {cell}>{esc(_STAT_MEANINGS.get(f.name, ''))}</td></tr>"
+    )
+  out.append("</tbody></table>")
+  out.append(
+    f"<table><thead><tr><th {num}>leaves</th><th {cell}>source</th><th {cell}>destination</th>"
+    f"<th {num}>moved</th><th {num}>local</th></tr></thead><tbody>"
+  )
+  for (src_txt, dst_txt), idx in groups.items():
+    moved = sum(plan.leaf_plans[i].bytes_moved for i in idx)
+    local = sum(plan.leaf_plans[i].local_copy_bytes for i in idx)
+    out.append(
+      f"<tr><td {num}>{len(idx)}</td><td {cell}>{esc(src_txt)}</td>"
+      f"<td {cell}>{esc(dst_txt)}</td><td {num}>{esc(_format_bytes(moved))}</td>"
+      f"<td {num}>{esc(_format_bytes(local))}</td></tr>"
+    )
+  out.append("</tbody></table></div>")
+  return "\n".join(out)
