@@ -123,13 +123,14 @@ def run(model: str, sc: Scenario) -> dict[str, float]:
     f"  gather+broadcast   NVIDIA-style payload 2x weights = {_gb(2 * weights)} "
     f"({2 * weights / max(moved, 1):.2f}x ours); all-gather to every trainer device + "
     f"broadcast = {_gb(gb_all)} ({gb_all / max(moved, 1):.1f}x ours)\n"
-    f"  schedule           {st.num_rounds} rounds in {st.num_buckets} buckets, "
+    f"  schedule           {st.num_rounds} rounds in {st.num_buckets} buckets "
+    f"({st.num_programs} distinct programs), "
     f"{transfers:,} remote transfers; per device max send {_gb(sched.max_send_bytes)}, "
     f"recv {_gb(sched.max_recv_bytes)}, peak staging {_gb(st.peak_staging_bytes)} "
     f"(bound {_gb(bound)})\n"
     f"  time               layouts {t1 - t0:.2f} s, planning (planner + schedule) {t2 - t1:.2f} s"
   )
-  return {"plan_s": t2 - t1, "moved": moved, "lb": lb}
+  return {"plan_s": t2 - t1, "moved": moved, "lb": lb, "num_programs": st.num_programs}
 
 
 def main(argv: list[str] | None = None) -> None:

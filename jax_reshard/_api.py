@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from typing import Any
 
 import jax
 
+from jax_reshard._classes import bucket_classes
 from jax_reshard._emit import BucketExecutable, empty_like_sharded, max_word_bytes
 from jax_reshard._layout import Layout
 from jax_reshard._plan import LayoutPlan, PlanStats, format_plan, plan_layouts
 from jax_reshard._planner import LeafPlan
-from jax_reshard._program import BucketProgram, make_bucket_program
+from jax_reshard._program import BucketProgram, make_bucket_program, with_leaf_indices
 from jax_reshard._schedule import DEFAULT_MAX_BUCKET_BYTES, Schedule
 from jax_reshard._tree import Leaf, check_arrays, flatten_tree
 from jax_reshard._viz import plan_html
@@ -47,10 +49,22 @@ class ReshardPlan:
     ]
     self._programs: list[BucketProgram] | None = None
     self._executables: list[BucketExecutable] | None = None
+    self._classes = self._bucket_classes()
+    self._stats = dataclasses.replace(self.layout_plan.stats, num_programs=len(set(self._classes)))
+
+  def _bucket_classes(self) -> tuple[int, ...]:
+    """Per bucket, the first bucket with the same program (element types told apart)."""
+    lp = self.layout_plan
+    return bucket_classes(
+      lp.schedule,
+      [lp.leaf_plans[i] for i in lp.scheduled],
+      [lp.layouts[i] for i in lp.scheduled],
+      [self.leaves[i].dtype for i in lp.scheduled],
+    )
 
   @property
   def stats(self) -> PlanStats:
-    return self.layout_plan.stats
+    return self._stats
 
   @property
   def schedule(self) -> Schedule:
@@ -73,12 +87,18 @@ class ReshardPlan:
     """Per bucket, what every device does (NumPy data; ``print`` one to read it)."""
     if self._programs is None:
       dtypes = [lf.dtype for lf in self.leaves]
-      self._programs = [
-        make_bucket_program(
-          self.layout_plan, b, dtypes, bucket.union_device_ids, max_word_bytes=max_word_bytes()
+      programs: list[BucketProgram] = []
+      for b, bucket in enumerate(self.schedule.buckets):
+        first = self._classes[b]
+        if first < b:  # the same program as an earlier bucket, on other leaves
+          programs.append(with_leaf_indices(programs[first], self._bucket_leaves[b]))
+          continue
+        programs.append(
+          make_bucket_program(
+            self.layout_plan, b, dtypes, bucket.union_device_ids, max_word_bytes=max_word_bytes()
+          )
         )
-        for b, bucket in enumerate(self.schedule.buckets)
-      ]
+      self._programs = programs
     return self._programs
 
   def executables(self) -> list[BucketExecutable]:
@@ -89,7 +109,12 @@ class ReshardPlan:
         for d in (*lf.src_sharding.device_set, *lf.dst_sharding.device_set):
           devices[d.id] = d
       self._executables = [
-        BucketExecutable(p, devices, [self.leaves[lf.index].dst_sharding for lf in p.leaves])
+        BucketExecutable(
+          p,
+          devices,
+          [self.leaves[lf.index].dst_sharding for lf in p.leaves],
+          [self.leaves[lf.index].src_sharding for lf in p.leaves],
+        )
         for p in self.programs()
       ]
     return self._executables

@@ -12,6 +12,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+from jax_reshard._classes import bucket_classes
 from jax_reshard._layout import Layout
 from jax_reshard._planner import LeafPlan, plan_leaves
 from jax_reshard._schedule import DEFAULT_MAX_BUCKET_BYTES, Schedule, make_schedule
@@ -36,6 +37,9 @@ class PlanStats:
     max_recv_bytes: most bytes one device receives (padding included).
     peak_staging_bytes: most transient bytes one device holds in a bucket: send and receive
       payloads plus placeholder blocks for leaves it has no source or destination shard of.
+    num_programs: distinct bucket programs, each compiled once: buckets that differ only in
+      which leaves they carry (same devices, shapes, element types, payloads and roles) share
+      one. :func:`plan_layouts` knows itemsizes only; a plan of arrays also tells types apart.
   """
 
   bytes_moved: int
@@ -48,6 +52,7 @@ class PlanStats:
   max_send_bytes: int
   max_recv_bytes: int
   peak_staging_bytes: int
+  num_programs: int
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -141,8 +146,26 @@ def plan_layouts(
     max_send_bytes=schedule.max_send_bytes,
     max_recv_bytes=schedule.max_recv_bytes,
     peak_staging_bytes=schedule.peak_staging_bytes,
+    num_programs=count_programs(leaf_plans, layouts, scheduled, schedule, itemsizes),
   )
   return LayoutPlan(layouts, itemsizes, leaf_plans, scheduled, schedule, stats, max_bucket_bytes)
+
+
+def count_programs(
+  leaf_plans: Sequence[LeafPlan],
+  layouts: Sequence[tuple[Layout, Layout]],
+  scheduled: Sequence[int],
+  schedule: Schedule,
+  kinds: Sequence[object],
+) -> int:
+  """Distinct bucket programs (see :func:`bucket_classes`); ``kinds`` per leaf of the plan."""
+  classes = bucket_classes(
+    schedule,
+    [leaf_plans[i] for i in scheduled],
+    [layouts[i] for i in scheduled],
+    [kinds[i] for i in scheduled],
+  )
+  return len(set(classes))
 
 
 def format_plan(plan: LayoutPlan, title: str) -> str:
@@ -164,7 +187,8 @@ def format_plan(plan: LayoutPlan, title: str) -> str:
     f"{format_bytes(st.lower_bound_bytes)}, padding {format_bytes(st.padding_bytes)})",
     f"  local copies       {format_bytes(st.local_copy_bytes)}",
     f"  gather+broadcast   {format_bytes(st.gather_broadcast_bytes)} ({ratio:.1f}x ours)",
-    f"  rounds {st.num_rounds} in {st.num_buckets} bucket(s); per device max send "
+    f"  rounds {st.num_rounds} in {st.num_buckets} bucket(s), {st.num_programs} distinct "
+    f"program(s); per device max send "
     f"{format_bytes(st.max_send_bytes)}, recv {format_bytes(st.max_recv_bytes)}, staging "
     f"{format_bytes(st.peak_staging_bytes)}",
   ]
