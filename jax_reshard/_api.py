@@ -8,12 +8,14 @@ from typing import Any
 
 import jax
 
+from jax_reshard._cost import Estimate
 from jax_reshard._emit import BucketExecutable, empty_like_sharded, max_word_bytes
 from jax_reshard._layout import Layout
 from jax_reshard._plan import LayoutPlan, PlanStats, format_plan, plan_layouts
 from jax_reshard._planner import LeafPlan
 from jax_reshard._program import BucketProgram, make_bucket_program
 from jax_reshard._schedule import DEFAULT_MAX_BUCKET_BYTES, Schedule
+from jax_reshard._topology import Topology
 from jax_reshard._tree import Leaf, check_arrays, flatten_tree
 from jax_reshard._viz import plan_html
 
@@ -32,19 +34,29 @@ class ReshardPlan:
     layout_plan: the plan of the layouts alone (what :func:`plan_layouts` returns).
   """
 
-  def __init__(self, treedef: Any, leaves: list[Leaf], *, max_bucket_bytes: int | None) -> None:
+  def __init__(
+    self,
+    treedef: Any,
+    leaves: list[Leaf],
+    *,
+    max_bucket_bytes: int | None,
+    topology: Topology | None = None,
+  ) -> None:
     self._treedef = treedef
     self.leaves: tuple[Leaf, ...] = tuple(leaves)
     self.layout_plan: LayoutPlan = plan_layouts(
       [lf.layouts() for lf in leaves],
       [lf.dtype.itemsize for lf in leaves],
       max_bucket_bytes=max_bucket_bytes,
+      topology=topology,
     )
     scheduled = set(self.layout_plan.scheduled)
     self._unscheduled = [i for i in range(len(self.leaves)) if i not in scheduled]
-    self._bucket_leaves = [
-      self.layout_plan.bucket_leaves(b) for b in range(len(self.schedule.buckets))
+    # Buckets of every stage in order: a relay stage's buckets run after the first stage's.
+    self._stage_buckets = [
+      (stage, b) for stage in self.layout_plan.stages() for b in range(len(stage.schedule.buckets))
     ]
+    self._bucket_leaves = [stage.bucket_leaves(b) for stage, b in self._stage_buckets]
     self._programs: list[BucketProgram] | None = None
     self._executables: list[BucketExecutable] | None = None
 
@@ -70,16 +82,24 @@ class ReshardPlan:
     return jax.tree_util.tree_unflatten(self._treedef, [lf.dst_sharding for lf in self.leaves])
 
   def programs(self) -> list[BucketProgram]:
-    """Per bucket, what every device does (NumPy data; ``print`` one to read it)."""
+    """Per bucket (of every stage), what every device does (NumPy data; ``print`` one)."""
     if self._programs is None:
       dtypes = [lf.dtype for lf in self.leaves]
       self._programs = [
         make_bucket_program(
-          self.layout_plan, b, dtypes, bucket.union_device_ids, max_word_bytes=max_word_bytes()
+          stage,
+          b,
+          dtypes,
+          stage.schedule.buckets[b].union_device_ids,
+          max_word_bytes=max_word_bytes(),
         )
-        for b, bucket in enumerate(self.schedule.buckets)
+        for stage, b in self._stage_buckets
       ]
     return self._programs
+
+  def estimate(self, topology: Topology | None = None) -> Estimate:
+    """The predicted time on ``topology`` (default: the plan's); see ``jr.estimate``."""
+    return self.layout_plan.estimate(topology)
 
   def executables(self) -> list[BucketExecutable]:
     """Per bucket, its program emitted for its union mesh (compiled on the first call)."""
@@ -114,7 +134,10 @@ class ReshardPlan:
       lf = self.leaves[i]
       out[i] = empty_like_sharded(lf.shape, lf.dtype, lf.dst_sharding)
     for idx, exe in zip(self._bucket_leaves, executables, strict=True):
-      for i, y in zip(idx, exe([arrays[i] for i in idx]), strict=True):
+      # A relay stage takes the first stage's results.
+      for i, y in zip(
+        idx, exe([arrays[i] if out[i] is None else out[i] for i in idx]), strict=True
+      ):
         out[i] = y
     return out
 
@@ -127,7 +150,11 @@ class ReshardPlan:
 
 
 def make_plan(
-  src: Any, dst: Any, *, max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES
+  src: Any,
+  dst: Any,
+  *,
+  max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
+  topology: Topology | None = None,
 ) -> ReshardPlan:
   """Plans the reshard of a pytree from its current layout to ``dst``.
 
@@ -136,6 +163,8 @@ def make_plan(
     dst: one ``jax.sharding.Sharding`` for every leaf, or a pytree prefix of ``src`` whose
       leaves are Shardings (or arrays / ShapeDtypeStructs carrying ``.sharding``).
     max_bucket_bytes: bound on transient staging bytes per device per compiled program.
+    topology: device domains and link costs (``jr.Topology``); with several domains, regions a
+      domain lacks cross into it once and are forwarded inside it (see ``jr.plan_layouts``).
 
   Returns:
     A :class:`ReshardPlan`; call it with arrays laid out like ``src``.
@@ -159,12 +188,14 @@ def make_plan(
     True
   """
   treedef, leaves = flatten_tree(src, dst)
-  return _cached_plan(treedef, tuple(leaves), max_bucket_bytes)
+  return _cached_plan(treedef, tuple(leaves), max_bucket_bytes, topology)
 
 
 @functools.lru_cache(maxsize=256)
-def _cached_plan(treedef: Any, leaves: tuple[Leaf, ...], max_bucket_bytes: int) -> ReshardPlan:
-  return ReshardPlan(treedef, list(leaves), max_bucket_bytes=max_bucket_bytes)
+def _cached_plan(
+  treedef: Any, leaves: tuple[Leaf, ...], max_bucket_bytes: int, topology: Topology | None
+) -> ReshardPlan:
+  return ReshardPlan(treedef, list(leaves), max_bucket_bytes=max_bucket_bytes, topology=topology)
 
 
 def plan_cache_clear() -> None:

@@ -13,8 +13,10 @@ PACKAGE = Path(jax_reshard.__file__).parent
 LAYERS = [
   "_errors",
   "_layout",
+  "_topology",
   "_planner",
   "_schedule",
+  "_cost",
   "_plan",
   "_viz",
   "_program",
@@ -29,7 +31,17 @@ LAYERS = [
   "_demo",
   "__main__",
 ]
-NUMPY_ONLY = {"_errors", "_layout", "_planner", "_schedule", "_plan", "_viz", "_program"}
+NUMPY_ONLY = {
+  "_errors",
+  "_layout",
+  "_topology",
+  "_planner",
+  "_schedule",
+  "_cost",
+  "_plan",
+  "_viz",
+  "_program",
+}
 MAX_FUNCTION_LINES = 80
 
 
