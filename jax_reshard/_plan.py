@@ -137,6 +137,8 @@ def plan_layouts(
       holds crosses into the domain once and is forwarded inside it in a second stage
       (:attr:`LayoutPlan.relay`). ``None`` or one domain: exactly the plan without topology.
     relays: whether to relay (only with a topology).
+    interleave: with several domains, order leaves round-robin over their source device sets
+      before bucketing (:func:`interleave_by_source`).
 
   Returns:
     A :class:`LayoutPlan`: per-leaf transfers, the schedule and :class:`PlanStats`.
@@ -184,11 +186,20 @@ def plan_layouts(
     [second for _, second in split], layouts, itemsizes, max_bucket_bytes, topology, interleave
   )
   scheduled = tuple(i for i, (s, _) in enumerate(layouts) if math.prod(s.shape) > 0)
-  if topology is not None and interleave:
+  interleave = interleave and _domains(layouts, topology) > 1
+  if interleave:
     scheduled = interleave_by_source(scheduled, layouts)
   first_stage = _stage_plan(layouts, itemsizes, leaf_plans, scheduled, max_bucket_bytes, topology)
   stats = _stats(first_stage, relay, full, topology)
   return dataclasses.replace(first_stage, stats=stats, relay=relay)
+
+
+def _domains(layouts: Sequence[tuple[Layout, Layout]], topology: Topology | None) -> int:
+  """How many domains of ``topology`` the layouts' devices span (1 without a topology)."""
+  if topology is None:
+    return 1
+  ids = {i for s, d in layouts for i in (*s.device_ids, *d.device_ids)}
+  return len(np.unique(topology.domain_of(sorted(ids))))
 
 
 def interleave_by_source(
@@ -229,7 +240,7 @@ def _relay_stage(
   relayed = tuple(i for i, second in enumerate(seconds) if second is not None)
   if not relayed:
     return None
-  if topology is not None and interleave:
+  if interleave:
     relayed = interleave_by_source(relayed, layouts)
   return _stage_plan(
     tuple((d, d) for _, d in layouts),

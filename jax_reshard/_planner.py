@@ -312,14 +312,17 @@ def _assign_senders(
 ) -> None:
   """Longest-processing-time assignment of the needs of one source box to its replicas.
 
-  Needs of a receiver go to the least-loaded replica in the receiver's process (ties: lowest
-  device id); then, with domains, to one in the receiver's domain; needs without such a
-  replica are balanced over all replicas afterwards.
+  Needs of a receiver go to the least-loaded replica in the receiver's process (and domain,
+  with a topology; ties: lowest device id); then, with domains, to one in the receiver's
+  domain; needs without such a replica are balanced over all replicas afterwards.
   """
   u = int(need_u[group[0]])
   ids = g.replica_ids[u]
   procs = g.replica_procs[u]
   need_procs = need_proc[group]
+  if need_dom is not None and rep_doms is not None:  # the same process inside the same domain
+    procs = procs * (1 << 32) + rep_doms[u]
+    need_procs = need_procs * (1 << 32) + need_dom[group]
   matched = np.isin(need_procs, procs)
   for p in np.unique(need_procs[matched]).tolist():
     _assign_lpt(group[need_procs == p], ids[procs == p], need_bytes, load, sender)
