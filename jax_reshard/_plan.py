@@ -170,14 +170,14 @@ def plan_layouts(
     >>> relayed = jr.plan_layouts([(trainer, sampler)], [2], topology=topo)
     >>> [p.stats.slow_link_bytes // 2**20 for p in (direct, relayed)]  # MiB
     [4, 2]
-    >>> relayed.stats.slow_link_bytes == relayed.stats.slow_link_lower_bound_bytes
-    True
-    >>> relayed.stats.bytes_moved == relayed.stats.lower_bound_bytes
-    True
+    >>> st = relayed.stats
+    >>> st.slow_link_bytes == st.slow_link_lower_bound_bytes, st.bytes_moved == st.lower_bound_bytes
+    (True, True)
   """
   layouts = tuple((s, d) for s, d in layouts)
   itemsizes = tuple(int(i) for i in itemsizes)
   full = tuple(plan_leaves(layouts, itemsizes, topology=topology, relays=relays))
+  interleave = interleave and _domains(layouts, topology) > 1
   split = [
     _split_relays(lp, d, isz) for lp, (_, d), isz in zip(full, layouts, itemsizes, strict=True)
   ]
@@ -186,9 +186,7 @@ def plan_layouts(
     [second for _, second in split], layouts, itemsizes, max_bucket_bytes, topology, interleave
   )
   scheduled = tuple(i for i, (s, _) in enumerate(layouts) if math.prod(s.shape) > 0)
-  interleave = interleave and _domains(layouts, topology) > 1
-  if interleave:
-    scheduled = interleave_by_source(scheduled, layouts)
+  scheduled = interleave_by_source(scheduled, layouts) if interleave else scheduled
   first_stage = _stage_plan(layouts, itemsizes, leaf_plans, scheduled, max_bucket_bytes, topology)
   stats = _stats(first_stage, relay, full, topology)
   return dataclasses.replace(first_stage, stats=stats, relay=relay)
