@@ -16,9 +16,11 @@ WITH_EXAMPLES = {
   "jax_reshard._api",
   "jax_reshard._distributed",
   "jax_reshard._layout",
+  "jax_reshard._pieces",
   "jax_reshard._plan",
   "jax_reshard._reshard",
   "jax_reshard._schedule",
+  "jax_reshard._transform",
 }
 
 

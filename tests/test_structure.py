@@ -13,6 +13,7 @@ PACKAGE = Path(jax_reshard.__file__).parent
 LAYERS = [
   "_errors",
   "_layout",
+  "_pieces",
   "_planner",
   "_schedule",
   "_plan",
@@ -20,6 +21,7 @@ LAYERS = [
   "_program",
   "_emit",
   "_tree",
+  "_transform",
   "_distributed",
   "_api",
   "_traced",
@@ -29,7 +31,7 @@ LAYERS = [
   "_demo",
   "__main__",
 ]
-NUMPY_ONLY = {"_errors", "_layout", "_planner", "_schedule", "_plan", "_viz", "_program"}
+NUMPY_ONLY = {"_errors", "_layout", "_pieces", "_planner", "_schedule", "_plan", "_viz", "_program"}
 MAX_FUNCTION_LINES = 80
 
 
