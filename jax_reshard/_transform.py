@@ -199,7 +199,7 @@ def _describe(value: _Static | _Unsupported) -> str:
     return "is a literal constant, not made from the source"
   if value.origin == "constant":
     return "is a constant captured by the transform, not made from the source"
-  return f"is computed by `{value.origin}` without reading the source"
+  return f"is a constant: computed by `{value.origin}` without reading the source"
 
 
 def _unsupported_message(problems: list[str]) -> str:
