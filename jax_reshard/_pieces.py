@@ -576,7 +576,8 @@ def evaluate(leaf: OutputLeaf, sources: Sequence[np.ndarray], *, cast: bool = Tr
   """Builds an output leaf on the host from NumPy source arrays, piece by piece.
 
   A reference for tests: every piece is cut from its source, reshaped, transposed and cast with
-  NumPy (``ml_dtypes`` for bfloat16), independently of JAX.
+  NumPy (``ml_dtypes`` for bfloat16; float-to-integer casts saturate as XLA's do, see
+  :func:`cast_like_xla`), independently of JAX. NaN payloads may differ from XLA's.
 
   Args:
     leaf: the output leaf.
@@ -598,9 +599,29 @@ def evaluate(leaf: OutputLeaf, sources: Sequence[np.ndarray], *, cast: bool = Tr
     block = block.reshape(p.extents).transpose(p.perm)
     block = block.reshape([b - a for a, b in zip(p.out_lo, p.out_hi, strict=True)])
     for dt in p.dtypes[1:] if cast else ():
-      block = block.astype(dt)
+      block = cast_like_xla(block, dt)
     out[tuple(map(slice, p.out_lo, p.out_hi))] = block
   return out
+
+
+def cast_like_xla(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+  """``x.astype(dtype)``, except that floats convert to integers as XLA does: saturating at
+  the integer's range, NaN to 0 (NumPy leaves those undefined).
+
+  Example:
+    >>> cast_like_xla(np.array([300.0, -1e10, np.nan, 2.7], np.float32), np.dtype("int8"))
+    array([ 127, -128,    0,    2], dtype=int8)
+  """
+  dtype = np.dtype(dtype)
+  is_float = x.dtype.kind == "f" or (x.dtype.kind == "V" and "float" in x.dtype.name)
+  if not (is_float and dtype.kind in "iu"):
+    return x.astype(dtype)
+  info = np.iinfo(dtype)
+  wide = x.astype(np.float64)
+  with np.errstate(invalid="ignore", over="ignore"):
+    out = np.asarray(np.clip(wide, info.min, info.max)).astype(dtype)
+  out = np.where(wide >= info.max, info.max, out)  # 64-bit maxima do not survive float64
+  return np.where(np.isnan(wide), 0, out).astype(dtype)
 
 
 def _unique_boxes(layout: Layout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

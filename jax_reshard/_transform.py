@@ -260,11 +260,12 @@ def _static(eqn: Any, ins: list[_Static]) -> list[_Value]:
   try:
     params = eqn.primitive.get_bind_params(eqn.params)
     subfuns, params = params if isinstance(params, tuple) else ((), params)  # older jax: a pair
-    out = eqn.primitive.bind(*subfuns, *[x.value for x in ins], **params)
+    with jax.ensure_compile_time_eval():  # on the host, also when called inside jax.jit
+      out = eqn.primitive.bind(*subfuns, *[x.value for x in ins], **params)
+      outs = [np.asarray(o) for o in (out if eqn.primitive.multiple_results else [out])]
   except Exception:  # any failure only means the value stays unknown
     return [_Static(None, origin)] * n
-  outs = out if eqn.primitive.multiple_results else [out]
-  return [_Static(np.asarray(o), origin) for o in outs]
+  return [_Static(o, origin) for o in outs]
 
 
 def _call(eqn: Any, ins: list[_Value]) -> list[_Value]:

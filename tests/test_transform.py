@@ -31,7 +31,7 @@ from jax_reshard._planner import plan_leaf
 from jax_reshard._transform import analyze_transform
 
 NUM_CHAINS = 300 if os.environ.get("JAX_RESHARD_EXHAUSTIVE") else 40
-CAST_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32, jnp.int8]
+CAST_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32, jnp.int8, jnp.uint8, jnp.bool_]
 SDS = jax.ShapeDtypeStruct
 
 
@@ -161,8 +161,13 @@ def _host_data(rng: np.random.Generator, src: Any, casts: bool) -> list[np.ndarr
       out.append((base + np.arange(math.prod(s.shape), dtype=np.int32)).reshape(s.shape))
       base += math.prod(s.shape)
     return out
-  # Values in [-100, 100): every cast of the generator is exact or rounds, never overflows.
-  return [(rng.uniform(-100, 100, size=s.shape)).astype(np.float32).astype(s.dtype) for s in leaves]
+  # Values beyond int8 and uint8 (casts saturate or wrap) and zeros (for casts to bool).
+  return [
+    np.where(rng.random(s.shape) < 0.1, 0, rng.uniform(-1000, 1000, size=s.shape))
+    .astype(np.float32)
+    .astype(s.dtype)
+    for s in leaves
+  ]
 
 
 def _coverage(leaf: OutputLeaf) -> np.ndarray:
@@ -512,3 +517,37 @@ def test_lower_bound_at_model_scale_works_on_boxes() -> None:
   colocated = dataclasses.replace(dst, device_ids=tuple(range(256)))
   held = lower_bound_bytes(leaf, src_layouts, colocated)
   assert 0 < held < 256 * math.prod(dst.shard_shape()) * 2
+
+
+def test_float_to_int_casts_saturate_like_xla() -> None:
+  x = np.array([300.0, -300.0, 1e10, -1e10, np.nan, 2.5, -2.5, 0.0], np.float32)
+  for dtype in (jnp.int8, jnp.uint8, jnp.int32, jnp.uint32, jnp.bool_):
+    a = analyze_transform(lambda x, dtype=dtype: x.astype(dtype), SDS(x.shape, x.dtype))
+    want = np.asarray(jax.jit(lambda x, dtype=dtype: x.astype(dtype))(x))
+    assert evaluate(a.leaves[0], [x]).tobytes() == want.tobytes(), dtype
+
+
+def test_analysis_inside_jit_evaluates_static_indices_on_the_host() -> None:
+  seen = []
+
+  @jax.jit
+  def traced(x: Any) -> Any:
+    seen.append(analyze_transform(lambda y: y[np.array([0, 2])], SDS(x.shape, x.dtype)))
+    return x
+
+  traced(jnp.ones((4, 3)))
+  assert [p.src_lo for p in seen[0].leaves[0].pieces] == [(0, 0), (2, 0)]
+
+
+def test_scalars_and_empty_leaves() -> None:
+  src = {"s": SDS((), jnp.float32), "z": SDS((0, 3), jnp.float32)}
+  a = analyze_transform(lambda t: (t["s"].astype(jnp.bfloat16), t["z"][:, 1:], t["s"][None]), src)
+  scalar, empty, expanded = a.leaves
+  assert scalar.shape == () and len(scalar.pieces) == 1 and scalar.pieces[0].extents == ()
+  assert empty.shape == (0, 2) and empty.pieces == ()
+  assert expanded.pieces[0].out_hi == (1,)
+  x = np.float32(1.5).reshape(())
+  assert (
+    evaluate(scalar, [x, np.zeros((0, 3), np.float32)]).tobytes()
+    == np.asarray(x.astype(jnp.bfloat16)).tobytes()
+  )
