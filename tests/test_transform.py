@@ -487,6 +487,17 @@ def test_piece_algebra_random_chains() -> None:
         pieces, cur = reshape_pieces(pieces, cur.shape, sizes), cur.reshape(sizes)
       leaf = OutputLeaf("y", cur.shape, cur.dtype, tuple(pieces))
       assert (evaluate(leaf, [x]) == cur).all() and (_coverage(leaf) == 1).all()
+    # Cutting by a source box keeps exactly the elements whose source lies in it.
+    lo = [int(rng.integers(0, n)) for n in shape]
+    hi = [int(rng.integers(a + 1, n + 1)) for a, n in zip(lo, shape, strict=True)]
+    inside = np.zeros(shape, bool)
+    inside[tuple(map(slice, lo, hi))] = True
+    parts = [q for p in pieces for q in restrict_source(p, lo, hi)]
+    got = np.zeros(cur.shape, np.int64)
+    for q in parts:
+      assert all(a <= b and c <= d for a, b, c, d in zip(lo, q.src_lo, q.src_hi, hi, strict=True))
+      got[tuple(map(slice, q.out_lo, q.out_hi))] += 1
+    assert (got == inside.reshape(-1)[cur]).all()
 
 
 def test_lower_bound_at_model_scale_works_on_boxes() -> None:
