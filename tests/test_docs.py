@@ -17,10 +17,12 @@ WITH_EXAMPLES = {
   "jax_reshard._cost",
   "jax_reshard._distributed",
   "jax_reshard._layout",
+  "jax_reshard._pieces",
   "jax_reshard._plan",
   "jax_reshard._reshard",
   "jax_reshard._schedule",
   "jax_reshard._topology",
+  "jax_reshard._transform",
 }
 
 
