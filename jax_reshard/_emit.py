@@ -94,11 +94,13 @@ def _tile(
   """The array of ``shape`` made of ``parts`` (offset, value) that tile it.
 
   Parts that form a product grid (always, for the tilings JAX shardings produce) are joined by
-  nested concatenation, which writes each element once; anything else falls back to
-  ``dynamic_update_slice`` into zeros.
+  nested concatenation, which writes each element once; anything else (e.g. a first stage
+  that leaves relayed boxes to a second) falls back to ``dynamic_update_slice`` into zeros.
   """
   if len(parts) == 1 and parts[0][1].shape == shape:
     return parts[0][1]
+  if not parts:  # a relay stage fills this shard later
+    return jnp.zeros(shape, dtype)
   if not shape:
     raise AssertionError("a rank-0 shard has exactly one part")
   starts = [sorted({off[d] for off, _ in parts}) for d in range(len(shape))]
