@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import Any
+from collections.abc import Callable
+from typing import Any, overload
 
 import jax
 
@@ -17,6 +18,7 @@ from jax_reshard._plan import LayoutPlan, PlanStats, format_plan, plan_layouts
 from jax_reshard._planner import LeafPlan
 from jax_reshard._program import BucketProgram, make_bucket_program, with_leaf_indices
 from jax_reshard._schedule import DEFAULT_MAX_BUCKET_BYTES, Schedule
+from jax_reshard._tapi import TransformPlan, make_transform_plan, transform_cache_clear
 from jax_reshard._topology import Topology
 from jax_reshard._tree import Leaf, check_arrays, flatten_tree
 from jax_reshard._viz import plan_html
@@ -171,25 +173,56 @@ class ReshardPlan:
     return plan_html(self)
 
 
+@overload
+def make_plan(
+  src: Any,
+  dst: Any,
+  *,
+  max_bucket_bytes: int = ...,
+  topology: Topology | None = ...,
+  transform: None = ...,
+) -> ReshardPlan: ...
+
+
+@overload
+def make_plan(
+  src: Any,
+  dst: Any,
+  *,
+  max_bucket_bytes: int = ...,
+  topology: Topology | None = ...,
+  transform: Callable[[Any], Any],
+) -> TransformPlan: ...
+
+
 def make_plan(
   src: Any,
   dst: Any,
   *,
   max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
   topology: Topology | None = None,
-) -> ReshardPlan:
+  transform: Callable[[Any], Any] | None = None,
+) -> ReshardPlan | TransformPlan:
   """Plans the reshard of a pytree from its current layout to ``dst``.
 
   Args:
     src: pytree of ``jax.Array`` or ``jax.ShapeDtypeStruct(shape, dtype, sharding=...)``.
     dst: one ``jax.sharding.Sharding`` for every leaf, or a pytree prefix of ``src`` whose
-      leaves are Shardings (or arrays / ShapeDtypeStructs carrying ``.sharding``).
+      leaves are Shardings (or arrays / ShapeDtypeStructs carrying ``.sharding``). With
+      ``transform``, a prefix of the transform's output tree instead.
     max_bucket_bytes: bound on transient staging bytes per device per compiled program.
     topology: device domains and link costs (``jr.Topology``); with several domains, regions a
       domain lacks cross into it once and are forwarded inside it (see ``jr.plan_layouts``).
+    transform: a function of the source tree made of casts, static slicing and indexing,
+      concatenate, stack, split, squeeze, expand_dims, reshape, transpose and pytree
+      restructuring (``jax.numpy``). It is traced without data; the plan's result equals
+      ``transform(src)`` bit for bit, in ``dst``. Narrowing casts run on the sender, so bytes
+      move in the narrowest dtype of each cast chain (planned in one bucket; ``topology`` is
+      not used).
 
   Returns:
-    A :class:`ReshardPlan`; call it with arrays laid out like ``src``.
+    A :class:`ReshardPlan` (a ``TransformPlan`` with ``transform``); call it with arrays laid
+    out like ``src``.
 
   Raises:
     ReshardError: invalid trees, shapes, dtypes, devices or shardings (nothing is moved).
@@ -209,6 +242,8 @@ def make_plan(
     >>> plan.stats.bytes_moved == plan.stats.lower_bound_bytes
     True
   """
+  if transform is not None:
+    return make_transform_plan(src, dst, transform)
   treedef, leaves = flatten_tree(src, dst)
   return _cached_plan(treedef, tuple(leaves), max_bucket_bytes, topology)
 
@@ -223,3 +258,4 @@ def _cached_plan(
 def plan_cache_clear() -> None:
   """Forgets cached plans (and their compiled programs)."""
   _cached_plan.cache_clear()
+  transform_cache_clear()

@@ -36,6 +36,9 @@ from jax_reshard._program import (
   role_table,
   uint_dtype,
 )
+from jax_reshard._tprogram import Part as TPart
+from jax_reshard._tprogram import Slab as TSlab
+from jax_reshard._tprogram import TransformProgram
 
 AXIS = "u"
 
@@ -325,6 +328,24 @@ class _LeafIO:
     return self.unstage_wrap([held[j] for j in self.dst_pick])
 
 
+def _stage_placeholders(
+  groups: Sequence[PlaceholderGroup], devices: dict[int, Any]
+) -> dict[tuple[Any, ...], jax.Array]:
+  """Zero blocks for one call, keyed by (device id, block shape, dtype)."""
+  out = {}
+  fast = fast_path_available()
+  for group in groups:
+    fn = _placeholder_program(group, tuple(devices[i] for i in group.device_ids))
+    # Ready before the transfer program is queued: on the CPU backend, a collective program
+    # whose inputs come from another in-flight program can starve the thread pool it shares
+    # with that program (seen as a 40 s rendezvous abort on 2 cores).
+    for key, arr in zip(group.blocks, jax.block_until_ready(fn()), strict=True):
+      ids = addressable_order(arr.sharding, fast=fast)
+      for dev_id, data in zip(ids, buffers(arr, fast=fast), strict=True):
+        out[(dev_id, *key)] = data
+  return out
+
+
 class BucketExecutable:
   """A bucket's program compiled over its union mesh; calling it moves the bucket's leaves.
 
@@ -368,19 +389,7 @@ class BucketExecutable:
 
   def _placeholders(self) -> dict[tuple[Any, ...], jax.Array]:
     """Zero blocks for this call, keyed by (device id, block shape, dtype)."""
-    out = {}
-    fast = fast_path_available()
-    for group in self.program.placeholders:
-      devices = tuple(self.devices[i] for i in group.device_ids)
-      fn = _placeholder_program(group, devices)
-      # Ready before the transfer program is queued: on the CPU backend, a collective program
-      # whose inputs come from another in-flight program can starve the thread pool it shares
-      # with that program (seen as a 40 s rendezvous abort on 2 cores).
-      for key, arr in zip(group.blocks, jax.block_until_ready(fn()), strict=True):
-        ids = addressable_order(arr.sharding, fast=fast)
-        for dev_id, data in zip(ids, buffers(arr, fast=fast), strict=True):
-          out[(dev_id, *key)] = data
-    return out
+    return _stage_placeholders(self.program.placeholders, self.devices)
 
   def leaf_io(self) -> list[_LeafIO]:
     """Per leaf, its staging and unstaging worked out (once)."""
@@ -450,3 +459,148 @@ def emit_traced_move(
         )(y)
       )
   return outs
+
+
+# ---------------------------------------------------------------- transformed plans
+
+
+def _read_slab(slab: TSlab, shard: jax.Array) -> jax.Array:
+  """A slab of a source shard, cast on the reading device up to the wire dtype."""
+  lo, shape = slab.offset, slab.shape
+  x = shard
+  if lo != (0,) * shard.ndim or shape != shard.shape:
+    x = jax.lax.slice(shard, lo, tuple(a + b for a, b in zip(lo, shape, strict=True)))
+  for dt in slab.casts:
+    x = jax.lax.convert_element_type(x, dt)
+  return x
+
+
+def _arrange(x: jax.Array, part: TPart) -> jax.Array:
+  """A slab's elements in the output box: canonical axes, transposed, reshaped, cast."""
+  x = x.reshape(part.extents)
+  if part.perm != tuple(range(len(part.perm))):
+    x = jnp.transpose(x, part.perm)
+  x = x.reshape(part.shape)
+  for dt in part.casts:
+    x = jax.lax.convert_element_type(x, dt)
+  return x
+
+
+def _transform_pack(program: TransformProgram, slabs: Any, pad: int) -> Callable[..., jax.Array]:
+  unit = program.unit
+
+  def branch(*shards: jax.Array) -> jax.Array:
+    parts = [_to_units(_to_uint(_read_slab(s, shards[s.src])), unit) for s in slabs]
+    if pad:
+      parts.append(jnp.zeros((pad,), unit))
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+  return branch
+
+
+def _transform_assemble(program: TransformProgram, parts_per_out: Any) -> Callable[..., Any]:
+  def branch(shards: Sequence[jax.Array], recvs: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+    outs = []
+    for out, parts in zip(program.outputs, parts_per_out, strict=True):
+      if parts is None:
+        outs.append(jnp.zeros(out.block, out.dtype))
+        continue
+      values = []
+      for p in parts:
+        if p.slab is not None:
+          x = _read_slab(p.slab, shards[p.slab.src])
+        else:
+          words = jax.lax.slice(recvs[p.round], (p.start,), (p.stop,))
+          x = _from_uint(_from_units(words, uint_dtype(p.wire), (-1,)), p.wire)
+        values.append((p.offset, _arrange(x, p)))
+      outs.append(_tile(values, out.shard, out.dtype).reshape(out.block))
+    return tuple(outs)
+
+  return branch
+
+
+def emit_transform_body(program: TransformProgram, axis: Any) -> Callable[..., Any]:
+  """The per-device body of a transformed plan's program: source blocks in, output blocks out."""
+  n = len(program.device_ids)
+
+  def idle_out(shards: Any, recvs: Any) -> tuple[jax.Array, ...]:
+    return tuple(jnp.zeros(o.block, o.dtype) for o in program.outputs)
+
+  def body(*blocks: jax.Array) -> tuple[jax.Array, ...]:
+    me = jax.lax.axis_index(axis)
+    shards = [b.reshape(i.shard) for b, i in zip(blocks, program.inputs, strict=True)]
+    recvs = []
+    for rnd in program.rounds:
+      table = np.zeros(n, np.int32)
+      branches: list[Callable[..., jax.Array]] = [
+        lambda *_, w=rnd.words: jnp.zeros((w,), program.unit)
+      ]
+      for k, (pos, slabs, pad) in enumerate(rnd.packs):
+        table[pos] = k + 1
+        branches.append(_transform_pack(program, slabs, pad))
+      payload = _switch(me, table, branches, *shards)
+      recvs.append(jax.lax.ppermute(payload, axis, list(rnd.pairs)))
+    table = np.zeros(n, np.int32)
+    branches_out: list[Callable[..., Any]] = [idle_out]
+    for k, (pos, parts) in enumerate(program.assembles):
+      table[pos] = k + 1
+      branches_out.append(_transform_assemble(program, parts))
+    return tuple(_switch(me, table, branches_out, shards, recvs))
+
+  return body
+
+
+class TransformExecutable:
+  """A transformed plan's program compiled over its union mesh; calling it takes the source
+  leaves and returns the output leaves (staging and unstaging as :class:`BucketExecutable`)."""
+
+  def __init__(
+    self,
+    program: TransformProgram,
+    devices: dict[int, Any],
+    src_shardings: Sequence[Any],
+    dst_shardings: Sequence[Any],
+  ) -> None:
+    self.program = program
+    self.devices = devices
+    mesh = Mesh(np.array([devices[i] for i in program.device_ids]), (AXIS,))
+    self.staged = NamedSharding(mesh, PartitionSpec(AXIS))
+    n = len(program.device_ids)
+    specs_in = tuple(PartitionSpec(AXIS) for _ in program.inputs)
+    specs_out = tuple(PartitionSpec(AXIS) for _ in program.outputs)
+    fn = jax.shard_map(
+      emit_transform_body(program, AXIS),
+      mesh=mesh,
+      in_specs=specs_in,
+      out_specs=specs_out,
+      check_vma=False,
+    )
+    avals = [
+      jax.ShapeDtypeStruct(_staged_shape(i.block, n), i.dtype, sharding=self.staged)
+      for i in program.inputs
+    ]
+    self._fn = jax.jit(fn).lower(*avals)
+    self._compiled: Any = None
+    fast = fast_path_available()
+    self._in_io = [
+      _LeafIO(_view(i), s, s, self.staged, fast=fast)
+      for i, s in zip(program.inputs, src_shardings, strict=True)
+    ]
+    self._out_io = [
+      _LeafIO(_view(o), None, d, self.staged, fast=fast)
+      for o, d in zip(program.outputs, dst_shardings, strict=True)
+    ]
+
+  def __call__(self, xs: Sequence[jax.Array]) -> list[jax.Array]:
+    if self._compiled is None:
+      self._compiled = self._fn.compile()
+    placeholders = _stage_placeholders(self.program.placeholders, self.devices)
+    ys = self._compiled(*[io.stage(x, placeholders) for io, x in zip(self._in_io, xs, strict=True)])
+    return [io.unstage(y) for io, y in zip(self._out_io, ys, strict=True)]
+
+
+def _view(b: Any) -> LeafView:
+  """A :class:`LeafView` with one block on both sides, for staging or unstaging ``b``."""
+  return LeafView(
+    -1, b.shape, b.dtype, uint_dtype(b.dtype), b.shard, b.shard, b.block, b.block, b.shard
+  )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from jax_reshard import _traced
@@ -12,7 +13,12 @@ from jax_reshard._tree import is_traced
 
 
 def reshard(
-  x: Any, dst: Any, *, src: Any = None, max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES
+  x: Any,
+  dst: Any,
+  *,
+  src: Any = None,
+  max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
+  transform: Callable[[Any], Any] | None = None,
 ) -> Any:
   """Moves ``x`` into the destination layout(s), sending each device only what it lacks.
 
@@ -25,6 +31,9 @@ def reshard(
       whose axes are not ``Explicit``).
     max_bucket_bytes: bound on transient staging bytes per device per compiled program
       (eager calls; inside ``jax.jit`` XLA schedules the memory of the whole computation).
+    transform: convert while resharding (casts, slices, concatenate, stack, reshape,
+      transpose, renames; see ``make_plan``); ``dst`` then matches the transform's output.
+      Eager only for now.
 
   Returns:
     A pytree like ``x`` whose leaves are laid out as ``dst``. ``x`` is left untouched.
@@ -41,8 +50,14 @@ def reshard(
     (True, [(8,), (8,), (8,), (8,)])
   """
   if is_traced(x):
+    if transform is not None:
+      raise ReshardError(
+        "transform= is not supported inside jax.jit yet: reshard first (jr.reshard(x, dst, "
+        "src=...)) and apply the transform after it, or call jr.reshard(x, dst, "
+        "transform=...) outside jit."
+      )
     return _traced.reshard_traced(x, dst, src)
   if src is not None:
     raise ReshardError("src= is only for traced values; concrete arrays carry their sharding")
-  plan = make_plan(x, dst, max_bucket_bytes=max_bucket_bytes)
+  plan = make_plan(x, dst, max_bucket_bytes=max_bucket_bytes, transform=transform)
   return plan(x)

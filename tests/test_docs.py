@@ -22,6 +22,8 @@ WITH_EXAMPLES = {
   "jax_reshard._reshard",
   "jax_reshard._schedule",
   "jax_reshard._topology",
+  "jax_reshard._tplan",
+  "jax_reshard._tprogram",
   "jax_reshard._transform",
 }
 

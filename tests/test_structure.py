@@ -20,13 +20,16 @@ LAYERS = [
   "_classes",
   "_cost",
   "_plan",
+  "_tplan",
   "_viz",
   "_program",
+  "_tprogram",
   "_buffers",
   "_emit",
   "_tree",
   "_transform",
   "_distributed",
+  "_tapi",
   "_api",
   "_traced",
   "_reshard",
@@ -47,6 +50,8 @@ NUMPY_ONLY = {
   "_plan",
   "_viz",
   "_program",
+  "_tplan",
+  "_tprogram",
 }
 MAX_FUNCTION_LINES = 80
 

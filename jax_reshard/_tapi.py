@@ -1,0 +1,168 @@
+"""Transformed plans: ``make_plan(src, dst, transform=f)`` and ``TransformPlan``."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from jax_reshard._emit import TransformExecutable, empty_like_sharded
+from jax_reshard._errors import ReshardError
+from jax_reshard._layout import Layout
+from jax_reshard._plan import PlanStats, format_bytes
+from jax_reshard._planner import LeafPlan
+from jax_reshard._schedule import Schedule
+from jax_reshard._tplan import TransformLayoutPlan, plan_transform_layouts
+from jax_reshard._tprogram import TransformProgram, make_transform_program
+from jax_reshard._transform import TransformAnalysis, analyze_transform
+from jax_reshard._tree import Leaf, check_arrays, flatten_tree
+
+
+class TransformPlan:
+  """A compiled reshard that also converts: its result equals ``transform(x)`` in the
+  destination layouts. Build it with ``make_plan(src, dst, transform=f)``.
+
+  Attributes:
+    analysis: the transform as pieces (:class:`TransformAnalysis`).
+    src_leaves: per source leaf, its path, shape, dtype and sharding.
+    leaves: per output leaf, its path, shape, dtype and destination sharding.
+    layout_plan: the transfers, schedule and stats (:class:`TransformLayoutPlan`).
+  """
+
+  def __init__(
+    self,
+    src_treedef: Any,
+    src_leaves: tuple[Leaf, ...],
+    analysis: TransformAnalysis,
+    out_leaves: tuple[Leaf, ...],
+  ) -> None:
+    self._src_treedef = src_treedef
+    self.src_leaves = src_leaves
+    self.analysis = analysis
+    self.leaves = out_leaves
+    src_layouts = [Layout.from_sharding(lf.src_sharding, lf.shape) for lf in src_leaves]
+    dst_layouts = [Layout.from_sharding(lf.dst_sharding, lf.shape) for lf in out_leaves]
+    self.layout_plan: TransformLayoutPlan = plan_transform_layouts(
+      analysis.leaves, src_layouts, dst_layouts
+    )
+    self._program: TransformProgram | None = None
+    self._executable: TransformExecutable | None = None
+
+  @property
+  def stats(self) -> PlanStats:
+    return self.layout_plan.stats
+
+  @property
+  def schedule(self) -> Schedule:
+    return self.layout_plan.schedule
+
+  @property
+  def leaf_plans(self) -> tuple[LeafPlan, ...]:
+    """Per output leaf, its transfers (output boxes, wire bytes)."""
+    return tuple(lp.transfers for lp in self.layout_plan.leaf_plans)
+
+  @property
+  def layouts(self) -> tuple[tuple[Layout, Layout], ...]:
+    """Per output leaf, (the source devices it reads, holding nothing; its destination)."""
+    return self.layout_plan.layouts
+
+  def program(self) -> TransformProgram | None:
+    """What every device does (NumPy data), or ``None`` when no output has elements."""
+    if self._program is None and self.layout_plan.scheduled:
+      self._program = make_transform_program(self.layout_plan, [lf.dtype for lf in self.src_leaves])
+    return self._program
+
+  def _executable_or_none(self) -> TransformExecutable | None:
+    program = self.program()
+    if self._executable is None and program is not None:
+      devices = {}
+      for lf in (*self.src_leaves, *self.leaves):
+        for d in (*lf.src_sharding.device_set, *lf.dst_sharding.device_set):
+          devices[d.id] = d
+      self._executable = TransformExecutable(
+        program,
+        devices,
+        [lf.src_sharding for lf in self.src_leaves],
+        [self.leaves[i].dst_sharding for i in program.output_leaves],
+      )
+    return self._executable
+
+  def __call__(self, x: Any) -> Any:
+    """``transform(x)`` in the destination layouts (``x`` matches the plan's source)."""
+    arrays = check_arrays(self._src_treedef, self.src_leaves, x)
+    if jax.process_count() > 1:
+      from jax_reshard import _distributed
+
+      _distributed.check_plan(self)
+    with contextlib.nullcontext() if jax.sharding.get_mesh().empty else jax.set_mesh(None):
+      exe = self._executable_or_none()
+      out: list[Any] = [
+        empty_like_sharded(lf.shape, lf.dtype, lf.dst_sharding) for lf in self.leaves
+      ]
+      if exe is not None:
+        for i, y in zip(self.layout_plan.scheduled, exe(arrays), strict=True):
+          out[i] = y
+    return jax.tree_util.tree_unflatten(self.analysis.out_treedef, out)
+
+  def __repr__(self) -> str:
+    st = self.stats
+    return "\n".join(
+      [
+        f"TransformPlan: {len(self.src_leaves)} source leaves -> {len(self.leaves)} output leaves",
+        f"  bytes moved        {format_bytes(st.bytes_moved)} (lower bound "
+        f"{format_bytes(st.lower_bound_bytes)}, padding {format_bytes(st.padding_bytes)})",
+        f"  local copies       {format_bytes(st.local_copy_bytes)}",
+        f"  rounds {st.num_rounds}; per device max send {format_bytes(st.max_send_bytes)}, "
+        f"recv {format_bytes(st.max_recv_bytes)}",
+      ]
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _analysis(transform: Callable[[Any], Any], treedef: Any, leaves: tuple[Leaf, ...]) -> Any:
+  src = jax.tree_util.tree_unflatten(
+    treedef, [jax.ShapeDtypeStruct(lf.shape, lf.dtype) for lf in leaves]
+  )
+  return analyze_transform(transform, src)
+
+
+def make_transform_plan(src: Any, dst: Any, transform: Callable[[Any], Any]) -> TransformPlan:
+  """Plans ``transform(src)`` into ``dst`` (a Sharding, or a prefix of the output tree).
+
+  Raises:
+    ReshardError: an unsupported operation in ``transform`` (naming it and the output leaf),
+      or invalid trees, shapes or shardings; nothing is moved.
+  """
+  if not callable(transform):
+    raise ReshardError(f"transform= must be a function of the source tree, got {transform!r}")
+  treedef, src_leaves = flatten_tree(src, src)
+  analysis = _analysis(transform, treedef, tuple(src_leaves))
+  if not src_leaves:
+    raise ReshardError("transform= needs a source tree with at least one array")
+  anchor = jax.sharding.SingleDeviceSharding(next(iter(src_leaves[0].src_sharding.device_set)))
+  template = jax.tree_util.tree_unflatten(
+    analysis.out_treedef,
+    [jax.ShapeDtypeStruct(f.shape, f.dtype, sharding=anchor) for f in analysis.leaves],
+  )
+  _, out_leaves = flatten_tree(template, dst)
+  return _cached_plan(transform, treedef, tuple(src_leaves), tuple(out_leaves))
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_plan(
+  transform: Callable[[Any], Any],
+  treedef: Any,
+  src_leaves: tuple[Leaf, ...],
+  out_leaves: tuple[Leaf, ...],
+) -> TransformPlan:
+  analysis = _analysis(transform, treedef, src_leaves)
+  return TransformPlan(treedef, src_leaves, analysis, out_leaves)
+
+
+def transform_cache_clear() -> None:
+  """Forgets cached transformed plans and analyses."""
+  _cached_plan.cache_clear()
+  _analysis.cache_clear()

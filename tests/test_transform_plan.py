@@ -1,0 +1,176 @@
+"""Transforms inside the plan, end to end: seeded transform chains on colocated, disjoint and
+overlapping placements against ``jax.jit(transform)`` bit for bit, with bytes moved equal to
+the lower bound counted on the output; casts on the sender; errors before any device work."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_matches_oracle
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from test_transform import UNSUPPORTED, _host_data, _make_transform, _random_source, _to_sampler
+
+import jax_reshard as jr
+from jax_reshard._errors import ReshardError
+from jax_reshard._transform import analyze_transform
+
+NUM_CASES = 60 if os.environ.get("JAX_RESHARD_EXHAUSTIVE") else 6
+PLACEMENTS = {
+  "colocated": (range(8), range(8)),
+  "disjoint": (range(4), range(4, 8)),
+  "overlapping": (range(6), range(2, 8)),
+}
+
+
+def _random_sharding(rng: np.random.Generator, shape: tuple[int, ...], ids: Any) -> NamedSharding:
+  """A NamedSharding over devices ``ids`` (shuffled) that divides ``shape``."""
+  devs = [jax.devices()[i] for i in rng.permutation(list(ids))]
+  n = len(devs)
+  mesh_shape = [[n], [2, n // 2], [n // 2, 2]][int(rng.integers(3))] if n % 2 == 0 else [n]
+  names = ("x", "y")[: len(mesh_shape)]
+  spec: list[Any] = [None] * len(shape)
+  for name, size in zip(names, mesh_shape, strict=True):
+    dims = [d for d in range(len(shape)) if spec[d] is None and shape[d] % size == 0]
+    if dims and rng.random() < 0.7:
+      spec[dims[int(rng.integers(len(dims)))]] = name
+  return NamedSharding(Mesh(np.array(devs).reshape(mesh_shape), names), P(*spec))
+
+
+def _place(rng: np.random.Generator, src: Any, data: list[np.ndarray], ids: Any) -> Any:
+  leaves, treedef = jax.tree_util.tree_flatten(src)
+  placed = [
+    jax.device_put(x, _random_sharding(rng, tuple(s.shape), ids))
+    for s, x in zip(leaves, data, strict=True)
+  ]
+  return jax.tree_util.tree_unflatten(treedef, placed)
+
+
+def _check(plan: Any, out: Any, want: Any, dst: list[Any]) -> None:
+  got_leaves, got_tree = jax.tree_util.tree_flatten(out)
+  want_leaves, want_tree = jax.tree_util.tree_flatten(want)
+  assert got_tree == want_tree
+  for y, w, d in zip(got_leaves, want_leaves, dst, strict=True):
+    assert_matches_oracle(y, np.asarray(w), d)
+  assert plan.stats.bytes_moved == plan.stats.lower_bound_bytes
+
+
+@pytest.mark.parametrize("placement", sorted(PLACEMENTS))
+@pytest.mark.parametrize("casts", [True, False], ids=["casts", "ids"])
+@pytest.mark.parametrize("seed", range(NUM_CASES))
+def test_random_chain_bit_for_bit_at_the_bound(seed: int, casts: bool, placement: str) -> None:
+  rng = np.random.default_rng(500 + seed)
+  src = _random_source(rng, casts)
+  transform = _make_transform(seed, casts)
+  data = _host_data(rng, src, casts)
+  src_ids, dst_ids = PLACEMENTS[placement]
+  x = _place(rng, src, data, src_ids)
+  analysis = analyze_transform(transform, src)
+  dst = [_random_sharding(rng, f.shape, dst_ids) for f in analysis.leaves]
+  dst_tree = jax.tree_util.tree_unflatten(analysis.out_treedef, dst)
+  plan = jr.make_plan(x, dst_tree, transform=transform)
+  host = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(src), data)
+  _check(plan, plan(x), jax.jit(transform)(host), dst)
+  assert jax.tree_util.tree_all(jax.tree_util.tree_map(lambda a: not a.is_deleted(), x))
+
+
+def _trainer_arrays(sharding: NamedSharding, rng: np.random.Generator) -> Any:
+  from test_transform import _trainer
+
+  return jax.tree_util.tree_map(
+    lambda s: jax.device_put(rng.standard_normal(s.shape).astype(np.float32), sharding),
+    _trainer(),
+  )
+
+
+def test_fused_qkv_stacked_bf16_end_to_end() -> None:
+  devs = np.array(jax.devices())
+  trainer = NamedSharding(Mesh(devs[:4].reshape(2, 2), ("fsdp", "tp")), P("fsdp", "tp"))
+  sampler_mesh = Mesh(devs[4:], ("tp",))
+  params = _trainer_arrays(trainer, np.random.default_rng(0))
+  dst = {
+    "layers": {
+      "qkv": NamedSharding(sampler_mesh, P(None, None, "tp")),
+      "gate_up": NamedSharding(sampler_mesh, P(None, None, "tp")),
+    },
+    "lm_head": NamedSharding(sampler_mesh, P("tp")),
+  }
+  plan = jr.make_plan(params, dst, transform=_to_sampler)
+  out = plan(params)
+  _check(plan, out, jax.jit(_to_sampler)(params), jax.tree_util.tree_leaves(dst))
+  # Everything moves (disjoint devices), in bf16: half the f32 bytes of the same tensors.
+  f32_bytes = sum(4 * a.size for a in jax.tree_util.tree_leaves(params))
+  assert plan.stats.bytes_moved == f32_bytes // 2
+  again = jr.reshard(params, dst, transform=_to_sampler)
+  assert jr.make_plan(params, dst, transform=_to_sampler) is plan  # cached
+  _check(plan, again, out, jax.tree_util.tree_leaves(dst))
+
+
+@pytest.mark.parametrize("placement", sorted(PLACEMENTS))
+def test_cast_only_plan_moves_half_of_f32(placement: str) -> None:
+  rng = np.random.default_rng(11)
+  src_ids, dst_ids = PLACEMENTS[placement]
+  for _ in range(3):
+    x = jax.device_put(
+      rng.standard_normal((16, 8)).astype(np.float32), _random_sharding(rng, (16, 8), src_ids)
+    )
+    dst = _random_sharding(rng, (16, 8), dst_ids)
+    f32 = jr.make_plan(x, dst)
+    bf16 = jr.make_plan(x, dst, transform=lambda a: a.astype(jnp.bfloat16))
+    assert 2 * bf16.stats.bytes_moved == f32.stats.bytes_moved == f32.stats.lower_bound_bytes
+    assert_matches_oracle(bf16(x), np.asarray(x).astype(jnp.bfloat16), dst)
+
+
+def test_widening_cast_moves_the_narrow_dtype() -> None:
+  devs = np.array(jax.devices())
+  src = NamedSharding(Mesh(devs[:4], ("x",)), P("x"))
+  dst = NamedSharding(Mesh(devs[4:], ("x",)), P(None, "x"))
+  x = jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8).astype(jnp.bfloat16), src)
+  plan = jr.make_plan(x, dst, transform=lambda a: a.astype(jnp.float32).T)
+  assert plan.stats.bytes_moved == 8 * 8 * 2  # bf16 on the wire, f32 where it lands
+  assert_matches_oracle(plan(x), np.asarray(x).astype(np.float32).T, dst)
+
+
+@pytest.mark.parametrize("name", sorted(UNSUPPORTED))
+def test_unsupported_operation_fails_before_device_work(name: str) -> None:
+  transform, primitive = UNSUPPORTED[name]
+  devs = np.array(jax.devices())
+  sh = NamedSharding(Mesh(devs[:4], ("x",)), P("x"))
+  src = {
+    "a": jax.device_put(np.arange(24, dtype=np.float32).reshape(4, 6), sh),
+    "b": jax.device_put(np.arange(36, dtype=np.float32).reshape(6, 6), sh.update(spec=P())),
+  }
+  before = {k: np.asarray(v).copy() for k, v in src.items()}
+  dst = NamedSharding(Mesh(devs[4:], ("x",)), P())
+  with pytest.raises(ReshardError) as info:
+    jr.reshard(src, dst, transform=transform)
+  msg = str(info.value)
+  assert "['out']" in msg and primitive in msg and "after the reshard" in msg, msg
+  for k, v in src.items():
+    assert not v.is_deleted() and np.array_equal(np.asarray(v), before[k])
+
+
+def test_destination_must_match_the_output_tree() -> None:
+  devs = np.array(jax.devices())
+  sh = NamedSharding(Mesh(devs[:4], ("x",)), P("x"))
+  x = {"a": jax.device_put(np.zeros((8, 4), np.float32), sh)}
+  with pytest.raises(ReshardError, match="destination"):
+    jr.make_plan(x, {"wrong": sh, "names": sh}, transform=lambda p: {"b": p["a"].T})
+
+
+def test_traced_transform_is_a_clear_error() -> None:
+  devs = np.array(jax.devices())
+  sh = NamedSharding(Mesh(devs[:4], ("x",)), P("x"))
+  x = jax.device_put(np.zeros((8, 4), np.float32), sh)
+
+  @jax.jit
+  def f(a: jax.Array) -> Any:
+    return jr.reshard(a, sh, src=sh, transform=lambda t: t.T)
+
+  with pytest.raises(ReshardError, match=r"not supported inside jax\.jit"):
+    f(x)
