@@ -126,12 +126,15 @@ def fingerprint(
   layouts: Sequence[tuple[Layout, Layout]],
   leaf_plans: Sequence[LeafPlan],
   schedule: Schedule,
+  pieces: Sequence[str] | None = None,
 ) -> PlanFingerprint:
   """The fingerprint of a plan: a pure function of its numbers, never of object identity.
 
   Shardings enter only through their per-device index boxes, so equivalent shardings (say
   ``P('x')`` and ``P('x', None)``, or meshes with other axis names but the same boxes) and
-  equal trees built in another order give the same fingerprint.
+  equal trees built in another order give the same fingerprint. ``pieces`` (per leaf, text of
+  a transformed plan's pieces: source leaves, boxes, axis maps and casts) enter the digests
+  too, so processes whose transforms differ do not match.
 
   Example:
     >>> import jax_reshard as jr
@@ -150,8 +153,11 @@ def fingerprint(
     True
   """
   leaf_digests, descriptions = [], []
-  for path, dtype, (src, dst), lp in zip(paths, dtypes, layouts, leaf_plans, strict=True):
+  texts = pieces if pieces is not None else [""] * len(leaf_plans)
+  rows = zip(paths, dtypes, layouts, leaf_plans, texts, strict=True)
+  for path, dtype, (src, dst), lp, text in rows:
     h = hashlib.sha256()
+    _feed_text(h, text)
     _feed_text(h, path)
     _feed_text(h, np.dtype(dtype).name)
     _feed_layout(h, src)
@@ -191,6 +197,7 @@ def plan_fingerprint(plan: Any) -> PlanFingerprint:
       plan.layouts,
       plan.leaf_plans,
       plan.schedule,
+      getattr(plan, "piece_texts", None),
     )
     _fingerprints[plan] = fp
   return fp

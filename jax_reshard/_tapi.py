@@ -69,6 +69,17 @@ class TransformPlan:
     """Per output leaf, (the source devices it reads, holding nothing; its destination)."""
     return self.layout_plan.layouts
 
+  @property
+  def piece_texts(self) -> tuple[str, ...]:
+    """Per output leaf, its pieces and the source layouts they read, as text (fingerprinted
+    across processes: processes with different transforms do not match)."""
+    p = self.layout_plan
+    out = []
+    for lp in p.leaf_plans:
+      used = sorted({q.src_leaf for q in lp.leaf.pieces})
+      out.append("\n".join([str(lp.leaf), *(repr(p.src_layouts[i]) for i in used)]))
+    return tuple(out)
+
   def program(self) -> TransformProgram | None:
     """What every device does (NumPy data), or ``None`` when no output has elements."""
     if self._program is None and self.layout_plan.scheduled:

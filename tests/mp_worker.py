@@ -166,6 +166,44 @@ def case_c() -> None:
   ok("case_c")
 
 
+def _fuse(order: str) -> Any:
+  def to_sampler(p: Any) -> Any:
+    qkv = [jnp.concatenate([lay[c] for c in order], axis=1) for lay in p["layers"]]
+    return {"qkv": jnp.stack(qkv).astype(jnp.bfloat16), "head": p["embed"].T}
+
+  return to_sampler
+
+
+def case_transform() -> None:
+  """transform=: f32 q/k/v per layer on process 0, bf16 fused and stacked on process 1; then
+  processes whose transforms differ both raise a plan mismatch."""
+  trainer = mesh(P0, (2, 2), ("fsdp", "tp"))
+  sampler = mesh(P1, (4,), ("tp",))
+  specs = {f"{c}{i}": ((8, 4), np.float32) for c in "qkv" for i in range(2)}
+  hosts = make_hosts(8, specs | {"embed": ((16, 8), np.float32)})
+  sh = NamedSharding(trainer, P("fsdp", "tp"))
+  x = {
+    "layers": [{c: put(hosts[f"{c}{i}"], sh) for c in "qkv"} for i in range(2)],
+    "embed": put(hosts["embed"], sh),
+  }
+  dst = {"qkv": NamedSharding(sampler, P(None, None, "tp")), "head": NamedSharding(sampler, P())}
+  ys = jr.reshard(x, dst, transform=_fuse("qkv"))
+  want = {
+    "qkv": np.stack(
+      [np.concatenate([hosts[f"{c}{i}"] for c in "qkv"], axis=1) for i in range(2)]
+    ).astype(jnp.bfloat16),
+    "head": hosts["embed"].T.copy(),
+  }
+  check_tree(ys, want, dst)
+  ok("case_transform")
+  try:
+    jr.reshard(x, dst, transform=_fuse("qkv" if PID == 0 else "qvk"))
+  except _distributed.ReshardPlanMismatchError:
+    ok("transform_mismatch")
+  else:
+    raise AssertionError("different transforms were not detected")
+
+
 def built_differently() -> None:
   """Equal plans built differently on each process agree (no false mismatch) and run."""
   specs = {"a": ((8, 8), np.float32), "b": ((16,), np.int32)}
@@ -292,7 +330,8 @@ def die_during(victim: int, *, freeze: bool = False) -> None:
 
 def main() -> None:
   if SCENARIO == "cases":
-    for step in (case_a, case_b, case_c, built_differently, mismatch, missing_peer):
+    steps = (case_a, case_b, case_c, case_transform, built_differently, mismatch, missing_peer)
+    for step in steps:
       step()
   elif SCENARIO == "die_before":
     die_before()

@@ -34,6 +34,8 @@ CASE_STEPS = [
   "case_a",
   "case_b",
   "case_c",
+  "case_transform",
+  "transform_mismatch",
   "built_differently",
   "mismatch_raised",
   "after_mismatch",
@@ -151,7 +153,16 @@ def cases(pairs):
 
 @pytest.mark.parametrize(
   "step",
-  ["case_a", "case_b", "case_c", "built_differently", "mismatch_raised", "after_mismatch"],
+  [
+    "case_a",
+    "case_b",
+    "case_c",
+    "case_transform",
+    "transform_mismatch",
+    "built_differently",
+    "mismatch_raised",
+    "after_mismatch",
+  ],
 )
 def test_collective_cases(cases, step):
   """(a) trainer on process 0 -> sampler on process 1, (b) meshes spanning both processes,

@@ -174,3 +174,16 @@ def test_traced_transform_is_a_clear_error() -> None:
 
   with pytest.raises(ReshardError, match=r"not supported inside jax\.jit"):
     f(x)
+
+
+def test_fingerprint_includes_the_pieces() -> None:
+  from jax_reshard._distributed import plan_fingerprint
+
+  devs = np.array(jax.devices())
+  sh = NamedSharding(Mesh(devs[:4], ("x",)), P("x"))
+  x = {k: jax.device_put(np.zeros((8, 4), np.float32), sh) for k in "ab"}
+  dst = NamedSharding(Mesh(devs[4:], ("x",)), P(None, "x"))
+  ab = jr.make_plan(x, dst, transform=lambda p: jnp.concatenate([p["a"], p["b"]], 1))
+  ba = jr.make_plan(x, dst, transform=lambda p: jnp.concatenate([p["b"], p["a"]], 1))
+  assert ab.stats == ba.stats  # the same traffic, another mapping
+  assert plan_fingerprint(ab).digest != plan_fingerprint(ba).digest
