@@ -217,8 +217,7 @@ def make_plan(
       concatenate, stack, split, squeeze, expand_dims, reshape, transpose and pytree
       restructuring (``jax.numpy``). It is traced without data; the plan's result equals
       ``transform(src)`` bit for bit, in ``dst``. Narrowing casts run on the sender, so bytes
-      move in the narrowest dtype of each cast chain (planned in one bucket; ``topology`` is
-      not used).
+      move in the narrowest dtype of each cast chain (``topology`` is not used yet).
 
   Returns:
     A :class:`ReshardPlan` (a ``TransformPlan`` with ``transform``); call it with arrays laid
@@ -243,7 +242,7 @@ def make_plan(
     True
   """
   if transform is not None:
-    return make_transform_plan(src, dst, transform)
+    return make_transform_plan(src, dst, transform, max_bucket_bytes=max_bucket_bytes)
   treedef, leaves = flatten_tree(src, dst)
   return _cached_plan(treedef, tuple(leaves), max_bucket_bytes, topology)
 

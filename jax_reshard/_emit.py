@@ -551,8 +551,9 @@ def emit_transform_body(program: TransformProgram, axis: Any) -> Callable[..., A
 
 
 class TransformExecutable:
-  """A transformed plan's program compiled over its union mesh; calling it takes the source
-  leaves and returns the output leaves (staging and unstaging as :class:`BucketExecutable`)."""
+  """A transformed plan's bucket program compiled over its union mesh; calling it takes the
+  source leaves it reads and returns its output leaves (staging and unstaging as
+  :class:`BucketExecutable`)."""
 
   def __init__(
     self,

@@ -14,7 +14,7 @@ from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
 from jax_reshard._plan import PlanStats, format_bytes
 from jax_reshard._planner import LeafPlan
-from jax_reshard._schedule import Schedule
+from jax_reshard._schedule import DEFAULT_MAX_BUCKET_BYTES, Schedule
 from jax_reshard._tplan import TransformLayoutPlan, plan_transform_layouts
 from jax_reshard._tprogram import TransformProgram, make_transform_program
 from jax_reshard._transform import TransformAnalysis, analyze_transform
@@ -38,6 +38,8 @@ class TransformPlan:
     src_leaves: tuple[Leaf, ...],
     analysis: TransformAnalysis,
     out_leaves: tuple[Leaf, ...],
+    *,
+    max_bucket_bytes: int | None = DEFAULT_MAX_BUCKET_BYTES,
   ) -> None:
     self._src_treedef = src_treedef
     self.src_leaves = src_leaves
@@ -46,10 +48,10 @@ class TransformPlan:
     src_layouts = [Layout.from_sharding(lf.src_sharding, lf.shape) for lf in src_leaves]
     dst_layouts = [Layout.from_sharding(lf.dst_sharding, lf.shape) for lf in out_leaves]
     self.layout_plan: TransformLayoutPlan = plan_transform_layouts(
-      analysis.leaves, src_layouts, dst_layouts
+      analysis.leaves, src_layouts, dst_layouts, max_bucket_bytes=max_bucket_bytes
     )
-    self._program: TransformProgram | None = None
-    self._executable: TransformExecutable | None = None
+    self._programs: list[TransformProgram] | None = None
+    self._executables: list[TransformExecutable] | None = None
 
   @property
   def stats(self) -> PlanStats:
@@ -80,26 +82,33 @@ class TransformPlan:
       out.append("\n".join([str(lp.leaf), *(repr(p.src_layouts[i]) for i in used)]))
     return tuple(out)
 
-  def program(self) -> TransformProgram | None:
-    """What every device does (NumPy data), or ``None`` when no output has elements."""
-    if self._program is None and self.layout_plan.scheduled:
-      self._program = make_transform_program(self.layout_plan, [lf.dtype for lf in self.src_leaves])
-    return self._program
+  def programs(self) -> list[TransformProgram]:
+    """Per bucket, what every device does (NumPy data)."""
+    if self._programs is None:
+      dtypes = [lf.dtype for lf in self.src_leaves]
+      self._programs = [
+        make_transform_program(self.layout_plan, b, dtypes)
+        for b in range(len(self.schedule.buckets))
+      ]
+    return self._programs
 
-  def _executable_or_none(self) -> TransformExecutable | None:
-    program = self.program()
-    if self._executable is None and program is not None:
+  def executables(self) -> list[TransformExecutable]:
+    """Per bucket, its program emitted for its union mesh (compiled on the first call)."""
+    if self._executables is None:
       devices = {}
       for lf in (*self.src_leaves, *self.leaves):
         for d in (*lf.src_sharding.device_set, *lf.dst_sharding.device_set):
           devices[d.id] = d
-      self._executable = TransformExecutable(
-        program,
-        devices,
-        [lf.src_sharding for lf in self.src_leaves],
-        [self.leaves[i].dst_sharding for i in program.output_leaves],
-      )
-    return self._executable
+      self._executables = [
+        TransformExecutable(
+          p,
+          devices,
+          [self.src_leaves[i].src_sharding for i in p.input_leaves],
+          [self.leaves[i].dst_sharding for i in p.output_leaves],
+        )
+        for p in self.programs()
+      ]
+    return self._executables
 
   def __call__(self, x: Any) -> Any:
     """``transform(x)`` in the destination layouts (``x`` matches the plan's source)."""
@@ -109,12 +118,13 @@ class TransformPlan:
 
       _distributed.check_plan(self)
     with contextlib.nullcontext() if jax.sharding.get_mesh().empty else jax.set_mesh(None):
-      exe = self._executable_or_none()
       out: list[Any] = [
-        empty_like_sharded(lf.shape, lf.dtype, lf.dst_sharding) for lf in self.leaves
+        empty_like_sharded(lf.shape, lf.dtype, lf.dst_sharding) if not lf_plan.leaf.pieces else None
+        for lf, lf_plan in zip(self.leaves, self.layout_plan.leaf_plans, strict=True)
       ]
-      if exe is not None:
-        for i, y in zip(self.layout_plan.scheduled, exe(arrays), strict=True):
+      for exe in self.executables():
+        ys = exe([arrays[i] for i in exe.program.input_leaves])
+        for i, y in zip(exe.program.output_leaves, ys, strict=True):
           out[i] = y
     return jax.tree_util.tree_unflatten(self.analysis.out_treedef, out)
 
@@ -140,7 +150,13 @@ def _analysis(transform: Callable[[Any], Any], treedef: Any, leaves: tuple[Leaf,
   return analyze_transform(transform, src)
 
 
-def make_transform_plan(src: Any, dst: Any, transform: Callable[[Any], Any]) -> TransformPlan:
+def make_transform_plan(
+  src: Any,
+  dst: Any,
+  transform: Callable[[Any], Any],
+  *,
+  max_bucket_bytes: int | None = DEFAULT_MAX_BUCKET_BYTES,
+) -> TransformPlan:
   """Plans ``transform(src)`` into ``dst`` (a Sharding, or a prefix of the output tree).
 
   Raises:
@@ -159,7 +175,7 @@ def make_transform_plan(src: Any, dst: Any, transform: Callable[[Any], Any]) -> 
     [jax.ShapeDtypeStruct(f.shape, f.dtype, sharding=anchor) for f in analysis.leaves],
   )
   _, out_leaves = flatten_tree(template, dst)
-  return _cached_plan(transform, treedef, tuple(src_leaves), tuple(out_leaves))
+  return _cached_plan(transform, treedef, tuple(src_leaves), tuple(out_leaves), max_bucket_bytes)
 
 
 @functools.lru_cache(maxsize=256)
@@ -168,9 +184,10 @@ def _cached_plan(
   treedef: Any,
   src_leaves: tuple[Leaf, ...],
   out_leaves: tuple[Leaf, ...],
+  max_bucket_bytes: int | None,
 ) -> TransformPlan:
   analysis = _analysis(transform, treedef, src_leaves)
-  return TransformPlan(treedef, src_leaves, analysis, out_leaves)
+  return TransformPlan(treedef, src_leaves, analysis, out_leaves, max_bucket_bytes=max_bucket_bytes)
 
 
 def transform_cache_clear() -> None:

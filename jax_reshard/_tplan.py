@@ -9,7 +9,8 @@ source box copies the sub-piece locally; otherwise one replica of the box sends 
 loaded first, the receiver's process preferred). A transfer carries the source box in the
 piece's *wire* dtype, the narrowest of its cast chain, so ``bytes_moved`` equals
 :func:`jax_reshard._pieces.lower_bound_bytes`. The schedule is the identity plan's
-(:func:`make_schedule` over per-output-leaf transfers in wire bytes), in one bucket.
+(:func:`make_schedule` over per-output-leaf transfers in wire bytes, buckets of consecutive
+output leaves).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from jax_reshard._layout import Layout
 from jax_reshard._pieces import OutputLeaf, Piece, lower_bound_bytes, restrict, restrict_source
 from jax_reshard._plan import PlanStats
 from jax_reshard._planner import LeafPlan
-from jax_reshard._schedule import Schedule, make_schedule
+from jax_reshard._schedule import DEFAULT_MAX_BUCKET_BYTES, Schedule, make_schedule
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -52,7 +53,7 @@ class TransformLayoutPlan:
     dst_layouts: per output leaf, its layout.
     leaf_plans: per output leaf, its transfers.
     scheduled: the output leaves with elements, in the order the schedule numbers them.
-    schedule: one bucket of rounds over every transfer (payloads in wire bytes).
+    schedule: buckets of output leaves and their rounds (payloads in wire bytes).
     stats: byte and round counts; ``lower_bound_bytes`` is counted on the output.
     layouts: per output leaf, ``(senders, destination)``: a layout over every device of the
       source leaves it reads, holding nothing (so the schedule's device sets include them),
@@ -170,7 +171,11 @@ def _senders_layout(plan: TransformLeafPlan, src_layouts: Sequence[Layout], dst:
 
 
 def plan_transform_layouts(
-  leaves: Sequence[OutputLeaf], src_layouts: Sequence[Layout], dst_layouts: Sequence[Layout]
+  leaves: Sequence[OutputLeaf],
+  src_layouts: Sequence[Layout],
+  dst_layouts: Sequence[Layout],
+  *,
+  max_bucket_bytes: int | None = DEFAULT_MAX_BUCKET_BYTES,
 ) -> TransformLayoutPlan:
   """Plans a transformed tree: per output leaf its transfers, one schedule, the stats.
 
@@ -178,6 +183,8 @@ def plan_transform_layouts(
     leaves: the transform's output leaves (:class:`TransformAnalysis` ``.leaves``).
     src_layouts: per source leaf, its layout.
     dst_layouts: per output leaf, its layout.
+    max_bucket_bytes: bound on payload bytes per device per bucket (consecutive output leaves
+      per bucket; ``None``: one bucket).
 
   Example:
     >>> import numpy as np
@@ -204,7 +211,7 @@ def plan_transform_layouts(
     [plans[i].transfers for i in scheduled],
     [layouts[i] for i in scheduled],
     [1] * len(scheduled),
-    max_bucket_bytes=None,
+    max_bucket_bytes=max_bucket_bytes,
   )
   transfers = [p.transfers for p in plans]
   stats = PlanStats(

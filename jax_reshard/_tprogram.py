@@ -1,7 +1,8 @@
 """Programs of transformed plans: what every device does, as plain data. NumPy only.
 
-A transformed plan runs as one program over a 1-D mesh of every source and destination
-device. It takes one staged block per *source* leaf and returns one block per *output* leaf.
+Each bucket of a transformed plan runs as one program over a 1-D mesh of its source and
+destination devices. It takes one staged block per *source* leaf its output leaves read and
+returns one block per *output* leaf.
 Per round, every sender packs :class:`Slab` s: boxes of its source shards cast on the sender
 up to the wire dtype (narrowing casts), in unsigned words of the plan's *unit* (the narrowest
 wire width). Every destination device then builds its output shards from :class:`Part` s:
@@ -16,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -99,7 +101,8 @@ class TransformProgram:
 
   Attributes:
     device_ids: device id at each mesh position.
-    inputs: per source leaf, its staged block.
+    inputs: per source leaf the program reads, its staged block.
+    input_leaves: per input, the source leaf's index in the plan.
     outputs: per output leaf (with elements), its block; ``output_leaves`` says which.
     output_leaves: per output, the output leaf's index in the plan.
     unit: the payload word.
@@ -110,6 +113,7 @@ class TransformProgram:
 
   device_ids: tuple[int, ...]
   inputs: tuple[Block, ...]
+  input_leaves: tuple[int, ...]
   outputs: tuple[Block, ...]
   output_leaves: tuple[int, ...]
   unit: np.dtype
@@ -137,69 +141,96 @@ def _block(layout: Layout, dtype: np.dtype) -> Block:
   return Block(layout.shape, np.dtype(dtype), shard, staged_block_shape(shard))
 
 
-def _slab(p: Piece, src: Layout, dev: int) -> Slab:
+def _slab(p: Piece, src: Layout, dev: int, in_pos: dict[int, int]) -> Slab:
   start = src.starts[src.device_ids.index(dev)]
   offset = tuple(a - s for a, s in zip(p.src_lo, start, strict=True))
   shape = tuple(b - a for a, b in zip(p.src_lo, p.src_hi, strict=True))
-  return Slab(p.src_leaf, offset, shape, split_casts(p)[0])
+  return Slab(in_pos[p.src_leaf], offset, shape, split_casts(p)[0])
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class _Bucket:
+  """One bucket of a transformed plan while its program is worked out."""
+
+  plan: TransformLayoutPlan
+  outs: tuple[int, ...]  # the output leaves it builds (plan indices)
+  in_pos: dict[int, int]  # source leaf -> position among the program's inputs
+
+  def slab(self, p: Piece, dev: int) -> Slab:
+    return _slab(p, self.plan.src_layouts[p.src_leaf], dev, self.in_pos)
 
 
 def make_transform_program(
-  plan: TransformLayoutPlan, src_dtypes: Sequence[np.dtype]
+  plan: TransformLayoutPlan, bucket: int, src_dtypes: Sequence[np.dtype]
 ) -> TransformProgram:
-  """The program of a transformed plan (its one bucket).
+  """The program of bucket ``bucket`` of a transformed plan.
+
+  Its inputs are the source leaves its output leaves read, in tree order.
 
   Args:
     plan: the plan.
+    bucket: index into ``plan.schedule.buckets``.
     src_dtypes: per source leaf, its dtype.
   """
-  bucket = plan.schedule.buckets[0]
-  ids = sorted({*bucket.union_device_ids, *(i for s in plan.src_layouts for i in s.device_ids)})
+  sched = plan.schedule.buckets[bucket]
+  outs = tuple(plan.scheduled[j] for j in sched.leaves)
+  used = sorted({p.src_leaf for i in outs for p in plan.leaf_plans[i].leaf.pieces})
+  b = _Bucket(plan, outs, {leaf: k for k, leaf in enumerate(used)})
+  ids = sorted(
+    {*sched.union_device_ids, *(i for j in used for i in plan.src_layouts[j].device_ids)}
+  )
   positions = {d: k for k, d in enumerate(ids)}
-  wires = [p.wire_dtype.itemsize for lp in plan.leaf_plans for p in lp.pieces] or [1]
+  wires = [p.wire_dtype.itemsize for i in outs for p in plan.leaf_plans[i].pieces] or [1]
   unit = uint_dtype(np.dtype(f"u{min(wires)}"))
-  out_pos = {leaf: k for k, leaf in enumerate(plan.scheduled)}
-  pieces = bucket.pieces()
-  rounds, received = [], defaultdict(list)
-  for r, rnd in enumerate(bucket.rounds):
-    packs = []
-    for s, d in rnd.pairs:
-      slabs, used = [], 0
-      for pc in pieces[(s, d)]:
-        lp = plan.leaf_plans[plan.scheduled[pc.leaf]]
-        p = lp.pieces[pc.transfer]
-        slabs.append(_slab(p, plan.src_layouts[p.src_leaf], s))
-        start = pc.offset // unit.itemsize
-        received[d].append(
-          (plan.scheduled[pc.leaf], pc.transfer, r, start, start + pc.nbytes // unit.itemsize)
-        )
-        used += pc.nbytes
-      packs.append((positions[s], tuple(slabs), (rnd.nbytes - used) // unit.itemsize))
-    pairs = tuple((positions[s], positions[d]) for s, d in rnd.pairs)
-    rounds.append(SendRound(rnd.nbytes // unit.itemsize, pairs, tuple(packs)))
+  rounds, received = _rounds(b, sched, positions, unit)
   assembles = tuple(
-    (positions[d], _device_parts(plan, d, received[d], out_pos))
-    for d in sorted({d for i in plan.scheduled for d in plan.dst_layouts[i].device_ids})
+    (positions[d], _device_parts(b, d, received[d]))
+    for d in sorted({d for i in outs for d in plan.dst_layouts[i].device_ids})
   )
   union = np.asarray(ids, np.int64)
   groups: dict[tuple[int, ...], list[tuple[Box, np.dtype]]] = defaultdict(list)
-  inputs = tuple(_block(s, dt) for s, dt in zip(plan.src_layouts, src_dtypes, strict=True))
-  for lay, blk in zip(plan.src_layouts, inputs, strict=True):
-    missing = tuple(union[placeholder_mask(lay, union)].tolist())
+  inputs = tuple(_block(plan.src_layouts[j], src_dtypes[j]) for j in used)
+  for j, blk in zip(used, inputs, strict=True):
+    missing = tuple(union[placeholder_mask(plan.src_layouts[j], union)].tolist())
     if missing and (blk.block, blk.dtype) not in groups[missing]:
       groups[missing].append((blk.block, blk.dtype))
   return TransformProgram(
     device_ids=tuple(ids),
     inputs=inputs,
-    outputs=tuple(
-      _block(plan.dst_layouts[i], plan.leaf_plans[i].leaf.dtype) for i in plan.scheduled
-    ),
-    output_leaves=plan.scheduled,
+    input_leaves=tuple(used),
+    outputs=tuple(_block(plan.dst_layouts[i], plan.leaf_plans[i].leaf.dtype) for i in outs),
+    output_leaves=outs,
     unit=unit,
-    rounds=tuple(rounds),
+    rounds=rounds,
     assembles=assembles,
     placeholders=tuple(PlaceholderGroup(k, tuple(v)) for k, v in groups.items()),
   )
+
+
+_Received = dict[int, list[tuple[int, int, int, int, int]]]
+
+
+def _rounds(
+  b: _Bucket, sched: Any, positions: dict[int, int], unit: np.dtype
+) -> tuple[tuple[SendRound, ...], _Received]:
+  """The bucket's rounds (one pack per sender) and, per receiver, what it receives:
+  ``(output leaf, transfer, round, start word, stop word)``."""
+  plan, pieces = b.plan, sched.pieces()
+  rounds, received = [], defaultdict(list)
+  for r, rnd in enumerate(sched.rounds):
+    packs = []
+    for s, d in rnd.pairs:
+      slabs, used = [], 0
+      for pc in pieces[(s, d)]:
+        leaf = plan.scheduled[pc.leaf]
+        slabs.append(b.slab(plan.leaf_plans[leaf].pieces[pc.transfer], s))
+        start = pc.offset // unit.itemsize
+        received[d].append((leaf, pc.transfer, r, start, start + pc.nbytes // unit.itemsize))
+        used += pc.nbytes
+      packs.append((positions[s], tuple(slabs), (rnd.nbytes - used) // unit.itemsize))
+    pairs = tuple((positions[s], positions[d]) for s, d in rnd.pairs)
+    rounds.append(SendRound(rnd.nbytes // unit.itemsize, pairs, tuple(packs)))
+  return tuple(rounds), received
 
 
 def _part(p: Piece, dst: Layout, dev: int, slab: Slab | None, where: tuple[int, int, int]) -> Part:
@@ -222,22 +253,22 @@ def _part(p: Piece, dst: Layout, dev: int, slab: Slab | None, where: tuple[int, 
 
 
 def _device_parts(
-  plan: TransformLayoutPlan,
-  dev: int,
-  received: Sequence[tuple[int, int, int, int, int]],
-  out_pos: dict[int, int],
+  b: _Bucket, dev: int, received: Sequence[tuple[int, int, int, int, int]]
 ) -> tuple[tuple[Part, ...] | None, ...]:
   """Per output of the program, the parts device ``dev`` builds its shard from."""
+  plan = b.plan
   per: dict[int, list[Part]] = defaultdict(list)
-  for i in plan.scheduled:
+  for i in b.outs:
     lp, dst = plan.leaf_plans[i], plan.dst_layouts[i]
     t = lp.transfers
     for k in np.nonzero(t.local & (t.dst_device == dev))[0].tolist():
       p = lp.pieces[k]
-      per[i].append(_part(p, dst, dev, _slab(p, plan.src_layouts[p.src_leaf], dev), (0, 0, 0)))
-  for i, k, rnd, a, b in received:
-    per[i].append(_part(plan.leaf_plans[i].pieces[k], plan.dst_layouts[i], dev, None, (rnd, a, b)))
+      per[i].append(_part(p, dst, dev, b.slab(p, dev), (0, 0, 0)))
+  for i, k, rnd, lo, hi in received:
+    per[i].append(
+      _part(plan.leaf_plans[i].pieces[k], plan.dst_layouts[i], dev, None, (rnd, lo, hi))
+    )
   return tuple(
     tuple(sorted(per[i], key=lambda q: q.offset)) if dev in plan.dst_layouts[i].device_ids else None
-    for i in out_pos
+    for i in b.outs
   )

@@ -187,3 +187,15 @@ def test_fingerprint_includes_the_pieces() -> None:
   ba = jr.make_plan(x, dst, transform=lambda p: jnp.concatenate([p["b"], p["a"]], 1))
   assert ab.stats == ba.stats  # the same traffic, another mapping
   assert plan_fingerprint(ab).digest != plan_fingerprint(ba).digest
+
+
+def test_small_buckets_split_the_outputs() -> None:
+  devs = np.array(jax.devices())
+  trainer = NamedSharding(Mesh(devs[:6].reshape(3, 2), ("fsdp", "tp")), P(None, "tp"))
+  params = _trainer_arrays(trainer, np.random.default_rng(1))
+  dst = NamedSharding(Mesh(devs[2:].reshape(2, 3), ("dp", "tp")), P())
+  one = jr.make_plan(params, dst, transform=_to_sampler)
+  split = jr.make_plan(params, dst, transform=_to_sampler, max_bucket_bytes=256)
+  assert one.stats.num_buckets == 1 < split.stats.num_buckets
+  assert split.stats.bytes_moved == one.stats.bytes_moved == one.stats.lower_bound_bytes
+  _check(split, split(params), jax.jit(_to_sampler)(params), [dst] * 3)
