@@ -445,13 +445,24 @@ def emit_traced_move(
       out_specs=tuple(staged_spec for _ in program.leaves),
       check_vma=False,
     )(*xs)
+  return _reread(moved, [lf.dst_shard for lf in program.leaves], dst_mesh, dst_specs)
+
+
+def _reread(
+  moved: Sequence[jax.Array],
+  shards: Sequence[tuple[int, ...]],
+  dst_mesh: Mesh,
+  dst_specs: Sequence[PartitionSpec],
+) -> list[jax.Array]:
+  """Blocks staged one per mesh position re-read as destination shards (no data moves: the
+  position is the same device in both meshes)."""
   dst_axes = tuple(dst_mesh.axis_names)
   outs = []
   with jax.sharding.use_abstract_mesh(dst_mesh.abstract_mesh):
-    for y, lf, spec in zip(moved, program.leaves, dst_specs, strict=True):
+    for y, shard, spec in zip(moved, shards, dst_specs, strict=True):
       outs.append(
         jax.shard_map(
-          lambda b, shape=lf.dst_shard: b.reshape(shape),
+          lambda b, shape=shard: b.reshape(shape),
           mesh=dst_mesh,
           in_specs=PartitionSpec(dst_axes),
           out_specs=spec,
@@ -605,3 +616,26 @@ def _view(b: Any) -> LeafView:
   return LeafView(
     -1, b.shape, b.dtype, uint_dtype(b.dtype), b.shard, b.shard, b.block, b.block, b.shard
   )
+
+
+def emit_traced_transform(
+  xs: Sequence[jax.Array],
+  program: TransformProgram,
+  src_mesh: Mesh,
+  src_specs: Sequence[PartitionSpec],
+  dst_mesh: Mesh,
+  dst_specs: Sequence[PartitionSpec],
+) -> list[jax.Array]:
+  """A transformed plan's program on traced arrays inside a computation whose device list
+  holds both meshes (in one order, as :func:`emit_traced_move`): ``xs`` are the program's
+  inputs, the results its outputs."""
+  axes = tuple(src_mesh.axis_names)
+  with jax.sharding.use_abstract_mesh(src_mesh.abstract_mesh):
+    moved = jax.shard_map(
+      emit_transform_body(program, axes),
+      mesh=src_mesh,
+      in_specs=tuple(src_specs),
+      out_specs=tuple(PartitionSpec(axes) for _ in program.outputs),
+      check_vma=False,
+    )(*xs)
+  return _reread(moved, [o.shard for o in program.outputs], dst_mesh, dst_specs)

@@ -33,7 +33,7 @@ def reshard(
       (eager calls; inside ``jax.jit`` XLA schedules the memory of the whole computation).
     transform: convert while resharding (casts, slices, concatenate, stack, reshape,
       transpose, renames; see ``make_plan``); ``dst`` then matches the transform's output.
-      Eager only for now.
+      Inside ``jax.jit`` it needs ``src=``, one source mesh and one destination mesh.
 
   Returns:
     A pytree like ``x`` whose leaves are laid out as ``dst``. ``x`` is left untouched.
@@ -51,11 +51,7 @@ def reshard(
   """
   if is_traced(x):
     if transform is not None:
-      raise ReshardError(
-        "transform= is not supported inside jax.jit yet: reshard first (jr.reshard(x, dst, "
-        "src=...)) and apply the transform after it, or call jr.reshard(x, dst, "
-        "transform=...) outside jit."
-      )
+      return _traced.reshard_traced_transform(x, dst, src, transform)
     return _traced.reshard_traced(x, dst, src)
   if src is not None:
     raise ReshardError("src= is only for traced values; concrete arrays carry their sharding")

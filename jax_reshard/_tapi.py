@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -142,6 +142,33 @@ class TransformPlan:
     )
 
 
+def analyze(
+  transform: Callable[[Any], Any], treedef: Any, src_leaves: tuple[Leaf, ...]
+) -> TransformAnalysis:
+  """The (cached) analysis of ``transform`` on source leaves of these shapes and dtypes.
+
+  Raises:
+    ReshardError: ``transform`` is not callable, the tree has no leaf, or an output leaf is
+      not made of source elements.
+  """
+  if not callable(transform):
+    raise ReshardError(f"transform= must be a function of the source tree, got {transform!r}")
+  if not src_leaves:
+    raise ReshardError("transform= needs a source tree with at least one array")
+  return _analysis(transform, treedef, src_leaves)
+
+
+def output_leaves(analysis: TransformAnalysis, src_leaves: Sequence[Leaf], dst: Any) -> list[Leaf]:
+  """One :class:`Leaf` per output leaf, its destination from ``dst`` (a Sharding, or a prefix
+  of the output tree), validated like a plain reshard's (shapes, dtypes, divisibility)."""
+  anchor = jax.sharding.SingleDeviceSharding(next(iter(src_leaves[0].src_sharding.device_set)))
+  template = jax.tree_util.tree_unflatten(
+    analysis.out_treedef,
+    [jax.ShapeDtypeStruct(f.shape, f.dtype, sharding=anchor) for f in analysis.leaves],
+  )
+  return flatten_tree(template, dst)[1]
+
+
 @functools.lru_cache(maxsize=256)
 def _analysis(transform: Callable[[Any], Any], treedef: Any, leaves: tuple[Leaf, ...]) -> Any:
   src = jax.tree_util.tree_unflatten(
@@ -163,18 +190,9 @@ def make_transform_plan(
     ReshardError: an unsupported operation in ``transform`` (naming it and the output leaf),
       or invalid trees, shapes or shardings; nothing is moved.
   """
-  if not callable(transform):
-    raise ReshardError(f"transform= must be a function of the source tree, got {transform!r}")
   treedef, src_leaves = flatten_tree(src, src)
-  analysis = _analysis(transform, treedef, tuple(src_leaves))
-  if not src_leaves:
-    raise ReshardError("transform= needs a source tree with at least one array")
-  anchor = jax.sharding.SingleDeviceSharding(next(iter(src_leaves[0].src_sharding.device_set)))
-  template = jax.tree_util.tree_unflatten(
-    analysis.out_treedef,
-    [jax.ShapeDtypeStruct(f.shape, f.dtype, sharding=anchor) for f in analysis.leaves],
-  )
-  _, out_leaves = flatten_tree(template, dst)
+  analysis = analyze(transform, treedef, tuple(src_leaves))
+  out_leaves = output_leaves(analysis, src_leaves, dst)
   return _cached_plan(transform, treedef, tuple(src_leaves), tuple(out_leaves), max_bucket_bytes)
 
 

@@ -161,7 +161,10 @@ class _Bucket:
 
 
 def make_transform_program(
-  plan: TransformLayoutPlan, bucket: int, src_dtypes: Sequence[np.dtype]
+  plan: TransformLayoutPlan,
+  bucket: int,
+  src_dtypes: Sequence[np.dtype],
+  device_ids: Sequence[int] | None = None,
 ) -> TransformProgram:
   """The program of bucket ``bucket`` of a transformed plan.
 
@@ -171,6 +174,8 @@ def make_transform_program(
     plan: the plan.
     bucket: index into ``plan.schedule.buckets``.
     src_dtypes: per source leaf, its dtype.
+    device_ids: device id at each mesh position (a computation's device order inside
+      ``jax.jit``); default: the bucket's devices, ascending.
   """
   sched = plan.schedule.buckets[bucket]
   outs = tuple(plan.scheduled[j] for j in sched.leaves)

@@ -9,6 +9,7 @@ retracing is cheap; the traced program is a :class:`BucketProgram` emitted by ``
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -17,10 +18,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, Sharding
 
-from jax_reshard._emit import emit_traced_move, max_word_bytes
+from jax_reshard._emit import emit_traced_move, emit_traced_transform, max_word_bytes
 from jax_reshard._errors import ReshardError
+from jax_reshard._layout import Layout
 from jax_reshard._plan import plan_layouts
 from jax_reshard._program import BucketProgram, make_bucket_program
+from jax_reshard._tapi import analyze, output_leaves
+from jax_reshard._tplan import plan_transform_layouts
+from jax_reshard._tprogram import make_transform_program
 from jax_reshard._tree import Leaf, broadcast_shardings, flatten_tree
 
 
@@ -163,3 +168,85 @@ def _differentiable_move(
 
   fn.defvjp(fwd, bwd)
   return fn
+
+
+def reshard_traced_transform(x: Any, dst: Any, src: Any, transform: Callable[[Any], Any]) -> Any:
+  """``reshard(x, dst, src=src, transform=transform)`` on traced values.
+
+  Every source leaf must be on one mesh and every output leaf on one mesh, over the
+  computation's devices in one order (meshes may differ in shape and axis names); ``src=`` is
+  needed unless the source meshes' axes are ``Explicit``. Not differentiable through
+  ``custom_vjp`` as plain traced reshards are.
+  """
+  if src is None:
+    raise ReshardError(
+      "transform= inside jax.jit needs src=: the source Sharding(s), one or a pytree prefix "
+      "of the source tree, e.g. jr.reshard(x, dst, src=train_sharding, transform=f)"
+    )
+  flat, treedef = jax.tree_util.tree_flatten_with_path(x)
+  src_list = broadcast_shardings(src, x, treedef, len(flat), "source")
+  src_tree = jax.tree_util.tree_unflatten(treedef, src_list)
+  _, leaves = flatten_tree(x, src_tree, src_shardings=src_list)
+  analysis = analyze(transform, treedef, tuple(leaves))
+  outs = output_leaves(analysis, leaves, dst)
+  for leaf in (*leaves, *outs):
+    _check_traceable(dataclasses.replace(leaf, src_sharding=leaves[0].src_sharding))
+  src_meshes = {_mesh(lf.src_sharding) for lf in leaves}
+  dst_meshes = {_mesh(lf.dst_sharding) for lf in outs}
+  if len(src_meshes) > 1 or len(dst_meshes) > 1:
+    raise ReshardError(
+      "transform= inside jax.jit needs every source leaf on one mesh and every output leaf on "
+      f"one mesh; got {len(src_meshes)} source and {len(dst_meshes)} destination meshes. "
+      "Reshard inside jit without transform= and convert after it, or call "
+      "jr.reshard(x, dst, transform=f) outside jit."
+    )
+  fn = _transform_fn(transform, treedef, tuple(leaves), tuple(outs))
+  ys = fn(*(v for _, v in flat))
+  return jax.tree_util.tree_unflatten(analysis.out_treedef, ys)
+
+
+def _mesh(sharding: Sharding) -> Mesh:
+  return sharding.mesh  # type: ignore[attr-defined]
+
+
+@functools.lru_cache(maxsize=512)
+def _transform_fn(
+  transform: Callable[[Any], Any],
+  treedef: Any,
+  leaves: tuple[Leaf, ...],
+  outs: tuple[Leaf, ...],
+) -> Callable[..., list[Any]]:
+  """The traced move of a transformed tree: one program over the source mesh."""
+  analysis = analyze(transform, treedef, leaves)
+  src_mesh = leaves[0].src_sharding.mesh  # type: ignore[attr-defined]
+  dst_mesh = outs[0].dst_sharding.mesh  # type: ignore[attr-defined]
+  plan = plan_transform_layouts(
+    analysis.leaves,
+    [Layout.from_sharding(lf.src_sharding, lf.shape) for lf in leaves],
+    [Layout.from_sharding(lf.dst_sharding, lf.shape) for lf in outs],
+    max_bucket_bytes=None,
+  )
+  program = None
+  if plan.schedule.buckets:
+    ids = [d.id for d in src_mesh.devices.flat]
+    program = make_transform_program(plan, 0, [lf.dtype for lf in leaves], ids)
+
+  def move(*xs: jax.Array) -> list[Any]:
+    out: list[Any] = [None] * len(outs)
+    if program is not None:
+      ys = emit_traced_transform(
+        [xs[i] for i in program.input_leaves],
+        program,
+        src_mesh,
+        [leaves[i].src_sharding.spec for i in program.input_leaves],  # type: ignore[attr-defined]
+        dst_mesh,
+        [outs[i].dst_sharding.spec for i in program.output_leaves],  # type: ignore[attr-defined]
+      )
+      for i, y in zip(program.output_leaves, ys, strict=True):
+        out[i] = y
+    for i, lf in enumerate(outs):
+      if out[i] is None:
+        out[i] = jax.device_put(jnp.zeros(lf.shape, lf.dtype), lf.dst_sharding)
+    return out
+
+  return move

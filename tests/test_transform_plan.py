@@ -163,17 +163,64 @@ def test_destination_must_match_the_output_tree() -> None:
     jr.make_plan(x, {"wrong": sh, "names": sh}, transform=lambda p: {"b": p["a"].T})
 
 
-def test_traced_transform_is_a_clear_error() -> None:
+def _spec_on(rng: np.random.Generator, mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
+  spec: list[Any] = [None] * len(shape)
+  for name, size in mesh.shape.items():
+    dims = [d for d in range(len(shape)) if spec[d] is None and shape[d] % size == 0]
+    if dims and rng.random() < 0.7:
+      spec[dims[int(rng.integers(len(dims)))]] = name
+  return NamedSharding(mesh, P(*spec))
+
+
+@pytest.mark.parametrize("casts", [True, False], ids=["casts", "ids"])
+@pytest.mark.parametrize("seed", range(NUM_CASES))
+def test_traced_random_chain_bit_for_bit(seed: int, casts: bool) -> None:
+  rng = np.random.default_rng(900 + seed)
   devs = np.array(jax.devices())
-  sh = NamedSharding(Mesh(devs[:4], ("x",)), P("x"))
-  x = jax.device_put(np.zeros((8, 4), np.float32), sh)
+  src_mesh = Mesh(devs.reshape(4, 2), ("fsdp", "tp"))
+  dst_mesh = Mesh(devs.reshape(2, 4), ("dp", "tp"))  # same devices, same order, other shape
+  src = _random_source(rng, casts)
+  transform = _make_transform(seed, casts)
+  data = _host_data(rng, src, casts)
+  src_sh = [_spec_on(rng, src_mesh, tuple(s.shape)) for s in jax.tree_util.tree_leaves(src)]
+  treedef = jax.tree_util.tree_structure(src)
+  x = jax.tree_util.tree_unflatten(
+    treedef, [jax.device_put(d, sh) for d, sh in zip(data, src_sh, strict=True)]
+  )
+  analysis = analyze_transform(transform, src)
+  dst = [_spec_on(rng, dst_mesh, f.shape) for f in analysis.leaves]
+  dst_tree = jax.tree_util.tree_unflatten(analysis.out_treedef, dst)
+  src_tree = jax.tree_util.tree_unflatten(treedef, src_sh)
+  f = jax.jit(
+    lambda t: jr.reshard(t, dst_tree, src=src_tree, transform=transform), out_shardings=dst_tree
+  )
+  host = jax.tree_util.tree_unflatten(treedef, data)
+  want = jax.tree_util.tree_leaves(jax.jit(transform)(host))
+  for y, w, d in zip(jax.tree_util.tree_leaves(f(x)), want, dst, strict=True):
+    assert_matches_oracle(y, np.asarray(w), d)
 
-  @jax.jit
-  def f(a: jax.Array) -> Any:
-    return jr.reshard(a, sh, src=sh, transform=lambda t: t.T)
 
-  with pytest.raises(ReshardError, match=r"not supported inside jax\.jit"):
-    f(x)
+def test_traced_fused_qkv_and_errors() -> None:
+  devs = np.array(jax.devices())
+  trainer = NamedSharding(Mesh(devs.reshape(4, 2), ("fsdp", "tp")), P("fsdp", "tp"))
+  sampler = Mesh(devs.reshape(2, 4), ("dp", "tp"))
+  dst = {
+    "layers": {
+      "qkv": NamedSharding(sampler, P(None, None, "tp")),
+      "gate_up": NamedSharding(sampler, P()),
+    },
+    "lm_head": NamedSharding(sampler, P("tp")),
+  }
+  params = _trainer_arrays(trainer, np.random.default_rng(2))
+  f = jax.jit(lambda p: jr.reshard(p, dst, src=trainer, transform=_to_sampler), out_shardings=dst)
+  want = jax.jit(_to_sampler)(params)
+  for y, w, d in zip(*map(jax.tree_util.tree_leaves, (f(params), want, dst)), strict=True):
+    assert_matches_oracle(y, np.asarray(w), d)
+  with pytest.raises(ReshardError, match="needs src="):
+    jax.jit(lambda p: jr.reshard(p, dst, transform=_to_sampler))(params)
+  other = NamedSharding(Mesh(devs[::-1].reshape(2, 4), ("dp", "tp")), P())
+  with pytest.raises(ReshardError, match="one order"):
+    jax.jit(lambda p: jr.reshard(p, other, src=trainer, transform=_to_sampler))(params)
 
 
 def test_fingerprint_includes_the_pieces() -> None:
