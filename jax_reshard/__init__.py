@@ -12,6 +12,7 @@ from jax_reshard._plan import LayoutPlan as LayoutPlan
 from jax_reshard._plan import PlanStats as PlanStats
 from jax_reshard._plan import plan_layouts as plan_layouts
 from jax_reshard._reshard import reshard as reshard
+from jax_reshard._schedule import BucketBoundError as BucketBoundError
 from jax_reshard._viz import plot_rounds as plot_rounds
 from jax_reshard._viz import plot_traffic as plot_traffic
 from jax_reshard._viz import traffic_matrix as traffic_matrix

@@ -27,6 +27,7 @@ from jax_reshard._program import (
   Cut,
   LeafView,
   Pack,
+  PlaceholderGroup,
   Received,
   SendRound,
   role_table,
@@ -169,18 +170,39 @@ def _emit_round(
   return jax.lax.ppermute(payload, axis, list(rnd.pairs))
 
 
+def _in_place(
+  lf: LeafView, base: jax.Array, values: Sequence[tuple[tuple[int, ...], jax.Array]]
+) -> jax.Array:
+  """``base`` (a destination block) with every part (offset in words, value in words) written
+  into it by ``dynamic_update_slice``, in the leaf's element type."""
+  out = base.reshape(lf.dst_shard)
+  for offset, value in values:
+    part = _from_uint(_narrow(value, lf.dtype), lf.dtype)
+    if not lf.dst_shard:
+      out = part.reshape(())
+      continue
+    at = (*offset[:-1], offset[-1] * lf.word_ratio)
+    out = jax.lax.dynamic_update_slice(out, part, at)
+  return out.reshape(lf.dst_block)
+
+
+def _base(lf: LeafView, dst: jax.Array | None) -> jax.Array:
+  """The block a leaf's destination starts from: its destination input, or zeros."""
+  return dst if dst is not None else jnp.zeros(lf.dst_block, lf.dtype)
+
+
 def _assemble_fn(program: BucketProgram, role: Assemble) -> Callable[..., tuple[jax.Array, ...]]:
   """The destination code of one assembly role."""
   n = len(program.device_ids)
 
   def branch(
-    me: jax.Array, blocks: Sequence[jax.Array], recvs: Sequence[jax.Array]
+    me: jax.Array, blocks: Sequence[jax.Array], dsts: Sequence[Any], recvs: Sequence[jax.Array]
   ) -> tuple[jax.Array, ...]:
     shards = _local_view(program.leaves, blocks)
     outs = []
     for li, (lf, parts) in enumerate(zip(program.leaves, role.parts, strict=True)):
       if parts is None:
-        outs.append(jnp.zeros(lf.dst_block, lf.dtype))
+        outs.append(_base(lf, dsts[li]))
         continue
       values = []
       for p in parts:
@@ -189,6 +211,9 @@ def _assemble_fn(program: BucketProgram, role: Assemble) -> Callable[..., tuple[
           values.append((p.offset, _from_units(words, lf.word, p.shape)))
         else:
           values.append((p.offset, _slice(p.cut, shards[li], me, n)))
+      if lf.in_place:
+        outs.append(_in_place(lf, _base(lf, dsts[li]), values))
+        continue
       out = _tile(values, lf.dst_words, lf.word)
       outs.append(_from_uint(_narrow(out, lf.dtype), lf.dtype).reshape(lf.dst_block))
     return tuple(outs)
@@ -200,18 +225,24 @@ def emit_body(program: BucketProgram, axis: Any) -> Callable[..., tuple[jax.Arra
   """The per-device body of ``program`` for a ``shard_map`` whose mesh positions ``axis``
   (one axis name, or a tuple of all of them) enumerates in the order of ``device_ids``.
 
-  It takes one staged source block per leaf and returns one destination block per leaf.
+  It takes one staged source block per leaf, then the destination block of every leaf in
+  :attr:`BucketProgram.dst_inputs`, and returns one destination block per leaf.
   """
+  num_src = len(program.leaves)
 
-  def idle(me: jax.Array, blocks: Any, recvs: Any) -> tuple[jax.Array, ...]:
-    return tuple(jnp.zeros(lf.dst_block, lf.dtype) for lf in program.leaves)
+  def idle(me: jax.Array, blocks: Any, dsts: Any, recvs: Any) -> tuple[jax.Array, ...]:
+    return tuple(_base(lf, d) for lf, d in zip(program.leaves, dsts, strict=True))
 
-  def body(*blocks: jax.Array) -> tuple[jax.Array, ...]:
+  def body(*inputs: jax.Array) -> tuple[jax.Array, ...]:
+    blocks = inputs[:num_src]
+    dsts: list[Any] = [None] * num_src
+    for li, d in zip(program.dst_inputs, inputs[num_src:], strict=True):
+      dsts[li] = d
     me = jax.lax.axis_index(axis)
     recvs = [_emit_round(program, rnd, axis, me, blocks) for rnd in program.rounds]
     branches = [idle, *(_assemble_fn(program, a) for a in program.assembles)]
     table = role_table(len(program.device_ids), program.assembles)
-    return tuple(_switch(me, table, branches, me, list(blocks), recvs))
+    return tuple(_switch(me, table, branches, me, list(blocks), dsts, recvs))
 
   return body
 
@@ -226,7 +257,8 @@ class BucketExecutable:
   Each leaf enters as a staged array whose block on a device is that device's source shard,
   assembled zero-copy with ``jax.make_array_from_single_device_arrays`` (devices without a
   source shard contribute a placeholder); the destination blocks are re-wrapped zero-copy into
-  the destination sharding.
+  the destination sharding. A leaf with a destination input (split over buckets, or refit into
+  donated buffers) also enters with its destination blocks, donated, and is written in place.
   """
 
   def __init__(
@@ -241,67 +273,80 @@ class BucketExecutable:
     self._local_ids = [i for i in program.device_ids if devices[i].process_index == me]
     self._compiled: Any = None
     self._dst_orders: list[list[int]] | None = None
-    self._placeholder_fns: list[Any] = []
+    self._placeholder_fns: dict[int, list[Any]] = {}
 
   def compile(self) -> Any:
     """The compiled XLA executable (compiled on first use)."""
     if self._compiled is None:
       n = len(self.program.device_ids)
-      specs = tuple(PartitionSpec(AXIS) for _ in self.program.leaves)
+      leaves = self.program.leaves
+      dst_leaves = [leaves[i] for i in self.program.dst_inputs]
+      specs = tuple(PartitionSpec(AXIS) for _ in leaves)
+      in_specs = specs + tuple(PartitionSpec(AXIS) for _ in dst_leaves)
       body = emit_body(self.program, AXIS)
-      fn = jax.shard_map(body, mesh=self.mesh, in_specs=specs, out_specs=specs, check_vma=False)
+      fn = jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=specs, check_vma=False)
       avals = [
-        jax.ShapeDtypeStruct(
-          _staged_shape(lf.src_block, n), lf.dtype, sharding=self.staged_sharding
-        )
-        for lf in self.program.leaves
+        jax.ShapeDtypeStruct(_staged_shape(block, n), lf.dtype, sharding=self.staged_sharding)
+        for block, lf in [(lf.src_block, lf) for lf in leaves]
+        + [(lf.dst_block, lf) for lf in dst_leaves]
       ]
-      self._compiled = jax.jit(fn).lower(*avals).compile()
+      donate = tuple(range(len(leaves), len(leaves) + len(dst_leaves)))
+      self._compiled = jax.jit(fn, donate_argnums=donate).lower(*avals).compile()
     return self._compiled
 
-  def _placeholders(self) -> dict[tuple[Any, ...], jax.Array]:
-    """Zero blocks for this call, keyed by (device id, block shape, dtype): one dispatch per
-    distinct device set instead of one per device and leaf."""
-    groups = self.program.placeholders
-    if not self._placeholder_fns:
-      for group in groups:
-        mesh = Mesh(np.array([self.devices[i] for i in group.device_ids]), ("p",))
-        sharding = NamedSharding(mesh, PartitionSpec("p"))
-
-        def make(
-          blocks: Any = group.blocks, k: int = len(group.device_ids)
-        ) -> tuple[jax.Array, ...]:
-          return tuple(jnp.zeros((k * shape[0], *shape[1:]), dtype) for shape, dtype in blocks)
-
-        self._placeholder_fns.append(
-          jax.jit(make, out_shardings=tuple(sharding for _ in group.blocks)).lower().compile()
-        )
+  def _placeholders(self, which: int) -> dict[tuple[Any, ...], jax.Array]:
+    """Zero blocks for this call (``which``: 0 source, 1 destination), keyed by (device id,
+    block shape, dtype) for source blocks and (device id, leaf position) for destination
+    blocks: one dispatch per distinct device set instead of one per device and leaf."""
+    groups = (self.program.placeholders, self.program.dst_placeholders)[which]
+    if which not in self._placeholder_fns:
+      self._placeholder_fns[which] = [self._placeholder_fn(g) for g in groups]
     out = {}
-    for group, fn in zip(groups, self._placeholder_fns, strict=True):
+    for group, fn in zip(groups, self._placeholder_fns[which], strict=True):
       # Ready before the transfer program is queued: on the CPU backend, a collective program
       # whose inputs come from another in-flight program can starve the thread pool it shares
       # with that program (seen as a 40 s rendezvous abort on 2 cores).
-      for key, arr in zip(group.blocks, jax.block_until_ready(fn()), strict=True):
+      arrays: Sequence[jax.Array] = jax.block_until_ready(fn())
+      keys: Sequence[Any] = group.leaves if which else group.blocks
+      for key, arr in zip(keys, arrays, strict=True):
         for shard in arr.addressable_shards:
-          out[(shard.device.id, *key)] = shard.data
+          out[(shard.device.id, key) if which else (shard.device.id, *key)] = shard.data
     return out
 
-  def _stage(self, lf: LeafView, x: jax.Array, placeholders: dict[Any, jax.Array]) -> jax.Array:
-    held = {s.device.id: s.data for s in x.addressable_shards}
+  def _placeholder_fn(self, group: PlaceholderGroup) -> Any:
+    mesh = Mesh(np.array([self.devices[i] for i in group.device_ids]), ("p",))
+    sharding = NamedSharding(mesh, PartitionSpec("p"))
+    k = len(group.device_ids)
+
+    def make() -> tuple[jax.Array, ...]:
+      return tuple(jnp.zeros((k * shape[0], *shape[1:]), dtype) for shape, dtype in group.blocks)
+
+    return jax.jit(make, out_shardings=tuple(sharding for _ in group.blocks)).lower().compile()
+
+  def _stage(
+    self,
+    lf: LeafView,
+    block: tuple[int, ...],
+    held: dict[int, jax.Array],
+    placeholders: dict[Any, jax.Array],
+    key: tuple[Any, ...],
+  ) -> jax.Array:
+    """A staged array of ``block``-shaped blocks: ``held`` where a device has one, else the
+    placeholder ``placeholders[(device id, *key)]``."""
     blocks = []
     for dev_id in self._local_ids:
       data = held.get(dev_id)
-      if data is None:  # a zero block shared by leaves of one shape and dtype
-        data = placeholders[(dev_id, lf.src_block, lf.dtype)]
-      elif not lf.src_shard:
-        data = data.reshape(lf.src_block)
+      if data is None:
+        data = placeholders[(dev_id, *key)]
+      elif data.shape != block:
+        data = data.reshape(block)
       blocks.append(data)
     n = len(self.program.device_ids)
     return jax.make_array_from_single_device_arrays(
-      _staged_shape(lf.src_block, n), self.staged_sharding, blocks, dtype=lf.dtype
+      _staged_shape(block, n), self.staged_sharding, blocks, dtype=lf.dtype
     )
 
-  def _unstage(self, k: int, y: jax.Array) -> jax.Array:
+  def _unstage(self, k: int, y: jax.Array) -> jax.Array | dict[int, jax.Array]:
     lf, sharding = self.program.leaves[k], self.dst_shardings[k]
     if self._dst_orders is None:  # addressable destination devices in each sharding's order
       self._dst_orders = [
@@ -309,15 +354,37 @@ class BucketExecutable:
         for s, v in zip(self.dst_shardings, self.program.leaves, strict=True)
       ]
     held = {s.device.id: s.data for s in y.addressable_shards}
+    if lf.carry_out:  # the destination blocks filled so far, for the leaf's next bucket
+      return {i: held[i] for i in self._dst_orders[k]}
     arrays = [held[i] if lf.dst_shard else held[i].reshape(()) for i in self._dst_orders[k]]
     # dtype=: a process may hold no destination shard (multi-process), then arrays is empty.
     return jax.make_array_from_single_device_arrays(lf.shape, sharding, arrays, dtype=lf.dtype)
 
-  def __call__(self, xs: Sequence[jax.Array]) -> list[jax.Array]:
+  def __call__(
+    self, xs: Sequence[jax.Array], dsts: Sequence[dict[int, jax.Array] | None] = ()
+  ) -> list[Any]:
+    """Moves the bucket's leaves.
+
+    Args:
+      xs: per leaf of the program, its source array.
+      dsts: per leaf, its destination blocks by device id where it has a destination input
+        (donated: they are consumed), else ``None``.
+
+    Returns:
+      Per leaf, the destination array, or (``carry_out``) its blocks by device id.
+    """
     compiled = self.compile()
-    placeholders = self._placeholders()
     leaves = self.program.leaves
-    staged = [self._stage(lf, x, placeholders) for lf, x in zip(leaves, xs, strict=True)]
+    src_ph = self._placeholders(0)
+    staged = []
+    for lf, x in zip(leaves, xs, strict=True):
+      held = {s.device.id: s.data for s in x.addressable_shards}
+      staged.append(self._stage(lf, lf.src_block, held, src_ph, (lf.src_block, lf.dtype)))
+    if self.program.dst_inputs:
+      dst_ph = self._placeholders(1)
+      for li in self.program.dst_inputs:
+        lf = leaves[li]
+        staged.append(self._stage(lf, lf.dst_block, dsts[li] or {}, dst_ph, (li,)))
     ys = compiled(*staged)
     return [self._unstage(k, y) for k, y in enumerate(ys)]
 

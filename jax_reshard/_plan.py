@@ -57,7 +57,8 @@ class LayoutPlan:
   Attributes:
     layouts: per leaf, its ``(source, destination)`` layouts.
     itemsizes: per leaf, bytes per element.
-    leaf_plans: per leaf, the planned transfers.
+    leaf_plans: per leaf, the planned transfers; a leaf split over several buckets has its
+      remote transfers cut into one sub-box per chunk (``schedule.row_chunks``).
     scheduled: the leaves that have elements, in the order the schedule numbers them:
       ``schedule.buckets[b].leaves`` holds positions in this tuple. Leaves without elements
       move nothing and are in no bucket.
@@ -87,6 +88,7 @@ def plan_layouts(
   itemsizes: Sequence[int],
   *,
   max_bucket_bytes: int | None = DEFAULT_MAX_BUCKET_BYTES,
+  leaf_names: Sequence[str] | None = None,
 ) -> LayoutPlan:
   """Plans moving a tree of leaves from their source to their destination layouts.
 
@@ -99,13 +101,17 @@ def plan_layouts(
     layouts: per leaf, its ``(source, destination)`` layouts (same global shape).
     itemsizes: per leaf, bytes per element.
     max_bucket_bytes: bound on transient staging bytes per device per bucket (compiled
-      program); ``None`` puts every leaf in one bucket.
+      program), round padding included. A leaf that does not fit alone is split into chunks
+      that run in consecutive buckets. ``None`` puts every leaf in one bucket.
+    leaf_names: per leaf, a name for error messages (default ``#i``).
 
   Returns:
     A :class:`LayoutPlan`: per-leaf transfers, the schedule and :class:`PlanStats`.
 
   Raises:
-    ReshardError: if a source and a destination layout differ in shape.
+    ReshardError: if a source and a destination layout differ in shape, or if
+      ``max_bucket_bytes`` is below what a leaf needs even split into its smallest chunks
+      (the message names the leaf and the least bound that works).
 
   Example:
     >>> import jax_reshard as jr
@@ -122,14 +128,19 @@ def plan_layouts(
   """
   layouts = tuple((s, d) for s, d in layouts)
   itemsizes = tuple(int(i) for i in itemsizes)
-  leaf_plans = tuple(plan_leaves(layouts, itemsizes))
+  planned = plan_leaves(layouts, itemsizes)
   scheduled = tuple(i for i, (s, _) in enumerate(layouts) if math.prod(s.shape) > 0)
+  names = list(leaf_names) if leaf_names is not None else [f"#{i}" for i in range(len(layouts))]
   schedule = make_schedule(
-    [leaf_plans[i] for i in scheduled],
+    [planned[i] for i in scheduled],
     [layouts[i] for i in scheduled],
     [itemsizes[i] for i in scheduled],
     max_bucket_bytes=max_bucket_bytes,
+    names=[names[i] for i in scheduled],
   )
+  for j, i in enumerate(scheduled):  # the transfers as the buckets move them (chunks)
+    planned[i] = schedule.leaf_plans[j]
+  leaf_plans = tuple(planned)
   stats = PlanStats(
     bytes_moved=sum(p.bytes_moved for p in leaf_plans),
     lower_bound_bytes=sum(p.lower_bound_bytes for p in leaf_plans),
