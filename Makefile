@@ -32,6 +32,7 @@ demo: $(STAMP)
 
 bench: $(BENCH_STAMP)
 	$(PY) -m benchmarks.refit --quick
+	$(PY) -m benchmarks.dispatch
 
 bench-full: $(BENCH_STAMP)
 	$(PY) -m benchmarks.refit --full

@@ -4,12 +4,20 @@ Usage::
 
   python -m benchmarks.plan_scale           # every model x scenario
   python -m benchmarks.plan_scale --quick   # DeepSeek-V3 only (also run by make bench)
+  python -m benchmarks.plan_scale --refit   # only the topology table against NVIDIA's numbers
 
 Layouts come from ``jr.Layout.from_description`` (no JAX devices): the trainer is Megatron-style
 (NeMo RL): pipeline stages hold their layers (one leaf per layer and weight, experts stacked
 ``[E, ...]``), experts sharded over EP (and TP), dense weights over TP and replicated over DP
 and EP. The sampler is vLLM-style TP x DP. ``jr.plan_layouts`` plans the layout pairs with the
 planner and schedule of ``jr.make_plan``; planning time is its wall time.
+
+The refit table plans NVIDIA's two published NeMo RL refit cases, DeepSeek-V3 1024 -> 256 and a
+colocated case on GB200 NVL72 racks (72 GPUs per NVLink domain, devices numbered rack by rack,
+trainer first), twice: our direct plan (no topology: every destination device receives what it
+lacks from a source replica) and our topology-aware plan (relays; the bucket bound of 1 or 4
+GiB chosen by the cost model). Times are the cost model's predictions (``plan.estimate``), not
+GPU measurements; NVIDIA's columns are their measured times.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ class Scenario:
   gen_tp: int
   gen_dp: int
   colocated: bool
+  label: str = ""  # the case as published, when the mesh here approximates it
 
   @property
   def trainer_devices(self) -> int:
@@ -58,6 +67,26 @@ SCENARIOS = [
   Scenario("256: PP16 EP16 -> TP32 DP8, separate", 16, 1, 16, 1, 32, 8, False),
   Scenario("1024 -> 256: PP16 DP4 EP16 -> TP32 DP8", 16, 4, 16, 1, 32, 8, False),
 ]
+
+
+# NVIDIA's published NeMo RL refit measurements (NCCL M2N reshard), ms: direct P2P, hierarchical.
+NVIDIA_DSV3_128 = (3838.0, 1447.0)  # DeepSeek-V3, GB200 NVL72, 128 trainer + 128 sampler GPUs
+NVIDIA_QWEN3_64 = (2175.0, 989.0)  # Qwen3-235B, 64 trainer + 64 sampler GPUs
+REFIT_CASES = [  # (model, scenario, NVIDIA's (direct, hierarchical) ms or None)
+  ("dsv3", SCENARIOS[1], NVIDIA_DSV3_128),
+  (
+    "qwen3",
+    Scenario(
+      "64 + 64: TP2 EP8x2 PP4 -> TP8 DP8, separate", 4, 1, 8, 2, 8, 8, False,
+      label="TP2 CP2 EP16 PP4 -> TP8 DP8 (experts 16-way as EP8 x expert-TP2; CP and DP "
+      "replicate like the EP axis here)",
+    ),
+    NVIDIA_QWEN3_64,
+  ),
+  ("dsv3", SCENARIOS[3], None),
+  ("dsv3", SCENARIOS[0], None),
+]  # fmt: skip
+CANDIDATE_BUCKET_BYTES = (1 << 30, 4 << 30)
 
 
 def layouts_for(
@@ -131,26 +160,86 @@ def run(model: str, sc: Scenario) -> dict[str, float]:
     f"  gather+broadcast   NVIDIA-style payload 2x weights = {_gb(2 * weights)} "
     f"({2 * weights / max(moved, 1):.2f}x ours); all-gather to every trainer device + "
     f"broadcast = {_gb(gb_all)} ({gb_all / max(moved, 1):.1f}x ours)\n"
-    f"  schedule           {st.num_rounds} rounds in {st.num_buckets} buckets, "
+    f"  schedule           {st.num_rounds} rounds in {st.num_buckets} buckets "
+    f"({st.num_programs} distinct programs), "
     f"{transfers:,} remote transfers; per device max send {_gb(sched.max_send_bytes)}, "
     f"recv {_gb(sched.max_recv_bytes)}, peak staging {_gb(st.peak_staging_bytes)} "
     f"({within} the bound {_gb(bound)}){refused}\n"
     f"  time               layouts {t1 - t0:.2f} s, planning (planner + schedule) {t2 - t1:.2f} s"
   )
-  return {"plan_s": t2 - t1, "moved": moved, "lb": lb}
+  return {"plan_s": t2 - t1, "moved": moved, "lb": lb, "num_programs": st.num_programs}
+
+
+def refit_rows(model: str, sc: Scenario, topo: jr.Topology) -> list[list[str]]:
+  """Table rows: our direct plan and our topology-aware plan of one scenario on ``topo``."""
+  layouts, itemsizes = layouts_for(_models.MODELS[model], sc)
+  rows = []
+  t0 = time.perf_counter()
+  direct = jr.plan_layouts(layouts, itemsizes)
+  rows.append(("direct", direct, time.perf_counter() - t0))
+  best = None
+  for bound in CANDIDATE_BUCKET_BYTES:  # the cost model chooses the bucket bound
+    t0 = time.perf_counter()
+    plan = jr.plan_layouts(layouts, itemsizes, topology=topo, max_bucket_bytes=bound)
+    dt = time.perf_counter() - t0
+    if best is None or plan.estimate().seconds < best[1].estimate().seconds:
+      best = (f"topology-aware, {bound >> 30} GiB buckets", plan, dt)
+  assert best is not None
+  rows.append(best)
+  out = []
+  for name, plan, dt in rows:
+    st, est = plan.stats, plan.estimate(topo)
+    slow = st.slow_link_bytes if plan.topology else _slow_bytes(plan, topo)
+    out.append([
+      f"{model} {sc.label or sc.name}", name, _gb(st.bytes_moved), _gb(slow),
+      _gb(st.slow_link_lower_bound_bytes) if plan.topology else "",
+      str(st.num_rounds), _gb(st.peak_staging_bytes), f"{est.seconds * 1e3:,.0f}",
+      f"{est.slow_transfer_s * 1e3:,.0f}", f"{dt:.2f}",
+    ])  # fmt: skip
+  return out
+
+
+def _slow_bytes(plan: jr.LayoutPlan, topo: jr.Topology) -> int:
+  """Bytes a plan made without a topology sends between ``topo``'s domains."""
+  total = 0
+  for lp in plan.leaf_plans:
+    remote = ~lp.local
+    cross = topo.domain_of(lp.src_device[remote]) != topo.domain_of(lp.dst_device[remote])
+    total += int(lp.nbytes[remote][cross].sum())
+  return total
+
+
+def refit_table(quick: bool) -> None:
+  topo = jr.Topology.gb200_nvl72()
+  head = ["case", "plan", "bytes moved", "over slow links", "slow-link bound", "rounds",
+          "peak staging", "predicted ms", "of which slow-link rounds", "planning s",
+          "NVIDIA measured ms"]  # fmt: skip
+  print(f"\nrefit on {topo.name} (predicted by the cost model; NVIDIA's column is measured)")
+  print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+  for model, sc, nvidia in REFIT_CASES:
+    if quick and model != "dsv3":
+      continue
+    rows = refit_rows(model, sc, topo)
+    refs = nvidia or (None, None)
+    for row, ref, name in zip(rows, refs, ("direct P2P", "hierarchical"), strict=True):
+      row.append(f"{ref:,.0f} ({name})" if ref else "")
+      print("| " + " | ".join(row) + " |", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--quick", action="store_true", help="DeepSeek-V3 only, two scenarios")
   p.add_argument("--models", default="dsv3,qwen3")
+  p.add_argument("--refit", action="store_true", help="only the refit table")
   a = p.parse_args(argv)
   models = ["dsv3"] if a.quick else a.models.split(",")
   scenarios = [SCENARIOS[0], SCENARIOS[3]] if a.quick else SCENARIOS
-  print("planning at scale (no devices; full-size trees)")
-  for m in models:
-    for sc in scenarios:
-      run(m, sc)
+  if not a.refit:
+    print("planning at scale (no devices; full-size trees)")
+    for m in models:
+      for sc in scenarios:
+        run(m, sc)
+  refit_table(a.quick)
 
 
 if __name__ == "__main__":

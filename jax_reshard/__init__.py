@@ -3,6 +3,8 @@
 from jax_reshard._api import ReshardPlan as ReshardPlan
 from jax_reshard._api import make_plan as make_plan
 from jax_reshard._api import plan_cache_clear as plan_cache_clear
+from jax_reshard._cost import Estimate as Estimate
+from jax_reshard._cost import estimate as estimate
 from jax_reshard._distributed import ReshardPeerError as ReshardPeerError
 from jax_reshard._distributed import ReshardPlanMismatchError as ReshardPlanMismatchError
 from jax_reshard._errors import ReshardError as ReshardError
@@ -13,6 +15,8 @@ from jax_reshard._plan import PlanStats as PlanStats
 from jax_reshard._plan import plan_layouts as plan_layouts
 from jax_reshard._reshard import reshard as reshard
 from jax_reshard._schedule import BucketBoundError as BucketBoundError
+from jax_reshard._topology import Link as Link
+from jax_reshard._topology import Topology as Topology
 from jax_reshard._viz import plot_rounds as plot_rounds
 from jax_reshard._viz import plot_traffic as plot_traffic
 from jax_reshard._viz import traffic_matrix as traffic_matrix

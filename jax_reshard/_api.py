@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from typing import Any
 
 import jax
 
+from jax_reshard._classes import bucket_classes
+from jax_reshard._cost import Estimate
 from jax_reshard._emit import BucketExecutable, empty_like_sharded, max_word_bytes
 from jax_reshard._layout import Layout
 from jax_reshard._plan import LayoutPlan, PlanStats, format_plan, plan_layouts
 from jax_reshard._planner import LeafPlan
-from jax_reshard._program import BucketProgram, make_bucket_program
+from jax_reshard._program import BucketProgram, make_bucket_program, with_leaf_indices
 from jax_reshard._schedule import DEFAULT_MAX_BUCKET_BYTES, Schedule
+from jax_reshard._topology import Topology
 from jax_reshard._tree import Leaf, check_arrays, check_donated, flatten_tree
 from jax_reshard._viz import plan_html
 
@@ -32,7 +36,14 @@ class ReshardPlan:
     layout_plan: the plan of the layouts alone (what :func:`plan_layouts` returns).
   """
 
-  def __init__(self, treedef: Any, leaves: list[Leaf], *, max_bucket_bytes: int | None) -> None:
+  def __init__(
+    self,
+    treedef: Any,
+    leaves: list[Leaf],
+    *,
+    max_bucket_bytes: int | None,
+    topology: Topology | None = None,
+  ) -> None:
     self._treedef = treedef
     self.leaves: tuple[Leaf, ...] = tuple(leaves)
     self.layout_plan: LayoutPlan = plan_layouts(
@@ -40,18 +51,37 @@ class ReshardPlan:
       [lf.dtype.itemsize for lf in leaves],
       max_bucket_bytes=max_bucket_bytes,
       leaf_names=[lf.name for lf in leaves],
+      topology=topology,
     )
     scheduled = set(self.layout_plan.scheduled)
     self._unscheduled = [i for i in range(len(self.leaves)) if i not in scheduled]
-    self._bucket_leaves = [
-      self.layout_plan.bucket_leaves(b) for b in range(len(self.schedule.buckets))
+    # Buckets of every stage in order: a relay stage's buckets run after the first stage's.
+    self._stage_buckets = [
+      (stage, b) for stage in self.layout_plan.stages() for b in range(len(stage.schedule.buckets))
     ]
+    self._bucket_leaves = [stage.bucket_leaves(b) for stage, b in self._stage_buckets]
     self._programs: dict[bool, list[BucketProgram]] = {}
     self._executables: dict[bool, list[BucketExecutable]] = {}
+    self._classes = self._bucket_classes()
+    self._stats = dataclasses.replace(self.layout_plan.stats, num_programs=len(set(self._classes)))
+
+  def _bucket_classes(self) -> tuple[int, ...]:
+    """Per bucket of every stage, the first bucket with the same program (element types told
+    apart)."""
+    out: list[int] = []
+    for stage in self.layout_plan.stages():
+      classes = bucket_classes(
+        stage.schedule,
+        [stage.leaf_plans[i] for i in stage.scheduled],
+        [stage.layouts[i] for i in stage.scheduled],
+        [self.leaves[i].dtype for i in stage.scheduled],
+      )
+      out += [len(out) + c for c in classes]
+    return tuple(out)
 
   @property
   def stats(self) -> PlanStats:
-    return self.layout_plan.stats
+    return self._stats
 
   @property
   def schedule(self) -> Schedule:
@@ -71,26 +101,37 @@ class ReshardPlan:
     return jax.tree_util.tree_unflatten(self._treedef, [lf.dst_sharding for lf in self.leaves])
 
   def programs(self, *, donate: bool = False) -> list[BucketProgram]:
-    """Per bucket, what every device does (NumPy data; ``print`` one to read it).
+    """Per bucket (of every stage), what every device does (NumPy data; ``print`` one).
 
     Args:
-      donate: the programs of calls with ``donate=`` (every leaf written in place into its
-        donated destination buffer).
+      donate: the programs of calls with ``donate=`` (every leaf of the first stage written in
+        place into its donated destination buffer).
     """
     if donate not in self._programs:
       dtypes = [lf.dtype for lf in self.leaves]
-      self._programs[donate] = [
-        make_bucket_program(
-          self.layout_plan,
+      first_stage = self.layout_plan.stages()[0]
+      programs: list[BucketProgram] = []
+      for k, (stage, b) in enumerate(self._stage_buckets):
+        first = self._classes[k]
+        if first < k:  # the same program as an earlier bucket, on other leaves
+          programs.append(with_leaf_indices(programs[first], self._bucket_leaves[k]))
+          continue
+        ids = stage.schedule.buckets[b].union_device_ids
+        program = make_bucket_program(
+          stage,
           b,
           dtypes,
-          bucket.union_device_ids,
+          ids,
           max_word_bytes=max_word_bytes(),
-          donate=donate,
+          donate=donate and stage is first_stage,
         )
-        for b, bucket in enumerate(self.schedule.buckets)
-      ]
+        programs.append(program)
+      self._programs[donate] = programs
     return self._programs[donate]
+
+  def estimate(self, topology: Topology | None = None) -> Estimate:
+    """The predicted time on ``topology`` (default: the plan's); see ``jr.estimate``."""
+    return self.layout_plan.estimate(topology)
 
   def executables(self, *, donate: bool = False) -> list[BucketExecutable]:
     """Per bucket, its program emitted for its union mesh (compiled on the first call)."""
@@ -99,10 +140,16 @@ class ReshardPlan:
       for lf in self.leaves:
         for d in (*lf.src_sharding.device_set, *lf.dst_sharding.device_set):
           devices[d.id] = d
-      self._executables[donate] = [
-        BucketExecutable(p, devices, [self.leaves[lf.index].dst_sharding for lf in p.leaves])
-        for p in self.programs(donate=donate)
-      ]
+      first_stage = self.layout_plan.stages()[0]
+      executables = []
+      for (stage, _), p in zip(self._stage_buckets, self.programs(donate=donate), strict=True):
+        dst = [self.leaves[lf.index].dst_sharding for lf in p.leaves]
+        # A relay stage takes the first stage's results, laid out as the destination.
+        src = (
+          [self.leaves[lf.index].src_sharding for lf in p.leaves] if stage is first_stage else dst
+        )
+        executables.append(BucketExecutable(p, devices, dst, src))
+      self._executables[donate] = executables
     return self._executables[donate]
 
   def memory_analysis(self, *, donate: bool = False) -> list[Any]:
@@ -153,7 +200,9 @@ class ReshardPlan:
         carry.pop(i) if lf.dst_input else None
         for i, lf in zip(idx, exe.program.leaves, strict=True)
       ]
-      for i, y in zip(idx, exe([arrays[i] for i in idx], dsts), strict=True):
+      # A relay stage takes the first stage's results as its source.
+      xs = [arrays[i] if out[i] is None else out[i] for i in idx]
+      for i, y in zip(idx, exe(xs, dsts), strict=True):
         if isinstance(y, dict):
           carry[i] = y
         else:
@@ -169,7 +218,11 @@ class ReshardPlan:
 
 
 def make_plan(
-  src: Any, dst: Any, *, max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES
+  src: Any,
+  dst: Any,
+  *,
+  max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
+  topology: Topology | None = None,
 ) -> ReshardPlan:
   """Plans the reshard of a pytree from its current layout to ``dst``.
 
@@ -178,6 +231,8 @@ def make_plan(
     dst: one ``jax.sharding.Sharding`` for every leaf, or a pytree prefix of ``src`` whose
       leaves are Shardings (or arrays / ShapeDtypeStructs carrying ``.sharding``).
     max_bucket_bytes: bound on transient staging bytes per device per compiled program.
+    topology: device domains and link costs (``jr.Topology``); with several domains, regions a
+      domain lacks cross into it once and are forwarded inside it (see ``jr.plan_layouts``).
 
   Returns:
     A :class:`ReshardPlan`; call it with arrays laid out like ``src``.
@@ -201,12 +256,14 @@ def make_plan(
     True
   """
   treedef, leaves = flatten_tree(src, dst)
-  return _cached_plan(treedef, tuple(leaves), max_bucket_bytes)
+  return _cached_plan(treedef, tuple(leaves), max_bucket_bytes, topology)
 
 
 @functools.lru_cache(maxsize=256)
-def _cached_plan(treedef: Any, leaves: tuple[Leaf, ...], max_bucket_bytes: int) -> ReshardPlan:
-  return ReshardPlan(treedef, list(leaves), max_bucket_bytes=max_bucket_bytes)
+def _cached_plan(
+  treedef: Any, leaves: tuple[Leaf, ...], max_bucket_bytes: int, topology: Topology | None
+) -> ReshardPlan:
+  return ReshardPlan(treedef, list(leaves), max_bucket_bytes=max_bucket_bytes, topology=topology)
 
 
 def plan_cache_clear() -> None:

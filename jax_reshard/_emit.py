@@ -13,6 +13,7 @@ Data moves as unsigned integers of the element width, so no backend pass that up
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jax_reshard._buffers import Wrapper, addressable_order, buffers, fast_path_available
 from jax_reshard._program import (
   Assemble,
   BucketProgram,
@@ -30,6 +32,7 @@ from jax_reshard._program import (
   PlaceholderGroup,
   Received,
   SendRound,
+  program_signature,
   role_table,
   uint_dtype,
 )
@@ -91,11 +94,13 @@ def _tile(
   """The array of ``shape`` made of ``parts`` (offset, value) that tile it.
 
   Parts that form a product grid (always, for the tilings JAX shardings produce) are joined by
-  nested concatenation, which writes each element once; anything else falls back to
-  ``dynamic_update_slice`` into zeros.
+  nested concatenation, which writes each element once; anything else (e.g. a first stage
+  that leaves relayed boxes to a second) falls back to ``dynamic_update_slice`` into zeros.
   """
   if len(parts) == 1 and parts[0][1].shape == shape:
     return parts[0][1]
+  if not parts:  # a relay stage fills this shard later
+    return jnp.zeros(shape, dtype)
   if not shape:
     raise AssertionError("a rank-0 shard has exactly one part")
   starts = [sorted({off[d] for off, _ in parts}) for d in range(len(shape))]
@@ -251,114 +256,207 @@ def _staged_shape(block: tuple[int, ...], n: int) -> tuple[int, ...]:
   return (n * block[0], *block[1:])
 
 
+PROGRAM_CACHE_SIZE = 256  # compiled bucket programs kept per process
+
+
+@functools.lru_cache(maxsize=PROGRAM_CACHE_SIZE)
+def _compiled_program(signature: BucketProgram, devices: tuple[Any, ...]) -> tuple[Any, Any]:
+  """``(compiled executable, staged sharding)`` of a program on ``devices`` (one per mesh
+  position). Keyed by :func:`program_signature`, so buckets that differ only in which leaves
+  they carry (the layers of a model) share one executable and compile once."""
+  mesh = Mesh(np.array(devices), (AXIS,))
+  staged = NamedSharding(mesh, PartitionSpec(AXIS))
+  leaves = signature.leaves
+  dst_leaves = [leaves[i] for i in signature.dst_inputs]
+  specs = tuple(PartitionSpec(AXIS) for _ in leaves)
+  in_specs = specs + tuple(PartitionSpec(AXIS) for _ in dst_leaves)
+  body = emit_body(signature, AXIS)
+  fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=specs, check_vma=False)
+  n = len(devices)
+  avals = [
+    jax.ShapeDtypeStruct(_staged_shape(block, n), lf.dtype, sharding=staged)
+    for block, lf in [(lf.src_block, lf) for lf in leaves]
+    + [(lf.dst_block, lf) for lf in dst_leaves]
+  ]
+  donate = tuple(range(len(leaves), len(leaves) + len(dst_leaves)))  # written in place
+  return jax.jit(fn, donate_argnums=donate).lower(*avals).compile(), staged
+
+
+@functools.lru_cache(maxsize=PROGRAM_CACHE_SIZE)
+def _placeholder_program(group: PlaceholderGroup, devices: tuple[Any, ...]) -> Any:
+  """A compiled function returning ``group``'s zero blocks, one array per block sharded over
+  ``devices``: one dispatch per distinct device set instead of one per device and leaf."""
+  sharding = NamedSharding(Mesh(np.array(devices), ("p",)), PartitionSpec("p"))
+  k = len(devices)
+
+  def make() -> tuple[jax.Array, ...]:
+    return tuple(jnp.zeros((k * shape[0], *shape[1:]), dtype) for shape, dtype in group.blocks)
+
+  return jax.jit(make, out_shardings=tuple(sharding for _ in group.blocks)).lower().compile()
+
+
+def clear_program_cache() -> None:
+  """Forgets the compiled programs shared between buckets and plans."""
+  _compiled_program.cache_clear()
+  _placeholder_program.cache_clear()
+
+
+class _LeafIO:
+  """How one leaf enters and leaves a bucket's program, worked out once per bucket: which
+  buffer of the source array each mesh position stages, and which output buffer each
+  destination device keeps. A call only picks buffers and wraps them (:mod:`_buffers`)."""
+
+  __slots__ = (
+    "carry_out",
+    "dst_block",
+    "dst_pick",
+    "dst_stage_wrap",
+    "ph_keys",
+    "scalar_dst",
+    "scalar_src",
+    "src_pick",
+    "src_sharding",
+    "stage_wrap",
+    "staged_ids",
+    "unstage_wrap",
+  )
+
+  def __init__(
+    self, lf: LeafView, src_sharding: Any, dst_sharding: Any, staged: Any, *, fast: bool
+  ) -> None:
+    self.src_sharding = src_sharding
+    self.staged_ids = addressable_order(staged, fast=fast)
+    self.ph_keys = [(i, lf.src_block, lf.dtype) for i in self.staged_ids]
+    self.src_pick = self._pick(src_sharding, fast=fast) if src_sharding is not None else None
+    pos = {d: j for j, d in enumerate(self.staged_ids)}
+    self.dst_pick = [pos[i] for i in addressable_order(dst_sharding, fast=fast)]
+    self.scalar_src, self.scalar_dst = not lf.src_shard, not lf.dst_shard
+    n = len(staged.device_set)
+    self.stage_wrap = Wrapper(_staged_shape(lf.src_block, n), lf.dtype, staged, fast=fast)
+    self.dst_block, self.carry_out = lf.dst_block, lf.carry_out
+    self.dst_stage_wrap = Wrapper(_staged_shape(lf.dst_block, n), lf.dtype, staged, fast=fast)
+    self.unstage_wrap = Wrapper(lf.shape, lf.dtype, dst_sharding, fast=fast)
+
+  def _pick(self, sharding: Any, *, fast: bool) -> list[int]:
+    """Per staged position, the index of its buffer among ``sharding``'s, or -1."""
+    order = {d: j for j, d in enumerate(addressable_order(sharding, fast=fast))}
+    return [order.get(i, -1) for i in self.staged_ids]
+
+  def stage(self, x: jax.Array, placeholders: dict[Any, jax.Array]) -> jax.Array:
+    """``x`` as a staged array: its own buffers where it has them, placeholders elsewhere."""
+    fast = self.stage_wrap.fast
+    if fast and self.src_pick is not None and x.sharding == self.src_sharding:
+      pick = self.src_pick
+    else:  # an equivalent sharding may list its devices in another order
+      pick = self._pick(x.sharding, fast=fast)
+    held = buffers(x, fast=fast)
+    blocks = []
+    for j, key in zip(pick, self.ph_keys, strict=True):
+      if j < 0:  # a zero block shared by leaves of one shape and dtype
+        blocks.append(placeholders[key])
+      else:
+        blocks.append(held[j].reshape(key[1]) if self.scalar_src else held[j])
+    return self.stage_wrap(blocks)
+
+  def stage_dst(
+    self, held: dict[int, jax.Array], placeholders: dict[Any, jax.Array], position: int
+  ) -> jax.Array:
+    """The leaf's destination blocks as a staged array: ``held`` (by device id) where a device
+    has one, else its donated zero block ``placeholders[(device id, position)]``."""
+    blocks = []
+    for dev_id in self.staged_ids:
+      data = held.get(dev_id)
+      if data is None:
+        data = placeholders[(dev_id, position)]
+      elif data.shape != self.dst_block:
+        data = data.reshape(self.dst_block)
+      blocks.append(data)
+    return self.dst_stage_wrap(blocks)
+
+  def unstage(self, y: jax.Array) -> jax.Array | dict[int, jax.Array]:
+    """The destination array made of the destination devices' output blocks (zero-copy), or
+    (``carry_out``) those blocks by device id, for the leaf's next bucket."""
+    held = buffers(y, fast=self.unstage_wrap.fast)
+    if self.carry_out:
+      return {self.staged_ids[j]: held[j] for j in self.dst_pick}
+    if self.scalar_dst:
+      return self.unstage_wrap([held[j].reshape(()) for j in self.dst_pick])
+    return self.unstage_wrap([held[j] for j in self.dst_pick])
+
+
 class BucketExecutable:
   """A bucket's program compiled over its union mesh; calling it moves the bucket's leaves.
 
   Each leaf enters as a staged array whose block on a device is that device's source shard,
-  assembled zero-copy with ``jax.make_array_from_single_device_arrays`` (devices without a
-  source shard contribute a placeholder); the destination blocks are re-wrapped zero-copy into
-  the destination sharding. A leaf with a destination input (split over buckets, or refit into
-  donated buffers) also enters with its destination blocks, donated, and is written in place.
+  wrapped zero-copy from the source's buffers (devices without a source shard contribute a
+  placeholder); the destination blocks are re-wrapped zero-copy into the destination sharding.
+  A leaf with a destination input (split over buckets, or refit into donated buffers) also
+  enters with its destination blocks, donated, and is written in place. What to pick and wrap
+  is worked out once; the compiled executable is shared by every bucket with the same
+  :func:`program_signature` on the same devices.
   """
 
   def __init__(
-    self, program: BucketProgram, devices: dict[int, Any], dst_shardings: Sequence[Any]
+    self,
+    program: BucketProgram,
+    devices: dict[int, Any],
+    dst_shardings: Sequence[Any],
+    src_shardings: Sequence[Any] | None = None,
   ) -> None:
     self.program = program
     self.devices = devices
     self.dst_shardings = list(dst_shardings)
-    self.mesh = Mesh(np.array([devices[i] for i in program.device_ids]), (AXIS,))
-    self.staged_sharding = NamedSharding(self.mesh, PartitionSpec(AXIS))
-    me = jax.process_index()
-    self._local_ids = [i for i in program.device_ids if devices[i].process_index == me]
+    self.src_shardings = list(src_shardings or [None] * len(program.leaves))
+    self._mesh_devices = tuple(devices[i] for i in program.device_ids)
     self._compiled: Any = None
-    self._dst_orders: list[list[int]] | None = None
-    self._placeholder_fns: dict[int, list[Any]] = {}
+    self._io: list[_LeafIO] | None = None
+
+  @property
+  def staged_sharding(self) -> NamedSharding:
+    """The staged arrays' sharding: one block per mesh position."""
+    return self.compile_with_sharding()[1]
 
   def compile(self) -> Any:
-    """The compiled XLA executable (compiled on first use)."""
+    """The compiled XLA executable (compiled on first use, or shared with an identical
+    bucket's)."""
+    return self.compile_with_sharding()[0]
+
+  def compile_with_sharding(self) -> tuple[Any, NamedSharding]:
+    """The compiled executable and the staged sharding it takes."""
     if self._compiled is None:
-      n = len(self.program.device_ids)
-      leaves = self.program.leaves
-      dst_leaves = [leaves[i] for i in self.program.dst_inputs]
-      specs = tuple(PartitionSpec(AXIS) for _ in leaves)
-      in_specs = specs + tuple(PartitionSpec(AXIS) for _ in dst_leaves)
-      body = emit_body(self.program, AXIS)
-      fn = jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=specs, check_vma=False)
-      avals = [
-        jax.ShapeDtypeStruct(_staged_shape(block, n), lf.dtype, sharding=self.staged_sharding)
-        for block, lf in [(lf.src_block, lf) for lf in leaves]
-        + [(lf.dst_block, lf) for lf in dst_leaves]
-      ]
-      donate = tuple(range(len(leaves), len(leaves) + len(dst_leaves)))
-      self._compiled = jax.jit(fn, donate_argnums=donate).lower(*avals).compile()
+      self._compiled = _compiled_program(program_signature(self.program), self._mesh_devices)
     return self._compiled
 
   def _placeholders(self, which: int) -> dict[tuple[Any, ...], jax.Array]:
     """Zero blocks for this call (``which``: 0 source, 1 destination), keyed by (device id,
     block shape, dtype) for source blocks and (device id, leaf position) for destination
-    blocks: one dispatch per distinct device set instead of one per device and leaf."""
-    groups = (self.program.placeholders, self.program.dst_placeholders)[which]
-    if which not in self._placeholder_fns:
-      self._placeholder_fns[which] = [self._placeholder_fn(g) for g in groups]
+    blocks (those are donated, so each belongs to one leaf)."""
     out = {}
-    for group, fn in zip(groups, self._placeholder_fns[which], strict=True):
+    fast = fast_path_available()
+    for group in (self.program.placeholders, self.program.dst_placeholders)[which]:
+      devices = tuple(self.devices[i] for i in group.device_ids)
+      fn = _placeholder_program(group, devices)
       # Ready before the transfer program is queued: on the CPU backend, a collective program
       # whose inputs come from another in-flight program can starve the thread pool it shares
       # with that program (seen as a 40 s rendezvous abort on 2 cores).
-      arrays: Sequence[jax.Array] = jax.block_until_ready(fn())
       keys: Sequence[Any] = group.leaves if which else group.blocks
-      for key, arr in zip(keys, arrays, strict=True):
-        for shard in arr.addressable_shards:
-          out[(shard.device.id, key) if which else (shard.device.id, *key)] = shard.data
+      for key, arr in zip(keys, jax.block_until_ready(fn()), strict=True):
+        ids = addressable_order(arr.sharding, fast=fast)
+        for dev_id, data in zip(ids, buffers(arr, fast=fast), strict=True):
+          out[(dev_id, key) if which else (dev_id, *key)] = data
     return out
 
-  def _placeholder_fn(self, group: PlaceholderGroup) -> Any:
-    mesh = Mesh(np.array([self.devices[i] for i in group.device_ids]), ("p",))
-    sharding = NamedSharding(mesh, PartitionSpec("p"))
-    k = len(group.device_ids)
-
-    def make() -> tuple[jax.Array, ...]:
-      return tuple(jnp.zeros((k * shape[0], *shape[1:]), dtype) for shape, dtype in group.blocks)
-
-    return jax.jit(make, out_shardings=tuple(sharding for _ in group.blocks)).lower().compile()
-
-  def _stage(
-    self,
-    lf: LeafView,
-    block: tuple[int, ...],
-    held: dict[int, jax.Array],
-    placeholders: dict[Any, jax.Array],
-    key: tuple[Any, ...],
-  ) -> jax.Array:
-    """A staged array of ``block``-shaped blocks: ``held`` where a device has one, else the
-    placeholder ``placeholders[(device id, *key)]``."""
-    blocks = []
-    for dev_id in self._local_ids:
-      data = held.get(dev_id)
-      if data is None:
-        data = placeholders[(dev_id, *key)]
-      elif data.shape != block:
-        data = data.reshape(block)
-      blocks.append(data)
-    n = len(self.program.device_ids)
-    return jax.make_array_from_single_device_arrays(
-      _staged_shape(block, n), self.staged_sharding, blocks, dtype=lf.dtype
-    )
-
-  def _unstage(self, k: int, y: jax.Array) -> jax.Array | dict[int, jax.Array]:
-    lf, sharding = self.program.leaves[k], self.dst_shardings[k]
-    if self._dst_orders is None:  # addressable destination devices in each sharding's order
-      self._dst_orders = [
-        [d.id for d in s.addressable_devices_indices_map(v.shape)]
-        for s, v in zip(self.dst_shardings, self.program.leaves, strict=True)
+  def leaf_io(self) -> list[_LeafIO]:
+    """Per leaf, its staging and unstaging worked out (once)."""
+    if self._io is None:
+      staged, fast = self.staged_sharding, fast_path_available()
+      self._io = [
+        _LeafIO(lf, src, dst, staged, fast=fast)
+        for lf, src, dst in zip(
+          self.program.leaves, self.src_shardings, self.dst_shardings, strict=True
+        )
       ]
-    held = {s.device.id: s.data for s in y.addressable_shards}
-    if lf.carry_out:  # the destination blocks filled so far, for the leaf's next bucket
-      return {i: held[i] for i in self._dst_orders[k]}
-    arrays = [held[i] if lf.dst_shard else held[i].reshape(()) for i in self._dst_orders[k]]
-    # dtype=: a process may hold no destination shard (multi-process), then arrays is empty.
-    return jax.make_array_from_single_device_arrays(lf.shape, sharding, arrays, dtype=lf.dtype)
+    return self._io
 
   def __call__(
     self, xs: Sequence[jax.Array], dsts: Sequence[dict[int, jax.Array] | None] = ()
@@ -374,19 +472,15 @@ class BucketExecutable:
       Per leaf, the destination array, or (``carry_out``) its blocks by device id.
     """
     compiled = self.compile()
-    leaves = self.program.leaves
-    src_ph = self._placeholders(0)
-    staged = []
-    for lf, x in zip(leaves, xs, strict=True):
-      held = {s.device.id: s.data for s in x.addressable_shards}
-      staged.append(self._stage(lf, lf.src_block, held, src_ph, (lf.src_block, lf.dtype)))
+    io = self.leaf_io()
+    placeholders = self._placeholders(0)
+    staged = [leaf.stage(x, placeholders) for leaf, x in zip(io, xs, strict=True)]
     if self.program.dst_inputs:
       dst_ph = self._placeholders(1)
       for li in self.program.dst_inputs:
-        lf = leaves[li]
-        staged.append(self._stage(lf, lf.dst_block, dsts[li] or {}, dst_ph, (li,)))
+        staged.append(io[li].stage_dst(dsts[li] or {}, dst_ph, li))
     ys = compiled(*staged)
-    return [self._unstage(k, y) for k, y in enumerate(ys)]
+    return [leaf.unstage(y) for leaf, y in zip(io, ys, strict=True)]
 
 
 def empty_like_sharded(shape: tuple[int, ...], dtype: np.dtype, sharding: Any) -> jax.Array:

@@ -12,9 +12,14 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+import numpy as np
+
+from jax_reshard._classes import bucket_classes
+from jax_reshard._cost import Estimate, estimate
 from jax_reshard._layout import Layout
 from jax_reshard._planner import LeafPlan, plan_leaves
 from jax_reshard._schedule import DEFAULT_MAX_BUCKET_BYTES, Schedule, make_schedule
+from jax_reshard._topology import Topology
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -36,6 +41,14 @@ class PlanStats:
     max_recv_bytes: most bytes one device receives (padding included).
     peak_staging_bytes: most transient bytes one device holds in a bucket: send and receive
       payloads plus placeholder blocks for leaves it has no source or destination shard of.
+    slow_link_bytes: bytes received over links between domains of the plan's topology
+      (without padding); 0 without a topology.
+    slow_link_lower_bound_bytes: what must cross: per region and destination domain that
+      needs it and holds no source replica, its bytes once. Relay plans meet it.
+    relay_bytes: bytes forwarded inside domains by relays (part of ``bytes_moved``).
+    num_programs: distinct bucket programs, each compiled once: buckets that differ only in
+      which leaves they carry (same devices, shapes, element types, payloads and roles) share
+      one. :func:`plan_layouts` knows itemsizes only; a plan of arrays also tells types apart.
   """
 
   bytes_moved: int
@@ -48,6 +61,10 @@ class PlanStats:
   max_send_bytes: int
   max_recv_bytes: int
   peak_staging_bytes: int
+  slow_link_bytes: int = 0
+  slow_link_lower_bound_bytes: int = 0
+  relay_bytes: int = 0
+  num_programs: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -63,8 +80,13 @@ class LayoutPlan:
       ``schedule.buckets[b].leaves`` holds positions in this tuple. Leaves without elements
       move nothing and are in no bucket.
     schedule: the buckets and rounds.
-    stats: byte and round counts of the whole tree.
+    stats: byte and round counts of the whole tree (relay stage included).
     max_bucket_bytes: the staging bound the schedule was made for (``None``: one bucket).
+    topology: the topology the plan was made for, or ``None``.
+    relay: with relays, the second stage, run after this one: a plan of every relayed leaf
+      from its destination layout to itself, whose remote transfers are the forwards (sent by
+      devices that received the region in the first stage) and whose local transfers keep what
+      each device already assembled. ``None`` without relays.
   """
 
   layouts: tuple[tuple[Layout, Layout], ...]
@@ -74,6 +96,17 @@ class LayoutPlan:
   schedule: Schedule
   stats: PlanStats
   max_bucket_bytes: int | None
+  topology: Topology | None = None
+  relay: LayoutPlan | None = None
+
+  def stages(self) -> tuple[LayoutPlan, ...]:
+    """The plans run one after the other: this one, then the relay stage if any."""
+    return (self,) if self.relay is None else (self, self.relay)
+
+  def estimate(self, topology: Topology | None = None) -> Estimate:
+    """The predicted time of this plan on ``topology`` (default: the plan's own); see
+    :func:`jax_reshard.estimate`."""
+    return estimate(self, topology)
 
   def bucket_leaves(self, bucket: int) -> tuple[int, ...]:
     """The leaves (indices into ``layouts``) that bucket ``bucket`` moves."""
@@ -88,6 +121,9 @@ def plan_layouts(
   itemsizes: Sequence[int],
   *,
   max_bucket_bytes: int | None = DEFAULT_MAX_BUCKET_BYTES,
+  topology: Topology | None = None,
+  relays: bool = True,
+  interleave: bool = True,
   leaf_names: Sequence[str] | None = None,
 ) -> LayoutPlan:
   """Plans moving a tree of leaves from their source to their destination layouts.
@@ -103,6 +139,14 @@ def plan_layouts(
     max_bucket_bytes: bound on transient staging bytes per device per bucket (compiled
       program), round padding included. A leaf that does not fit alone is split into chunks
       that run in consecutive buckets. ``None`` puts every leaf in one bucket.
+    topology: which devices share a fast domain (:class:`Topology`). With several domains,
+      senders in the receiver's domain are preferred, the stats count bytes over slow links,
+      and (with ``relays``) a region that several devices of a domain need but no device there
+      holds crosses into the domain once and is forwarded inside it in a second stage
+      (:attr:`LayoutPlan.relay`). ``None`` or one domain: exactly the plan without topology.
+    relays: whether to relay (only with a topology).
+    interleave: with several domains, order leaves round-robin over their source device sets
+      before bucketing (:func:`interleave_by_source`).
     leaf_names: per leaf, a name for error messages (default ``#i``).
 
   Returns:
@@ -125,22 +169,128 @@ def plan_layouts(
     True
     >>> plan.stats.num_rounds
     4
+
+    Four sampler devices on two hosts that each need the whole tensor: with a topology, each
+    region crosses into each host once and is forwarded there.
+
+    >>> sampler = jr.Layout.from_description(  # 8 and 9 hold the same half, so do 10 and 11
+    ...   (1024, 1024), mesh_shape=(2, 2), axis_names=("tp", "dp"), spec=(None, "tp"),
+    ...   device_ids=range(8, 12))
+    >>> topo = jr.Topology.h100_nodes(devices_per_node=2)  # hosts {8, 9} and {10, 11}
+    >>> direct = jr.plan_layouts([(trainer, sampler)], [2], topology=topo, relays=False)
+    >>> relayed = jr.plan_layouts([(trainer, sampler)], [2], topology=topo)
+    >>> [p.stats.slow_link_bytes // 2**20 for p in (direct, relayed)]  # MiB
+    [4, 2]
+    >>> st = relayed.stats
+    >>> st.slow_link_bytes == st.slow_link_lower_bound_bytes, st.bytes_moved == st.lower_bound_bytes
+    (True, True)
   """
   layouts = tuple((s, d) for s, d in layouts)
   itemsizes = tuple(int(i) for i in itemsizes)
-  planned = plan_leaves(layouts, itemsizes)
+  full = tuple(plan_leaves(layouts, itemsizes, topology=topology, relays=relays))
+  interleave = interleave and _domains(layouts, topology) > 1
+  split = [
+    _split_relays(lp, d, isz) for lp, (_, d), isz in zip(full, layouts, itemsizes, strict=True)
+  ]
+  leaf_plans = tuple(first for first, _ in split)
+  relay = _relay_stage(
+    [second for _, second in split], layouts, itemsizes, max_bucket_bytes, topology, interleave
+  )
   scheduled = tuple(i for i, (s, _) in enumerate(layouts) if math.prod(s.shape) > 0)
-  names = list(leaf_names) if leaf_names is not None else [f"#{i}" for i in range(len(layouts))]
+  scheduled = interleave_by_source(scheduled, layouts) if interleave else scheduled
+  names = (
+    tuple(leaf_names) if leaf_names is not None else tuple(f"#{i}" for i in range(len(layouts)))
+  )
+  first_stage = _stage_plan(
+    layouts, itemsizes, leaf_plans, scheduled, max_bucket_bytes, topology, names
+  )
+  stats = _stats(first_stage, relay, full, topology)
+  return dataclasses.replace(first_stage, stats=stats, relay=relay)
+
+
+def _domains(layouts: Sequence[tuple[Layout, Layout]], topology: Topology | None) -> int:
+  """How many domains of ``topology`` the layouts' devices span (1 without a topology)."""
+  if topology is None:
+    return 1
+  ids = {i for s, d in layouts for i in (*s.device_ids, *d.device_ids)}
+  return len(np.unique(topology.domain_of(sorted(ids))))
+
+
+def interleave_by_source(
+  leaves: Sequence[int], layouts: Sequence[tuple[Layout, Layout]]
+) -> tuple[int, ...]:
+  """``leaves`` reordered round-robin over their source device sets (tree order within each).
+
+  Buckets take consecutive leaves; in tree order, a pipeline-parallel trainer's consecutive
+  leaves live on one stage, so a bucket's senders are one stage's devices while every
+  destination device receives. Interleaved, every bucket draws on every stage's senders.
+
+  Example:
+    >>> import jax_reshard as jr
+    >>> a, b = (jr.Layout.from_description((4,), mesh_shape=(1,), axis_names=("x",), spec=(),
+    ...                                    device_ids=[i]) for i in (0, 1))
+    >>> interleave_by_source([0, 1, 2, 3], [(a, b), (a, b), (b, a), (b, a)])
+    (0, 2, 1, 3)
+  """
+  groups: dict[tuple[int, ...], list[int]] = {}
+  for i in leaves:
+    groups.setdefault(layouts[i][0].device_ids, []).append(i)
+  queues = list(groups.values())
+  out: list[int] = []
+  for k in range(max((len(q) for q in queues), default=0)):
+    out += [q[k] for q in queues if k < len(q)]
+  return tuple(out)
+
+
+def _relay_stage(
+  seconds: Sequence[LeafPlan | None],
+  layouts: tuple[tuple[Layout, Layout], ...],
+  itemsizes: tuple[int, ...],
+  max_bucket_bytes: int | None,
+  topology: Topology | None,
+  interleave: bool,
+) -> LayoutPlan | None:
+  """The relay stage of the leaves with a second-stage plan, or ``None`` if none has one."""
+  relayed = tuple(i for i, second in enumerate(seconds) if second is not None)
+  if not relayed:
+    return None
+  if interleave:
+    relayed = interleave_by_source(relayed, layouts)
+  return _stage_plan(
+    tuple((d, d) for _, d in layouts),
+    itemsizes,
+    tuple(
+      second if second is not None else _empty_leaf_plan(d.ndim)
+      for second, (_, d) in zip(seconds, layouts, strict=True)
+    ),
+    relayed,
+    max_bucket_bytes,
+    topology,
+  )
+
+
+def _stage_plan(
+  layouts: tuple[tuple[Layout, Layout], ...],
+  itemsizes: tuple[int, ...],
+  leaf_plans: tuple[LeafPlan, ...],
+  scheduled: tuple[int, ...],
+  max_bucket_bytes: int | None,
+  topology: Topology | None,
+  names: Sequence[str] | None = None,
+) -> LayoutPlan:
+  """One stage: its leaf plans scheduled, with the stats of this stage alone. Leaves split over
+  several buckets come back with their remote transfers cut into chunks."""
   schedule = make_schedule(
-    [planned[i] for i in scheduled],
+    [leaf_plans[i] for i in scheduled],
     [layouts[i] for i in scheduled],
     [itemsizes[i] for i in scheduled],
     max_bucket_bytes=max_bucket_bytes,
-    names=[names[i] for i in scheduled],
+    names=None if names is None else [names[i] for i in scheduled],
   )
+  chunked = list(leaf_plans)
   for j, i in enumerate(scheduled):  # the transfers as the buckets move them (chunks)
-    planned[i] = schedule.leaf_plans[j]
-  leaf_plans = tuple(planned)
+    chunked[i] = schedule.leaf_plans[j]
+  leaf_plans = tuple(chunked)
   stats = PlanStats(
     bytes_moved=sum(p.bytes_moved for p in leaf_plans),
     lower_bound_bytes=sum(p.lower_bound_bytes for p in leaf_plans),
@@ -152,8 +302,120 @@ def plan_layouts(
     max_send_bytes=schedule.max_send_bytes,
     max_recv_bytes=schedule.max_recv_bytes,
     peak_staging_bytes=schedule.peak_staging_bytes,
+    num_programs=count_programs(leaf_plans, layouts, scheduled, schedule, itemsizes),
   )
-  return LayoutPlan(layouts, itemsizes, leaf_plans, scheduled, schedule, stats, max_bucket_bytes)
+  return LayoutPlan(
+    layouts, itemsizes, leaf_plans, scheduled, schedule, stats, max_bucket_bytes, topology
+  )
+
+
+def _stats(
+  first: LayoutPlan,
+  relay: LayoutPlan | None,
+  full: Sequence[LeafPlan],
+  topology: Topology | None,
+) -> PlanStats:
+  """The stats of both stages together, with the slow-link counts of ``topology``."""
+  slow = 0
+  if topology is not None:
+    for lp in full:
+      remote = ~lp.local
+      cross = topology.domain_of(lp.src_device[remote]) != topology.domain_of(lp.dst_device[remote])
+      slow += int(lp.nbytes[remote][cross].sum())
+  st = first.stats
+  changes = {
+    "slow_link_bytes": slow,
+    "slow_link_lower_bound_bytes": sum(lp.slow_lower_bound_bytes for lp in full),
+  }
+  if relay is not None:
+    rs = relay.stats
+    union = np.asarray(first.schedule.union_device_ids, dtype=np.int64)
+    send, recv = (
+      a + b for a, b in zip(_per_device(first, union), _per_device(relay, union), strict=True)
+    )
+    changes.update(
+      bytes_moved=st.bytes_moved + rs.bytes_moved,
+      relay_bytes=rs.bytes_moved,
+      padding_bytes=st.padding_bytes + rs.padding_bytes,
+      num_rounds=st.num_rounds + rs.num_rounds,
+      num_buckets=st.num_buckets + rs.num_buckets,
+      num_programs=st.num_programs + rs.num_programs,
+      max_send_bytes=int(send.max(initial=0)),
+      max_recv_bytes=int(recv.max(initial=0)),
+      peak_staging_bytes=max(st.peak_staging_bytes, rs.peak_staging_bytes),
+    )
+  return dataclasses.replace(st, **changes)
+
+
+def _per_device(plan: LayoutPlan, union: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Bytes each device of ``union`` (ascending ids) sends and receives in ``plan``'s rounds,
+  padding included."""
+  send = np.zeros(len(union), dtype=np.int64)
+  recv = np.zeros(len(union), dtype=np.int64)
+  for bucket in plan.schedule.buckets:
+    for rnd in bucket.rounds:
+      if rnd.pairs:
+        pairs = np.asarray(rnd.pairs, dtype=np.int64)
+        np.add.at(send, np.searchsorted(union, pairs[:, 0]), rnd.nbytes)
+        np.add.at(recv, np.searchsorted(union, pairs[:, 1]), rnd.nbytes)
+  return send, recv
+
+
+def _empty_leaf_plan(ndim: int) -> LeafPlan:
+  z = np.zeros(0, dtype=np.int64)
+  box = np.zeros((0, ndim), dtype=np.int64)
+  return LeafPlan(z, z, box, box, z, np.zeros(0, dtype=bool), 0, 0)
+
+
+def _split_relays(lp: LeafPlan, dst: Layout, itemsize: int) -> tuple[LeafPlan, LeafPlan | None]:
+  """A leaf plan with relays as two stages: the hop-0 transfers, then (``None`` without
+  relays) the forwards plus, as local copies, what each device holds after the first stage:
+  its hop-0 boxes where it receives forwards, its whole destination shard elsewhere."""
+  if lp.hop is None or not (lp.hop == 1).any():
+    return lp, None
+  fwd, first = lp.hop == 1, lp.hop == 0
+  stage0 = dataclasses.replace(
+    lp,
+    **{
+      f: getattr(lp, f)[first] for f in ("src_device", "dst_device", "lo", "hi", "nbytes", "local")
+    },
+    hop=None,
+  )
+  targets = np.unique(lp.dst_device[fwd])
+  own = first & np.isin(lp.dst_device, targets)
+  d_ids = np.asarray(dst.device_ids, dtype=np.int64)
+  d_lo, d_hi = dst.box_arrays()
+  whole = ~np.isin(d_ids, targets)
+  whole_bytes = np.prod(d_hi - d_lo, axis=1, dtype=np.int64)[whole] * itemsize
+  cat = np.concatenate
+  stage1 = LeafPlan(
+    src_device=cat([lp.src_device[fwd], lp.dst_device[own], d_ids[whole]]),
+    dst_device=cat([lp.dst_device[fwd], lp.dst_device[own], d_ids[whole]]),
+    lo=cat([lp.lo[fwd], lp.lo[own], d_lo[whole]]),
+    hi=cat([lp.hi[fwd], lp.hi[own], d_hi[whole]]),
+    nbytes=cat([lp.nbytes[fwd], lp.nbytes[own], whole_bytes]),
+    local=cat([np.zeros(int(fwd.sum()), bool), np.ones(int(own.sum()) + int(whole.sum()), bool)]),
+    lower_bound_bytes=0,
+    gather_broadcast_bytes=0,
+  )
+  return stage0, stage1
+
+
+def count_programs(
+  leaf_plans: Sequence[LeafPlan],
+  layouts: Sequence[tuple[Layout, Layout]],
+  scheduled: Sequence[int],
+  schedule: Schedule,
+  kinds: Sequence[object],
+) -> int:
+  """Distinct bucket programs (see :func:`bucket_classes`); ``kinds`` per leaf of the plan."""
+  classes = bucket_classes(
+    schedule,
+    [leaf_plans[i] for i in scheduled],
+    [layouts[i] for i in scheduled],
+    [kinds[i] for i in scheduled],
+  )
+  return len(set(classes))
 
 
 def format_plan(plan: LayoutPlan, title: str) -> str:
@@ -175,7 +437,8 @@ def format_plan(plan: LayoutPlan, title: str) -> str:
     f"{format_bytes(st.lower_bound_bytes)}, padding {format_bytes(st.padding_bytes)})",
     f"  local copies       {format_bytes(st.local_copy_bytes)}",
     f"  gather+broadcast   {format_bytes(st.gather_broadcast_bytes)} ({ratio:.1f}x ours)",
-    f"  rounds {st.num_rounds} in {st.num_buckets} bucket(s); per device max send "
+    f"  rounds {st.num_rounds} in {st.num_buckets} bucket(s), {st.num_programs} distinct "
+    f"program(s); per device max send "
     f"{format_bytes(st.max_send_bytes)}, recv {format_bytes(st.max_recv_bytes)}, staging "
     f"{format_bytes(st.peak_staging_bytes)}",
   ]

@@ -5,8 +5,15 @@ For one leaf, the source layout and the destination layout are each grouped into
 with a destination box is a *region*; every destination device of that destination box needs
 it. A device that already holds the region in its source shard copies it locally; otherwise
 exactly one source replica sends it, chosen to keep per-device send load balanced and
-preferring a replica in the receiving device's process. The unique-box intersection is
-vectorised over all box pairs, and the intersection geometry is cached per layout pair.
+preferring a replica in the receiving device's process (then, with a :class:`Topology`, in its
+domain). The unique-box intersection is vectorised over all box pairs, and the intersection
+geometry is cached per layout pair.
+
+*Relays* (only with a topology of several domains): when a region is needed by several devices
+of a domain that holds no source replica of it, one of them (the *entry*, chosen to balance
+what devices receive over slow links) receives it from a source replica, and the others get it
+from the entry afterwards (transfers of ``hop`` 1, whose sender holds the region in its
+destination shard). So each region crosses into each domain once.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import numpy as np
 
 from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
+from jax_reshard._topology import Topology
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -36,6 +44,11 @@ class LeafPlan:
     lower_bound_bytes: sum over destination devices of shard bytes they do not already hold.
     gather_broadcast_bytes: bytes an all-gather on the source plus a broadcast of the full
       tensor to every destination device (not already holding it) would make devices receive.
+    hop: per transfer, 0 when the sender holds the box in its source shard, 1 for a relay
+      forward whose sender receives the box (at ``hop`` 0) into its destination shard first.
+      ``None``: every transfer is hop 0.
+    slow_lower_bound_bytes: with a topology, the bytes that must cross into a domain: per
+      region and destination domain that needs it but holds no source replica, once.
   """
 
   src_device: np.ndarray
@@ -46,6 +59,8 @@ class LeafPlan:
   local: np.ndarray
   lower_bound_bytes: int
   gather_broadcast_bytes: int
+  hop: np.ndarray | None = None
+  slow_lower_bound_bytes: int = 0
 
   @property
   def bytes_moved(self) -> int:
@@ -64,6 +79,7 @@ class _Geometry:
   region_hi: np.ndarray
   region_elems: np.ndarray  # (r,)
   region_src_box: np.ndarray  # (r,) unique source box index
+  region_dst_box: np.ndarray  # (r,) unique destination box index
   need_region: np.ndarray  # (k,) region index of each need
   need_dst: np.ndarray  # (k,) destination device id
   need_local: np.ndarray  # (k,) bool
@@ -140,6 +156,7 @@ def _geometry(src: Layout, dst: Layout) -> _Geometry:
     region_hi=region_hi,
     region_elems=region_elems,
     region_src_box=u_idx,
+    region_dst_box=v_idx,
     need_region=need_region,
     need_dst=need_dst,
     need_local=need_local,
@@ -151,7 +168,14 @@ def _geometry(src: Layout, dst: Layout) -> _Geometry:
 
 
 def plan_leaf(
-  src: Layout, dst: Layout, itemsize: int, send_load: MutableMapping[int, int] | None = None
+  src: Layout,
+  dst: Layout,
+  itemsize: int,
+  send_load: MutableMapping[int, int] | None = None,
+  *,
+  topology: Topology | None = None,
+  entry_load: MutableMapping[int, int] | None = None,
+  relays: bool = True,
 ) -> LeafPlan:
   """Plans the transfers of one leaf.
 
@@ -161,6 +185,12 @@ def plan_leaf(
     itemsize: bytes per element.
     send_load: bytes already assigned to each sending device by earlier leaves; updated in
       place so that load stays balanced across a whole tree.
+    topology: device domains; with several, senders in the receiver's domain are preferred
+      and regions a domain lacks are relayed (see the module docstring). ``None`` or one
+      domain: the plan without a topology.
+    entry_load: bytes each device already receives as a relay entry; updated in place.
+    relays: whether to relay (else every need comes from a source replica; the slow-link
+      lower bound is computed all the same).
 
   Returns:
     A :class:`LeafPlan` in which every element a destination device lacks arrives exactly once.
@@ -175,15 +205,21 @@ def plan_leaf(
   need_u = g.region_src_box[g.need_region]
   need_bytes = g.region_elems[g.need_region] * itemsize
   sender = g.need_dst.copy()  # local copies send to themselves
-  remote = np.nonzero(~g.need_local)[0]
+  hop, slow_bound, need_dom = None, 0, None
+  if topology is not None and len(g.need_dst):
+    need_dom = topology.domain_of(g.need_dst)
+    entry: MutableMapping[int, int] = {} if entry_load is None else entry_load
+    hop, slow_bound = _relays(g, need_dom, topology, need_bytes, entry, sender, relays)
+  remote = np.nonzero(~g.need_local & (hop != 1 if hop is not None else True))[0]
   if len(remote):
     d_ids = np.asarray(dst.device_ids, dtype=np.int64)
     need_proc = np.asarray(dst.process_indices, dtype=np.int64)[np.searchsorted(d_ids, g.need_dst)]
     # Largest first within each source box; ties by destination id (deterministic).
     order = remote[np.lexsort((g.need_dst[remote], -need_bytes[remote], need_u[remote]))]
     bounds = np.nonzero(np.diff(need_u[order]))[0] + 1
+    rep_doms = None if need_dom is None else _replica_domains(g, topology)
     for group in np.split(order, bounds):
-      _assign_senders(group, g, need_u, need_bytes, need_proc, load, sender)
+      _assign_senders(group, g, need_u, need_bytes, need_proc, load, sender, need_dom, rep_doms)
   return LeafPlan(
     src_device=sender,
     dst_device=g.need_dst,
@@ -193,7 +229,74 @@ def plan_leaf(
     local=g.need_local,
     lower_bound_bytes=g.lower_bound_elems * itemsize,
     gather_broadcast_bytes=g.gather_broadcast_elems * itemsize,
+    hop=hop,
+    slow_lower_bound_bytes=slow_bound * itemsize,
   )
+
+
+def _replica_domains(g: _Geometry, topology: Topology | None) -> tuple[np.ndarray, ...]:
+  assert topology is not None
+  return tuple(topology.domain_of(ids) for ids in g.replica_ids)
+
+
+def _relays(
+  g: _Geometry,
+  need_dom: np.ndarray,
+  topology: Topology,
+  need_bytes: np.ndarray,
+  entry_load: MutableMapping[int, int],
+  sender: np.ndarray,
+  relays: bool,
+) -> tuple[np.ndarray | None, int]:
+  """Chooses relay entries; returns the hop of every need and the slow-link lower bound (in
+  elements). Forwards get their entry as sender in ``sender``; entries keep theirs unset.
+
+  A need is *foreign* when its domain holds no replica of its source box. Per (region,
+  domain) of foreign needs, the region must cross into the domain once (the lower bound); with
+  two or more such needs one of them is the entry, chosen by least ``entry_load`` among the
+  needing devices (largest regions first), and the others are forwarded from it.
+  """
+  rep_doms = _replica_domains(g, topology)
+  span = int(max(need_dom.max(), *(int(d.max()) for d in rep_doms if len(d)))) + 1
+  rep_u = np.repeat(np.arange(len(rep_doms)), [len(d) for d in rep_doms])
+  held = np.unique(rep_u * span + np.concatenate([*rep_doms, np.zeros(0, np.int64)]))
+  need_u = g.region_src_box[g.need_region]
+  foreign = np.nonzero(~g.need_local & ~np.isin(need_u * span + need_dom, held))[0]
+  if not len(foreign):
+    return None, 0
+  key = g.need_region[foreign] * span + need_dom[foreign]
+  order = np.lexsort((g.need_dst[foreign], key))
+  foreign, key = foreign[order], key[order]
+  first = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+  sizes = np.diff(np.r_[first, len(key)])
+  slow_bound = int(g.region_elems[g.need_region[foreign[first]]].sum())
+  multi = np.nonzero(sizes > 1)[0]
+  if not relays or not len(multi):
+    return None, slow_bound
+  hop = np.zeros(len(g.need_dst), dtype=np.int8)
+  # Groups of one destination box in one domain share their members: choose entries per such
+  # cluster, largest regions first, by least load.
+  grp_need = foreign[first[multi]]
+  grp_bytes = need_bytes[grp_need]
+  cluster = g.region_dst_box[g.need_region[grp_need]] * span + need_dom[grp_need]
+  corder = np.lexsort((g.need_region[grp_need], -grp_bytes, cluster))
+  cuts = np.flatnonzero(np.diff(cluster[corder])) + 1
+  entry = np.zeros(len(multi), dtype=np.int64)
+  for members in np.split(corder, cuts):
+    k = multi[members[0]]
+    ids = g.need_dst[foreign[first[k] : first[k] + sizes[k]]]
+    _assign_lpt(members, ids, grp_bytes, entry_load, entry)
+  # Every foreign need of a multi group: forwarded from the entry unless it is the entry.
+  owner = np.repeat(np.arange(len(first)), sizes)
+  rank_of = np.full(len(first), -1)
+  rank_of[multi] = np.arange(len(multi))
+  in_multi = rank_of[owner] >= 0
+  relayed = foreign[in_multi]
+  their_entry = entry[rank_of[owner[in_multi]]]
+  fwd = g.need_dst[relayed] != their_entry
+  hop[relayed[fwd]] = 1
+  sender[relayed[fwd]] = their_entry[fwd]
+  return hop, slow_bound
 
 
 def _assign_senders(
@@ -204,19 +307,31 @@ def _assign_senders(
   need_proc: np.ndarray,
   load: MutableMapping[int, int],
   sender: np.ndarray,
+  need_dom: np.ndarray | None = None,
+  rep_doms: tuple[np.ndarray, ...] | None = None,
 ) -> None:
   """Longest-processing-time assignment of the needs of one source box to its replicas.
 
-  Needs of a receiver go to the least-loaded replica in the receiver's process (ties: lowest
-  device id); needs without such a replica are balanced over all replicas afterwards.
+  Needs of a receiver go to the least-loaded replica in the receiver's process (and domain,
+  with a topology; ties: lowest device id); then, with domains, to one in the receiver's
+  domain; needs without such a replica are balanced over all replicas afterwards.
   """
   u = int(need_u[group[0]])
   ids = g.replica_ids[u]
   procs = g.replica_procs[u]
   need_procs = need_proc[group]
+  if need_dom is not None and rep_doms is not None:  # the same process inside the same domain
+    procs = procs * (1 << 32) + rep_doms[u]
+    need_procs = need_procs * (1 << 32) + need_dom[group]
   matched = np.isin(need_procs, procs)
   for p in np.unique(need_procs[matched]).tolist():
     _assign_lpt(group[need_procs == p], ids[procs == p], need_bytes, load, sender)
+  if need_dom is not None and rep_doms is not None and not matched.all():
+    doms, nd = rep_doms[u], need_dom[group]
+    in_dom = ~matched & np.isin(nd, doms)
+    for dom in np.unique(nd[in_dom]).tolist():
+      _assign_lpt(group[in_dom & (nd == dom)], ids[doms == dom], need_bytes, load, sender)
+    matched |= in_dom
   if not matched.all():  # no replica in the receiver's process: balance over all replicas
     _assign_lpt(group[~matched], ids, need_bytes, load, sender)
 
@@ -262,8 +377,16 @@ def _assign_lpt(
 
 
 def plan_leaves(
-  layouts: Sequence[tuple[Layout, Layout]], itemsizes: Sequence[int]
+  layouts: Sequence[tuple[Layout, Layout]],
+  itemsizes: Sequence[int],
+  *,
+  topology: Topology | None = None,
+  relays: bool = True,
 ) -> list[LeafPlan]:
-  """Plans every leaf of a tree, balancing send load across all of them."""
+  """Plans every leaf of a tree, balancing send (and relay entry) load across all of them."""
   load: dict[int, int] = {}
-  return [plan_leaf(s, d, isz, load) for (s, d), isz in zip(layouts, itemsizes, strict=True)]
+  entry: dict[int, int] = {}
+  return [
+    plan_leaf(s, d, isz, load, topology=topology, entry_load=entry, relays=relays)
+    for (s, d), isz in zip(layouts, itemsizes, strict=True)
+  ]

@@ -214,6 +214,24 @@ class BucketProgram:
     return format_program(self)
 
 
+def program_signature(program: BucketProgram) -> BucketProgram:
+  """``program`` without the plan's leaf numbers: equal for buckets that differ only in which
+  leaves they carry (same devices, shapes, dtypes, payloads and roles), which can therefore
+  share one compiled executable."""
+  if all(lf.index == -1 for lf in program.leaves):
+    return program
+  leaves = tuple(dataclasses.replace(lf, index=-1) for lf in program.leaves)
+  return dataclasses.replace(program, leaves=leaves)
+
+
+def with_leaf_indices(program: BucketProgram, indices: Sequence[int]) -> BucketProgram:
+  """``program`` carrying the plan's leaves ``indices`` instead (one per program leaf)."""
+  leaves = tuple(
+    dataclasses.replace(lf, index=int(i)) for lf, i in zip(program.leaves, indices, strict=True)
+  )
+  return dataclasses.replace(program, leaves=leaves)
+
+
 def role_table(num_positions: int, roles: Sequence[Pack | Assemble]) -> np.ndarray:
   """Per mesh position, ``1 + k`` for a device of ``roles[k]``, ``0`` for the others."""
   table = np.zeros(num_positions, dtype=np.int32)

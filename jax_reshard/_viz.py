@@ -58,6 +58,7 @@ _STAT_MEANINGS = {
   "max_send_bytes": "most bytes one device sends (padding included)",
   "max_recv_bytes": "most bytes one device receives (padding included)",
   "peak_staging_bytes": "most transient bytes one device holds in a bucket",
+  "num_programs": "distinct bucket programs, each compiled once (identical buckets share one)",
 }
 
 

@@ -13,13 +13,19 @@ PACKAGE = Path(jax_reshard.__file__).parent
 LAYERS = [
   "_errors",
   "_layout",
+  "_topology",
+  "_pieces",
   "_planner",
   "_schedule",
+  "_classes",
+  "_cost",
   "_plan",
   "_viz",
   "_program",
+  "_buffers",
   "_emit",
   "_tree",
+  "_transform",
   "_distributed",
   "_api",
   "_traced",
@@ -29,7 +35,19 @@ LAYERS = [
   "_demo",
   "__main__",
 ]
-NUMPY_ONLY = {"_errors", "_layout", "_planner", "_schedule", "_plan", "_viz", "_program"}
+NUMPY_ONLY = {
+  "_errors",
+  "_layout",
+  "_topology",
+  "_pieces",
+  "_planner",
+  "_schedule",
+  "_classes",
+  "_cost",
+  "_plan",
+  "_viz",
+  "_program",
+}
 MAX_FUNCTION_LINES = 80
 
 
@@ -74,9 +92,14 @@ def test_no_private_names_across_modules() -> None:
         assert not private, f"{module} imports {private} from {target}"
 
 
+# The one module that reads JAX's private members (per-device buffers of an array, and the
+# constructor that wraps them without checks), each with a fallback to the public API.
+JAX_INTERNALS = {"_buffers"}
+
+
 def test_no_private_fields_of_other_objects() -> None:
   """Outside ``self``, no attribute access to a private name (``plan._leaves``)."""
-  for module in LAYERS:
+  for module in sorted(set(LAYERS) - JAX_INTERNALS):
     for node in ast.walk(_tree(module)):
       if isinstance(node, ast.Attribute) and node.attr.startswith("_"):
         if node.attr.startswith("__") or (

@@ -1,0 +1,104 @@
+"""Calibrates the CPU preset of the cost model (``jr.Topology.cpu``) on simulated CPU devices.
+
+Usage::
+
+  python -m benchmarks.calibrate_cpu       # prints the four constants of Topology.cpu
+
+On 8 simulated CPU devices (``jax_num_cpu_devices``) sharing the host's cores, it times jitted
+``shard_map`` programs (medians) and solves the cost model's formulas for its constants:
+
+* ``CPU_CALL_LATENCY``: a program that only reads its mesh position;
+* ``CPU_ROUND_LATENCY``: the slope of ``R`` rounds of a 4-byte ``ppermute``;
+* ``CPU_CORE_BANDWIDTH``: one round of a large cyclic ``ppermute``: every device copies N bytes,
+  ``cores`` at a time, so the round takes ``8 N / (cores * bandwidth)`` beyond the latency;
+* ``CPU_PACK_BANDWIDTH``: packing: every device concatenates strided column slices of its shard
+  into an N-byte payload, ``cores`` at a time.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+N_DEVICES = 8
+
+
+def _median_s(fn: Callable[[], Any], reps: int = 15) -> float:
+  import jax
+
+  jax.block_until_ready(fn())
+  times = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - t)
+  return statistics.median(times)
+
+
+def calibrate(cores: int | None = None) -> dict[str, float]:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  jax.config.update("jax_num_cpu_devices", N_DEVICES)
+  cores = cores or os.cpu_count() or 1
+  mesh = Mesh(np.array(jax.devices()[:N_DEVICES]), ("u",))
+  spec = P("u")
+  shift = [(i, (i + 1) % N_DEVICES) for i in range(N_DEVICES)]
+
+  def program(body: Callable[[jax.Array], jax.Array], per_device: tuple[int, ...]) -> Callable:
+    x = jax.device_put(
+      np.zeros((N_DEVICES * per_device[0], *per_device[1:]), np.uint32), NamedSharding(mesh, spec)
+    )
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+    return lambda: fn(x)
+
+  call = _median_s(program(lambda b: b, (1,)), reps=50)
+
+  def rounds(r: int) -> Callable[[jax.Array], jax.Array]:
+    def body(b: jax.Array) -> jax.Array:
+      for _ in range(r):
+        b = jax.lax.ppermute(b + 1, "u", shift)
+      return b
+
+    return body
+
+  t1 = _median_s(program(rounds(1), (1,)), reps=30)
+  t33 = _median_s(program(rounds(33), (1,)), reps=30)
+  round_latency = (t33 - t1) / 32
+  n_words = 8 << 20  # 32 MiB per device
+  t_big = _median_s(program(lambda b: jax.lax.ppermute(b, "u", shift), (n_words,)))
+  core_bw = N_DEVICES * 4 * n_words / (cores * max(t_big - call - round_latency, 1e-9))
+  rows, cols = 2048, 8192  # 64 MiB shard; pack half its columns in 8 strided slices (32 MiB)
+
+  def pack(b: jax.Array) -> jax.Array:
+    parts = [jax.lax.slice(b, (0, 1024 * k), (rows, 1024 * k + 512)) for k in range(8)]
+    return jnp.concatenate([p.reshape(-1) for p in parts])
+
+  t_pack = _median_s(program(pack, (rows, cols)))
+  pack_bw = N_DEVICES * 4 * rows * cols // 2 / (cores * max(t_pack - call, 1e-9))
+  return {
+    "CPU_CORE_BANDWIDTH": core_bw,
+    "CPU_PACK_BANDWIDTH": pack_bw,
+    "CPU_ROUND_LATENCY": round_latency,
+    "CPU_CALL_LATENCY": call,
+    "cores": float(cores),
+  }
+
+
+def main() -> None:
+  out = calibrate()
+  print(f"calibrated on {N_DEVICES} simulated CPU devices, {int(out['cores'])} cores:")
+  print(f"  CPU_CORE_BANDWIDTH = {out['CPU_CORE_BANDWIDTH']:.3g}  # bytes/s per core, ppermute")
+  print(f"  CPU_PACK_BANDWIDTH = {out['CPU_PACK_BANDWIDTH']:.3g}  # bytes/s per core, packing")
+  print(f"  CPU_ROUND_LATENCY = {out['CPU_ROUND_LATENCY']:.3g}  # s per round")
+  print(f"  CPU_CALL_LATENCY = {out['CPU_CALL_LATENCY']:.3g}  # s per program call")
+
+
+if __name__ == "__main__":
+  main()

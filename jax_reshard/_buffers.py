@@ -1,0 +1,84 @@
+"""Per-device buffers in and out of ``jax.Array``s, with little host work per array.
+
+An eager bucket run takes every leaf apart into its per-device buffers and wraps buffers into
+new arrays (the staged inputs, the results), zero-copy. JAX's public way to do that,
+``addressable_shards`` and ``jax.make_array_from_single_device_arrays``, costs tens of
+microseconds per array (it builds ``Shard`` objects, then validates and reorders the buffers),
+which dominates a refit of many small leaves. Where this JAX has them, three private members do
+the same with what a plan already knows: ``Array._arrays`` (the buffers, in the order of
+``Sharding._addressable_device_assignment``) and ``ArrayImpl(aval, sharding, buffers,
+committed=True, _skip_checks=True)`` (buffers already in that order, nothing validated). Every
+function here falls back to the public API when they are missing (:func:`fast_path_available`)
+or when called with ``fast=False``; the plan checks shapes, dtypes and shardings before any
+buffer is touched, so skipping the checks changes nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+_core: Any
+_ArrayImpl: Any
+try:  # private: the constructor jax's own transformations use for their outputs
+  from jax._src import core as _core
+  from jax._src.array import ArrayImpl as _ArrayImpl
+except ImportError:  # pragma: no cover - depends on the JAX version
+  _core = _ArrayImpl = None
+
+
+def fast_path_available() -> bool:
+  """Whether this JAX has the private members the fast path uses."""
+  return (
+    _ArrayImpl is not None
+    and hasattr(_ArrayImpl, "_arrays")
+    and hasattr(jax.sharding.Sharding, "_addressable_device_assignment")
+  )
+
+
+def addressable_order(sharding: Any, *, fast: bool) -> list[int]:
+  """Ids of this process's devices of ``sharding``, in the order :func:`buffers` returns an
+  array's buffers and :func:`wrap` takes them (fast path), else ascending ids."""
+  if fast:
+    return [d.id for d in sharding._addressable_device_assignment]
+  return sorted(d.id for d in sharding.addressable_devices)
+
+
+def buffers(x: Any, *, fast: bool) -> list[Any]:
+  """The single-device arrays of ``x`` in :func:`addressable_order` of ``x.sharding``."""
+  if fast:
+    return x._arrays
+  held = {s.device.id: s.data for s in x.addressable_shards}
+  return [held[i] for i in sorted(held)]
+
+
+class Wrapper:
+  """Wraps single-device arrays into arrays of one shape, dtype and sharding.
+
+  Attributes:
+    shape: global shape.
+    dtype: element type.
+    sharding: the arrays' sharding.
+    fast: whether the private constructor is used (buffers in :func:`addressable_order`).
+  """
+
+  __slots__ = ("_aval", "dtype", "fast", "shape", "sharding")
+
+  def __init__(self, shape: tuple[int, ...], dtype: np.dtype, sharding: Any, *, fast: bool):
+    self.shape, self.dtype, self.sharding, self.fast = shape, dtype, sharding, fast
+    self._aval: Any = None
+    if fast:
+      aval = _core.ShapedArray(shape, dtype, weak_type=False)
+      self._aval = _core.update_aval_with_sharding(aval, sharding)
+
+  def __call__(self, arrays: Sequence[Any]) -> jax.Array:
+    """The array made of ``arrays`` (one per addressable device, in :func:`addressable_order`)."""
+    if self.fast:
+      return _ArrayImpl(self._aval, self.sharding, arrays, committed=True, _skip_checks=True)
+    # dtype=: a process may hold no shard (multi-process), then arrays is empty.
+    return jax.make_array_from_single_device_arrays(
+      self.shape, self.sharding, list(arrays), dtype=self.dtype
+    )

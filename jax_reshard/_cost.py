@@ -1,0 +1,210 @@
+"""The cost model: the predicted time of a plan on a :class:`Topology`. NumPy only.
+
+A plan runs its stages (the first, then relays), each bucket as one program, each program's
+rounds one after another. The model charges
+
+* per bucket, the topology's ``call_latency``;
+* per round, the transfer: the slowest pair's ``latency + nbytes / bandwidth`` over its link
+  (inside a domain or between domains; every pair of a round sends the round's padded size);
+* per round, the packing: every sender writes the round's payload at ``memory_bandwidth``;
+* per bucket, the assembly: every destination device writes its destination shards at
+  ``memory_bandwidth`` (a shard kept whole from one part costs nothing).
+
+Where devices share the host's cores (``max_parallel``, simulated CPU devices), each phase takes
+at least the devices' summed copying divided by ``max_parallel`` (plus, for a round, its
+latency). Nothing overlaps: XLA may overlap
+a round's transfer with the next round's packing, so the model errs long. The time is monotone
+in every round's size and in the number of rounds and buckets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+from jax_reshard._layout import Layout
+from jax_reshard._planner import LeafPlan
+from jax_reshard._schedule import Schedule
+from jax_reshard._topology import Topology
+
+
+class _Stage(Protocol):
+  @property
+  def layouts(self) -> Sequence[tuple[Layout, Layout]]: ...
+  @property
+  def itemsizes(self) -> Sequence[int]: ...
+  @property
+  def leaf_plans(self) -> Sequence[LeafPlan]: ...
+  @property
+  def schedule(self) -> Schedule: ...
+  @property
+  def topology(self) -> Topology | None: ...
+  def bucket_leaves(self, bucket: int) -> tuple[int, ...]: ...
+
+
+class _Plan(_Stage, Protocol):
+  def stages(self) -> Sequence[_Stage]: ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Estimate:
+  """A predicted time (a model, not a measurement), with its parts.
+
+  Attributes:
+    seconds: the predicted total.
+    call_s: fixed cost per bucket (program launch).
+    transfer_s: rounds' transfers (latency and bytes over link bandwidth).
+    pack_s: packing payloads.
+    assemble_s: assembling destination shards.
+    slow_transfer_s: the part of ``transfer_s`` in rounds whose slowest pair crosses domains.
+    num_rounds: rounds over all stages and buckets.
+    bucket_seconds: per bucket of every stage, in order, its predicted time.
+    round_seconds: per bucket, each round's transfer plus packing time.
+    topology: the topology's name.
+  """
+
+  seconds: float
+  call_s: float
+  transfer_s: float
+  pack_s: float
+  assemble_s: float
+  slow_transfer_s: float
+  num_rounds: int
+  bucket_seconds: tuple[float, ...]
+  round_seconds: tuple[tuple[float, ...], ...]
+  topology: str
+
+  def __str__(self) -> str:
+    ms = lambda s: f"{1e3 * s:,.1f} ms"
+    return (
+      f"predicted {ms(self.seconds)} on {self.topology} ({self.num_rounds} rounds in "
+      f"{len(self.bucket_seconds)} buckets): transfers {ms(self.transfer_s)} (over slow links "
+      f"{ms(self.slow_transfer_s)}), packing {ms(self.pack_s)}, assembly "
+      f"{ms(self.assemble_s)}, calls {ms(self.call_s)}"
+    )
+
+
+def estimate(plan: _Plan, topology: Topology | None = None) -> Estimate:
+  """Predicts the time ``plan`` takes on ``topology`` (default: the topology it was made for).
+
+  Args:
+    plan: a :class:`LayoutPlan` (or a ``ReshardPlan``'s ``layout_plan``).
+    topology: link and memory costs; a plan made without a topology needs one here.
+
+  Returns:
+    An :class:`Estimate`: a prediction from the model in this module's docstring.
+
+  Raises:
+    ValueError: if neither the plan nor the call gives a topology.
+
+  Example:
+    >>> import jax_reshard as jr
+    >>> lay = lambda ids, spec: jr.Layout.from_description(
+    ...   (4096, 4096), mesh_shape=(4,), axis_names=("x",), spec=spec, device_ids=ids)
+    >>> plan = jr.plan_layouts([(lay(range(4), ("x",)), lay(range(8, 12), (None, "x")))], [2])
+    >>> est = jr.estimate(plan, jr.Topology.h100_nodes())   # devices 8..11: another node
+    >>> round(est.transfer_s * 1e6)   # predicted microseconds: 4 x (20 us + 2 MiB at 50 GB/s)
+    248
+    >>> round(est.seconds * 1e6)   # plus packing, assembly and one program call
+    338
+  """
+  topo = topology or plan.topology
+  if topo is None:
+    raise ValueError("estimate needs a topology: plan.estimate(jr.Topology.h100_nodes())")
+  parts = [
+    _bucket_cost(stage, b, topo)
+    for stage in plan.stages()
+    for b in range(len(stage.schedule.buckets))
+  ]
+  call = topo.call_latency * len(parts)
+  transfer = sum(float(c.transfer.sum()) for c in parts)
+  pack = sum(float(c.pack.sum()) for c in parts)
+  assemble = sum(c.assemble for c in parts)
+  return Estimate(
+    seconds=call + transfer + pack + assemble,
+    call_s=call,
+    transfer_s=transfer,
+    pack_s=pack,
+    assemble_s=assemble,
+    slow_transfer_s=sum(float(c.transfer[c.slow].sum()) for c in parts),
+    num_rounds=sum(len(c.transfer) for c in parts),
+    bucket_seconds=tuple(
+      topo.call_latency + float(c.transfer.sum() + c.pack.sum()) + c.assemble for c in parts
+    ),
+    round_seconds=tuple(tuple((c.transfer + c.pack).tolist()) for c in parts),
+    topology=topo.name,
+  )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _BucketCost:
+  transfer: np.ndarray  # per round, seconds
+  slow: np.ndarray  # per round, whether its slowest pair crosses domains
+  pack: np.ndarray  # per round, seconds
+  assemble: float
+
+
+def _phase(
+  per_device: np.ndarray, groups: np.ndarray, num: int, parallel: int | None
+) -> np.ndarray:
+  """Per group (round), the slowest device's seconds, or their sum over ``parallel`` when
+  devices share that many cores, whichever is longer."""
+  out = np.zeros(num)
+  np.maximum.at(out, groups, per_device)
+  if parallel:
+    out = np.maximum(out, np.bincount(groups, per_device, minlength=num) / parallel)
+  return out
+
+
+def _transfer(
+  lat: np.ndarray, data: np.ndarray, rid: np.ndarray, n: int, parallel: int | None
+) -> np.ndarray:
+  """Per round, the slowest pair's latency plus bytes over bandwidth; with shared cores, at
+  least the round's longest latency plus the pairs' summed copy time over ``parallel``."""
+  out = _phase(lat + data, rid, n, None)
+  if parallel:
+    worst_lat = _phase(lat, rid, n, None)
+    out = np.maximum(out, worst_lat + np.bincount(rid, data, minlength=n) / parallel)
+  return out
+
+
+def _bucket_cost(stage: _Stage, b: int, topo: Topology) -> _BucketCost:
+  bucket = stage.schedule.buckets[b]
+  n = len(bucket.rounds)
+  sizes = np.asarray([r.nbytes for r in bucket.rounds], dtype=np.float64)
+  counts = np.asarray([len(r.pairs) for r in bucket.rounds], dtype=np.int64)
+  pairs = np.asarray([p for r in bucket.rounds for p in r.pairs], dtype=np.int64).reshape(-1, 2)
+  rid = np.repeat(np.arange(n), counts)
+  cross = topo.domain_of(pairs[:, 0]) != topo.domain_of(pairs[:, 1])
+  lat = np.where(cross, topo.inter.latency, topo.intra.latency)
+  bw = np.where(cross, topo.inter.bandwidth, topo.intra.bandwidth)
+  cost = lat + sizes[rid] / bw
+  transfer = _transfer(lat, sizes[rid] / bw, rid, n, topo.max_parallel)
+  slowest_cross = np.zeros(n)
+  np.maximum.at(slowest_cross, rid, np.where(cross, cost, 0.0))
+  pack = _phase(sizes[rid] / topo.memory_bandwidth, rid, n, topo.max_parallel)
+  written = _assembled_bytes(stage, b) / topo.memory_bandwidth
+  assemble = _phase(written, np.zeros(len(written), dtype=np.int64), 1, topo.max_parallel)
+  slow = (slowest_cross > 0) & (slowest_cross >= transfer)
+  return _BucketCost(transfer, slow, pack, float(assemble[0]))
+
+
+def _assembled_bytes(stage: _Stage, b: int) -> np.ndarray:
+  """Per device of bucket ``b``, the destination bytes it writes when assembling: every shard
+  it holds, except one kept whole from a single resident part (no copy)."""
+  union = np.asarray(stage.schedule.buckets[b].union_device_ids, dtype=np.int64)
+  out = np.zeros(len(union), dtype=np.float64)
+  for i in stage.bucket_leaves(b):
+    _, dst = stage.layouts[i]
+    lp = stage.leaf_plans[i]
+    ids = np.asarray(dst.device_ids, dtype=np.int64)
+    shard = float(np.prod(dst.shard_shape(), dtype=np.int64) * stage.itemsizes[i])
+    pos = np.searchsorted(ids, lp.dst_device)
+    rows = np.bincount(pos, minlength=len(ids))
+    whole = np.bincount(pos, lp.local & (lp.nbytes == shard), minlength=len(ids))
+    writes = np.where((rows == 1) & (whole == 1), 0.0, shard)
+    out[np.searchsorted(union, ids)] += writes
+  return out

@@ -1,0 +1,208 @@
+"""Topologies: which devices share a fast domain, and what each class of link costs. NumPy only.
+
+A *domain* is a set of devices joined by fast links (an NVLink domain, a host, a TPU slice);
+links between domains are slow (the network). A :class:`Topology` maps device ids to domains
+and gives each link class (inside a domain, between domains) a bandwidth per device and
+direction and a latency per transfer, plus the memory bandwidth at which a device packs and
+assembles payloads. The planner uses the domains (relays: a region crosses into a domain once);
+:func:`jax_reshard.estimate` uses the costs (predicted time). Presets describe common machines
+from their published link speeds; :meth:`Topology.cpu` is calibrated by
+``benchmarks/calibrate_cpu.py``. Devices need not be present: ids are plain integers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from jax_reshard._errors import ReshardError
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Link:
+  """One class of link.
+
+  Attributes:
+    bandwidth: bytes per second one device sends (and, independently, receives) over it.
+    latency: seconds a transfer (one device's part of a collective round) costs on top.
+  """
+
+  bandwidth: float
+  latency: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Topology:
+  """Fast domains of devices and the cost of moving bytes inside and between them.
+
+  A device's domain is, in order: its entry in ``domain_map``; else ``id //
+  devices_per_domain``; else 0 (one domain: every plan is exactly the plan without a topology).
+
+  Attributes:
+    name: for messages and tables.
+    intra: links between devices of one domain (NVLink, shared host memory, ICI).
+    inter: links between domains (the network: NIC bandwidth per device).
+    memory_bandwidth: payload bytes per second a device writes when packing a payload or
+      assembling a shard (slicing and concatenating in its own memory).
+    devices_per_domain: consecutive device ids per domain, or ``None``.
+    domain_map: explicit ``(device id, domain)`` pairs, sorted by id; they take precedence.
+    call_latency: seconds of fixed cost per compiled program (one per bucket).
+    max_parallel: how many devices can copy at once (simulated CPU devices share the host's
+      cores); ``None`` where every device has its own engines and memory (GPUs, TPUs).
+
+  Example:
+    >>> topo = Topology.h100_nodes()
+    >>> topo.domain_of([0, 7, 8, 17]).tolist()
+    [0, 0, 1, 2]
+    >>> topo.inter.bandwidth / 1e9  # 400 Gb/s per GPU
+    50.0
+  """
+
+  name: str
+  intra: Link
+  inter: Link
+  memory_bandwidth: float
+  devices_per_domain: int | None = None
+  domain_map: tuple[tuple[int, int], ...] = ()
+  call_latency: float = 0.0
+  max_parallel: int | None = None
+
+  def domain_of(self, device_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """The domain of each device id, as an ``int64`` array.
+
+    Raises:
+      ReshardError: if ``domain_map`` is given and lacks one of the ids.
+    """
+    ids = np.asarray(device_ids, dtype=np.int64).reshape(-1)
+    if self.domain_map:
+      keys = np.fromiter((k for k, _ in self.domain_map), np.int64, len(self.domain_map))
+      vals = np.fromiter((v for _, v in self.domain_map), np.int64, len(self.domain_map))
+      pos = np.clip(np.searchsorted(keys, ids), 0, len(keys) - 1)
+      found = keys[pos] == ids
+      if not found.all():
+        missing = sorted(set(ids[~found].tolist()))[:8]
+        raise ReshardError(
+          f"topology {self.name!r} maps no domain for devices {missing}; give every source "
+          f"and destination device a domain (Topology.with_domains)"
+        )
+      return vals[pos]
+    if self.devices_per_domain:
+      return ids // self.devices_per_domain
+    return np.zeros(len(ids), dtype=np.int64)
+
+  def with_domains(self, domains: Mapping[int, int] | Iterable[tuple[int, int]]) -> Topology:
+    """The same link costs with an explicit domain per device id (clusters not present)."""
+    pairs = domains.items() if isinstance(domains, Mapping) else domains
+    items = tuple(sorted((int(k), int(v)) for k, v in pairs))
+    if len({k for k, _ in items}) != len(items):
+      raise ReshardError("with_domains: a device id appears twice")
+    return dataclasses.replace(self, domain_map=items, devices_per_domain=None)
+
+  def replace(self, **changes: Any) -> Topology:
+    """A copy with some fields changed (e.g. a measured ``inter`` link)."""
+    return dataclasses.replace(self, **changes)
+
+  @classmethod
+  def from_devices(cls, devices: Iterable[Any], preset: Topology | None = None) -> Topology:
+    """The domains JAX reports for real devices: per ``(slice_index, process_index)``.
+
+    Devices of one process (host) share a domain; on TPU, devices of one slice do. Link costs
+    come from ``preset`` (default: :meth:`h100_nodes` for GPUs, :meth:`cpu` for CPUs,
+    :meth:`tpu_slices` for TPUs).
+    """
+    devices = list(devices)
+    keys = {}
+    for d in devices:
+      slice_index = getattr(d, "slice_index", None)
+      key = (int(slice_index), 0) if slice_index is not None else (0, int(d.process_index))
+      keys[int(d.id)] = key
+    numbered = {k: i for i, k in enumerate(sorted(set(keys.values())))}
+    if preset is None:
+      platform = devices[0].platform if devices else "cpu"
+      preset = {"gpu": cls.h100_nodes(), "cuda": cls.h100_nodes(), "tpu": cls.tpu_slices()}.get(
+        platform, cls.cpu()
+      )
+    return preset.with_domains({i: numbered[k] for i, k in keys.items()})
+
+  @classmethod
+  def h100_nodes(cls, devices_per_node: int = 8) -> Topology:
+    """H100 SXM nodes of 8: NVLink 4 (450 GB/s per direction per GPU) inside a node, one
+    400 Gb/s NIC per GPU between nodes. Packing at the H200's measured 0.8 TB/s scaled by
+    HBM bandwidth (3.35 / 4.8 TB/s)."""
+    return cls(
+      name=f"H100 nodes of {devices_per_node}",
+      intra=Link(450e9, 10e-6),
+      inter=Link(50e9, 20e-6),
+      memory_bandwidth=0.8e12 * 3.35 / 4.8,
+      devices_per_domain=devices_per_node,
+      call_latency=60e-6,
+    )
+
+  @classmethod
+  def h200_nodes(cls, devices_per_node: int = 8) -> Topology:
+    """H200 nodes of 8: NVLink 4 inside, 400 Gb/s per GPU between nodes; packing and
+    assembly at 0.8 TB/s of payload and 60 us per program, both measured on one H200."""
+    return dataclasses.replace(
+      cls.h100_nodes(devices_per_node),
+      name=f"H200 nodes of {devices_per_node}",
+      memory_bandwidth=0.8e12,
+    )
+
+  @classmethod
+  def gb200_nvl72(cls, devices_per_domain: int = 72) -> Topology:
+    """GB200 NVL72 racks: 72 GPUs on NVLink 5 (900 GB/s per direction per GPU), one 400 Gb/s
+    NIC per GPU between racks; packing at the H200's measured rate scaled by HBM bandwidth
+    (8 / 4.8 TB/s)."""
+    return cls(
+      name=f"GB200 NVL{devices_per_domain}",
+      intra=Link(900e9, 10e-6),
+      inter=Link(50e9, 20e-6),
+      memory_bandwidth=0.8e12 * 8 / 4.8,
+      devices_per_domain=devices_per_domain,
+      call_latency=60e-6,
+    )
+
+  @classmethod
+  def tpu_slices(cls, devices_per_slice: int | None = None) -> Topology:
+    """TPU v5p-like slices: ICI inside a slice (about 90 GB/s per direction per chip on a
+    link), data-centre network between slices (about 25 GB/s per chip)."""
+    return cls(
+      name="TPU slices",
+      intra=Link(90e9, 10e-6),
+      inter=Link(25e9, 30e-6),
+      memory_bandwidth=1.0e12,
+      devices_per_domain=devices_per_slice,
+      call_latency=60e-6,
+    )
+
+  @classmethod
+  def cpu(cls, devices_per_domain: int | None = None, *, cores: int = 2) -> Topology:
+    """Simulated CPU devices of one host (``jax_num_cpu_devices``), sharing ``cores`` cores.
+
+    Constants measured by ``benchmarks/calibrate_cpu.py`` (AMD EPYC, 2 cores, jax 0.10.2):
+    a device's ``ppermute`` copies at ``CPU_CORE_BANDWIDTH`` bytes/s, its packing and assembly
+    (slices and concatenations) at ``CPU_PACK_BANDWIDTH``; ``cores`` devices work at once; a
+    round costs ``CPU_ROUND_LATENCY`` s on top, a program call ``CPU_CALL_LATENCY`` s.
+    ``devices_per_domain`` simulates domains (the "slow" links are then as fast as the others,
+    so only the byte counts differ).
+    """
+    return cls(
+      name=f"CPU ({cores} cores)",
+      intra=Link(CPU_CORE_BANDWIDTH, CPU_ROUND_LATENCY),
+      inter=Link(CPU_CORE_BANDWIDTH, CPU_ROUND_LATENCY),
+      memory_bandwidth=CPU_PACK_BANDWIDTH,
+      devices_per_domain=devices_per_domain,
+      call_latency=CPU_CALL_LATENCY,
+      max_parallel=cores,
+    )
+
+
+# Measured by benchmarks/calibrate_cpu.py on the development machine (see Topology.cpu).
+# Two runs gave 1.02e9 and 1.43e9, 1.05e9 and 1.02e9, 155e-6 and 118e-6, 205e-6 and 183e-6.
+CPU_CORE_BANDWIDTH = 1.2e9
+CPU_PACK_BANDWIDTH = 1.0e9
+CPU_ROUND_LATENCY = 140e-6
+CPU_CALL_LATENCY = 190e-6

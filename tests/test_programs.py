@@ -1,0 +1,146 @@
+"""Shared bucket programs and the per-leaf host path: identical buckets compile once, and the
+fast buffer path (JAX private members) and its public fallback give the same bits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_matches_oracle, random_host_array
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_reshard as jr
+from jax_reshard import _buffers, _emit
+from jax_reshard._program import make_bucket_program, program_signature
+
+
+def _layers(num_layers: int, seed: int = 0) -> tuple[dict[str, Any], dict[str, Any], Any]:
+  """A layered tree on devices 0-3 (fsdp, tp) and its sampler shardings on devices 4-7."""
+  devs = np.array(jax.devices())
+  trainer = Mesh(devs[:4].reshape(2, 2), ("fsdp", "tp"))
+  sampler = Mesh(devs[4:], ("tp",))
+  rng = np.random.default_rng(seed)
+  hosts, x, dst = {}, {}, {}
+  for i in range(num_layers):
+    for name, shape, dtype, src_spec, dst_spec in (
+      ("norm", (16,), np.float32, P(), P()),
+      ("w", (16, 32), jnp.bfloat16, P("fsdp", "tp"), P(None, "tp")),
+      ("wo", (32, 16), np.float32, P("tp", "fsdp"), P("tp", None)),
+    ):
+      key = f"layer{i:02d}_{name}"
+      hosts[key] = random_host_array(rng, shape, dtype)
+      x[key] = jax.device_put(hosts[key], NamedSharding(trainer, src_spec))
+      dst[key] = NamedSharding(sampler, dst_spec)
+  return hosts, x, dst
+
+
+def _layer_bound(x: dict[str, Any], dst: dict[str, Any]) -> int:
+  """A staging bound that puts one layer in each bucket: one layer's own staging."""
+  one = {k: v for k, v in x.items() if k.startswith("layer00")}
+  return jr.make_plan(one, {k: dst[k] for k in one}).stats.peak_staging_bytes
+
+
+def _count_compiles() -> tuple[list[str], Any]:
+  events: list[str] = []
+
+  def listener(event: str, duration: float, **_: object) -> None:
+    if "compile" in event:
+      events.append(event)
+
+  return events, listener
+
+
+def test_identical_buckets_share_one_program() -> None:
+  hosts, x, dst = _layers(3)
+  plan = jr.make_plan(x, dst, max_bucket_bytes=_layer_bound(x, dst))
+  assert plan.stats.num_buckets == 3
+  programs = plan.programs()
+  signatures = {program_signature(p) for p in programs}
+  assert plan.stats.num_programs == len(signatures) < plan.stats.num_buckets
+  # Programs re-indexed from an identical bucket equal the ones built from scratch.
+  dtypes = [lf.dtype for lf in plan.leaves]
+  for b, p in enumerate(programs):
+    ids = plan.schedule.buckets[b].union_device_ids
+    assert p == make_bucket_program(plan.layout_plan, b, dtypes, ids, max_word_bytes=4)
+
+  _emit.clear_program_cache()
+  exes = plan.executables()
+  leaves = jax.tree_util.tree_leaves(x)
+  firsts = {}
+  for b, exe in enumerate(exes):
+    events, listener = _count_compiles()
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+      idx = [lf.index for lf in exe.program.leaves]
+      outs = exe([leaves[i] for i in idx])
+    finally:
+      jax.monitoring.unregister_event_duration_listener(listener)
+    sig = program_signature(exe.program)
+    assert bool(events) == (sig not in firsts), (b, events)  # compiles once per signature
+    firsts.setdefault(sig, b)
+    keys = sorted(hosts)
+    for i, y in zip(idx, outs, strict=True):
+      assert_matches_oracle(y, hosts[keys[i]], plan.leaves[i].dst_sharding)
+
+
+def test_layers_of_two_plans_share_programs() -> None:
+  """A second plan over the same layer layouts compiles nothing new."""
+  _, x, dst = _layers(2, seed=1)
+  bound = _layer_bound(x, dst)
+  jax.block_until_ready(jr.make_plan(x, dst, max_bucket_bytes=bound)(x))
+  hosts4, x4, dst4 = _layers(4, seed=2)
+  plan = jr.make_plan(x4, dst4, max_bucket_bytes=bound)
+  assert plan.stats.num_buckets == 4 and plan.stats.num_programs == 1
+  events, listener = _count_compiles()
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    y = plan(x4)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert events == []
+  for k, h in hosts4.items():
+    assert_matches_oracle(y[k], h, dst4[k])
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_buffer_paths_bit_for_bit(fast: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+  """Both buffer paths move scalars, replicated leaves and sources placed with an equivalent
+  but unequal sharding (another mesh over the same devices), bit for bit."""
+  if fast:
+    assert _buffers.fast_path_available()
+  monkeypatch.setattr(_emit, "fast_path_available", lambda: fast)
+  jr.plan_cache_clear()
+  devs = np.array(jax.devices())
+  a = Mesh(devs[:4], ("a",))
+  b = Mesh(devs[:4].reshape(2, 2), ("p", "q"))  # same devices, another mesh
+  dst_mesh = Mesh(devs[2:6].reshape(2, 2), ("x", "y"))
+  rng = np.random.default_rng(3)
+  hosts = {
+    "scalar": random_host_array(rng, (), np.int32),
+    "rep": random_host_array(rng, (8, 4), np.float32),
+    "rows": random_host_array(rng, (8, 8), jnp.bfloat16),
+  }
+  src = {
+    "scalar": NamedSharding(a, P()),
+    "rep": NamedSharding(a, P()),
+    "rows": NamedSharding(a, P("a")),
+  }
+  dst = {
+    "scalar": NamedSharding(dst_mesh, P()),
+    "rep": NamedSharding(dst_mesh, P("x", "y")),
+    "rows": NamedSharding(dst_mesh, P(("y", "x"))),
+  }
+  x = {k: jax.device_put(h, src[k]) for k, h in hosts.items()}
+  plan = jr.make_plan(x, dst)
+  other = {"scalar": P(), "rep": P(), "rows": P(("p", "q"))}
+  for placed in (x, {k: jax.device_put(h, NamedSharding(b, other[k])) for k, h in hosts.items()}):
+    for _ in range(2):
+      y = plan(placed)
+      for k, h in hosts.items():
+        assert_matches_oracle(y[k], h, dst[k])
+  jr.plan_cache_clear()
+  _emit.clear_program_cache()

@@ -1,0 +1,181 @@
+"""Topologies, relays and the cost model: planning properties without devices (hypothesis),
+and relay plans executed bit for bit on 8 CPU devices with a simulated topology of 4 domains
+of 2."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from test_properties import SETTINGS, itemsizes, trees
+
+import jax_reshard as jr
+from jax_reshard import Layout, Topology
+
+PAIRS = Topology.cpu(devices_per_domain=2)  # domains {0, 1}, {2, 3}, ...
+NEW_FIELDS = {"slow_link_bytes", "slow_link_lower_bound_bytes", "relay_bytes"}
+
+
+def test_presets_and_domains() -> None:
+  assert Topology.h200_nodes().domain_of([0, 7, 8, 15, 16]).tolist() == [0, 0, 1, 1, 2]
+  nvl = Topology.gb200_nvl72()
+  assert nvl.domain_of([71, 72, 143, 144]).tolist() == [0, 1, 1, 2]
+  assert nvl.intra.bandwidth > nvl.inter.bandwidth
+  assert Topology.cpu().domain_of(range(8)).tolist() == [0] * 8
+  custom = Topology.h100_nodes().with_domains({0: 0, 5: 0, 9: 3})
+  assert custom.domain_of([9, 0, 5]).tolist() == [3, 0, 0]
+  with pytest.raises(jr.ReshardError, match="maps no domain for devices \\[1\\]"):
+    custom.domain_of([0, 1])
+  local = Topology.from_devices(jax.devices())  # one process: one domain
+  assert set(local.domain_of([d.id for d in jax.devices()]).tolist()) == {0}
+
+
+def _domain_holds(topo: Topology, src: Layout, lo: np.ndarray, hi: np.ndarray, dom: int) -> bool:
+  for i, dev in enumerate(src.device_ids):
+    s_lo, s_hi = np.asarray(src.starts[i]), np.asarray(src.stops[i])
+    if topo.domain_of([dev])[0] == dom and (s_lo <= lo).all() and (hi <= s_hi).all():
+      return True
+  return False
+
+
+@SETTINGS
+@given(trees, itemsizes)
+def test_relays_exactly_where_a_domain_lacks_a_region(tree, itemsize) -> None:
+  plan = jr.plan_layouts(tree, [itemsize] * len(tree), topology=PAIRS)
+  st_ = plan.stats
+  assert st_.bytes_moved == st_.lower_bound_bytes
+  assert st_.slow_link_bytes == st_.slow_link_lower_bound_bytes
+  relay = plan.relay
+  for i, ((src, _), first) in enumerate(zip(tree, plan.leaf_plans, strict=True)):
+    received = {  # (device, box) -> sender, for the first stage's remote transfers
+      (int(d), tuple(lo), tuple(hi)): int(s)
+      for s, d, lo, hi, loc in zip(
+        first.src_device,
+        first.dst_device,
+        first.lo.tolist(),
+        first.hi.tolist(),
+        first.local,
+        strict=True,
+      )
+      if not loc
+    }
+    forwards = []
+    if relay is not None and i in relay.scheduled:
+      lp = relay.leaf_plans[i]
+      forwards = [
+        (int(s), int(d), np.asarray(lo), np.asarray(hi))
+        for s, d, lo, hi, loc in zip(
+          lp.src_device, lp.dst_device, lp.lo, lp.hi, lp.local, strict=True
+        )
+        if not loc
+      ]
+    for s, d, lo, hi in forwards:
+      dom = int(PAIRS.domain_of([d])[0])
+      assert int(PAIRS.domain_of([s])[0]) == dom  # forwarded inside the domain
+      assert (s, tuple(lo.tolist()), tuple(hi.tolist())) in received  # by an entry
+      assert not _domain_holds(PAIRS, src, lo, hi, dom)  # which the domain lacked
+    for (d, lo, hi), s in received.items():  # no two devices of a domain fetch one box across
+      dom = int(PAIRS.domain_of([d])[0])
+      if int(PAIRS.domain_of([s])[0]) != dom:
+        twins = [
+          e
+          for (e, lo2, hi2), s2 in received.items()
+          if e != d
+          and (lo2, hi2) == (lo, hi)
+          and int(PAIRS.domain_of([e])[0]) == dom
+          and int(PAIRS.domain_of([s2])[0]) != dom
+        ]
+        assert not twins
+
+
+@SETTINGS
+@given(trees, itemsizes)
+def test_one_domain_plans_are_unchanged(tree, itemsize) -> None:
+  base = jr.plan_layouts(tree, [itemsize] * len(tree))
+  one = jr.plan_layouts(tree, [itemsize] * len(tree), topology=Topology.h200_nodes(64))
+  assert one.relay is None and one.scheduled == base.scheduled
+  for a, b in zip(base.leaf_plans, one.leaf_plans, strict=True):
+    assert np.array_equal(a.src_device, b.src_device) and np.array_equal(a.dst_device, b.dst_device)
+  assert [r for b in base.schedule.buckets for r in b.rounds] == [
+    r for b in one.schedule.buckets for r in b.rounds
+  ]
+  for f in dataclasses.fields(jr.PlanStats):
+    if f.name not in NEW_FIELDS:
+      assert getattr(base.stats, f.name) == getattr(one.stats, f.name), f.name
+  assert one.stats.slow_link_bytes == one.stats.slow_link_lower_bound_bytes == 0
+
+
+@SETTINGS
+@given(trees, st.sampled_from([1, 2]))
+def test_estimates_are_monotone_in_bytes_and_rounds(tree, itemsize) -> None:
+  topo = Topology.h100_nodes(2)
+  small = jr.plan_layouts(tree, [itemsize] * len(tree), topology=topo)
+  wide = jr.plan_layouts(tree, [2 * itemsize] * len(tree), topology=topo)  # every byte twice
+  assert wide.estimate().seconds >= small.estimate().seconds
+  more = jr.plan_layouts([*tree, *tree], [itemsize] * 2 * len(tree), topology=topo)
+  assert more.estimate().seconds >= small.estimate().seconds
+  est = small.estimate()
+  assert est.seconds == pytest.approx(est.call_s + est.transfer_s + est.pack_s + est.assemble_s)
+  assert est.num_rounds == small.stats.num_rounds
+
+
+def test_estimate_monotone_in_a_round() -> None:
+  lay = lambda ids, spec: Layout.from_description(
+    (1024, 1024), mesh_shape=(4,), axis_names=("x",), spec=spec, device_ids=ids
+  )
+  plan = jr.plan_layouts([(lay(range(4), ("x",)), lay(range(8, 12), (None, "x")))], [2])
+  topo = Topology.h100_nodes()
+  base = plan.estimate(topo).seconds
+  sched = plan.schedule
+  bucket = sched.buckets[0]
+  bigger = dataclasses.replace(bucket.rounds[0], nbytes=bucket.rounds[0].nbytes * 2)
+  for rounds in ((bigger, *bucket.rounds[1:]), (*bucket.rounds, bucket.rounds[0])):
+    b2 = dataclasses.replace(bucket, rounds=rounds)
+    s2 = dataclasses.replace(sched, buckets=(b2,))
+    assert dataclasses.replace(plan, schedule=s2).estimate(topo).seconds > base
+  with pytest.raises(ValueError, match="needs a topology"):
+    plan.estimate()
+
+
+def _trees(devs: np.ndarray) -> list[tuple[dict, dict]]:
+  rng = np.random.default_rng(0)
+  trainer = Mesh(devs[:4].reshape(2, 2), ("fsdp", "tp"))
+  sampler = Mesh(devs[4:].reshape(2, 2), ("tp", "dp"))  # 4, 5 in one domain: same shard
+  everyone = Mesh(devs.reshape(4, 2), ("dp", "tp"))  # colocated, each domain one replica
+  leaves = {
+    "w": (rng.standard_normal((16, 8)).astype(np.float32), P("fsdp", "tp"), P(None, "tp")),
+    "b": (rng.integers(0, 100, 8).astype(np.int8), P("fsdp"), P("tp")),
+    "h": (rng.standard_normal((4, 6)).astype(jax.numpy.bfloat16), P(None, "tp"), P()),
+  }
+  out = []
+  for dst_mesh in (sampler, everyone):
+    x = {k: jax.device_put(v, NamedSharding(trainer, s)) for k, (v, s, _) in leaves.items()}
+    dst = {k: NamedSharding(dst_mesh, d) for k, (_, _, d) in leaves.items()}
+    out.append((x, dst))
+  return out
+
+
+def test_relay_plans_run_bit_for_bit_on_4_domains_of_2() -> None:
+  devs = np.array(sorted(jax.devices(), key=lambda d: d.id)[:8])
+  for x, dst in _trees(devs):
+    plan = jr.make_plan(x, dst, topology=PAIRS)
+    assert plan.layout_plan.relay is not None  # relays appear
+    assert plan.stats.slow_link_bytes == plan.stats.slow_link_lower_bound_bytes
+    assert (
+      plan.stats.slow_link_bytes
+      < jr.plan_layouts(
+        plan.layouts, plan.layout_plan.itemsizes, topology=PAIRS, relays=False
+      ).stats.slow_link_bytes
+    )
+    for _ in range(2):  # compiled once, reused
+      y = plan(x)
+      for k in x:
+        assert y[k].sharding == dst[k]
+        assert np.array_equal(np.asarray(y[k]).view(np.uint8), np.asarray(x[k]).view(np.uint8))
+    assert plan.estimate().seconds > 0
