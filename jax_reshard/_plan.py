@@ -187,6 +187,22 @@ def plan_layouts(
   """
   layouts = tuple((s, d) for s, d in layouts)
   itemsizes = tuple(int(i) for i in itemsizes)
+  names = (
+    tuple(leaf_names) if leaf_names is not None else tuple(f"#{i}" for i in range(len(layouts)))
+  )
+  return _plan_tree(layouts, itemsizes, max_bucket_bytes, topology, relays, interleave, names)
+
+
+def _plan_tree(
+  layouts: tuple[tuple[Layout, Layout], ...],
+  itemsizes: tuple[int, ...],
+  max_bucket_bytes: int | None,
+  topology: Topology | None,
+  relays: bool,
+  interleave: bool,
+  names: tuple[str, ...],
+) -> LayoutPlan:
+  """:func:`plan_layouts` on normalised arguments."""
   full = tuple(plan_leaves(layouts, itemsizes, topology=topology, relays=relays))
   interleave = interleave and _domains(layouts, topology) > 1
   split = [
@@ -198,9 +214,6 @@ def plan_layouts(
   )
   scheduled = tuple(i for i, (s, _) in enumerate(layouts) if math.prod(s.shape) > 0)
   scheduled = interleave_by_source(scheduled, layouts) if interleave else scheduled
-  names = (
-    tuple(leaf_names) if leaf_names is not None else tuple(f"#{i}" for i in range(len(layouts)))
-  )
   first_stage = _stage_plan(
     layouts, itemsizes, leaf_plans, scheduled, max_bucket_bytes, topology, names
   )
