@@ -20,9 +20,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jax_reshard as jr
 
-METHODS = ("ours", "device_put", "xla_jit", "gather_bcast", "naive_p2p")
+METHODS = ("ours", "ours_donate", "device_put", "xla_jit", "gather_bcast", "naive_p2p")
 LABELS = {
   "ours": "jr plan",
+  "ours_donate": "jr plan, donate=",
   "device_put": "jax.device_put",
   "xla_jit": "jit(identity)",
   "gather_bcast": "gather+broadcast",
@@ -39,6 +40,25 @@ class Method:
   padding: int | None = None
   bytes_note: str = ""  # how bytes_moved was obtained
   extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+  # XLA's memory_analysis() of the compiled programs the method runs, in order (per device)
+  memory: Callable[[], list[Any]] | None = None
+
+
+def device_memory(analyses: list[Any]) -> dict[str, int]:
+  """Peak device bytes per device over programs run one after another: the largest of
+  arguments + outputs - aliased outputs + temporaries, with that program's four numbers."""
+  best: dict[str, int] = {}
+  for m in analyses:
+    parts = {
+      "argument": m.argument_size_in_bytes,
+      "output": m.output_size_in_bytes,
+      "alias": m.alias_size_in_bytes,
+      "temp": m.temp_size_in_bytes,
+    }
+    peak = parts["argument"] + parts["output"] - parts["alias"] + parts["temp"]
+    if not best or peak > best["peak"]:
+      best = {"peak": peak, **parts}
+  return best
 
 
 def _devices(tree: Any) -> list[jax.Device]:
@@ -67,7 +87,24 @@ def build_ours(x: Any, dst: Any) -> Method:
     padding=st.padding_bytes,
     bytes_note="plan.stats",
     extra={"stats": dataclasses.asdict(st)},
+    memory=plan.memory_analysis,
   )
+
+
+def build_ours_donate(x: Any, dst: Any) -> Method:
+  """``plan(x, donate=previous)``: every refit writes into the previous result's buffers."""
+  m = build_ours(x, dst)
+  plan = m.run
+  last: list[Any] = []
+
+  def run(x: Any) -> Any:
+    y = plan(x, donate=last.pop()) if last else plan(x)
+    last.append(y)
+    return y
+
+  m.name, m.run = "ours_donate", run
+  m.memory = lambda: plan.memory_analysis(donate=True)
+  return m
 
 
 def build_naive(x: Any, dst: Any) -> Method:
@@ -113,7 +150,11 @@ def build_xla_jit(x: Any, dst: Any) -> Method | None:
     return None
   f = jax.jit(lambda t: t, out_shardings=dst)
   return Method(
-    "xla_jit", f, bytes_moved=xla_collective_bytes(x, dst), bytes_note="HLO collectives"
+    "xla_jit",
+    f,
+    bytes_moved=xla_collective_bytes(x, dst),
+    bytes_note="HLO collectives",
+    memory=lambda: [f.lower(x).compile().memory_analysis()],
   )
 
 
@@ -247,16 +288,32 @@ def build_gather_bcast(x: Any, dst: Any) -> Method:
 
   total_full = sum(a.nbytes for a in leaves)
   gathered = sum(a.nbytes - _shard_bytes(a.shape, a.dtype, a.sharding) for a in leaves)
+
+  def memory() -> list[Any]:
+    full = gather(leaves)
+    staged = [
+      jax.ShapeDtypeStruct(
+        (len(union_devs) * a.shape[0], *a.shape[1:]), a.dtype, sharding=staged_sharding
+      )
+      for a in full
+    ]
+    return [
+      gather.lower(leaves).compile().memory_analysis(),
+      program.lower(*staged).compile().memory_analysis(),
+    ]
+
   return Method(
     "gather_bcast",
     run,
     bytes_moved=gathered * len(src_devs) + total_full * len(receivers),
     bytes_note="analytic",
+    memory=memory,
   )
 
 
 BUILDERS: dict[str, Callable[[Any, Any], Method | None]] = {
   "ours": build_ours,
+  "ours_donate": build_ours_donate,
   "device_put": build_device_put,
   "xla_jit": build_xla_jit,
   "gather_bcast": build_gather_bcast,

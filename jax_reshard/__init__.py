@@ -14,6 +14,7 @@ from jax_reshard._plan import LayoutPlan as LayoutPlan
 from jax_reshard._plan import PlanStats as PlanStats
 from jax_reshard._plan import plan_layouts as plan_layouts
 from jax_reshard._reshard import reshard as reshard
+from jax_reshard._schedule import BucketBoundError as BucketBoundError
 from jax_reshard._tapi import TransformPlan as TransformPlan
 from jax_reshard._topology import Link as Link
 from jax_reshard._topology import Topology as Topology

@@ -20,7 +20,7 @@ from jax_reshard._program import BucketProgram, make_bucket_program, with_leaf_i
 from jax_reshard._schedule import DEFAULT_MAX_BUCKET_BYTES, Schedule
 from jax_reshard._tapi import TransformPlan, make_transform_plan, transform_cache_clear
 from jax_reshard._topology import Topology
-from jax_reshard._tree import Leaf, check_arrays, flatten_tree
+from jax_reshard._tree import Leaf, check_arrays, check_donated, flatten_tree
 from jax_reshard._viz import plan_html
 
 
@@ -52,6 +52,7 @@ class ReshardPlan:
       [lf.layouts() for lf in leaves],
       [lf.dtype.itemsize for lf in leaves],
       max_bucket_bytes=max_bucket_bytes,
+      leaf_names=[lf.name for lf in leaves],
       topology=topology,
     )
     scheduled = set(self.layout_plan.scheduled)
@@ -61,8 +62,8 @@ class ReshardPlan:
       (stage, b) for stage in self.layout_plan.stages() for b in range(len(stage.schedule.buckets))
     ]
     self._bucket_leaves = [stage.bucket_leaves(b) for stage, b in self._stage_buckets]
-    self._programs: list[BucketProgram] | None = None
-    self._executables: list[BucketExecutable] | None = None
+    self._programs: dict[bool, list[BucketProgram]] = {}
+    self._executables: dict[bool, list[BucketExecutable]] = {}
     self._classes = self._bucket_classes()
     self._stats = dataclasses.replace(self.layout_plan.stats, num_programs=len(set(self._classes)))
 
@@ -101,10 +102,16 @@ class ReshardPlan:
     """The destination shardings, in the structure of the source tree."""
     return jax.tree_util.tree_unflatten(self._treedef, [lf.dst_sharding for lf in self.leaves])
 
-  def programs(self) -> list[BucketProgram]:
-    """Per bucket (of every stage), what every device does (NumPy data; ``print`` one)."""
-    if self._programs is None:
+  def programs(self, *, donate: bool = False) -> list[BucketProgram]:
+    """Per bucket (of every stage), what every device does (NumPy data; ``print`` one).
+
+    Args:
+      donate: the programs of calls with ``donate=`` (every leaf of the first stage written in
+        place into its donated destination buffer).
+    """
+    if donate not in self._programs:
       dtypes = [lf.dtype for lf in self.leaves]
+      first_stage = self.layout_plan.stages()[0]
       programs: list[BucketProgram] = []
       for k, (stage, b) in enumerate(self._stage_buckets):
         first = self._classes[k]
@@ -112,35 +119,60 @@ class ReshardPlan:
           programs.append(with_leaf_indices(programs[first], self._bucket_leaves[k]))
           continue
         ids = stage.schedule.buckets[b].union_device_ids
-        programs.append(make_bucket_program(stage, b, dtypes, ids, max_word_bytes=max_word_bytes()))
-      self._programs = programs
-    return self._programs
+        program = make_bucket_program(
+          stage,
+          b,
+          dtypes,
+          ids,
+          max_word_bytes=max_word_bytes(),
+          donate=donate and stage is first_stage,
+        )
+        programs.append(program)
+      self._programs[donate] = programs
+    return self._programs[donate]
 
   def estimate(self, topology: Topology | None = None) -> Estimate:
     """The predicted time on ``topology`` (default: the plan's); see ``jr.estimate``."""
     return self.layout_plan.estimate(topology)
 
-  def executables(self) -> list[BucketExecutable]:
+  def executables(self, *, donate: bool = False) -> list[BucketExecutable]:
     """Per bucket, its program emitted for its union mesh (compiled on the first call)."""
-    if self._executables is None:
+    if donate not in self._executables:
       devices = {}
       for lf in self.leaves:
         for d in (*lf.src_sharding.device_set, *lf.dst_sharding.device_set):
           devices[d.id] = d
       first_stage = self.layout_plan.stages()[0]
-      self._executables = []
-      for (stage, _), p in zip(self._stage_buckets, self.programs(), strict=True):
+      executables = []
+      for (stage, _), p in zip(self._stage_buckets, self.programs(donate=donate), strict=True):
         dst = [self.leaves[lf.index].dst_sharding for lf in p.leaves]
         # A relay stage takes the first stage's results, laid out as the destination.
         src = (
           [self.leaves[lf.index].src_sharding for lf in p.leaves] if stage is first_stage else dst
         )
-        self._executables.append(BucketExecutable(p, devices, dst, src))
-    return self._executables
+        executables.append(BucketExecutable(p, devices, dst, src))
+      self._executables[donate] = executables
+    return self._executables[donate]
 
-  def __call__(self, x: Any) -> Any:
-    """Reshards ``x`` (a pytree matching the plan's source) into the destination layouts."""
+  def memory_analysis(self, *, donate: bool = False) -> list[Any]:
+    """Per bucket, in the order they run, XLA's ``memory_analysis()`` of its compiled program:
+    per device, ``argument_size_in_bytes`` (staged source and destination blocks),
+    ``output_size_in_bytes``, ``alias_size_in_bytes`` (outputs written into donated inputs)
+    and ``temp_size_in_bytes`` (payloads and other scratch). Compiles the programs if needed.
+    """
+    return [exe.compile().memory_analysis() for exe in self.executables(donate=donate)]
+
+  def __call__(self, x: Any, *, donate: Any = None) -> Any:
+    """Reshards ``x`` (a pytree matching the plan's source) into the destination layouts.
+
+    Args:
+      x: the source tree; never modified or donated.
+      donate: optional, the sampler's current tree in the destination layouts (the result of
+        the previous refit): its buffers are donated, the result is written into them, and its
+        arrays are deleted after the call. Checked before any device work.
+    """
     arrays = check_arrays(self._treedef, self.leaves, x)
+    old = None if donate is None else check_donated(self._treedef, self.leaves, donate, arrays)
     if jax.process_count() > 1:  # all processes must hold this plan before any collective
       from jax_reshard import _distributed
 
@@ -148,21 +180,35 @@ class ReshardPlan:
     # The bucket programs run on meshes of their own: a mesh the caller entered with
     # jax.set_mesh (e.g. to resolve abstract destinations) must not constrain them.
     with contextlib.nullcontext() if jax.sharding.get_mesh().empty else jax.set_mesh(None):
-      out = self._run(arrays)
+      out = self._run(arrays, old)
+    for a in old or ():
+      if not a.is_deleted():  # zero-element leaves, and any buffer XLA did not take
+        a.delete()
     return jax.tree_util.tree_unflatten(self._treedef, out)
 
-  def _run(self, arrays: list[Any]) -> list[Any]:
-    executables = self.executables()
+  def _run(self, arrays: list[Any], old: list[Any] | None) -> list[Any]:
+    """Runs the buckets in order; a leaf's destination blocks go from bucket to bucket."""
+    executables = self.executables(donate=old is not None)
     out: list[Any] = [None] * len(arrays)
     for i in self._unscheduled:
       lf = self.leaves[i]
       out[i] = empty_like_sharded(lf.shape, lf.dtype, lf.dst_sharding)
+    carry: dict[int, dict[int, Any]] = {}
+    if old is not None:
+      for i in self.layout_plan.scheduled:
+        carry[i] = {s.device.id: s.data for s in old[i].addressable_shards}
     for idx, exe in zip(self._bucket_leaves, executables, strict=True):
-      # A relay stage takes the first stage's results.
-      for i, y in zip(
-        idx, exe([arrays[i] if out[i] is None else out[i] for i in idx]), strict=True
-      ):
-        out[i] = y
+      dsts = [
+        carry.pop(i) if lf.dst_input else None
+        for i, lf in zip(idx, exe.program.leaves, strict=True)
+      ]
+      # A relay stage takes the first stage's results as its source.
+      xs = [arrays[i] if out[i] is None else out[i] for i in idx]
+      for i, y in zip(idx, exe(xs, dsts), strict=True):
+        if isinstance(y, dict):
+          carry[i] = y
+        else:
+          out[i] = y
     return out
 
   def __repr__(self) -> str:

@@ -70,6 +70,16 @@ def bucket_classes(
       bucket.rounds,
       pieces.tobytes(),
       tuple(leaf_class[leaf] for leaf in bucket.leaves),
+      _modes(schedule, b, bucket.leaves),
     )
     out.append(first.setdefault(key, b))
   return tuple(out)
+
+
+def _modes(schedule: Schedule, b: int, leaves: Sequence[int]) -> tuple[tuple[bool, bool], ...]:
+  """Per leaf of bucket ``b``, whether the bucket is the first and the last of the leaf's
+  buckets: a leaf split over buckets is written in place, from and into carried blocks."""
+  if not schedule.leaf_buckets:
+    return ()
+  spans = [schedule.leaf_buckets[leaf] for leaf in leaves]
+  return tuple((span[0] == b, span[-1] == b) for span in spans)

@@ -178,18 +178,39 @@ def _emit_round(
   return jax.lax.ppermute(payload, axis, list(rnd.pairs))
 
 
+def _in_place(
+  lf: LeafView, base: jax.Array, values: Sequence[tuple[tuple[int, ...], jax.Array]]
+) -> jax.Array:
+  """``base`` (a destination block) with every part (offset in words, value in words) written
+  into it by ``dynamic_update_slice``, in the leaf's element type."""
+  out = base.reshape(lf.dst_shard)
+  for offset, value in values:
+    part = _from_uint(_narrow(value, lf.dtype), lf.dtype)
+    if not lf.dst_shard:
+      out = part.reshape(())
+      continue
+    at = (*offset[:-1], offset[-1] * lf.word_ratio)
+    out = jax.lax.dynamic_update_slice(out, part, at)
+  return out.reshape(lf.dst_block)
+
+
+def _base(lf: LeafView, dst: jax.Array | None) -> jax.Array:
+  """The block a leaf's destination starts from: its destination input, or zeros."""
+  return dst if dst is not None else jnp.zeros(lf.dst_block, lf.dtype)
+
+
 def _assemble_fn(program: BucketProgram, role: Assemble) -> Callable[..., tuple[jax.Array, ...]]:
   """The destination code of one assembly role."""
   n = len(program.device_ids)
 
   def branch(
-    me: jax.Array, blocks: Sequence[jax.Array], recvs: Sequence[jax.Array]
+    me: jax.Array, blocks: Sequence[jax.Array], dsts: Sequence[Any], recvs: Sequence[jax.Array]
   ) -> tuple[jax.Array, ...]:
     shards = _local_view(program.leaves, blocks)
     outs = []
     for li, (lf, parts) in enumerate(zip(program.leaves, role.parts, strict=True)):
       if parts is None:
-        outs.append(jnp.zeros(lf.dst_block, lf.dtype))
+        outs.append(_base(lf, dsts[li]))
         continue
       values = []
       for p in parts:
@@ -198,6 +219,9 @@ def _assemble_fn(program: BucketProgram, role: Assemble) -> Callable[..., tuple[
           values.append((p.offset, _from_units(words, lf.word, p.shape)))
         else:
           values.append((p.offset, _slice(p.cut, shards[li], me, n)))
+      if lf.in_place:
+        outs.append(_in_place(lf, _base(lf, dsts[li]), values))
+        continue
       out = _tile(values, lf.dst_words, lf.word)
       outs.append(_from_uint(_narrow(out, lf.dtype), lf.dtype).reshape(lf.dst_block))
     return tuple(outs)
@@ -209,18 +233,24 @@ def emit_body(program: BucketProgram, axis: Any) -> Callable[..., tuple[jax.Arra
   """The per-device body of ``program`` for a ``shard_map`` whose mesh positions ``axis``
   (one axis name, or a tuple of all of them) enumerates in the order of ``device_ids``.
 
-  It takes one staged source block per leaf and returns one destination block per leaf.
+  It takes one staged source block per leaf, then the destination block of every leaf in
+  :attr:`BucketProgram.dst_inputs`, and returns one destination block per leaf.
   """
+  num_src = len(program.leaves)
 
-  def idle(me: jax.Array, blocks: Any, recvs: Any) -> tuple[jax.Array, ...]:
-    return tuple(jnp.zeros(lf.dst_block, lf.dtype) for lf in program.leaves)
+  def idle(me: jax.Array, blocks: Any, dsts: Any, recvs: Any) -> tuple[jax.Array, ...]:
+    return tuple(_base(lf, d) for lf, d in zip(program.leaves, dsts, strict=True))
 
-  def body(*blocks: jax.Array) -> tuple[jax.Array, ...]:
+  def body(*inputs: jax.Array) -> tuple[jax.Array, ...]:
+    blocks = inputs[:num_src]
+    dsts: list[Any] = [None] * num_src
+    for li, d in zip(program.dst_inputs, inputs[num_src:], strict=True):
+      dsts[li] = d
     me = jax.lax.axis_index(axis)
     recvs = [_emit_round(program, rnd, axis, me, blocks) for rnd in program.rounds]
     branches = [idle, *(_assemble_fn(program, a) for a in program.assembles)]
     table = role_table(len(program.device_ids), program.assembles)
-    return tuple(_switch(me, table, branches, me, list(blocks), recvs))
+    return tuple(_switch(me, table, branches, me, list(blocks), dsts, recvs))
 
   return body
 
@@ -239,14 +269,20 @@ def _compiled_program(signature: BucketProgram, devices: tuple[Any, ...]) -> tup
   they carry (the layers of a model) share one executable and compile once."""
   mesh = Mesh(np.array(devices), (AXIS,))
   staged = NamedSharding(mesh, PartitionSpec(AXIS))
-  specs = tuple(PartitionSpec(AXIS) for _ in signature.leaves)
+  leaves = signature.leaves
+  dst_leaves = [leaves[i] for i in signature.dst_inputs]
+  specs = tuple(PartitionSpec(AXIS) for _ in leaves)
+  in_specs = specs + tuple(PartitionSpec(AXIS) for _ in dst_leaves)
   body = emit_body(signature, AXIS)
-  fn = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=specs, check_vma=False)
+  fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=specs, check_vma=False)
+  n = len(devices)
   avals = [
-    jax.ShapeDtypeStruct(_staged_shape(lf.src_block, len(devices)), lf.dtype, sharding=staged)
-    for lf in signature.leaves
+    jax.ShapeDtypeStruct(_staged_shape(block, n), lf.dtype, sharding=staged)
+    for block, lf in [(lf.src_block, lf) for lf in leaves]
+    + [(lf.dst_block, lf) for lf in dst_leaves]
   ]
-  return jax.jit(fn).lower(*avals).compile(), staged
+  donate = tuple(range(len(leaves), len(leaves) + len(dst_leaves)))  # written in place
+  return jax.jit(fn, donate_argnums=donate).lower(*avals).compile(), staged
 
 
 @functools.lru_cache(maxsize=PROGRAM_CACHE_SIZE)
@@ -274,7 +310,10 @@ class _LeafIO:
   destination device keeps. A call only picks buffers and wraps them (:mod:`_buffers`)."""
 
   __slots__ = (
+    "carry_out",
+    "dst_block",
     "dst_pick",
+    "dst_stage_wrap",
     "ph_keys",
     "scalar_dst",
     "scalar_src",
@@ -297,6 +336,8 @@ class _LeafIO:
     self.scalar_src, self.scalar_dst = not lf.src_shard, not lf.dst_shard
     n = len(staged.device_set)
     self.stage_wrap = Wrapper(_staged_shape(lf.src_block, n), lf.dtype, staged, fast=fast)
+    self.dst_block, self.carry_out = lf.dst_block, lf.carry_out
+    self.dst_stage_wrap = Wrapper(_staged_shape(lf.dst_block, n), lf.dtype, staged, fast=fast)
     self.unstage_wrap = Wrapper(lf.shape, lf.dtype, dst_sharding, fast=fast)
 
   def _pick(self, sharding: Any, *, fast: bool) -> list[int]:
@@ -320,9 +361,27 @@ class _LeafIO:
         blocks.append(held[j].reshape(key[1]) if self.scalar_src else held[j])
     return self.stage_wrap(blocks)
 
-  def unstage(self, y: jax.Array) -> jax.Array:
-    """The destination array made of the destination devices' output blocks (zero-copy)."""
+  def stage_dst(
+    self, held: dict[int, jax.Array], placeholders: dict[Any, jax.Array], position: int
+  ) -> jax.Array:
+    """The leaf's destination blocks as a staged array: ``held`` (by device id) where a device
+    has one, else its donated zero block ``placeholders[(device id, position)]``."""
+    blocks = []
+    for dev_id in self.staged_ids:
+      data = held.get(dev_id)
+      if data is None:
+        data = placeholders[(dev_id, position)]
+      elif data.shape != self.dst_block:
+        data = data.reshape(self.dst_block)
+      blocks.append(data)
+    return self.dst_stage_wrap(blocks)
+
+  def unstage(self, y: jax.Array) -> jax.Array | dict[int, jax.Array]:
+    """The destination array made of the destination devices' output blocks (zero-copy), or
+    (``carry_out``) those blocks by device id, for the leaf's next bucket."""
     held = buffers(y, fast=self.unstage_wrap.fast)
+    if self.carry_out:
+      return {self.staged_ids[j]: held[j] for j in self.dst_pick}
     if self.scalar_dst:
       return self.unstage_wrap([held[j].reshape(()) for j in self.dst_pick])
     return self.unstage_wrap([held[j] for j in self.dst_pick])
@@ -352,8 +411,10 @@ class BucketExecutable:
   Each leaf enters as a staged array whose block on a device is that device's source shard,
   wrapped zero-copy from the source's buffers (devices without a source shard contribute a
   placeholder); the destination blocks are re-wrapped zero-copy into the destination sharding.
-  What to pick and wrap is worked out once; the compiled executable is shared by every bucket
-  with the same :func:`program_signature` on the same devices.
+  A leaf with a destination input (split over buckets, or refit into donated buffers) also
+  enters with its destination blocks, donated, and is written in place. What to pick and wrap
+  is worked out once; the compiled executable is shared by every bucket with the same
+  :func:`program_signature` on the same devices.
   """
 
   def __init__(
@@ -387,9 +448,24 @@ class BucketExecutable:
       self._compiled = _compiled_program(program_signature(self.program), self._mesh_devices)
     return self._compiled
 
-  def _placeholders(self) -> dict[tuple[Any, ...], jax.Array]:
-    """Zero blocks for this call, keyed by (device id, block shape, dtype)."""
-    return _stage_placeholders(self.program.placeholders, self.devices)
+  def _placeholders(self, which: int) -> dict[tuple[Any, ...], jax.Array]:
+    """Zero blocks for this call (``which``: 0 source, 1 destination), keyed by (device id,
+    block shape, dtype) for source blocks and (device id, leaf position) for destination
+    blocks (those are donated, so each belongs to one leaf)."""
+    out = {}
+    fast = fast_path_available()
+    for group in (self.program.placeholders, self.program.dst_placeholders)[which]:
+      devices = tuple(self.devices[i] for i in group.device_ids)
+      fn = _placeholder_program(group, devices)
+      # Ready before the transfer program is queued: on the CPU backend, a collective program
+      # whose inputs come from another in-flight program can starve the thread pool it shares
+      # with that program (seen as a 40 s rendezvous abort on 2 cores).
+      keys: Sequence[Any] = group.leaves if which else group.blocks
+      for key, arr in zip(keys, jax.block_until_ready(fn()), strict=True):
+        ids = addressable_order(arr.sharding, fast=fast)
+        for dev_id, data in zip(ids, buffers(arr, fast=fast), strict=True):
+          out[(dev_id, key) if which else (dev_id, *key)] = data
+    return out
 
   def leaf_io(self) -> list[_LeafIO]:
     """Per leaf, its staging and unstaging worked out (once)."""
@@ -403,11 +479,28 @@ class BucketExecutable:
       ]
     return self._io
 
-  def __call__(self, xs: Sequence[jax.Array]) -> list[jax.Array]:
+  def __call__(
+    self, xs: Sequence[jax.Array], dsts: Sequence[dict[int, jax.Array] | None] = ()
+  ) -> list[Any]:
+    """Moves the bucket's leaves.
+
+    Args:
+      xs: per leaf of the program, its source array.
+      dsts: per leaf, its destination blocks by device id where it has a destination input
+        (donated: they are consumed), else ``None``.
+
+    Returns:
+      Per leaf, the destination array, or (``carry_out``) its blocks by device id.
+    """
     compiled = self.compile()
     io = self.leaf_io()
-    placeholders = self._placeholders()
-    ys = compiled(*[leaf.stage(x, placeholders) for leaf, x in zip(io, xs, strict=True)])
+    placeholders = self._placeholders(0)
+    staged = [leaf.stage(x, placeholders) for leaf, x in zip(io, xs, strict=True)]
+    if self.program.dst_inputs:
+      dst_ph = self._placeholders(1)
+      for li in self.program.dst_inputs:
+        staged.append(io[li].stage_dst(dsts[li] or {}, dst_ph, li))
+    ys = compiled(*staged)
     return [leaf.unstage(y) for leaf, y in zip(io, ys, strict=True)]
 
 
@@ -603,7 +696,7 @@ class TransformExecutable:
       for o, d in zip(program.outputs, dst_shardings, strict=True)
     ]
 
-  def __call__(self, xs: Sequence[jax.Array]) -> list[jax.Array]:
+  def __call__(self, xs: Sequence[jax.Array]) -> list[Any]:
     if self._compiled is None:
       self._compiled = self._fn.compile()
     placeholders = _stage_placeholders(self.program.placeholders, self.devices)

@@ -74,7 +74,8 @@ class LayoutPlan:
   Attributes:
     layouts: per leaf, its ``(source, destination)`` layouts.
     itemsizes: per leaf, bytes per element.
-    leaf_plans: per leaf, the planned transfers.
+    leaf_plans: per leaf, the planned transfers; a leaf split over several buckets has its
+      remote transfers cut into one sub-box per chunk (``schedule.row_chunks``).
     scheduled: the leaves that have elements, in the order the schedule numbers them:
       ``schedule.buckets[b].leaves`` holds positions in this tuple. Leaves without elements
       move nothing and are in no bucket.
@@ -123,6 +124,7 @@ def plan_layouts(
   topology: Topology | None = None,
   relays: bool = True,
   interleave: bool = True,
+  leaf_names: Sequence[str] | None = None,
 ) -> LayoutPlan:
   """Plans moving a tree of leaves from their source to their destination layouts.
 
@@ -135,7 +137,8 @@ def plan_layouts(
     layouts: per leaf, its ``(source, destination)`` layouts (same global shape).
     itemsizes: per leaf, bytes per element.
     max_bucket_bytes: bound on transient staging bytes per device per bucket (compiled
-      program); ``None`` puts every leaf in one bucket.
+      program), round padding included. A leaf that does not fit alone is split into chunks
+      that run in consecutive buckets. ``None`` puts every leaf in one bucket.
     topology: which devices share a fast domain (:class:`Topology`). With several domains,
       senders in the receiver's domain are preferred, the stats count bytes over slow links,
       and (with ``relays``) a region that several devices of a domain need but no device there
@@ -144,12 +147,15 @@ def plan_layouts(
     relays: whether to relay (only with a topology).
     interleave: with several domains, order leaves round-robin over their source device sets
       before bucketing (:func:`interleave_by_source`).
+    leaf_names: per leaf, a name for error messages (default ``#i``).
 
   Returns:
     A :class:`LayoutPlan`: per-leaf transfers, the schedule and :class:`PlanStats`.
 
   Raises:
-    ReshardError: if a source and a destination layout differ in shape.
+    ReshardError: if a source and a destination layout differ in shape, or if
+      ``max_bucket_bytes`` is below what a leaf needs even split into its smallest chunks
+      (the message names the leaf and the least bound that works).
 
   Example:
     >>> import jax_reshard as jr
@@ -181,6 +187,22 @@ def plan_layouts(
   """
   layouts = tuple((s, d) for s, d in layouts)
   itemsizes = tuple(int(i) for i in itemsizes)
+  names = (
+    tuple(leaf_names) if leaf_names is not None else tuple(f"#{i}" for i in range(len(layouts)))
+  )
+  return _plan_tree(layouts, itemsizes, max_bucket_bytes, topology, relays, interleave, names)
+
+
+def _plan_tree(
+  layouts: tuple[tuple[Layout, Layout], ...],
+  itemsizes: tuple[int, ...],
+  max_bucket_bytes: int | None,
+  topology: Topology | None,
+  relays: bool,
+  interleave: bool,
+  names: tuple[str, ...],
+) -> LayoutPlan:
+  """:func:`plan_layouts` on normalised arguments."""
   full = tuple(plan_leaves(layouts, itemsizes, topology=topology, relays=relays))
   interleave = interleave and _domains(layouts, topology) > 1
   split = [
@@ -192,7 +214,9 @@ def plan_layouts(
   )
   scheduled = tuple(i for i, (s, _) in enumerate(layouts) if math.prod(s.shape) > 0)
   scheduled = interleave_by_source(scheduled, layouts) if interleave else scheduled
-  first_stage = _stage_plan(layouts, itemsizes, leaf_plans, scheduled, max_bucket_bytes, topology)
+  first_stage = _stage_plan(
+    layouts, itemsizes, leaf_plans, scheduled, max_bucket_bytes, topology, names
+  )
   stats = _stats(first_stage, relay, full, topology)
   return dataclasses.replace(first_stage, stats=stats, relay=relay)
 
@@ -265,14 +289,21 @@ def _stage_plan(
   scheduled: tuple[int, ...],
   max_bucket_bytes: int | None,
   topology: Topology | None,
+  names: Sequence[str] | None = None,
 ) -> LayoutPlan:
-  """One stage: its leaf plans scheduled, with the stats of this stage alone."""
+  """One stage: its leaf plans scheduled, with the stats of this stage alone. Leaves split over
+  several buckets come back with their remote transfers cut into chunks."""
   schedule = make_schedule(
     [leaf_plans[i] for i in scheduled],
     [layouts[i] for i in scheduled],
     [itemsizes[i] for i in scheduled],
     max_bucket_bytes=max_bucket_bytes,
+    names=None if names is None else [names[i] for i in scheduled],
   )
+  chunked = list(leaf_plans)
+  for j, i in enumerate(scheduled):  # the transfers as the buckets move them (chunks)
+    chunked[i] = schedule.leaf_plans[j]
+  leaf_plans = tuple(chunked)
   stats = PlanStats(
     bytes_moved=sum(p.bytes_moved for p in leaf_plans),
     lower_bound_bytes=sum(p.lower_bound_bytes for p in leaf_plans),

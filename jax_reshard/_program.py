@@ -47,6 +47,12 @@ class LeafView:
     src_block: the block every device stages (:func:`staged_block_shape` of ``src_shard``).
     dst_block: the block every device returns.
     dst_words: destination shard shape in words (last dimension divided).
+    in_place: the destination shard is written part by part with ``dynamic_update_slice``
+      into a base block (the leaf's destination input, or zeros), not concatenated: a leaf
+      split over several buckets, or refit into donated buffers.
+    dst_input: the program takes the leaf's destination block as an input after all source
+      blocks, donated and aliased to its output (the shard filled so far, or the donated one).
+    carry_out: the output goes on to the leaf's next bucket instead of being the result.
   """
 
   index: int
@@ -58,6 +64,14 @@ class LeafView:
   src_block: Box
   dst_block: Box
   dst_words: Box
+  in_place: bool = False
+  dst_input: bool = False
+  carry_out: bool = False
+
+  @property
+  def word_ratio(self) -> int:
+    """Elements per word on the last dimension."""
+    return self.word.itemsize // max(self.dtype.itemsize, 1)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -156,10 +170,16 @@ class Assemble:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PlaceholderGroup:
-  """Zero blocks the devices ``device_ids`` stage for leaves they hold no source shard of."""
+  """Zero blocks the devices ``device_ids`` stage for leaves they hold no shard of.
+
+  Source placeholders are shared by leaves of one block shape and dtype (``leaves`` empty);
+  destination placeholders are donated, so each belongs to one leaf (``leaves[i]`` is the
+  position of the leaf of ``blocks[i]``).
+  """
 
   device_ids: tuple[int, ...]
   blocks: tuple[tuple[Box, np.dtype], ...]  # (block shape, dtype), one block of each per device
+  leaves: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -172,7 +192,9 @@ class BucketProgram:
     unit: the payload word.
     rounds: the ``ppermute`` rounds, in order.
     assembles: the destination roles; devices in none hold no destination shard.
-    placeholders: the zero blocks to stage (eager execution on a union mesh).
+    placeholders: the zero source blocks to stage (eager execution on a union mesh).
+    dst_placeholders: the zero destination blocks to stage for leaves with a destination input
+      on devices without a destination shard of them.
   """
 
   device_ids: tuple[int, ...]
@@ -181,6 +203,12 @@ class BucketProgram:
   rounds: tuple[SendRound, ...]
   assembles: tuple[Assemble, ...]
   placeholders: tuple[PlaceholderGroup, ...]
+  dst_placeholders: tuple[PlaceholderGroup, ...] = ()
+
+  @property
+  def dst_inputs(self) -> tuple[int, ...]:
+    """Positions of the leaves whose destination block the program takes as an input."""
+    return tuple(i for i, lf in enumerate(self.leaves) if lf.dst_input)
 
   def __str__(self) -> str:
     return format_program(self)
@@ -243,6 +271,7 @@ class _LeafInput:
   src: Layout
   dst: Layout
   view: LeafView
+  makes_local_copies: bool = True
 
   def in_words(self, v: np.ndarray) -> Box:
     """Element coordinates (or a shape) in word units."""
@@ -269,6 +298,7 @@ def make_bucket_program(
   device_ids: Sequence[int],
   *,
   max_word_bytes: int,
+  donate: bool = False,
 ) -> BucketProgram:
   """The program of bucket ``bucket`` of ``plan``.
 
@@ -278,7 +308,10 @@ def make_bucket_program(
     dtypes: per leaf of the plan, its element type.
     device_ids: device id at each mesh position; every device of the bucket appears.
     max_word_bytes: widest word to move data in (4, or 8 where 64-bit types exist).
+    donate: the destination buffers are given (donated) for every leaf: each leaf takes its
+      destination block as an input and is written into it in place.
   """
+  sched_bucket = plan.schedule.buckets[bucket]
   leaf_ids = plan.bucket_leaves(bucket)
   words = [
     widest_word(plan.leaf_plans[i], *plan.layouts[i], dtypes[i], max_word_bytes=max_word_bytes)
@@ -287,12 +320,18 @@ def make_bucket_program(
   unit = min(words, key=lambda d: d.itemsize)
   # Each leaf works in the unit, or in its own element width where that is wider (widening and
   # then narrowing below the element width trips XLA's bitcast folding).
-  leaves = [
-    _leaf_input(i, plan, dtypes[i], max(uint_dtype(dtypes[i]), unit, key=lambda d: d.itemsize))
-    for i in leaf_ids
-  ]
+  leaves = []
+  for j, i, chunks in zip(sched_bucket.leaves, leaf_ids, sched_bucket.chunks, strict=True):
+    spans = plan.schedule.leaf_buckets[j] if plan.schedule.leaf_buckets else (bucket,)
+    mode = _Mode(
+      in_place=donate or len(spans) > 1,
+      dst_input=donate or spans[0] != bucket,
+      carry_out=spans[-1] != bucket,
+      makes_local_copies=0 in chunks,
+    )
+    word = max(uint_dtype(dtypes[i]), unit, key=lambda d: d.itemsize)
+    leaves.append(_leaf_input(i, plan, dtypes[i], word, mode))
   positions = {d: k for k, d in enumerate(device_ids)}
-  sched_bucket = plan.schedule.buckets[bucket]
   rounds, incoming = _send_rounds(sched_bucket, leaves, unit, positions)
   return BucketProgram(
     device_ids=tuple(int(d) for d in device_ids),
@@ -301,10 +340,23 @@ def make_bucket_program(
     rounds=rounds,
     assembles=_assembles(leaves, incoming, unit, positions),
     placeholders=_placeholder_groups(leaves, sched_bucket.union_device_ids),
+    dst_placeholders=_dst_placeholder_groups(leaves, sched_bucket.union_device_ids),
   )
 
 
-def _leaf_input(index: int, plan: LayoutPlan, dtype: np.dtype, word: np.dtype) -> _LeafInput:
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Mode:
+  """How a bucket treats one leaf (see :class:`LeafView`)."""
+
+  in_place: bool = False
+  dst_input: bool = False
+  carry_out: bool = False
+  makes_local_copies: bool = True
+
+
+def _leaf_input(
+  index: int, plan: LayoutPlan, dtype: np.dtype, word: np.dtype, mode: _Mode = _Mode()
+) -> _LeafInput:
   src, dst = plan.layouts[index]
   dst_words = list(dst.shard_shape())
   if dst_words:
@@ -319,8 +371,11 @@ def _leaf_input(index: int, plan: LayoutPlan, dtype: np.dtype, word: np.dtype) -
     src_block=staged_block_shape(src.shard_shape()),
     dst_block=staged_block_shape(dst.shard_shape()),
     dst_words=tuple(dst_words),
+    in_place=mode.in_place,
+    dst_input=mode.dst_input,
+    carry_out=mode.carry_out,
   )
-  return _LeafInput(plan.leaf_plans[index], src, dst, view)
+  return _LeafInput(plan.leaf_plans[index], src, dst, view, mode.makes_local_copies)
 
 
 # Per receiving device, per bucket leaf: (transfer, round, piece) it receives.
@@ -393,7 +448,8 @@ def _device_parts(
       continue
     plan = leaf.plan
     parts: list[tuple[Any, ...]] = []
-    for t in np.nonzero(plan.local & (plan.dst_device == dev))[0].tolist():
+    local = plan.local & (plan.dst_device == dev) & leaf.makes_local_copies
+    for t in np.nonzero(local)[0].tolist():
       lo, shape = leaf.src_box(t, dev)
       parts.append((leaf.dst_offset(t, dev), shape, ("resident", lo)))
     for t, r, piece in incoming.get(li, []):
@@ -459,6 +515,25 @@ def _placeholder_groups(
   return tuple(PlaceholderGroup(ids, tuple(keys)) for ids, keys in by_devices.items())
 
 
+def _dst_placeholder_groups(
+  leaves: Sequence[_LeafInput], union_device_ids: Sequence[int]
+) -> tuple[PlaceholderGroup, ...]:
+  """Per distinct set of devices, the zero destination blocks they stage: one per leaf with a
+  destination input, on the devices without a destination shard of it (donated, not shared)."""
+  union = np.asarray(union_device_ids, dtype=np.int64)
+  by_devices: dict[tuple[int, ...], list[int]] = defaultdict(list)
+  for li, leaf in enumerate(leaves):
+    devs = union[placeholder_mask(leaf.dst, union)]
+    if leaf.view.dst_input and len(devs):
+      by_devices[tuple(devs.tolist())].append(li)
+  return tuple(
+    PlaceholderGroup(
+      ids, tuple((leaves[li].view.dst_block, leaves[li].view.dtype) for li in lis), tuple(lis)
+    )
+    for ids, lis in by_devices.items()
+  )
+
+
 def format_program(program: BucketProgram) -> str:
   """Readable text: the leaves, then per round who packs what, then who assembles what."""
   lines = [
@@ -466,9 +541,11 @@ def format_program(program: BucketProgram) -> str:
     f"{len(program.device_ids) - 1}), payload word {program.unit.name}"
   ]
   for li, lf in enumerate(program.leaves):
+    mode = (" in place" if lf.in_place else "") + (", into its input" if lf.dst_input else "")
+    mode += ", carried to the next bucket" if lf.carry_out else ""
     lines.append(
       f"  leaf {li} (#{lf.index}) {lf.dtype.name}{list(lf.shape)} in {lf.word.name}: "
-      f"{list(lf.src_shard)} -> {list(lf.dst_shard)}"
+      f"{list(lf.src_shard)} -> {list(lf.dst_shard)}{mode}"
     )
   for r, rnd in enumerate(program.rounds):
     lines.append(f"  round {r}: {rnd.words} words, pairs {list(rnd.pairs)}")
@@ -481,9 +558,10 @@ def format_program(program: BucketProgram) -> str:
     for li, parts in enumerate(a.parts):
       if parts is not None:
         lines.append(f"    leaf {li}: " + ", ".join(_format_part(p) for p in parts))
-  for g in program.placeholders:
+  for g in (*program.placeholders, *program.dst_placeholders):
     blocks = ", ".join(f"{dt.name}{list(shape)}" for shape, dt in g.blocks)
-    lines.append(f"  placeholders on devices {list(g.device_ids)}: {blocks}")
+    which = "destination placeholders" if g.leaves else "placeholders"
+    lines.append(f"  {which} on devices {list(g.device_ids)}: {blocks}")
   return "\n".join(lines)
 
 

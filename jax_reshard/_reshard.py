@@ -17,6 +17,7 @@ def reshard(
   dst: Any,
   *,
   src: Any = None,
+  donate: Any = None,
   max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
   transform: Callable[[Any], Any] | None = None,
 ) -> Any:
@@ -29,6 +30,12 @@ def reshard(
     src: only for traced ``x`` (inside ``jax.jit``): the source Sharding(s), one or a pytree
       prefix of ``x``. Needed when JAX does not know the layout of the traced value (meshes
       whose axes are not ``Explicit``).
+    donate: only for concrete ``x``: the sampler's current tree in the destination layouts
+      (same structure, shapes and dtypes). Its buffers are donated and reused for the result,
+      and its arrays are deleted after the call; peak extra device memory is then the staging
+      alone. A tree that does not match raises before any device work and deletes nothing.
+      Inside ``jax.jit``, donate the old tree with ``jax.jit(..., donate_argnums=...)``
+      instead: XLA then reuses its buffers for the outputs.
     max_bucket_bytes: bound on transient staging bytes per device per compiled program
       (eager calls; inside ``jax.jit`` XLA schedules the memory of the whole computation).
     transform: convert while resharding (casts, slices, concatenate, stack, reshape,
@@ -50,10 +57,22 @@ def reshard(
     (True, [(8,), (8,), (8,), (8,)])
   """
   if is_traced(x):
+    if donate is not None:
+      raise ReshardError(
+        "donate= is for concrete arrays; inside jax.jit donate the sampler's old tree to the "
+        "jitted function instead:\n  >>> step = jax.jit(refit, donate_argnums=(1,))"
+      )
     if transform is not None:
       return _traced.reshard_traced_transform(x, dst, src, transform)
     return _traced.reshard_traced(x, dst, src)
   if src is not None:
     raise ReshardError("src= is only for traced values; concrete arrays carry their sharding")
-  plan = make_plan(x, dst, max_bucket_bytes=max_bucket_bytes, transform=transform)
-  return plan(x)
+  if transform is not None:
+    if donate is not None:
+      raise ReshardError(
+        "donate= is not supported with transform= yet: drop donate= (the old tree can be "
+        "deleted after the call)"
+      )
+    return make_plan(x, dst, max_bucket_bytes=max_bucket_bytes, transform=transform)(x)
+  plan = make_plan(x, dst, max_bucket_bytes=max_bucket_bytes)
+  return plan(x, donate=donate)

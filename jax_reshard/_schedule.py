@@ -1,4 +1,4 @@
-"""The schedule: buckets of leaves, per-pair byte payloads, and collective rounds.
+"""The schedule: buckets of leaves and chunks, per-pair byte payloads, and collective rounds.
 
 All remote transfers between one (source device, destination device) pair inside a bucket are
 packed into one byte payload. Pairs are grouped into rounds in which every device sends at most
@@ -7,8 +7,15 @@ degree (first fit with per-device bitmasks when that reaches the optimum, else a
 recolouring). Every sender of a round sends the round's largest payload size, so colouring size
 classes apart pads little but can leave devices idle; both that and one colouring of all pairs
 are computed and the one with the smaller sum of round maxima (the time when devices run in
-parallel) is kept. Leaves are split into buckets so that the staging memory of every device
-stays under ``max_bucket_bytes``. Everything is NumPy over arrays of transfers."""
+parallel) is kept.
+
+Buckets keep the staging memory of every device under ``max_bucket_bytes``, padding included:
+consecutive leaves share a bucket while their unpadded staging fits, and every bucket is then
+checked with its rounds (the quantity ``peak_staging_bytes`` reports) and shrunk if padding
+pushed it over. A leaf that does not fit alone is split into *chunks*: each of its remote
+transfers is cut into sub-boxes along one dimension, sub-box ``j`` going to chunk ``j``, so a
+leaf spans consecutive buckets and its destination shard is filled bucket by bucket. Everything
+is NumPy over arrays of transfers."""
 
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
 from jax_reshard._planner import LeafPlan
 
@@ -47,15 +55,22 @@ class Round:
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class Bucket:
-  """Leaves executed together in one compiled program.
+  """Leaves (or chunks of leaves) executed together in one compiled program.
 
   ``leaves`` and ``piece_leaf`` are positions in the list of leaves given to
   :func:`make_schedule`. The ``piece_*`` arrays hold one row per remote transfer, sorted by
   (source, destination, leaf, transfer): the payload of a (source, destination) pair is its rows
-  in that order, each at ``piece_offset`` bytes into the payload.
+  in that order, each at ``piece_offset`` bytes into the payload. ``piece_transfer`` indexes the
+  rows of :attr:`Schedule.leaf_plans`.
+
+  Attributes:
+    leaves: the leaves the bucket moves (a part of), in order.
+    chunks: per leaf of ``leaves``, the chunks of it the bucket moves. Chunk 0 of a leaf also
+      makes its device-local copies.
   """
 
   leaves: tuple[int, ...]
+  chunks: tuple[tuple[int, ...], ...]
   rounds: tuple[Round, ...]
   union_device_ids: tuple[int, ...]  # the bucket's mesh: every device of its leaves, ascending
   piece_src: np.ndarray
@@ -84,7 +99,20 @@ class Bucket:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Schedule:
-  """Buckets plus the per-device byte counts they imply."""
+  """Buckets plus the per-device byte counts they imply.
+
+  Attributes:
+    buckets: the compiled programs, in the order they run.
+    union_device_ids: every device of every leaf, ascending.
+    padding_bytes: bytes sent only to make the payloads of a round one size.
+    max_send_bytes: most bytes one device sends (padding included).
+    max_recv_bytes: most bytes one device receives (padding included).
+    peak_staging_bytes: most staging bytes one device holds in a bucket (padding included).
+    leaf_plans: per leaf, its transfers as the buckets move them: the planner's, with the remote
+      transfers of split leaves cut into one sub-box per chunk (same bytes, more rows).
+    row_chunks: per leaf, the chunk of every row of its :attr:`leaf_plans` entry.
+    leaf_buckets: per leaf, the buckets it runs in (consecutive).
+  """
 
   buckets: tuple[Bucket, ...]
   union_device_ids: tuple[int, ...]
@@ -92,10 +120,27 @@ class Schedule:
   max_send_bytes: int
   max_recv_bytes: int
   peak_staging_bytes: int
+  leaf_plans: tuple[LeafPlan, ...] = ()
+  row_chunks: tuple[np.ndarray, ...] = ()
+  leaf_buckets: tuple[tuple[int, ...], ...] = ()
 
   @property
   def num_rounds(self) -> int:
     return sum(len(b.rounds) for b in self.buckets)
+
+
+class BucketBoundError(ReshardError):
+  """``max_bucket_bytes`` is below what one leaf needs even split into its smallest chunks.
+
+  Attributes:
+    leaf: position of the leaf in the list given to :func:`make_schedule`.
+    minimum_bytes: the staging bytes per device that leaf needs at least.
+  """
+
+  def __init__(self, message: str, leaf: int, minimum_bytes: int) -> None:
+    super().__init__(message)
+    self.leaf = leaf
+    self.minimum_bytes = minimum_bytes
 
 
 def staged_block_shape(shard_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -120,45 +165,6 @@ def _placeholder_bytes(src: Layout, dst: Layout, itemsize: int, union: np.ndarra
   src_block = math.prod(staged_block_shape(src.shard_shape())) * itemsize
   dst_block = math.prod(staged_block_shape(dst.shard_shape())) * itemsize
   return placeholder_mask(src, union) * src_block + placeholder_mask(dst, union) * dst_block
-
-
-def _split_buckets(
-  plans: Sequence[LeafPlan],
-  placeholders: Sequence[np.ndarray],
-  members: Sequence[np.ndarray],
-  union: np.ndarray,
-  max_bucket_bytes: int | None,
-) -> list[list[int]]:
-  """Consecutive leaves per bucket while every device's staging stays under the bound.
-
-  A bucket runs on the devices of its leaves only. A leaf's staging on a device of its bucket is
-  what it sends and receives there plus its placeholder blocks (``placeholders``, per device of
-  ``union``, counted on the bucket's devices ``members``).
-  """
-  buckets: list[list[int]] = []
-  current: list[int] = []
-  n = len(union)
-  acc_ph = np.zeros(n, dtype=np.int64)
-  acc_pay = np.zeros(n, dtype=np.int64)
-  mask = np.zeros(n, dtype=bool)
-  for leaf, (plan, ph, own) in enumerate(zip(plans, placeholders, members, strict=True)):
-    remote = ~plan.local
-    nb = plan.nbytes[remote]
-    pay = np.bincount(np.searchsorted(union, plan.src_device[remote]), nb, minlength=n)
-    pay = pay + np.bincount(np.searchsorted(union, plan.dst_device[remote]), nb, minlength=n)
-    pay = pay.astype(np.int64)
-    staged = (acc_ph + ph) * (mask | own) + acc_pay + pay
-    if current and max_bucket_bytes is not None and int(staged.max()) > max_bucket_bytes:
-      buckets.append(current)
-      current = []
-      acc_ph, acc_pay, mask = np.zeros_like(acc_ph), np.zeros_like(acc_pay), np.zeros_like(mask)
-    current.append(leaf)
-    acc_ph += ph
-    acc_pay += pay
-    mask |= own
-  if current:
-    buckets.append(current)
-  return buckets
 
 
 def color_bipartite(edges: Sequence[tuple[int, int]]) -> list[int]:
@@ -285,15 +291,128 @@ def _make_rounds(
   return rounds, pair_round_bytes
 
 
-def _bucket_pieces(plans: Sequence[LeafPlan], leaves: Sequence[int]) -> tuple[np.ndarray, ...]:
-  """The remote transfers of a bucket's leaves as payload pieces, sorted by (source,
-  destination, leaf, transfer): ``(src, dst, leaf, transfer, nbytes, offset, first)``, where
-  ``offset`` is each piece's byte offset in its pair's payload and ``first`` the index of each
-  pair's first piece."""
+def split_rows(plan: LeafPlan, k: int, itemsize: int) -> tuple[LeafPlan, np.ndarray]:
+  """``plan`` with every remote transfer cut into up to ``k`` sub-boxes, and each row's chunk.
+
+  A transfer is cut along its first dimension of extent at least ``k`` (its longest where none
+  is), into ``k`` near-equal ranges; range ``j`` goes to chunk ``j``. Shorter dimensions give
+  fewer, one-index-thick ranges spread over the chunks. Local copies stay whole in chunk 0.
+  Rows keep the planner's order (each cut transfer replaced by its pieces), chunks are numbered
+  from 0 without gaps, and the pieces partition the transfers: the same bytes, more rows.
+
+  Example:
+    >>> from jax_reshard._planner import plan_leaf
+    >>> from jax_reshard._layout import Layout
+    >>> src = Layout.from_description((8, 4), mesh_shape=(2,), axis_names=("x",), spec=("x",))
+    >>> dst = Layout.from_description((8, 4), mesh_shape=(2,), axis_names=("y",),
+    ...                               spec=(None, "y"), device_ids=(2, 3))
+    >>> cut, chunk = split_rows(plan_leaf(src, dst, 4), 2, 4)
+    >>> len(cut.nbytes), chunk.tolist(), int(cut.nbytes.sum()) == 8 * 4 * 4
+    (8, [0, 1, 0, 1, 0, 1, 0, 1], True)
+  """
+  remote = ~plan.local & (plan.nbytes > 0)
+  if k <= 1 or not remote.any() or plan.lo.shape[1] == 0:
+    return plan, np.zeros(len(plan.nbytes), dtype=np.int64)
+  rows = np.flatnonzero(remote)
+  lo, hi = plan.lo[rows], plan.hi[rows]
+  ext = hi - lo
+  long_enough = ext >= k
+  dim = np.where(long_enough.any(axis=1), long_enough.argmax(axis=1), ext.argmax(axis=1))
+  e = ext[np.arange(len(rows)), dim]
+  m = np.minimum(e, k)  # pieces per transfer
+  rr = np.repeat(np.arange(len(rows)), m)
+  i = np.arange(len(rr)) - np.repeat(np.cumsum(m) - m, m)
+  whole = e[rr] >= k  # k ranges; else e unit ranges, range i in chunk ceil(i k / e)
+  a = np.where(whole, (i * e[rr]) // k, i)
+  b = np.where(whole, ((i + 1) * e[rr]) // k, i + 1)
+  chunk = np.where(whole, i, (i * k + e[rr] - 1) // e[rr])
+  piece_lo, piece_hi = lo[rr], hi[rr]
+  at = (np.arange(len(rr)), dim[rr])
+  base = lo[rr, dim[rr]]
+  piece_lo[at], piece_hi[at] = base + a, base + b
+  keep = np.flatnonzero(~remote)
+  order = np.lexsort((np.r_[np.zeros(len(keep), np.int64), chunk], np.r_[keep, rows[rr]]))
+
+  def cat(kept: np.ndarray, pieces: np.ndarray) -> np.ndarray:
+    return np.concatenate([kept, pieces])[order]
+
+  src, dst = plan.src_device[rows][rr], plan.dst_device[rows][rr]
+  nbytes = np.prod(piece_hi - piece_lo, axis=1, dtype=np.int64) * itemsize
+  out = LeafPlan(
+    src_device=cat(plan.src_device[keep], src),
+    dst_device=cat(plan.dst_device[keep], dst),
+    lo=cat(plan.lo[keep], piece_lo),
+    hi=cat(plan.hi[keep], piece_hi),
+    nbytes=cat(plan.nbytes[keep], nbytes),
+    local=cat(plan.local[keep], np.zeros(len(rr), dtype=bool)),
+    lower_bound_bytes=plan.lower_bound_bytes,
+    gather_broadcast_bytes=plan.gather_broadcast_bytes,
+  )
+  chunks = cat(np.zeros(len(keep), dtype=np.int64), chunk)
+  return out, np.unique(chunks, return_inverse=True)[1].reshape(-1)
+
+
+@dataclasses.dataclass(eq=False)
+class _Tree:
+  """The leaves being scheduled, with their current chunks (mutable while scheduling)."""
+
+  original: Sequence[LeafPlan]
+  itemsizes: Sequence[int]
+  names: Sequence[str]
+  union: np.ndarray
+  placeholders: list[np.ndarray]  # per leaf, per union device (see _placeholder_bytes)
+  members: list[np.ndarray]  # per leaf, which union devices it uses
+  bound: int | None
+  plans: list[LeafPlan] = dataclasses.field(default_factory=list)
+  chunks: list[np.ndarray] = dataclasses.field(default_factory=list)
+  payloads: list[np.ndarray] = dataclasses.field(default_factory=list)  # (chunks, devices)
+  round_cache: dict[bytes, tuple[list[Round], np.ndarray]] = dataclasses.field(default_factory=dict)
+
+  def set_chunks(self, leaf: int, plan: LeafPlan, chunk: np.ndarray) -> None:
+    """Records ``leaf``'s rows and their chunks, and each chunk's payload bytes per device."""
+    n, k = len(self.union), int(chunk.max(initial=0)) + 1
+    remote = ~plan.local
+    nb, c = plan.nbytes[remote], chunk[remote]
+    s = np.searchsorted(self.union, plan.src_device[remote])
+    d = np.searchsorted(self.union, plan.dst_device[remote])
+    pay = np.bincount(c * n + s, nb, minlength=k * n) + np.bincount(c * n + d, nb, minlength=k * n)
+    if leaf == len(self.plans):
+      self.plans.append(plan)
+      self.chunks.append(chunk)
+      self.payloads.append(pay)
+    self.plans[leaf], self.chunks[leaf] = plan, chunk
+    self.payloads[leaf] = pay.astype(np.int64).reshape(k, n)
+
+  def items(self, leaf: int) -> list[tuple[int, int]]:
+    return [(leaf, c) for c in range(len(self.payloads[leaf]))]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class _Built:
+  """A bucket with the per-device bytes it implies (positions in the tree's union)."""
+
+  bucket: Bucket
+  stage: np.ndarray
+  sent: np.ndarray
+  received: np.ndarray
+  padding: int
+
+  @property
+  def peak(self) -> int:
+    return int(self.stage.max(initial=0))
+
+
+def _bucket_pieces(
+  plans: Sequence[LeafPlan], leaves: Sequence[int], rows: Sequence[np.ndarray]
+) -> tuple[np.ndarray, ...]:
+  """The remote transfers ``rows`` (a mask per leaf) of a bucket's leaves as payload pieces,
+  sorted by (source, destination, leaf, transfer): ``(src, dst, leaf, transfer, nbytes,
+  offset, first)``, where ``offset`` is each piece's byte offset in its pair's payload and
+  ``first`` the index of each pair's first piece."""
   cols: list[list[np.ndarray]] = [[], [], [], [], []]
-  for leaf in leaves:
+  for leaf, mask in zip(leaves, rows, strict=True):
     p = plans[leaf]
-    ts = np.nonzero(~p.local & (p.nbytes != 0))[0]
+    ts = np.nonzero(mask & ~p.local & (p.nbytes != 0))[0]
     for col, v in zip(
       cols,
       (p.src_device[ts], p.dst_device[ts], np.full(len(ts), leaf), ts, p.nbytes[ts]),
@@ -311,12 +430,173 @@ def _bucket_pieces(plans: Sequence[LeafPlan], leaves: Sequence[int]) -> tuple[np
   return src, dst, leaf_of, transfer, nbytes, offset, first
 
 
+def _build(tree: _Tree, items: Sequence[tuple[int, int]]) -> _Built:
+  """The bucket of ``items`` ((leaf, chunk), consecutive) with its rounds and byte counts."""
+  chunks: dict[int, list[int]] = {}
+  for leaf, c in items:
+    chunks.setdefault(leaf, []).append(c)
+  leaves = list(chunks)
+  rows = [np.isin(tree.chunks[leaf], chunks[leaf]) for leaf in leaves]
+  src, dst, leaf_of, transfer, nbytes, offset, first = _bucket_pieces(tree.plans, leaves, rows)
+  fill = np.add.reduceat(nbytes, first) if len(src) else nbytes
+  ps, pd = src[first], dst[first]
+  key = ps.tobytes() + b"|" + pd.tobytes() + b"|" + fill.tobytes()
+  if key not in tree.round_cache:
+    tree.round_cache[key] = _make_rounds(ps, pd, fill)
+  rounds, round_bytes = tree.round_cache[key]
+  n, union = len(tree.union), tree.union
+  sent = np.bincount(np.searchsorted(union, ps), round_bytes, minlength=n).astype(np.int64)
+  received = np.bincount(np.searchsorted(union, pd), round_bytes, minlength=n).astype(np.int64)
+  in_bucket = np.logical_or.reduce([tree.members[leaf] for leaf in leaves])
+  placeholders = sum((tree.placeholders[leaf] for leaf in leaves), np.zeros(n, dtype=np.int64))
+  bucket = Bucket(
+    leaves=tuple(leaves),
+    chunks=tuple(tuple(chunks[leaf]) for leaf in leaves),
+    rounds=tuple(rounds),
+    union_device_ids=tuple(union[in_bucket].tolist()),
+    piece_src=src,
+    piece_dst=dst,
+    piece_leaf=leaf_of,
+    piece_transfer=transfer,
+    piece_offset=offset,
+    piece_nbytes=nbytes,
+  )
+  stage = placeholders * in_bucket + sent + received
+  return _Built(bucket, stage, sent, received, int((round_bytes - fill).sum()))
+
+
+def _greedy_end(tree: _Tree, items: Sequence[tuple[int, int]], start: int) -> int:
+  """One past the last item that joins ``items[start]``'s bucket while the unpadded staging
+  (payloads plus each leaf's placeholders once, on the bucket's devices) stays in bound."""
+  if tree.bound is None:
+    return len(items)
+  n = len(tree.union)
+  acc_ph, acc_pay, mask = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, bool)
+  seen: set[int] = set()
+  for i in range(start, len(items)):
+    leaf, c = items[i]
+    ph = 0 if leaf in seen else tree.placeholders[leaf]
+    pay = tree.payloads[leaf][c]
+    staged = (acc_ph + ph) * (mask | tree.members[leaf]) + acc_pay + pay
+    if i > start and int(staged.max()) > tree.bound:
+      return i
+    acc_ph, acc_pay, mask = acc_ph + ph, acc_pay + pay, mask | tree.members[leaf]
+    seen.add(leaf)
+  return len(items)
+
+
+def _largest_fitting(
+  tree: _Tree, items: Sequence[tuple[int, int]], start: int, end: int
+) -> tuple[_Built, int] | None:
+  """The longest ``items[start:e]`` (``e < end``) whose padded staging is in bound (bisection
+  on the length), with ``e``; ``None`` when not even ``items[start]`` alone fits."""
+  assert tree.bound is not None
+  lo, hi, best = start + 1, end - 1, None
+  while lo <= hi:
+    mid = (lo + hi) // 2
+    built = _build(tree, items[start:mid])
+    if built.peak <= tree.bound:
+      best, lo = (built, mid), mid + 1
+    else:
+      hi = mid - 1
+  return best
+
+
+def _fill_buckets(tree: _Tree) -> list[_Built]:
+  """Consecutive items per bucket, every bucket's padded staging in bound. A whole leaf that
+  does not fit alone (its rounds padded past the bound) is split into chunks on the way."""
+  items = [item for leaf in range(len(tree.plans)) for item in tree.items(leaf)]
+  out: list[_Built] = []
+  i = 0
+  while i < len(items):
+    end = _greedy_end(tree, items, i)
+    built = _build(tree, items[i:end])
+    if tree.bound is None or built.peak <= tree.bound:
+      out.append(built)
+      i = end
+      continue
+    fitting = _largest_fitting(tree, items, i, end) if end - i > 1 else None
+    if fitting is not None:
+      out.append(fitting[0])
+      i = fitting[1]
+      continue
+    leaf = items[i][0]
+    assert len(tree.payloads[leaf]) == 1, "chunks are checked alone when they are made"
+    _split_leaf(tree, leaf, 2)
+    items[i : i + 1] = tree.items(leaf)
+  return out
+
+
+def _split_leaf(tree: _Tree, leaf: int, k: int) -> None:
+  """Splits ``leaf`` into the fewest chunks (from ``k`` up) that each fit the bound alone,
+  padded rounds and the leaf's placeholder blocks included.
+
+  Raises:
+    BucketBoundError: if even the smallest chunks (one index thick along each transfer's
+      longest dimension) do not fit.
+  """
+  assert tree.bound is not None
+  bound, orig = tree.bound, tree.original[leaf]
+  ph = tree.placeholders[leaf] * tree.members[leaf]
+  remote = ~orig.local & (orig.nbytes > 0)
+  ext = (orig.hi - orig.lo)[remote]
+  k_max = int(ext.max(initial=1)) if ext.size else 1
+  # No chunking goes below a placeholder plus the thinnest slab of one transfer of a device.
+  slab = orig.nbytes[remote] // np.maximum(ext.max(axis=1, initial=1), 1)
+  thinnest = np.full(len(tree.union), np.iinfo(np.int64).max)
+  for devs in (orig.src_device[remote], orig.dst_device[remote]):
+    np.minimum.at(thinnest, np.searchsorted(tree.union, devs), slab)
+  least = int((ph + np.where(thinnest == np.iinfo(np.int64).max, 0, thinnest)).max(initial=0))
+  if least > bound:
+    _raise_bound(tree, leaf, least, "at least ")
+  k = max(2, min(k, k_max))
+  while True:
+    tree.set_chunks(leaf, *split_rows(orig, k, tree.itemsizes[leaf]))
+    stage = tree.payloads[leaf] + ph
+    if int(stage.max()) <= bound:
+      stage = np.stack([_build(tree, [item]).stage for item in tree.items(leaf)])
+      if int(stage.max()) <= bound:
+        return
+    if k >= k_max:
+      _raise_bound(tree, leaf, int(stage.max()), "")
+    room = np.maximum(bound - ph, 1)
+    ratio = float(((stage - ph) / room).max())
+    k = min(k_max, max(k + 1, math.ceil(k * ratio)))
+
+
+def _raise_bound(tree: _Tree, leaf: int, minimum: int, qualifier: str) -> None:
+  raise BucketBoundError(
+    f"max_bucket_bytes={tree.bound} is below what leaf {tree.names[leaf]} needs per device "
+    f"in one bucket even split into its smallest chunks: {qualifier}{minimum} bytes (its "
+    "placeholder blocks on devices without a source or destination shard of it, plus the "
+    f"payloads of one chunk). Pass max_bucket_bytes={minimum} or more.",
+    leaf,
+    minimum,
+  )
+
+
+def _presplit(tree: _Tree) -> None:
+  """Splits every leaf whose unpadded staging alone exceeds the bound, into as many chunks
+  as that excess suggests (checked with padding by :func:`_split_leaf`)."""
+  if tree.bound is None:
+    return
+  for leaf in range(len(tree.plans)):
+    ph = tree.placeholders[leaf] * tree.members[leaf]
+    pay = tree.payloads[leaf][0]
+    if int((pay + ph).max(initial=0)) <= tree.bound:
+      continue
+    room = tree.bound - ph
+    k = math.ceil(float((pay / np.maximum(room, 1)).max())) if (room > 0).all() else 2
+    _split_leaf(tree, leaf, k)
+
+
 def make_schedule(
   plans: Sequence[LeafPlan],
   layouts: Sequence[tuple[Layout, Layout]],
   itemsizes: Sequence[int],
   *,
   max_bucket_bytes: int | None = DEFAULT_MAX_BUCKET_BYTES,
+  names: Sequence[str] | None = None,
 ) -> Schedule:
   """Packs the remote transfers of all leaves into buckets, payloads and rounds.
 
@@ -324,57 +604,49 @@ def make_schedule(
     plans: one :class:`LeafPlan` per leaf.
     layouts: ``(src, dst)`` layouts per leaf.
     itemsizes: bytes per element per leaf.
-    max_bucket_bytes: bound on staging bytes per device per bucket. A single leaf whose own
-      staging exceeds it runs alone in its bucket. ``None``: no bound (one bucket).
+    max_bucket_bytes: bound on staging bytes per device per bucket, padding included; a leaf
+      that does not fit alone is split into chunks over consecutive buckets. ``None``: no
+      bound (one bucket).
+    names: per leaf, a name for error messages (default ``#i``).
+
+  Raises:
+    BucketBoundError: if the bound is below what some leaf needs even in its smallest chunks.
   """
   union = np.asarray(
     sorted({i for s, d in layouts for i in (*s.device_ids, *d.device_ids)}), dtype=np.int64
   )
-  n = len(union)
-  placeholders = [
-    _placeholder_bytes(s, d, isz, union) for (s, d), isz in zip(layouts, itemsizes, strict=True)
-  ]
-  members = [
-    np.isin(union, np.asarray((*s.device_ids, *d.device_ids), dtype=np.int64)) for s, d in layouts
-  ]
-  buckets = []
-  padding = 0
-  sent = np.zeros(n, dtype=np.int64)
-  recv = np.zeros(n, dtype=np.int64)
-  peak = 0
-  for leaves in _split_buckets(plans, placeholders, members, union, max_bucket_bytes):
-    in_bucket = np.logical_or.reduce([members[leaf] for leaf in leaves])
-    src, dst, leaf_of, transfer, nbytes, offset, first = _bucket_pieces(plans, leaves)
-    fill = np.add.reduceat(nbytes, first) if len(src) else nbytes
-    ps, pd = src[first], dst[first]
-    rounds, round_bytes = _make_rounds(ps, pd, fill)
-
-    padding += int((round_bytes - fill).sum())
-    s_pos, d_pos = np.searchsorted(union, ps), np.searchsorted(union, pd)
-    out_b = np.bincount(s_pos, round_bytes, minlength=n).astype(np.int64)
-    in_b = np.bincount(d_pos, round_bytes, minlength=n).astype(np.int64)
-    sent += out_b
-    recv += in_b
-    stage = sum((placeholders[leaf] for leaf in leaves), np.zeros(n, dtype=np.int64)) * in_bucket
-    peak = max(peak, int((stage + out_b + in_b).max(initial=0)))
-    buckets.append(
-      Bucket(
-        leaves=tuple(leaves),
-        rounds=tuple(rounds),
-        union_device_ids=tuple(union[in_bucket].tolist()),
-        piece_src=src,
-        piece_dst=dst,
-        piece_leaf=leaf_of,
-        piece_transfer=transfer,
-        piece_offset=offset,
-        piece_nbytes=nbytes,
-      )
-    )
+  tree = _Tree(
+    original=plans,
+    itemsizes=itemsizes,
+    names=names or [f"#{i}" for i in range(len(plans))],
+    union=union,
+    placeholders=[
+      _placeholder_bytes(s, d, isz, union) for (s, d), isz in zip(layouts, itemsizes, strict=True)
+    ],
+    members=[
+      np.isin(union, np.asarray((*s.device_ids, *d.device_ids), dtype=np.int64)) for s, d in layouts
+    ],
+    bound=max_bucket_bytes,
+  )
+  for leaf, plan in enumerate(plans):
+    tree.set_chunks(leaf, plan, np.zeros(len(plan.nbytes), dtype=np.int64))
+  _presplit(tree)
+  built = _fill_buckets(tree)
+  leaf_buckets: list[list[int]] = [[] for _ in plans]
+  for b, bb in enumerate(built):
+    for leaf in bb.bucket.leaves:
+      leaf_buckets[leaf].append(b)
+  zero = np.zeros(len(union), dtype=np.int64)
+  sent = sum((bb.sent for bb in built), zero)
+  received = sum((bb.received for bb in built), zero)
   return Schedule(
-    buckets=tuple(buckets),
+    buckets=tuple(bb.bucket for bb in built),
     union_device_ids=tuple(union.tolist()),
-    padding_bytes=padding,
+    padding_bytes=sum(bb.padding for bb in built),
     max_send_bytes=int(sent.max(initial=0)),
-    max_recv_bytes=int(recv.max(initial=0)),
-    peak_staging_bytes=peak,
+    max_recv_bytes=int(received.max(initial=0)),
+    peak_staging_bytes=max((bb.peak for bb in built), default=0),
+    leaf_plans=tuple(tree.plans),
+    row_chunks=tuple(tree.chunks),
+    leaf_buckets=tuple(tuple(b) for b in leaf_buckets),
   )

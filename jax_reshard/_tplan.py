@@ -21,6 +21,7 @@ from collections.abc import MutableMapping, Sequence
 
 import numpy as np
 
+from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
 from jax_reshard._pieces import OutputLeaf, Piece, lower_bound_bytes, restrict, restrict_source
 from jax_reshard._plan import PlanStats
@@ -212,7 +213,19 @@ def plan_transform_layouts(
     [layouts[i] for i in scheduled],
     [1] * len(scheduled),
     max_bucket_bytes=max_bucket_bytes,
+    names=[leaves[i].path or "<root>" for i in scheduled],
   )
+  split = [
+    leaves[i].path
+    for i, rows in zip(scheduled, schedule.leaf_plans, strict=True)
+    if rows is not plans[i].transfers  # cut into chunks
+  ]
+  if split:
+    raise ReshardError(
+      f"output leaves {split} do not fit max_bucket_bytes={max_bucket_bytes} alone; leaves of "
+      "a transformed plan are not split into chunks yet. Pass a larger max_bucket_bytes (or "
+      "None for one bucket)."
+    )
   transfers = [p.transfers for p in plans]
   stats = PlanStats(
     bytes_moved=sum(t.bytes_moved for t in transfers),

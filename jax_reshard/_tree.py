@@ -307,3 +307,63 @@ def check_arrays(treedef: Any, leaves: Sequence[Leaf], x: Any) -> list[Any]:
       "jax.jit(..., out_shardings=...)."
     )
   return arrays
+
+
+def _buffers(a: jax.Array) -> set[tuple[int, int]]:
+  """(device id, buffer address) of every addressable shard of ``a`` that has elements."""
+  if not a.size:
+    return set()
+  return {(s.device.id, s.data.unsafe_buffer_pointer()) for s in a.addressable_shards}
+
+
+def check_donated(
+  treedef: Any, leaves: Sequence[Leaf], donate: Any, sources: Sequence[Any]
+) -> list[Any]:
+  """The arrays of ``donate`` if it can give its buffers to the result of moving ``leaves``.
+
+  ``donate`` must be a tree of live arrays with the plan's structure, every leaf with the
+  leaf's shape and dtype, laid out in its destination sharding; none may share a buffer with
+  the source (which is never donated) or with another donated leaf.
+
+  Raises:
+    ReshardError: listing every leaf that does not match; nothing is donated or deleted.
+  """
+  arrays, d_treedef = jax.tree_util.tree_flatten(donate)
+  if d_treedef != treedef:
+    raise ReshardError(
+      "the donate= tree does not match the plan's tree; nothing was donated.\n"
+      f"  plan:   {treedef}\n  donate: {d_treedef}"
+    )
+  source_buffers = set().union(*(_buffers(a) for a in sources if isinstance(a, jax.Array)))
+  seen: set[tuple[int, int]] = set()
+  problems = []
+  for lf, a in zip(leaves, arrays, strict=True):
+    if not isinstance(a, jax.Array):
+      problems.append(f"{lf.name}: {type(a).__name__} is not a jax.Array")
+    elif a.is_deleted():
+      problems.append(f"{lf.name}: the array has been deleted (donated already?)")
+    elif tuple(a.shape) != lf.shape or np.dtype(a.dtype) != lf.dtype:
+      problems.append(
+        f"{lf.name}: {a.dtype}{list(a.shape)} but the destination is {lf.dtype}{list(lf.shape)}"
+      )
+    elif a.sharding != lf.dst_sharding and not a.sharding.is_equivalent_to(
+      lf.dst_sharding, len(lf.shape)
+    ):
+      problems.append(
+        f"{lf.name}: placed as {describe_sharding(a.sharding)} but the destination is "
+        f"{describe_sharding(lf.dst_sharding)}"
+      )
+    elif _buffers(a) & source_buffers:
+      problems.append(f"{lf.name}: shares its buffers with the source, which is never donated")
+    elif _buffers(a) & seen:
+      problems.append(f"{lf.name}: shares its buffers with another donated leaf")
+    else:
+      seen |= _buffers(a)
+  if problems:
+    raise ReshardError(
+      "donate= does not match the plan's destination; nothing was donated or deleted:\n  "
+      + "\n  ".join(problems)
+      + "\nPass the sampler's current tree (the result of the previous refit): the same tree "
+      "structure, shapes and dtypes, laid out in the destination shardings."
+    )
+  return arrays

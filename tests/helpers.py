@@ -166,3 +166,20 @@ def random_case(rng: np.random.Generator, kind: str | None = None) -> Case:
     dst=NamedSharding(dst_mesh, dst_spec),
     kind=kind,
   )
+
+
+def make_plan_within(src: Any, dst: Any, bound: int) -> Any:
+  """``jr.make_plan`` under ``bound``, or under the least bound it names when it refuses one
+  (each refusal must name a larger bound); the plan's staging holds whichever it accepted."""
+  import jax_reshard as jr
+
+  for _ in range(20):
+    try:
+      plan = jr.make_plan(src, dst, max_bucket_bytes=bound)
+    except jr.BucketBoundError as e:
+      assert e.minimum_bytes > bound, (e.minimum_bytes, bound)
+      bound = e.minimum_bytes
+      continue
+    assert plan.stats.peak_staging_bytes <= bound
+    return plan
+  raise AssertionError("no bound accepted")

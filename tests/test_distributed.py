@@ -140,7 +140,14 @@ def test_fingerprint_tells_plans_apart():
   assert _variant(dtype_b=np.uint32).leaf_digests[0] != base.leaf_digests[0]  # same bytes
   swapped = _variant(swap=True)  # same leaves and layouts under other names
   assert swapped.digest != base.digest
-  buckets = _variant(max_bucket_bytes=64)
+  # A bound each leaf fits alone but not both together: two buckets, the same transfers.
+  plan = jr.make_plan(*_tree(reverse=False))
+  alone = max(
+    jr.plan_layouts([pair], [lf.dtype.itemsize]).stats.peak_staging_bytes
+    for pair, lf in zip(plan.layouts, plan.leaves, strict=True)
+  )
+  assert alone < plan.stats.peak_staging_bytes
+  buckets = _variant(max_bucket_bytes=alone)
   assert buckets.leaf_digests == base.leaf_digests
   assert buckets.schedule_digest != base.schedule_digest and buckets.digest != base.digest
 

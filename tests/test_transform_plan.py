@@ -242,7 +242,10 @@ def test_small_buckets_split_the_outputs() -> None:
   params = _trainer_arrays(trainer, np.random.default_rng(1))
   dst = NamedSharding(Mesh(devs[2:].reshape(2, 3), ("dp", "tp")), P())
   one = jr.make_plan(params, dst, transform=_to_sampler)
-  split = jr.make_plan(params, dst, transform=_to_sampler, max_bucket_bytes=256)
+  split = jr.make_plan(params, dst, transform=_to_sampler, max_bucket_bytes=1500)
   assert one.stats.num_buckets == 1 < split.stats.num_buckets
+  assert split.stats.peak_staging_bytes <= 1500
   assert split.stats.bytes_moved == one.stats.bytes_moved == one.stats.lower_bound_bytes
   _check(split, split(params), jax.jit(_to_sampler)(params), [dst] * 3)
+  with pytest.raises(ReshardError, match=r"not split into chunks yet"):
+    jr.make_plan(params, dst, transform=_to_sampler, max_bucket_bytes=1024)

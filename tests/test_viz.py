@@ -137,7 +137,12 @@ def test_round_table_padding_matches_the_plan() -> None:
 
 
 def test_round_table_numbers_rounds_across_buckets() -> None:
-  plan = _padded_plan(max_bucket_bytes=1)  # one leaf per bucket
+  whole = _padded_plan()  # a bound each leaf fits alone, not both: one leaf per bucket
+  alone = max(
+    jr.plan_layouts([pair], [lf.dtype.itemsize]).stats.peak_staging_bytes
+    for pair, lf in zip(whole.layouts, whole.leaves, strict=True)
+  )
+  plan = _padded_plan(max_bucket_bytes=alone)
   assert plan.stats.num_buckets == 2
   _check_round_table(plan)
   t = round_table(plan)
