@@ -26,6 +26,7 @@ import argparse
 import dataclasses
 import math
 import time
+from typing import Any
 
 import numpy as np
 
@@ -131,19 +132,31 @@ def _gb(b: float) -> str:
   return f"{b / 1e9:,.1f} GB"
 
 
+def plan_within(
+  layouts: list[tuple[jr.Layout, jr.Layout]], itemsizes: list[int], bound: int, **kwargs: Any
+) -> tuple[jr.LayoutPlan, str]:
+  """The plan under ``bound``, or, where a leaf's placeholders and smallest chunk exceed it,
+  under the next 256 MiB step above what the refusal names (10% of room, since planning right
+  at the minimum takes many chunks); and the first refusal's message ("" if none)."""
+  refused = ""
+  for _ in range(10):
+    try:
+      return jr.plan_layouts(layouts, itemsizes, max_bucket_bytes=bound, **kwargs), refused
+    except jr.BucketBoundError as e:
+      refused = refused or str(e)
+      bound = -(-int(e.minimum_bytes * 1.1) // 2**28) * 2**28
+  raise AssertionError(f"no bound found: {refused}")
+
+
 def run(model: str, sc: Scenario) -> dict[str, float]:
   cfg = _models.MODELS[model]
   t0 = time.perf_counter()
   layouts, itemsizes = layouts_for(cfg, sc)
   t1 = time.perf_counter()
-  bound, refused = jr.plan_layouts.__kwdefaults__["max_bucket_bytes"], ""
-  for _ in range(10):
-    try:
-      plan = jr.plan_layouts(layouts, itemsizes, max_bucket_bytes=bound)
-      break
-    except jr.BucketBoundError as e:  # a leaf's placeholders and smallest chunk exceed it
-      refused = refused or f"\n  refused            {e}"
-      bound = -(-int(e.minimum_bytes * 1.1) // 2**28) * 2**28  # next 256 MiB, 10% of room
+  plan, refused = plan_within(
+    layouts, itemsizes, jr.plan_layouts.__kwdefaults__["max_bucket_bytes"]
+  )
+  refused = f"\n  refused            {refused}" if refused else ""
   t2 = time.perf_counter()
   st, sched = plan.stats, plan.schedule
   weights = sum(math.prod(s.shape) * i for (s, _), i in zip(layouts, itemsizes, strict=True))
@@ -175,15 +188,18 @@ def refit_rows(model: str, sc: Scenario, topo: jr.Topology) -> list[list[str]]:
   layouts, itemsizes = layouts_for(_models.MODELS[model], sc)
   rows = []
   t0 = time.perf_counter()
-  direct = jr.plan_layouts(layouts, itemsizes)
-  rows.append(("direct", direct, time.perf_counter() - t0))
+  default = jr.plan_layouts.__kwdefaults__["max_bucket_bytes"]
+  direct, _ = plan_within(layouts, itemsizes, default)
+  rows.append(
+    (f"direct, {_gib(direct.max_bucket_bytes)} buckets", direct, time.perf_counter() - t0)
+  )
   best = None
   for bound in CANDIDATE_BUCKET_BYTES:  # the cost model chooses the bucket bound
     t0 = time.perf_counter()
-    plan = jr.plan_layouts(layouts, itemsizes, topology=topo, max_bucket_bytes=bound)
+    plan, _ = plan_within(layouts, itemsizes, bound, topology=topo)
     dt = time.perf_counter() - t0
     if best is None or plan.estimate().seconds < best[1].estimate().seconds:
-      best = (f"topology-aware, {bound >> 30} GiB buckets", plan, dt)
+      best = (f"topology-aware, {_gib(plan.max_bucket_bytes)} buckets", plan, dt)
   assert best is not None
   rows.append(best)
   out = []
@@ -197,6 +213,10 @@ def refit_rows(model: str, sc: Scenario, topo: jr.Topology) -> list[list[str]]:
       f"{est.slow_transfer_s * 1e3:,.0f}", f"{dt:.2f}",
     ])  # fmt: skip
   return out
+
+
+def _gib(b: int | None) -> str:
+  return f"{(b or 0) / 2**30:g} GiB"
 
 
 def _slow_bytes(plan: jr.LayoutPlan, topo: jr.Topology) -> int:
