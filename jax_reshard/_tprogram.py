@@ -121,6 +121,9 @@ class TransformProgram:
   assembles: tuple[tuple[int, tuple[tuple[Part, ...] | None, ...]], ...]
   placeholders: tuple[PlaceholderGroup, ...]
 
+  def __str__(self) -> str:
+    return format_transform_program(self)
+
 
 def split_casts(p: Piece) -> tuple[tuple[np.dtype, ...], tuple[np.dtype, ...]]:
   """The casts of ``p``'s chain run by the sender (up to the wire dtype) and the receiver.
@@ -277,3 +280,40 @@ def _device_parts(
     tuple(sorted(per[i], key=lambda q: q.offset)) if dev in plan.dst_layouts[i].device_ids else None
     for i in b.outs
   )
+
+
+def _casts(casts: Sequence[np.dtype]) -> str:
+  return "".join(f" -> {np.dtype(d).name}" for d in casts)
+
+
+def _format_part(p: Part) -> str:
+  src = (
+    f"own input {p.slab.src}{list(p.slab.shape)}@{list(p.slab.offset)}{_casts(p.slab.casts)}"
+    if p.slab is not None
+    else f"round {p.round} words {p.start}:{p.stop} as {p.wire.name}"
+  )
+  moved = "" if p.perm == tuple(range(len(p.perm))) else f" transposed {list(p.perm)}"
+  return f"{list(p.offset)}{list(p.shape)}: {src}{moved}{_casts(p.casts)}"
+
+
+def format_transform_program(program: TransformProgram) -> str:
+  """Readable text: inputs and outputs, per round who sends which slabs, who builds what."""
+  lines = [
+    f"TransformProgram on devices {list(program.device_ids)}, payload word {program.unit.name}"
+  ]
+  for k, (leaf, b) in enumerate(zip(program.input_leaves, program.inputs, strict=True)):
+    lines.append(f"  input {k} (source leaf #{leaf}) {b.dtype.name}{list(b.shape)}")
+  for k, (leaf, b) in enumerate(zip(program.output_leaves, program.outputs, strict=True)):
+    lines.append(f"  output {k} (output leaf #{leaf}) {b.dtype.name}{list(b.shape)}")
+  for r, rnd in enumerate(program.rounds):
+    lines.append(f"  round {r}: {rnd.words} words, pairs {list(rnd.pairs)}")
+    for pos, slabs, pad in rnd.packs:
+      cuts = ", ".join(
+        f"input {c.src}{list(c.shape)}@{list(c.offset)}{_casts(c.casts)}" for c in slabs
+      )
+      lines.append(f"    position {pos} packs {cuts}" + (f" + {pad} zero words" if pad else ""))
+  for pos, per_out in program.assembles:
+    for k, parts in enumerate(per_out):
+      if parts is not None:
+        lines.append(f"  position {pos} output {k}: " + ", ".join(map(_format_part, parts)))
+  return "\n".join(lines)

@@ -249,3 +249,14 @@ def test_small_buckets_split_the_outputs() -> None:
   _check(split, split(params), jax.jit(_to_sampler)(params), [dst] * 3)
   with pytest.raises(ReshardError, match=r"not split into chunks yet"):
     jr.make_plan(params, dst, transform=_to_sampler, max_bucket_bytes=1024)
+
+
+def test_program_prints_casts_on_both_sides() -> None:
+  devs = np.array(jax.devices())
+  src = NamedSharding(Mesh(devs[:2], ("x",)), P("x"))
+  dst = NamedSharding(Mesh(devs[2:4], ("x",)), P(None, "x"))
+  x = jax.device_put(np.zeros((4, 4), np.float32), src)
+  plan = jr.make_plan(x, dst, transform=lambda a: a.astype(jnp.bfloat16).T.astype(jnp.float32))
+  text = str(plan.programs()[0])
+  assert "payload word uint16" in text and "-> bfloat16" in text, text
+  assert "as bfloat16 transposed [1, 0] -> float32" in text, text
