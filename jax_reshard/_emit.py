@@ -568,11 +568,15 @@ def _reread(
 # ---------------------------------------------------------------- transformed plans
 
 
-def _read_slab(slab: TSlab, shard: jax.Array) -> jax.Array:
-  """A slab of a source shard, cast on the reading device up to the wire dtype."""
-  lo, shape = slab.offset, slab.shape
+def _read_slab(slab: TSlab, shard: jax.Array, me: jax.Array, n: int) -> jax.Array:
+  """A slab of a source shard (at a static offset, or one read from a table at ``me``), cast
+  on the reading device up to the wire dtype."""
+  lo, shape = slab.static_offset, slab.shape
   x = shard
-  if lo != (0,) * shard.ndim or shape != shard.shape:
+  if lo is None:
+    row = jnp.asarray(slab.offset_table(n))[me]
+    x = jax.lax.dynamic_slice(shard, [row[j] for j in range(len(shape))], shape)
+  elif lo != (0,) * shard.ndim or shape != shard.shape:
     x = jax.lax.slice(shard, lo, tuple(a + b for a, b in zip(lo, shape, strict=True)))
   for dt in slab.casts:
     x = jax.lax.convert_element_type(x, dt)
@@ -591,10 +595,10 @@ def _arrange(x: jax.Array, part: TPart) -> jax.Array:
 
 
 def _transform_pack(program: TransformProgram, slabs: Any, pad: int) -> Callable[..., jax.Array]:
-  unit = program.unit
+  unit, n = program.unit, len(program.device_ids)
 
-  def branch(*shards: jax.Array) -> jax.Array:
-    parts = [_to_units(_to_uint(_read_slab(s, shards[s.src])), unit) for s in slabs]
+  def branch(me: jax.Array, *shards: jax.Array) -> jax.Array:
+    parts = [_to_units(_to_uint(_read_slab(s, shards[s.src], me, n)), unit) for s in slabs]
     if pad:
       parts.append(jnp.zeros((pad,), unit))
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
@@ -603,7 +607,11 @@ def _transform_pack(program: TransformProgram, slabs: Any, pad: int) -> Callable
 
 
 def _transform_assemble(program: TransformProgram, parts_per_out: Any) -> Callable[..., Any]:
-  def branch(shards: Sequence[jax.Array], recvs: Sequence[jax.Array]) -> tuple[jax.Array, ...]:
+  n = len(program.device_ids)
+
+  def branch(
+    me: jax.Array, shards: Sequence[jax.Array], recvs: Sequence[jax.Array]
+  ) -> tuple[jax.Array, ...]:
     outs = []
     for out, parts in zip(program.outputs, parts_per_out, strict=True):
       if parts is None:
@@ -612,7 +620,7 @@ def _transform_assemble(program: TransformProgram, parts_per_out: Any) -> Callab
       values = []
       for p in parts:
         if p.slab is not None:
-          x = _read_slab(p.slab, shards[p.slab.src])
+          x = _read_slab(p.slab, shards[p.slab.src], me, n)
         else:
           words = jax.lax.slice(recvs[p.round], (p.start,), (p.stop,))
           x = _from_uint(_from_units(words, uint_dtype(p.wire), (-1,)), p.wire)
@@ -627,7 +635,7 @@ def emit_transform_body(program: TransformProgram, axis: Any) -> Callable[..., A
   """The per-device body of a transformed plan's program: source blocks in, output blocks out."""
   n = len(program.device_ids)
 
-  def idle_out(shards: Any, recvs: Any) -> tuple[jax.Array, ...]:
+  def idle_out(me: jax.Array, shards: Any, recvs: Any) -> tuple[jax.Array, ...]:
     return tuple(jnp.zeros(o.block, o.dtype) for o in program.outputs)
 
   def body(*blocks: jax.Array) -> tuple[jax.Array, ...]:
@@ -640,16 +648,16 @@ def emit_transform_body(program: TransformProgram, axis: Any) -> Callable[..., A
         lambda *_, w=rnd.words: jnp.zeros((w,), program.unit)
       ]
       for k, (pos, slabs, pad) in enumerate(rnd.packs):
-        table[pos] = k + 1
+        table[list(pos)] = k + 1
         branches.append(_transform_pack(program, slabs, pad))
-      payload = _switch(me, table, branches, *shards)
+      payload = _switch(me, table, branches, me, *shards)
       recvs.append(jax.lax.ppermute(payload, axis, list(rnd.pairs)))
     table = np.zeros(n, np.int32)
     branches_out: list[Callable[..., Any]] = [idle_out]
     for k, (pos, parts) in enumerate(program.assembles):
-      table[pos] = k + 1
+      table[list(pos)] = k + 1
       branches_out.append(_transform_assemble(program, parts))
-    return tuple(_switch(me, table, branches_out, shards, recvs))
+    return tuple(_switch(me, table, branches_out, me, shards, recvs))
 
   return body
 

@@ -9,7 +9,9 @@ wire width). Every destination device then builds its output shards from :class:
 a slab it holds itself or one it received, reshaped into the piece's canonical axes,
 transposed into output order, reshaped to the output box and cast the rest of the chain
 (widening casts happen where the data lands, so bytes always move in the narrower dtype).
-Roles are per device (offsets are static); ``_emit`` walks this into ``shard_map`` code.
+Devices whose work differs only in where they read their slabs share one *role* (one branch
+of code reading its offsets from a table at the device's mesh position, as in
+:mod:`_program`); ``_emit`` walks this into ``shard_map`` code.
 """
 
 from __future__ import annotations
@@ -36,15 +38,28 @@ class Slab:
 
   Attributes:
     src: the source leaf (position among the program's inputs).
-    offset: the box's offset in the device's source shard.
+    offsets: per mesh position of the role, ``(position, box offset in its source shard)``.
     shape: the box's shape.
     casts: the casts applied after reading, in order (up to the wire dtype).
   """
 
   src: int
-  offset: Box
+  offsets: tuple[tuple[int, Box], ...]
   shape: Box
   casts: tuple[np.dtype, ...]
+
+  @property
+  def static_offset(self) -> Box | None:
+    """The offset when every device of the role reads at the same one, else ``None``."""
+    distinct = {off for _, off in self.offsets}
+    return distinct.pop() if len(distinct) == 1 else None
+
+  def offset_table(self, num_positions: int) -> np.ndarray:
+    """``(num_positions, ndim)`` int32 offsets by mesh position (zeros outside the role)."""
+    table = np.zeros((num_positions, len(self.shape)), dtype=np.int32)
+    for pos, off in self.offsets:
+      table[pos] = off
+    return table
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -88,11 +103,11 @@ class Block:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SendRound:
-  """One ``ppermute``: ``words`` unit words per sender; ``packs`` per sender position."""
+  """One ``ppermute``: ``words`` unit words per sender; ``packs`` per sender role."""
 
   words: int
   pairs: tuple[tuple[int, int], ...]
-  packs: tuple[tuple[int, tuple[Slab, ...], int], ...]  # (position, slabs, zero pad words)
+  packs: tuple[tuple[tuple[int, ...], tuple[Slab, ...], int], ...]  # (positions, slabs, pad)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -107,7 +122,8 @@ class TransformProgram:
     output_leaves: per output, the output leaf's index in the plan.
     unit: the payload word.
     rounds: the ``ppermute`` rounds.
-    assembles: per destination position, per output, its parts (``None``: no shard there).
+    assembles: per destination role (its positions), per output, its parts (``None``: no
+      shard there).
     placeholders: zero blocks staged where a device holds no shard of a source leaf.
   """
 
@@ -118,7 +134,7 @@ class TransformProgram:
   output_leaves: tuple[int, ...]
   unit: np.dtype
   rounds: tuple[SendRound, ...]
-  assembles: tuple[tuple[int, tuple[tuple[Part, ...] | None, ...]], ...]
+  assembles: tuple[tuple[tuple[int, ...], tuple[tuple[Part, ...] | None, ...]], ...]
   placeholders: tuple[PlaceholderGroup, ...]
 
   def __str__(self) -> str:
@@ -144,11 +160,42 @@ def _block(layout: Layout, dtype: np.dtype) -> Block:
   return Block(layout.shape, np.dtype(dtype), shard, staged_block_shape(shard))
 
 
-def _slab(p: Piece, src: Layout, dev: int, in_pos: dict[int, int]) -> Slab:
+def _slab(p: Piece, src: Layout, dev: int, in_pos: dict[int, int], position: int) -> Slab:
   start = src.starts[src.device_ids.index(dev)]
   offset = tuple(a - s for a, s in zip(p.src_lo, start, strict=True))
   shape = tuple(b - a for a, b in zip(p.src_lo, p.src_hi, strict=True))
-  return Slab(in_pos[p.src_leaf], offset, shape, split_casts(p)[0])
+  return Slab(in_pos[p.src_leaf], ((position, offset),), shape, split_casts(p)[0])
+
+
+def _merge(slabs: Sequence[Slab]) -> Slab:
+  """One role's slab from its devices' (same but for the offsets)."""
+  return dataclasses.replace(slabs[0], offsets=tuple(o for sl in slabs for o in sl.offsets))
+
+
+def _unplaced(x: Any) -> Any:
+  """``x`` (a slab, part, or nested tuples of them) without slab offsets: a role's key."""
+  if isinstance(x, Slab):
+    return dataclasses.replace(x, offsets=())
+  if isinstance(x, Part):
+    return dataclasses.replace(x, slab=_unplaced(x.slab))
+  if isinstance(x, tuple):
+    return tuple(_unplaced(v) for v in x)
+  return x
+
+
+def _merge_parts(members: Sequence[Any]) -> Any:
+  """Nested tuples of slabs and parts of one role's devices merged into one (slab offsets
+  joined)."""
+  first = members[0]
+  if isinstance(first, Slab):
+    return _merge(members)
+  if isinstance(first, Part):
+    if first.slab is None:
+      return first
+    return dataclasses.replace(first, slab=_merge([m.slab for m in members]))
+  if isinstance(first, tuple):
+    return tuple(_merge_parts([m[k] for m in members]) for k in range(len(first)))
+  return first
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -158,9 +205,10 @@ class _Bucket:
   plan: TransformLayoutPlan
   outs: tuple[int, ...]  # the output leaves it builds (plan indices)
   in_pos: dict[int, int]  # source leaf -> position among the program's inputs
+  positions: dict[int, int]  # device id -> mesh position
 
   def slab(self, p: Piece, dev: int) -> Slab:
-    return _slab(p, self.plan.src_layouts[p.src_leaf], dev, self.in_pos)
+    return _slab(p, self.plan.src_layouts[p.src_leaf], dev, self.in_pos, self.positions[dev])
 
 
 def make_transform_program(
@@ -183,17 +231,20 @@ def make_transform_program(
   sched = plan.schedule.buckets[bucket]
   outs = tuple(plan.scheduled[j] for j in sched.leaves)
   used = sorted({p.src_leaf for i in outs for p in plan.leaf_plans[i].leaf.pieces})
-  b = _Bucket(plan, outs, {leaf: k for k, leaf in enumerate(used)})
   ids = sorted(
     {*sched.union_device_ids, *(i for j in used for i in plan.src_layouts[j].device_ids)}
   )
+  ids = ids if device_ids is None else [int(i) for i in device_ids]
   positions = {d: k for k, d in enumerate(ids)}
+  b = _Bucket(plan, outs, {leaf: k for k, leaf in enumerate(used)}, positions)
   wires = [p.wire_dtype.itemsize for i in outs for p in plan.leaf_plans[i].pieces] or [1]
   unit = uint_dtype(np.dtype(f"u{min(wires)}"))
   rounds, received = _rounds(b, sched, positions, unit)
-  assembles = tuple(
-    (positions[d], _device_parts(b, d, received[d]))
-    for d in sorted({d for i in outs for d in plan.dst_layouts[i].device_ids})
+  assembles = _roles(
+    [
+      (positions[d], _device_parts(b, d, received[d]))
+      for d in sorted({d for i in outs for d in plan.dst_layouts[i].device_ids})
+    ]
   )
   union = np.asarray(ids, np.int64)
   groups: dict[tuple[int, ...], list[tuple[Box, np.dtype]]] = defaultdict(list)
@@ -228,17 +279,31 @@ def _rounds(
   for r, rnd in enumerate(sched.rounds):
     packs = []
     for s, d in rnd.pairs:
-      slabs, used = [], 0
+      slabs: list[Slab] = []
+      used = 0
       for pc in pieces[(s, d)]:
         leaf = plan.scheduled[pc.leaf]
         slabs.append(b.slab(plan.leaf_plans[leaf].pieces[pc.transfer], s))
         start = pc.offset // unit.itemsize
         received[d].append((leaf, pc.transfer, r, start, start + pc.nbytes // unit.itemsize))
         used += pc.nbytes
-      packs.append((positions[s], tuple(slabs), (rnd.nbytes - used) // unit.itemsize))
+      packs.append((positions[s], (tuple(slabs), (rnd.nbytes - used) // unit.itemsize)))
     pairs = tuple((positions[s], positions[d]) for s, d in rnd.pairs)
-    rounds.append(SendRound(rnd.nbytes // unit.itemsize, pairs, tuple(packs)))
+    roles = tuple((pos, slabs, pad) for pos, (slabs, pad) in _roles(packs))
+    rounds.append(SendRound(rnd.nbytes // unit.itemsize, pairs, roles))
   return tuple(rounds), received
+
+
+def _roles(work: Sequence[tuple[int, Any]]) -> tuple[tuple[tuple[int, ...], Any], ...]:
+  """Per-device work ``(position, work)`` grouped into roles: devices whose work differs only
+  in slab offsets share one, their offsets joined."""
+  groups: dict[Any, list[tuple[int, Any]]] = defaultdict(list)
+  for pos, w in work:
+    groups[_unplaced(w)].append((pos, w))
+  return tuple(
+    (tuple(pos for pos, _ in members), _merge_parts([w for _, w in members]))
+    for members in groups.values()
+  )
 
 
 def _part(p: Piece, dst: Layout, dev: int, slab: Slab | None, where: tuple[int, int, int]) -> Part:
@@ -286,9 +351,15 @@ def _casts(casts: Sequence[np.dtype]) -> str:
   return "".join(f" -> {np.dtype(d).name}" for d in casts)
 
 
+def _format_slab(c: Slab) -> str:
+  at = c.static_offset
+  where = f"@{list(at)}" if at is not None else "@table"
+  return f"input {c.src}{list(c.shape)}{where}{_casts(c.casts)}"
+
+
 def _format_part(p: Part) -> str:
   src = (
-    f"own input {p.slab.src}{list(p.slab.shape)}@{list(p.slab.offset)}{_casts(p.slab.casts)}"
+    f"own {_format_slab(p.slab)}"
     if p.slab is not None
     else f"round {p.round} words {p.start}:{p.stop} as {p.wire.name}"
   )
@@ -308,12 +379,12 @@ def format_transform_program(program: TransformProgram) -> str:
   for r, rnd in enumerate(program.rounds):
     lines.append(f"  round {r}: {rnd.words} words, pairs {list(rnd.pairs)}")
     for pos, slabs, pad in rnd.packs:
-      cuts = ", ".join(
-        f"input {c.src}{list(c.shape)}@{list(c.offset)}{_casts(c.casts)}" for c in slabs
-      )
-      lines.append(f"    position {pos} packs {cuts}" + (f" + {pad} zero words" if pad else ""))
+      cuts = ", ".join(map(_format_slab, slabs))
+      pad_text = f" + {pad} zero words" if pad else ""
+      lines.append(f"    positions {list(pos)} pack {cuts}{pad_text}")
   for pos, per_out in program.assembles:
     for k, parts in enumerate(per_out):
       if parts is not None:
-        lines.append(f"  position {pos} output {k}: " + ", ".join(map(_format_part, parts)))
+        text = ", ".join(map(_format_part, parts))
+        lines.append(f"  positions {list(pos)} output {k}: {text}")
   return "\n".join(lines)

@@ -176,7 +176,7 @@ def _spec_on(rng: np.random.Generator, mesh: Mesh, shape: tuple[int, ...]) -> Na
 @pytest.mark.parametrize("seed", range(NUM_CASES))
 def test_traced_random_chain_bit_for_bit(seed: int, casts: bool) -> None:
   rng = np.random.default_rng(900 + seed)
-  devs = np.array(jax.devices())
+  devs = np.array(jax.devices())[rng.permutation(8)]  # any order, the same in both meshes
   src_mesh = Mesh(devs.reshape(4, 2), ("fsdp", "tp"))
   dst_mesh = Mesh(devs.reshape(2, 4), ("dp", "tp"))  # same devices, same order, other shape
   src = _random_source(rng, casts)
@@ -260,3 +260,16 @@ def test_program_prints_casts_on_both_sides() -> None:
   text = str(plan.programs()[0])
   assert "payload word uint16" in text and "-> bfloat16" in text, text
   assert "as bfloat16 transposed [1, 0] -> float32" in text, text
+
+
+def test_devices_that_differ_in_offsets_share_a_role() -> None:
+  devs = np.array(jax.devices())
+  src = NamedSharding(Mesh(devs[:4], ("x",)), P("x"))
+  dst = NamedSharding(Mesh(devs[4:], ("x",)), P(None, "x"))
+  x = jax.device_put(np.arange(128, dtype=np.float32).reshape(16, 8), src)
+  plan = jr.make_plan(x, dst, transform=lambda a: a.astype(jnp.bfloat16))
+  (program,) = plan.programs()
+  assert [len(r.packs) for r in program.rounds] == [1] * 4, str(program)  # 4 senders, 1 role
+  assert any(s.static_offset is None for r in program.rounds for s in r.packs[0][1])  # a table
+  assert "@table" in str(program)
+  assert_matches_oracle(plan(x), np.asarray(x).astype(jnp.bfloat16), dst)
