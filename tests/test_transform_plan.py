@@ -273,3 +273,27 @@ def test_devices_that_differ_in_offsets_share_a_role() -> None:
   assert any(s.static_offset is None for r in program.rounds for s in r.packs[0][1])  # a table
   assert "@table" in str(program)
   assert_matches_oracle(plan(x), np.asarray(x).astype(jnp.bfloat16), dst)
+
+
+def test_scalars_empty_leaves_and_bool_casts() -> None:
+  devs = np.array(jax.devices())
+  src = NamedSharding(Mesh(devs[:4].reshape(2, 2), ("a", "b")), P("a", "b"))
+  dst = NamedSharding(Mesh(devs[2:6], ("x",)), P())
+  host = np.arange(-8, 8, dtype=np.float32).reshape(4, 4)
+  x = {"w": jax.device_put(host, src), "s": jax.device_put(np.float32(3.5), src.update(spec=P()))}
+
+  def transform(p: Any) -> Any:
+    return {
+      "corner": p["w"][1, 2],
+      "empty": p["w"][:, 4:],
+      "mask": p["w"].astype(jnp.bool_),
+      "s16": p["s"].astype(jnp.float16),
+      "col": p["w"][:, :1].astype(jnp.int8).squeeze(1),
+    }
+
+  plan = jr.make_plan(x, dst, transform=transform)
+  out = plan(x)
+  want = jax.jit(transform)({"w": host, "s": np.float32(3.5)})
+  for k in want:
+    assert_matches_oracle(out[k], np.asarray(want[k]), dst)
+  assert plan.stats.bytes_moved == plan.stats.lower_bound_bytes
