@@ -390,15 +390,17 @@ class _LeafIO:
 def _stage_placeholders(
   groups: Sequence[PlaceholderGroup], devices: dict[int, Any]
 ) -> dict[tuple[Any, ...], jax.Array]:
-  """Zero blocks for one call, keyed by (device id, block shape, dtype)."""
+  """Zero blocks for one call, keyed by (device id, block shape, dtype), or by (device id,
+  leaf position) for groups of donated blocks (one per leaf)."""
   out = {}
   fast = fast_path_available()
   for group in groups:
     fn = _placeholder_program(group, tuple(devices[i] for i in group.device_ids))
+    keys: Sequence[Any] = [(k,) for k in group.leaves] if group.leaves else group.blocks
     # Ready before the transfer program is queued: on the CPU backend, a collective program
     # whose inputs come from another in-flight program can starve the thread pool it shares
     # with that program (seen as a 40 s rendezvous abort on 2 cores).
-    for key, arr in zip(group.blocks, jax.block_until_ready(fn()), strict=True):
+    for key, arr in zip(keys, jax.block_until_ready(fn()), strict=True):
       ids = addressable_order(arr.sharding, fast=fast)
       for dev_id, data in zip(ids, buffers(arr, fast=fast), strict=True):
         out[(dev_id, *key)] = data
@@ -610,12 +612,12 @@ def _transform_assemble(program: TransformProgram, parts_per_out: Any) -> Callab
   n = len(program.device_ids)
 
   def branch(
-    me: jax.Array, shards: Sequence[jax.Array], recvs: Sequence[jax.Array]
+    me: jax.Array, shards: Sequence[jax.Array], recvs: Sequence[jax.Array], bases: Any
   ) -> tuple[jax.Array, ...]:
     outs = []
-    for out, parts in zip(program.outputs, parts_per_out, strict=True):
+    for k, (out, parts) in enumerate(zip(program.outputs, parts_per_out, strict=True)):
       if parts is None:
-        outs.append(jnp.zeros(out.block, out.dtype))
+        outs.append(jnp.zeros(out.block, out.dtype) if bases is None else bases[k])
         continue
       values = []
       for p in parts:
@@ -625,22 +627,38 @@ def _transform_assemble(program: TransformProgram, parts_per_out: Any) -> Callab
           words = jax.lax.slice(recvs[p.round], (p.start,), (p.stop,))
           x = _from_uint(_from_units(words, uint_dtype(p.wire), (-1,)), p.wire)
         values.append((p.offset, _arrange(x, p)))
-      outs.append(_tile(values, out.shard, out.dtype).reshape(out.block))
+      if bases is None:
+        outs.append(_tile(values, out.shard, out.dtype).reshape(out.block))
+        continue
+      shard = bases[k].reshape(out.shard)  # donated: written in place
+      for offset, v in values:
+        shard = jax.lax.dynamic_update_slice(shard, v, offset) if out.shard else v
+      outs.append(shard.reshape(out.block))
     return tuple(outs)
 
   return branch
 
 
-def emit_transform_body(program: TransformProgram, axis: Any) -> Callable[..., Any]:
-  """The per-device body of a transformed plan's program: source blocks in, output blocks out."""
+def emit_transform_body(
+  program: TransformProgram, axis: Any, *, donate: bool = False
+) -> Callable[..., Any]:
+  """The per-device body of a transformed plan's program: source blocks in, output blocks out.
+
+  With ``donate``, one destination block per output follows the source blocks and each output
+  is written into it in place (``dynamic_update_slice``), so a donated buffer holds the result.
+  """
   n = len(program.device_ids)
 
-  def idle_out(me: jax.Array, shards: Any, recvs: Any) -> tuple[jax.Array, ...]:
+  def idle_out(me: jax.Array, shards: Any, recvs: Any, bases: Any) -> tuple[jax.Array, ...]:
+    if bases is not None:
+      return tuple(bases)
     return tuple(jnp.zeros(o.block, o.dtype) for o in program.outputs)
 
   def body(*blocks: jax.Array) -> tuple[jax.Array, ...]:
     me = jax.lax.axis_index(axis)
-    shards = [b.reshape(i.shard) for b, i in zip(blocks, program.inputs, strict=True)]
+    k = len(program.inputs)
+    bases = list(blocks[k:]) if donate else None
+    shards = [b.reshape(i.shard) for b, i in zip(blocks[:k], program.inputs, strict=True)]
     recvs = []
     for rnd in program.rounds:
       table = np.zeros(n, np.int32)
@@ -657,7 +675,7 @@ def emit_transform_body(program: TransformProgram, axis: Any) -> Callable[..., A
     for k, (pos, parts) in enumerate(program.assembles):
       table[list(pos)] = k + 1
       branches_out.append(_transform_assemble(program, parts))
-    return tuple(_switch(me, table, branches_out, me, shards, recvs))
+    return tuple(_switch(me, table, branches_out, me, shards, recvs, bases))
 
   return body
 
@@ -673,26 +691,29 @@ class TransformExecutable:
     devices: dict[int, Any],
     src_shardings: Sequence[Any],
     dst_shardings: Sequence[Any],
+    *,
+    donate: bool = False,
   ) -> None:
     self.program = program
     self.devices = devices
+    self.donate = donate
     mesh = Mesh(np.array([devices[i] for i in program.device_ids]), (AXIS,))
     self.staged = NamedSharding(mesh, PartitionSpec(AXIS))
     n = len(program.device_ids)
-    specs_in = tuple(PartitionSpec(AXIS) for _ in program.inputs)
-    specs_out = tuple(PartitionSpec(AXIS) for _ in program.outputs)
+    blocks = (*program.inputs, *(program.outputs if donate else ()))
     fn = jax.shard_map(
-      emit_transform_body(program, AXIS),
+      emit_transform_body(program, AXIS, donate=donate),
       mesh=mesh,
-      in_specs=specs_in,
-      out_specs=specs_out,
+      in_specs=tuple(PartitionSpec(AXIS) for _ in blocks),
+      out_specs=tuple(PartitionSpec(AXIS) for _ in program.outputs),
       check_vma=False,
     )
     avals = [
-      jax.ShapeDtypeStruct(_staged_shape(i.block, n), i.dtype, sharding=self.staged)
-      for i in program.inputs
+      jax.ShapeDtypeStruct(_staged_shape(b.block, n), b.dtype, sharding=self.staged) for b in blocks
     ]
-    self._fn = jax.jit(fn).lower(*avals)
+    k = len(program.inputs)
+    donated = tuple(range(k, len(blocks)))
+    self._fn = jax.jit(fn, donate_argnums=donated).lower(*avals)
     self._compiled: Any = None
     fast = fast_path_available()
     self._in_io = [
@@ -704,11 +725,19 @@ class TransformExecutable:
       for o, d in zip(program.outputs, dst_shardings, strict=True)
     ]
 
-  def __call__(self, xs: Sequence[jax.Array]) -> list[Any]:
+  def __call__(self, xs: Sequence[jax.Array], olds: Sequence[jax.Array] = ()) -> list[Any]:
+    """The outputs from the source leaves ``xs``; with ``donate``, written into the buffers of
+    ``olds`` (one array per output, in its destination sharding)."""
     if self._compiled is None:
       self._compiled = self._fn.compile()
     placeholders = _stage_placeholders(self.program.placeholders, self.devices)
-    ys = self._compiled(*[io.stage(x, placeholders) for io, x in zip(self._in_io, xs, strict=True)])
+    args = [io.stage(x, placeholders) for io, x in zip(self._in_io, xs, strict=True)]
+    if self.donate:
+      zeros = _stage_placeholders(self.program.dst_placeholders, self.devices)
+      for k, (io, old) in enumerate(zip(self._out_io, olds, strict=True)):
+        held = {sh.device.id: sh.data for sh in old.addressable_shards}
+        args.append(io.stage_dst(held, zeros, k))
+    ys = self._compiled(*args)
     return [io.unstage(y) for io, y in zip(self._out_io, ys, strict=True)]
 
 

@@ -68,11 +68,7 @@ def reshard(
   if src is not None:
     raise ReshardError("src= is only for traced values; concrete arrays carry their sharding")
   if transform is not None:
-    if donate is not None:
-      raise ReshardError(
-        "donate= is not supported with transform= yet: drop donate= (the old tree can be "
-        "deleted after the call)"
-      )
-    return make_plan(x, dst, max_bucket_bytes=max_bucket_bytes, transform=transform)(x)
+    plan_t = make_plan(x, dst, max_bucket_bytes=max_bucket_bytes, transform=transform)
+    return plan_t(x, donate=donate)
   plan = make_plan(x, dst, max_bucket_bytes=max_bucket_bytes)
   return plan(x, donate=donate)

@@ -18,7 +18,7 @@ from jax_reshard._schedule import DEFAULT_MAX_BUCKET_BYTES, Schedule
 from jax_reshard._tplan import TransformLayoutPlan, plan_transform_layouts
 from jax_reshard._tprogram import TransformProgram, make_transform_program
 from jax_reshard._transform import TransformAnalysis, analyze_transform
-from jax_reshard._tree import Leaf, check_arrays, flatten_tree
+from jax_reshard._tree import Leaf, check_arrays, check_donated, flatten_tree
 
 
 class TransformPlan:
@@ -51,7 +51,7 @@ class TransformPlan:
       analysis.leaves, src_layouts, dst_layouts, max_bucket_bytes=max_bucket_bytes
     )
     self._programs: list[TransformProgram] | None = None
-    self._executables: list[TransformExecutable] | None = None
+    self._executables: dict[bool, list[TransformExecutable]] = {}
 
   @property
   def stats(self) -> PlanStats:
@@ -92,27 +92,38 @@ class TransformPlan:
       ]
     return self._programs
 
-  def executables(self) -> list[TransformExecutable]:
-    """Per bucket, its program emitted for its union mesh (compiled on the first call)."""
-    if self._executables is None:
+  def executables(self, *, donate: bool = False) -> list[TransformExecutable]:
+    """Per bucket, its program emitted for its union mesh (compiled on the first call);
+    ``donate``: the executables of calls with ``donate=``."""
+    if donate not in self._executables:
       devices = {}
       for lf in (*self.src_leaves, *self.leaves):
         for d in (*lf.src_sharding.device_set, *lf.dst_sharding.device_set):
           devices[d.id] = d
-      self._executables = [
+      self._executables[donate] = [
         TransformExecutable(
           p,
           devices,
           [self.src_leaves[i].src_sharding for i in p.input_leaves],
           [self.leaves[i].dst_sharding for i in p.output_leaves],
+          donate=donate,
         )
         for p in self.programs()
       ]
-    return self._executables
+    return self._executables[donate]
 
-  def __call__(self, x: Any) -> Any:
-    """``transform(x)`` in the destination layouts (``x`` matches the plan's source)."""
+  def __call__(self, x: Any, *, donate: Any = None) -> Any:
+    """``transform(x)`` in the destination layouts.
+
+    Args:
+      x: the source tree (matching the plan's source); never modified or donated.
+      donate: optional, the sampler's current tree (the transform's output structure, in the
+        destination layouts): its buffers are donated, the result is written into them, and its
+        arrays are deleted after the call. Checked before any device work.
+    """
     arrays = check_arrays(self._src_treedef, self.src_leaves, x)
+    treedef = self.analysis.out_treedef
+    old = None if donate is None else check_donated(treedef, self.leaves, donate, arrays)
     if jax.process_count() > 1:
       from jax_reshard import _distributed
 
@@ -122,11 +133,16 @@ class TransformPlan:
         empty_like_sharded(lf.shape, lf.dtype, lf.dst_sharding) if not lf_plan.leaf.pieces else None
         for lf, lf_plan in zip(self.leaves, self.layout_plan.leaf_plans, strict=True)
       ]
-      for exe in self.executables():
-        ys = exe([arrays[i] for i in exe.program.input_leaves])
-        for i, y in zip(exe.program.output_leaves, ys, strict=True):
+      for exe in self.executables(donate=old is not None):
+        p = exe.program
+        olds = [old[i] for i in p.output_leaves] if old is not None else []
+        ys = exe([arrays[i] for i in p.input_leaves], olds)
+        for i, y in zip(p.output_leaves, ys, strict=True):
           out[i] = y
-    return jax.tree_util.tree_unflatten(self.analysis.out_treedef, out)
+    for a in old or ():
+      if not a.is_deleted():  # zero-element leaves, and any buffer XLA did not take
+        a.delete()
+    return jax.tree_util.tree_unflatten(treedef, out)
 
   def __repr__(self) -> str:
     st = self.stats

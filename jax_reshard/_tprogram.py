@@ -125,6 +125,8 @@ class TransformProgram:
     assembles: per destination role (its positions), per output, its parts (``None``: no
       shard there).
     placeholders: zero blocks staged where a device holds no shard of a source leaf.
+    dst_placeholders: with ``donate=``, a zero block per output (``leaves``: its position)
+      on every device of the mesh without a destination shard of it (donated too).
   """
 
   device_ids: tuple[int, ...]
@@ -136,6 +138,7 @@ class TransformProgram:
   rounds: tuple[SendRound, ...]
   assembles: tuple[tuple[tuple[int, ...], tuple[tuple[Part, ...] | None, ...]], ...]
   placeholders: tuple[PlaceholderGroup, ...]
+  dst_placeholders: tuple[PlaceholderGroup, ...] = ()
 
   def __str__(self) -> str:
     return format_transform_program(self)
@@ -263,6 +266,26 @@ def make_transform_program(
     rounds=rounds,
     assembles=assembles,
     placeholders=tuple(PlaceholderGroup(k, tuple(v)) for k, v in groups.items()),
+    dst_placeholders=_dst_placeholders(
+      [plan.dst_layouts[i] for i in outs],
+      [_block(plan.dst_layouts[i], plan.leaf_plans[i].leaf.dtype) for i in outs],
+      union,
+    ),
+  )
+
+
+def _dst_placeholders(
+  layouts: Sequence[Layout], blocks: Sequence[Block], union: np.ndarray
+) -> tuple[PlaceholderGroup, ...]:
+  """Per set of devices, the donated zero blocks of the outputs they hold no shard of."""
+  groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
+  for k, lay in enumerate(layouts):
+    missing = tuple(union[placeholder_mask(lay, union)].tolist())
+    if missing:
+      groups[missing].append(k)
+  return tuple(
+    PlaceholderGroup(ids, tuple((blocks[k].block, blocks[k].dtype) for k in ks), tuple(ks))
+    for ids, ks in groups.items()
   )
 
 

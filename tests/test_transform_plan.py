@@ -297,3 +297,30 @@ def test_scalars_empty_leaves_and_bool_casts() -> None:
   for k in want:
     assert_matches_oracle(out[k], np.asarray(want[k]), dst)
   assert plan.stats.bytes_moved == plan.stats.lower_bound_bytes
+
+
+@pytest.mark.parametrize("placement", sorted(PLACEMENTS))
+def test_donate_writes_into_the_samplers_buffers(placement: str) -> None:
+  rng = np.random.default_rng(21)
+  src_ids, dst_ids = PLACEMENTS[placement]
+  src = _random_sharding(rng, (8, 1, 16), src_ids)
+  x = {"a": jax.device_put(rng.standard_normal((8, 1, 16)).astype(np.float32), src)}
+
+  def transform(p: Any) -> Any:
+    return {"t": p["a"][:, 0].T.astype(jnp.bfloat16), "s": p["a"][3, 0, 5]}
+
+  dst = {"t": _random_sharding(rng, (16, 8), dst_ids), "s": _random_sharding(rng, (), dst_ids)}
+  plan = jr.make_plan(x, dst, transform=transform)
+  old = plan(x)
+  want = jax.jit(transform)({"a": np.asarray(x["a"])})
+  new = plan(x, donate=old)
+  assert all(a.is_deleted() for a in jax.tree_util.tree_leaves(old))
+  for k in want:
+    assert_matches_oracle(new[k], np.asarray(want[k]), dst[k])
+  assert not x["a"].is_deleted()
+  with pytest.raises(ReshardError, match="nothing was donated"):
+    plan(x, donate={"t": new["t"]})
+  again = jr.reshard(x, dst, transform=transform, donate=new)
+  assert all(a.is_deleted() for a in jax.tree_util.tree_leaves(new))
+  for k in want:
+    assert_matches_oracle(again[k], np.asarray(want[k]), dst[k])
