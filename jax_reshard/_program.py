@@ -91,15 +91,25 @@ class Cut:
   @property
   def static_offset(self) -> Box | None:
     """The offset when every device of the role cuts at the same one, else ``None``."""
-    distinct = {off for _, off in self.offsets}
-    return distinct.pop() if len(distinct) == 1 else None
+    return common_offset(self.offsets)
 
   def offset_table(self, num_positions: int) -> np.ndarray:
     """``(num_positions, ndim)`` int32 offsets by mesh position (zeros outside the role)."""
-    table = np.zeros((num_positions, len(self.shape)), dtype=np.int32)
-    for pos, off in self.offsets:
-      table[pos] = off
-    return table
+    return offset_table(self.offsets, len(self.shape), num_positions)
+
+
+def common_offset(offsets: Sequence[tuple[int, Box]]) -> Box | None:
+  """The offset when every ``(position, offset)`` of a role has the same one, else ``None``."""
+  distinct = {off for _, off in offsets}
+  return distinct.pop() if len(distinct) == 1 else None
+
+
+def offset_table(offsets: Sequence[tuple[int, Box]], ndim: int, num_positions: int) -> np.ndarray:
+  """``(num_positions, ndim)`` int32 offsets by mesh position (zeros outside the role)."""
+  table = np.zeros((num_positions, ndim), dtype=np.int32)
+  for pos, off in offsets:
+    table[pos] = off
+  return table
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ import numpy as np
 
 from jax_reshard._layout import Layout
 from jax_reshard._pieces import Piece
-from jax_reshard._program import PlaceholderGroup, uint_dtype
+from jax_reshard._program import PlaceholderGroup, common_offset, offset_table, uint_dtype
 from jax_reshard._schedule import placeholder_mask, staged_block_shape
 from jax_reshard._tplan import TransformLayoutPlan
 
@@ -51,15 +51,11 @@ class Slab:
   @property
   def static_offset(self) -> Box | None:
     """The offset when every device of the role reads at the same one, else ``None``."""
-    distinct = {off for _, off in self.offsets}
-    return distinct.pop() if len(distinct) == 1 else None
+    return common_offset(self.offsets)
 
   def offset_table(self, num_positions: int) -> np.ndarray:
     """``(num_positions, ndim)`` int32 offsets by mesh position (zeros outside the role)."""
-    table = np.zeros((num_positions, len(self.shape)), dtype=np.int32)
-    for pos, off in self.offsets:
-      table[pos] = off
-    return table
+    return offset_table(self.offsets, len(self.shape), num_positions)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

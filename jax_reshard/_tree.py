@@ -279,23 +279,11 @@ def check_arrays(treedef: Any, leaves: Sequence[Leaf], x: Any) -> list[Any]:
     raise ReshardError(
       f"input tree does not match the plan's tree.\n  plan:  {treedef}\n  input: {x_treedef}"
     )
-  problems = []
-  for lf, a in zip(leaves, arrays, strict=True):
-    if not isinstance(a, jax.Array):
-      problems.append(f"{lf.name}: {type(a).__name__} is not a jax.Array")
-    elif a.is_deleted():
-      problems.append(f"{lf.name}: the array has been deleted (donated?)")
-    elif tuple(a.shape) != lf.shape or np.dtype(a.dtype) != lf.dtype:
-      problems.append(
-        f"{lf.name}: {a.dtype}{list(a.shape)} but the plan was made for {lf.dtype}{list(lf.shape)}"
-      )
-    elif a.sharding != lf.src_sharding and not a.sharding.is_equivalent_to(
-      lf.src_sharding, len(lf.shape)
-    ):  # equality first: it is the common case and much cheaper on every refit
-      problems.append(
-        f"{lf.name}: placed as {describe_sharding(a.sharding)} but the plan "
-        f"was made for {describe_sharding(lf.src_sharding)}"
-      )
+  problems = [
+    problem
+    for lf, a in zip(leaves, arrays, strict=True)
+    if (problem := _array_problem(lf, a, lf.src_sharding, "(donated?)", "the plan was made for"))
+  ]
   if problems:
     raise ReshardError(
       "input does not match the plan:\n  "
@@ -307,6 +295,23 @@ def check_arrays(treedef: Any, leaves: Sequence[Leaf], x: Any) -> list[Any]:
       "jax.jit(..., out_shardings=...)."
     )
   return arrays
+
+
+def _array_problem(lf: Leaf, a: Any, sharding: Any, deleted_hint: str, expected: str) -> str:
+  """What is wrong with ``a`` as leaf ``lf`` laid out in ``sharding`` ("" if nothing)."""
+  if not isinstance(a, jax.Array):
+    return f"{lf.name}: {type(a).__name__} is not a jax.Array"
+  if a.is_deleted():
+    return f"{lf.name}: the array has been deleted {deleted_hint}"
+  if tuple(a.shape) != lf.shape or np.dtype(a.dtype) != lf.dtype:
+    return f"{lf.name}: {a.dtype}{list(a.shape)} but {expected} {lf.dtype}{list(lf.shape)}"
+  # Equality first: it is the common case and much cheaper on every refit.
+  if a.sharding != sharding and not a.sharding.is_equivalent_to(sharding, len(lf.shape)):
+    return (
+      f"{lf.name}: placed as {describe_sharding(a.sharding)} but {expected} "
+      f"{describe_sharding(sharding)}"
+    )
+  return ""
 
 
 def _buffers(a: jax.Array) -> set[tuple[int, int]]:
@@ -338,21 +343,9 @@ def check_donated(
   seen: set[tuple[int, int]] = set()
   problems = []
   for lf, a in zip(leaves, arrays, strict=True):
-    if not isinstance(a, jax.Array):
-      problems.append(f"{lf.name}: {type(a).__name__} is not a jax.Array")
-    elif a.is_deleted():
-      problems.append(f"{lf.name}: the array has been deleted (donated already?)")
-    elif tuple(a.shape) != lf.shape or np.dtype(a.dtype) != lf.dtype:
-      problems.append(
-        f"{lf.name}: {a.dtype}{list(a.shape)} but the destination is {lf.dtype}{list(lf.shape)}"
-      )
-    elif a.sharding != lf.dst_sharding and not a.sharding.is_equivalent_to(
-      lf.dst_sharding, len(lf.shape)
-    ):
-      problems.append(
-        f"{lf.name}: placed as {describe_sharding(a.sharding)} but the destination is "
-        f"{describe_sharding(lf.dst_sharding)}"
-      )
+    problem = _array_problem(lf, a, lf.dst_sharding, "(donated already?)", "the destination is")
+    if problem:
+      problems.append(problem)
     elif _buffers(a) & source_buffers:
       problems.append(f"{lf.name}: shares its buffers with the source, which is never donated")
     elif _buffers(a) & seen:
