@@ -386,7 +386,75 @@ def plan_leaves(
   """Plans every leaf of a tree, balancing send (and relay entry) load across all of them."""
   load: dict[int, int] = {}
   entry: dict[int, int] = {}
-  return [
+  plans = [
     plan_leaf(s, d, isz, load, topology=topology, entry_load=entry, relays=relays)
     for (s, d), isz in zip(layouts, itemsizes, strict=True)
   ]
+  if _one_domain(layouts, topology):  # with several domains, senders follow the domains
+    plans = _join_pairs(plans, layouts, load)
+  return plans
+
+
+def _one_domain(layouts: Sequence[tuple[Layout, Layout]], topology: Topology | None) -> bool:
+  if topology is None:
+    return True
+  ids = sorted({i for s, d in layouts for i in (*s.device_ids, *d.device_ids)})
+  return len(np.unique(topology.domain_of(ids))) <= 1
+
+
+def _join_pairs(
+  plans: list[LeafPlan], layouts: Sequence[tuple[Layout, Layout]], load: dict[int, int]
+) -> list[LeafPlan]:
+  """Moves needs that several replicas could send onto (sender, receiver) pairs that carry
+  data anyway, where no sender ends up more than 1% over the busiest one before.
+
+  Every distinct pair is a payload and costs its devices a round slot; a small replicated leaf
+  (a norm) balanced onto a pair of its own can cost a whole round. Only the choice between
+  replicas in the same process changes, so bytes and their lower bound stay as they are.
+  """
+  fixed: list[np.ndarray] = []  # pairs of needs that only one replica can send
+  movable = []
+  for k, (lp, (src, dst)) in enumerate(zip(plans, layouts, strict=True)):
+    g = _geometry(src, dst)
+    remote = ~lp.local
+    n_rep = np.asarray([len(r) for r in g.replica_ids], dtype=np.int64)[
+      g.region_src_box[g.need_region]
+    ]
+    fixed.append(
+      lp.src_device[remote & (n_rep == 1)] * (1 << 32) + lp.dst_device[remote & (n_rep == 1)]
+    )
+    idx = np.nonzero(remote & (n_rep > 1))[0]
+    if len(idx):
+      movable.append((k, idx, g))
+  if not movable:
+    return plans
+  anchors = set(np.unique(np.concatenate(fixed)).tolist()) if fixed else set()
+  if not anchors:
+    return plans
+  top = max(load.values(), default=0) * 101 // 100  # 1% over the busiest sender at most
+  out = list(plans)
+  for k, idx, g in movable:
+    lp, (src, _) = out[k], layouts[k]
+    procs = dict(zip(src.device_ids, src.process_indices, strict=True))
+    sender = lp.src_device.copy()
+    for t in idx.tolist():
+      s, d, nb = int(sender[t]), int(lp.dst_device[t]), int(lp.nbytes[t])
+      if s * (1 << 32) + d in anchors:
+        continue
+      reps = g.replica_ids[int(g.region_src_box[g.need_region[t]])].tolist()
+      best = min(
+        (
+          (load.get(r, 0), r)
+          for r in reps
+          if r * (1 << 32) + d in anchors and procs[r] == procs[s] and load.get(r, 0) + nb <= top
+        ),
+        default=None,
+      )
+      if best is not None:
+        r = best[1]
+        sender[t] = r
+        load[s] -= nb
+        load[r] = load.get(r, 0) + nb
+    if not np.array_equal(sender, lp.src_device):
+      out[k] = dataclasses.replace(lp, src_device=sender)
+  return out
