@@ -304,7 +304,18 @@ def _stage_plan(
   for j, i in enumerate(scheduled):  # the transfers as the buckets move them (chunks)
     chunked[i] = schedule.leaf_plans[j]
   leaf_plans = tuple(chunked)
-  stats = PlanStats(
+  programs = count_programs(leaf_plans, layouts, scheduled, schedule, itemsizes)
+  stats = schedule_stats(leaf_plans, schedule, programs)
+  return LayoutPlan(
+    layouts, itemsizes, leaf_plans, scheduled, schedule, stats, max_bucket_bytes, topology
+  )
+
+
+def schedule_stats(
+  leaf_plans: Sequence[LeafPlan], schedule: Schedule, num_programs: int
+) -> PlanStats:
+  """The :class:`PlanStats` of leaf plans moved by ``schedule`` (no topology fields)."""
+  return PlanStats(
     bytes_moved=sum(p.bytes_moved for p in leaf_plans),
     lower_bound_bytes=sum(p.lower_bound_bytes for p in leaf_plans),
     padding_bytes=schedule.padding_bytes,
@@ -315,10 +326,7 @@ def _stage_plan(
     max_send_bytes=schedule.max_send_bytes,
     max_recv_bytes=schedule.max_recv_bytes,
     peak_staging_bytes=schedule.peak_staging_bytes,
-    num_programs=count_programs(leaf_plans, layouts, scheduled, schedule, itemsizes),
-  )
-  return LayoutPlan(
-    layouts, itemsizes, leaf_plans, scheduled, schedule, stats, max_bucket_bytes, topology
+    num_programs=num_programs,
   )
 
 

@@ -24,7 +24,7 @@ import numpy as np
 from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
 from jax_reshard._pieces import OutputLeaf, Piece, lower_bound_bytes, restrict, restrict_source
-from jax_reshard._plan import PlanStats
+from jax_reshard._plan import PlanStats, schedule_stats
 from jax_reshard._planner import LeafPlan
 from jax_reshard._schedule import DEFAULT_MAX_BUCKET_BYTES, Schedule, make_schedule
 
@@ -226,18 +226,5 @@ def plan_transform_layouts(
       "a transformed plan are not split into chunks yet. Pass a larger max_bucket_bytes (or "
       "None for one bucket)."
     )
-  transfers = [p.transfers for p in plans]
-  stats = PlanStats(
-    bytes_moved=sum(t.bytes_moved for t in transfers),
-    lower_bound_bytes=sum(t.lower_bound_bytes for t in transfers),
-    padding_bytes=schedule.padding_bytes,
-    local_copy_bytes=sum(t.local_copy_bytes for t in transfers),
-    gather_broadcast_bytes=sum(t.gather_broadcast_bytes for t in transfers),
-    num_rounds=schedule.num_rounds,
-    num_buckets=len(schedule.buckets),
-    max_send_bytes=schedule.max_send_bytes,
-    max_recv_bytes=schedule.max_recv_bytes,
-    peak_staging_bytes=schedule.peak_staging_bytes,
-    num_programs=len(schedule.buckets),
-  )
+  stats = schedule_stats([p.transfers for p in plans], schedule, len(schedule.buckets))
   return TransformLayoutPlan(src_layouts, dst_layouts, plans, scheduled, schedule, stats, layouts)
