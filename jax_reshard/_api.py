@@ -10,6 +10,7 @@ from typing import Any, overload
 
 import jax
 
+from jax_reshard._buffers import buffers_by_device
 from jax_reshard._classes import bucket_classes
 from jax_reshard._cost import Estimate
 from jax_reshard._emit import BucketExecutable, empty_like_sharded, max_word_bytes
@@ -196,7 +197,7 @@ class ReshardPlan:
     carry: dict[int, dict[int, Any]] = {}
     if old is not None:
       for i in self.layout_plan.scheduled:
-        carry[i] = {s.device.id: s.data for s in old[i].addressable_shards}
+        carry[i] = buffers_by_device(old[i])
     for idx, exe in zip(self._bucket_leaves, executables, strict=True):
       dsts = [
         carry.pop(i) if lf.dst_input else None

@@ -47,6 +47,12 @@ def addressable_order(sharding: Any, *, fast: bool) -> list[int]:
   return sorted(d.id for d in sharding.addressable_devices)
 
 
+def buffers_by_device(x: Any) -> dict[int, Any]:
+  """The single-device arrays of ``x`` by device id."""
+  fast = fast_path_available()
+  return dict(zip(addressable_order(x.sharding, fast=fast), buffers(x, fast=fast), strict=True))
+
+
 def buffers(x: Any, *, fast: bool) -> list[Any]:
   """The single-device arrays of ``x`` in :func:`addressable_order` of ``x.sharding``."""
   if fast:

@@ -22,7 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jax_reshard._buffers import Wrapper, addressable_order, buffers, fast_path_available
+from jax_reshard._buffers import (
+  Wrapper,
+  addressable_order,
+  buffers,
+  buffers_by_device,
+  fast_path_available,
+)
 from jax_reshard._program import (
   Assemble,
   BucketProgram,
@@ -735,8 +741,7 @@ class TransformExecutable:
     if self.donate:
       zeros = _stage_placeholders(self.program.dst_placeholders, self.devices)
       for k, (io, old) in enumerate(zip(self._out_io, olds, strict=True)):
-        held = {sh.device.id: sh.data for sh in old.addressable_shards}
-        args.append(io.stage_dst(held, zeros, k))
+        args.append(io.stage_dst(buffers_by_device(old), zeros, k))
     ys = self._compiled(*args)
     return [io.unstage(y) for io, y in zip(self._out_io, ys, strict=True)]
 

@@ -346,12 +346,12 @@ def check_donated(
     problem = _array_problem(lf, a, lf.dst_sharding, "(donated already?)", "the destination is")
     if problem:
       problems.append(problem)
-    elif _buffers(a) & source_buffers:
+    elif (held := _buffers(a)) & source_buffers:
       problems.append(f"{lf.name}: shares its buffers with the source, which is never donated")
-    elif _buffers(a) & seen:
+    elif held & seen:
       problems.append(f"{lf.name}: shares its buffers with another donated leaf")
     else:
-      seen |= _buffers(a)
+      seen |= held
   if problems:
     raise ReshardError(
       "donate= does not match the plan's destination; nothing was donated or deleted:\n  "
