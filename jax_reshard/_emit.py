@@ -30,14 +30,15 @@ from jax_reshard._buffers import (
   fast_path_available,
 )
 from jax_reshard._program import (
-  Assemble,
   BucketProgram,
+  ChunkWrites,
   Cut,
   LeafView,
   Pack,
   PlaceholderGroup,
   Received,
   SendRound,
+  chunk_writes,
   program_signature,
   role_table,
   uint_dtype,
@@ -201,38 +202,81 @@ def _in_place(
 
 
 def _base(lf: LeafView, dst: jax.Array | None) -> jax.Array:
-  """The block a leaf's destination starts from: its destination input, or zeros."""
-  return dst if dst is not None else jnp.zeros(lf.dst_block, lf.dtype)
+  """The block a leaf's destination starts from: its destination input where chunks fill it
+  in place, else zeros (a donated block that the leaf's shard is assembled into whole is only
+  a buffer to reuse, never read)."""
+  return dst if dst is not None and lf.in_place else jnp.zeros(lf.dst_block, lf.dtype)
 
 
-def _assemble_fn(program: BucketProgram, role: Assemble) -> Callable[..., tuple[jax.Array, ...]]:
-  """The destination code of one assembly role."""
-  n = len(program.device_ids)
+def _part_value(
+  lf: LeafView, part: Any, shard: jax.Array, recvs: Sequence[jax.Array], me: jax.Array, n: int
+) -> jax.Array:
+  """A destination part in the leaf's words: payload words of a round (a :class:`Received`, or
+  a :class:`ChunkWrites` source of one), or a cut of the own source shard."""
+  if isinstance(part, Received):
+    words = jax.lax.slice(recvs[part.round], (part.start,), (part.stop,))
+    return _from_units(words, lf.word, part.shape)
+  return _slice(part if isinstance(part, Cut) else part.cut, shard, me, n)
+
+
+def _assemble_fn(
+  program: BucketProgram, k: int, switched: Sequence[int], slots: dict[int, ChunkWrites]
+) -> Callable[..., tuple[jax.Array, ...]]:
+  """The destination code of assembly role ``k``: the blocks of the leaves ``switched``, then
+  the slot values of the leaves in ``slots`` (written after the switch)."""
+  n, role = len(program.device_ids), program.assembles[k]
 
   def branch(
     me: jax.Array, blocks: Sequence[jax.Array], dsts: Sequence[Any], recvs: Sequence[jax.Array]
   ) -> tuple[jax.Array, ...]:
     shards = _local_view(program.leaves, blocks)
     outs = []
-    for li, (lf, parts) in enumerate(zip(program.leaves, role.parts, strict=True)):
+    for li in switched:
+      lf, parts = program.leaves[li], role.parts[li]
       if parts is None:
         outs.append(_base(lf, dsts[li]))
         continue
-      values = []
-      for p in parts:
-        if isinstance(p, Received):
-          words = jax.lax.slice(recvs[p.round], (p.start,), (p.stop,))
-          values.append((p.offset, _from_units(words, lf.word, p.shape)))
-        else:
-          values.append((p.offset, _slice(p.cut, shards[li], me, n)))
+      values = [(p.offset, _part_value(lf, p, shards[li], recvs, me, n)) for p in parts]
       if lf.in_place:
         outs.append(_in_place(lf, _base(lf, dsts[li]), values))
         continue
       out = _tile(values, lf.dst_words, lf.word)
       outs.append(_from_uint(_narrow(out, lf.dtype), lf.dtype).reshape(lf.dst_block))
+    for li, w in slots.items():
+      lf, fill = program.leaves[li], w.fills[k]
+      if fill is None:
+        outs += [jnp.zeros(shape, lf.word) for shape in w.shapes]
+      else:
+        outs += [_part_value(lf, p, shards[li], recvs, me, n) for p in fill]
     return tuple(outs)
 
   return branch
+
+
+def _write_chunks(
+  program: BucketProgram,
+  li: int,
+  w: ChunkWrites,
+  base: jax.Array,
+  values: Sequence[jax.Array],
+  me: jax.Array,
+) -> jax.Array:
+  """A split leaf's destination block: ``values`` (one per slot, in words) written into
+  ``base`` in place, the same code on every device (offsets read from a table at the mesh
+  position): outside any switch, XLA updates the donated block where it is."""
+  lf, n = program.leaves[li], len(program.device_ids)
+  out = base.reshape(lf.dst_shard)
+  for j, value in enumerate(values):
+    part = _from_uint(_narrow(value, lf.dtype), lf.dtype)
+    table = w.offset_table(j, n)
+    table[:, -1] *= lf.word_ratio  # words to elements
+    if len({tuple(r) for r in table.tolist()}) == 1:
+      at: Sequence[Any] = [int(v) for v in table[0]]
+    else:
+      row = jnp.asarray(table)[me]
+      at = [row[d] for d in range(table.shape[1])]
+    out = jax.lax.dynamic_update_slice(out, part, at)
+  return out.reshape(lf.dst_block)
 
 
 def emit_body(program: BucketProgram, axis: Any) -> Callable[..., tuple[jax.Array, ...]]:
@@ -240,12 +284,25 @@ def emit_body(program: BucketProgram, axis: Any) -> Callable[..., tuple[jax.Arra
   (one axis name, or a tuple of all of them) enumerates in the order of ``device_ids``.
 
   It takes one staged source block per leaf, then the destination block of every leaf in
-  :attr:`BucketProgram.dst_inputs`, and returns one destination block per leaf.
+  :attr:`BucketProgram.dst_inputs`, and returns one destination block per leaf. Split leaves
+  whose parts every device can write alike (:func:`chunk_writes`) are written after the
+  per-role switch, which then returns at most their parts.
   """
   num_src = len(program.leaves)
+  n = len(program.device_ids)
+  writes = {
+    li: w
+    for li, lf in enumerate(program.leaves)
+    if lf.in_place and (w := chunk_writes(program, li)) is not None
+  }
+  switched = [li for li in range(num_src) if li not in writes]
+  valued = {li: w for li, w in writes.items() if w.sources is None}
 
   def idle(me: jax.Array, blocks: Any, dsts: Any, recvs: Any) -> tuple[jax.Array, ...]:
-    return tuple(_base(lf, d) for lf, d in zip(program.leaves, dsts, strict=True))
+    outs = [_base(program.leaves[li], dsts[li]) for li in switched]
+    for li, w in valued.items():
+      outs += [jnp.zeros(shape, program.leaves[li].word) for shape in w.shapes]
+    return tuple(outs)
 
   def body(*inputs: jax.Array) -> tuple[jax.Array, ...]:
     blocks = inputs[:num_src]
@@ -254,9 +311,23 @@ def emit_body(program: BucketProgram, axis: Any) -> Callable[..., tuple[jax.Arra
       dsts[li] = d
     me = jax.lax.axis_index(axis)
     recvs = [_emit_round(program, rnd, axis, me, blocks) for rnd in program.rounds]
-    branches = [idle, *(_assemble_fn(program, a) for a in program.assembles)]
-    table = role_table(len(program.device_ids), program.assembles)
-    return tuple(_switch(me, table, branches, me, list(blocks), dsts, recvs))
+    outs: list[Any] = [None] * num_src
+    ys: list[Any] = []
+    if switched or valued:
+      fns = [_assemble_fn(program, k, switched, valued) for k in range(len(program.assembles))]
+      table = role_table(n, program.assembles)
+      ys = list(_switch(me, table, [idle, *fns], me, list(blocks), dsts, recvs))
+    for li in switched:
+      outs[li] = ys.pop(0)
+    for li, w in writes.items():
+      lf = program.leaves[li]
+      if w.sources is None:
+        values = [ys.pop(0) for _ in w.shapes]
+      else:
+        shard = _local_view([lf], [blocks[li]])[0]
+        values = [_part_value(lf, src, shard, recvs, me, n) for src in w.sources]
+      outs[li] = _write_chunks(program, li, w, _base(lf, dsts[li]), values, me)
+    return tuple(outs)
 
   return body
 
@@ -288,7 +359,10 @@ def _compiled_program(signature: BucketProgram, devices: tuple[Any, ...]) -> tup
     + [(lf.dst_block, lf) for lf in dst_leaves]
   ]
   donate = tuple(range(len(leaves), len(leaves) + len(dst_leaves)))  # written in place
-  return jax.jit(fn, donate_argnums=donate).lower(*avals).compile(), staged
+  # keep_unused: a donated block that is only a buffer for the result is never read, yet must
+  # stay an argument for its output to alias it.
+  jitted = jax.jit(fn, donate_argnums=donate, keep_unused=True)
+  return jitted.lower(*avals).compile(), staged
 
 
 @functools.lru_cache(maxsize=PROGRAM_CACHE_SIZE)
