@@ -65,6 +65,9 @@ class ReshardPlan:
     self._bucket_leaves = [stage.bucket_leaves(b) for stage, b in self._stage_buckets]
     self._programs: dict[bool, list[BucketProgram]] = {}
     self._executables: dict[bool, list[BucketExecutable]] = {}
+    # Blocks of devices without a destination shard, left by the last bucket that took
+    # destination inputs: donated as the next bucket's (or call's) placeholders.
+    self._spares: dict[Any, list[Any]] = {}
     self._classes = self._bucket_classes()
     self._stats = dataclasses.replace(self.layout_plan.stats, num_programs=len(set(self._classes)))
 
@@ -195,6 +198,7 @@ class ReshardPlan:
       lf = self.leaves[i]
       out[i] = empty_like_sharded(lf.shape, lf.dtype, lf.dst_sharding)
     carry: dict[int, dict[int, Any]] = {}
+    spares, self._spares = self._spares, {}  # a call that fails leaves none behind
     if old is not None:
       for i in self.layout_plan.scheduled:
         carry[i] = buffers_by_device(old[i])
@@ -205,11 +209,12 @@ class ReshardPlan:
       ]
       # A relay stage takes the first stage's results as its source.
       xs = [arrays[i] if out[i] is None else out[i] for i in idx]
-      for i, y in zip(idx, exe(xs, dsts), strict=True):
+      for i, y in zip(idx, exe(xs, dsts, spares), strict=True):
         if isinstance(y, dict):
           carry[i] = y
         else:
           out[i] = y
+    self._spares = spares
     return out
 
   def __repr__(self) -> str:

@@ -392,11 +392,13 @@ class _LeafIO:
   __slots__ = (
     "carry_out",
     "dst_block",
+    "dst_input",
     "dst_pick",
     "dst_stage_wrap",
     "ph_keys",
     "scalar_dst",
     "scalar_src",
+    "spare_at",
     "src_pick",
     "src_sharding",
     "stage_wrap",
@@ -413,6 +415,12 @@ class _LeafIO:
     self.src_pick = self._pick(src_sharding, fast=fast) if src_sharding is not None else None
     pos = {d: j for j, d in enumerate(self.staged_ids)}
     self.dst_pick = [pos[i] for i in addressable_order(dst_sharding, fast=fast)]
+    picked = set(self.dst_pick)
+    # Output blocks of positions without a destination shard: spare buffers for a later call.
+    self.spare_at = [
+      (j, (d, lf.dst_block, lf.dtype)) for j, d in enumerate(self.staged_ids) if j not in picked
+    ]
+    self.dst_input = lf.dst_input
     self.scalar_src, self.scalar_dst = not lf.src_shard, not lf.dst_shard
     n = len(staged.device_set)
     self.stage_wrap = Wrapper(_staged_shape(lf.src_block, n), lf.dtype, staged, fast=fast)
@@ -456,10 +464,18 @@ class _LeafIO:
       blocks.append(data)
     return self.dst_stage_wrap(blocks)
 
-  def unstage(self, y: jax.Array) -> jax.Array | dict[int, jax.Array]:
+  def unstage(
+    self, y: jax.Array, spares: dict[Any, list[jax.Array]] | None = None
+  ) -> jax.Array | dict[int, jax.Array]:
     """The destination array made of the destination devices' output blocks (zero-copy), or
-    (``carry_out``) those blocks by device id, for the leaf's next bucket."""
+    (``carry_out``) those blocks by device id, for the leaf's next bucket. With ``spares``, a
+    leaf with a destination input also leaves there its other positions' blocks (keyed by
+    device id, block shape and dtype): buffers a later bucket or call donates instead of
+    making zero blocks."""
     held = buffers(y, fast=self.unstage_wrap.fast)
+    if spares is not None and self.dst_input:
+      for j, key in self.spare_at:
+        spares.setdefault(key, []).append(held[j])
     if self.carry_out:
       return {self.staged_ids[j]: held[j] for j in self.dst_pick}
     if self.scalar_dst:
@@ -530,13 +546,17 @@ class BucketExecutable:
       self._compiled = _compiled_program(program_signature(self.program), self._mesh_devices)
     return self._compiled
 
-  def _placeholders(self, which: int) -> dict[tuple[Any, ...], jax.Array]:
-    """Zero blocks for this call (``which``: 0 source, 1 destination), keyed by (device id,
-    block shape, dtype) for source blocks and (device id, leaf position) for destination
-    blocks (those are donated, so each belongs to one leaf)."""
+  def _placeholders(
+    self, which: int, groups: Sequence[PlaceholderGroup] | None = None
+  ) -> dict[tuple[Any, ...], jax.Array]:
+    """Zero blocks for this call (``which``: 0 source, 1 destination; ``groups``: those of
+    the program by default), keyed by (device id, block shape, dtype) for source blocks and
+    (device id, leaf position) for destination blocks (donated, so each belongs to one leaf)."""
     out = {}
     fast = fast_path_available()
-    for group in (self.program.placeholders, self.program.dst_placeholders)[which]:
+    if groups is None:
+      groups = (self.program.placeholders, self.program.dst_placeholders)[which]
+    for group in groups:
       devices = tuple(self.devices[i] for i in group.device_ids)
       fn = _placeholder_program(group, devices)
       # Ready before the transfer program is queued: on the CPU backend, a collective program
@@ -561,8 +581,30 @@ class BucketExecutable:
       ]
     return self._io
 
+  def _spare_blocks(self, spares: dict[Any, list[jax.Array]]) -> dict[Any, jax.Array]:
+    """Destination placeholders by (device id, leaf position): taken from ``spares`` (blocks
+    an earlier bucket or call left, never read) where a group's are all there, else made.
+    ``spares`` is emptied, so that what this bucket does not use is freed before it runs."""
+    out: dict[Any, jax.Array] = {}
+    for group in self.program.dst_placeholders:
+      need: dict[Any, int] = {}
+      for block in group.blocks:
+        for d in group.device_ids:
+          need[(d, *block)] = need.get((d, *block), 0) + 1
+      if all(len(spares.get(key, ())) >= k for key, k in need.items()):
+        for li, block in zip(group.leaves, group.blocks, strict=True):
+          for d in group.device_ids:
+            out[(d, li)] = spares[(d, *block)].pop()
+      else:
+        out.update(self._placeholders(1, (group,)))
+    spares.clear()
+    return out
+
   def __call__(
-    self, xs: Sequence[jax.Array], dsts: Sequence[dict[int, jax.Array] | None] = ()
+    self,
+    xs: Sequence[jax.Array],
+    dsts: Sequence[dict[int, jax.Array] | None] = (),
+    spares: dict[Any, list[jax.Array]] | None = None,
   ) -> list[Any]:
     """Moves the bucket's leaves.
 
@@ -570,6 +612,9 @@ class BucketExecutable:
       xs: per leaf of the program, its source array.
       dsts: per leaf, its destination blocks by device id where it has a destination input
         (donated: they are consumed), else ``None``.
+      spares: optional, buffers to donate as destination placeholders, by (device id, block
+        shape, dtype); consumed, then refilled with this call's blocks of positions without a
+        destination shard (see :meth:`_LeafIO.unstage`). Each caller keeps its own.
 
     Returns:
       Per leaf, the destination array, or (``carry_out``) its blocks by device id.
@@ -579,11 +624,11 @@ class BucketExecutable:
     placeholders = self._placeholders(0)
     staged = [leaf.stage(x, placeholders) for leaf, x in zip(io, xs, strict=True)]
     if self.program.dst_inputs:
-      dst_ph = self._placeholders(1)
+      dst_ph = self._placeholders(1) if spares is None else self._spare_blocks(spares)
       for li in self.program.dst_inputs:
         staged.append(io[li].stage_dst(dsts[li] or {}, dst_ph, li))
     ys = compiled(*staged)
-    return [leaf.unstage(y) for leaf, y in zip(io, ys, strict=True)]
+    return [leaf.unstage(y, spares) for leaf, y in zip(io, ys, strict=True)]
 
 
 def empty_like_sharded(shape: tuple[int, ...], dtype: np.dtype, sharding: Any) -> jax.Array:
