@@ -246,8 +246,13 @@ def _assemble_fn(
       lf, fill = program.leaves[li], w.fills[k]
       if fill is None:
         outs += [jnp.zeros(shape, lf.word) for shape in w.shapes]
-      else:
-        outs += [_part_value(lf, p, shards[li], recvs, me, n) for p in fill]
+        continue
+      for p, shape in zip(fill, w.shapes, strict=True):
+        if p is None:  # written back unchanged, before this role's own writes
+          words = _widen(_to_uint(_base(lf, dsts[li]).reshape(lf.dst_shard)), lf.word)
+          outs.append(jax.lax.slice(words, (0,) * len(shape), shape))
+        else:
+          outs.append(_part_value(lf, p, shards[li], recvs, me, n))
     return tuple(outs)
 
   return branch
@@ -290,10 +295,14 @@ def emit_body(program: BucketProgram, axis: Any) -> Callable[..., tuple[jax.Arra
   """
   num_src = len(program.leaves)
   n = len(program.device_ids)
+  # Parts that come out of the switch cost a pass: worth it only to spare a block-sized copy
+  # of a destination input.
   writes = {
     li: w
     for li, lf in enumerate(program.leaves)
-    if lf.in_place and (w := chunk_writes(program, li)) is not None
+    if lf.in_place
+    and (w := chunk_writes(program, li)) is not None
+    and (w.sources is not None or lf.dst_input)
   }
   switched = [li for li in range(num_src) if li not in writes]
   valued = {li: w for li, w in writes.items() if w.sources is None}
@@ -583,20 +592,20 @@ class BucketExecutable:
 
   def _spare_blocks(self, spares: dict[Any, list[jax.Array]]) -> dict[Any, jax.Array]:
     """Destination placeholders by (device id, leaf position): taken from ``spares`` (blocks
-    an earlier bucket or call left, never read) where a group's are all there, else made.
-    ``spares`` is emptied, so that what this bucket does not use is freed before it runs."""
+    an earlier bucket or call left, never read) where there are, else made. ``spares`` is
+    emptied, so that what this bucket does not use is freed before it runs."""
     out: dict[Any, jax.Array] = {}
     for group in self.program.dst_placeholders:
-      need: dict[Any, int] = {}
-      for block in group.blocks:
-        for d in group.device_ids:
-          need[(d, *block)] = need.get((d, *block), 0) + 1
-      if all(len(spares.get(key, ())) >= k for key, k in need.items()):
-        for li, block in zip(group.leaves, group.blocks, strict=True):
+      missing = []
+      for li, block in zip(group.leaves, group.blocks, strict=True):
+        if all(spares.get((d, *block)) for d in group.device_ids):
           for d in group.device_ids:
             out[(d, li)] = spares[(d, *block)].pop()
-      else:
-        out.update(self._placeholders(1, (group,)))
+        else:
+          missing.append((li, block))
+      if missing:  # compiled once per distinct set of missing blocks
+        blocks, leaves = tuple(b for _, b in missing), tuple(li for li, _ in missing)
+        out.update(self._placeholders(1, (PlaceholderGroup(group.device_ids, blocks, leaves),)))
     spares.clear()
     return out
 

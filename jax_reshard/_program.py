@@ -563,13 +563,15 @@ class ChunkWrites:
       the values are read outside the switch too. ``None`` otherwise.
     fills: per assembly role (``None`` where it holds no shard of the leaf), the part each slot
       writes; a role with fewer parts of a shape writes one of its parts of that shape twice,
-      at the same offset (same words, so the order of writes does not matter).
+      at the same offset (same words, so the order of writes does not matter), and one with
+      no part of a shape writes back the block's own words at offset 0 (``None``), before any
+      of its own writes.
   """
 
   shapes: tuple[Box, ...]
   offsets: tuple[tuple[tuple[int, Box], ...], ...]
   sources: tuple[Received | Cut, ...] | None
-  fills: tuple[tuple[Part, ...] | None, ...]
+  fills: tuple[tuple[Part | None, ...] | None, ...]
 
   def offset_table(self, slot: int, num_positions: int) -> np.ndarray:
     """``(num_positions, ndim)`` int32 destination offsets in words of ``slot``."""
@@ -598,6 +600,7 @@ def chunk_writes(program: BucketProgram, leaf: int) -> ChunkWrites | None:
   if not program.leaves[leaf].dst_shard or not held:
     return None
   sources = _common_sources(leaf, held)
+  fills: list[tuple[Part | None, ...] | None]
   if sources is not None:  # every role writes the same sources, in this order
     fills = [tuple(parts) if parts else None for parts in roles]
     shapes = [_part_shape(p) for p in held[0]]
@@ -609,9 +612,9 @@ def chunk_writes(program: BucketProgram, leaf: int) -> ChunkWrites | None:
   offsets = tuple(
     tuple(
       sorted(
-        (pos, f[j].offset)
+        (pos, part.offset)
         for a, f in zip(program.assembles, fills, strict=True)
-        if f is not None
+        if f is not None and (part := f[j]) is not None
         for pos in a.positions
       )
     )
@@ -622,24 +625,35 @@ def chunk_writes(program: BucketProgram, leaf: int) -> ChunkWrites | None:
 
 def _padded_fills(
   roles: Sequence[Sequence[Part] | None],
-) -> tuple[list[Box], list[tuple[Part, ...] | None]] | None:
+) -> tuple[list[Box], list[tuple[Part | None, ...] | None]] | None:
   """Slots by shape, as many of each as the role with the most; per role, its parts padded by
-  repeats. ``None`` where a role has no part of a shape another role writes."""
+  repeats, or ``None`` (write back what is there, at offset 0) for a shape it has no part of.
+  Slots are ordered so that every role's write-backs come before its own writes (they then
+  change nothing); ``None`` where no such order exists."""
   counts: dict[Box, int] = defaultdict(int)
   for parts in (p for p in roles if p):
     for shape in {_part_shape(p) for p in parts}:
       counts[shape] = max(counts[shape], sum(_part_shape(p) == shape for p in parts))
   shapes = [shape for shape in sorted(counts) for _ in range(counts[shape])]
-  fills: list[tuple[Part, ...] | None] = []
+  fills: list[list[Part | None] | None] = []
   for role_parts in roles:
     if not role_parts:
       fills.append(None)
       continue
-    by_shape = {shape: [p for p in role_parts if _part_shape(p) == shape] for shape in counts}
-    if not all(by_shape.values()):
-      return None
-    fills.append(tuple(p for shape in sorted(counts) for p in _pad(by_shape[shape], counts[shape])))
-  return shapes, fills
+    fill: list[Part | None] = []
+    for shape in sorted(counts):
+      same = [p for p in role_parts if _part_shape(p) == shape]
+      fill += _pad(same, counts[shape]) if same else [None] * counts[shape]
+    fills.append(fill)
+  held = [f for f in fills if f is not None]
+  order = sorted(range(len(shapes)), key=lambda j: -sum(f[j] is None for f in held))
+  for f in held:
+    kinds = [f[j] is None for j in order]
+    if True in kinds and kinds.index(False) < len(kinds) - kinds[::-1].index(True) - 1:
+      return None  # this role would write back over its own writes
+  return [shapes[j] for j in order], [
+    None if f is None else tuple(f[j] for j in order) for f in fills
+  ]
 
 
 def _pad(parts: list[Part], n: int) -> list[Part]:
