@@ -594,15 +594,15 @@ def chunk_writes(program: BucketProgram, leaf: int) -> ChunkWrites | None:
   any part of a shape another role writes (the writes then stay in the per-role branches)."""
   roles: list[list[Part] | None] = []
   for a in program.assembles:
-    parts = a.parts[leaf]
-    roles.append(sorted(parts, key=_write_key) if parts else None)
-  held = [parts for parts in roles if parts]
+    parts = a.parts[leaf]  # () where a device holds a shard but gets none of it here
+    roles.append(None if parts is None else sorted(parts, key=_write_key))
+  held = [parts for parts in roles if parts is not None]
   if not program.leaves[leaf].dst_shard or not held:
     return None
   sources = _common_sources(leaf, held)
   fills: list[tuple[Part | None, ...] | None]
   if sources is not None:  # every role writes the same sources, in this order
-    fills = [tuple(parts) if parts else None for parts in roles]
+    fills = [None if parts is None else tuple(parts) for parts in roles]
     shapes = [_part_shape(p) for p in held[0]]
   else:
     found = _padded_fills(roles)
@@ -631,13 +631,13 @@ def _padded_fills(
   Slots are ordered so that every role's write-backs come before its own writes (they then
   change nothing); ``None`` where no such order exists."""
   counts: dict[Box, int] = defaultdict(int)
-  for parts in (p for p in roles if p):
+  for parts in (p for p in roles if p is not None):
     for shape in {_part_shape(p) for p in parts}:
       counts[shape] = max(counts[shape], sum(_part_shape(p) == shape for p in parts))
   shapes = [shape for shape in sorted(counts) for _ in range(counts[shape])]
   fills: list[list[Part | None] | None] = []
   for role_parts in roles:
-    if not role_parts:
+    if role_parts is None:
       fills.append(None)
       continue
     fill: list[Part | None] = []
@@ -649,7 +649,7 @@ def _padded_fills(
   order = sorted(range(len(shapes)), key=lambda j: -sum(f[j] is None for f in held))
   for f in held:
     kinds = [f[j] is None for j in order]
-    if True in kinds and kinds.index(False) < len(kinds) - kinds[::-1].index(True) - 1:
+    if kinds != sorted(kinds, reverse=True):
       return None  # this role would write back over its own writes
   return [shapes[j] for j in order], [
     None if f is None else tuple(f[j] for j in order) for f in fills

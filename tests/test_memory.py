@@ -249,8 +249,11 @@ def test_split_leaf_chunks_are_written_in_place_without_a_copy(placement: str) -
     assert all(m.alias_size_in_bytes == block for m in analyses[int(not donate) :])
 
 
-@pytest.mark.parametrize("make", [_tree, _disjoint_tree], ids=["colocated", "disjoint"])
-@pytest.mark.parametrize("bound", [1 << 30, 4 * 1024], ids=["whole", "chunks"])
+@pytest.mark.parametrize(
+  ("make", "bound"),
+  [(_tree, 1 << 30), (_tree, 16 * 1024), (_disjoint_tree, 1 << 30), (_disjoint_tree, 4 * 1024)],
+  ids=["colocated-whole", "colocated-chunks", "disjoint-whole", "disjoint-chunks"],
+)
 def test_donate_and_plain_calls_alternate_on_plans_sharing_programs(make, bound: int) -> None:
   """Calls with and without donate=, alternating on one plan and on a second plan of the same
   layouts (the same compiled programs), stay bit for bit; each call donates only its own
