@@ -65,9 +65,6 @@ class ReshardPlan:
     self._bucket_leaves = [stage.bucket_leaves(b) for stage, b in self._stage_buckets]
     self._programs: dict[bool, list[BucketProgram]] = {}
     self._executables: dict[bool, list[BucketExecutable]] = {}
-    # Blocks of devices without a destination shard, left by the last bucket that took
-    # destination inputs: donated as the next bucket's (or call's) placeholders.
-    self._spares: dict[Any, list[Any]] = {}
     self._classes = self._bucket_classes()
     self._stats = dataclasses.replace(self.layout_plan.stats, num_programs=len(set(self._classes)))
 
@@ -198,7 +195,11 @@ class ReshardPlan:
       lf = self.leaves[i]
       out[i] = empty_like_sharded(lf.shape, lf.dtype, lf.dst_sharding)
     carry: dict[int, dict[int, Any]] = {}
-    spares, self._spares = self._spares, {}  # a call that fails leaves none behind
+    # Blocks of devices without a destination shard, left by the last bucket that took
+    # destination inputs: donated as the next bucket's placeholders. Dropped after the call, so
+    # that devices holding no destination shard (a disjoint trainer's) keep nothing between
+    # refits.
+    spares: dict[Any, list[Any]] = {}
     if old is not None:
       for i in self.layout_plan.scheduled:
         carry[i] = buffers_by_device(old[i])
@@ -214,7 +215,6 @@ class ReshardPlan:
           carry[i] = y
         else:
           out[i] = y
-    self._spares = spares
     return out
 
   def __repr__(self) -> str:

@@ -479,8 +479,8 @@ class _LeafIO:
     """The destination array made of the destination devices' output blocks (zero-copy), or
     (``carry_out``) those blocks by device id, for the leaf's next bucket. With ``spares``, a
     leaf with a destination input also leaves there its other positions' blocks (keyed by
-    device id, block shape and dtype): buffers a later bucket or call donates instead of
-    making zero blocks."""
+    device id, block shape and dtype): buffers a later bucket donates instead of making zero
+    blocks."""
     held = buffers(y, fast=self.unstage_wrap.fast)
     if spares is not None and self.dst_input:
       for j, key in self.spare_at:
@@ -592,7 +592,7 @@ class BucketExecutable:
 
   def _spare_blocks(self, spares: dict[Any, list[jax.Array]]) -> dict[Any, jax.Array]:
     """Destination placeholders by (device id, leaf position): taken from ``spares`` (blocks
-    an earlier bucket or call left, never read) where there are, else made. ``spares`` is
+    an earlier bucket left, never read) where there are, else made. ``spares`` is
     emptied, so that what this bucket does not use is freed before it runs."""
     out: dict[Any, jax.Array] = {}
     for group in self.program.dst_placeholders:
@@ -623,7 +623,7 @@ class BucketExecutable:
         (donated: they are consumed), else ``None``.
       spares: optional, buffers to donate as destination placeholders, by (device id, block
         shape, dtype); consumed, then refilled with this call's blocks of positions without a
-        destination shard (see :meth:`_LeafIO.unstage`). Each caller keeps its own.
+        destination shard (see :meth:`_LeafIO.unstage`), for the caller's next bucket.
 
     Returns:
       Per leaf, the destination array, or (``carry_out``) its blocks by device id.

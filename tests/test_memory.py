@@ -257,7 +257,7 @@ def test_split_leaf_chunks_are_written_in_place_without_a_copy(placement: str) -
 def test_donate_and_plain_calls_alternate_on_plans_sharing_programs(make, bound: int) -> None:
   """Calls with and without donate=, alternating on one plan and on a second plan of the same
   layouts (the same compiled programs), stay bit for bit; each call donates only its own
-  buffers (placeholder blocks a plan keeps between calls never leak to the other plan)."""
+  buffers (placeholder blocks recycled between buckets never outlive their call)."""
   x, dst, hosts = make()
   a = jr.make_plan(x, dst, max_bucket_bytes=bound)
   b = jr.make_plan(x, dst, max_bucket_bytes=bound)
@@ -273,3 +273,9 @@ def test_donate_and_plain_calls_alternate_on_plans_sharing_programs(make, bound:
         assert_matches_oracle(y[k], h, dst[k])
   for k in hosts:
     assert not x[k].is_deleted()
+  ya = jax.block_until_ready(a(x, donate=ya))
+  gc.collect()
+  live = len(jax.live_arrays())
+  ya = jax.block_until_ready(a(x, donate=ya))
+  gc.collect()
+  assert len(jax.live_arrays()) == live  # the new tree replaced the donated one; nothing stayed
