@@ -746,12 +746,12 @@ def _transform_assemble(program: TransformProgram, parts_per_out: Any) -> Callab
   n = len(program.device_ids)
 
   def branch(
-    me: jax.Array, shards: Sequence[jax.Array], recvs: Sequence[jax.Array], bases: Any
+    me: jax.Array, shards: Sequence[jax.Array], recvs: Sequence[jax.Array]
   ) -> tuple[jax.Array, ...]:
     outs = []
-    for k, (out, parts) in enumerate(zip(program.outputs, parts_per_out, strict=True)):
+    for out, parts in zip(program.outputs, parts_per_out, strict=True):
       if parts is None:
-        outs.append(jnp.zeros(out.block, out.dtype) if bases is None else bases[k])
+        outs.append(jnp.zeros(out.block, out.dtype))
         continue
       values = []
       for p in parts:
@@ -761,13 +761,7 @@ def _transform_assemble(program: TransformProgram, parts_per_out: Any) -> Callab
           words = jax.lax.slice(recvs[p.round], (p.start,), (p.stop,))
           x = _from_uint(_from_units(words, uint_dtype(p.wire), (-1,)), p.wire)
         values.append((p.offset, _arrange(x, p)))
-      if bases is None:
-        outs.append(_tile(values, out.shard, out.dtype).reshape(out.block))
-        continue
-      shard = bases[k].reshape(out.shard)  # donated: written in place
-      for offset, v in values:
-        shard = jax.lax.dynamic_update_slice(shard, v, offset) if out.shard else v
-      outs.append(shard.reshape(out.block))
+      outs.append(_tile(values, out.shard, out.dtype).reshape(out.block))
     return tuple(outs)
 
   return branch
@@ -778,20 +772,19 @@ def emit_transform_body(
 ) -> Callable[..., Any]:
   """The per-device body of a transformed plan's program: source blocks in, output blocks out.
 
-  With ``donate``, one destination block per output follows the source blocks and each output
-  is written into it in place (``dynamic_update_slice``), so a donated buffer holds the result.
+  With ``donate``, one destination block per output follows the source blocks: a buffer for
+  the output to alias (compiled with ``keep_unused``), never read; every output is assembled
+  whole, as without it (transformed plans do not split leaves), so XLA writes it straight into
+  the donated buffer instead of copying the block through the per-role switch.
   """
   n = len(program.device_ids)
 
-  def idle_out(me: jax.Array, shards: Any, recvs: Any, bases: Any) -> tuple[jax.Array, ...]:
-    if bases is not None:
-      return tuple(bases)
+  def idle_out(me: jax.Array, shards: Any, recvs: Any) -> tuple[jax.Array, ...]:
     return tuple(jnp.zeros(o.block, o.dtype) for o in program.outputs)
 
   def body(*blocks: jax.Array) -> tuple[jax.Array, ...]:
     me = jax.lax.axis_index(axis)
     k = len(program.inputs)
-    bases = list(blocks[k:]) if donate else None
     shards = [b.reshape(i.shard) for b, i in zip(blocks[:k], program.inputs, strict=True)]
     recvs = []
     for rnd in program.rounds:
@@ -809,7 +802,7 @@ def emit_transform_body(
     for k, (pos, parts) in enumerate(program.assembles):
       table[list(pos)] = k + 1
       branches_out.append(_transform_assemble(program, parts))
-    return tuple(_switch(me, table, branches_out, me, shards, recvs, bases))
+    return tuple(_switch(me, table, branches_out, me, shards, recvs))
 
   return body
 
@@ -847,7 +840,7 @@ class TransformExecutable:
     ]
     k = len(program.inputs)
     donated = tuple(range(k, len(blocks)))
-    self._fn = jax.jit(fn, donate_argnums=donated).lower(*avals)
+    self._fn = jax.jit(fn, donate_argnums=donated, keep_unused=True).lower(*avals)
     self._compiled: Any = None
     fast = fast_path_available()
     self._in_io = [
