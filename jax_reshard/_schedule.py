@@ -20,7 +20,12 @@ every other device of the bucket stages a zero copy of the whole source block), 
 into *slabs* instead: chunk ``j`` covers the same window of local indices along one dimension of
 every source shard, every transfer and local copy is cut by its sender's windows, and a bucket
 stages only the windows of its chunks (cut from the source shards before it runs; placeholders
-of that size). Everything is NumPy over arrays of transfers."""
+of that size). Where the leaf's destination placeholder keeps even those above the bound (a
+destination replicated on few devices), the leaf is cut into *destination slabs*: chunk ``j``
+covers the same window of local indices of every destination shard, every transfer and local
+copy is cut by its receiver's windows, and a bucket outputs only the windows of its chunks
+(written into the destination shard after it runs; discarded blocks of that size elsewhere).
+Everything is NumPy over arrays of transfers."""
 
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ import itertools
 import math
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -119,6 +125,8 @@ class Schedule:
     leaf_buckets: per leaf, the buckets it runs in (consecutive).
     leaf_slabs: per leaf, ``None``, or for a leaf cut into slabs ``(dim, bounds)``: chunk ``j``
       covers local indices ``bounds[j]:bounds[j + 1]`` along ``dim`` of every source shard.
+    leaf_dst_slabs: the same for leaves cut into destination slabs: chunk ``j`` covers those
+      local indices of every destination shard.
   """
 
   buckets: tuple[Bucket, ...]
@@ -131,6 +139,7 @@ class Schedule:
   row_chunks: tuple[np.ndarray, ...] = ()
   leaf_buckets: tuple[tuple[int, ...], ...] = ()
   leaf_slabs: tuple[tuple[int, tuple[int, ...]] | None, ...] = ()
+  leaf_dst_slabs: tuple[tuple[int, tuple[int, ...]] | None, ...] = ()
 
   @property
   def num_rounds(self) -> int:
@@ -182,6 +191,19 @@ def slab_window(
   moving ``chunks`` (consecutive) of it stages, or ``None`` where the leaf is not cut into
   slabs (the bucket stages the whole source block)."""
   slab = schedule.leaf_slabs[leaf] if schedule.leaf_slabs else None
+  if slab is None:
+    return None
+  dim, bounds = slab
+  return dim, bounds[min(chunks)], bounds[max(chunks) + 1]
+
+
+def dst_slab_window(
+  schedule: Schedule, leaf: int, chunks: Sequence[int]
+) -> tuple[int, int, int] | None:
+  """``(dim, start, stop)``: the local indices of every destination shard of ``leaf`` that a
+  bucket moving ``chunks`` (consecutive) of it outputs, or ``None`` where the leaf is not cut
+  into destination slabs (the bucket outputs the whole destination block)."""
+  slab = schedule.leaf_dst_slabs[leaf] if schedule.leaf_dst_slabs else None
   if slab is None:
     return None
   dim, bounds = slab
@@ -381,14 +403,16 @@ def split_rows(plan: LeafPlan, k: int, itemsize: int) -> tuple[LeafPlan, np.ndar
 
 
 def split_slabs(
-  plan: LeafPlan, src: Layout, k: int, itemsize: int
+  plan: LeafPlan, src: Layout, k: int, itemsize: int, *, receiver: bool = False
 ) -> tuple[LeafPlan, np.ndarray, tuple[int, tuple[int, ...]]]:
   """``plan`` cut into up to ``k`` slabs of source-local indices, each row's chunk, and the
   slabs ``(dim, bounds)``.
 
   Chunk ``j`` covers local indices ``bounds[j]:bounds[j + 1]`` along ``dim`` (see
   :func:`slab_dim`) of every source shard; every transfer with bytes, local copies included, is
-  cut by its sender's windows. Rows keep the planner's order (each cut row replaced by its
+  cut by its sender's windows. With ``receiver``, ``src`` is the destination layout: the slabs
+  are of destination-local indices and every row is cut by its receiver's windows. Rows keep
+  the planner's order (each cut row replaced by its
   pieces, by chunk); the pieces partition the rows: the same bytes, more rows.
 
   Example:
@@ -407,7 +431,8 @@ def split_slabs(
   rows = np.flatnonzero(plan.nbytes > 0)
   ids = np.asarray(src.device_ids, dtype=np.int64)
   order_ids = np.argsort(ids)
-  at = order_ids[np.searchsorted(ids, plan.src_device[rows], sorter=order_ids)]
+  holder = (plan.dst_device if receiver else plan.src_device)[rows]
+  at = order_ids[np.searchsorted(ids, holder, sorter=order_ids)]
   start = src.box_arrays()[0][at, dim]
   lo, hi = plan.lo[rows, dim] - start, plan.hi[rows, dim] - start
   j0 = np.searchsorted(bounds, lo, side="right") - 1
@@ -451,9 +476,9 @@ class _Tree:
   layouts: Sequence[tuple[Layout, Layout]] = ()
   allow_slabs: bool = False
   slabs: dict[int, tuple[int, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
-  splits: dict[
-    tuple[object, ...], tuple[LeafPlan, np.ndarray, tuple[int, tuple[int, ...]] | None]
-  ] = dataclasses.field(default_factory=dict)
+  dst_slabs: dict[int, tuple[int, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
+  # per split key: the rows, their chunks, and the source and destination slabs (or None)
+  splits: dict[tuple[object, ...], tuple[Any, ...]] = dataclasses.field(default_factory=dict)
   plans: list[LeafPlan] = dataclasses.field(default_factory=list)
   chunks: list[np.ndarray] = dataclasses.field(default_factory=list)
   payloads: list[np.ndarray] = dataclasses.field(default_factory=list)  # (chunks, devices)
@@ -481,14 +506,25 @@ class _Tree:
     """Per union device, the bytes a bucket moving chunks ``first..last`` of ``leaf`` stages
     for it besides payloads: its placeholder blocks, or for a leaf cut into slabs, the slab
     (cut from the source shard, or a zero placeholder of that size) and the destination
-    placeholder."""
-    slab = self.slabs.get(leaf)
+    placeholder; for a leaf cut into destination slabs, the source placeholder and the slab
+    output (written into the destination shard, or discarded, after the bucket)."""
+    src_slab, dst_slab = self.slabs.get(leaf), self.dst_slabs.get(leaf)
+    slab = src_slab if src_slab is not None else dst_slab
     if slab is None:
       return self.placeholders[leaf]
+    side = 0 if src_slab is not None else 1
     dim, bounds = slab
-    block = staged_block_shape(self.layouts[leaf][0].shard_shape())
+    block = staged_block_shape(self.layouts[leaf][side].shard_shape())
     nbytes = math.prod(block) // block[dim] * (bounds[last + 1] - bounds[first])
-    return self.dst_placeholder(leaf) + nbytes * self.itemsizes[leaf]
+    rest = self.dst_placeholder(leaf) if side == 0 else self.src_placeholder(leaf)
+    return rest + nbytes * self.itemsizes[leaf]
+
+  def src_placeholder(self, leaf: int) -> np.ndarray:
+    """Per union device, the source placeholder bytes of ``leaf`` (0 where it holds a source
+    shard)."""
+    src = self.layouts[leaf][0]
+    src_block = math.prod(staged_block_shape(src.shard_shape())) * self.itemsizes[leaf]
+    return placeholder_mask(src, self.union) * src_block
 
   def dst_placeholder(self, leaf: int) -> np.ndarray:
     """Per union device, the destination placeholder bytes of ``leaf`` (0 where it holds a
@@ -649,24 +685,31 @@ def _fill_buckets(tree: _Tree) -> list[_Built]:
 def _split_leaf(tree: _Tree, leaf: int, k: int) -> None:
   """Splits ``leaf`` into the fewest chunks (from ``k`` up) that each fit the bound alone,
   padded rounds and the leaf's placeholder blocks included: sub-boxes of its transfers where
-  those fit, else (and only where the schedule allows it) slabs of its source shards.
+  those fit, else (and only where the schedule allows it) slabs of its source shards, else
+  slabs of its destination shards. Slabs of both at once are not made: where both placeholders
+  are the floor, the leaf does not fit.
 
   Raises:
-    BucketBoundError: if neither way fits: the least bytes named are the smaller of the two
-      ways' (a lower bound where a way was not tried because its lower bound exceeds the bound).
+    BucketBoundError: if no way fits: the least bytes named are the smallest of the ways'
+      (a lower bound where a way was not tried because its lower bound exceeds the bound).
   """
   key = _split_key(tree, leaf)
   if key in tree.splits:  # a leaf like one split before (the layers of a model)
-    plan, chunk, slabs = tree.splits[key]
+    plan, chunk, slabs, dst_slabs = tree.splits[key]
     tree.set_chunks(leaf, plan, chunk)
     if slabs is not None:
       tree.slabs[leaf] = slabs
+    if dst_slabs is not None:
+      tree.dst_slabs[leaf] = dst_slabs
     return
   tried = [_split_rows(tree, leaf, k)]
-  if tried[0] is not None and tree.allow_slabs:
-    tried.append(_split_slabs(tree, leaf, k))
+  for way in (_split_slabs, _split_dst_slabs):  # the cheaper first
+    if tried[-1] is None or not tree.allow_slabs:
+      break
+    tried.append(way(tree, leaf, k))
   if any(t is None for t in tried):
-    tree.splits[key] = (tree.plans[leaf], tree.chunks[leaf], tree.slabs.get(leaf))
+    slabs, dst_slabs = tree.slabs.get(leaf), tree.dst_slabs.get(leaf)
+    tree.splits[key] = (tree.plans[leaf], tree.chunks[leaf], slabs, dst_slabs)
     return
   minimum, qualifier = min(t for t in tried if t is not None)
   _raise_bound(tree, leaf, minimum, qualifier)
@@ -751,6 +794,38 @@ def _split_slabs(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
     k = min(k_max, max(k + 1, math.ceil(k * ratio)))
 
 
+def _split_dst_slabs(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
+  """Splits ``leaf`` into the fewest slabs of its destination shards (:func:`split_slabs` by
+  receiver) that fit (see :func:`_split_rows` for what it returns). The source placeholder does
+  not shrink: where it is the floor, this fails as the source slabs do."""
+  assert tree.bound is not None
+  bound, orig, isz = tree.bound, tree.original[leaf], tree.itemsizes[leaf]
+  dst = tree.layouts[leaf][1]
+  shard = staged_block_shape(dst.shard_shape())
+  k_max = max(shard)
+  floor = tree.src_placeholder(leaf) * tree.members[leaf]  # what every split stages
+  least = int((floor + math.prod(shard) // k_max * isz).max(initial=0))
+  if least > bound or k_max < 2 or not dst.shard_shape():
+    return least, "at least "
+  room = bound - floor
+  if (room > 0).all():
+    pay = tree.payloads[leaf].sum(axis=0)
+    k = max(k, math.ceil(float(((pay + math.prod(shard) * isz) / room).max())))
+  k = max(2, min(k, k_max))
+  while True:
+    plan, chunk, slabs = split_slabs(orig, dst, k, isz, receiver=True)
+    tree.dst_slabs[leaf] = slabs
+    tree.set_chunks(leaf, plan, chunk)
+    stage = np.stack([_build(tree, [item]).stage for item in tree.items(leaf)])
+    if int(stage.max()) <= bound:
+      return None
+    if k >= k_max:
+      tree.dst_slabs.pop(leaf)
+      return int(stage.max()), ""
+    ratio = float(((stage - floor) / np.maximum(bound - floor, 1)).max())
+    k = min(k_max, max(k + 1, math.ceil(k * ratio)))
+
+
 def _raise_bound(tree: _Tree, leaf: int, minimum: int, qualifier: str) -> None:
   raise BucketBoundError(
     f"max_bucket_bytes={tree.bound} is below what leaf {tree.names[leaf]} needs per device "
@@ -797,7 +872,8 @@ def make_schedule(
       bound (one bucket).
     names: per leaf, a name for error messages (default ``#i``).
     slabs: whether a leaf whose placeholder blocks keep sub-boxes of its transfers above the
-      bound may be cut into slabs of its source shards (:func:`split_slabs`).
+      bound may be cut into slabs of its source shards, or of its destination shards
+      (:func:`split_slabs`).
 
   Raises:
     BucketBoundError: if the bound is below what some leaf needs even in its smallest chunks.
@@ -842,4 +918,5 @@ def make_schedule(
     row_chunks=tuple(tree.chunks),
     leaf_buckets=tuple(tuple(b) for b in leaf_buckets),
     leaf_slabs=tuple(tree.slabs.get(leaf) for leaf in range(len(plans))),
+    leaf_dst_slabs=tuple(tree.dst_slabs.get(leaf) for leaf in range(len(plans))),
   )
