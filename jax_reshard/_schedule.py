@@ -210,10 +210,14 @@ def dst_slab_window(
   return dim, bounds[min(chunks)], bounds[max(chunks) + 1]
 
 
-def slab_dim(shard_shape: Sequence[int], k: int) -> int:
+def slab_dim(shard_shape: Sequence[int], k: int, spread: Sequence[bool] | None = None) -> int:
   """The dimension slabs of ``k`` chunks cut: the first of extent at least ``k`` (so a slab is a
-  contiguous run of the shard's rows), else the longest."""
+  contiguous run of the shard's rows), else the longest. With ``spread`` (per dimension), the
+  first such dimension where it is true comes first: one the other side of the leaf does not
+  shard, so every chunk keeps all its devices busy."""
   ext = np.asarray(shard_shape, dtype=np.int64)
+  if spread is not None and (pick := (ext >= k) & np.asarray(spread, dtype=bool)).any():
+    return int(np.argmax(pick))
   return int(np.argmax(ext >= k)) if (ext >= k).any() else int(np.argmax(ext))
 
 
@@ -403,7 +407,13 @@ def split_rows(plan: LeafPlan, k: int, itemsize: int) -> tuple[LeafPlan, np.ndar
 
 
 def split_slabs(
-  plan: LeafPlan, src: Layout, k: int, itemsize: int, *, receiver: bool = False
+  plan: LeafPlan,
+  src: Layout,
+  k: int,
+  itemsize: int,
+  *,
+  receiver: bool = False,
+  spread: Sequence[bool] | None = None,
 ) -> tuple[LeafPlan, np.ndarray, tuple[int, tuple[int, ...]]]:
   """``plan`` cut into up to ``k`` slabs of source-local indices, each row's chunk, and the
   slabs ``(dim, bounds)``.
@@ -411,7 +421,8 @@ def split_slabs(
   Chunk ``j`` covers local indices ``bounds[j]:bounds[j + 1]`` along ``dim`` (see
   :func:`slab_dim`) of every source shard; every transfer with bytes, local copies included, is
   cut by its sender's windows. With ``receiver``, ``src`` is the destination layout: the slabs
-  are of destination-local indices and every row is cut by its receiver's windows. Rows keep
+  are of destination-local indices and every row is cut by its receiver's windows. ``spread``:
+  see :func:`slab_dim`. Rows keep
   the planner's order (each cut row replaced by its
   pieces, by chunk); the pieces partition the rows: the same bytes, more rows.
 
@@ -425,7 +436,7 @@ def split_slabs(
     ((0, (0, 4, 8)), [0, 1], True)
   """
   shard = src.shard_shape()
-  dim = slab_dim(shard, k)
+  dim = slab_dim(shard, k, spread)
   k = max(1, min(k, shard[dim]))
   bounds = (np.arange(k + 1, dtype=np.int64) * shard[dim]) // k
   rows = np.flatnonzero(plan.nbytes > 0)
@@ -684,35 +695,56 @@ def _fill_buckets(tree: _Tree) -> list[_Built]:
 
 def _split_leaf(tree: _Tree, leaf: int, k: int) -> None:
   """Splits ``leaf`` into the fewest chunks (from ``k`` up) that each fit the bound alone,
-  padded rounds and the leaf's placeholder blocks included: sub-boxes of its transfers where
-  those fit, else (and only where the schedule allows it) slabs of its source shards, else
-  slabs of its destination shards. Slabs of both at once are not made: where both placeholders
-  are the floor, the leaf does not fit.
+  padded rounds and the leaf's placeholder blocks included: sub-boxes of its transfers, else
+  (only where the schedule allows it) slabs of its source shards, else slabs of its destination
+  shards. A slab way is also tried where its placeholder (source, destination) alone takes more
+  than half the bound, and kept if it needs fewer chunks (so fewer rounds) than the ways before
+  it. Slabs of both at once are not made: where both placeholders are the floor, the leaf does
+  not fit.
 
   Raises:
     BucketBoundError: if no way fits: the least bytes named are the smallest of the ways'
       (a lower bound where a way was not tried because its lower bound exceeds the bound).
   """
   key = _split_key(tree, leaf)
-  if key in tree.splits:  # a leaf like one split before (the layers of a model)
-    plan, chunk, slabs, dst_slabs = tree.splits[key]
-    tree.set_chunks(leaf, plan, chunk)
-    if slabs is not None:
-      tree.slabs[leaf] = slabs
-    if dst_slabs is not None:
-      tree.dst_slabs[leaf] = dst_slabs
-    return
-  tried = [_split_rows(tree, leaf, k)]
-  for way in (_split_slabs, _split_dst_slabs):  # the cheaper first
-    if tried[-1] is None or not tree.allow_slabs:
-      break
-    tried.append(way(tree, leaf, k))
-  if any(t is None for t in tried):
-    slabs, dst_slabs = tree.slabs.get(leaf), tree.dst_slabs.get(leaf)
-    tree.splits[key] = (tree.plans[leaf], tree.chunks[leaf], slabs, dst_slabs)
-    return
-  minimum, qualifier = min(t for t in tried if t is not None)
-  _raise_bound(tree, leaf, minimum, qualifier)
+  if key not in tree.splits:  # else a leaf like one split before (the layers of a model)
+    tree.splits[key] = _best_split(tree, leaf, k)
+  plan, chunk, slabs, dst_slabs = tree.splits[key]
+  tree.set_chunks(leaf, plan, chunk)
+  if slabs is not None:
+    tree.slabs[leaf] = slabs
+  if dst_slabs is not None:
+    tree.dst_slabs[leaf] = dst_slabs
+
+
+def _best_split(tree: _Tree, leaf: int, k: int) -> tuple[Any, ...]:
+  """The split :func:`_split_leaf` makes: ``(rows, their chunks, source slabs, destination
+  slabs)``, the tree left without slabs for ``leaf``."""
+  assert tree.bound is not None
+  members = tree.members[leaf]
+  heavy = [False] + [
+    2 * int((ph * members).max(initial=0)) > tree.bound
+    for ph in (tree.src_placeholder(leaf), tree.dst_placeholder(leaf))
+  ]
+  ways = (_split_rows, _split_slabs, _split_dst_slabs)[: 3 if tree.allow_slabs else 1]
+  best: tuple[Any, ...] | None = None
+  failed = []
+  for way, worth in zip(ways, heavy, strict=False):
+    if best is not None and not worth:
+      continue
+    found = way(tree, leaf, 2 if way is _split_dst_slabs else k)  # from its own estimate
+    if found is not None:
+      failed.append(found)
+    elif best is None or len(tree.payloads[leaf]) < best[0]:
+      best = (len(tree.payloads[leaf]), tree.plans[leaf], tree.chunks[leaf])
+      best += (tree.slabs.get(leaf), tree.dst_slabs.get(leaf))
+    tree.slabs.pop(leaf, None)
+    tree.dst_slabs.pop(leaf, None)
+  if best is None:
+    minimum, qualifier = min(failed)
+    _raise_bound(tree, leaf, minimum, qualifier)
+  assert best is not None
+  return best[1:]
 
 
 def _split_key(tree: _Tree, leaf: int) -> tuple[object, ...]:
@@ -800,8 +832,9 @@ def _split_dst_slabs(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
   not shrink: where it is the floor, this fails as the source slabs do."""
   assert tree.bound is not None
   bound, orig, isz = tree.bound, tree.original[leaf], tree.itemsizes[leaf]
-  dst = tree.layouts[leaf][1]
+  src, dst = tree.layouts[leaf]
   shard = staged_block_shape(dst.shard_shape())
+  spread = [a == b for a, b in zip(src.shard_shape(), src.shape, strict=True)]
   k_max = max(shard)
   floor = tree.src_placeholder(leaf) * tree.members[leaf]  # what every split stages
   least = int((floor + math.prod(shard) // k_max * isz).max(initial=0))
@@ -813,7 +846,7 @@ def _split_dst_slabs(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
     k = max(k, math.ceil(float(((pay + math.prod(shard) * isz) / room).max())))
   k = max(2, min(k, k_max))
   while True:
-    plan, chunk, slabs = split_slabs(orig, dst, k, isz, receiver=True)
+    plan, chunk, slabs = split_slabs(orig, dst, k, isz, receiver=True, spread=spread)
     tree.dst_slabs[leaf] = slabs
     tree.set_chunks(leaf, plan, chunk)
     stage = np.stack([_build(tree, [item]).stage for item in tree.items(leaf)])
