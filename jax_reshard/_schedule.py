@@ -32,6 +32,15 @@ from jax_reshard._layout import Layout
 from jax_reshard._planner import LeafPlan
 
 DEFAULT_MAX_BUCKET_BYTES = 1 << 30
+# Most leaves (chunks of a split leaf counted apart) in one bucket: a bucket's program compiles
+# in time that grows with its leaves (about 45 ms per 8x8 leaf at 16-128 leaves on 2 CPU cores,
+# faster than linear beyond), so a tree of many small leaves becomes several buckets, cut where
+# the tree repeats (see :func:`_repeat_end`) so that they run one program.
+MAX_BUCKET_LEAVES = 64
+# Where the tree repeats with a period of fewer leaves than this, a bucket takes whole periods
+# up to this many leaves; a longer period (a model layer) is one bucket per period, so the
+# program compiled for it is no larger than one period's.
+MIN_PERIOD_LEAVES = 8
 SIZE_TOLERANCE = 0.02  # size classes: payloads within 2% of the class's largest
 
 
@@ -363,6 +372,8 @@ class _Tree:
   placeholders: list[np.ndarray]  # per leaf, per union device (see _placeholder_bytes)
   members: list[np.ndarray]  # per leaf, which union devices it uses
   bound: int | None
+  max_leaves: int = MAX_BUCKET_LEAVES
+  kinds: list[int] = dataclasses.field(default_factory=list)  # per leaf, its kind of transfers
   plans: list[LeafPlan] = dataclasses.field(default_factory=list)
   chunks: list[np.ndarray] = dataclasses.field(default_factory=list)
   payloads: list[np.ndarray] = dataclasses.field(default_factory=list)  # (chunks, devices)
@@ -485,6 +496,37 @@ def _greedy_end(tree: _Tree, items: Sequence[tuple[int, int]], start: int) -> in
   return len(items)
 
 
+def _repeat_end(tree: _Tree, items: Sequence[tuple[int, int]], start: int) -> int:
+  """One past the last item of a bucket starting at ``items[start]`` under the leaf cap.
+
+  Items are compared by kind (the leaf's layouts, item size and transfers, and the chunk). Where
+  the items from ``start`` on repeat with a period ``p`` (the layers of a model), the bucket
+  takes whole periods: one if ``p >= MIN_PERIOD_LEAVES``, else as many as fit the cap, so the
+  buckets of the run are equal and share one program whatever the phase of ``start``. Where
+  they do not, the bucket ends where a repeating run begins, or at the cap."""
+  cap = tree.max_leaves
+  if len(items) - start <= cap:
+    return len(items)
+  window = items[start : start + 3 * cap]
+  keys = np.asarray([tree.kinds[leaf] * 1_000_003 + c for leaf, c in window], np.int64)
+  first_t, first_p = cap, 0  # earliest offset where a run repeating with period p starts
+  for p in range(1, cap + 1):
+    same = np.r_[0, np.cumsum(keys[p:] == keys[:-p])]  # same[t]: matches among t' < t
+    t = np.arange(min(first_t, len(same) - p))
+    hits = np.flatnonzero(same[t + p] - same[t] == p)
+    if hits.size and hits[0] < first_t:
+      first_t, first_p = int(hits[0]), p
+  if first_t > 0:
+    return start + first_t
+  p = first_p
+  repeats = 2
+  while (repeats + 1) * p <= len(keys) and np.array_equal(
+    keys[:p], keys[repeats * p : (repeats + 1) * p]
+  ):
+    repeats += 1
+  return start + p * (1 if p >= MIN_PERIOD_LEAVES else min(repeats, cap // p))
+
+
 def _largest_fitting(
   tree: _Tree, items: Sequence[tuple[int, int]], start: int, end: int
 ) -> tuple[_Built, int] | None:
@@ -509,7 +551,7 @@ def _fill_buckets(tree: _Tree) -> list[_Built]:
   out: list[_Built] = []
   i = 0
   while i < len(items):
-    end = _greedy_end(tree, items, i)
+    end = min(_greedy_end(tree, items, i), _repeat_end(tree, items, i))
     built = _build(tree, items[i:end])
     if tree.bound is None or built.peak <= tree.bound:
       out.append(built)
@@ -590,6 +632,19 @@ def _presplit(tree: _Tree) -> None:
     _split_leaf(tree, leaf, k)
 
 
+def _kinds(
+  plans: Sequence[LeafPlan], layouts: Sequence[tuple[Layout, Layout]], itemsizes: Sequence[int]
+) -> list[int]:
+  """Per leaf, a number equal for leaves with the same layouts, item size and transfers."""
+  ids: dict[tuple[object, ...], int] = {}
+  out = []
+  for plan, lay, isz in zip(plans, layouts, itemsizes, strict=True):
+    arrays = (plan.src_device, plan.dst_device, plan.lo, plan.hi, plan.local)
+    key = (lay, isz, plan.lo.shape, *(np.ascontiguousarray(a).tobytes() for a in arrays))
+    out.append(ids.setdefault(key, len(ids)))
+  return out
+
+
 def make_schedule(
   plans: Sequence[LeafPlan],
   layouts: Sequence[tuple[Layout, Layout]],
@@ -597,6 +652,7 @@ def make_schedule(
   *,
   max_bucket_bytes: int | None = DEFAULT_MAX_BUCKET_BYTES,
   names: Sequence[str] | None = None,
+  max_bucket_leaves: int | None = None,
 ) -> Schedule:
   """Packs the remote transfers of all leaves into buckets, payloads and rounds.
 
@@ -608,6 +664,8 @@ def make_schedule(
       that does not fit alone is split into chunks over consecutive buckets. ``None``: no
       bound (one bucket).
     names: per leaf, a name for error messages (default ``#i``).
+    max_bucket_leaves: most leaves (chunks counted apart) per bucket, cut where the tree
+      repeats (:func:`_repeat_end`); ``None``: :data:`MAX_BUCKET_LEAVES`.
 
   Raises:
     BucketBoundError: if the bound is below what some leaf needs even in its smallest chunks.
@@ -627,6 +685,8 @@ def make_schedule(
       np.isin(union, np.asarray((*s.device_ids, *d.device_ids), dtype=np.int64)) for s, d in layouts
     ],
     bound=max_bucket_bytes,
+    max_leaves=MAX_BUCKET_LEAVES if max_bucket_leaves is None else max_bucket_leaves,
+    kinds=_kinds(plans, layouts, itemsizes),
   )
   for leaf, plan in enumerate(plans):
     tree.set_chunks(leaf, plan, np.zeros(len(plan.nbytes), dtype=np.int64))

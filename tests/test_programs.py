@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_reshard as jr
-from jax_reshard import _buffers, _emit
+from jax_reshard import _buffers, _emit, _schedule
 from jax_reshard._program import make_bucket_program, program_signature
 
 
@@ -144,3 +144,51 @@ def test_buffer_paths_bit_for_bit(fast: bool, monkeypatch: pytest.MonkeyPatch) -
         assert_matches_oracle(y[k], h, dst[k])
   jr.plan_cache_clear()
   _emit.clear_program_cache()
+
+
+def test_leaf_cap_splits_a_large_tree_into_buckets_sharing_programs() -> None:
+  """1,000 small leaves are buckets of at most ``MAX_BUCKET_LEAVES`` leaves that run two
+  programs (the full buckets' and the last one's); planned only, nothing compiles."""
+  devs = np.array(jax.devices())
+  src = NamedSharding(Mesh(devs[:4], ("x",)), P("x"))
+  dst = NamedSharding(Mesh(devs[4:], ("x",)), P(None, "x"))
+  x = [jax.ShapeDtypeStruct((8, 8), np.float32, sharding=src) for _ in range(1000)]
+  plan = jr.make_plan(x, dst)
+  cap = _schedule.MAX_BUCKET_LEAVES
+  sizes = [len(b.leaves) for b in plan.schedule.buckets]
+  assert sizes == [cap] * (1000 // cap) + [1000 % cap]
+  assert plan.stats.num_programs == 2
+  assert len({program_signature(p) for p in plan.programs()}) == 2
+
+
+def test_leaf_cap_cuts_buckets_at_layer_boundaries(monkeypatch: pytest.MonkeyPatch) -> None:
+  """With a cap of 4 leaves, a tree of one leading leaf, 5 layers of 3 leaves and a trailing
+  leaf runs one bucket per layer: those share one program, which compiles once,
+  and every leaf arrives bit for bit."""
+  monkeypatch.setattr(_schedule, "MAX_BUCKET_LEAVES", 4)
+  monkeypatch.setattr(_schedule, "MIN_PERIOD_LEAVES", 3)
+  jr.plan_cache_clear()
+  hosts, x, dst = _layers(5, seed=4)
+  devs = np.array(jax.devices())
+  rng = np.random.default_rng(5)
+  for key, spec in (("a_embed", P("x")), ("z_head", P(None, "x"))):
+    hosts[key] = random_host_array(rng, (8, 8), np.float32)
+    x[key] = jax.device_put(hosts[key], NamedSharding(Mesh(devs[:4], ("x",)), P("x")))
+    dst[key] = NamedSharding(Mesh(devs[4:], ("x",)), spec)
+  plan = jr.make_plan(x, dst)
+  # a_embed up to where the layers start repeating, one layer per bucket, then the last layer
+  # and z_head together (no more than the cap left).
+  assert [len(b.leaves) for b in plan.schedule.buckets] == [1, 3, 3, 3, 3, 4]
+  assert plan.stats.num_programs == 3
+  _emit.clear_program_cache()
+  events, listener = _count_compiles()
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    y = plan(x)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert len([e for e in events if "backend_compile" in e]) >= 3
+  assert _emit._compiled_program.cache_info().currsize == 3
+  for k, h in hosts.items():
+    assert_matches_oracle(y[k], h, dst[k])
+  jr.plan_cache_clear()
