@@ -304,10 +304,38 @@ def _placeholder_program(group: PlaceholderGroup, devices: tuple[Any, ...]) -> A
   return jax.jit(make, out_shardings=tuple(sharding for _ in group.blocks)).lower().compile()
 
 
+# Zero source blocks of at most this many bytes per device and group are made once and kept
+# (they are read, never written or donated), instead of on every call.
+CACHED_PLACEHOLDER_BYTES = 1 << 18
+PLACEHOLDER_CACHE_SIZE = 64  # groups kept: at most 16 MiB per device
+
+
+def _block_bytes(group: PlaceholderGroup) -> int:
+  """Bytes of one device's blocks of ``group``."""
+  return sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt in group.blocks)
+
+
+@functools.lru_cache(maxsize=PLACEHOLDER_CACHE_SIZE)
+def _source_zeros(
+  group: PlaceholderGroup, devices: tuple[Any, ...], *, fast: bool
+) -> dict[tuple[Any, ...], jax.Array]:
+  """``group``'s zero source blocks keyed by (device id, block shape, dtype), made once."""
+  out = {}
+  # Ready before any transfer program is queued (see BucketExecutable._placeholders).
+  for key, arr in zip(
+    group.blocks, jax.block_until_ready(_placeholder_program(group, devices)()), strict=True
+  ):
+    ids = addressable_order(arr.sharding, fast=fast)
+    for dev_id, data in zip(ids, buffers(arr, fast=fast), strict=True):
+      out[(dev_id, *key)] = data
+  return out
+
+
 def clear_program_cache() -> None:
-  """Forgets the compiled programs shared between buckets and plans."""
+  """Forgets the compiled programs shared between buckets and plans, and the zero blocks kept."""
   _compiled_program.cache_clear()
   _placeholder_program.cache_clear()
+  _source_zeros.cache_clear()
 
 
 class _LeafIO:
@@ -464,6 +492,9 @@ class BucketExecutable:
     fast = fast_path_available()
     for group in (self.program.placeholders, self.program.dst_placeholders)[which]:
       devices = tuple(self.devices[i] for i in group.device_ids)
+      if not which and _block_bytes(group) <= CACHED_PLACEHOLDER_BYTES:
+        out.update(_source_zeros(group, devices, fast=fast))
+        continue
       fn = _placeholder_program(group, devices)
       # Ready before the transfer program is queued: on the CPU backend, a collective program
       # whose inputs come from another in-flight program can starve the thread pool it shares

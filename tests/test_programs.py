@@ -192,3 +192,20 @@ def test_leaf_cap_cuts_buckets_at_layer_boundaries(monkeypatch: pytest.MonkeyPat
   for k, h in hosts.items():
     assert_matches_oracle(y[k], h, dst[k])
   jr.plan_cache_clear()
+
+
+def test_small_source_placeholders_are_made_once() -> None:
+  """Zero source blocks of devices without a source shard are made on the first call only, and
+  the results of both calls are bit for bit."""
+  hosts, x, dst = _layers(1, seed=6)
+  plan = jr.make_plan(x, dst)
+  _emit.clear_program_cache()
+  first = plan(x)
+  made = _emit._source_zeros.cache_info()
+  assert made.misses >= 1
+  second = plan(x)
+  again = _emit._source_zeros.cache_info()
+  assert again.misses == made.misses and again.hits > made.hits
+  for k, h in hosts.items():
+    assert_matches_oracle(first[k], h, dst[k])
+    assert_matches_oracle(second[k], h, dst[k])
