@@ -49,6 +49,10 @@ class PlanStats:
     num_programs: distinct bucket programs, each compiled once: buckets that differ only in
       which leaves they carry (same devices, shapes, element types, payloads and roles) share
       one. :func:`plan_layouts` knows itemsizes only; a plan of arrays also tells types apart.
+    passes_per_moved_byte: bytes all devices read and write in the bucket programs, over twice
+      ``bytes_moved`` (a copy of every moved byte is one pass): packing payloads, the
+      ``ppermute`` transfer, assembling destination shards, and the zeros written for idle
+      senders' payloads, non-receivers' payloads and discarded outputs (see :func:`pass_bytes`).
   """
 
   bytes_moved: int
@@ -65,6 +69,7 @@ class PlanStats:
   slow_link_lower_bound_bytes: int = 0
   relay_bytes: int = 0
   num_programs: int = 0
+  passes_per_moved_byte: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -218,7 +223,51 @@ def _plan_tree(
     layouts, itemsizes, leaf_plans, scheduled, max_bucket_bytes, topology, names
   )
   stats = _stats(first_stage, relay, full, topology)
+  stages = (first_stage,) if relay is None else (first_stage, relay)
+  stats = dataclasses.replace(stats, passes_per_moved_byte=_passes(stages, stats.bytes_moved))
   return dataclasses.replace(first_stage, stats=stats, relay=relay)
+
+
+def pass_bytes(plan: LayoutPlan) -> dict[str, int]:
+  """Bytes all devices read and write per call of one stage's bucket programs, by step.
+
+  ``pack``: payload pieces read from source shards plus whole payloads written (padding
+  included); ``transfer``: every payload read by its sender and written at its receiver;
+  ``assemble``: received and resident parts read plus destination shards written (for a leaf
+  split over buckets, written in place, only its parts); ``zero_fill``: the payload-sized zeros
+  of devices that send or receive nothing in a round, and the discarded output blocks of
+  devices without a destination shard of a leaf. Zero source blocks (placeholders) are left
+  out: small ones are made once and kept.
+  """
+  out = dict.fromkeys(("pack", "transfer", "assemble", "zero_fill"), 0)
+  spans = plan.schedule.leaf_buckets
+  for bucket in plan.schedule.buckets:
+    n = len(bucket.union_device_ids)
+    out["pack"] += int(np.asarray(bucket.piece_nbytes, dtype=np.int64).sum())
+    for rnd in bucket.rounds:
+      senders = {s for s, _ in rnd.pairs}
+      receivers = {d for _, d in rnd.pairs}
+      out["pack"] += len(senders) * rnd.nbytes
+      out["transfer"] += 2 * len(rnd.pairs) * rnd.nbytes
+      out["zero_fill"] += (2 * n - len(senders) - len(receivers)) * rnd.nbytes
+    for j, chunks in zip(bucket.leaves, bucket.chunks, strict=True):
+      i = plan.scheduled[j]
+      lp, (_, dst), isz = plan.leaf_plans[i], plan.layouts[i], plan.itemsizes[i]
+      rows = np.isin(plan.schedule.row_chunks[j], chunks) if plan.schedule.row_chunks else True
+      remote = int(lp.nbytes[rows & ~lp.local].sum())
+      local = int(lp.nbytes[lp.local].sum()) if 0 in chunks else 0
+      shard = math.prod(dst.shard_shape()) * isz
+      whole = not spans or len(spans[j]) == 1
+      out["assemble"] += remote + local + (shard * len(dst.device_ids) if whole else remote + local)
+      if whole:
+        out["zero_fill"] += (n - len(dst.device_ids)) * shard
+  return out
+
+
+def _passes(stages: Sequence[LayoutPlan], moved: int) -> float:
+  """:attr:`PlanStats.passes_per_moved_byte` of ``stages`` run one after the other."""
+  total = sum(sum(pass_bytes(st).values()) for st in stages)
+  return total / (2 * moved) if moved else 0.0
 
 
 def _domains(layouts: Sequence[tuple[Layout, Layout]], topology: Topology | None) -> int:
@@ -462,6 +511,8 @@ def format_plan(plan: LayoutPlan, title: str) -> str:
     f"program(s); per device max send "
     f"{format_bytes(st.max_send_bytes)}, recv {format_bytes(st.max_recv_bytes)}, staging "
     f"{format_bytes(st.peak_staging_bytes)}",
+    f"  memory passes      {st.passes_per_moved_byte:.2f} per moved byte (pack, transfer, "
+    "assemble, zero fills)",
   ]
   return "\n".join(lines)
 

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_reshard as jr
 from jax_reshard import _buffers, _emit, _schedule
+from jax_reshard._plan import pass_bytes
 from jax_reshard._program import make_bucket_program, program_signature
 
 
@@ -209,3 +210,22 @@ def test_small_source_placeholders_are_made_once() -> None:
   for k, h in hosts.items():
     assert_matches_oracle(first[k], h, dst[k])
     assert_matches_oracle(second[k], h, dst[k])
+
+
+def test_passes_per_moved_byte_by_hand() -> None:
+  """8x8 float32, rows on devices 0-3 to columns on 4-7: 16 pairs of 16 B in 4 rounds of 4
+  pairs over an 8-device mesh; 256 B moved."""
+  devs = np.array(jax.devices())
+  x = jax.ShapeDtypeStruct(
+    (8, 8), np.float32, sharding=NamedSharding(Mesh(devs[:4], ("x",)), P("x"))
+  )
+  plan = jr.make_plan(x, NamedSharding(Mesh(devs[4:], ("x",)), P(None, "x")))
+  assert plan.stats.bytes_moved == 256 and plan.stats.num_rounds == 4
+  assert pass_bytes(plan.layout_plan) == {
+    "pack": 256 + 4 * 4 * 16,  # pieces read, then each round's 4 payloads written
+    "transfer": 4 * 4 * 2 * 16,  # each payload read by its sender, written at its receiver
+    "assemble": 256 + 4 * 64,  # received parts read, 4 destination shards of 64 B written
+    "zero_fill": 4 * (8 - 4 + 8 - 4) * 16 + 4 * 64,  # idle payloads, discarded outputs
+  }
+  assert plan.stats.passes_per_moved_byte == (512 + 512 + 512 + 768) / 512
+  assert "memory passes      4.50 per moved byte" in repr(plan)
