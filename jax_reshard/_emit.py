@@ -173,11 +173,64 @@ def _pack_fn(program: BucketProgram, pack: Pack) -> Callable[..., jax.Array]:
   return branch
 
 
+def whole_block_leaf(program: BucketProgram, rnd: SendRound) -> int | None:
+  """The leaf whose whole source shard every sender of ``rnd`` sends, alone and unpadded, or
+  ``None``. Such a round needs no packing: every device (idle ones too, from their placeholder
+  block) sends its block of that leaf, viewed in the unit, without a copy or a branch."""
+  leaves = {c.leaf for p in rnd.packs for c in p.cuts}
+  if len(leaves) != 1 or any(len(p.cuts) != 1 or p.pad_words for p in rnd.packs):
+    return None
+  (leaf,) = leaves
+  lf = program.leaves[leaf]
+  words = _words(lf.src_shard, lf)
+  for p in rnd.packs:
+    (cut,) = p.cuts
+    if cut.static_offset != (0,) * len(cut.shape) or cut.shape != words:
+      return None
+  return leaf
+
+
+def _words(shard: tuple[int, ...], lf: LeafView) -> tuple[int, ...]:
+  """A shard shape of ``lf`` in its words (last dimension divided)."""
+  return (*shard[:-1], shard[-1] // lf.word_ratio) if shard else shard
+
+
+def received_whole(program: BucketProgram) -> dict[int, int]:
+  """Leaf position -> round, for every leaf whose destination shard each destination device
+  receives whole as one round's entire payload (one part, no padding): its output is that
+  payload viewed in the leaf's type on every device, outside the assembly branches (no copy;
+  devices without a shard of it return their payload of that round, discarded)."""
+  out = {}
+  for li, lf in enumerate(program.leaves):
+    if lf.in_place:
+      continue
+    rounds = set()
+    for role in program.assembles:
+      parts = role.parts[li]
+      if parts is None:
+        continue
+      p = parts[0] if len(parts) == 1 else None
+      if not isinstance(p, Received):
+        break
+      rnd = program.rounds[p.round]
+      if p.start or p.stop != rnd.words or p.shape != lf.dst_words or any(p.offset):
+        break
+      rounds.add(p.round)
+    else:
+      if len(rounds) == 1:
+        out[li] = rounds.pop()
+  return out
+
+
 def _emit_round(
   program: BucketProgram, rnd: SendRound, axis: Any, me: jax.Array, blocks: Sequence[jax.Array]
 ) -> jax.Array:
   """Packs the round's payload on every device and moves it; returns what this device got."""
   unit = program.unit
+  whole = whole_block_leaf(program, rnd)
+  if whole is not None:
+    shard = _local_view([program.leaves[whole]], [blocks[whole]])[0]
+    return jax.lax.ppermute(_to_units(shard, unit), axis, list(rnd.pairs))
   idle: Callable[..., jax.Array] = lambda me, *_: jnp.zeros((rnd.words,), unit)
   branches = [idle, *(_pack_fn(program, p) for p in rnd.packs)]
   payload = _switch(me, role_table(len(program.device_ids), rnd.packs), branches, me, *blocks)
@@ -205,8 +258,10 @@ def _base(lf: LeafView, dst: jax.Array | None) -> jax.Array:
   return dst if dst is not None else jnp.zeros(lf.dst_block, lf.dtype)
 
 
-def _assemble_fn(program: BucketProgram, role: Assemble) -> Callable[..., tuple[jax.Array, ...]]:
-  """The destination code of one assembly role."""
+def _assemble_fn(
+  program: BucketProgram, role: Assemble, skip: Sequence[int] = ()
+) -> Callable[..., tuple[jax.Array, ...]]:
+  """The destination code of one assembly role (for every leaf but those in ``skip``)."""
   n = len(program.device_ids)
 
   def branch(
@@ -215,6 +270,8 @@ def _assemble_fn(program: BucketProgram, role: Assemble) -> Callable[..., tuple[
     shards = _local_view(program.leaves, blocks)
     outs = []
     for li, (lf, parts) in enumerate(zip(program.leaves, role.parts, strict=True)):
+      if li in skip:
+        continue
       if parts is None:
         outs.append(_base(lf, dsts[li]))
         continue
@@ -243,9 +300,11 @@ def emit_body(program: BucketProgram, axis: Any) -> Callable[..., tuple[jax.Arra
   :attr:`BucketProgram.dst_inputs`, and returns one destination block per leaf.
   """
   num_src = len(program.leaves)
+  direct = received_whole(program)
+  rest = [li for li in range(num_src) if li not in direct]
 
   def idle(me: jax.Array, blocks: Any, dsts: Any, recvs: Any) -> tuple[jax.Array, ...]:
-    return tuple(_base(lf, d) for lf, d in zip(program.leaves, dsts, strict=True))
+    return tuple(_base(program.leaves[li], dsts[li]) for li in rest)
 
   def body(*inputs: jax.Array) -> tuple[jax.Array, ...]:
     blocks = inputs[:num_src]
@@ -254,9 +313,19 @@ def emit_body(program: BucketProgram, axis: Any) -> Callable[..., tuple[jax.Arra
       dsts[li] = d
     me = jax.lax.axis_index(axis)
     recvs = [_emit_round(program, rnd, axis, me, blocks) for rnd in program.rounds]
-    branches = [idle, *(_assemble_fn(program, a) for a in program.assembles)]
-    table = role_table(len(program.device_ids), program.assembles)
-    return tuple(_switch(me, table, branches, me, list(blocks), dsts, recvs))
+    outs: list[Any] = [None] * num_src
+    for li, r in direct.items():
+      lf = program.leaves[li]
+      words = _from_units(recvs[r], lf.word, lf.dst_words)
+      outs[li] = _from_uint(_narrow(words, lf.dtype), lf.dtype).reshape(lf.dst_block)
+    if rest:
+      branches = [idle, *(_assemble_fn(program, a, tuple(direct)) for a in program.assembles)]
+      table = role_table(len(program.device_ids), program.assembles)
+      for li, y in zip(
+        rest, _switch(me, table, branches, me, list(blocks), dsts, recvs), strict=True
+      ):
+        outs[li] = y
+    return tuple(outs)
 
   return body
 

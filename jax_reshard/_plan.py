@@ -18,7 +18,7 @@ from jax_reshard._classes import bucket_classes
 from jax_reshard._cost import Estimate, estimate
 from jax_reshard._layout import Layout
 from jax_reshard._planner import LeafPlan, plan_leaves
-from jax_reshard._schedule import DEFAULT_MAX_BUCKET_BYTES, Schedule, make_schedule
+from jax_reshard._schedule import DEFAULT_MAX_BUCKET_BYTES, Bucket, Schedule, make_schedule
 from jax_reshard._topology import Topology
 
 
@@ -229,28 +229,38 @@ def _plan_tree(
 
 
 def pass_bytes(plan: LayoutPlan) -> dict[str, int]:
-  """Bytes all devices read and write per call of one stage's bucket programs, by step.
+  """Bytes all devices read and write per call (without ``donate=``) of one stage's bucket
+  programs, by step.
 
   ``pack``: payload pieces read from source shards plus whole payloads written (padding
   included); ``transfer``: every payload read by its sender and written at its receiver;
   ``assemble``: received and resident parts read plus destination shards written (for a leaf
   split over buckets, written in place, only its parts); ``zero_fill``: the payload-sized zeros
   of devices that send or receive nothing in a round, and the discarded output blocks of
-  devices without a destination shard of a leaf. Zero source blocks (placeholders) are left
-  out: small ones are made once and kept.
+  devices without a destination shard of a leaf. A round whose every payload is one leaf's whole
+  source shard is sent as it is (no pack, no zeros for idle senders), and a leaf whose every
+  destination shard arrives whole as one round's payload is that payload (no assembly, no
+  discarded block), see :func:`direct_steps`. Zero source blocks (placeholders) are left out:
+  small ones are made once and kept.
   """
   out = dict.fromkeys(("pack", "transfer", "assemble", "zero_fill"), 0)
   spans = plan.schedule.leaf_buckets
   for bucket in plan.schedule.buckets:
     n = len(bucket.union_device_ids)
-    out["pack"] += int(np.asarray(bucket.piece_nbytes, dtype=np.int64).sum())
-    for rnd in bucket.rounds:
+    sent_whole, received_whole = direct_steps(plan, bucket)
+    pieces = bucket.pieces()
+    for r, rnd in enumerate(bucket.rounds):
       senders = {s for s, _ in rnd.pairs}
       receivers = {d for _, d in rnd.pairs}
-      out["pack"] += len(senders) * rnd.nbytes
       out["transfer"] += 2 * len(rnd.pairs) * rnd.nbytes
-      out["zero_fill"] += (2 * n - len(senders) - len(receivers)) * rnd.nbytes
+      out["zero_fill"] += (n - len(receivers)) * rnd.nbytes
+      if r not in sent_whole:
+        read = sum(p.nbytes for pair in rnd.pairs for p in pieces[pair])
+        out["pack"] += read + len(senders) * rnd.nbytes
+        out["zero_fill"] += (n - len(senders)) * rnd.nbytes
     for j, chunks in zip(bucket.leaves, bucket.chunks, strict=True):
+      if j in received_whole:
+        continue
       i = plan.scheduled[j]
       lp, (_, dst), isz = plan.leaf_plans[i], plan.layouts[i], plan.itemsizes[i]
       rows = np.isin(plan.schedule.row_chunks[j], chunks) if plan.schedule.row_chunks else True
@@ -262,6 +272,41 @@ def pass_bytes(plan: LayoutPlan) -> dict[str, int]:
       if whole:
         out["zero_fill"] += (n - len(dst.device_ids)) * shard
   return out
+
+
+def direct_steps(plan: LayoutPlan, bucket: Bucket) -> tuple[set[int], set[int]]:
+  """The steps of ``bucket`` that move data without a copy: the rounds whose every payload is
+  the whole source shard of one leaf, alone and unpadded, and the leaves (positions in
+  ``plan.scheduled``, moved by this bucket alone) whose every destination shard is one round's
+  entire payload."""
+  pieces = bucket.pieces()
+  rounds: set[int] = set()
+  arrivals: dict[int, list[tuple[int, int]]] = {}  # leaf -> (round, receiver) of whole shards
+  for r, rnd in enumerate(bucket.rounds):
+    leaves = set()
+    for pair in rnd.pairs:
+      ps = pieces[pair]
+      if len(ps) != 1 or ps[0].nbytes != rnd.nbytes:
+        leaves.add(-1)
+        continue
+      (src, dst), i = plan.layouts[plan.scheduled[ps[0].leaf]], plan.scheduled[ps[0].leaf]
+      leaves.add(
+        ps[0].leaf if math.prod(src.shard_shape()) * plan.itemsizes[i] == rnd.nbytes else -1
+      )
+      if math.prod(dst.shard_shape()) * plan.itemsizes[i] == rnd.nbytes:
+        arrivals.setdefault(ps[0].leaf, []).append((r, pair[1]))
+    if len(leaves) == 1 and -1 not in leaves:
+      rounds.add(r)
+  spans = plan.schedule.leaf_buckets
+  whole = set()
+  for j, got in arrivals.items():
+    i = plan.scheduled[j]
+    lp, dst = plan.leaf_plans[i], plan.layouts[i][1]
+    if (spans and len(spans[j]) > 1) or lp.local.any() or len({r for r, _ in got}) != 1:
+      continue
+    if sorted(d for _, d in got) == sorted(dst.device_ids):
+      whole.add(j)
+  return rounds, whole
 
 
 def _passes(stages: Sequence[LayoutPlan], moved: int) -> float:
