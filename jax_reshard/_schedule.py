@@ -496,35 +496,54 @@ def _greedy_end(tree: _Tree, items: Sequence[tuple[int, int]], start: int) -> in
   return len(items)
 
 
-def _repeat_end(tree: _Tree, items: Sequence[tuple[int, int]], start: int) -> int:
-  """One past the last item of a bucket starting at ``items[start]`` under the leaf cap.
+def _item_keys(tree: _Tree, items: Sequence[tuple[int, int]]) -> np.ndarray:
+  """Per item, a number equal for items of one kind (the leaf's kind and the chunk)."""
+  return np.asarray([tree.kinds[leaf] * 1_000_003 + c for leaf, c in items], np.int64)
 
-  Items are compared by kind (the leaf's layouts, item size and transfers, and the chunk). Where
-  the items from ``start`` on repeat with a period ``p`` (the layers of a model), the bucket
-  takes whole periods: one if ``p >= MIN_PERIOD_LEAVES``, else as many as fit the cap, so the
-  buckets of the run are equal and share one program whatever the phase of ``start``. Where
-  they do not, the bucket ends where a repeating run begins, or at the cap."""
+
+def _repeat_end(
+  tree: _Tree, keys: np.ndarray, start: int, runs: dict[int, tuple[int, int, int]]
+) -> int:
+  """One past the last item of a bucket starting at item ``start`` under the leaf cap.
+
+  ``keys`` are :func:`_item_keys`. Where the items from ``start`` on repeat with a period ``p``
+  (the layers of a model), the bucket takes whole periods: one if ``p >= MIN_PERIOD_LEAVES``,
+  else the same number ``t`` of periods for every bucket of the run (a divisor of its periods
+  where one lies between half the cap and the cap, so every bucket is equal), so the buckets
+  of a run share one program whatever the phase of ``start``. Where they do not repeat, the
+  bucket ends where a repeating run begins, or at the cap. ``runs`` carries a run's ``(p, t,
+  end)`` from one bucket's end to the next bucket."""
   cap = tree.max_leaves
-  if len(items) - start <= cap:
-    return len(items)
-  window = items[start : start + 3 * cap]
-  keys = np.asarray([tree.kinds[leaf] * 1_000_003 + c for leaf, c in window], np.int64)
-  first_t, first_p = cap, 0  # earliest offset where a run repeating with period p starts
-  for p in range(1, cap + 1):
-    same = np.r_[0, np.cumsum(keys[p:] == keys[:-p])]  # same[t]: matches among t' < t
-    t = np.arange(min(first_t, len(same) - p))
-    hits = np.flatnonzero(same[t + p] - same[t] == p)
+  if len(keys) - start <= cap:
+    return len(keys)
+  if start in runs:
+    p, t, run_end = runs.pop(start)
+    take = min(t, (run_end - start) // p)
+    if take:
+      runs[start + p * take] = (p, t, run_end)
+      return start + p * take
+  window = keys[start : start + 3 * cap]
+  first_t, p = cap, 0  # earliest offset where a run repeating with period p starts
+  for q in range(1, cap + 1):
+    same = np.r_[0, np.cumsum(window[q:] == window[:-q])]  # same[t]: matches among t' < t
+    at = np.arange(min(first_t, len(same) - q))
+    hits = np.flatnonzero(same[at + q] - same[at] == q)
     if hits.size and hits[0] < first_t:
-      first_t, first_p = int(hits[0]), p
+      first_t, p = int(hits[0]), q
   if first_t > 0:
     return start + first_t
-  p = first_p
-  repeats = 2
-  while (repeats + 1) * p <= len(keys) and np.array_equal(
-    keys[:p], keys[repeats * p : (repeats + 1) * p]
-  ):
-    repeats += 1
-  return start + p * (1 if p >= MIN_PERIOD_LEAVES else min(repeats, cap // p))
+  differ = keys[start + p :] != keys[start : len(keys) - p]
+  periods = (p + (int(np.argmax(differ)) if differ.any() else len(differ))) // p
+  most = cap // p
+  if p >= MIN_PERIOD_LEAVES:
+    t = 1
+  elif periods <= most:
+    t = periods
+  else:
+    divisors = [d for d in range(most, (most + 1) // 2 - 1, -1) if periods % d == 0]
+    t = divisors[0] if divisors else math.ceil(periods / math.ceil(periods / most))
+  runs[start + p * t] = (p, t, start + p * periods)
+  return start + p * t
 
 
 def _largest_fitting(
@@ -548,10 +567,12 @@ def _fill_buckets(tree: _Tree) -> list[_Built]:
   """Consecutive items per bucket, every bucket's padded staging in bound. A whole leaf that
   does not fit alone (its rounds padded past the bound) is split into chunks on the way."""
   items = [item for leaf in range(len(tree.plans)) for item in tree.items(leaf)]
+  keys = _item_keys(tree, items)
+  runs: dict[int, tuple[int, int, int]] = {}  # see _repeat_end
   out: list[_Built] = []
   i = 0
   while i < len(items):
-    end = min(_greedy_end(tree, items, i), _repeat_end(tree, items, i))
+    end = min(_greedy_end(tree, items, i), _repeat_end(tree, keys, i, runs))
     built = _build(tree, items[i:end])
     if tree.bound is None or built.peak <= tree.bound:
       out.append(built)
@@ -566,6 +587,8 @@ def _fill_buckets(tree: _Tree) -> list[_Built]:
     assert len(tree.payloads[leaf]) == 1, "chunks are checked alone when they are made"
     _split_leaf(tree, leaf, 2)
     items[i : i + 1] = tree.items(leaf)
+    keys = _item_keys(tree, items)
+    runs.clear()
   return out
 
 

@@ -148,18 +148,21 @@ def test_buffer_paths_bit_for_bit(fast: bool, monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_leaf_cap_splits_a_large_tree_into_buckets_sharing_programs() -> None:
-  """1,000 small leaves are buckets of at most ``MAX_BUCKET_LEAVES`` leaves that run two
-  programs (the full buckets' and the last one's); planned only, nothing compiles."""
+  """1,000 small leaves are 20 equal buckets of 50 leaves (the largest divisor of 1,000 between
+  half the cap and the cap) that run one program; planned only, nothing compiles."""
   devs = np.array(jax.devices())
   src = NamedSharding(Mesh(devs[:4], ("x",)), P("x"))
   dst = NamedSharding(Mesh(devs[4:], ("x",)), P(None, "x"))
   x = [jax.ShapeDtypeStruct((8, 8), np.float32, sharding=src) for _ in range(1000)]
   plan = jr.make_plan(x, dst)
-  cap = _schedule.MAX_BUCKET_LEAVES
-  sizes = [len(b.leaves) for b in plan.schedule.buckets]
-  assert sizes == [cap] * (1000 // cap) + [1000 % cap]
+  assert _schedule.MAX_BUCKET_LEAVES == 64
+  assert [len(b.leaves) for b in plan.schedule.buckets] == [50] * 20
+  assert plan.stats.num_programs == 1
+  assert len({program_signature(p) for p in plan.programs()}) == 1
+  # 997 (prime): 16 buckets of 63 periods (997 / 16 rounded up), the last one of 52.
+  plan = jr.make_plan(x[:997], dst)
+  assert [len(b.leaves) for b in plan.schedule.buckets] == [63] * 15 + [52]
   assert plan.stats.num_programs == 2
-  assert len({program_signature(p) for p in plan.programs()}) == 2
 
 
 def test_leaf_cap_cuts_buckets_at_layer_boundaries(monkeypatch: pytest.MonkeyPatch) -> None:
