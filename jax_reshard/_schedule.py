@@ -506,28 +506,30 @@ def _repeat_end(
 ) -> int:
   """One past the last item of a bucket starting at item ``start`` under the leaf cap.
 
-  ``keys`` are :func:`_item_keys`. Where the items from ``start`` on repeat with a period ``p``
-  (the layers of a model), the bucket takes whole periods: one if ``p >= MIN_PERIOD_LEAVES``,
-  else the same number ``t`` of periods for every bucket of the run (a divisor of its periods
-  where one lies between half the cap and the cap, so every bucket is equal), so the buckets
-  of a run share one program whatever the phase of ``start``. Where they do not repeat, the
-  bucket ends where a repeating run begins, or at the cap. ``runs`` carries a run's ``(p, t,
-  end)`` from one bucket's end to the next bucket."""
+  ``keys`` are :func:`_item_keys`. A *run* repeats with a period ``p`` over at least the cap's
+  length and two periods (the layers of a model). Where a run starts at ``start``, the bucket
+  takes whole periods: one if ``p >= MIN_PERIOD_LEAVES``, else the same number ``t`` of periods
+  for every bucket of the run (a divisor of its periods where one lies between half the cap and
+  the cap, so every bucket is equal), so the buckets of a run share one program whatever the
+  phase of ``start``. Elsewhere the bucket ends where a run begins, or at the cap. ``runs``
+  carries a run's ``(p, t, end)`` from one bucket's end to the next bucket."""
   cap = tree.max_leaves
-  if len(keys) - start <= cap:
-    return len(keys)
   if start in runs:
     p, t, run_end = runs.pop(start)
     take = min(t, (run_end - start) // p)
     if take:
       runs[start + p * take] = (p, t, run_end)
       return start + p * take
+  if len(keys) - start <= cap:
+    return len(keys)
   window = keys[start : start + 3 * cap]
   first_t, p = cap, 0  # earliest offset where a run repeating with period p starts
   for q in range(1, cap + 1):
+    # A run: at least the cap's length, and two periods, repeating with period q.
+    span = max(2 * q, cap) - q
     same = np.r_[0, np.cumsum(window[q:] == window[:-q])]  # same[t]: matches among t' < t
-    at = np.arange(min(first_t, len(same) - q))
-    hits = np.flatnonzero(same[at + q] - same[at] == q)
+    at = np.arange(max(min(first_t, len(same) - span), 0))
+    hits = np.flatnonzero(same[at + span] - same[at] == span)
     if hits.size and hits[0] < first_t:
       first_t, p = int(hits[0]), q
   if first_t > 0:
