@@ -248,14 +248,19 @@ def pass_bytes(plan: LayoutPlan) -> dict[str, int]:
   for bucket in plan.schedule.buckets:
     n = len(bucket.union_device_ids)
     sent_whole, received_whole = direct_steps(plan, bucket)
-    pieces = bucket.pieces()
+    pair = bucket.piece_src * (1 << 32) + bucket.piece_dst
+    keys, first = np.unique(pair, return_index=True)
+    fill = (
+      np.add.reduceat(np.asarray(bucket.piece_nbytes, dtype=np.int64), first) if len(pair) else pair
+    )
     for r, rnd in enumerate(bucket.rounds):
       senders = {s for s, _ in rnd.pairs}
       receivers = {d for _, d in rnd.pairs}
       out["transfer"] += 2 * len(rnd.pairs) * rnd.nbytes
       out["zero_fill"] += (n - len(receivers)) * rnd.nbytes
       if r not in sent_whole:
-        read = sum(p.nbytes for pair in rnd.pairs for p in pieces[pair])
+        at = np.asarray(rnd.pairs, dtype=np.int64).reshape(-1, 2) @ np.array([1 << 32, 1])
+        read = int(fill[np.searchsorted(keys, at)].sum())
         out["pack"] += read + len(senders) * rnd.nbytes
         out["zero_fill"] += (n - len(senders)) * rnd.nbytes
     for j, chunks in zip(bucket.leaves, bucket.chunks, strict=True):
@@ -279,24 +284,30 @@ def direct_steps(plan: LayoutPlan, bucket: Bucket) -> tuple[set[int], set[int]]:
   the whole source shard of one leaf, alone and unpadded, and the leaves (positions in
   ``plan.scheduled``, moved by this bucket alone) whose every destination shard is one round's
   entire payload."""
-  pieces = bucket.pieces()
+  pair = bucket.piece_src * (1 << 32) + bucket.piece_dst  # pieces are sorted by pair
+  keys, first, count = np.unique(pair, return_index=True, return_counts=True)
+  leaf = np.asarray(bucket.piece_leaf, dtype=np.int64)[first]
+  nbytes = np.asarray(bucket.piece_nbytes, dtype=np.int64)[first]
+  src_bytes, dst_bytes = (
+    {
+      j: math.prod(plan.layouts[plan.scheduled[j]][k].shard_shape())
+      * plan.itemsizes[plan.scheduled[j]]
+      for j in bucket.leaves
+    }
+    for k in (0, 1)
+  )
   rounds: set[int] = set()
   arrivals: dict[int, list[tuple[int, int]]] = {}  # leaf -> (round, receiver) of whole shards
   for r, rnd in enumerate(bucket.rounds):
-    leaves = set()
-    for pair in rnd.pairs:
-      ps = pieces[pair]
-      if len(ps) != 1 or ps[0].nbytes != rnd.nbytes:
-        leaves.add(-1)
-        continue
-      (src, dst), i = plan.layouts[plan.scheduled[ps[0].leaf]], plan.scheduled[ps[0].leaf]
-      leaves.add(
-        ps[0].leaf if math.prod(src.shard_shape()) * plan.itemsizes[i] == rnd.nbytes else -1
-      )
-      if math.prod(dst.shard_shape()) * plan.itemsizes[i] == rnd.nbytes:
-        arrivals.setdefault(ps[0].leaf, []).append((r, pair[1]))
-    if len(leaves) == 1 and -1 not in leaves:
+    pairs = np.asarray(rnd.pairs, dtype=np.int64).reshape(-1, 2)
+    at = np.searchsorted(keys, pairs[:, 0] * (1 << 32) + pairs[:, 1])
+    alone = (count[at] == 1) & (nbytes[at] == rnd.nbytes)
+    leaves = set(leaf[at].tolist())
+    if alone.all() and len(leaves) == 1 and src_bytes[leaves.pop()] == rnd.nbytes:
       rounds.add(r)
+    for j, d in zip(leaf[at][alone].tolist(), pairs[alone, 1].tolist(), strict=True):
+      if dst_bytes[j] == rnd.nbytes:
+        arrivals.setdefault(j, []).append((r, d))
   spans = plan.schedule.leaf_buckets
   whole = set()
   for j, got in arrivals.items():

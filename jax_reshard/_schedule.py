@@ -574,7 +574,9 @@ def _fill_buckets(tree: _Tree) -> list[_Built]:
   out: list[_Built] = []
   i = 0
   while i < len(items):
-    end = min(_greedy_end(tree, items, i), _repeat_end(tree, keys, i, runs))
+    end = _greedy_end(tree, items, i)
+    if end - i > tree.max_leaves or i in runs:  # else the bucket the bytes allow is kept
+      end = min(end, _repeat_end(tree, keys, i, runs))
     built = _build(tree, items[i:end])
     if tree.bound is None or built.peak <= tree.bound:
       out.append(built)
@@ -589,7 +591,7 @@ def _fill_buckets(tree: _Tree) -> list[_Built]:
     assert len(tree.payloads[leaf]) == 1, "chunks are checked alone when they are made"
     _split_leaf(tree, leaf, 2)
     items[i : i + 1] = tree.items(leaf)
-    keys = _item_keys(tree, items)
+    keys = np.concatenate([keys[:i], _item_keys(tree, tree.items(leaf)), keys[i + 1 :]])
     runs.clear()
   return out
 
