@@ -270,7 +270,7 @@ def pass_bytes(plan: LayoutPlan) -> dict[str, int]:
       lp, (_, dst), isz = plan.leaf_plans[i], plan.layouts[i], plan.itemsizes[i]
       rows = np.isin(plan.schedule.row_chunks[j], chunks) if plan.schedule.row_chunks else True
       remote = int(lp.nbytes[rows & ~lp.local].sum())
-      local = int(lp.nbytes[lp.local].sum()) if 0 in chunks else 0
+      local = int(lp.nbytes[rows & lp.local].sum())
       shard = math.prod(dst.shard_shape()) * isz
       whole = not spans or len(spans[j]) == 1
       out["assemble"] += remote + local + (shard * len(dst.device_ids) if whole else remote + local)
