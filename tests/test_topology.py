@@ -240,3 +240,42 @@ def test_relay_plans_inside_jit_differentiate() -> None:
 
   g = jax.jit(jax.grad(loss))(w)
   np.testing.assert_allclose(np.asarray(g), 2 * np.asarray(w) * weight, rtol=1e-6)
+
+
+def _two_hosts(size: int) -> tuple[list[tuple[Layout, Layout]], list[int]]:
+  """4 trainer devices -> 4 sampler devices on two hosts of 2 that each need the whole tensor."""
+  trainer = Layout.from_description(
+    (size, size), mesh_shape=(4,), axis_names=("fsdp",), spec=("fsdp",)
+  )
+  sampler = Layout.from_description(
+    (size, size), mesh_shape=(2, 2), axis_names=("tp", "dp"), spec=(None, "tp"),
+    device_ids=range(8, 12),
+  )  # fmt: skip
+  return [(trainer, sampler)], [2]
+
+
+def test_the_model_chooses_relays_or_not() -> None:
+  tree, isz = _two_hosts(4096)
+  for topo, relayed_wins in ((Topology.h100_nodes(2), True), (PAIRS, False)):
+    plans = {r: jr.plan_layouts(tree, isz, topology=topo, relays=r) for r in (True, False)}
+    times = {r: p.estimate().seconds for r, p in plans.items()}
+    assert (times[True] < times[False]) == relayed_wins  # slow links slower than fast ones
+    auto = jr.plan_layouts(tree, isz, topology=topo, relays="auto")
+    assert (auto.relay is not None) == relayed_wins
+    assert auto.estimate().seconds == min(times.values())
+    assert auto.stats == plans[relayed_wins].stats
+
+
+def test_estimate_counts_placeholders_and_leaves() -> None:
+  """Disjoint devices: every sampler device stages a zero source block and every trainer
+  device returns a discarded output block, written at memory bandwidth; host work per leaf."""
+  tree, isz = _two_hosts(1024)
+  topo = Topology.cpu(cores=1).replace(leaf_latency=1e-3)
+  plan = jr.plan_layouts(tree * 3, isz * 3)
+  est = plan.estimate(topo)
+  assert est.call_s == pytest.approx(topo.call_latency + 3 * 1e-3)  # one bucket of 3 leaves
+  src_block = 1024 * 1024 // 4 * 2
+  dst_block = 1024 * 1024 // 2 * 2
+  placeholders = 3 * 4 * (src_block + dst_block)  # 3 leaves, 4 + 4 devices, one core
+  assembled = 3 * 4 * dst_block  # every sampler shard assembled from parts
+  assert est.assemble_s == pytest.approx((placeholders + assembled) / topo.memory_bandwidth)
