@@ -112,8 +112,8 @@ def estimate(plan: _Plan, topology: Topology | None = None) -> Estimate:
     >>> est = jr.estimate(plan, jr.Topology.h100_nodes())   # devices 8..11: another node
     >>> round(est.transfer_s * 1e6)   # predicted microseconds: 4 x (20 us + 2 MiB at 50 GB/s)
     248
-    >>> round(est.seconds * 1e6)   # plus packing, assembly and one program call
-    338
+    >>> round(est.seconds * 1e6)   # plus packing, assembly, placeholders and one call
+    353
   """
   topo = topology or plan.topology
   if topo is None:
