@@ -434,7 +434,12 @@ def _build(tree: _Tree, items: Sequence[tuple[int, int]]) -> _Built:
   for leaf, c in items:
     chunks.setdefault(leaf, []).append(c)
   leaves = list(chunks)
-  rows = [np.isin(tree.chunks[leaf], chunks[leaf]) for leaf in leaves]
+  rows = [
+    tree.chunks[leaf] == chunks[leaf][0]
+    if len(chunks[leaf]) == 1
+    else np.isin(tree.chunks[leaf], chunks[leaf])
+    for leaf in leaves
+  ]
   src, dst, leaf_of, transfer, nbytes, offset, first = _bucket_pieces(tree.plans, leaves, rows)
   fill = np.add.reduceat(nbytes, first) if len(src) else nbytes
   ps, pd = src[first], dst[first]
