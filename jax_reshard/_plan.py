@@ -192,7 +192,18 @@ def plan_layouts(
   names = (
     tuple(leaf_names) if leaf_names is not None else tuple(f"#{i}" for i in range(len(layouts)))
   )
-  args = (layouts, itemsizes, max_bucket_bytes, topology)
+  return _plan_relays_or_not(
+    (layouts, itemsizes, max_bucket_bytes, topology), relays, interleave, names
+  )
+
+
+def _plan_relays_or_not(
+  args: tuple[tuple[tuple[Layout, Layout], ...], tuple[int, ...], int | None, Topology | None],
+  relays: bool | Literal["auto"],
+  interleave: bool,
+  names: tuple[str, ...],
+) -> LayoutPlan:
+  """The plan with ``relays``; for ``"auto"``, the faster predicted of with and without."""
   relayed = _plan_tree(*args, relays is not False, interleave, names)
   if relays != "auto" or relayed.relay is None:
     return relayed
