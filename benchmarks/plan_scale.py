@@ -27,7 +27,6 @@ import argparse
 import dataclasses
 import math
 import time
-from typing import Any
 
 import numpy as np
 
@@ -133,31 +132,12 @@ def _gb(b: float) -> str:
   return f"{b / 1e9:,.1f} GB"
 
 
-def plan_within(
-  layouts: list[tuple[jr.Layout, jr.Layout]], itemsizes: list[int], bound: int, **kwargs: Any
-) -> tuple[jr.LayoutPlan, str]:
-  """The plan under ``bound``, or, where a leaf's placeholders and smallest chunk exceed it,
-  under the next 256 MiB step above what the refusal names (10% of room, since planning right
-  at the minimum takes many chunks); and the first refusal's message ("" if none)."""
-  refused = ""
-  for _ in range(10):
-    try:
-      return jr.plan_layouts(layouts, itemsizes, max_bucket_bytes=bound, **kwargs), refused
-    except jr.BucketBoundError as e:
-      refused = refused or str(e)
-      bound = -(-int(e.minimum_bytes * 1.1) // 2**28) * 2**28
-  raise AssertionError(f"no bound found: {refused}")
-
-
 def run(model: str, sc: Scenario) -> dict[str, float]:
   cfg = _models.MODELS[model]
   t0 = time.perf_counter()
   layouts, itemsizes = layouts_for(cfg, sc)
   t1 = time.perf_counter()
-  plan, refused = plan_within(
-    layouts, itemsizes, jr.plan_layouts.__kwdefaults__["max_bucket_bytes"]
-  )
-  refused = f"\n  refused            {refused}" if refused else ""
+  plan = jr.plan_layouts(layouts, itemsizes)  # the default bound, 1 GiB
   t2 = time.perf_counter()
   st, sched = plan.stats, plan.schedule
   weights = sum(math.prod(s.shape) * i for (s, _), i in zip(layouts, itemsizes, strict=True))
@@ -165,6 +145,8 @@ def run(model: str, sc: Scenario) -> dict[str, float]:
   transfers = sum(int((~p.local).sum()) for p in plan.leaf_plans)
   bound = plan.max_bucket_bytes or 0
   within = "within" if st.peak_staging_bytes <= bound else "ABOVE"
+  slabs = [j for j, s in enumerate(sched.leaf_slabs) if s is not None]
+  split = sum(len(b) > 1 for b in sched.leaf_buckets)
   print(
     f"\n{model} ({_gb(weights)} in {len(layouts)} leaves), {sc.name}: "
     f"{sc.trainer_devices} -> {sc.sampler_devices} devices\n"
@@ -178,7 +160,10 @@ def run(model: str, sc: Scenario) -> dict[str, float]:
     f"({st.num_programs} distinct programs), "
     f"{transfers:,} remote transfers; per device max send {_gb(sched.max_send_bytes)}, "
     f"recv {_gb(sched.max_recv_bytes)}, peak staging {_gb(st.peak_staging_bytes)} "
-    f"({within} the bound {_gb(bound)}){refused}\n"
+    f"({within} the bound {_gb(bound)})\n"
+    f"  split leaves       {split} over several buckets, {len(slabs)} of them in slabs of their "
+    f"source shards ({', '.join(str(len(sched.leaf_slabs[j][1]) - 1) for j in slabs) or 'none'}"
+    " slabs)\n"
     f"  time               layouts {t1 - t0:.2f} s, planning (planner + schedule) {t2 - t1:.2f} s"
   )
   return {"plan_s": t2 - t1, "moved": moved, "lb": lb, "num_programs": st.num_programs}
@@ -190,14 +175,14 @@ def refit_rows(model: str, sc: Scenario, topo: jr.Topology) -> list[list[str]]:
   rows = []
   t0 = time.perf_counter()
   default = jr.plan_layouts.__kwdefaults__["max_bucket_bytes"]
-  direct, _ = plan_within(layouts, itemsizes, default)
+  direct = jr.plan_layouts(layouts, itemsizes, max_bucket_bytes=default)
   rows.append(
     (f"direct, {_gib(direct.max_bucket_bytes)} buckets", direct, time.perf_counter() - t0)
   )
   best = None
   for bound in CANDIDATE_BUCKET_BYTES:  # the cost model chooses the bound, relays or not
     t0 = time.perf_counter()
-    plan, _ = plan_within(layouts, itemsizes, bound, topology=topo, relays="auto")
+    plan = jr.plan_layouts(layouts, itemsizes, max_bucket_bytes=bound, topology=topo, relays="auto")
     dt = time.perf_counter() - t0
     if best is None or plan.estimate().seconds < best[1].estimate().seconds:
       kind = "relays" if plan.relay is not None else "no relays"

@@ -48,8 +48,9 @@ def bucket_classes(
       if leaf not in leaf_class:
         key = _leaf_key(plans[leaf], layouts[leaf], kinds[leaf])
         leaf_class[leaf] = leaf_ids.setdefault(key, len(leaf_ids))
-    position = {leaf: k for k, leaf in enumerate(bucket.leaves)}
-    rel = np.asarray([position[int(v)] for v in bucket.piece_leaf], dtype=np.int64)
+    position = np.zeros(max(bucket.leaves, default=0) + 1, dtype=np.int64)
+    position[list(bucket.leaves)] = np.arange(len(bucket.leaves))
+    rel = position[np.asarray(bucket.piece_leaf, dtype=np.int64)]
     pieces = np.stack(
       [
         rel,
@@ -70,6 +71,7 @@ def bucket_classes(
       bucket.rounds,
       pieces.tobytes(),
       tuple(leaf_class[leaf] for leaf in bucket.leaves),
+      bucket.chunks,  # which local copies, and which slab of a leaf cut into slabs
       _modes(schedule, b, bucket.leaves),
     )
     out.append(first.setdefault(key, b))

@@ -31,7 +31,7 @@ import numpy as np
 
 from jax_reshard._layout import Layout
 from jax_reshard._planner import LeafPlan
-from jax_reshard._schedule import Schedule, placeholder_mask, staged_block_shape
+from jax_reshard._schedule import Schedule, placeholder_mask, slab_window, staged_block_shape
 from jax_reshard._topology import Topology
 
 
@@ -221,12 +221,21 @@ def _assembled_bytes(stage: _Stage, b: int) -> np.ndarray:
 def _placeholder_bytes(stage: _Stage, b: int) -> np.ndarray:
   """Per device of bucket ``b``, the placeholder bytes it writes: a zero source block per leaf
   it has no source shard of, a discarded output block per leaf it has no destination shard of
-  (the rule of :func:`placeholder_mask`)."""
-  union = np.asarray(stage.schedule.buckets[b].union_device_ids, dtype=np.int64)
+  (the rule of :func:`placeholder_mask`); for a leaf cut into slabs, the bucket's slab instead
+  of the source block, on every device (cut from its source shard, or zeros)."""
+  bucket = stage.schedule.buckets[b]
+  union = np.asarray(bucket.union_device_ids, dtype=np.int64)
   out = np.zeros(len(union), dtype=np.float64)
-  for i in stage.bucket_leaves(b):
+  for j, chunks, i in zip(bucket.leaves, bucket.chunks, stage.bucket_leaves(b), strict=True):
     src, dst = stage.layouts[i]
-    for layout in (src, dst):
-      block = float(np.prod(staged_block_shape(layout.shard_shape())) * stage.itemsizes[i])
-      out += placeholder_mask(layout, union) * block
+    isz = stage.itemsizes[i]
+    dst_block = float(np.prod(staged_block_shape(dst.shard_shape())) * isz)
+    out += placeholder_mask(dst, union) * dst_block
+    src_shape = staged_block_shape(src.shard_shape())
+    window = slab_window(stage.schedule, j, chunks)
+    if window is None:
+      out += placeholder_mask(src, union) * float(np.prod(src_shape) * isz)
+    else:
+      dim, start, stop = window
+      out += float(np.prod(src_shape) // src_shape[dim] * (stop - start) * isz)
   return out

@@ -117,6 +117,9 @@ def _schedule_digest(schedule: Schedule) -> str:
     pieces = (b.piece_src, b.piece_dst, b.piece_leaf, b.piece_transfer, b.piece_offset)
     for a in (*pieces, b.piece_nbytes):
       _feed_ints(h, a)
+    _feed_ints(h, [c for chunks in b.chunks for c in (len(chunks), *chunks)])
+  for slab in schedule.leaf_slabs:  # which window of the source shards each chunk stages
+    _feed_ints(h, [-1] if slab is None else [slab[0], *slab[1]])
   return h.hexdigest()[:16]
 
 

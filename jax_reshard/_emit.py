@@ -38,6 +38,7 @@ from jax_reshard._program import (
   PlaceholderGroup,
   Received,
   SendRound,
+  SourceWindow,
   program_signature,
   role_table,
   uint_dtype,
@@ -304,10 +305,51 @@ def _placeholder_program(group: PlaceholderGroup, devices: tuple[Any, ...]) -> A
   return jax.jit(make, out_shardings=tuple(sharding for _ in group.blocks)).lower().compile()
 
 
+@functools.lru_cache(maxsize=PROGRAM_CACHE_SIZE)
+def _slab_program(window: SourceWindow, dtype: np.dtype, devices: tuple[Any, ...]) -> Any:
+  """A compiled function cutting ``window`` out of every source shard of a leaf, staged one
+  block per device of ``devices`` (the source's devices): one pass over the source blocks."""
+  staged = NamedSharding(Mesh(np.array(devices), (AXIS,)), PartitionSpec(AXIS))
+  whole = window.shard  # a leaf cut into slabs has shards of rank 1 or more
+
+  def cut(block: jax.Array) -> jax.Array:
+    return jax.lax.slice_in_dim(block, window.start, window.stop, axis=window.dim)
+
+  fn = jax.shard_map(
+    cut, mesh=staged.mesh, in_specs=PartitionSpec(AXIS), out_specs=PartitionSpec(AXIS)
+  )
+  aval = jax.ShapeDtypeStruct(_staged_shape(whole, len(devices)), dtype, sharding=staged)
+  return jax.jit(fn).lower(aval).compile()
+
+
+class _Slicer:
+  """Cuts a leaf's slab out of its source shards for one bucket (see :class:`SourceWindow`)."""
+
+  __slots__ = ("compiled", "src_wrap", "staged_ids")
+
+  def __init__(self, lf: LeafView, src_sharding: Any, *, fast: bool) -> None:
+    window = lf.src_window
+    assert window is not None
+    devices = tuple(sorted(src_sharding.device_set, key=lambda d: d.id))
+    self.compiled = _slab_program(window, lf.dtype, devices)
+    staged = NamedSharding(Mesh(np.array(devices), (AXIS,)), PartitionSpec(AXIS))
+    self.staged_ids = addressable_order(staged, fast=fast)
+    whole = _staged_shape(window.shard, len(devices))
+    self.src_wrap = Wrapper(whole, lf.dtype, staged, fast=fast)
+
+  def __call__(self, x: jax.Array) -> dict[int, jax.Array]:
+    """The slabs of ``x``'s shards by device id."""
+    held = buffers_by_device(x)
+    slabs = self.compiled(self.src_wrap([held[i] for i in self.staged_ids]))
+    # Ready before the bucket program is queued (see BucketExecutable._placeholders).
+    return buffers_by_device(jax.block_until_ready(slabs))
+
+
 def clear_program_cache() -> None:
   """Forgets the compiled programs shared between buckets and plans."""
   _compiled_program.cache_clear()
   _placeholder_program.cache_clear()
+  _slab_program.cache_clear()
 
 
 class _LeafIO:
@@ -323,6 +365,7 @@ class _LeafIO:
     "ph_keys",
     "scalar_dst",
     "scalar_src",
+    "slicer",
     "src_pick",
     "src_sharding",
     "stage_wrap",
@@ -337,6 +380,9 @@ class _LeafIO:
     self.staged_ids = addressable_order(staged, fast=fast)
     self.ph_keys = [(i, lf.src_block, lf.dtype) for i in self.staged_ids]
     self.src_pick = self._pick(src_sharding, fast=fast) if src_sharding is not None else None
+    self.slicer = None  # a leaf cut into slabs stages the bucket's slab of each source shard
+    if lf.src_window is not None and src_sharding is not None:
+      self.slicer = _Slicer(lf, src_sharding, fast=fast)
     pos = {d: j for j, d in enumerate(self.staged_ids)}
     self.dst_pick = [pos[i] for i in addressable_order(dst_sharding, fast=fast)]
     self.scalar_src, self.scalar_dst = not lf.src_shard, not lf.dst_shard
@@ -352,7 +398,13 @@ class _LeafIO:
     return [order.get(i, -1) for i in self.staged_ids]
 
   def stage(self, x: jax.Array, placeholders: dict[Any, jax.Array]) -> jax.Array:
-    """``x`` as a staged array: its own buffers where it has them, placeholders elsewhere."""
+    """``x`` as a staged array: its own buffers (or their slabs) where it has them,
+    placeholders elsewhere."""
+    if self.slicer is not None:
+      slabs = self.slicer(x)
+      return self.stage_wrap(
+        [slabs[key[0]] if key[0] in slabs else placeholders[key] for key in self.ph_keys]
+      )
     fast = self.stage_wrap.fast
     if fast and self.src_pick is not None and x.sharding == self.src_sharding:
       pick = self.src_pick

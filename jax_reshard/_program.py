@@ -28,9 +28,31 @@ import numpy as np
 from jax_reshard._layout import Layout
 from jax_reshard._plan import LayoutPlan
 from jax_reshard._planner import LeafPlan
-from jax_reshard._schedule import Bucket, Piece, placeholder_mask, staged_block_shape
+from jax_reshard._schedule import (
+  Bucket,
+  Piece,
+  placeholder_mask,
+  slab_window,
+  staged_block_shape,
+)
 
 Box = tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SourceWindow:
+  """The part of every source shard a bucket stages for a leaf cut into slabs: local indices
+  ``start:stop`` along ``dim`` of a source shard of shape ``shard`` (the same on every device).
+  """
+
+  dim: int
+  start: int
+  stop: int
+  shard: Box
+
+  def shape(self) -> Box:
+    """The slab's shape."""
+    return (*self.shard[: self.dim], self.stop - self.start, *self.shard[self.dim + 1 :])
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -42,7 +64,8 @@ class LeafView:
     shape: global shape.
     dtype: element type.
     word: the unsigned word the leaf is sliced and assembled in.
-    src_shard: source shard shape, in elements.
+    src_shard: the source shard shape the program reads, in elements: the slab
+      ``src_window`` cuts where it is set.
     dst_shard: destination shard shape, in elements.
     src_block: the block every device stages (:func:`staged_block_shape` of ``src_shard``).
     dst_block: the block every device returns.
@@ -53,6 +76,8 @@ class LeafView:
     dst_input: the program takes the leaf's destination block as an input after all source
       blocks, donated and aliased to its output (the shard filled so far, or the donated one).
     carry_out: the output goes on to the leaf's next bucket instead of being the result.
+    src_window: for a leaf cut into slabs, the slab of every source shard the bucket stages
+      (cut from the shard before the program runs); ``None``: the whole shard.
   """
 
   index: int
@@ -67,6 +92,7 @@ class LeafView:
   in_place: bool = False
   dst_input: bool = False
   carry_out: bool = False
+  src_window: SourceWindow | None = None
 
   @property
   def word_ratio(self) -> int:
@@ -225,12 +251,13 @@ class BucketProgram:
 
 
 def program_signature(program: BucketProgram) -> BucketProgram:
-  """``program`` without the plan's leaf numbers: equal for buckets that differ only in which
-  leaves they carry (same devices, shapes, dtypes, payloads and roles), which can therefore
-  share one compiled executable."""
-  if all(lf.index == -1 for lf in program.leaves):
+  """``program`` without the plan's leaf numbers and where its slabs lie in the source shards:
+  equal for buckets that differ only in which leaves (or which equal-sized slabs of a leaf)
+  they carry (same devices, shapes, dtypes, payloads and roles), which can therefore share one
+  compiled executable (cutting the slab happens before it runs)."""
+  if all(lf.index == -1 and lf.src_window is None for lf in program.leaves):
     return program
-  leaves = tuple(dataclasses.replace(lf, index=-1) for lf in program.leaves)
+  leaves = tuple(dataclasses.replace(lf, index=-1, src_window=None) for lf in program.leaves)
   return dataclasses.replace(program, leaves=leaves)
 
 
@@ -281,7 +308,7 @@ class _LeafInput:
   src: Layout
   dst: Layout
   view: LeafView
-  makes_local_copies: bool = True
+  copies: np.ndarray | bool = True  # which rows' local copies the bucket makes
 
   def in_words(self, v: np.ndarray) -> Box:
     """Element coordinates (or a shape) in word units."""
@@ -291,8 +318,12 @@ class _LeafInput:
     return tuple(v.tolist())
 
   def src_box(self, t: int, dev: int) -> tuple[Box, Box]:
-    """(offset, shape) in words of transfer ``t`` inside ``dev``'s source shard."""
+    """(offset, shape) in words of transfer ``t`` inside ``dev``'s staged source block (its
+    source shard, or the slab of it the bucket stages)."""
     start = np.asarray(self.src.starts[self.src.device_ids.index(dev)], dtype=np.int64)
+    window = self.view.src_window
+    if window is not None:
+      start[window.dim] += window.start
     return self.in_words(self.plan.lo[t] - start), self.in_words(self.plan.hi[t] - self.plan.lo[t])
 
   def dst_offset(self, t: int, dev: int) -> Box:
@@ -333,11 +364,13 @@ def make_bucket_program(
   leaves = []
   for j, i, chunks in zip(sched_bucket.leaves, leaf_ids, sched_bucket.chunks, strict=True):
     spans = plan.schedule.leaf_buckets[j] if plan.schedule.leaf_buckets else (bucket,)
+    row_chunks = plan.schedule.row_chunks
     mode = _Mode(
       in_place=donate or len(spans) > 1,
       dst_input=donate or spans[0] != bucket,
       carry_out=spans[-1] != bucket,
-      makes_local_copies=0 in chunks,
+      copies=np.isin(row_chunks[j], chunks) if row_chunks else True,
+      window=slab_window(plan.schedule, j, chunks),
     )
     word = max(uint_dtype(dtypes[i]), unit, key=lambda d: d.itemsize)
     leaves.append(_leaf_input(i, plan, dtypes[i], word, mode))
@@ -361,7 +394,8 @@ class _Mode:
   in_place: bool = False
   dst_input: bool = False
   carry_out: bool = False
-  makes_local_copies: bool = True
+  copies: np.ndarray | bool = True
+  window: tuple[int, int, int] | None = None
 
 
 def _leaf_input(
@@ -371,21 +405,24 @@ def _leaf_input(
   dst_words = list(dst.shard_shape())
   if dst_words:
     dst_words[-1] //= word.itemsize // max(dtype.itemsize, 1)
+  window = None if mode.window is None else SourceWindow(*mode.window, src.shard_shape())
+  src_shard = src.shard_shape() if window is None else window.shape()
   view = LeafView(
     index=index,
     shape=src.shape,
     dtype=dtype,
     word=word,
-    src_shard=src.shard_shape(),
+    src_shard=src_shard,
     dst_shard=dst.shard_shape(),
-    src_block=staged_block_shape(src.shard_shape()),
+    src_block=staged_block_shape(src_shard),
     dst_block=staged_block_shape(dst.shard_shape()),
     dst_words=tuple(dst_words),
     in_place=mode.in_place,
     dst_input=mode.dst_input,
     carry_out=mode.carry_out,
+    src_window=window,
   )
-  return _LeafInput(plan.leaf_plans[index], src, dst, view, mode.makes_local_copies)
+  return _LeafInput(plan.leaf_plans[index], src, dst, view, mode.copies)
 
 
 # Per receiving device, per bucket leaf: (transfer, round, piece) it receives.
@@ -458,7 +495,7 @@ def _device_parts(
       continue
     plan = leaf.plan
     parts: list[tuple[Any, ...]] = []
-    local = plan.local & (plan.dst_device == dev) & leaf.makes_local_copies
+    local = plan.local & (plan.dst_device == dev) & leaf.copies
     for t in np.nonzero(local)[0].tolist():
       lo, shape = leaf.src_box(t, dev)
       parts.append((leaf.dst_offset(t, dev), shape, ("resident", lo)))
@@ -553,6 +590,9 @@ def format_program(program: BucketProgram) -> str:
   for li, lf in enumerate(program.leaves):
     mode = (" in place" if lf.in_place else "") + (", into its input" if lf.dst_input else "")
     mode += ", carried to the next bucket" if lf.carry_out else ""
+    if lf.src_window is not None:
+      w = lf.src_window
+      mode += f", staging the slab {w.start}:{w.stop} of dim {w.dim} of {list(w.shard)}"
     lines.append(
       f"  leaf {li} (#{lf.index}) {lf.dtype.name}{list(lf.shape)} in {lf.word.name}: "
       f"{list(lf.src_shard)} -> {list(lf.dst_shard)}{mode}"

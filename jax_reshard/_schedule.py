@@ -14,8 +14,13 @@ consecutive leaves share a bucket while their unpadded staging fits, and every b
 checked with its rounds (the quantity ``peak_staging_bytes`` reports) and shrunk if padding
 pushed it over. A leaf that does not fit alone is split into *chunks*: each of its remote
 transfers is cut into sub-boxes along one dimension, sub-box ``j`` going to chunk ``j``, so a
-leaf spans consecutive buckets and its destination shard is filled bucket by bucket. Everything
-is NumPy over arrays of transfers."""
+leaf spans consecutive buckets and its destination shard is filled bucket by bucket. Where the
+leaf's placeholder blocks keep such chunks above the bound (a source replicated on few devices:
+every other device of the bucket stages a zero copy of the whole source block), the leaf is cut
+into *slabs* instead: chunk ``j`` covers the same window of local indices along one dimension of
+every source shard, every transfer and local copy is cut by its sender's windows, and a bucket
+stages only the windows of its chunks (cut from the source shards before it runs; placeholders
+of that size). Everything is NumPy over arrays of transfers."""
 
 from __future__ import annotations
 
@@ -112,6 +117,8 @@ class Schedule:
       transfers of split leaves cut into one sub-box per chunk (same bytes, more rows).
     row_chunks: per leaf, the chunk of every row of its :attr:`leaf_plans` entry.
     leaf_buckets: per leaf, the buckets it runs in (consecutive).
+    leaf_slabs: per leaf, ``None``, or for a leaf cut into slabs ``(dim, bounds)``: chunk ``j``
+      covers local indices ``bounds[j]:bounds[j + 1]`` along ``dim`` of every source shard.
   """
 
   buckets: tuple[Bucket, ...]
@@ -123,6 +130,7 @@ class Schedule:
   leaf_plans: tuple[LeafPlan, ...] = ()
   row_chunks: tuple[np.ndarray, ...] = ()
   leaf_buckets: tuple[tuple[int, ...], ...] = ()
+  leaf_slabs: tuple[tuple[int, tuple[int, ...]] | None, ...] = ()
 
   @property
   def num_rounds(self) -> int:
@@ -165,6 +173,26 @@ def _placeholder_bytes(src: Layout, dst: Layout, itemsize: int, union: np.ndarra
   src_block = math.prod(staged_block_shape(src.shard_shape())) * itemsize
   dst_block = math.prod(staged_block_shape(dst.shard_shape())) * itemsize
   return placeholder_mask(src, union) * src_block + placeholder_mask(dst, union) * dst_block
+
+
+def slab_window(
+  schedule: Schedule, leaf: int, chunks: Sequence[int]
+) -> tuple[int, int, int] | None:
+  """``(dim, start, stop)``: the local indices of every source shard of ``leaf`` that a bucket
+  moving ``chunks`` (consecutive) of it stages, or ``None`` where the leaf is not cut into
+  slabs (the bucket stages the whole source block)."""
+  slab = schedule.leaf_slabs[leaf] if schedule.leaf_slabs else None
+  if slab is None:
+    return None
+  dim, bounds = slab
+  return dim, bounds[min(chunks)], bounds[max(chunks) + 1]
+
+
+def slab_dim(shard_shape: Sequence[int], k: int) -> int:
+  """The dimension slabs of ``k`` chunks cut: the first of extent at least ``k`` (so a slab is a
+  contiguous run of the shard's rows), else the longest."""
+  ext = np.asarray(shard_shape, dtype=np.int64)
+  return int(np.argmax(ext >= k)) if (ext >= k).any() else int(np.argmax(ext))
 
 
 def color_bipartite(edges: Sequence[tuple[int, int]]) -> list[int]:
@@ -350,6 +378,63 @@ def split_rows(plan: LeafPlan, k: int, itemsize: int) -> tuple[LeafPlan, np.ndar
   return out, np.unique(chunks, return_inverse=True)[1].reshape(-1)
 
 
+def split_slabs(
+  plan: LeafPlan, src: Layout, k: int, itemsize: int
+) -> tuple[LeafPlan, np.ndarray, tuple[int, tuple[int, ...]]]:
+  """``plan`` cut into up to ``k`` slabs of source-local indices, each row's chunk, and the
+  slabs ``(dim, bounds)``.
+
+  Chunk ``j`` covers local indices ``bounds[j]:bounds[j + 1]`` along ``dim`` (see
+  :func:`slab_dim`) of every source shard; every transfer with bytes, local copies included, is
+  cut by its sender's windows. Rows keep the planner's order (each cut row replaced by its
+  pieces, by chunk); the pieces partition the rows: the same bytes, more rows.
+
+  Example:
+    >>> from jax_reshard._planner import plan_leaf
+    >>> src = Layout.from_description((8, 4), mesh_shape=(2,), axis_names=("x",), spec=(None,))
+    >>> dst = Layout.from_description((8, 4), mesh_shape=(2,), axis_names=("y",),
+    ...                               spec=("y",), device_ids=(2, 3))
+    >>> cut, chunk, slabs = split_slabs(plan_leaf(src, dst, 4), src, 2, 4)
+    >>> slabs, chunk.tolist(), int(cut.nbytes.sum()) == 8 * 4 * 4
+    ((0, (0, 4, 8)), [0, 1], True)
+  """
+  shard = src.shard_shape()
+  dim = slab_dim(shard, k)
+  k = max(1, min(k, shard[dim]))
+  bounds = (np.arange(k + 1, dtype=np.int64) * shard[dim]) // k
+  rows = np.flatnonzero(plan.nbytes > 0)
+  ids = np.asarray(src.device_ids, dtype=np.int64)
+  order_ids = np.argsort(ids)
+  at = order_ids[np.searchsorted(ids, plan.src_device[rows], sorter=order_ids)]
+  start = src.box_arrays()[0][at, dim]
+  lo, hi = plan.lo[rows, dim] - start, plan.hi[rows, dim] - start
+  j0 = np.searchsorted(bounds, lo, side="right") - 1
+  m = np.searchsorted(bounds, hi - 1, side="right") - j0  # windows per row
+  rr = np.repeat(np.arange(len(rows)), m)
+  j = j0[rr] + np.arange(len(rr)) - np.repeat(np.cumsum(m) - m, m)
+  piece_lo, piece_hi = plan.lo[rows][rr], plan.hi[rows][rr]
+  piece_lo[:, dim] = start[rr] + np.maximum(lo[rr], bounds[j])
+  piece_hi[:, dim] = start[rr] + np.minimum(hi[rr], bounds[j + 1])
+  keep = np.flatnonzero(plan.nbytes <= 0)
+  order = np.lexsort((np.r_[np.zeros(len(keep), np.int64), j], np.r_[keep, rows[rr]]))
+
+  def cat(kept: np.ndarray, pieces: np.ndarray) -> np.ndarray:
+    return np.concatenate([kept, pieces])[order]
+
+  out = LeafPlan(
+    src_device=cat(plan.src_device[keep], plan.src_device[rows][rr]),
+    dst_device=cat(plan.dst_device[keep], plan.dst_device[rows][rr]),
+    lo=cat(plan.lo[keep], piece_lo),
+    hi=cat(plan.hi[keep], piece_hi),
+    nbytes=cat(plan.nbytes[keep], np.prod(piece_hi - piece_lo, axis=1, dtype=np.int64) * itemsize),
+    local=cat(plan.local[keep], plan.local[rows][rr]),
+    lower_bound_bytes=plan.lower_bound_bytes,
+    gather_broadcast_bytes=plan.gather_broadcast_bytes,
+  )
+  chunks = cat(np.zeros(len(keep), dtype=np.int64), j)
+  return out, chunks, (dim, tuple(bounds.tolist()))
+
+
 @dataclasses.dataclass(eq=False)
 class _Tree:
   """The leaves being scheduled, with their current chunks (mutable while scheduling)."""
@@ -361,6 +446,12 @@ class _Tree:
   placeholders: list[np.ndarray]  # per leaf, per union device (see _placeholder_bytes)
   members: list[np.ndarray]  # per leaf, which union devices it uses
   bound: int | None
+  layouts: Sequence[tuple[Layout, Layout]] = ()
+  allow_slabs: bool = False
+  slabs: dict[int, tuple[int, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
+  splits: dict[
+    tuple[object, ...], tuple[LeafPlan, np.ndarray, tuple[int, tuple[int, ...]] | None]
+  ] = dataclasses.field(default_factory=dict)
   plans: list[LeafPlan] = dataclasses.field(default_factory=list)
   chunks: list[np.ndarray] = dataclasses.field(default_factory=list)
   payloads: list[np.ndarray] = dataclasses.field(default_factory=list)  # (chunks, devices)
@@ -383,6 +474,26 @@ class _Tree:
 
   def items(self, leaf: int) -> list[tuple[int, int]]:
     return [(leaf, c) for c in range(len(self.payloads[leaf]))]
+
+  def staged(self, leaf: int, first: int, last: int) -> np.ndarray:
+    """Per union device, the bytes a bucket moving chunks ``first..last`` of ``leaf`` stages
+    for it besides payloads: its placeholder blocks, or for a leaf cut into slabs, the slab
+    (cut from the source shard, or a zero placeholder of that size) and the destination
+    placeholder."""
+    slab = self.slabs.get(leaf)
+    if slab is None:
+      return self.placeholders[leaf]
+    dim, bounds = slab
+    block = staged_block_shape(self.layouts[leaf][0].shard_shape())
+    nbytes = math.prod(block) // block[dim] * (bounds[last + 1] - bounds[first])
+    return self.dst_placeholder(leaf) + nbytes * self.itemsizes[leaf]
+
+  def dst_placeholder(self, leaf: int) -> np.ndarray:
+    """Per union device, the destination placeholder bytes of ``leaf`` (0 where it holds a
+    destination shard)."""
+    dst = self.layouts[leaf][1]
+    dst_block = math.prod(staged_block_shape(dst.shard_shape())) * self.itemsizes[leaf]
+    return placeholder_mask(dst, self.union) * dst_block
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -434,10 +545,9 @@ def _build(tree: _Tree, items: Sequence[tuple[int, int]]) -> _Built:
   for leaf, c in items:
     chunks.setdefault(leaf, []).append(c)
   leaves = list(chunks)
+  # A bucket's chunks of a leaf are consecutive.
   rows = [
-    tree.chunks[leaf] == chunks[leaf][0]
-    if len(chunks[leaf]) == 1
-    else np.isin(tree.chunks[leaf], chunks[leaf])
+    (tree.chunks[leaf] >= chunks[leaf][0]) & (tree.chunks[leaf] <= chunks[leaf][-1])
     for leaf in leaves
   ]
   src, dst, leaf_of, transfer, nbytes, offset, first = _bucket_pieces(tree.plans, leaves, rows)
@@ -451,7 +561,10 @@ def _build(tree: _Tree, items: Sequence[tuple[int, int]]) -> _Built:
   sent = np.bincount(np.searchsorted(union, ps), round_bytes, minlength=n).astype(np.int64)
   received = np.bincount(np.searchsorted(union, pd), round_bytes, minlength=n).astype(np.int64)
   in_bucket = np.logical_or.reduce([tree.members[leaf] for leaf in leaves])
-  placeholders = sum((tree.placeholders[leaf] for leaf in leaves), np.zeros(n, dtype=np.int64))
+  placeholders = sum(
+    (tree.staged(leaf, min(chunks[leaf]), max(chunks[leaf])) for leaf in leaves),
+    np.zeros(n, dtype=np.int64),
+  )
   bucket = Bucket(
     leaves=tuple(leaves),
     chunks=tuple(tuple(chunks[leaf]) for leaf in leaves),
@@ -475,16 +588,17 @@ def _greedy_end(tree: _Tree, items: Sequence[tuple[int, int]], start: int) -> in
     return len(items)
   n = len(tree.union)
   acc_ph, acc_pay, mask = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, bool)
-  seen: set[int] = set()
+  first: dict[int, tuple[int, np.ndarray]] = {}  # leaf: its first chunk here, its staging so far
   for i in range(start, len(items)):
     leaf, c = items[i]
-    ph = 0 if leaf in seen else tree.placeholders[leaf]
+    c0, before = first.get(leaf, (c, 0))
+    ph = tree.staged(leaf, c0, c)
     pay = tree.payloads[leaf][c]
-    staged = (acc_ph + ph) * (mask | tree.members[leaf]) + acc_pay + pay
+    staged = (acc_ph - before + ph) * (mask | tree.members[leaf]) + acc_pay + pay
     if i > start and int(staged.max()) > tree.bound:
       return i
-    acc_ph, acc_pay, mask = acc_ph + ph, acc_pay + pay, mask | tree.members[leaf]
-    seen.add(leaf)
+    acc_ph, acc_pay, mask = acc_ph - before + ph, acc_pay + pay, mask | tree.members[leaf]
+    first[leaf] = (c0, ph)
   return len(items)
 
 
@@ -532,12 +646,47 @@ def _fill_buckets(tree: _Tree) -> list[_Built]:
 
 def _split_leaf(tree: _Tree, leaf: int, k: int) -> None:
   """Splits ``leaf`` into the fewest chunks (from ``k`` up) that each fit the bound alone,
-  padded rounds and the leaf's placeholder blocks included.
+  padded rounds and the leaf's placeholder blocks included: sub-boxes of its transfers where
+  those fit, else (and only where the schedule allows it) slabs of its source shards.
 
   Raises:
-    BucketBoundError: if even the smallest chunks (one index thick along each transfer's
-      longest dimension) do not fit.
+    BucketBoundError: if neither way fits: the least bytes named are the smaller of the two
+      ways' (a lower bound where a way was not tried because its lower bound exceeds the bound).
   """
+  key = _split_key(tree, leaf)
+  if key in tree.splits:  # a leaf like one split before (the layers of a model)
+    plan, chunk, slabs = tree.splits[key]
+    tree.set_chunks(leaf, plan, chunk)
+    if slabs is not None:
+      tree.slabs[leaf] = slabs
+    return
+  tried = [_split_rows(tree, leaf, k)]
+  if tried[0] is not None and tree.allow_slabs:
+    tried.append(_split_slabs(tree, leaf, k))
+  if any(t is None for t in tried):
+    tree.splits[key] = (tree.plans[leaf], tree.chunks[leaf], tree.slabs.get(leaf))
+    return
+  minimum, qualifier = min(t for t in tried if t is not None)
+  _raise_bound(tree, leaf, minimum, qualifier)
+
+
+def _split_key(tree: _Tree, leaf: int) -> tuple[object, ...]:
+  """What a leaf's split depends on: its transfers, layouts and itemsize (the bound and the
+  tree's devices are the same for every leaf of a tree)."""
+  p = tree.original[leaf]
+  arrays = (p.src_device, p.dst_device, p.lo, p.hi, p.nbytes, p.local)
+  return (
+    tree.layouts[leaf] if tree.layouts else leaf,
+    tree.itemsizes[leaf],
+    p.lo.shape,
+    *(np.ascontiguousarray(a).tobytes() for a in arrays),
+  )
+
+
+def _split_rows(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
+  """Splits ``leaf`` by sub-boxes of its remote transfers (:func:`split_rows`) into the fewest
+  chunks that fit; ``None`` when they do, else the least staging found and its qualifier
+  (``"at least "`` for a lower bound)."""
   assert tree.bound is not None
   bound, orig = tree.bound, tree.original[leaf]
   ph = tree.placeholders[leaf] * tree.members[leaf]
@@ -551,7 +700,7 @@ def _split_leaf(tree: _Tree, leaf: int, k: int) -> None:
     np.minimum.at(thinnest, np.searchsorted(tree.union, devs), slab)
   least = int((ph + np.where(thinnest == np.iinfo(np.int64).max, 0, thinnest)).max(initial=0))
   if least > bound:
-    _raise_bound(tree, leaf, least, "at least ")
+    return least, "at least "
   k = max(2, min(k, k_max))
   while True:
     tree.set_chunks(leaf, *split_rows(orig, k, tree.itemsizes[leaf]))
@@ -559,11 +708,44 @@ def _split_leaf(tree: _Tree, leaf: int, k: int) -> None:
     if int(stage.max()) <= bound:
       stage = np.stack([_build(tree, [item]).stage for item in tree.items(leaf)])
       if int(stage.max()) <= bound:
-        return
+        return None
     if k >= k_max:
-      _raise_bound(tree, leaf, int(stage.max()), "")
+      return int(stage.max()), ""
     room = np.maximum(bound - ph, 1)
     ratio = float(((stage - ph) / room).max())
+    k = min(k_max, max(k + 1, math.ceil(k * ratio)))
+
+
+def _split_slabs(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
+  """Splits ``leaf`` into the fewest slabs of its source shards (:func:`split_slabs`) that fit
+  (see :func:`_split_rows` for what it returns). The destination placeholder does not shrink:
+  where it is the floor, this fails as the sub-boxes do."""
+  assert tree.bound is not None
+  bound, orig, isz = tree.bound, tree.original[leaf], tree.itemsizes[leaf]
+  src = tree.layouts[leaf][0]
+  shard = staged_block_shape(src.shard_shape())
+  k_max = max(shard)
+  members = tree.members[leaf]
+  floor = tree.dst_placeholder(leaf) * members  # what every slab split stages, and a slab
+  least = int((floor + math.prod(shard) // k_max * isz).max(initial=0))
+  if least > bound or k_max < 2 or not src.shard_shape():
+    return least, "at least "
+  pay = tree.payloads[leaf].sum(axis=0)
+  room = bound - floor
+  if (room > 0).all():
+    k = max(k, math.ceil(float(((pay + math.prod(shard) * isz) / room).max())))
+  k = max(2, min(k, k_max))
+  while True:
+    plan, chunk, slabs = split_slabs(orig, src, k, isz)
+    tree.slabs[leaf] = slabs
+    tree.set_chunks(leaf, plan, chunk)
+    stage = np.stack([_build(tree, [item]).stage for item in tree.items(leaf)])
+    if int(stage.max()) <= bound:
+      return None
+    if k >= k_max:
+      tree.slabs.pop(leaf)
+      return int(stage.max()), ""
+    ratio = float(((stage - floor) / np.maximum(bound - floor, 1)).max())
     k = min(k_max, max(k + 1, math.ceil(k * ratio)))
 
 
@@ -600,6 +782,7 @@ def make_schedule(
   *,
   max_bucket_bytes: int | None = DEFAULT_MAX_BUCKET_BYTES,
   names: Sequence[str] | None = None,
+  slabs: bool = True,
 ) -> Schedule:
   """Packs the remote transfers of all leaves into buckets, payloads and rounds.
 
@@ -611,6 +794,8 @@ def make_schedule(
       that does not fit alone is split into chunks over consecutive buckets. ``None``: no
       bound (one bucket).
     names: per leaf, a name for error messages (default ``#i``).
+    slabs: whether a leaf whose placeholder blocks keep sub-boxes of its transfers above the
+      bound may be cut into slabs of its source shards (:func:`split_slabs`).
 
   Raises:
     BucketBoundError: if the bound is below what some leaf needs even in its smallest chunks.
@@ -630,6 +815,8 @@ def make_schedule(
       np.isin(union, np.asarray((*s.device_ids, *d.device_ids), dtype=np.int64)) for s, d in layouts
     ],
     bound=max_bucket_bytes,
+    layouts=layouts,
+    allow_slabs=slabs,
   )
   for leaf, plan in enumerate(plans):
     tree.set_chunks(leaf, plan, np.zeros(len(plan.nbytes), dtype=np.int64))
@@ -652,4 +839,5 @@ def make_schedule(
     leaf_plans=tuple(tree.plans),
     row_chunks=tuple(tree.chunks),
     leaf_buckets=tuple(tuple(b) for b in leaf_buckets),
+    leaf_slabs=tuple(tree.slabs.get(leaf) for leaf in range(len(plans))),
   )

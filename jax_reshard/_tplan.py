@@ -214,6 +214,7 @@ def plan_transform_layouts(
     [1] * len(scheduled),
     max_bucket_bytes=max_bucket_bytes,
     names=[leaves[i].path or "<root>" for i in scheduled],
+    slabs=False,
   )
   split = [
     leaves[i].path

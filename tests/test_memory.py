@@ -188,3 +188,84 @@ def test_no_leak_over_300_refits(donate: bool) -> None:
   # 300 calls: a leak of 4 KiB per call would add 1200 KiB.
   assert _rss_kib() - rss < 1024, (_rss_kib() - rss, "KiB")
   assert_matches_oracle(y["w"], hosts["w"], dst["w"])
+
+
+def _replicated_placements() -> dict[str, tuple[NamedSharding, NamedSharding, int]]:
+  """A 2 MiB leaf replicated on devices 0 and 1: cut into sub-boxes of its transfers, every
+  other device of a bucket would stage its whole 2 MiB source block as a placeholder, above
+  each bound here."""
+  devs = np.array(jax.devices())
+  src = NamedSharding(Mesh(devs[:2], ("r",)), P())
+  return {
+    "disjoint": (src, NamedSharding(Mesh(devs[4:], ("t",)), P(None, "t")), MiB),
+    "colocated": (src, NamedSharding(Mesh(devs, ("t",)), P(None, "t")), 3 * MiB // 4),
+    "overlapping": (src, NamedSharding(Mesh(devs[1:5], ("t",)), P(None, "t")), MiB),
+  }
+
+
+@pytest.mark.parametrize("placement", ["disjoint", "colocated", "overlapping"])
+def test_replicated_leaf_is_cut_into_slabs_under_the_bound(placement: str) -> None:
+  src, dst, bound = _replicated_placements()[placement]
+  host = np.random.default_rng(2).standard_normal((1024, 512)).astype(np.float32)  # 2 MiB
+  x = jax.device_put(host, src)
+  plan = jr.make_plan(x, dst, max_bucket_bytes=bound)
+  st = plan.stats
+  assert st.peak_staging_bytes <= bound < 2 * MiB and st.num_buckets > 1
+  assert plan.schedule.leaf_slabs[0] is not None
+  assert st.bytes_moved == st.lower_bound_bytes
+  programs = plan.programs()
+  for p in programs:  # each bucket stages a window of the source rows, not the whole shard
+    (lf,) = p.leaves
+    assert lf.src_window is not None and lf.src_block[0] < 1024 and "staging the slab" in str(p)
+  analyses = plan.memory_analysis()
+  assert max(m.argument_size_in_bytes for m in analyses) < 2 * MiB
+  assert_matches_oracle(plan(x), host, dst)
+  old = plan(x)
+  y = plan(x, donate=old)
+  assert old.is_deleted()
+  assert_matches_oracle(y, host, dst)
+  assert_matches_oracle(x, host, src)  # the source is untouched
+
+
+def test_tree_mixing_slabs_sub_boxes_and_whole_leaves() -> None:
+  """One plan: a replicated 2 MiB leaf cut into slabs, a sharded 4 MiB leaf cut into sub-boxes
+  of its transfers (no placeholders: it moves among the sampler's devices), and small leaves
+  moved whole, all under a 1 MiB bound, bit for bit (eager and into donated buffers)."""
+  devs = np.array(jax.devices())
+  rng = np.random.default_rng(3)
+  hosts = {
+    "emb": rng.standard_normal((1024, 512)).astype(np.float32),
+    "w": rng.standard_normal((2048, 512)).astype(np.float32),
+    "b": rng.standard_normal((64,)).astype(np.float32),
+    "s": np.float32(5.0),
+  }
+  replicated = NamedSharding(Mesh(devs[:2], ("r",)), P())
+  sharded = NamedSharding(Mesh(devs.reshape(4, 2), ("a", "b")), P("a", "b"))
+  srcs = {
+    "emb": replicated,
+    "w": NamedSharding(Mesh(devs[4:], ("a",)), P("a")),
+    "b": NamedSharding(sharded.mesh, P("a")),
+    "s": replicated,
+  }
+  sampler = Mesh(devs[4:], ("t",))
+  dsts = {
+    "emb": NamedSharding(sampler, P(None, "t")),
+    "w": NamedSharding(sampler, P(None, "t")),
+    "b": NamedSharding(sampler, P()),
+    "s": NamedSharding(sampler, P()),
+  }
+  x = {k: jax.device_put(h, srcs[k]) for k, h in hosts.items()}
+  plan = jr.make_plan(x, dsts, max_bucket_bytes=MiB)
+  sched, order = plan.schedule, [plan.leaves[i].name for i in plan.layout_plan.scheduled]
+  kinds = {
+    name: (sched.leaf_slabs[j] is not None, len(sched.leaf_buckets[j]))
+    for j, name in enumerate(order)
+  }
+  assert kinds["['emb']"][0] and kinds["['emb']"][1] > 1
+  assert not kinds["['w']"][0] and kinds["['w']"][1] > 1
+  assert kinds["['b']"] == (False, 1) and kinds["['s']"] == (False, 1)
+  assert plan.stats.peak_staging_bytes <= MiB
+  for donate in (None, plan(x)):
+    y = plan(x, donate=donate)
+    for k, h in hosts.items():
+      assert_matches_oracle(y[k], h, dsts[k])

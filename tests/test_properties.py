@@ -11,12 +11,17 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 import jax_reshard as jr
 from jax_reshard import Layout
-from jax_reshard._schedule import BucketBoundError, placeholder_mask, staged_block_shape
+from jax_reshard._schedule import (
+  BucketBoundError,
+  placeholder_mask,
+  slab_window,
+  staged_block_shape,
+)
 
 MESHES = [(1,), (2,), (4,), (8,), (2, 2), (4, 2), (2, 4), (2, 2, 2)]
 SETTINGS = settings(
@@ -100,7 +105,10 @@ def _box(layout: Layout, dev: int) -> tuple[np.ndarray, np.ndarray]:
 @given(trees, itemsizes, st.sampled_from([None, 48, 512, 4096]))
 def test_every_destination_element_arrives_once_from_a_holder(tree, itemsize, bound) -> None:
   """Also when small bounds split leaves into chunks (sub-boxes of the planner's transfers)."""
-  plan = plan_within(tree, itemsize, bound)
+  _check_arrivals(tree, itemsize, plan_within(tree, itemsize, bound))
+
+
+def _check_arrivals(tree, itemsize: int, plan: jr.LayoutPlan) -> None:
   for (src, dst), lp in zip(tree, plan.leaf_plans, strict=True):
     for t in range(len(lp.nbytes)):  # the sender holds the box in its source shard
       lo, hi = _box(src, int(lp.src_device[t]))
@@ -148,12 +156,86 @@ def test_rounds_are_matchings_carrying_each_payload_once(tree, itemsize, bound) 
   assert plan.stats.padding_bytes == padding
 
 
+def _add_blocks(
+  stage: dict[int, int],
+  union: np.ndarray,
+  src: Layout,
+  dst: Layout,
+  itemsize: int,
+  window: tuple[int, int, int] | None,
+) -> None:
+  """Adds a leaf's staged blocks per device: its placeholder blocks; for a leaf cut into slabs,
+  the slab on every device of the bucket (cut from the source shard, or a placeholder)."""
+  blocks = [math.prod(staged_block_shape(lay.shard_shape())) * itemsize for lay in (src, dst)]
+  if window is not None:
+    dim, a, b = window
+    shard = staged_block_shape(src.shard_shape())
+    assert 0 <= a < b <= shard[dim]
+    for dev in union.tolist():
+      stage[dev] += blocks[0] // shard[dim] * (b - a)
+  for k, (lay, block) in enumerate(zip((src, dst), blocks, strict=True)):
+    if k == 0 and window is not None:
+      continue
+    for dev in union[placeholder_mask(lay, union)].tolist():
+      stage[dev] += block
+
+
 @SETTINGS
 @given(trees, itemsizes, st.integers(1, 8192))
 def test_staging_bound(tree, itemsize, bound) -> None:
   """Every device's staging in every bucket, recomputed from the rounds (padded payloads sent
   and received) and the placeholder rule, is at most the bound; or the plan is refused with a
   minimum above the bound. Chunks of a leaf run in consecutive buckets, each exactly once."""
+  _check_staging(tree, itemsize, bound)
+
+
+@st.composite
+def replicated_source_pairs(draw: st.DrawFn) -> tuple[Layout, Layout]:
+  """A leaf whose source is replicated on one or two devices and whose destination is spread
+  over up to 8 others: where the bound is below its source block, slabs are what fits."""
+  rank = draw(st.integers(1, 3))
+  dst_mesh, dst_spec = draw(_mesh_and_spec(rank, "d"))
+  shape = tuple(_parts(dst_mesh, b, "d") * draw(st.integers(1, 8)) for b in dst_spec)
+  ids = draw(st.permutations(range(16)))
+  n_src = draw(st.sampled_from([1, 2]))
+  src = Layout.from_description(
+    shape,
+    mesh_shape=(n_src,),
+    axis_names=("r",),
+    spec=(None,) * rank,
+    device_ids=ids[:n_src],
+    devices_per_process=4,
+  )
+  n_dst = math.prod(dst_mesh)
+  dst_ids = (
+    ids[n_src - 1 : n_src - 1 + n_dst] if draw(st.booleans()) else ids[n_src : n_src + n_dst]
+  )
+  dst = Layout.from_description(
+    shape,
+    mesh_shape=dst_mesh,
+    axis_names=tuple(f"d{i}" for i in range(len(dst_mesh))),
+    spec=dst_spec,
+    device_ids=dst_ids,
+    devices_per_process=4,
+  )
+  return src, dst
+
+
+@SETTINGS
+@given(
+  st.lists(replicated_source_pairs(), min_size=1, max_size=3),
+  itemsizes,
+  st.floats(0.05, 1.0),
+)
+def test_staging_bound_with_slabs(tree, itemsize, fraction) -> None:
+  """The same over leaves whose source placeholder alone exceeds the bound (a fraction of the
+  largest leaf): they are cut into slabs of their source shards, each bucket staging its slab
+  on every device, or refused with a minimum above the bound."""
+  largest = max(math.prod(src.shape) for src, _ in tree) * itemsize
+  _check_staging(tree, itemsize, max(1, int(fraction * largest)))
+
+
+def _check_staging(tree, itemsize: int, bound: int) -> None:
   try:
     plan = jr.plan_layouts(tree, [itemsize] * len(tree), max_bucket_bytes=bound)
   except BucketBoundError as e:
@@ -167,14 +249,22 @@ def test_staging_bound(tree, itemsize, bound) -> None:
       for s, d in r.pairs:
         stage[s] += r.nbytes
         stage[d] += r.nbytes
-    for j in bucket.leaves:
+    for j, chunks in zip(bucket.leaves, bucket.chunks, strict=True):
       src, dst = tree[plan.scheduled[j]]
-      blocks = [math.prod(staged_block_shape(lay.shard_shape())) * itemsize for lay in (src, dst)]
-      for lay, block in zip((src, dst), blocks, strict=True):
-        for dev in union[placeholder_mask(lay, union)].tolist():
-          stage[dev] += block
+      _add_blocks(stage, union, src, dst, itemsize, slab_window(sched, j, chunks))
     assert max(stage.values()) <= bound
   assert plan.stats.peak_staging_bytes <= bound
+  _check_arrivals(tree, itemsize, plan)
+  for j, slabs in enumerate(sched.leaf_slabs):  # every row inside its sender's slab
+    if slabs is None:
+      continue
+    event("cut into slabs")
+    dim, bounds = slabs
+    src, lp = tree[plan.scheduled[j]][0], sched.leaf_plans[j]
+    for t, c in enumerate(sched.row_chunks[j].tolist()):
+      if lp.nbytes[t]:
+        lo = _box(src, int(lp.src_device[t]))[0][dim]
+        assert lo + bounds[c] <= lp.lo[t][dim] < lp.hi[t][dim] <= lo + bounds[c + 1]
   for j, buckets in enumerate(sched.leaf_buckets):
     assert list(buckets) == list(range(buckets[0], buckets[0] + len(buckets)))
     carried = [

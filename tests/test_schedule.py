@@ -9,7 +9,14 @@ import pytest
 
 from jax_reshard import Layout
 from jax_reshard._planner import plan_leaves
-from jax_reshard._schedule import _color_first_fit, color_bipartite, make_schedule
+from jax_reshard._schedule import (
+  BucketBoundError,
+  _color_first_fit,
+  color_bipartite,
+  make_schedule,
+  slab_window,
+  split_slabs,
+)
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -86,3 +93,79 @@ def test_rounds_minimise_parallel_time_over_padding() -> None:
   assert (round_bytes >= fill).all() and (round_bytes > fill).any()  # some padding is the price
   for r in rounds:
     assert len({s for s, _ in r.pairs}) == len({d for _, d in r.pairs}) == len(r.pairs) == 4
+
+
+def _replicated(shape=(64, 16), n_src=2, dst_ids=range(4, 8)):
+  """A source replicated on ``n_src`` devices, a destination column-sharded over ``dst_ids``."""
+  src = Layout.from_description(
+    shape, mesh_shape=(n_src,), axis_names=("r",), spec=(None, None), device_ids=range(n_src)
+  )
+  dst = Layout.from_description(
+    shape, mesh_shape=(len(dst_ids),), axis_names=("t",), spec=(None, "t"), device_ids=dst_ids
+  )
+  return src, dst
+
+
+def test_split_slabs_partitions_every_row_by_its_senders_window() -> None:
+  src, dst = _replicated()
+  (plan,) = plan_leaves([(src, dst)], [4])
+  cut, chunk, (dim, bounds) = split_slabs(plan, src, 5, 4)
+  assert dim == 0 and bounds == (0, 12, 25, 38, 51, 64)
+  assert sorted(set(chunk.tolist())) == list(range(5))
+  assert int(cut.nbytes.sum()) == int(plan.nbytes.sum())
+  for t, c in enumerate(chunk.tolist()):
+    assert bounds[c] <= cut.lo[t, 0] < cut.hi[t, 0] <= bounds[c + 1]
+  # Every destination element exactly once.
+  for d in dst.device_ids:
+    count = np.zeros((64, 16), np.int64)
+    for t in np.flatnonzero(cut.dst_device == d):
+      count[cut.lo[t, 0] : cut.hi[t, 0], cut.lo[t, 1] : cut.hi[t, 1]] += 1
+    lo = dst.starts[dst.device_ids.index(d)][1]
+    assert (count[:, lo : lo + 4] == 1).all() and count.sum() == 64 * 4
+
+
+def test_slabs_only_where_the_source_placeholder_keeps_sub_boxes_above_the_bound() -> None:
+  """Leaf 0's source (4 KiB) is replicated on 2 of 8 devices, so sub-boxes of its transfers
+  stage a 4 KiB placeholder on the other 4: a 2.5 KiB bound needs slabs (bucket by bucket, a
+  window of the source rows, counted on every device). Leaf 1 (sharded source) is cut into
+  sub-boxes as before; both move the same bytes."""
+  rep = _replicated()
+  shard = (
+    Layout.from_description((64, 16), mesh_shape=(2,), axis_names=("x",), spec=("x",)),
+    rep[1],
+  )
+  layouts = [rep, shard]
+  plans = plan_leaves(layouts, [4, 4])
+  whole = make_schedule(plans, layouts, [4, 4])
+  bound = 2560
+  sched = make_schedule(plans, layouts, [4, 4], max_bucket_bytes=bound)
+  assert sched.leaf_slabs[0] is not None and sched.leaf_slabs[1] is None
+  assert len(sched.leaf_buckets[0]) > 1 and len(sched.leaf_buckets[1]) > 1
+  assert whole.peak_staging_bytes > bound >= sched.peak_staging_bytes
+  for b in sched.leaf_buckets[0]:
+    bucket = sched.buckets[b]
+    dim, start, stop = slab_window(sched, 0, bucket.chunks[bucket.leaves.index(0)])
+    assert dim == 0 and 0 <= start < stop <= 64 and stop - start < 64
+  moved = [int(p.nbytes[~p.local].sum()) for p in sched.leaf_plans]
+  assert moved == [int(p.nbytes[~p.local].sum()) for p in plans]
+  with pytest.raises(BucketBoundError):  # not allowed: sub-boxes alone cannot fit
+    make_schedule(plans, layouts, [4, 4], max_bucket_bytes=bound, slabs=False)
+
+
+def test_destination_placeholder_floor_is_still_an_error() -> None:
+  """Slabs do not shrink the destination placeholder: a source device without a destination
+  shard stages the whole destination block (1 KiB) in every bucket."""
+  layouts = [_replicated(dst_ids=range(4, 8))]
+  plans = plan_leaves(layouts, [4])
+  with pytest.raises(BucketBoundError, match=r"max_bucket_bytes=\d+ or more") as e:
+    make_schedule(plans, layouts, [4], max_bucket_bytes=1024)
+  bound = e.value.minimum_bytes
+  assert bound > 1024 and "destination" in str(e.value)
+  for _ in range(3):  # each refusal names more (a lower bound first), until one plans
+    try:
+      sched = make_schedule(plans, layouts, [4], max_bucket_bytes=bound)
+      break
+    except BucketBoundError as again:
+      assert again.minimum_bytes > bound
+      bound = again.minimum_bytes
+  assert sched.peak_staging_bytes <= bound < 2048 and sched.leaf_slabs[0] is not None
