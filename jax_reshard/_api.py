@@ -195,6 +195,11 @@ class ReshardPlan:
       lf = self.leaves[i]
       out[i] = empty_like_sharded(lf.shape, lf.dtype, lf.dst_sharding)
     carry: dict[int, dict[int, Any]] = {}
+    # Blocks of devices without a destination shard, left by the last bucket that took
+    # destination inputs: donated as the next bucket's placeholders. Dropped after the call, so
+    # that devices holding no destination shard (a disjoint trainer's) keep nothing between
+    # refits.
+    spares: dict[Any, list[Any]] = {}
     if old is not None:
       for i in self.layout_plan.scheduled:
         carry[i] = buffers_by_device(old[i])
@@ -205,7 +210,7 @@ class ReshardPlan:
       ]
       # A relay stage takes the first stage's results as its source.
       xs = [arrays[i] if out[i] is None else out[i] for i in idx]
-      for i, y in zip(idx, exe(xs, dsts), strict=True):
+      for i, y in zip(idx, exe(xs, dsts, spares), strict=True):
         if isinstance(y, dict):
           carry[i] = y
         else:

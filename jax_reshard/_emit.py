@@ -30,8 +30,8 @@ from jax_reshard._buffers import (
   fast_path_available,
 )
 from jax_reshard._program import (
-  Assemble,
   BucketProgram,
+  ChunkWrites,
   Cut,
   LeafView,
   Pack,
@@ -39,6 +39,7 @@ from jax_reshard._program import (
   Received,
   SendRound,
   SourceWindow,
+  chunk_writes,
   program_signature,
   role_table,
   uint_dtype,
@@ -202,38 +203,86 @@ def _in_place(
 
 
 def _base(lf: LeafView, dst: jax.Array | None) -> jax.Array:
-  """The block a leaf's destination starts from: its destination input, or zeros."""
-  return dst if dst is not None else jnp.zeros(lf.dst_block, lf.dtype)
+  """The block a leaf's destination starts from: its destination input where chunks fill it
+  in place, else zeros (a donated block that the leaf's shard is assembled into whole is only
+  a buffer to reuse, never read)."""
+  return dst if dst is not None and lf.in_place else jnp.zeros(lf.dst_block, lf.dtype)
 
 
-def _assemble_fn(program: BucketProgram, role: Assemble) -> Callable[..., tuple[jax.Array, ...]]:
-  """The destination code of one assembly role."""
-  n = len(program.device_ids)
+def _part_value(
+  lf: LeafView, part: Any, shard: jax.Array, recvs: Sequence[jax.Array], me: jax.Array, n: int
+) -> jax.Array:
+  """A destination part in the leaf's words: payload words of a round (a :class:`Received`, or
+  a :class:`ChunkWrites` source of one), or a cut of the own source shard."""
+  if isinstance(part, Received):
+    words = jax.lax.slice(recvs[part.round], (part.start,), (part.stop,))
+    return _from_units(words, lf.word, part.shape)
+  return _slice(part if isinstance(part, Cut) else part.cut, shard, me, n)
+
+
+def _assemble_fn(
+  program: BucketProgram, k: int, switched: Sequence[int], slots: dict[int, ChunkWrites]
+) -> Callable[..., tuple[jax.Array, ...]]:
+  """The destination code of assembly role ``k``: the blocks of the leaves ``switched``, then
+  the slot values of the leaves in ``slots`` (written after the switch)."""
+  n, role = len(program.device_ids), program.assembles[k]
 
   def branch(
     me: jax.Array, blocks: Sequence[jax.Array], dsts: Sequence[Any], recvs: Sequence[jax.Array]
   ) -> tuple[jax.Array, ...]:
     shards = _local_view(program.leaves, blocks)
     outs = []
-    for li, (lf, parts) in enumerate(zip(program.leaves, role.parts, strict=True)):
+    for li in switched:
+      lf, parts = program.leaves[li], role.parts[li]
       if parts is None:
         outs.append(_base(lf, dsts[li]))
         continue
-      values = []
-      for p in parts:
-        if isinstance(p, Received):
-          words = jax.lax.slice(recvs[p.round], (p.start,), (p.stop,))
-          values.append((p.offset, _from_units(words, lf.word, p.shape)))
-        else:
-          values.append((p.offset, _slice(p.cut, shards[li], me, n)))
+      values = [(p.offset, _part_value(lf, p, shards[li], recvs, me, n)) for p in parts]
       if lf.in_place:
         outs.append(_in_place(lf, _base(lf, dsts[li]), values))
         continue
       out = _tile(values, lf.dst_words, lf.word)
       outs.append(_from_uint(_narrow(out, lf.dtype), lf.dtype).reshape(lf.dst_block))
+    for li, w in slots.items():
+      lf, fill = program.leaves[li], w.fills[k]
+      if fill is None:
+        outs += [jnp.zeros(shape, lf.word) for shape in w.shapes]
+        continue
+      for p, shape in zip(fill, w.shapes, strict=True):
+        if p is None:  # written back unchanged, before this role's own writes
+          words = _widen(_to_uint(_base(lf, dsts[li]).reshape(lf.dst_shard)), lf.word)
+          outs.append(jax.lax.slice(words, (0,) * len(shape), shape))
+        else:
+          outs.append(_part_value(lf, p, shards[li], recvs, me, n))
     return tuple(outs)
 
   return branch
+
+
+def _write_chunks(
+  program: BucketProgram,
+  li: int,
+  w: ChunkWrites,
+  base: jax.Array,
+  values: Sequence[jax.Array],
+  me: jax.Array,
+) -> jax.Array:
+  """A split leaf's destination block: ``values`` (one per slot, in words) written into
+  ``base`` in place, the same code on every device (offsets read from a table at the mesh
+  position): outside any switch, XLA updates the donated block where it is."""
+  lf, n = program.leaves[li], len(program.device_ids)
+  out = base.reshape(lf.dst_shard)
+  for j, value in enumerate(values):
+    part = _from_uint(_narrow(value, lf.dtype), lf.dtype)
+    table = w.offset_table(j, n)
+    table[:, -1] *= lf.word_ratio  # words to elements
+    if len({tuple(r) for r in table.tolist()}) == 1:
+      at: Sequence[Any] = [int(v) for v in table[0]]
+    else:
+      row = jnp.asarray(table)[me]
+      at = [row[d] for d in range(table.shape[1])]
+    out = jax.lax.dynamic_update_slice(out, part, at)
+  return out.reshape(lf.dst_block)
 
 
 def emit_body(program: BucketProgram, axis: Any) -> Callable[..., tuple[jax.Array, ...]]:
@@ -241,12 +290,29 @@ def emit_body(program: BucketProgram, axis: Any) -> Callable[..., tuple[jax.Arra
   (one axis name, or a tuple of all of them) enumerates in the order of ``device_ids``.
 
   It takes one staged source block per leaf, then the destination block of every leaf in
-  :attr:`BucketProgram.dst_inputs`, and returns one destination block per leaf.
+  :attr:`BucketProgram.dst_inputs`, and returns one destination block per leaf. Split leaves
+  whose parts every device can write alike (:func:`chunk_writes`) are written after the
+  per-role switch, which then returns at most their parts.
   """
   num_src = len(program.leaves)
+  n = len(program.device_ids)
+  # Parts that come out of the switch cost a pass: worth it only to spare a block-sized copy
+  # of a destination input.
+  writes = {
+    li: w
+    for li, lf in enumerate(program.leaves)
+    if lf.in_place
+    and (w := chunk_writes(program, li)) is not None
+    and (w.sources is not None or lf.dst_input)
+  }
+  switched = [li for li in range(num_src) if li not in writes]
+  valued = {li: w for li, w in writes.items() if w.sources is None}
 
   def idle(me: jax.Array, blocks: Any, dsts: Any, recvs: Any) -> tuple[jax.Array, ...]:
-    return tuple(_base(lf, d) for lf, d in zip(program.leaves, dsts, strict=True))
+    outs = [_base(program.leaves[li], dsts[li]) for li in switched]
+    for li, w in valued.items():
+      outs += [jnp.zeros(shape, program.leaves[li].word) for shape in w.shapes]
+    return tuple(outs)
 
   def body(*inputs: jax.Array) -> tuple[jax.Array, ...]:
     blocks = inputs[:num_src]
@@ -255,9 +321,23 @@ def emit_body(program: BucketProgram, axis: Any) -> Callable[..., tuple[jax.Arra
       dsts[li] = d
     me = jax.lax.axis_index(axis)
     recvs = [_emit_round(program, rnd, axis, me, blocks) for rnd in program.rounds]
-    branches = [idle, *(_assemble_fn(program, a) for a in program.assembles)]
-    table = role_table(len(program.device_ids), program.assembles)
-    return tuple(_switch(me, table, branches, me, list(blocks), dsts, recvs))
+    outs: list[Any] = [None] * num_src
+    ys: list[Any] = []
+    if switched or valued:
+      fns = [_assemble_fn(program, k, switched, valued) for k in range(len(program.assembles))]
+      table = role_table(n, program.assembles)
+      ys = list(_switch(me, table, [idle, *fns], me, list(blocks), dsts, recvs))
+    for li in switched:
+      outs[li] = ys.pop(0)
+    for li, w in writes.items():
+      lf = program.leaves[li]
+      if w.sources is None:
+        values = [ys.pop(0) for _ in w.shapes]
+      else:
+        shard = _local_view([lf], [blocks[li]])[0]
+        values = [_part_value(lf, src, shard, recvs, me, n) for src in w.sources]
+      outs[li] = _write_chunks(program, li, w, _base(lf, dsts[li]), values, me)
+    return tuple(outs)
 
   return body
 
@@ -289,7 +369,10 @@ def _compiled_program(signature: BucketProgram, devices: tuple[Any, ...]) -> tup
     + [(lf.dst_block, lf) for lf in dst_leaves]
   ]
   donate = tuple(range(len(leaves), len(leaves) + len(dst_leaves)))  # written in place
-  return jax.jit(fn, donate_argnums=donate).lower(*avals).compile(), staged
+  # keep_unused: a donated block that is only a buffer for the result is never read, yet must
+  # stay an argument for its output to alias it.
+  jitted = jax.jit(fn, donate_argnums=donate, keep_unused=True)
+  return jitted.lower(*avals).compile(), staged
 
 
 @functools.lru_cache(maxsize=PROGRAM_CACHE_SIZE)
@@ -360,12 +443,14 @@ class _LeafIO:
   __slots__ = (
     "carry_out",
     "dst_block",
+    "dst_input",
     "dst_pick",
     "dst_stage_wrap",
     "ph_keys",
     "scalar_dst",
     "scalar_src",
     "slicer",
+    "spare_at",
     "src_pick",
     "src_sharding",
     "stage_wrap",
@@ -385,6 +470,12 @@ class _LeafIO:
       self.slicer = _Slicer(lf, src_sharding, fast=fast)
     pos = {d: j for j, d in enumerate(self.staged_ids)}
     self.dst_pick = [pos[i] for i in addressable_order(dst_sharding, fast=fast)]
+    picked = set(self.dst_pick)
+    # Output blocks of positions without a destination shard: spare buffers for a later call.
+    self.spare_at = [
+      (j, (d, lf.dst_block, lf.dtype)) for j, d in enumerate(self.staged_ids) if j not in picked
+    ]
+    self.dst_input = lf.dst_input
     self.scalar_src, self.scalar_dst = not lf.src_shard, not lf.dst_shard
     n = len(staged.device_set)
     self.stage_wrap = Wrapper(_staged_shape(lf.src_block, n), lf.dtype, staged, fast=fast)
@@ -434,10 +525,18 @@ class _LeafIO:
       blocks.append(data)
     return self.dst_stage_wrap(blocks)
 
-  def unstage(self, y: jax.Array) -> jax.Array | dict[int, jax.Array]:
+  def unstage(
+    self, y: jax.Array, spares: dict[Any, list[jax.Array]] | None = None
+  ) -> jax.Array | dict[int, jax.Array]:
     """The destination array made of the destination devices' output blocks (zero-copy), or
-    (``carry_out``) those blocks by device id, for the leaf's next bucket."""
+    (``carry_out``) those blocks by device id, for the leaf's next bucket. With ``spares``, a
+    leaf with a destination input also leaves there its other positions' blocks (keyed by
+    device id, block shape and dtype): buffers a later bucket donates instead of making zero
+    blocks."""
     held = buffers(y, fast=self.unstage_wrap.fast)
+    if spares is not None and self.dst_input:
+      for j, key in self.spare_at:
+        spares.setdefault(key, []).append(held[j])
     if self.carry_out:
       return {self.staged_ids[j]: held[j] for j in self.dst_pick}
     if self.scalar_dst:
@@ -508,13 +607,17 @@ class BucketExecutable:
       self._compiled = _compiled_program(program_signature(self.program), self._mesh_devices)
     return self._compiled
 
-  def _placeholders(self, which: int) -> dict[tuple[Any, ...], jax.Array]:
-    """Zero blocks for this call (``which``: 0 source, 1 destination), keyed by (device id,
-    block shape, dtype) for source blocks and (device id, leaf position) for destination
-    blocks (those are donated, so each belongs to one leaf)."""
+  def _placeholders(
+    self, which: int, groups: Sequence[PlaceholderGroup] | None = None
+  ) -> dict[tuple[Any, ...], jax.Array]:
+    """Zero blocks for this call (``which``: 0 source, 1 destination; ``groups``: those of
+    the program by default), keyed by (device id, block shape, dtype) for source blocks and
+    (device id, leaf position) for destination blocks (donated, so each belongs to one leaf)."""
     out = {}
     fast = fast_path_available()
-    for group in (self.program.placeholders, self.program.dst_placeholders)[which]:
+    if groups is None:
+      groups = (self.program.placeholders, self.program.dst_placeholders)[which]
+    for group in groups:
       devices = tuple(self.devices[i] for i in group.device_ids)
       fn = _placeholder_program(group, devices)
       # Ready before the transfer program is queued: on the CPU backend, a collective program
@@ -539,8 +642,30 @@ class BucketExecutable:
       ]
     return self._io
 
+  def _spare_blocks(self, spares: dict[Any, list[jax.Array]]) -> dict[Any, jax.Array]:
+    """Destination placeholders by (device id, leaf position): taken from ``spares`` (blocks
+    an earlier bucket left, never read) where there are, else made. ``spares`` is
+    emptied, so that what this bucket does not use is freed before it runs."""
+    out: dict[Any, jax.Array] = {}
+    for group in self.program.dst_placeholders:
+      missing = []
+      for li, block in zip(group.leaves, group.blocks, strict=True):
+        if all(spares.get((d, *block)) for d in group.device_ids):
+          for d in group.device_ids:
+            out[(d, li)] = spares[(d, *block)].pop()
+        else:
+          missing.append((li, block))
+      if missing:  # compiled once per distinct set of missing blocks
+        blocks, leaves = tuple(b for _, b in missing), tuple(li for li, _ in missing)
+        out.update(self._placeholders(1, (PlaceholderGroup(group.device_ids, blocks, leaves),)))
+    spares.clear()
+    return out
+
   def __call__(
-    self, xs: Sequence[jax.Array], dsts: Sequence[dict[int, jax.Array] | None] = ()
+    self,
+    xs: Sequence[jax.Array],
+    dsts: Sequence[dict[int, jax.Array] | None] = (),
+    spares: dict[Any, list[jax.Array]] | None = None,
   ) -> list[Any]:
     """Moves the bucket's leaves.
 
@@ -548,6 +673,9 @@ class BucketExecutable:
       xs: per leaf of the program, its source array.
       dsts: per leaf, its destination blocks by device id where it has a destination input
         (donated: they are consumed), else ``None``.
+      spares: optional, buffers to donate as destination placeholders, by (device id, block
+        shape, dtype); consumed, then refilled with this call's blocks of positions without a
+        destination shard (see :meth:`_LeafIO.unstage`), for the caller's next bucket.
 
     Returns:
       Per leaf, the destination array, or (``carry_out``) its blocks by device id.
@@ -557,11 +685,11 @@ class BucketExecutable:
     placeholders = self._placeholders(0)
     staged = [leaf.stage(x, placeholders) for leaf, x in zip(io, xs, strict=True)]
     if self.program.dst_inputs:
-      dst_ph = self._placeholders(1)
+      dst_ph = self._placeholders(1) if spares is None else self._spare_blocks(spares)
       for li in self.program.dst_inputs:
         staged.append(io[li].stage_dst(dsts[li] or {}, dst_ph, li))
     ys = compiled(*staged)
-    return [leaf.unstage(y) for leaf, y in zip(io, ys, strict=True)]
+    return [leaf.unstage(y, spares) for leaf, y in zip(io, ys, strict=True)]
 
 
 def empty_like_sharded(shape: tuple[int, ...], dtype: np.dtype, sharding: Any) -> jax.Array:
@@ -670,12 +798,12 @@ def _transform_assemble(program: TransformProgram, parts_per_out: Any) -> Callab
   n = len(program.device_ids)
 
   def branch(
-    me: jax.Array, shards: Sequence[jax.Array], recvs: Sequence[jax.Array], bases: Any
+    me: jax.Array, shards: Sequence[jax.Array], recvs: Sequence[jax.Array]
   ) -> tuple[jax.Array, ...]:
     outs = []
-    for k, (out, parts) in enumerate(zip(program.outputs, parts_per_out, strict=True)):
+    for out, parts in zip(program.outputs, parts_per_out, strict=True):
       if parts is None:
-        outs.append(jnp.zeros(out.block, out.dtype) if bases is None else bases[k])
+        outs.append(jnp.zeros(out.block, out.dtype))
         continue
       values = []
       for p in parts:
@@ -685,13 +813,7 @@ def _transform_assemble(program: TransformProgram, parts_per_out: Any) -> Callab
           words = jax.lax.slice(recvs[p.round], (p.start,), (p.stop,))
           x = _from_uint(_from_units(words, uint_dtype(p.wire), (-1,)), p.wire)
         values.append((p.offset, _arrange(x, p)))
-      if bases is None:
-        outs.append(_tile(values, out.shard, out.dtype).reshape(out.block))
-        continue
-      shard = bases[k].reshape(out.shard)  # donated: written in place
-      for offset, v in values:
-        shard = jax.lax.dynamic_update_slice(shard, v, offset) if out.shard else v
-      outs.append(shard.reshape(out.block))
+      outs.append(_tile(values, out.shard, out.dtype).reshape(out.block))
     return tuple(outs)
 
   return branch
@@ -702,20 +824,19 @@ def emit_transform_body(
 ) -> Callable[..., Any]:
   """The per-device body of a transformed plan's program: source blocks in, output blocks out.
 
-  With ``donate``, one destination block per output follows the source blocks and each output
-  is written into it in place (``dynamic_update_slice``), so a donated buffer holds the result.
+  With ``donate``, one destination block per output follows the source blocks: a buffer for
+  the output to alias (compiled with ``keep_unused``), never read; every output is assembled
+  whole, as without it (transformed plans do not split leaves), so XLA writes it straight into
+  the donated buffer instead of copying the block through the per-role switch.
   """
   n = len(program.device_ids)
 
-  def idle_out(me: jax.Array, shards: Any, recvs: Any, bases: Any) -> tuple[jax.Array, ...]:
-    if bases is not None:
-      return tuple(bases)
+  def idle_out(me: jax.Array, shards: Any, recvs: Any) -> tuple[jax.Array, ...]:
     return tuple(jnp.zeros(o.block, o.dtype) for o in program.outputs)
 
   def body(*blocks: jax.Array) -> tuple[jax.Array, ...]:
     me = jax.lax.axis_index(axis)
     k = len(program.inputs)
-    bases = list(blocks[k:]) if donate else None
     shards = [b.reshape(i.shard) for b, i in zip(blocks[:k], program.inputs, strict=True)]
     recvs = []
     for rnd in program.rounds:
@@ -733,7 +854,7 @@ def emit_transform_body(
     for k, (pos, parts) in enumerate(program.assembles):
       table[list(pos)] = k + 1
       branches_out.append(_transform_assemble(program, parts))
-    return tuple(_switch(me, table, branches_out, me, shards, recvs, bases))
+    return tuple(_switch(me, table, branches_out, me, shards, recvs))
 
   return body
 
@@ -771,7 +892,7 @@ class TransformExecutable:
     ]
     k = len(program.inputs)
     donated = tuple(range(k, len(blocks)))
-    self._fn = jax.jit(fn, donate_argnums=donated).lower(*avals)
+    self._fn = jax.jit(fn, donate_argnums=donated, keep_unused=True).lower(*avals)
     self._compiled: Any = None
     fast = fast_path_available()
     self._in_io = [

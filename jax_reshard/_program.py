@@ -72,9 +72,11 @@ class LeafView:
     dst_words: destination shard shape in words (last dimension divided).
     in_place: the destination shard is written part by part with ``dynamic_update_slice``
       into a base block (the leaf's destination input, or zeros), not concatenated: a leaf
-      split over several buckets, or refit into donated buffers.
+      split over several buckets, whose chunks fill one shard.
     dst_input: the program takes the leaf's destination block as an input after all source
-      blocks, donated and aliased to its output (the shard filled so far, or the donated one).
+      blocks, donated and aliased to its output: the shard filled so far (``in_place``), or,
+      for a whole leaf refit with ``donate=``, a buffer whose contents are never read (the
+      shard is assembled as without it, into that buffer).
     carry_out: the output goes on to the leaf's next bucket instead of being the result.
     src_window: for a leaf cut into slabs, the slab of every source shard the bucket stages
       (cut from the shard before the program runs); ``None``: the whole shard.
@@ -350,7 +352,8 @@ def make_bucket_program(
     device_ids: device id at each mesh position; every device of the bucket appears.
     max_word_bytes: widest word to move data in (4, or 8 where 64-bit types exist).
     donate: the destination buffers are given (donated) for every leaf: each leaf takes its
-      destination block as an input and is written into it in place.
+      destination block as an input, aliased to its output (a leaf whose bucket writes its
+      whole shard is assembled as without it, into that buffer).
   """
   sched_bucket = plan.schedule.buckets[bucket]
   leaf_ids = plan.bucket_leaves(bucket)
@@ -366,7 +369,7 @@ def make_bucket_program(
     spans = plan.schedule.leaf_buckets[j] if plan.schedule.leaf_buckets else (bucket,)
     row_chunks = plan.schedule.row_chunks
     mode = _Mode(
-      in_place=donate or len(spans) > 1,
+      in_place=len(spans) > 1,
       dst_input=donate or spans[0] != bucket,
       carry_out=spans[-1] != bucket,
       copies=np.isin(row_chunks[j], chunks) if row_chunks else True,
@@ -579,6 +582,135 @@ def _dst_placeholder_groups(
     )
     for ids, lis in by_devices.items()
   )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChunkWrites:
+  """How a split leaf's parts are written into its destination block by every device alike:
+  one ``dynamic_update_slice`` per *slot* with offsets by mesh position, outside the per-role
+  switch, so XLA updates the donated block where it is instead of copying it through the
+  switch's result.
+
+  Attributes:
+    shapes: per slot, the part's shape in the leaf's words.
+    offsets: per slot, ``(position, offset in words)`` for the positions holding a destination
+      shard of the leaf; the others write at offset 0 into a block nobody reads.
+    sources: per slot, what every device writes when all roles write the same sources (a
+      round's payload slice, or a cut of the own source shard with offsets by position): then
+      the values are read outside the switch too. ``None`` otherwise.
+    fills: per assembly role (``None`` where it holds no shard of the leaf), the part each slot
+      writes; a role with fewer parts of a shape writes one of its parts of that shape twice,
+      at the same offset (same words, so the order of writes does not matter), and one with
+      no part of a shape writes back the block's own words at offset 0 (``None``), before any
+      of its own writes.
+  """
+
+  shapes: tuple[Box, ...]
+  offsets: tuple[tuple[tuple[int, Box], ...], ...]
+  sources: tuple[Received | Cut, ...] | None
+  fills: tuple[tuple[Part | None, ...] | None, ...]
+
+  def offset_table(self, slot: int, num_positions: int) -> np.ndarray:
+    """``(num_positions, ndim)`` int32 destination offsets in words of ``slot``."""
+    return offset_table(self.offsets[slot], len(self.shapes[slot]), num_positions)
+
+
+def _write_key(part: Part) -> tuple[Any, ...]:
+  """What devices of different roles must share to write a part the same way."""
+  if isinstance(part, Received):
+    return (0, part.round, part.start, part.stop, part.shape)
+  return (1, part.cut.shape)
+
+
+def _part_shape(part: Part) -> Box:
+  return part.shape if isinstance(part, Received) else part.cut.shape
+
+
+def chunk_writes(program: BucketProgram, leaf: int) -> ChunkWrites | None:
+  """The slot writes of an in-place leaf (:class:`ChunkWrites`), or ``None`` where a role lacks
+  any part of a shape another role writes (the writes then stay in the per-role branches)."""
+  roles: list[list[Part] | None] = []
+  for a in program.assembles:
+    parts = a.parts[leaf]  # () where a device holds a shard but gets none of it here
+    roles.append(None if parts is None else sorted(parts, key=_write_key))
+  held = [parts for parts in roles if parts is not None]
+  if not program.leaves[leaf].dst_shard or not held:
+    return None
+  sources = _common_sources(leaf, held)
+  fills: list[tuple[Part | None, ...] | None]
+  if sources is not None:  # every role writes the same sources, in this order
+    fills = [None if parts is None else tuple(parts) for parts in roles]
+    shapes = [_part_shape(p) for p in held[0]]
+  else:
+    found = _padded_fills(roles)
+    if found is None:
+      return None
+    shapes, fills = found
+  offsets = tuple(
+    tuple(
+      sorted(
+        (pos, part.offset)
+        for a, f in zip(program.assembles, fills, strict=True)
+        if f is not None and (part := f[j]) is not None
+        for pos in a.positions
+      )
+    )
+    for j in range(len(shapes))
+  )
+  return ChunkWrites(tuple(shapes), offsets, sources, tuple(fills))
+
+
+def _padded_fills(
+  roles: Sequence[Sequence[Part] | None],
+) -> tuple[list[Box], list[tuple[Part | None, ...] | None]] | None:
+  """Slots by shape, as many of each as the role with the most; per role, its parts padded by
+  repeats, or ``None`` (write back what is there, at offset 0) for a shape it has no part of.
+  Slots are ordered so that every role's write-backs come before its own writes (they then
+  change nothing); ``None`` where no such order exists."""
+  counts: dict[Box, int] = defaultdict(int)
+  for parts in (p for p in roles if p is not None):
+    for shape in {_part_shape(p) for p in parts}:
+      counts[shape] = max(counts[shape], sum(_part_shape(p) == shape for p in parts))
+  shapes = [shape for shape in sorted(counts) for _ in range(counts[shape])]
+  fills: list[list[Part | None] | None] = []
+  for role_parts in roles:
+    if role_parts is None:
+      fills.append(None)
+      continue
+    fill: list[Part | None] = []
+    for shape in sorted(counts):
+      same = [p for p in role_parts if _part_shape(p) == shape]
+      fill += _pad(same, counts[shape]) if same else [None] * counts[shape]
+    fills.append(fill)
+  held = [f for f in fills if f is not None]
+  order = sorted(range(len(shapes)), key=lambda j: -sum(f[j] is None for f in held))
+  for f in held:
+    kinds = [f[j] is None for j in order]
+    if kinds != sorted(kinds, reverse=True):
+      return None  # this role would write back over its own writes
+  return [shapes[j] for j in order], [
+    None if f is None else tuple(f[j] for j in order) for f in fills
+  ]
+
+
+def _pad(parts: list[Part], n: int) -> list[Part]:
+  """``parts`` made ``n`` long by repeating the first (written twice, at the same offset)."""
+  return parts + [parts[0]] * (n - len(parts))
+
+
+def _common_sources(leaf: int, held: Sequence[Sequence[Part]]) -> tuple[Received | Cut, ...] | None:
+  """Per slot, the source every role writes, if all roles write the same ones."""
+  keys = [_write_key(p) for p in held[0]]
+  if any([_write_key(p) for p in parts] != keys for parts in held[1:]):
+    return None
+  out: list[Received | Cut] = []
+  for j, first in enumerate(held[0]):
+    if isinstance(first, Received):
+      out.append(first)
+      continue
+    own = sorted(o for parts in held for o in parts[j].cut.offsets)  # type: ignore[union-attr]
+    out.append(Cut(leaf=leaf, shape=first.cut.shape, offsets=tuple(own)))
+  return tuple(out)
 
 
 def format_program(program: BucketProgram) -> str:

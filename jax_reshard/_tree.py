@@ -16,6 +16,7 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, Sharding
 
+from jax_reshard._buffers import buffers_by_device
 from jax_reshard._errors import ReshardError, ReshardTypeError
 from jax_reshard._layout import Layout, describe_sharding
 
@@ -318,7 +319,7 @@ def _buffers(a: jax.Array) -> set[tuple[int, int]]:
   """(device id, buffer address) of every addressable shard of ``a`` that has elements."""
   if not a.size:
     return set()
-  return {(s.device.id, s.data.unsafe_buffer_pointer()) for s in a.addressable_shards}
+  return {(d, b.unsafe_buffer_pointer()) for d, b in buffers_by_device(a).items()}
 
 
 def check_donated(

@@ -62,6 +62,9 @@ def test_huge_leaf_is_split_under_the_bound(placement: str) -> None:
   analyses = plan.memory_analysis()
   assert all(m.alias_size_in_bytes > 0 for m in analyses[1:])
   assert_matches_oracle(plan(x), host, dst)
+  # Refit into a donated shard holding other data: every element is written.
+  old = jr.reshard(jax.device_put(-host, src), dst)
+  assert_matches_oracle(plan(x, donate=old), host, dst)
   assert_matches_oracle(x, host, src)  # the source is untouched
 
 
@@ -188,6 +191,94 @@ def test_no_leak_over_300_refits(donate: bool) -> None:
   # 300 calls: a leak of 4 KiB per call would add 1200 KiB.
   assert _rss_kib() - rss < 1024, (_rss_kib() - rss, "KiB")
   assert_matches_oracle(y["w"], hosts["w"], dst["w"])
+
+
+def _disjoint_tree() -> tuple[dict, dict, dict]:
+  """Trainer on devices 0-3, sampler on 4-7: the trainer's devices stage destination
+  placeholders."""
+  devs = np.array(jax.devices())
+  src = NamedSharding(Mesh(devs[:4].reshape(2, 2), ("a", "b")), P("a", "b"))
+  dst = NamedSharding(Mesh(devs[4:], ("t",)), P(None, "t"))
+  rng = np.random.default_rng(2)
+  hosts = {
+    "w": rng.standard_normal((64, 32)).astype(np.float32),
+    "v": rng.integers(0, 1 << 15, (32, 16)).astype(np.uint16),
+  }
+  x = {k: jax.device_put(h, src) for k, h in hosts.items()}
+  return x, {k: dst for k in hosts}, hosts
+
+
+@pytest.mark.parametrize("make", [_tree, _disjoint_tree], ids=["colocated", "disjoint"])
+def test_donated_whole_leaves_compile_without_an_extra_copy(make) -> None:
+  """A bucket that writes whole shards assembles them as without donate= into the donated
+  buffers: every output aliases an argument, and XLA needs no more scratch than without."""
+  x, dst, _ = make()
+  plan = jr.make_plan(x, dst)
+  assert plan.stats.num_buckets == 1
+  [plain], [donated] = plan.memory_analysis(), plan.memory_analysis(donate=True)
+  [program] = plan.programs(donate=True)
+  assert not any(lf.in_place for lf in program.leaves)
+  assert all(lf.dst_input for lf in program.leaves)
+  assert donated.temp_size_in_bytes <= plain.temp_size_in_bytes
+  blocks = sum(int(np.prod(lf.dst_block)) * lf.dtype.itemsize for lf in program.leaves)
+  assert donated.alias_size_in_bytes == blocks  # every output in its donated argument
+  assert donated.output_size_in_bytes == plain.output_size_in_bytes
+  assert (
+    donated.argument_size_in_bytes - donated.alias_size_in_bytes == plain.argument_size_in_bytes
+  )
+
+
+@pytest.mark.parametrize("placement", ["disjoint", "colocated", "overlapping"])
+def test_split_leaf_chunks_are_written_in_place_without_a_copy(placement: str) -> None:
+  """Chunks are written after the per-role switch (offsets by position): the donated
+  destination block is updated where it is, so no bucket needs scratch of its size beyond the
+  received payloads (before, the switch copied it)."""
+  src, dst, bound = _placements()[placement]
+  x = jax.device_put(np.zeros((2048, 1024), np.float32), src)
+  plan = jr.make_plan(x, dst, max_bucket_bytes=bound)
+  block = 2048 * 256 * 4  # the destination block of one device
+  for donate in (False, True):
+    analyses = plan.memory_analysis(donate=donate)
+    programs = plan.programs(donate=donate)
+    assert len(analyses) > 1
+    for m, p in zip(analyses, programs, strict=True):
+      received = sum(r.words for r in p.rounds) * p.unit.itemsize
+      assert m.temp_size_in_bytes < received + block, (donate, m.temp_size_in_bytes)
+      if placement == "disjoint":  # every device writes the same rounds: no switch at all
+        assert m.temp_size_in_bytes < block
+    assert all(m.alias_size_in_bytes == block for m in analyses[int(not donate) :])
+
+
+@pytest.mark.parametrize(
+  ("make", "bound"),
+  [(_tree, 1 << 30), (_tree, 16 * 1024), (_disjoint_tree, 1 << 30), (_disjoint_tree, 4 * 1024)],
+  ids=["colocated-whole", "colocated-chunks", "disjoint-whole", "disjoint-chunks"],
+)
+def test_donate_and_plain_calls_alternate_on_plans_sharing_programs(make, bound: int) -> None:
+  """Calls with and without donate=, alternating on one plan and on a second plan of the same
+  layouts (the same compiled programs), stay bit for bit; each call donates only its own
+  buffers (placeholder blocks recycled between buckets never outlive their call)."""
+  x, dst, hosts = make()
+  a = jr.make_plan(x, dst, max_bucket_bytes=bound)
+  b = jr.make_plan(x, dst, max_bucket_bytes=bound)
+  assert (a.stats.num_buckets > 1) == (bound < 1 << 30)
+  ya, yb = a(x), b(x)
+  kept = []
+  for step in range(6):
+    ya = a(x, donate=ya) if step % 2 == 0 else a(x)
+    yb = b(x, donate=yb) if step % 3 else b(x)
+    kept.append(a(x))  # plain results stay valid whatever the other calls donate
+    for y in (ya, yb, *kept):
+      for k, h in hosts.items():
+        assert_matches_oracle(y[k], h, dst[k])
+  for k in hosts:
+    assert not x[k].is_deleted()
+  ya = jax.block_until_ready(a(x, donate=ya))
+  gc.collect()
+  live = len(jax.live_arrays())
+  ya = jax.block_until_ready(a(x, donate=ya))
+  gc.collect()
+  assert len(jax.live_arrays()) == live  # the new tree replaced the donated one; nothing stayed
 
 
 def _replicated_placements() -> dict[str, tuple[NamedSharding, NamedSharding, int]]:

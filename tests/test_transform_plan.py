@@ -313,8 +313,11 @@ def test_donate_writes_into_the_samplers_buffers(placement: str) -> None:
   plan = jr.make_plan(x, dst, transform=transform)
   old = plan(x)
   want = jax.jit(transform)({"a": np.asarray(x["a"])})
+  pointers = sorted(s.data.unsafe_buffer_pointer() for s in old["t"].addressable_shards)
   new = plan(x, donate=old)
   assert all(a.is_deleted() for a in jax.tree_util.tree_leaves(old))
+  # Assembled whole into the donated buffers, which XLA reuses for the result.
+  assert sorted(s.data.unsafe_buffer_pointer() for s in new["t"].addressable_shards) == pointers
   for k in want:
     assert_matches_oracle(new[k], np.asarray(want[k]), dst[k])
   assert not x["a"].is_deleted()

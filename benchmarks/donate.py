@@ -1,0 +1,73 @@
+"""``plan(x)`` against ``plan(x, donate=previous)`` on refit cases, side by side in one process.
+
+Usage::
+
+  python -m benchmarks.donate --cases 'llama:fsdp_tp->tp@colocated' --iters 21
+
+Per case: median time of both calls interleaved (order alternating), the ratio, and per device
+the largest bucket program's ``memory_analysis()`` (arguments + outputs - aliased + temps) of
+each, next to the destination shards a plain call leaves the previous result holding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from benchmarks import refit
+
+
+def run_case(case: refit.Case, scale: float, iters: int) -> str:
+  jax = refit._init_jax()
+  from benchmarks import _methods
+
+  x, dst, _ = refit.build_case(case, scale)
+  plain, donate = _methods.build_ours(x, dst), _methods.build_ours_donate(x, dst)
+  runners = {"plain": plain.run, "donate": donate.run}
+  for run in runners.values():  # compile, and check both bit for bit
+    for _ in range(2):
+      assert refit._check(jax, x, jax.block_until_ready(run(x)), dst)
+  times: dict[str, list[float]] = {n: [] for n in runners}
+  names = list(runners)
+  for it in range(iters):
+    for n in names if it % 2 else names[::-1]:
+      t0 = time.perf_counter()
+      jax.block_until_ready(runners[n](x))
+      times[n].append(time.perf_counter() - t0)
+  med = {n: statistics.median(ts) for n, ts in times.items()}
+  mem = {n: _methods.device_memory(m.memory()) for n, m in (("plain", plain), ("donate", donate))}
+  shards = max(
+    sum(
+      _methods._shard_bytes(a.shape, a.dtype, d) if dev in d.device_set else 0
+      for a, d in zip(jax.tree.leaves(x), jax.tree.leaves(dst), strict=True)
+    )
+    for dev in jax.devices()
+  )
+  mib = 2.0**-20
+  lines = [
+    f"{case.id}: plain {med['plain'] * 1e3:.1f} ms, donate {med['donate'] * 1e3:.1f} ms, "
+    f"donate/plain {med['donate'] / med['plain']:.3f}x (medians of {iters})"
+  ]
+  for n, m in mem.items():
+    lines.append(
+      f"  {n:6s} peak {m['peak'] * mib:.1f} MiB/dev (args {m['argument'] * mib:.1f}, out "
+      f"{m['output'] * mib:.1f}, alias {m['alias'] * mib:.1f}, temp {m['temp'] * mib:.1f})"
+    )
+  lines.append(f"  destination shards, largest per device: {shards * mib:.1f} MiB")
+  return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p.add_argument("--cases", default="llama:fsdp_tp->tp@colocated", help="comma-separated ids")
+  p.add_argument("--scale", type=float, default=1 / 32)
+  p.add_argument("--iters", type=int, default=21)
+  a = p.parse_args(argv)
+  for text in a.cases.split(","):
+    print(run_case(refit.Case.parse(text), a.scale, a.iters), flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
