@@ -33,6 +33,7 @@ demo: $(STAMP)
 bench: $(BENCH_STAMP)
 	$(PY) -m benchmarks.refit --quick
 	$(PY) -m benchmarks.dispatch
+	$(PY) -m benchmarks.dispatch --layers 1,60
 
 bench-full: $(BENCH_STAMP)
 	$(PY) -m benchmarks.refit --full

@@ -1,9 +1,11 @@
-"""Host work per leaf: how long ``plan(x)`` takes to return for trees of many tiny leaves.
+"""Host work per leaf: how long ``plan(x)`` takes to return for trees of many tiny leaves, and
+how long the first call of a layered tree takes (compile included).
 
 Usage::
 
-  python -m benchmarks.dispatch                   # 1, 100 and 1,000 leaves (make bench)
-  python -m benchmarks.dispatch --leaves 1,10000  # other sizes
+  python -m benchmarks.dispatch                   # 1, 100, 1,000 and 10,000 leaves (make bench)
+  python -m benchmarks.dispatch --leaves 1,100    # other sizes
+  python -m benchmarks.dispatch --layers 1,60     # first call of transformer-shaped trees
 
 Every leaf is an 8x8 float32 array moved 4 -> 4 disjoint (devices 0-3, rows sharded, to devices
 4-7, columns sharded), so the bytes are negligible and the time is host work. Per tree size,
@@ -11,8 +13,12 @@ Every leaf is an 8x8 float32 array moved 4 -> 4 disjoint (devices 0-3, rows shar
 time until the call returns, *total* until ``jax.block_until_ready`` of its result (dispatch
 plus transfer). Each tree size runs in a fresh subprocess; medians, with each method's ratio to
 ``device_put`` from the same run. The first call of the plan (compile included) is reported
-apart: tiny leaves all fit one bucket, and its program compiles in time superlinear in its
-leaves (about 200 s for 1,000 on 2 cores), which is why 10,000 is not in the default run.
+apart: a bucket holds at most ``MAX_BUCKET_LEAVES`` leaves, so 1,000 equal leaves are 20 equal
+buckets that compile one program.
+
+The layered trees (``--layers``) are an embedding, ``n`` layers of 9 float32 leaves (4 attention
+64x64, 3 MLP 64x128 / 128x64, 2 norms of 64) and a final norm and head, moved fsdp on devices
+0-3 to tp on devices 4-7; each size's first call runs in a fresh process.
 """
 
 from __future__ import annotations
@@ -76,15 +82,80 @@ def worker(num_leaves: int, iters: int) -> dict[str, Any]:
   }
 
 
+def layers_worker(num_layers: int) -> dict[str, Any]:
+  import jax
+
+  jax.config.update("jax_num_cpu_devices", NUM_DEVICES)
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+  import jax_reshard as jr
+
+  devs = sorted(jax.devices(), key=lambda d: d.id)
+  meshes = Mesh(np.array(devs[:4]), ("x",)), Mesh(np.array(devs[4:]), ("x",))
+  d, f, v = 64, 128, 256
+  layer = {"attn": {k: (d, d) for k in "kqov"}, "mlp": {"gate": (d, f), "up": (d, f)}}
+  layer |= {"down": (f, d), "norm1": (d,), "norm2": (d,)}
+  shapes = {"embed": (v, d), "layers": [layer] * num_layers, "final_norm": (d,), "head": (d, v)}
+
+  def spec(shape: tuple[int, ...], dst: bool) -> Any:
+    rank1 = PartitionSpec() if dst else PartitionSpec("x")
+    rank2 = PartitionSpec(None, "x") if dst else PartitionSpec("x")
+    return NamedSharding(meshes[dst], rank1 if len(shape) == 1 else rank2)
+
+  is_shape = lambda s: isinstance(s, tuple)
+  x = jax.tree.map(
+    lambda s: jax.device_put(np.ones(s, np.float32), spec(s, False)), shapes, is_leaf=is_shape
+  )
+  dst = jax.tree.map(lambda s: spec(s, True), shapes, is_leaf=is_shape)
+  plan = jr.make_plan(x, dst)
+  t0 = time.perf_counter()
+  jax.block_until_ready(plan(x))
+  first_s = time.perf_counter() - t0
+  return {
+    "layers": num_layers,
+    "leaves": len(jax.tree.leaves(x)),
+    "first_call_s": first_s,
+    "num_buckets": plan.stats.num_buckets,
+    "num_programs": plan.stats.num_programs,
+  }
+
+
+def _layers_table(sizes: str) -> int:
+  print("first call of a layered tree (compile included), fresh process per size")
+  print("| layers | leaves | first call s | buckets | distinct programs |")
+  print("|---|---|---|---|---|")
+  for n in (int(v) for v in sizes.split(",")):
+    cmd = [sys.executable, "-m", "benchmarks.dispatch", "--layers-worker", str(n)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+      print(f"| {n} | error: {(proc.stderr or proc.stdout)[-500:]} |")
+      return 1
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(
+      f"| {n} | {r['leaves']} | {r['first_call_s']:.2f} | {r['num_buckets']} | "
+      f"{r['num_programs']} |",
+      flush=True,
+    )
+  return 0
+
+
 def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  p.add_argument("--leaves", default="1,100,1000", help="comma-separated tree sizes")
+  p.add_argument("--leaves", default="1,100,1000,10000", help="comma-separated tree sizes")
+  p.add_argument("--layers", help="comma-separated layer counts: first call of layered trees")
   p.add_argument("--iters", type=int, default=9, help="timed calls per method (medians)")
   p.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+  p.add_argument("--layers-worker", type=int, help=argparse.SUPPRESS)
   a = p.parse_args(argv)
   if a.worker is not None:
     print(json.dumps(worker(a.worker, a.iters)))
     return 0
+  if a.layers_worker is not None:
+    print(json.dumps(layers_worker(a.layers_worker)))
+    return 0
+  if a.layers:
+    return _layers_table(a.layers)
   print(
     "dispatch: plan(x) vs jax.device_put(x, dst), 8x8 float32 leaves, 4 -> 4 disjoint, "
     f"{NUM_DEVICES} CPU devices; medians of {a.iters} interleaved calls"

@@ -265,12 +265,13 @@ def render_table(results: list[dict[str, Any]]) -> str:
 
   head = (
     "| case | method | median ms | x ours | moved MiB | over LB MiB | padding MiB | peak device"
-    " MiB/dev | peak RSS MiB (+over src) | first call s | plan s | how bytes counted |"
+    " MiB/dev | peak RSS MiB (+over src) | first call s | plan s | passes / moved B |"
+    " how bytes counted |"
   )
-  lines = [head, "|" + "---|" * 12]
+  lines = [head, "|" + "---|" * 13]
   for r in results:
     if "error" in r:
-      lines.append(f"| {r.get('case', '?')} | error | | | | | | | | | |")
+      lines.append(f"| {r.get('case', '?')} | error | | | | | | | | | | |")
       continue
     ms = r["methods"]
     ours = ms.get("ours", {})
@@ -288,17 +289,19 @@ def render_table(results: list[dict[str, Any]]) -> str:
       ok = "" if e.get("correct", True) else " WRONG"
       dev = e.get("device_memory") or {}
       dev_txt = _mib(dev.get("peak"))
+      passes = e.get("stats", {}).get("passes_per_moved_byte")
       lines.append(
         f"| {r['case']} | {LABELS[name]}{ok} | {_ms(e.get('median_s'))} | "
         f"{'n/a' if ratio is None else f'{ratio:.2f}'} | {_mib(e.get('bytes_moved'))} | "
         f"{_mib(over)} | {_mib(e.get('padding'))} | {dev_txt} | {peak_txt} | "
         f"{'n/a' if first is None else f'{first:.2f}'} | "
-        f"{'' if not plan else f'{plan:.3f}'} | {e.get('bytes_note', '')} |"
+        f"{'' if not plan else f'{plan:.3f}'} | {'' if passes is None else f'{passes:.2f}'} | "
+        f"{e.get('bytes_note', '')} |"
       )
     mc = ms.get("memcpy", {})
     lines.append(
       f"| {r['case']} | memcpy of ours' bytes | {_ms(mc.get('median_s'))} | "
-      f"{mc['median_s'] / ours['median_s']:.2f} | {_mib(ours.get('bytes_moved'))} | | | | | | | "
+      f"{mc['median_s'] / ours['median_s']:.2f} | {_mib(ours.get('bytes_moved'))} | | | | | | | | "
       f"numpy copyto |"
     )
   return "\n".join(lines)

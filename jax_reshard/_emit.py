@@ -175,11 +175,64 @@ def _pack_fn(program: BucketProgram, pack: Pack) -> Callable[..., jax.Array]:
   return branch
 
 
+def whole_block_leaf(program: BucketProgram, rnd: SendRound) -> int | None:
+  """The leaf whose whole source shard every sender of ``rnd`` sends, alone and unpadded, or
+  ``None``. Such a round needs no packing: every device (idle ones too, from their placeholder
+  block) sends its block of that leaf, viewed in the unit, without a copy or a branch."""
+  leaves = {c.leaf for p in rnd.packs for c in p.cuts}
+  if len(leaves) != 1 or any(len(p.cuts) != 1 or p.pad_words for p in rnd.packs):
+    return None
+  (leaf,) = leaves
+  lf = program.leaves[leaf]
+  words = _words(lf.src_shard, lf)
+  for p in rnd.packs:
+    (cut,) = p.cuts
+    if cut.static_offset != (0,) * len(cut.shape) or cut.shape != words:
+      return None
+  return leaf
+
+
+def _words(shard: tuple[int, ...], lf: LeafView) -> tuple[int, ...]:
+  """A shard shape of ``lf`` in its words (last dimension divided)."""
+  return (*shard[:-1], shard[-1] // lf.word_ratio) if shard else shard
+
+
+def received_whole(program: BucketProgram) -> dict[int, int]:
+  """Leaf position -> round, for every leaf whose destination shard each destination device
+  receives whole as one round's entire payload (one part, no padding): its output is that
+  payload viewed in the leaf's type on every device, outside the assembly branches (no copy;
+  devices without a shard of it return their payload of that round, discarded)."""
+  out = {}
+  for li, lf in enumerate(program.leaves):
+    if lf.in_place or lf.dst_input:
+      continue
+    rounds = set()
+    for role in program.assembles:
+      parts = role.parts[li]
+      if parts is None:
+        continue
+      p = parts[0] if len(parts) == 1 else None
+      if not isinstance(p, Received):
+        break
+      rnd = program.rounds[p.round]
+      if p.start or p.stop != rnd.words or p.shape != lf.dst_words or any(p.offset):
+        break
+      rounds.add(p.round)
+    else:
+      if len(rounds) == 1:
+        out[li] = rounds.pop()
+  return out
+
+
 def _emit_round(
   program: BucketProgram, rnd: SendRound, axis: Any, me: jax.Array, blocks: Sequence[jax.Array]
 ) -> jax.Array:
   """Packs the round's payload on every device and moves it; returns what this device got."""
   unit = program.unit
+  whole = whole_block_leaf(program, rnd)
+  if whole is not None:
+    shard = _local_view([program.leaves[whole]], [blocks[whole]])[0]
+    return jax.lax.ppermute(_to_units(shard, unit), axis, list(rnd.pairs))
   idle: Callable[..., jax.Array] = lambda me, *_: jnp.zeros((rnd.words,), unit)
   branches = [idle, *(_pack_fn(program, p) for p in rnd.packs)]
   payload = _switch(me, role_table(len(program.device_ids), rnd.packs), branches, me, *blocks)
@@ -305,7 +358,8 @@ def emit_body(program: BucketProgram, axis: Any) -> Callable[..., tuple[jax.Arra
     and (w := chunk_writes(program, li)) is not None
     and (w.sources is not None or lf.dst_input)
   }
-  switched = [li for li in range(num_src) if li not in writes]
+  direct = received_whole(program)
+  switched = [li for li in range(num_src) if li not in writes and li not in direct]
   valued = {li: w for li, w in writes.items() if w.sources is None}
 
   def idle(me: jax.Array, blocks: Any, dsts: Any, recvs: Any) -> tuple[jax.Array, ...]:
@@ -322,6 +376,10 @@ def emit_body(program: BucketProgram, axis: Any) -> Callable[..., tuple[jax.Arra
     me = jax.lax.axis_index(axis)
     recvs = [_emit_round(program, rnd, axis, me, blocks) for rnd in program.rounds]
     outs: list[Any] = [None] * num_src
+    for li, r in direct.items():
+      lf = program.leaves[li]
+      words = _from_units(recvs[r], lf.word, lf.dst_words)
+      outs[li] = _from_uint(_narrow(words, lf.dtype), lf.dtype).reshape(lf.dst_block)
     ys: list[Any] = []
     if switched or valued:
       fns = [_assemble_fn(program, k, switched, valued) for k in range(len(program.assembles))]
@@ -388,6 +446,33 @@ def _placeholder_program(group: PlaceholderGroup, devices: tuple[Any, ...]) -> A
   return jax.jit(make, out_shardings=tuple(sharding for _ in group.blocks)).lower().compile()
 
 
+# Zero source blocks of at most this many bytes per device and group are made once and kept
+# (they are read, never written or donated), instead of on every call.
+CACHED_PLACEHOLDER_BYTES = 1 << 18
+PLACEHOLDER_CACHE_SIZE = 64  # groups kept: at most 16 MiB per device
+
+
+def _block_bytes(group: PlaceholderGroup) -> int:
+  """Bytes of one device's blocks of ``group``."""
+  return sum(int(np.prod(shape)) * np.dtype(dt).itemsize for shape, dt in group.blocks)
+
+
+@functools.lru_cache(maxsize=PLACEHOLDER_CACHE_SIZE)
+def _source_zeros(
+  group: PlaceholderGroup, devices: tuple[Any, ...], *, fast: bool
+) -> dict[tuple[Any, ...], jax.Array]:
+  """``group``'s zero source blocks keyed by (device id, block shape, dtype), made once."""
+  out = {}
+  # Ready before any transfer program is queued (see BucketExecutable._placeholders).
+  for key, arr in zip(
+    group.blocks, jax.block_until_ready(_placeholder_program(group, devices)()), strict=True
+  ):
+    ids = addressable_order(arr.sharding, fast=fast)
+    for dev_id, data in zip(ids, buffers(arr, fast=fast), strict=True):
+      out[(dev_id, *key)] = data
+  return out
+
+
 @functools.lru_cache(maxsize=PROGRAM_CACHE_SIZE)
 def _slab_program(window: SourceWindow, dtype: np.dtype, devices: tuple[Any, ...]) -> Any:
   """A compiled function cutting ``window`` out of every source shard of a leaf, staged one
@@ -429,9 +514,10 @@ class _Slicer:
 
 
 def clear_program_cache() -> None:
-  """Forgets the compiled programs shared between buckets and plans."""
+  """Forgets the compiled programs shared between buckets and plans, and the zero blocks kept."""
   _compiled_program.cache_clear()
   _placeholder_program.cache_clear()
+  _source_zeros.cache_clear()
   _slab_program.cache_clear()
 
 
@@ -619,6 +705,9 @@ class BucketExecutable:
       groups = (self.program.placeholders, self.program.dst_placeholders)[which]
     for group in groups:
       devices = tuple(self.devices[i] for i in group.device_ids)
+      if not which and _block_bytes(group) <= CACHED_PLACEHOLDER_BYTES:
+        out.update(_source_zeros(group, devices, fast=fast))
+        continue
       fn = _placeholder_program(group, devices)
       # Ready before the transfer program is queued: on the CPU backend, a collective program
       # whose inputs come from another in-flight program can starve the thread pool it shares

@@ -19,7 +19,7 @@ from jax_reshard._classes import bucket_classes
 from jax_reshard._cost import Estimate, estimate
 from jax_reshard._layout import Layout
 from jax_reshard._planner import LeafPlan, plan_leaves
-from jax_reshard._schedule import DEFAULT_MAX_BUCKET_BYTES, Schedule, make_schedule
+from jax_reshard._schedule import DEFAULT_MAX_BUCKET_BYTES, Bucket, Schedule, make_schedule
 from jax_reshard._topology import Topology
 
 
@@ -50,6 +50,10 @@ class PlanStats:
     num_programs: distinct bucket programs, each compiled once: buckets that differ only in
       which leaves they carry (same devices, shapes, element types, payloads and roles) share
       one. :func:`plan_layouts` knows itemsizes only; a plan of arrays also tells types apart.
+    passes_per_moved_byte: bytes all devices read and write in the bucket programs, over twice
+      ``bytes_moved`` (a copy of every moved byte is one pass): packing payloads, the
+      ``ppermute`` transfer, assembling destination shards, and the zeros written for idle
+      senders' payloads, non-receivers' payloads and discarded outputs (see :func:`pass_bytes`).
   """
 
   bytes_moved: int
@@ -66,6 +70,7 @@ class PlanStats:
   slow_link_lower_bound_bytes: int = 0
   relay_bytes: int = 0
   num_programs: int = 0
+  passes_per_moved_byte: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -236,7 +241,107 @@ def _plan_tree(
     layouts, itemsizes, leaf_plans, scheduled, max_bucket_bytes, topology, names
   )
   stats = _stats(first_stage, relay, full, topology)
+  stages = (first_stage,) if relay is None else (first_stage, relay)
+  stats = dataclasses.replace(stats, passes_per_moved_byte=_passes(stages, stats.bytes_moved))
   return dataclasses.replace(first_stage, stats=stats, relay=relay)
+
+
+def pass_bytes(plan: LayoutPlan) -> dict[str, int]:
+  """Bytes all devices read and write per call (without ``donate=``) of one stage's bucket
+  programs, by step.
+
+  ``pack``: payload pieces read from source shards plus whole payloads written (padding
+  included); ``transfer``: every payload read by its sender and written at its receiver;
+  ``assemble``: received and resident parts read plus destination shards written (for a leaf
+  split over buckets, written in place, only its parts); ``zero_fill``: the payload-sized zeros
+  of devices that send or receive nothing in a round, and the discarded output blocks of
+  devices without a destination shard of a leaf. A round whose every payload is one leaf's whole
+  source shard is sent as it is (no pack, no zeros for idle senders), and a leaf whose every
+  destination shard arrives whole as one round's payload is that payload (no assembly, no
+  discarded block), see :func:`direct_steps`. Zero source blocks (placeholders) are left out:
+  small ones are made once and kept.
+  """
+  out = dict.fromkeys(("pack", "transfer", "assemble", "zero_fill"), 0)
+  spans = plan.schedule.leaf_buckets
+  for bucket in plan.schedule.buckets:
+    n = len(bucket.union_device_ids)
+    sent_whole, received_whole = direct_steps(plan, bucket)
+    pair = bucket.piece_src * (1 << 32) + bucket.piece_dst
+    keys, first = np.unique(pair, return_index=True)
+    fill = (
+      np.add.reduceat(np.asarray(bucket.piece_nbytes, dtype=np.int64), first) if len(pair) else pair
+    )
+    for r, rnd in enumerate(bucket.rounds):
+      senders = {s for s, _ in rnd.pairs}
+      receivers = {d for _, d in rnd.pairs}
+      out["transfer"] += 2 * len(rnd.pairs) * rnd.nbytes
+      out["zero_fill"] += (n - len(receivers)) * rnd.nbytes
+      if r not in sent_whole:
+        at = np.asarray(rnd.pairs, dtype=np.int64).reshape(-1, 2) @ np.array([1 << 32, 1])
+        read = int(fill[np.searchsorted(keys, at)].sum())
+        out["pack"] += read + len(senders) * rnd.nbytes
+        out["zero_fill"] += (n - len(senders)) * rnd.nbytes
+    for j, chunks in zip(bucket.leaves, bucket.chunks, strict=True):
+      if j in received_whole:
+        continue
+      i = plan.scheduled[j]
+      lp, (_, dst), isz = plan.leaf_plans[i], plan.layouts[i], plan.itemsizes[i]
+      rows = np.isin(plan.schedule.row_chunks[j], chunks) if plan.schedule.row_chunks else True
+      remote = int(lp.nbytes[rows & ~lp.local].sum())
+      local = int(lp.nbytes[rows & lp.local].sum())
+      shard = math.prod(dst.shard_shape()) * isz
+      whole = not spans or len(spans[j]) == 1
+      out["assemble"] += remote + local + (shard * len(dst.device_ids) if whole else remote + local)
+      if whole:
+        out["zero_fill"] += (n - len(dst.device_ids)) * shard
+  return out
+
+
+def direct_steps(plan: LayoutPlan, bucket: Bucket) -> tuple[set[int], set[int]]:
+  """The steps of ``bucket`` that move data without a copy: the rounds whose every payload is
+  the whole source shard of one leaf, alone and unpadded, and the leaves (positions in
+  ``plan.scheduled``, moved by this bucket alone) whose every destination shard is one round's
+  entire payload."""
+  pair = bucket.piece_src * (1 << 32) + bucket.piece_dst  # pieces are sorted by pair
+  keys, first, count = np.unique(pair, return_index=True, return_counts=True)
+  leaf = np.asarray(bucket.piece_leaf, dtype=np.int64)[first]
+  nbytes = np.asarray(bucket.piece_nbytes, dtype=np.int64)[first]
+  src_bytes, dst_bytes = (
+    {
+      j: math.prod(plan.layouts[plan.scheduled[j]][k].shard_shape())
+      * plan.itemsizes[plan.scheduled[j]]
+      for j in bucket.leaves
+    }
+    for k in (0, 1)
+  )
+  rounds: set[int] = set()
+  arrivals: dict[int, list[tuple[int, int]]] = {}  # leaf -> (round, receiver) of whole shards
+  for r, rnd in enumerate(bucket.rounds):
+    pairs = np.asarray(rnd.pairs, dtype=np.int64).reshape(-1, 2)
+    at = np.searchsorted(keys, pairs[:, 0] * (1 << 32) + pairs[:, 1])
+    alone = (count[at] == 1) & (nbytes[at] == rnd.nbytes)
+    leaves = set(leaf[at].tolist())
+    if alone.all() and len(leaves) == 1 and src_bytes[leaves.pop()] == rnd.nbytes:
+      rounds.add(r)
+    for j, d in zip(leaf[at][alone].tolist(), pairs[alone, 1].tolist(), strict=True):
+      if dst_bytes[j] == rnd.nbytes:
+        arrivals.setdefault(j, []).append((r, d))
+  spans = plan.schedule.leaf_buckets
+  whole = set()
+  for j, got in arrivals.items():
+    i = plan.scheduled[j]
+    lp, dst = plan.leaf_plans[i], plan.layouts[i][1]
+    if (spans and len(spans[j]) > 1) or lp.local.any() or len({r for r, _ in got}) != 1:
+      continue
+    if sorted(d for _, d in got) == sorted(dst.device_ids):
+      whole.add(j)
+  return rounds, whole
+
+
+def _passes(stages: Sequence[LayoutPlan], moved: int) -> float:
+  """:attr:`PlanStats.passes_per_moved_byte` of ``stages`` run one after the other."""
+  total = sum(sum(pass_bytes(st).values()) for st in stages)
+  return total / (2 * moved) if moved else 0.0
 
 
 def _domains(layouts: Sequence[tuple[Layout, Layout]], topology: Topology | None) -> int:
@@ -480,6 +585,8 @@ def format_plan(plan: LayoutPlan, title: str) -> str:
     f"program(s); per device max send "
     f"{format_bytes(st.max_send_bytes)}, recv {format_bytes(st.max_recv_bytes)}, staging "
     f"{format_bytes(st.peak_staging_bytes)}",
+    f"  memory passes      {st.passes_per_moved_byte:.2f} per moved byte (pack, transfer, "
+    "assemble, zero fills)",
   ]
   return "\n".join(lines)
 

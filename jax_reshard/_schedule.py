@@ -37,6 +37,15 @@ from jax_reshard._layout import Layout
 from jax_reshard._planner import LeafPlan
 
 DEFAULT_MAX_BUCKET_BYTES = 1 << 30
+# Most leaves (chunks of a split leaf counted apart) in one bucket: a bucket's program compiles
+# in time that grows with its leaves (about 45 ms per 8x8 leaf at 16-128 leaves on 2 CPU cores,
+# faster than linear beyond), so a tree of many small leaves becomes several buckets, cut where
+# the tree repeats (see :func:`_repeat_end`) so that they run one program.
+MAX_BUCKET_LEAVES = 64
+# Where the tree repeats with a period of fewer leaves than this, a bucket takes whole periods
+# up to this many leaves; a longer period (a model layer) is one bucket per period, so the
+# program compiled for it is no larger than one period's.
+MIN_PERIOD_LEAVES = 8
 SIZE_TOLERANCE = 0.02  # size classes: payloads within 2% of the class's largest
 
 
@@ -446,6 +455,8 @@ class _Tree:
   placeholders: list[np.ndarray]  # per leaf, per union device (see _placeholder_bytes)
   members: list[np.ndarray]  # per leaf, which union devices it uses
   bound: int | None
+  max_leaves: int = MAX_BUCKET_LEAVES
+  kinds: list[int] = dataclasses.field(default_factory=list)  # per leaf, its kind of transfers
   layouts: Sequence[tuple[Layout, Layout]] = ()
   allow_slabs: bool = False
   slabs: dict[int, tuple[int, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
@@ -602,6 +613,58 @@ def _greedy_end(tree: _Tree, items: Sequence[tuple[int, int]], start: int) -> in
   return len(items)
 
 
+def _item_keys(tree: _Tree, items: Sequence[tuple[int, int]]) -> np.ndarray:
+  """Per item, a number equal for items of one kind (the leaf's kind and the chunk)."""
+  return np.asarray([tree.kinds[leaf] * 1_000_003 + c for leaf, c in items], np.int64)
+
+
+def _repeat_end(
+  tree: _Tree, keys: np.ndarray, start: int, runs: dict[int, tuple[int, int, int]]
+) -> int:
+  """One past the last item of a bucket starting at item ``start`` under the leaf cap.
+
+  ``keys`` are :func:`_item_keys`. A *run* repeats with a period ``p`` over at least the cap's
+  length and two periods (the layers of a model). Where a run starts at ``start``, the bucket
+  takes whole periods: one if ``p >= MIN_PERIOD_LEAVES``, else the same number ``t`` of periods
+  for every bucket of the run (a divisor of its periods where one lies between half the cap and
+  the cap, so every bucket is equal), so the buckets of a run share one program whatever the
+  phase of ``start``. Elsewhere the bucket ends where a run begins, or at the cap. ``runs``
+  carries a run's ``(p, t, end)`` from one bucket's end to the next bucket."""
+  cap = tree.max_leaves
+  if start in runs:
+    p, t, run_end = runs.pop(start)
+    take = min(t, (run_end - start) // p)
+    if take:
+      runs[start + p * take] = (p, t, run_end)
+      return start + p * take
+  if len(keys) - start <= cap:
+    return len(keys)
+  window = keys[start : start + 3 * cap]
+  first_t, p = cap, 0  # earliest offset where a run repeating with period p starts
+  for q in range(1, cap + 1):
+    # A run: at least the cap's length, and two periods, repeating with period q.
+    span = max(2 * q, cap) - q
+    same = np.r_[0, np.cumsum(window[q:] == window[:-q])]  # same[t]: matches among t' < t
+    at = np.arange(max(min(first_t, len(same) - span), 0))
+    hits = np.flatnonzero(same[at + span] - same[at] == span)
+    if hits.size and hits[0] < first_t:
+      first_t, p = int(hits[0]), q
+  if first_t > 0:
+    return start + first_t
+  differ = keys[start + p :] != keys[start : len(keys) - p]
+  periods = (p + (int(np.argmax(differ)) if differ.any() else len(differ))) // p
+  most = cap // p
+  if p >= MIN_PERIOD_LEAVES:
+    t = 1
+  elif periods <= most:
+    t = periods
+  else:
+    divisors = [d for d in range(most, (most + 1) // 2 - 1, -1) if periods % d == 0]
+    t = divisors[0] if divisors else math.ceil(periods / math.ceil(periods / most))
+  runs[start + p * t] = (p, t, start + p * periods)
+  return start + p * t
+
+
 def _largest_fitting(
   tree: _Tree, items: Sequence[tuple[int, int]], start: int, end: int
 ) -> tuple[_Built, int] | None:
@@ -623,10 +686,14 @@ def _fill_buckets(tree: _Tree) -> list[_Built]:
   """Consecutive items per bucket, every bucket's padded staging in bound. A whole leaf that
   does not fit alone (its rounds padded past the bound) is split into chunks on the way."""
   items = [item for leaf in range(len(tree.plans)) for item in tree.items(leaf)]
+  keys = _item_keys(tree, items)
+  runs: dict[int, tuple[int, int, int]] = {}  # see _repeat_end
   out: list[_Built] = []
   i = 0
   while i < len(items):
     end = _greedy_end(tree, items, i)
+    if end - i > tree.max_leaves or i in runs:  # else the bucket the bytes allow is kept
+      end = min(end, _repeat_end(tree, keys, i, runs))
     built = _build(tree, items[i:end])
     if tree.bound is None or built.peak <= tree.bound:
       out.append(built)
@@ -641,6 +708,8 @@ def _fill_buckets(tree: _Tree) -> list[_Built]:
     assert len(tree.payloads[leaf]) == 1, "chunks are checked alone when they are made"
     _split_leaf(tree, leaf, 2)
     items[i : i + 1] = tree.items(leaf)
+    keys = np.concatenate([keys[:i], _item_keys(tree, tree.items(leaf)), keys[i + 1 :]])
+    runs.clear()
   return out
 
 
@@ -775,6 +844,19 @@ def _presplit(tree: _Tree) -> None:
     _split_leaf(tree, leaf, k)
 
 
+def _kinds(
+  plans: Sequence[LeafPlan], layouts: Sequence[tuple[Layout, Layout]], itemsizes: Sequence[int]
+) -> list[int]:
+  """Per leaf, a number equal for leaves with the same layouts, item size and transfers."""
+  ids: dict[tuple[object, ...], int] = {}
+  out = []
+  for plan, lay, isz in zip(plans, layouts, itemsizes, strict=True):
+    arrays = (plan.src_device, plan.dst_device, plan.lo, plan.hi, plan.local)
+    key = (lay, isz, plan.lo.shape, *(np.ascontiguousarray(a).tobytes() for a in arrays))
+    out.append(ids.setdefault(key, len(ids)))
+  return out
+
+
 def make_schedule(
   plans: Sequence[LeafPlan],
   layouts: Sequence[tuple[Layout, Layout]],
@@ -782,6 +864,7 @@ def make_schedule(
   *,
   max_bucket_bytes: int | None = DEFAULT_MAX_BUCKET_BYTES,
   names: Sequence[str] | None = None,
+  max_bucket_leaves: int | None = None,
   slabs: bool = True,
 ) -> Schedule:
   """Packs the remote transfers of all leaves into buckets, payloads and rounds.
@@ -794,6 +877,8 @@ def make_schedule(
       that does not fit alone is split into chunks over consecutive buckets. ``None``: no
       bound (one bucket).
     names: per leaf, a name for error messages (default ``#i``).
+    max_bucket_leaves: most leaves (chunks counted apart) per bucket, cut where the tree
+      repeats (:func:`_repeat_end`); ``None``: :data:`MAX_BUCKET_LEAVES`.
     slabs: whether a leaf whose placeholder blocks keep sub-boxes of its transfers above the
       bound may be cut into slabs of its source shards (:func:`split_slabs`).
 
@@ -815,6 +900,8 @@ def make_schedule(
       np.isin(union, np.asarray((*s.device_ids, *d.device_ids), dtype=np.int64)) for s, d in layouts
     ],
     bound=max_bucket_bytes,
+    max_leaves=MAX_BUCKET_LEAVES if max_bucket_leaves is None else max_bucket_leaves,
+    kinds=_kinds(plans, layouts, itemsizes),
     layouts=layouts,
     allow_slabs=slabs,
   )

@@ -59,6 +59,9 @@ _STAT_MEANINGS = {
   "max_recv_bytes": "most bytes one device receives (padding included)",
   "peak_staging_bytes": "most transient bytes one device holds in a bucket",
   "num_programs": "distinct bucket programs, each compiled once (identical buckets share one)",
+  "passes_per_moved_byte": (
+    "bytes devices read and write (pack, transfer, assemble, zero fills) over twice the bytes moved"
+  ),
 }
 
 

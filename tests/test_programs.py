@@ -14,7 +14,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_reshard as jr
-from jax_reshard import _buffers, _emit
+from jax_reshard import _buffers, _emit, _schedule
+from jax_reshard._plan import pass_bytes
 from jax_reshard._program import make_bucket_program, program_signature
 
 
@@ -144,3 +145,113 @@ def test_buffer_paths_bit_for_bit(fast: bool, monkeypatch: pytest.MonkeyPatch) -
         assert_matches_oracle(y[k], h, dst[k])
   jr.plan_cache_clear()
   _emit.clear_program_cache()
+
+
+def test_leaf_cap_splits_a_large_tree_into_buckets_sharing_programs() -> None:
+  """1,000 small leaves are 20 equal buckets of 50 leaves (the largest divisor of 1,000 between
+  half the cap and the cap) that run one program; planned only, nothing compiles."""
+  devs = np.array(jax.devices())
+  src = NamedSharding(Mesh(devs[:4], ("x",)), P("x"))
+  dst = NamedSharding(Mesh(devs[4:], ("x",)), P(None, "x"))
+  x = [jax.ShapeDtypeStruct((8, 8), np.float32, sharding=src) for _ in range(1000)]
+  plan = jr.make_plan(x, dst)
+  assert _schedule.MAX_BUCKET_LEAVES == 64
+  assert [len(b.leaves) for b in plan.schedule.buckets] == [50] * 20
+  assert plan.stats.num_programs == 1
+  assert len({program_signature(p) for p in plan.programs()}) == 1
+  # 997 (prime): 16 buckets of 63 periods (997 / 16 rounded up), the last one of 52.
+  plan = jr.make_plan(x[:997], dst)
+  assert [len(b.leaves) for b in plan.schedule.buckets] == [63] * 15 + [52]
+  assert plan.stats.num_programs == 2
+
+
+def test_leaf_cap_cuts_buckets_at_layer_boundaries(monkeypatch: pytest.MonkeyPatch) -> None:
+  """With a cap of 4 leaves, a tree of one leading leaf, 5 layers of 3 leaves and a trailing
+  leaf runs one bucket per layer: those share one program, which compiles once,
+  and every leaf arrives bit for bit."""
+  monkeypatch.setattr(_schedule, "MAX_BUCKET_LEAVES", 4)
+  monkeypatch.setattr(_schedule, "MIN_PERIOD_LEAVES", 3)
+  jr.plan_cache_clear()
+  hosts, x, dst = _layers(5, seed=4)
+  devs = np.array(jax.devices())
+  rng = np.random.default_rng(5)
+  for key, spec in (("a_embed", P("x")), ("z_head", P(None, "x"))):
+    hosts[key] = random_host_array(rng, (8, 8), np.float32)
+    x[key] = jax.device_put(hosts[key], NamedSharding(Mesh(devs[:4], ("x",)), P("x")))
+    dst[key] = NamedSharding(Mesh(devs[4:], ("x",)), spec)
+  plan = jr.make_plan(x, dst)
+  # a_embed up to where the layers start repeating, one layer per bucket, then z_head.
+  assert [len(b.leaves) for b in plan.schedule.buckets] == [1, 3, 3, 3, 3, 3, 1]
+  assert plan.stats.num_programs == 3
+  _emit.clear_program_cache()
+  events, listener = _count_compiles()
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    y = plan(x)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert len([e for e in events if "backend_compile" in e]) >= 3
+  assert _emit._compiled_program.cache_info().currsize == 3
+  for k, h in hosts.items():
+    assert_matches_oracle(y[k], h, dst[k])
+  jr.plan_cache_clear()
+
+
+def test_small_source_placeholders_are_made_once() -> None:
+  """Zero source blocks of devices without a source shard are made on the first call only, and
+  the results of both calls are bit for bit."""
+  hosts, x, dst = _layers(1, seed=6)
+  plan = jr.make_plan(x, dst)
+  _emit.clear_program_cache()
+  first = plan(x)
+  made = _emit._source_zeros.cache_info()
+  assert made.misses >= 1
+  second = plan(x)
+  again = _emit._source_zeros.cache_info()
+  assert again.misses == made.misses and again.hits > made.hits
+  for k, h in hosts.items():
+    assert_matches_oracle(first[k], h, dst[k])
+    assert_matches_oracle(second[k], h, dst[k])
+
+
+def test_passes_per_moved_byte_by_hand() -> None:
+  """8x8 float32, rows on devices 0-3 to columns on 4-7: 16 pairs of 16 B in 4 rounds of 4
+  pairs over an 8-device mesh; 256 B moved."""
+  devs = np.array(jax.devices())
+  x = jax.ShapeDtypeStruct(
+    (8, 8), np.float32, sharding=NamedSharding(Mesh(devs[:4], ("x",)), P("x"))
+  )
+  plan = jr.make_plan(x, NamedSharding(Mesh(devs[4:], ("x",)), P(None, "x")))
+  assert plan.stats.bytes_moved == 256 and plan.stats.num_rounds == 4
+  assert pass_bytes(plan.layout_plan) == {
+    "pack": 256 + 4 * 4 * 16,  # pieces read, then each round's 4 payloads written
+    "transfer": 4 * 4 * 2 * 16,  # each payload read by its sender, written at its receiver
+    "assemble": 256 + 4 * 64,  # received parts read, 4 destination shards of 64 B written
+    "zero_fill": 4 * (8 - 4 + 8 - 4) * 16 + 4 * 64,  # idle payloads, discarded outputs
+  }
+  assert plan.stats.passes_per_moved_byte == (512 + 512 + 512 + 768) / 512
+  assert "memory passes      4.50 per moved byte" in repr(plan)
+
+
+def test_whole_shards_move_without_pack_or_assembly() -> None:
+  """Rows on devices 0-3 to rows on 4-7: every payload is a whole source shard and a whole
+  destination shard, so the program is one ``ppermute`` per round and no branch; by hand, per
+  256 B moved of each leaf, 4 payloads read and written (512 B) and 4 non-receivers' zeros
+  (256 B): 1.5 passes. Bit for bit, float32 and bfloat16 (moved in 4-byte words)."""
+  devs = np.array(jax.devices())
+  src = NamedSharding(Mesh(devs[:4], ("x",)), P("x"))
+  dst = NamedSharding(Mesh(devs[4:], ("x",)), P("x"))
+  rng = np.random.default_rng(7)
+  hosts = {
+    "f32": random_host_array(rng, (8, 8), np.float32),
+    "bf16": random_host_array(rng, (8, 16), jnp.bfloat16),
+  }
+  for h in hosts.values():
+    plan = jr.make_plan(jax.device_put(h, src), dst)
+    assert plan.stats.passes_per_moved_byte == 1.5
+    assert pass_bytes(plan.layout_plan)["pack"] == pass_bytes(plan.layout_plan)["assemble"] == 0
+    (program,) = plan.programs()
+    assert _emit.whole_block_leaf(program, program.rounds[0]) == 0
+    assert _emit.received_whole(program) == {0: 0}
+    assert "conditional" not in plan.executables()[0].compile().as_text()
+    assert_matches_oracle(plan(jax.device_put(h, src)), h, dst)
