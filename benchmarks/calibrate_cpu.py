@@ -12,7 +12,9 @@ On 8 simulated CPU devices (``jax_num_cpu_devices``) sharing the host's cores, i
 * ``CPU_CORE_BANDWIDTH``: one round of a large cyclic ``ppermute``: every device copies N bytes,
   ``cores`` at a time, so the round takes ``8 N / (cores * bandwidth)`` beyond the latency;
 * ``CPU_PACK_BANDWIDTH``: packing: every device concatenates strided column slices of its shard
-  into an N-byte payload, ``cores`` at a time.
+  into an N-byte payload, ``cores`` at a time;
+* ``CPU_LEAF_LATENCY``: the slope of a ``jr.make_plan`` call over trees of 1 and 65 tiny leaves
+  (8x8 float32, 4 devices -> the other 4), one bucket: host work per leaf.
 """
 
 from __future__ import annotations
@@ -82,13 +84,35 @@ def calibrate(cores: int | None = None) -> dict[str, float]:
 
   t_pack = _median_s(program(pack, (rows, cols)))
   pack_bw = N_DEVICES * 4 * rows * cols // 2 / (cores * max(t_pack - call, 1e-9))
+  leaf = _leaf_latency(mesh)
   return {
+    "CPU_LEAF_LATENCY": leaf,
     "CPU_CORE_BANDWIDTH": core_bw,
     "CPU_PACK_BANDWIDTH": pack_bw,
     "CPU_ROUND_LATENCY": round_latency,
     "CPU_CALL_LATENCY": call,
     "cores": float(cores),
   }
+
+
+def _leaf_latency(mesh: Any) -> float:
+  """Seconds per leaf of an eager plan call: the slope between trees of 1 and 65 leaves."""
+  import jax
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  import jax_reshard as jr
+
+  devs = mesh.devices.reshape(-1)
+  src = NamedSharding(Mesh(devs[:4], ("x",)), P("x"))
+  dst = NamedSharding(Mesh(devs[4:], ("x",)), P(None, "x"))
+  times = {}
+  for n in (1, 65):
+    tree = [jax.device_put(np.full((8, 8), i, np.float32), src) for i in range(n)]
+    plan = jr.make_plan(tree, dst)
+    times[n] = _median_s(lambda plan=plan, tree=tree: plan(tree), reps=21)
+  return (times[65] - times[1]) / 64
 
 
 def main() -> None:
@@ -98,6 +122,7 @@ def main() -> None:
   print(f"  CPU_PACK_BANDWIDTH = {out['CPU_PACK_BANDWIDTH']:.3g}  # bytes/s per core, packing")
   print(f"  CPU_ROUND_LATENCY = {out['CPU_ROUND_LATENCY']:.3g}  # s per round")
   print(f"  CPU_CALL_LATENCY = {out['CPU_CALL_LATENCY']:.3g}  # s per program call")
+  print(f"  CPU_LEAF_LATENCY = {out['CPU_LEAF_LATENCY']:.3g}  # s per leaf of a call")
 
 
 if __name__ == "__main__":

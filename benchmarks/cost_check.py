@@ -48,6 +48,7 @@ def worker(case_id: str, scale: float, iters: int) -> dict[str, float | str]:
     "assemble_s": est.assemble_s,
     "call_s": est.call_s,
     "rounds": est.num_rounds,
+    "leaves": len(plan.leaves),
     "moved": plan.stats.bytes_moved,
   }
 
@@ -64,9 +65,9 @@ def main(argv: list[str] | None = None) -> None:
     return
   print(
     "| case | measured ms | predicted ms | predicted / measured | transfer | pack | "
-    "assemble | calls | rounds | moved MiB |"
+    "assemble | calls | rounds | leaves | moved MiB |"
   )
-  print("|---|---|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|---|---|")
   for c in QUICK_CASES[: a.cases]:
     case_id = Case(*c).id
     cmd = [sys.executable, "-m", "benchmarks.cost_check", "--worker", case_id,
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
       f"| {case_id} | {ms('measured_s')} | {ms('predicted_s')} | "
       f"{float(r['predicted_s']) / float(r['measured_s']):.2f} | {ms('transfer_s')} | "
-      f"{ms('pack_s')} | {ms('assemble_s')} | {ms('call_s')} | {r['rounds']} | "
+      f"{ms('pack_s')} | {ms('assemble_s')} | {ms('call_s')} | {r['rounds']} | {r['leaves']} | "
       f"{int(r['moved']) / 2**20:.1f} |",
       flush=True,
     )

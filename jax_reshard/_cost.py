@@ -8,7 +8,11 @@ rounds one after another. The model charges
   (inside a domain or between domains; every pair of a round sends the round's padded size);
 * per round, the packing: every sender writes the round's payload at ``memory_bandwidth``;
 * per bucket, the assembly: every destination device writes its destination shards at
-  ``memory_bandwidth`` (a shard kept whole from one part costs nothing).
+  ``memory_bandwidth`` (a shard kept whole from one part costs nothing), and every device of
+  the bucket writes its placeholder blocks (a zero source block for each leaf it has no source
+  shard of, a discarded output block for each leaf it has no destination shard of) at
+  ``memory_bandwidth``;
+* per bucket and leaf, the topology's ``leaf_latency`` (host work per leaf and call).
 
 Where devices share the host's cores (``max_parallel``, simulated CPU devices), each phase takes
 at least the devices' summed copying divided by ``max_parallel`` (plus, for a round, its
@@ -27,7 +31,7 @@ import numpy as np
 
 from jax_reshard._layout import Layout
 from jax_reshard._planner import LeafPlan
-from jax_reshard._schedule import Schedule
+from jax_reshard._schedule import Schedule, placeholder_mask, slab_window, staged_block_shape
 from jax_reshard._topology import Topology
 
 
@@ -55,10 +59,10 @@ class Estimate:
 
   Attributes:
     seconds: the predicted total.
-    call_s: fixed cost per bucket (program launch).
+    call_s: fixed cost per bucket (program launch) and per leaf of each bucket (host work).
     transfer_s: rounds' transfers (latency and bytes over link bandwidth).
     pack_s: packing payloads.
-    assemble_s: assembling destination shards.
+    assemble_s: assembling destination shards and writing placeholder blocks.
     slow_transfer_s: the part of ``transfer_s`` in rounds whose slowest pair crosses domains.
     num_rounds: rounds over all stages and buckets.
     bucket_seconds: per bucket of every stage, in order, its predicted time.
@@ -108,8 +112,8 @@ def estimate(plan: _Plan, topology: Topology | None = None) -> Estimate:
     >>> est = jr.estimate(plan, jr.Topology.h100_nodes())   # devices 8..11: another node
     >>> round(est.transfer_s * 1e6)   # predicted microseconds: 4 x (20 us + 2 MiB at 50 GB/s)
     248
-    >>> round(est.seconds * 1e6)   # plus packing, assembly and one program call
-    338
+    >>> round(est.seconds * 1e6)   # plus packing, assembly, placeholders and one call
+    353
   """
   topo = topology or plan.topology
   if topo is None:
@@ -119,7 +123,10 @@ def estimate(plan: _Plan, topology: Topology | None = None) -> Estimate:
     for stage in plan.stages()
     for b in range(len(stage.schedule.buckets))
   ]
-  call = topo.call_latency * len(parts)
+  leaves = [len(stage.schedule.buckets[b].leaves) for stage in plan.stages() for b in
+            range(len(stage.schedule.buckets))]  # fmt: skip
+  calls = [topo.call_latency + topo.leaf_latency * n for n in leaves]
+  call = sum(calls)
   transfer = sum(float(c.transfer.sum()) for c in parts)
   pack = sum(float(c.pack.sum()) for c in parts)
   assemble = sum(c.assemble for c in parts)
@@ -132,7 +139,8 @@ def estimate(plan: _Plan, topology: Topology | None = None) -> Estimate:
     slow_transfer_s=sum(float(c.transfer[c.slow].sum()) for c in parts),
     num_rounds=sum(len(c.transfer) for c in parts),
     bucket_seconds=tuple(
-      topo.call_latency + float(c.transfer.sum() + c.pack.sum()) + c.assemble for c in parts
+      t + float(c.transfer.sum() + c.pack.sum()) + c.assemble
+      for t, c in zip(calls, parts, strict=True)
     ),
     round_seconds=tuple(tuple((c.transfer + c.pack).tolist()) for c in parts),
     topology=topo.name,
@@ -186,7 +194,7 @@ def _bucket_cost(stage: _Stage, b: int, topo: Topology) -> _BucketCost:
   slowest_cross = np.zeros(n)
   np.maximum.at(slowest_cross, rid, np.where(cross, cost, 0.0))
   pack = _phase(sizes[rid] / topo.memory_bandwidth, rid, n, topo.max_parallel)
-  written = _assembled_bytes(stage, b) / topo.memory_bandwidth
+  written = (_assembled_bytes(stage, b) + _placeholder_bytes(stage, b)) / topo.memory_bandwidth
   assemble = _phase(written, np.zeros(len(written), dtype=np.int64), 1, topo.max_parallel)
   slow = (slowest_cross > 0) & (slowest_cross >= transfer)
   return _BucketCost(transfer, slow, pack, float(assemble[0]))
@@ -207,4 +215,27 @@ def _assembled_bytes(stage: _Stage, b: int) -> np.ndarray:
     whole = np.bincount(pos, lp.local & (lp.nbytes == shard), minlength=len(ids))
     writes = np.where((rows == 1) & (whole == 1), 0.0, shard)
     out[np.searchsorted(union, ids)] += writes
+  return out
+
+
+def _placeholder_bytes(stage: _Stage, b: int) -> np.ndarray:
+  """Per device of bucket ``b``, the placeholder bytes it writes: a zero source block per leaf
+  it has no source shard of, a discarded output block per leaf it has no destination shard of
+  (the rule of :func:`placeholder_mask`); for a leaf cut into slabs, the bucket's slab instead
+  of the source block, on every device (cut from its source shard, or zeros)."""
+  bucket = stage.schedule.buckets[b]
+  union = np.asarray(bucket.union_device_ids, dtype=np.int64)
+  out = np.zeros(len(union), dtype=np.float64)
+  for j, chunks, i in zip(bucket.leaves, bucket.chunks, stage.bucket_leaves(b), strict=True):
+    src, dst = stage.layouts[i]
+    isz = stage.itemsizes[i]
+    dst_block = float(np.prod(staged_block_shape(dst.shard_shape())) * isz)
+    out += placeholder_mask(dst, union) * dst_block
+    src_shape = staged_block_shape(src.shard_shape())
+    window = slab_window(stage.schedule, j, chunks)
+    if window is None:
+      out += placeholder_mask(src, union) * float(np.prod(src_shape) * isz)
+    else:
+      dim, start, stop = window
+      out += float(np.prod(src_shape) // src_shape[dim] * (stop - start) * isz)
   return out

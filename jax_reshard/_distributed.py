@@ -132,6 +132,7 @@ def fingerprint(
   leaf_plans: Sequence[LeafPlan],
   schedule: Schedule,
   pieces: Sequence[str] | None = None,
+  relay: tuple[Sequence[LeafPlan | None], Schedule] | None = None,
 ) -> PlanFingerprint:
   """The fingerprint of a plan: a pure function of its numbers, never of object identity.
 
@@ -139,7 +140,9 @@ def fingerprint(
   ``P('x')`` and ``P('x', None)``, or meshes with other axis names but the same boxes) and
   equal trees built in another order give the same fingerprint. ``pieces`` (per leaf, text of
   a transformed plan's pieces: source leaves, boxes, axis maps and casts) enter the digests
-  too, so processes whose transforms differ do not match.
+  too, so processes whose transforms differ do not match. ``relay`` (a relay plan's second
+  stage: per leaf its forwards, ``None`` where it has none, and the stage's schedule) enters the
+  leaf and schedule digests, so processes whose relay stages differ do not match either.
 
   Example:
     >>> import jax_reshard as jr
@@ -159,8 +162,9 @@ def fingerprint(
   """
   leaf_digests, descriptions = [], []
   texts = pieces if pieces is not None else [""] * len(leaf_plans)
-  rows = zip(paths, dtypes, layouts, leaf_plans, texts, strict=True)
-  for path, dtype, (src, dst), lp, text in rows:
+  seconds = relay[0] if relay is not None else [None] * len(leaf_plans)
+  rows = zip(paths, dtypes, layouts, leaf_plans, texts, seconds, strict=True)
+  for path, dtype, (src, dst), lp, text, second in rows:
     h = hashlib.sha256()
     _feed_text(h, text)
     _feed_text(h, path)
@@ -168,12 +172,17 @@ def fingerprint(
     _feed_layout(h, src)
     _feed_layout(h, dst)
     _feed_leaf_plan(h, lp)
+    if second is not None:
+      _feed_text(h, "relay")
+      _feed_leaf_plan(h, second)
     leaf_digests.append(h.hexdigest()[:16])
     descriptions.append(
       f"{path or '<root>'} {np.dtype(dtype)}{list(src.shape)}: "
       f"{src.description or src.device_ids} -> {dst.description or dst.device_ids}"
     )
   sched = _schedule_digest(schedule)
+  if relay is not None:
+    sched = hashlib.sha256(f"{sched} relay {_schedule_digest(relay[1])}".encode()).hexdigest()[:16]
   total = hashlib.sha256(("\n".join([*leaf_digests, sched])).encode()).hexdigest()
   return PlanFingerprint(total, tuple(leaf_digests), sched, tuple(descriptions))
 
@@ -203,9 +212,20 @@ def plan_fingerprint(plan: Any) -> PlanFingerprint:
       plan.leaf_plans,
       plan.schedule,
       getattr(plan, "piece_texts", None),
+      _relay_stage(plan),
     )
     _fingerprints[plan] = fp
   return fp
+
+
+def _relay_stage(plan: Any) -> tuple[list[LeafPlan | None], Schedule] | None:
+  """A plan's relay stage as :func:`fingerprint` takes it, or ``None`` without one."""
+  relay = getattr(getattr(plan, "layout_plan", None), "relay", None)
+  if relay is None:
+    return None
+  relayed = set(relay.scheduled)
+  seconds = [lp if i in relayed else None for i, lp in enumerate(relay.leaf_plans)]
+  return seconds, relay.schedule
 
 
 def resolve_timeout(timeout_s: float | None = None) -> float:

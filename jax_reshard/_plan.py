@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
 
@@ -133,7 +134,7 @@ def plan_layouts(
   *,
   max_bucket_bytes: int | None = DEFAULT_MAX_BUCKET_BYTES,
   topology: Topology | None = None,
-  relays: bool = True,
+  relays: bool | Literal["auto"] = True,
   interleave: bool = True,
   leaf_names: Sequence[str] | None = None,
 ) -> LayoutPlan:
@@ -155,7 +156,8 @@ def plan_layouts(
       and (with ``relays``) a region that several devices of a domain need but no device there
       holds crosses into the domain once and is forwarded inside it in a second stage
       (:attr:`LayoutPlan.relay`). ``None`` or one domain: exactly the plan without topology.
-    relays: whether to relay (only with a topology).
+    relays: whether to relay (only with a topology); ``"auto"``: plan with and without relays
+      and keep the plan the cost model predicts faster on ``topology`` (relays on a tie).
     interleave: with several domains, order leaves round-robin over their source device sets
       before bucketing (:func:`interleave_by_source`).
     leaf_names: per leaf, a name for error messages (default ``#i``).
@@ -201,7 +203,23 @@ def plan_layouts(
   names = (
     tuple(leaf_names) if leaf_names is not None else tuple(f"#{i}" for i in range(len(layouts)))
   )
-  return _plan_tree(layouts, itemsizes, max_bucket_bytes, topology, relays, interleave, names)
+  return _plan_relays_or_not(
+    (layouts, itemsizes, max_bucket_bytes, topology), relays, interleave, names
+  )
+
+
+def _plan_relays_or_not(
+  args: tuple[tuple[tuple[Layout, Layout], ...], tuple[int, ...], int | None, Topology | None],
+  relays: bool | Literal["auto"],
+  interleave: bool,
+  names: tuple[str, ...],
+) -> LayoutPlan:
+  """The plan with ``relays``; for ``"auto"``, the faster predicted of with and without."""
+  relayed = _plan_tree(*args, relays is not False, interleave, names)
+  if relays != "auto" or relayed.relay is None:
+    return relayed
+  direct = _plan_tree(*args, False, interleave, names)
+  return direct if direct.estimate().seconds < relayed.estimate().seconds else relayed
 
 
 def _plan_tree(

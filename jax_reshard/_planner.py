@@ -205,11 +205,12 @@ def plan_leaf(
   need_u = g.region_src_box[g.need_region]
   need_bytes = g.region_elems[g.need_region] * itemsize
   sender = g.need_dst.copy()  # local copies send to themselves
-  hop, slow_bound, need_dom = None, 0, None
+  hop, slow_bound, need_dom, rep_doms = None, 0, None, None
   if topology is not None and len(g.need_dst):
     need_dom = topology.domain_of(g.need_dst)
+    rep_doms = _replica_domains(g, topology)
     entry: MutableMapping[int, int] = {} if entry_load is None else entry_load
-    hop, slow_bound = _relays(g, need_dom, topology, need_bytes, entry, sender, relays)
+    hop, slow_bound = _relays(g, need_dom, rep_doms, need_bytes, entry, sender, relays)
   remote = np.nonzero(~g.need_local & (hop != 1 if hop is not None else True))[0]
   if len(remote):
     d_ids = np.asarray(dst.device_ids, dtype=np.int64)
@@ -217,7 +218,6 @@ def plan_leaf(
     # Largest first within each source box; ties by destination id (deterministic).
     order = remote[np.lexsort((g.need_dst[remote], -need_bytes[remote], need_u[remote]))]
     bounds = np.nonzero(np.diff(need_u[order]))[0] + 1
-    rep_doms = None if need_dom is None else _replica_domains(g, topology)
     for group in np.split(order, bounds):
       _assign_senders(group, g, need_u, need_bytes, need_proc, load, sender, need_dom, rep_doms)
   return LeafPlan(
@@ -235,14 +235,19 @@ def plan_leaf(
 
 
 def _replica_domains(g: _Geometry, topology: Topology | None) -> tuple[np.ndarray, ...]:
+  """Per unique source box, the domain of each of its replicas (one ``domain_of`` call)."""
   assert topology is not None
-  return tuple(topology.domain_of(ids) for ids in g.replica_ids)
+  counts = np.fromiter((len(ids) for ids in g.replica_ids), np.int64, len(g.replica_ids))
+  if not len(counts):
+    return ()
+  doms = topology.domain_of(np.concatenate(g.replica_ids))
+  return tuple(np.split(doms, np.cumsum(counts)[:-1]))
 
 
 def _relays(
   g: _Geometry,
   need_dom: np.ndarray,
-  topology: Topology,
+  rep_doms: tuple[np.ndarray, ...],
   need_bytes: np.ndarray,
   entry_load: MutableMapping[int, int],
   sender: np.ndarray,
@@ -256,7 +261,6 @@ def _relays(
   two or more such needs one of them is the entry, chosen by least ``entry_load`` among the
   needing devices (largest regions first), and the others are forwarded from it.
   """
-  rep_doms = _replica_domains(g, topology)
   span = int(max(need_dom.max(), *(int(d.max()) for d in rep_doms if len(d)))) + 1
   rep_u = np.repeat(np.arange(len(rep_doms)), [len(d) for d in rep_doms])
   held = np.unique(rep_u * span + np.concatenate([*rep_doms, np.zeros(0, np.int64)]))

@@ -9,6 +9,7 @@ from jax_reshard import _traced
 from jax_reshard._api import make_plan
 from jax_reshard._errors import ReshardError
 from jax_reshard._schedule import DEFAULT_MAX_BUCKET_BYTES
+from jax_reshard._topology import Topology
 from jax_reshard._tree import is_traced
 
 
@@ -20,6 +21,7 @@ def reshard(
   donate: Any = None,
   max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
   transform: Callable[[Any], Any] | None = None,
+  topology: Topology | None = None,
 ) -> Any:
   """Moves ``x`` into the destination layout(s), sending each device only what it lacks.
 
@@ -41,6 +43,10 @@ def reshard(
     transform: convert while resharding (casts, slices, concatenate, stack, reshape,
       transpose, renames; see ``make_plan``); ``dst`` then matches the transform's output.
       Inside ``jax.jit`` it needs ``src=``, one source mesh and one destination mesh.
+    topology: device domains (``jr.Topology``): with several, a region that several devices
+      of a domain need and none there holds crosses into the domain once and is forwarded
+      inside it (relays), eagerly and inside ``jax.jit`` alike (see ``jr.plan_layouts``). Not
+      used with ``transform=`` yet.
 
   Returns:
     A pytree like ``x`` whose leaves are laid out as ``dst``. ``x`` is left untouched.
@@ -64,11 +70,11 @@ def reshard(
       )
     if transform is not None:
       return _traced.reshard_traced_transform(x, dst, src, transform)
-    return _traced.reshard_traced(x, dst, src)
+    return _traced.reshard_traced(x, dst, src, topology)
   if src is not None:
     raise ReshardError("src= is only for traced values; concrete arrays carry their sharding")
   if transform is not None:
     plan_t = make_plan(x, dst, max_bucket_bytes=max_bucket_bytes, transform=transform)
     return plan_t(x, donate=donate)
-  plan = make_plan(x, dst, max_bucket_bytes=max_bucket_bytes)
+  plan = make_plan(x, dst, max_bucket_bytes=max_bucket_bytes, topology=topology)
   return plan(x, donate=donate)

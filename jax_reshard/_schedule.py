@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from typing import Any
 
@@ -245,26 +245,24 @@ def color_bipartite(edges: Sequence[tuple[int, int]]) -> list[int]:
   """
   if not edges:
     return []
-  deg_s: dict[int, int] = defaultdict(int)
-  deg_d: dict[int, int] = defaultdict(int)
-  for s, d in edges:
-    deg_s[s] += 1
-    deg_d[d] += 1
-  k = max(max(deg_s.values()), max(deg_d.values()))
-  first_fit = _color_first_fit(edges)
-  if max(first_fit) < k:
+  k = max(max(Counter(s for s, _ in edges).values()), max(Counter(d for _, d in edges).values()))
+  first_fit = _color_first_fit(edges, k)
+  if first_fit is not None:
     return first_fit
   return _color_alternating(edges, k)
 
 
-def _color_first_fit(edges: Sequence[tuple[int, int]]) -> list[int]:
-  """Each edge takes the lowest colour free at both ends (at most 2k - 1 colours)."""
+def _color_first_fit(edges: Sequence[tuple[int, int]], k: int) -> list[int] | None:
+  """Each edge takes the lowest colour free at both ends; ``None`` as soon as one needs more
+  than ``k`` colours (first fit may need up to 2k - 1)."""
   used_s: dict[int, int] = defaultdict(int)
   used_d: dict[int, int] = defaultdict(int)
   out = []
   for s, d in edges:
     m = used_s[s] | used_d[d]
     c = (~m & (m + 1)).bit_length() - 1
+    if c >= k:
+      return None
     used_s[s] |= 1 << c
     used_d[d] |= 1 << c
     out.append(c)

@@ -52,6 +52,8 @@ class Topology:
     call_latency: seconds of fixed cost per compiled program (one per bucket).
     max_parallel: how many devices can copy at once (simulated CPU devices share the host's
       cores); ``None`` where every device has its own engines and memory (GPUs, TPUs).
+    leaf_latency: seconds of host work per leaf of a program call (staging and unwrapping its
+      arrays); measured for the CPU preset, 0 in the GPU and TPU presets (not measured there).
 
   Example:
     >>> topo = Topology.h100_nodes()
@@ -69,6 +71,7 @@ class Topology:
   domain_map: tuple[tuple[int, int], ...] = ()
   call_latency: float = 0.0
   max_parallel: int | None = None
+  leaf_latency: float = 0.0
 
   def domain_of(self, device_ids: Sequence[int] | np.ndarray) -> np.ndarray:
     """The domain of each device id, as an ``int64`` array.
@@ -185,7 +188,8 @@ class Topology:
     Constants measured by ``benchmarks/calibrate_cpu.py`` (AMD EPYC, 2 cores, jax 0.10.2):
     a device's ``ppermute`` copies at ``CPU_CORE_BANDWIDTH`` bytes/s, its packing and assembly
     (slices and concatenations) at ``CPU_PACK_BANDWIDTH``; ``cores`` devices work at once; a
-    round costs ``CPU_ROUND_LATENCY`` s on top, a program call ``CPU_CALL_LATENCY`` s.
+    round costs ``CPU_ROUND_LATENCY`` s on top, a program call ``CPU_CALL_LATENCY`` s, and
+    each leaf of a call ``CPU_LEAF_LATENCY`` s of host work.
     ``devices_per_domain`` simulates domains (the "slow" links are then as fast as the others,
     so only the byte counts differ).
     """
@@ -197,6 +201,7 @@ class Topology:
       devices_per_domain=devices_per_domain,
       call_latency=CPU_CALL_LATENCY,
       max_parallel=cores,
+      leaf_latency=CPU_LEAF_LATENCY,
     )
 
 
@@ -206,3 +211,4 @@ CPU_CORE_BANDWIDTH = 1.2e9
 CPU_PACK_BANDWIDTH = 1.0e9
 CPU_ROUND_LATENCY = 140e-6
 CPU_CALL_LATENCY = 190e-6
+CPU_LEAF_LATENCY = 145e-6

@@ -24,6 +24,7 @@ from jax_reshard._layout import Layout
 from jax_reshard._plan import plan_layouts
 from jax_reshard._program import BucketProgram, make_bucket_program
 from jax_reshard._tapi import analyze, output_leaves
+from jax_reshard._topology import Topology
 from jax_reshard._tplan import plan_transform_layouts
 from jax_reshard._tprogram import make_transform_program
 from jax_reshard._tree import Leaf, broadcast_shardings, flatten_tree
@@ -50,7 +51,7 @@ def _source_sharding(path: str, x: Any, dst: Any) -> Sharding:
   )
 
 
-def reshard_traced(x: Any, dst: Any, src: Any) -> Any:
+def reshard_traced(x: Any, dst: Any, src: Any, topology: Topology | None = None) -> Any:
   """``reshard`` for a pytree containing tracers; see :func:`jax_reshard.reshard`."""
   flat, treedef = jax.tree_util.tree_flatten_with_path(x)
   if src is not None:
@@ -70,7 +71,7 @@ def reshard_traced(x: Any, dst: Any, src: Any) -> Any:
   values = [v for _, v in flat]
   out: list[Any] = [None] * len(values)
   for idx in groups.values():
-    fn = _group_fn(tuple(leaves[i] for i in idx))
+    fn = _group_fn(tuple(leaves[i] for i in idx), topology)
     for i, y in zip(idx, fn(*(values[i] for i in idx)), strict=True):
       out[i] = y
   return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(x), out)
@@ -102,44 +103,64 @@ def _check_traceable(leaf: Leaf) -> None:
 
 
 @functools.lru_cache(maxsize=512)
-def _group_fn(leaves: tuple[Leaf, ...]) -> Any:
-  """A differentiable traced function moving leaves that share a source and destination mesh."""
+def _group_fn(leaves: tuple[Leaf, ...], topology: Topology | None = None) -> Any:
+  """A differentiable traced function moving leaves that share a source and destination mesh.
+
+  With a ``topology`` of several domains the plan may relay: its second stage (forwards inside
+  domains) is a second program over the destination mesh that takes the first one's results.
+  """
   src_mesh = leaves[0].src_sharding.mesh  # type: ignore[attr-defined]
   dst_mesh = leaves[0].dst_sharding.mesh  # type: ignore[attr-defined]
   # The same planner as the eager path; XLA schedules the memory of the whole computation, so
-  # there is one bucket.
+  # each stage is one bucket.
   plan = plan_layouts(
-    [lf.layouts() for lf in leaves], [lf.dtype.itemsize for lf in leaves], max_bucket_bytes=None
+    [lf.layouts() for lf in leaves],
+    [lf.dtype.itemsize for lf in leaves],
+    max_bucket_bytes=None,
+    topology=topology,
   )
-  program = None
-  if plan.schedule.buckets:
-    device_ids = [d.id for d in src_mesh.devices.flat]
-    dtypes = [lf.dtype for lf in leaves]
-    program = make_bucket_program(plan, 0, dtypes, device_ids, max_word_bytes=max_word_bytes())
+  device_ids = [d.id for d in src_mesh.devices.flat]
+  dtypes = [lf.dtype for lf in leaves]
+  programs = [
+    make_bucket_program(stage, 0, dtypes, device_ids, max_word_bytes=max_word_bytes())
+    for stage in plan.stages()
+    if stage.schedule.buckets
+  ]
   return _differentiable_move(
-    leaves, program, src_mesh, dst_mesh, lambda: _group_fn(tuple(lf.reversed() for lf in leaves))
+    leaves,
+    programs,
+    src_mesh,
+    dst_mesh,
+    lambda: _group_fn(tuple(lf.reversed() for lf in leaves), topology),
   )
 
 
 def _differentiable_move(
   leaves: Sequence[Leaf],
-  program: BucketProgram | None,
+  programs: Sequence[BucketProgram],
   src_mesh: Mesh,
   dst_mesh: Mesh,
   reverse: Callable[[], Callable[..., Any]],
 ) -> Callable[..., Any]:
-  """A traced reshard of ``leaves`` by ``program`` (``None``: no leaf has elements) as one
-  function whose VJP reshards the cotangents back with ``reverse()`` (the move from destination
-  to source). Zero-element leaves need no data and are created in place."""
-  moved = [] if program is None else [lf.index for lf in program.leaves]
+  """A traced reshard of ``leaves`` by ``programs`` (the first stage over the source mesh, then
+  any relay stage over the destination mesh on the first one's results; none if no leaf has
+  elements) as one function whose VJP reshards the cotangents back with ``reverse()`` (the move
+  from destination to source). Zero-element leaves need no data and are created in place."""
+  dst_specs_all = [lf.dst_sharding.spec for lf in leaves]  # type: ignore[attr-defined]
+  src_specs_all = [lf.src_sharding.spec for lf in leaves]  # type: ignore[attr-defined]
 
   def move(*xs: jax.Array) -> tuple[jax.Array, ...]:
     out: list[Any] = [None] * len(leaves)
-    if program is not None:
-      src_specs = [leaves[i].src_sharding.spec for i in moved]  # type: ignore[attr-defined]
-      dst_specs = [leaves[i].dst_sharding.spec for i in moved]  # type: ignore[attr-defined]
+    for k, program in enumerate(programs):
+      moved = [lf.index for lf in program.leaves]
+      mesh, specs, ins = (src_mesh, src_specs_all, xs) if k == 0 else (dst_mesh, dst_specs_all, out)
       ys = emit_traced_move(
-        [xs[i] for i in moved], program, src_mesh, src_specs, dst_mesh, dst_specs
+        [ins[i] for i in moved],
+        program,
+        mesh,
+        [specs[i] for i in moved],
+        dst_mesh,
+        [dst_specs_all[i] for i in moved],
       )
       for i, y in zip(moved, ys, strict=True):
         out[i] = y

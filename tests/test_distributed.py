@@ -180,3 +180,59 @@ def test_error_types():
   assert issubclass(_distributed.ReshardPlanMismatchError, jr.ReshardError)
   assert issubclass(_distributed.ReshardPeerError, jr.ReshardError)
   assert issubclass(_distributed.ReshardPeerError, RuntimeError)
+
+
+def test_fingerprint_covers_the_relay_stage():
+  """Plans whose first stages agree but whose relay stages differ do not match."""
+  import dataclasses
+
+  devs = jax.devices()
+  src_mesh = Mesh(np.array(devs[:4]).reshape(2, 2), ("fsdp", "tp"))
+  dst_mesh = Mesh(np.array(devs[4:]).reshape(2, 2), ("tp", "dp"))  # 4, 5 need one shard
+  src = {
+    "b": jax.device_put(jnp.zeros((8,), jnp.int32), NamedSharding(src_mesh, P("fsdp"))),
+    "w": jax.device_put(jnp.zeros((16, 8), jnp.float32), NamedSharding(src_mesh, P("fsdp"))),
+  }
+  dst = {k: NamedSharding(dst_mesh, P("tp")) for k in src}
+  topo = jr.Topology.cpu(devices_per_domain=2)
+  plan = jr.make_plan(src, dst, topology=topo)
+  relay = plan.layout_plan.relay
+  assert relay is not None and set(relay.scheduled) == {0, 1}
+  base = _distributed.plan_fingerprint(plan)
+  assert base != _distributed.plan_fingerprint(jr.make_plan(src, dst))
+
+  def with_relay(new_relay):
+    class Fake:  # hashable and weak-referenceable, as the fingerprint cache needs
+      pass
+
+    fake = Fake()
+    fake.__dict__.update(
+      leaves=plan.leaves,
+      layouts=plan.layouts,
+      leaf_plans=plan.leaf_plans,
+      schedule=plan.schedule,
+      layout_plan=dataclasses.replace(plan.layout_plan, relay=new_relay),
+    )
+    return _distributed.plan_fingerprint(fake)
+
+  # Leaf ['w'] (index 1) forwarded by the other device of each domain: only its digest differs.
+  lp = relay.leaf_plans[1]
+  fwd = ~lp.local
+  other = np.where(fwd, lp.src_device ^ 1, lp.src_device)
+  assert (other[fwd] != lp.src_device[fwd]).all()
+  leaves = (relay.leaf_plans[0], dataclasses.replace(lp, src_device=other))
+  changed = with_relay(dataclasses.replace(relay, leaf_plans=leaves))
+  assert changed.digest != base.digest
+  assert changed.leaf_digests[0] == base.leaf_digests[0]
+  assert changed.leaf_digests[1] != base.leaf_digests[1]
+  assert changed.schedule_digest == base.schedule_digest
+  # The relay stage's round pairing devices the other way: only the schedule digest differs.
+  bucket = relay.schedule.buckets[0]
+  rnd = bucket.rounds[0]
+  flipped = dataclasses.replace(rnd, pairs=tuple((d, s) for s, d in rnd.pairs[::-1]))
+  assert flipped.pairs != rnd.pairs
+  reordered = dataclasses.replace(bucket, rounds=(flipped, *bucket.rounds[1:]))
+  sched = dataclasses.replace(relay.schedule, buckets=(reordered, *relay.schedule.buckets[1:]))
+  moved = with_relay(dataclasses.replace(relay, schedule=sched))
+  assert moved.leaf_digests == base.leaf_digests
+  assert moved.schedule_digest != base.schedule_digest and moved.digest != base.digest

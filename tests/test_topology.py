@@ -179,3 +179,103 @@ def test_relay_plans_run_bit_for_bit_on_4_domains_of_2() -> None:
         assert y[k].sharding == dst[k]
         assert np.array_equal(np.asarray(y[k]).view(np.uint8), np.asarray(x[k]).view(np.uint8))
     assert plan.estimate().seconds > 0
+
+
+def _jit_case(devs: np.ndarray) -> tuple[dict, dict, dict]:
+  """Over all 8 devices in one order: columns 8 ways -> rows 4 ways, replicated over the two
+  devices of each domain, so every domain needs 6 of 8 column blocks of its rows twice."""
+  rng = np.random.default_rng(1)
+  cols = NamedSharding(Mesh(devs.reshape(4, 2), ("a", "b")), P(None, ("a", "b")))
+  rows = Mesh(devs.reshape(4, 2), ("tp", "dp"))
+  leaves = {
+    "w": rng.standard_normal((8, 16)).astype(np.float32),
+    "h": rng.standard_normal((4, 8)).astype(jax.numpy.bfloat16),
+    "b": rng.integers(-100, 100, (4, 8)).astype(np.int8),
+  }
+  x = {k: jax.device_put(v, cols) for k, v in leaves.items()}
+  src = {k: cols for k in leaves}
+  dst = {k: NamedSharding(rows, P("tp")) for k in leaves}
+  return x, src, dst
+
+
+def test_relay_plans_run_inside_jit_bit_for_bit() -> None:
+  from test_jit import _collective_bytes
+
+  devs = np.array(jax.devices()[:8])
+  x, src, dst = _jit_case(devs)
+  f = jax.jit(lambda x: jr.reshard(x, dst, src=src, topology=PAIRS), out_shardings=dst)
+  y = f(x)
+  for k in x:
+    assert y[k].sharding == dst[k]
+    assert np.array_equal(np.asarray(y[k]).view(np.uint8), np.asarray(x[k]).view(np.uint8))
+  # The traced plan: one bucket per stage, the relay stage's forwards after the first stage.
+  keys = sorted(x)
+  layouts = [
+    (Layout.from_sharding(src[k], x[k].shape), Layout.from_sharding(dst[k], x[k].shape))
+    for k in keys
+  ]
+  itemsizes = [x[k].dtype.itemsize for k in keys]
+  plan = jr.plan_layouts(layouts, itemsizes, max_bucket_bytes=None, topology=PAIRS)
+  direct = jr.plan_layouts(layouts, itemsizes, max_bucket_bytes=None)
+  st_ = plan.stats
+  assert plan.relay is not None and st_.relay_bytes > 0
+  assert st_.slow_link_bytes == st_.slow_link_lower_bound_bytes < direct.stats.bytes_moved
+  hlo = _collective_bytes(f.lower(x).compile().as_text())
+  assert hlo["all-gather"] == hlo["all-to-all"] == 0
+  assert hlo["collective-permute"] == st_.bytes_moved + st_.padding_bytes
+  # Without a topology the same call runs the direct plan.
+  g = jax.jit(lambda x: jr.reshard(x, dst, src=src), out_shardings=dst)
+  direct_hlo = _collective_bytes(g.lower(x).compile().as_text())
+  assert direct_hlo["collective-permute"] == (direct.stats.bytes_moved + direct.stats.padding_bytes)
+
+
+def test_relay_plans_inside_jit_differentiate() -> None:
+  devs = np.array(jax.devices()[:8])
+  x, src, dst = _jit_case(devs)
+  w = x["w"]
+  weight = np.random.default_rng(2).standard_normal(w.shape).astype(np.float32)
+
+  def loss(w):
+    return jax.numpy.sum(jr.reshard(w, dst["w"], src=src["w"], topology=PAIRS) ** 2 * weight)
+
+  g = jax.jit(jax.grad(loss))(w)
+  np.testing.assert_allclose(np.asarray(g), 2 * np.asarray(w) * weight, rtol=1e-6)
+
+
+def _two_hosts(size: int) -> tuple[list[tuple[Layout, Layout]], list[int]]:
+  """4 trainer devices -> 4 sampler devices on two hosts of 2 that each need the whole tensor."""
+  trainer = Layout.from_description(
+    (size, size), mesh_shape=(4,), axis_names=("fsdp",), spec=("fsdp",)
+  )
+  sampler = Layout.from_description(
+    (size, size), mesh_shape=(2, 2), axis_names=("tp", "dp"), spec=(None, "tp"),
+    device_ids=range(8, 12),
+  )  # fmt: skip
+  return [(trainer, sampler)], [2]
+
+
+def test_the_model_chooses_relays_or_not() -> None:
+  tree, isz = _two_hosts(4096)
+  for topo, relayed_wins in ((Topology.h100_nodes(2), True), (PAIRS, False)):
+    plans = {r: jr.plan_layouts(tree, isz, topology=topo, relays=r) for r in (True, False)}
+    times = {r: p.estimate().seconds for r, p in plans.items()}
+    assert (times[True] < times[False]) == relayed_wins  # slow links slower than fast ones
+    auto = jr.plan_layouts(tree, isz, topology=topo, relays="auto")
+    assert (auto.relay is not None) == relayed_wins
+    assert auto.estimate().seconds == min(times.values())
+    assert auto.stats == plans[relayed_wins].stats
+
+
+def test_estimate_counts_placeholders_and_leaves() -> None:
+  """Disjoint devices: every sampler device stages a zero source block and every trainer
+  device returns a discarded output block, written at memory bandwidth; host work per leaf."""
+  tree, isz = _two_hosts(1024)
+  topo = Topology.cpu(cores=1).replace(leaf_latency=1e-3)
+  plan = jr.plan_layouts(tree * 3, isz * 3)
+  est = plan.estimate(topo)
+  assert est.call_s == pytest.approx(topo.call_latency + 3 * 1e-3)  # one bucket of 3 leaves
+  src_block = 1024 * 1024 // 4 * 2
+  dst_block = 1024 * 1024 // 2 * 2
+  placeholders = 3 * 4 * (src_block + dst_block)  # 3 leaves, 4 + 4 devices, one core
+  assembled = 3 * 4 * dst_block  # every sampler shard assembled from parts
+  assert est.assemble_s == pytest.approx((placeholders + assembled) / topo.memory_bandwidth)
