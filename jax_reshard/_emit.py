@@ -14,6 +14,7 @@ Data moves as unsigned integers of the element width, so no backend pass that up
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -180,17 +181,29 @@ def whole_block_leaf(program: BucketProgram, rnd: SendRound) -> int | None:
   """The leaf whose whole source shard every sender of ``rnd`` sends, alone and unpadded, or
   ``None``. Such a round needs no packing: every device (idle ones too, from their placeholder
   block) sends its block of that leaf, viewed in the unit, without a copy or a branch."""
-  leaves = {c.leaf for p in rnd.packs for c in p.cuts}
-  if len(leaves) != 1 or any(len(p.cuts) != 1 or p.pad_words for p in rnd.packs):
+  leaves = whole_block_leaves(program, rnd)
+  return leaves[0] if leaves is not None and len(leaves) == 1 else None
+
+
+def whole_block_leaves(program: BucketProgram, rnd: SendRound) -> tuple[int, ...] | None:
+  """The leaves whose whole source shards every sender of ``rnd`` sends, in payload order and
+  unpadded (the same leaves for every sender), or ``None``. Such a round needs no packing:
+  every device (idle ones too, from their placeholder blocks) sends its blocks of those
+  leaves, each viewed in the unit, as one ``ppermute`` of several operands, without a copy,
+  a concatenation or a branch; receivers read each leaf's block as it came."""
+  if not rnd.packs or any(p.pad_words for p in rnd.packs):
     return None
-  (leaf,) = leaves
-  lf = program.leaves[leaf]
-  words = _words(lf.src_shard, lf)
+  leaves = tuple(c.leaf for c in rnd.packs[0].cuts)
+  if len(set(leaves)) != len(leaves):
+    return None
   for p in rnd.packs:
-    (cut,) = p.cuts
-    if cut.static_offset != (0,) * len(cut.shape) or cut.shape != words:
+    if tuple(c.leaf for c in p.cuts) != leaves:
       return None
-  return leaf
+    for cut in p.cuts:
+      lf = program.leaves[cut.leaf]
+      if cut.static_offset != (0,) * len(cut.shape) or cut.shape != _words(lf.src_shard, lf):
+        return None
+  return leaves
 
 
 def _words(shard: tuple[int, ...], lf: LeafView) -> tuple[int, ...]:
@@ -215,8 +228,9 @@ def received_whole(program: BucketProgram) -> dict[int, int]:
       p = parts[0] if len(parts) == 1 else None
       if not isinstance(p, Received):
         break
-      rnd = program.rounds[p.round]
-      if p.start or p.stop != rnd.words or p.shape != lf.dst_words or any(p.offset):
+      if (p.start, p.stop) not in _segments(program, p.round) or p.shape != lf.dst_words:
+        break
+      if any(p.offset):
         break
       rounds.add(p.round)
     else:
@@ -225,15 +239,45 @@ def received_whole(program: BucketProgram) -> dict[int, int]:
   return out
 
 
+def _segments(program: BucketProgram, r: int) -> set[tuple[int, int]]:
+  """The unit-word ranges of round ``r``'s payload that arrive as arrays of their own: the
+  whole payload, or each leaf of a round of whole source shards."""
+  rnd = program.rounds[r]
+  leaves = whole_block_leaves(program, rnd)
+  if leaves is None or len(leaves) == 1:
+    return {(0, rnd.words)}
+  out, at = set(), 0
+  for cut in rnd.packs[0].cuts:
+    size = math.prod(cut.shape) * program.leaves[cut.leaf].word.itemsize // program.unit.itemsize
+    out.add((at, at + size))
+    at += size
+  return out
+
+
+def _direct_part(program: BucketProgram, li: int) -> Received:
+  """The received part that is leaf ``li``'s whole destination shard (see
+  :func:`received_whole`): the same words of the same round on every destination device."""
+  for role in program.assembles:
+    parts = role.parts[li]
+    if parts is not None and isinstance(parts[0], Received):
+      return parts[0]
+  raise AssertionError(f"leaf {li} is not received whole")
+
+
 def _emit_round(
   program: BucketProgram, rnd: SendRound, axis: Any, me: jax.Array, blocks: Sequence[jax.Array]
-) -> jax.Array:
-  """Packs the round's payload on every device and moves it; returns what this device got."""
+) -> Any:
+  """Packs the round's payload on every device and moves it; returns what this device got: one
+  vector of unit words, or a tuple of them (the leaves of a round of whole source shards, see
+  :func:`whole_block_leaves`), which concatenated would be that payload."""
   unit = program.unit
-  whole = whole_block_leaf(program, rnd)
+  whole = whole_block_leaves(program, rnd)
   if whole is not None:
-    shard = _local_view([program.leaves[whole]], [blocks[whole]])[0]
-    return jax.lax.ppermute(_to_units(shard, unit), axis, list(rnd.pairs))
+    shards = _local_view([program.leaves[li] for li in whole], [blocks[li] for li in whole])
+    units = [_to_units(shard, unit) for shard in shards]
+    if len(units) == 1:
+      return jax.lax.ppermute(units[0], axis, list(rnd.pairs))
+    return tuple(jax.lax.ppermute(units, axis, list(rnd.pairs)))
   idle: Callable[..., jax.Array] = lambda me, *_: jnp.zeros((rnd.words,), unit)
   branches = [idle, *(_pack_fn(program, p) for p in rnd.packs)]
   payload = _switch(me, role_table(len(program.device_ids), rnd.packs), branches, me, *blocks)
@@ -269,9 +313,23 @@ def _part_value(
   """A destination part in the leaf's words: payload words of a round (a :class:`Received`, or
   a :class:`ChunkWrites` source of one), or a cut of the own source shard."""
   if isinstance(part, Received):
-    words = jax.lax.slice(recvs[part.round], (part.start,), (part.stop,))
-    return _from_units(words, lf.word, part.shape)
+    return _from_units(
+      _payload_words(recvs[part.round], part.start, part.stop), lf.word, part.shape
+    )
   return _slice(part if isinstance(part, Cut) else part.cut, shard, me, n)
+
+
+def _payload_words(recv: Any, start: int, stop: int) -> jax.Array:
+  """Unit words ``start:stop`` of a received payload (a vector, or a tuple of the vectors of a
+  round of whole source shards: a part within one of them is that vector or a slice of it)."""
+  if not isinstance(recv, tuple):
+    return recv if (start, stop) == (0, recv.shape[0]) else jax.lax.slice(recv, (start,), (stop,))
+  at = 0
+  for v in recv:
+    if at <= start and stop <= at + v.shape[0]:
+      return _payload_words(v, start - at, stop - at)
+    at += v.shape[0]
+  return jax.lax.slice(jnp.concatenate(recv), (start,), (stop,))
 
 
 def _assemble_fn(
@@ -379,7 +437,8 @@ def emit_body(program: BucketProgram, axis: Any) -> Callable[..., tuple[jax.Arra
     outs: list[Any] = [None] * num_src
     for li, r in direct.items():
       lf = program.leaves[li]
-      words = _from_units(recvs[r], lf.word, lf.dst_words)
+      p = _direct_part(program, li)
+      words = _from_units(_payload_words(recvs[r], p.start, p.stop), lf.word, lf.dst_words)
       outs[li] = _from_uint(_narrow(words, lf.dtype), lf.dtype).reshape(lf.dst_block)
     ys: list[Any] = []
     if switched or valued:

@@ -261,10 +261,11 @@ def pass_bytes(plan: LayoutPlan) -> dict[str, int]:
   ``assemble``: received and resident parts read plus destination shards written (for a leaf
   split over buckets, written in place, only its parts); ``zero_fill``: the payload-sized zeros
   of devices that send or receive nothing in a round, and the discarded output blocks of
-  devices without a destination shard of a leaf. A round whose every payload is one leaf's whole
-  source shard is sent as it is (no pack, no zeros for idle senders), and a leaf whose every
-  destination shard arrives whole as one round's payload is that payload (no assembly, no
-  discarded block), see :func:`direct_steps`. A leaf cut into destination slabs assembles each
+  devices without a destination shard of a leaf. A round whose every payload is the whole
+  source shards of the same leaves is sent as it is (no pack, no zeros for idle senders; one
+  ``ppermute`` of several operands), and a leaf whose every destination shard arrives whole in
+  one round (the payload, or its leaf's operand) is that array (no assembly, no discarded
+  block), see :func:`direct_steps`. A leaf cut into destination slabs assembles each
   bucket's slab whole (discarded slab-sized blocks elsewhere), then reads it and writes it into
   the destination shard, which its first bucket fills with zeros. Zero source blocks
   (placeholders) are left out: small ones are made once and kept.
@@ -312,7 +313,8 @@ def pass_bytes(plan: LayoutPlan) -> dict[str, int]:
 
 def direct_steps(plan: LayoutPlan, bucket: Bucket) -> tuple[set[int], set[int]]:
   """The steps of ``bucket`` that move data without a copy: the rounds whose every payload is
-  the whole source shard of one leaf, alone and unpadded, and the leaves (positions in
+  the whole source shards of the same leaves, unpadded (see :func:`_whole_shards`), and the
+  leaves (positions in
   ``plan.scheduled``, moved by this bucket alone) whose every destination shard is one round's
   entire payload."""
   pair = bucket.piece_src * (1 << 32) + bucket.piece_dst  # pieces are sorted by pair
@@ -333,9 +335,17 @@ def direct_steps(plan: LayoutPlan, bucket: Bucket) -> tuple[set[int], set[int]]:
     pairs = np.asarray(rnd.pairs, dtype=np.int64).reshape(-1, 2)
     at = np.searchsorted(keys, pairs[:, 0] * (1 << 32) + pairs[:, 1])
     alone = (count[at] == 1) & (nbytes[at] == rnd.nbytes)
-    leaves = set(leaf[at].tolist())
-    if alone.all() and len(leaves) == 1 and src_bytes[leaves.pop()] == rnd.nbytes:
+    if _whole_shards(bucket, first[at], count[at], src_bytes, rnd.nbytes):
       rounds.add(r)
+    if r in rounds:  # each leaf of a round of whole source shards arrives on its own
+      rows = (first[at][:, None] + np.arange(count[at][0])[None, :]).reshape(-1)
+      got = np.asarray(bucket.piece_leaf, dtype=np.int64)[rows].tolist()
+      sizes = np.asarray(bucket.piece_nbytes, dtype=np.int64)[rows].tolist()
+      to = np.repeat(pairs[:, 1], count[at][0]).tolist()
+      for j, b, d in zip(got, sizes, to, strict=True):
+        if dst_bytes[j] == b:
+          arrivals.setdefault(j, []).append((r, d))
+      continue
     for j, d in zip(leaf[at][alone].tolist(), pairs[alone, 1].tolist(), strict=True):
       if dst_bytes[j] == rnd.nbytes:
         arrivals.setdefault(j, []).append((r, d))
@@ -349,6 +359,24 @@ def direct_steps(plan: LayoutPlan, bucket: Bucket) -> tuple[set[int], set[int]]:
     if sorted(d for _, d in got) == sorted(dst.device_ids):
       whole.add(j)
   return rounds, whole
+
+
+def _whole_shards(
+  bucket: Bucket, first: np.ndarray, count: np.ndarray, src_bytes: dict[int, int], nbytes: int
+) -> bool:
+  """Whether every payload of a round (pairs whose pieces start at ``first``, ``count`` each)
+  is the whole source shards of the same leaves in the same order, unpadded: sent as they are,
+  one ``ppermute`` of several operands."""
+  if len(first) == 0 or (count != count[0]).any():
+    return False
+  leaves = np.asarray(bucket.piece_leaf, dtype=np.int64)
+  sizes = np.asarray(bucket.piece_nbytes, dtype=np.int64)
+  rows = first[:, None] + np.arange(count[0])[None, :]
+  order = leaves[rows]
+  if (order != order[0]).any() or len(set(order[0].tolist())) != count[0]:
+    return False
+  whole = np.array([src_bytes[j] for j in order[0].tolist()], dtype=np.int64)
+  return bool((sizes[rows] == whole).all()) and int(whole.sum()) == nbytes
 
 
 def _passes(stages: Sequence[LayoutPlan], moved: int) -> float:

@@ -278,3 +278,40 @@ def test_whole_shards_move_without_pack_or_assembly() -> None:
     assert _emit.received_whole(program) == {0: 0}
     assert "conditional" not in plan.executables()[0].compile().as_text()
     assert_matches_oracle(plan(jax.device_put(h, src)), h, dst)
+
+
+def test_whole_shards_of_several_leaves_move_without_pack() -> None:
+  """Two leaves (float32, bfloat16) in one bucket, rows on devices 0-3 to rows on 4-7: every
+  payload is both leaves' whole source shards, sent as one ``ppermute`` of two operands (no
+  pack, no concatenation), and each arrives as its leaf's whole destination shard (no
+  assembly): 1.5 passes, as for one leaf. To rows on devices 4-5, each destination shard is
+  assembled from two rounds of such payloads, still without a pack. Bit for bit."""
+  devs = np.array(jax.devices())
+  src = NamedSharding(Mesh(devs[:4], ("x",)), P("x"))
+  rng = np.random.default_rng(8)
+  h = {
+    "a": random_host_array(rng, (8, 8), np.float32),
+    "b": random_host_array(rng, (8, 16), jnp.bfloat16),
+  }
+  x = jax.device_put(h, src)
+  dst = NamedSharding(Mesh(devs[4:], ("x",)), P("x"))
+  plan = jr.make_plan(x, {"a": dst, "b": dst})
+  (program,) = plan.programs()
+  assert [_emit.whole_block_leaves(program, r) for r in program.rounds] == [(0, 1)]
+  assert _emit.received_whole(program) == {0: 0, 1: 0}
+  assert plan.stats.passes_per_moved_byte == 1.5
+  assert pass_bytes(plan.layout_plan)["pack"] == pass_bytes(plan.layout_plan)["assemble"] == 0
+  hlo = plan.executables()[0].compile().as_text()
+  assert "conditional" not in hlo and "concatenate" not in hlo
+  y = plan(x)
+  for k in h:
+    assert_matches_oracle(y[k], h[k], dst)
+  dst2 = NamedSharding(Mesh(devs[4:6], ("x",)), P("x"))
+  plan = jr.make_plan(x, {"a": dst2, "b": dst2})
+  (program,) = plan.programs()
+  assert len(program.rounds) == 2
+  assert all(_emit.whole_block_leaves(program, r) == (0, 1) for r in program.rounds)
+  assert pass_bytes(plan.layout_plan)["pack"] == 0
+  y = plan(x)
+  for k in h:
+    assert_matches_oracle(y[k], h[k], dst2)
