@@ -18,7 +18,7 @@ from jax_reshard._layout import Layout
 from jax_reshard._plan import LayoutPlan, PlanStats, format_plan, plan_layouts
 from jax_reshard._planner import LeafPlan
 from jax_reshard._program import BucketProgram, make_bucket_program, with_leaf_indices
-from jax_reshard._schedule import DEFAULT_MAX_BUCKET_BYTES, Schedule
+from jax_reshard._schedule import CPU_MAX_BUCKET_BYTES, DEFAULT_MAX_BUCKET_BYTES, Schedule
 from jax_reshard._tapi import TransformPlan, make_transform_plan, transform_cache_clear
 from jax_reshard._topology import Topology
 from jax_reshard._tree import Leaf, check_arrays, check_donated, flatten_tree
@@ -262,7 +262,9 @@ def make_plan(
     dst: one ``jax.sharding.Sharding`` for every leaf, or a pytree prefix of ``src`` whose
       leaves are Shardings (or arrays / ShapeDtypeStructs carrying ``.sharding``). With
       ``transform``, a prefix of the transform's output tree instead.
-    max_bucket_bytes: bound on transient staging bytes per device per compiled program.
+    max_bucket_bytes: bound on transient staging bytes per device per compiled program. The
+      default, 1 GiB, is 16 MiB where every device is a CPU (larger programs there map fresh
+      host pages on every call).
     topology: device domains and link costs (``jr.Topology``); with several domains, regions a
       domain lacks cross into it once and are forwarded inside it (see ``jr.plan_layouts``).
     transform: a function of the source tree made of casts, static slicing and indexing,
@@ -308,7 +310,18 @@ def make_plan(
   if transform is not None:
     return make_transform_plan(src, dst, transform, max_bucket_bytes=max_bucket_bytes)
   treedef, leaves = flatten_tree(src, dst)
+  if max_bucket_bytes == DEFAULT_MAX_BUCKET_BYTES and _all_cpu(leaves):
+    max_bucket_bytes = CPU_MAX_BUCKET_BYTES
   return _cached_plan(treedef, tuple(leaves), max_bucket_bytes, topology)
+
+
+def _all_cpu(leaves: list[Leaf]) -> bool:
+  """Whether every source and destination device of ``leaves`` is a CPU."""
+  return bool(leaves) and all(
+    d.platform == "cpu"
+    for lf in leaves
+    for d in (*lf.src_sharding.device_set, *lf.dst_sharding.device_set)
+  )
 
 
 @functools.lru_cache(maxsize=256)

@@ -43,6 +43,11 @@ from jax_reshard._layout import Layout
 from jax_reshard._planner import LeafPlan
 
 DEFAULT_MAX_BUCKET_BYTES = 1 << 30
+# The default bound where every device of a plan is a CPU: XLA:CPU allocates a program's
+# temporaries (its received payloads) from the host allocator on every call, and above a few
+# tens of MiB per device the allocator maps fresh pages each time (at 52 MB of staging per
+# device, ~100 MiB of page faults per call, half the call's time); at 16 MiB none.
+CPU_MAX_BUCKET_BYTES = 16 << 20
 # Most leaves (chunks of a split leaf counted apart) in one bucket: a bucket's program compiles
 # in time that grows with its leaves (about 45 ms per 8x8 leaf at 16-128 leaves on 2 CPU cores,
 # faster than linear beyond), so a tree of many small leaves becomes several buckets, cut where
