@@ -409,3 +409,21 @@ def test_tree_mixing_slabs_sub_boxes_and_whole_leaves() -> None:
     y = plan(x, donate=donate)
     for k, h in hosts.items():
       assert_matches_oracle(y[k], h, dsts[k])
+
+
+def test_default_bound_on_cpu_devices() -> None:
+  """Where every device is a CPU, the default bound is ``CPU_MAX_BUCKET_BYTES``: a tree of
+  about 48 MiB of staging per device becomes several buckets under it, where an explicit
+  larger bound keeps one bucket (planned from ShapeDtypeStructs: nothing runs)."""
+  from jax_reshard._schedule import CPU_MAX_BUCKET_BYTES
+
+  devs = np.array(jax.devices())
+  src = NamedSharding(Mesh(devs[:4], ("x",)), P("x"))
+  dst = NamedSharding(Mesh(devs[4:], ("x",)), P(None, "x"))
+  tree = {f"w{i}": jax.ShapeDtypeStruct((2048, 1024), np.float32, sharding=src) for i in range(12)}
+  plan = jr.make_plan(tree, dst)
+  assert plan.stats.num_buckets > 1
+  assert plan.stats.peak_staging_bytes <= CPU_MAX_BUCKET_BYTES
+  big = jr.make_plan(tree, dst, max_bucket_bytes=2 << 30)
+  assert big.stats.num_buckets == 1 and big.stats.peak_staging_bytes > CPU_MAX_BUCKET_BYTES
+  assert big.stats.bytes_moved == plan.stats.bytes_moved == plan.stats.lower_bound_bytes
