@@ -228,9 +228,10 @@ def _dense(ids: np.ndarray) -> np.ndarray:
   return np.unique(ids, return_inverse=True)[1].reshape(-1)
 
 
-def _color_dense(s: np.ndarray, d: np.ndarray) -> np.ndarray:
+def _color_dense(s: np.ndarray, d: np.ndarray, swap_late: bool = False) -> np.ndarray:
   """:func:`color_bipartite` of the edges ``zip(s, d)``, vertices numbered from 0 on each side
-  (the colours depend only on which edges share a vertex, not on the vertices' numbers)."""
+  (the colours depend only on which edges share a vertex, not on the vertices' numbers); with
+  ``swap_late``, where first fit fails, :func:`_first_fit_swapping`'s colouring instead."""
   if len(s) <= 1:
     return np.zeros(len(s), dtype=np.int64)
   k = max(int(np.bincount(s).max()), int(np.bincount(d).max()))
@@ -239,7 +240,7 @@ def _color_dense(s: np.ndarray, d: np.ndarray) -> np.ndarray:
   sl, dl = s.tolist(), d.tolist()
   colour = _first_fit(sl, dl, k)
   if colour is None:
-    colour = _alternating(sl, dl, k)
+    colour = (_first_fit_swapping if swap_late else _alternating)(sl, dl, k)
   return np.asarray(colour, dtype=np.int64)
 
 
@@ -301,6 +302,70 @@ def _alternating(s: list[int], d: list[int], k: int) -> list[int]:
   return colour
 
 
+def _first_fit_swapping(s: list[int], d: list[int], k: int) -> list[int]:
+  """Another Konig colouring of the edges ``zip(s, d)`` (vertices numbered from 0) with exactly
+  ``k`` (the maximum degree) colours, faster than :func:`_alternating` where first fit fails
+  late: each edge takes the lowest colour free at both ends (first
+  fit) where one is below ``k``; else, with ``a`` free at its sender and ``b`` at its receiver,
+  ``a`` and ``b`` are swapped along the alternating path from the receiver, which frees ``a``
+  there. Paths are walked only for the edges first fit cannot colour."""
+  used_s, used_d = [0] * (max(s) + 1), [0] * (max(d) + 1)  # per vertex, a bitmask of colours
+  at_s = [[-1] * k for _ in used_s]  # per vertex, colour -> edge index
+  at_d = [[-1] * k for _ in used_d]
+  colour = [-1] * len(s)
+  for e, (u, v) in enumerate(zip(s, d, strict=True)):
+    m = used_s[u] | used_d[v]
+    c = (~m & (m + 1)).bit_length() - 1
+    if c >= k:
+      m = used_s[u]
+      c = (~m & (m + 1)).bit_length() - 1  # free at u, taken at v
+      m = used_d[v]
+      b = (~m & (m + 1)).bit_length() - 1  # free at v
+      _swap_path(s, d, colour, at_s, at_d, used_s, used_d, v, c, b)
+    colour[e] = c
+    at_s[u][c] = at_d[v][c] = e
+    used_s[u] |= 1 << c
+    used_d[v] |= 1 << c
+  return colour
+
+
+def _swap_path(
+  s: list[int],
+  d: list[int],
+  colour: list[int],
+  at_s: list[list[int]],
+  at_d: list[list[int]],
+  used_s: list[int],
+  used_d: list[int],
+  v: int,
+  a: int,
+  b: int,
+) -> None:
+  """Swaps colours ``a`` and ``b`` on the path from receiver ``v`` (``a`` taken there, ``b``
+  free) along edges coloured ``a``, ``b``, ``a``, ...; afterwards ``a`` is free at ``v``. The
+  path never reaches a sender with ``a`` free (it enters senders by ``a`` edges)."""
+  path = []
+  node, on_right, c = v, True, a
+  while True:
+    f = (at_d if on_right else at_s)[node][c]
+    if f == -1:
+      break
+    path.append(f)
+    node, on_right = (s[f], False) if on_right else (d[f], True)
+    c = b if c == a else a
+  for f in path:
+    at_s[s[f]][colour[f]] = at_d[d[f]][colour[f]] = -1
+  for f in path:
+    c = colour[f] = b if colour[f] == a else a
+    at_s[s[f]][c] = at_d[d[f]][c] = f
+  flip = (1 << a) | (1 << b)  # inner vertices keep both colours; the two ends trade one
+  used_d[v] ^= flip
+  if on_right:
+    used_d[node] ^= flip
+  else:
+    used_s[node] ^= flip
+
+
 def _make_rounds(
   ps: np.ndarray, pd: np.ndarray, fill: np.ndarray
 ) -> tuple[list[Round], np.ndarray]:
@@ -311,6 +376,10 @@ def _make_rounds(
   SIZE_TOLERANCE of each other) separately, which pads little but may leave devices idle, and
   one that colours all pairs together, largest first. Ties go to less padding. The second is
   not computed where a lower bound of its time (:func:`_joint_time_bound`) shows it cannot win.
+  Both use max-degree colours; where first fit needs more, a size class (payloads alike, so
+  which pairs share a round barely matters) is finished by :func:`_first_fit_swapping`, which
+  walks alternating paths only for the edges first fit cannot colour, and the joint colouring
+  by :func:`_alternating`.
   """
   if not len(fill):
     return [], np.zeros(0, dtype=np.int64)
@@ -328,7 +397,7 @@ def _make_rounds(
     colour = np.empty(len(fill), dtype=np.int64)
     base = 0
     for a, b in classes:
-      colour[a:b] = base + _color_dense(s[a:b], d[a:b])
+      colour[a:b] = base + _color_dense(s[a:b], d[a:b], swap_late=len(classes) > 1)
       base = int(colour[a:b].max()) + 1
     size = np.zeros(base, dtype=np.int64)
     np.maximum.at(size, colour, fill)

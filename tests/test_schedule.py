@@ -174,7 +174,7 @@ def test_destination_placeholder_floor_is_still_an_error() -> None:
 
 def _rounds_comparing_both(ps, pd, fill):
   """The rounds of :func:`_make_rounds` with both colourings always computed and compared."""
-  from jax_reshard._schedule import SIZE_TOLERANCE
+  from jax_reshard._schedule import SIZE_TOLERANCE, _color_dense, _dense
 
   order = np.lexsort((pd, ps, -fill))
   ps, pd, fill = ps[order], pd[order], fill[order]
@@ -186,8 +186,8 @@ def _rounds_comparing_both(ps, pd, fill):
   for classes in (list(itertools.pairwise(bounds)), [(0, len(fill))]):
     colour, base = np.empty(len(fill), dtype=np.int64), 0
     for a, b in classes:
-      edges = list(zip(ps[a:b].tolist(), pd[a:b].tolist(), strict=True))
-      colour[a:b] = base + np.asarray(color_bipartite(edges))
+      s, d = _dense(ps)[a:b], _dense(pd)[a:b]
+      colour[a:b] = base + _color_dense(s, d, swap_late=len(classes) > 1)
       base = int(colour[a:b].max()) + 1
     size = np.zeros(base, dtype=np.int64)
     np.maximum.at(size, colour, fill)
@@ -216,3 +216,23 @@ def test_joint_colouring_is_skipped_only_where_it_cannot_win(seed: int) -> None:
   order = np.lexsort((pd, ps, -fill))
   bound = _joint_time_bound(_dense(ps[order]), _dense(pd[order]), fill[order])
   assert bound <= sum(r.nbytes for r in rounds)
+
+
+def test_first_fit_swapping_is_proper_and_optimal() -> None:
+  """Dense random multigraphs, some on which first fit needs more than max-degree colours."""
+  from jax_reshard._schedule import _first_fit, _first_fit_swapping
+
+  swapped = 0
+  for seed in range(60):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(3, 9))
+    s, d = (rng.integers(0, n, 8 * n).tolist() for _ in range(2))
+    k = max(max(Counter(s).values()), max(Counter(d).values()))
+    colours = _first_fit_swapping(s, d, k)
+    assert max(colours) + 1 == k
+    assert len(set(zip(s, colours, strict=True))) == len(s)
+    assert len(set(zip(d, colours, strict=True))) == len(s)
+    fit = _first_fit(s, d, k)
+    swapped += fit is None
+    assert fit is None or colours == fit  # where first fit suffices, its colouring is kept
+  assert swapped >= 5
