@@ -146,6 +146,8 @@ def run(model: str, sc: Scenario) -> dict[str, float]:
   bound = plan.max_bucket_bytes or 0
   within = "within" if st.peak_staging_bytes <= bound else "ABOVE"
   slabs = [j for j, s in enumerate(sched.leaf_slabs) if s is not None]
+  dst_slabs = [j for j, s in enumerate(sched.leaf_dst_slabs) if s is not None]
+  counts = sorted({len(sched.leaf_dst_slabs[j][1]) - 1 for j in dst_slabs})
   split = sum(len(b) > 1 for b in sched.leaf_buckets)
   print(
     f"\n{model} ({_gb(weights)} in {len(layouts)} leaves), {sc.name}: "
@@ -163,7 +165,8 @@ def run(model: str, sc: Scenario) -> dict[str, float]:
     f"({within} the bound {_gb(bound)})\n"
     f"  split leaves       {split} over several buckets, {len(slabs)} of them in slabs of their "
     f"source shards ({', '.join(str(len(sched.leaf_slabs[j][1]) - 1) for j in slabs) or 'none'}"
-    " slabs)\n"
+    f" slabs), {len(dst_slabs)} in slabs of their destination shards "
+    f"({', '.join(map(str, counts)) or 'none'} slabs)\n"
     f"  time               layouts {t1 - t0:.2f} s, planning (planner + schedule) {t2 - t1:.2f} s"
   )
   return {"plan_s": t2 - t1, "moved": moved, "lb": lb, "num_programs": st.num_programs}

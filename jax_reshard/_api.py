@@ -205,7 +205,7 @@ class ReshardPlan:
         carry[i] = buffers_by_device(old[i])
     for idx, exe in zip(self._bucket_leaves, executables, strict=True):
       dsts = [
-        carry.pop(i) if lf.dst_input else None
+        carry.pop(i) if lf.dst_input else carry.pop(i, None) if lf.dst_window else None
         for i, lf in zip(idx, exe.program.leaves, strict=True)
       ]
       # A relay stage takes the first stage's results as its source.

@@ -120,6 +120,8 @@ def _schedule_digest(schedule: Schedule) -> str:
     _feed_ints(h, [c for chunks in b.chunks for c in (len(chunks), *chunks)])
   for slab in schedule.leaf_slabs:  # which window of the source shards each chunk stages
     _feed_ints(h, [-1] if slab is None else [slab[0], *slab[1]])
+  for slab in schedule.leaf_dst_slabs:  # which window of the destination shards it outputs
+    _feed_ints(h, [-1] if slab is None else [slab[0], *slab[1]])
   return h.hexdigest()[:16]
 
 

@@ -33,6 +33,7 @@ from jax_reshard._program import (
   BucketProgram,
   ChunkWrites,
   Cut,
+  DestinationWindow,
   LeafView,
   Pack,
   PlaceholderGroup,
@@ -513,12 +514,67 @@ class _Slicer:
     return buffers_by_device(jax.block_until_ready(slabs))
 
 
+@functools.lru_cache(maxsize=PROGRAM_CACHE_SIZE)
+def _write_slab_program(
+  window: DestinationWindow, dtype: np.dtype, devices: tuple[Any, ...], carried: bool
+) -> Any:
+  """A compiled function writing a bucket's slab of every destination shard into the shard
+  (``carried``: the shard filled so far, or a donated buffer, taken first and donated; else
+  zeros), one block per device of ``devices`` (the destination's devices): one pass over the
+  slab, the shard updated where it is."""
+  staged = NamedSharding(Mesh(np.array(devices), (AXIS,)), PartitionSpec(AXIS))
+  at = tuple(window.start if d == window.dim else 0 for d in range(len(window.shard)))
+
+  def write(*blocks: jax.Array) -> jax.Array:
+    base = blocks[0] if carried else jnp.zeros(window.shard, dtype)
+    return jax.lax.dynamic_update_slice(base, blocks[-1], at)
+
+  n = len(devices)
+  avals = [jax.ShapeDtypeStruct(_staged_shape(window.shape(), n), dtype, sharding=staged)]
+  if carried:
+    avals.insert(0, jax.ShapeDtypeStruct(_staged_shape(window.shard, n), dtype, sharding=staged))
+  fn = jax.shard_map(
+    write, mesh=staged.mesh, in_specs=(PartitionSpec(AXIS),) * len(avals),
+    out_specs=PartitionSpec(AXIS),
+  )  # fmt: skip
+  return jax.jit(fn, donate_argnums=(0,) if carried else ()).lower(*avals).compile()
+
+
+class _SlabWriter:
+  """Writes a bucket's slab of a leaf's destination shards into them (see
+  :class:`DestinationWindow`), on the destination's devices alone."""
+
+  __slots__ = ("compiled", "ids", "shard_wrap", "slab_wrap")
+
+  def __init__(self, lf: LeafView, dst_sharding: Any, *, fast: bool) -> None:
+    window = lf.dst_window
+    assert window is not None
+    devices = tuple(sorted(dst_sharding.device_set, key=lambda d: d.id))
+    self.compiled = [_write_slab_program(window, lf.dtype, devices, c) for c in (False, True)]
+    staged = NamedSharding(Mesh(np.array(devices), (AXIS,)), PartitionSpec(AXIS))
+    self.ids = addressable_order(staged, fast=fast)
+    n = len(devices)
+    self.shard_wrap = Wrapper(_staged_shape(window.shard, n), lf.dtype, staged, fast=fast)
+    self.slab_wrap = Wrapper(_staged_shape(window.shape(), n), lf.dtype, staged, fast=fast)
+
+  def __call__(
+    self, carried: dict[int, jax.Array] | None, slabs: dict[int, jax.Array]
+  ) -> dict[int, jax.Array]:
+    """The destination shards by device id: ``carried`` (donated) or zeros with ``slabs``
+    (by device id) written in."""
+    args = [self.slab_wrap([slabs[i] for i in self.ids])]
+    if carried is not None:
+      args.insert(0, self.shard_wrap([carried[i] for i in self.ids]))
+    return buffers_by_device(self.compiled[carried is not None](*args))
+
+
 def clear_program_cache() -> None:
   """Forgets the compiled programs shared between buckets and plans, and the zero blocks kept."""
   _compiled_program.cache_clear()
   _placeholder_program.cache_clear()
   _source_zeros.cache_clear()
   _slab_program.cache_clear()
+  _write_slab_program.cache_clear()
 
 
 class _LeafIO:
@@ -542,6 +598,7 @@ class _LeafIO:
     "stage_wrap",
     "staged_ids",
     "unstage_wrap",
+    "writer",
   )
 
   def __init__(
@@ -568,6 +625,9 @@ class _LeafIO:
     self.dst_block, self.carry_out = lf.dst_block, lf.carry_out
     self.dst_stage_wrap = Wrapper(_staged_shape(lf.dst_block, n), lf.dtype, staged, fast=fast)
     self.unstage_wrap = Wrapper(lf.shape, lf.dtype, dst_sharding, fast=fast)
+    self.writer = None  # a leaf cut into destination slabs: its slab is written in afterwards
+    if lf.dst_window is not None:
+      self.writer = _SlabWriter(lf, dst_sharding, fast=fast)
 
   def _pick(self, sharding: Any, *, fast: bool) -> list[int]:
     """Per staged position, the index of its buffer among ``sharding``'s, or -1."""
@@ -612,17 +672,24 @@ class _LeafIO:
     return self.dst_stage_wrap(blocks)
 
   def unstage(
-    self, y: jax.Array, spares: dict[Any, list[jax.Array]] | None = None
+    self,
+    y: jax.Array,
+    spares: dict[Any, list[jax.Array]] | None = None,
+    carried: dict[int, jax.Array] | None = None,
   ) -> jax.Array | dict[int, jax.Array]:
     """The destination array made of the destination devices' output blocks (zero-copy), or
     (``carry_out``) those blocks by device id, for the leaf's next bucket. With ``spares``, a
     leaf with a destination input also leaves there its other positions' blocks (keyed by
     device id, block shape and dtype): buffers a later bucket donates instead of making zero
-    blocks."""
+    blocks. A leaf cut into destination slabs has its slab written into ``carried`` (its
+    destination blocks by device id, donated), or into zeros where that is ``None``."""
     held = buffers(y, fast=self.unstage_wrap.fast)
     if spares is not None and self.dst_input:
       for j, key in self.spare_at:
         spares.setdefault(key, []).append(held[j])
+    if self.writer is not None:
+      shards = self.writer(carried, {self.staged_ids[j]: held[j] for j in self.dst_pick})
+      held = [shards.get(i) for i in self.staged_ids]
     if self.carry_out:
       return {self.staged_ids[j]: held[j] for j in self.dst_pick}
     if self.scalar_dst:
@@ -761,7 +828,7 @@ class BucketExecutable:
     Args:
       xs: per leaf of the program, its source array.
       dsts: per leaf, its destination blocks by device id where it has a destination input
-        (donated: they are consumed), else ``None``.
+        or is cut into destination slabs (donated: they are consumed), else ``None``.
       spares: optional, buffers to donate as destination placeholders, by (device id, block
         shape, dtype); consumed, then refilled with this call's blocks of positions without a
         destination shard (see :meth:`_LeafIO.unstage`), for the caller's next bucket.
@@ -778,7 +845,10 @@ class BucketExecutable:
       for li in self.program.dst_inputs:
         staged.append(io[li].stage_dst(dsts[li] or {}, dst_ph, li))
     ys = compiled(*staged)
-    return [leaf.unstage(y, spares) for leaf, y in zip(io, ys, strict=True)]
+    carried = [None if lf.writer is None or not dsts else dsts[li] for li, lf in enumerate(io)]
+    return [
+      leaf.unstage(y, spares, c) for leaf, y, c in zip(io, ys, carried, strict=True)
+    ]  # fmt: skip
 
 
 def empty_like_sharded(shape: tuple[int, ...], dtype: np.dtype, sharding: Any) -> jax.Array:

@@ -19,7 +19,13 @@ from jax_reshard._classes import bucket_classes
 from jax_reshard._cost import Estimate, estimate
 from jax_reshard._layout import Layout
 from jax_reshard._planner import LeafPlan, plan_leaves
-from jax_reshard._schedule import DEFAULT_MAX_BUCKET_BYTES, Bucket, Schedule, make_schedule
+from jax_reshard._schedule import (
+  DEFAULT_MAX_BUCKET_BYTES,
+  Bucket,
+  Schedule,
+  dst_slab_window,
+  make_schedule,
+)
 from jax_reshard._topology import Topology
 
 
@@ -258,8 +264,10 @@ def pass_bytes(plan: LayoutPlan) -> dict[str, int]:
   devices without a destination shard of a leaf. A round whose every payload is one leaf's whole
   source shard is sent as it is (no pack, no zeros for idle senders), and a leaf whose every
   destination shard arrives whole as one round's payload is that payload (no assembly, no
-  discarded block), see :func:`direct_steps`. Zero source blocks (placeholders) are left out:
-  small ones are made once and kept.
+  discarded block), see :func:`direct_steps`. A leaf cut into destination slabs assembles each
+  bucket's slab whole (discarded slab-sized blocks elsewhere), then reads it and writes it into
+  the destination shard, which its first bucket fills with zeros. Zero source blocks
+  (placeholders) are left out: small ones are made once and kept.
   """
   out = dict.fromkeys(("pack", "transfer", "assemble", "zero_fill"), 0)
   spans = plan.schedule.leaf_buckets
@@ -294,6 +302,11 @@ def pass_bytes(plan: LayoutPlan) -> dict[str, int]:
       out["assemble"] += remote + local + (shard * len(dst.device_ids) if whole else remote + local)
       if whole:
         out["zero_fill"] += (n - len(dst.device_ids)) * shard
+      if (window := dst_slab_window(plan.schedule, j, chunks)) is not None:
+        slab = shard // dst.shard_shape()[window[0]] * (window[2] - window[1])
+        out["assemble"] += 2 * slab * len(dst.device_ids)
+        out["zero_fill"] += (n - len(dst.device_ids)) * slab
+        out["zero_fill"] += shard * len(dst.device_ids) if 0 in chunks else 0
   return out
 
 

@@ -31,6 +31,7 @@ from jax_reshard._planner import LeafPlan
 from jax_reshard._schedule import (
   Bucket,
   Piece,
+  dst_slab_window,
   placeholder_mask,
   slab_window,
   staged_block_shape,
@@ -53,6 +54,15 @@ class SourceWindow:
   def shape(self) -> Box:
     """The slab's shape."""
     return (*self.shard[: self.dim], self.stop - self.start, *self.shard[self.dim + 1 :])
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DestinationWindow(SourceWindow):
+  """The part of every destination shard a bucket outputs for a leaf cut into destination
+  slabs: local indices ``start:stop`` along ``dim`` of a destination shard of shape ``shard``.
+  The program assembles that slab alone; it is written into the destination shard (carried
+  from the leaf's previous bucket, or the donated buffer, or zeros) after the program runs.
+  """
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -80,6 +90,8 @@ class LeafView:
     carry_out: the output goes on to the leaf's next bucket instead of being the result.
     src_window: for a leaf cut into slabs, the slab of every source shard the bucket stages
       (cut from the shard before the program runs); ``None``: the whole shard.
+    dst_window: for a leaf cut into destination slabs, the slab of every destination shard the
+      program outputs (``dst_shard`` is its shape); ``None``: the whole shard.
   """
 
   index: int
@@ -95,6 +107,7 @@ class LeafView:
   dst_input: bool = False
   carry_out: bool = False
   src_window: SourceWindow | None = None
+  dst_window: DestinationWindow | None = None
 
   @property
   def word_ratio(self) -> int:
@@ -253,13 +266,17 @@ class BucketProgram:
 
 
 def program_signature(program: BucketProgram) -> BucketProgram:
-  """``program`` without the plan's leaf numbers and where its slabs lie in the source shards:
-  equal for buckets that differ only in which leaves (or which equal-sized slabs of a leaf)
-  they carry (same devices, shapes, dtypes, payloads and roles), which can therefore share one
-  compiled executable (cutting the slab happens before it runs)."""
-  if all(lf.index == -1 and lf.src_window is None for lf in program.leaves):
+  """``program`` without the plan's leaf numbers and where its slabs lie in the source or
+  destination shards: equal for buckets that differ only in which leaves (or which equal-sized
+  slabs of a leaf) they carry (same devices, shapes, dtypes, payloads and roles), which can
+  therefore share one compiled executable (cutting or writing the slab happens outside it)."""
+  if all(
+    lf.index == -1 and lf.src_window is None and lf.dst_window is None for lf in program.leaves
+  ):
     return program
-  leaves = tuple(dataclasses.replace(lf, index=-1, src_window=None) for lf in program.leaves)
+  leaves = tuple(
+    dataclasses.replace(lf, index=-1, src_window=None, dst_window=None) for lf in program.leaves
+  )
   return dataclasses.replace(program, leaves=leaves)
 
 
@@ -329,8 +346,12 @@ class _LeafInput:
     return self.in_words(self.plan.lo[t] - start), self.in_words(self.plan.hi[t] - self.plan.lo[t])
 
   def dst_offset(self, t: int, dev: int) -> Box:
-    """Offset in words of transfer ``t`` inside ``dev``'s destination shard."""
+    """Offset in words of transfer ``t`` inside ``dev``'s destination shard (or the slab of it
+    the bucket outputs)."""
     start = np.asarray(self.dst.starts[self.dst.device_ids.index(dev)], dtype=np.int64)
+    window = self.view.dst_window
+    if window is not None:
+      start[window.dim] += window.start
     return self.in_words(self.plan.lo[t] - start)
 
 
@@ -368,12 +389,15 @@ def make_bucket_program(
   for j, i, chunks in zip(sched_bucket.leaves, leaf_ids, sched_bucket.chunks, strict=True):
     spans = plan.schedule.leaf_buckets[j] if plan.schedule.leaf_buckets else (bucket,)
     row_chunks = plan.schedule.row_chunks
+    dst_window = dst_slab_window(plan.schedule, j, chunks)
+    whole = dst_window is None  # a destination slab is assembled whole, written in afterwards
     mode = _Mode(
-      in_place=len(spans) > 1,
-      dst_input=donate or spans[0] != bucket,
+      in_place=whole and len(spans) > 1,
+      dst_input=whole and (donate or spans[0] != bucket),
       carry_out=spans[-1] != bucket,
       copies=np.isin(row_chunks[j], chunks) if row_chunks else True,
       window=slab_window(plan.schedule, j, chunks),
+      dst_window=dst_window,
     )
     word = max(uint_dtype(dtypes[i]), unit, key=lambda d: d.itemsize)
     leaves.append(_leaf_input(i, plan, dtypes[i], word, mode))
@@ -399,13 +423,18 @@ class _Mode:
   carry_out: bool = False
   copies: np.ndarray | bool = True
   window: tuple[int, int, int] | None = None
+  dst_window: tuple[int, int, int] | None = None
 
 
 def _leaf_input(
   index: int, plan: LayoutPlan, dtype: np.dtype, word: np.dtype, mode: _Mode = _Mode()
 ) -> _LeafInput:
   src, dst = plan.layouts[index]
-  dst_words = list(dst.shard_shape())
+  dst_window = None
+  if mode.dst_window is not None:
+    dst_window = DestinationWindow(*mode.dst_window, dst.shard_shape())
+  dst_shard = dst.shard_shape() if dst_window is None else dst_window.shape()
+  dst_words = list(dst_shard)
   if dst_words:
     dst_words[-1] //= word.itemsize // max(dtype.itemsize, 1)
   window = None if mode.window is None else SourceWindow(*mode.window, src.shard_shape())
@@ -416,14 +445,15 @@ def _leaf_input(
     dtype=dtype,
     word=word,
     src_shard=src_shard,
-    dst_shard=dst.shard_shape(),
+    dst_shard=dst_shard,
     src_block=staged_block_shape(src_shard),
-    dst_block=staged_block_shape(dst.shard_shape()),
+    dst_block=staged_block_shape(dst_shard),
     dst_words=tuple(dst_words),
     in_place=mode.in_place,
     dst_input=mode.dst_input,
     carry_out=mode.carry_out,
     src_window=window,
+    dst_window=dst_window,
   )
   return _LeafInput(plan.leaf_plans[index], src, dst, view, mode.copies)
 
@@ -725,6 +755,11 @@ def format_program(program: BucketProgram) -> str:
     if lf.src_window is not None:
       w = lf.src_window
       mode += f", staging the slab {w.start}:{w.stop} of dim {w.dim} of {list(w.shard)}"
+    if lf.dst_window is not None:
+      w = lf.dst_window
+      mode += (
+        f", writing the slab {w.start}:{w.stop} of dim {w.dim} of {list(w.shard)} after it runs"
+      )
     lines.append(
       f"  leaf {li} (#{lf.index}) {lf.dtype.name}{list(lf.shape)} in {lf.word.name}: "
       f"{list(lf.src_shard)} -> {list(lf.dst_shard)}{mode}"

@@ -20,7 +20,12 @@ every other device of the bucket stages a zero copy of the whole source block), 
 into *slabs* instead: chunk ``j`` covers the same window of local indices along one dimension of
 every source shard, every transfer and local copy is cut by its sender's windows, and a bucket
 stages only the windows of its chunks (cut from the source shards before it runs; placeholders
-of that size). Everything is NumPy over arrays of transfers."""
+of that size). Where the leaf's destination placeholder keeps even those above the bound (a
+destination replicated on few devices), the leaf is cut into *destination slabs*: chunk ``j``
+covers the same window of local indices of every destination shard, every transfer and local
+copy is cut by its receiver's windows, and a bucket outputs only the windows of its chunks
+(written into the destination shard after it runs; discarded blocks of that size elsewhere).
+Everything is NumPy over arrays of transfers."""
 
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ import itertools
 import math
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -128,6 +134,8 @@ class Schedule:
     leaf_buckets: per leaf, the buckets it runs in (consecutive).
     leaf_slabs: per leaf, ``None``, or for a leaf cut into slabs ``(dim, bounds)``: chunk ``j``
       covers local indices ``bounds[j]:bounds[j + 1]`` along ``dim`` of every source shard.
+    leaf_dst_slabs: the same for leaves cut into destination slabs: chunk ``j`` covers those
+      local indices of every destination shard.
   """
 
   buckets: tuple[Bucket, ...]
@@ -140,6 +148,7 @@ class Schedule:
   row_chunks: tuple[np.ndarray, ...] = ()
   leaf_buckets: tuple[tuple[int, ...], ...] = ()
   leaf_slabs: tuple[tuple[int, tuple[int, ...]] | None, ...] = ()
+  leaf_dst_slabs: tuple[tuple[int, tuple[int, ...]] | None, ...] = ()
 
   @property
   def num_rounds(self) -> int:
@@ -197,10 +206,27 @@ def slab_window(
   return dim, bounds[min(chunks)], bounds[max(chunks) + 1]
 
 
-def slab_dim(shard_shape: Sequence[int], k: int) -> int:
+def dst_slab_window(
+  schedule: Schedule, leaf: int, chunks: Sequence[int]
+) -> tuple[int, int, int] | None:
+  """``(dim, start, stop)``: the local indices of every destination shard of ``leaf`` that a
+  bucket moving ``chunks`` (consecutive) of it outputs, or ``None`` where the leaf is not cut
+  into destination slabs (the bucket outputs the whole destination block)."""
+  slab = schedule.leaf_dst_slabs[leaf] if schedule.leaf_dst_slabs else None
+  if slab is None:
+    return None
+  dim, bounds = slab
+  return dim, bounds[min(chunks)], bounds[max(chunks) + 1]
+
+
+def slab_dim(shard_shape: Sequence[int], k: int, spread: Sequence[bool] | None = None) -> int:
   """The dimension slabs of ``k`` chunks cut: the first of extent at least ``k`` (so a slab is a
-  contiguous run of the shard's rows), else the longest."""
+  contiguous run of the shard's rows), else the longest. With ``spread`` (per dimension), the
+  first such dimension where it is true comes first: one the other side of the leaf does not
+  shard, so every chunk keeps all its devices busy."""
   ext = np.asarray(shard_shape, dtype=np.int64)
+  if spread is not None and (pick := (ext >= k) & np.asarray(spread, dtype=bool)).any():
+    return int(np.argmax(pick))
   return int(np.argmax(ext >= k)) if (ext >= k).any() else int(np.argmax(ext))
 
 
@@ -492,14 +518,23 @@ def split_rows(plan: LeafPlan, k: int, itemsize: int) -> tuple[LeafPlan, np.ndar
 
 
 def split_slabs(
-  plan: LeafPlan, src: Layout, k: int, itemsize: int
+  plan: LeafPlan,
+  src: Layout,
+  k: int,
+  itemsize: int,
+  *,
+  receiver: bool = False,
+  spread: Sequence[bool] | None = None,
 ) -> tuple[LeafPlan, np.ndarray, tuple[int, tuple[int, ...]]]:
   """``plan`` cut into up to ``k`` slabs of source-local indices, each row's chunk, and the
   slabs ``(dim, bounds)``.
 
   Chunk ``j`` covers local indices ``bounds[j]:bounds[j + 1]`` along ``dim`` (see
   :func:`slab_dim`) of every source shard; every transfer with bytes, local copies included, is
-  cut by its sender's windows. Rows keep the planner's order (each cut row replaced by its
+  cut by its sender's windows. With ``receiver``, ``src`` is the destination layout: the slabs
+  are of destination-local indices and every row is cut by its receiver's windows. ``spread``:
+  see :func:`slab_dim`. Rows keep
+  the planner's order (each cut row replaced by its
   pieces, by chunk); the pieces partition the rows: the same bytes, more rows.
 
   Example:
@@ -512,13 +547,14 @@ def split_slabs(
     ((0, (0, 4, 8)), [0, 1], True)
   """
   shard = src.shard_shape()
-  dim = slab_dim(shard, k)
+  dim = slab_dim(shard, k, spread)
   k = max(1, min(k, shard[dim]))
   bounds = (np.arange(k + 1, dtype=np.int64) * shard[dim]) // k
   rows = np.flatnonzero(plan.nbytes > 0)
   ids = np.asarray(src.device_ids, dtype=np.int64)
   order_ids = np.argsort(ids)
-  at = order_ids[np.searchsorted(ids, plan.src_device[rows], sorter=order_ids)]
+  holder = (plan.dst_device if receiver else plan.src_device)[rows]
+  at = order_ids[np.searchsorted(ids, holder, sorter=order_ids)]
   start = src.box_arrays()[0][at, dim]
   lo, hi = plan.lo[rows, dim] - start, plan.hi[rows, dim] - start
   j0 = np.searchsorted(bounds, lo, side="right") - 1
@@ -564,9 +600,9 @@ class _Tree:
   layouts: Sequence[tuple[Layout, Layout]] = ()
   allow_slabs: bool = False
   slabs: dict[int, tuple[int, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
-  splits: dict[
-    tuple[object, ...], tuple[LeafPlan, np.ndarray, tuple[int, tuple[int, ...]] | None]
-  ] = dataclasses.field(default_factory=dict)
+  dst_slabs: dict[int, tuple[int, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
+  # per split key: the rows, their chunks, and the source and destination slabs (or None)
+  splits: dict[tuple[object, ...], tuple[Any, ...]] = dataclasses.field(default_factory=dict)
   plans: list[LeafPlan] = dataclasses.field(default_factory=list)
   chunks: list[np.ndarray] = dataclasses.field(default_factory=list)
   payloads: list[np.ndarray] = dataclasses.field(default_factory=list)  # (chunks, devices)
@@ -594,14 +630,25 @@ class _Tree:
     """Per union device, the bytes a bucket moving chunks ``first..last`` of ``leaf`` stages
     for it besides payloads: its placeholder blocks, or for a leaf cut into slabs, the slab
     (cut from the source shard, or a zero placeholder of that size) and the destination
-    placeholder."""
-    slab = self.slabs.get(leaf)
+    placeholder; for a leaf cut into destination slabs, the source placeholder and the slab
+    output (written into the destination shard, or discarded, after the bucket)."""
+    src_slab, dst_slab = self.slabs.get(leaf), self.dst_slabs.get(leaf)
+    slab = src_slab if src_slab is not None else dst_slab
     if slab is None:
       return self.placeholders[leaf]
+    side = 0 if src_slab is not None else 1
     dim, bounds = slab
-    block = staged_block_shape(self.layouts[leaf][0].shard_shape())
+    block = staged_block_shape(self.layouts[leaf][side].shard_shape())
     nbytes = math.prod(block) // block[dim] * (bounds[last + 1] - bounds[first])
-    return self.dst_placeholder(leaf) + nbytes * self.itemsizes[leaf]
+    rest = self.dst_placeholder(leaf) if side == 0 else self.src_placeholder(leaf)
+    return rest + nbytes * self.itemsizes[leaf]
+
+  def src_placeholder(self, leaf: int) -> np.ndarray:
+    """Per union device, the source placeholder bytes of ``leaf`` (0 where it holds a source
+    shard)."""
+    src = self.layouts[leaf][0]
+    src_block = math.prod(staged_block_shape(src.shard_shape())) * self.itemsizes[leaf]
+    return placeholder_mask(src, self.union) * src_block
 
   def dst_placeholder(self, leaf: int) -> np.ndarray:
     """Per union device, the destination placeholder bytes of ``leaf`` (0 where it holds a
@@ -819,28 +866,56 @@ def _fill_buckets(tree: _Tree) -> list[_Built]:
 
 def _split_leaf(tree: _Tree, leaf: int, k: int) -> None:
   """Splits ``leaf`` into the fewest chunks (from ``k`` up) that each fit the bound alone,
-  padded rounds and the leaf's placeholder blocks included: sub-boxes of its transfers where
-  those fit, else (and only where the schedule allows it) slabs of its source shards.
+  padded rounds and the leaf's placeholder blocks included: sub-boxes of its transfers, else
+  (only where the schedule allows it) slabs of its source shards, else slabs of its destination
+  shards. A slab way is also tried where its placeholder (source, destination) alone takes more
+  than half the bound, and kept if it needs fewer chunks (so fewer rounds) than the ways before
+  it. Slabs of both at once are not made: where both placeholders are the floor, the leaf does
+  not fit.
 
   Raises:
-    BucketBoundError: if neither way fits: the least bytes named are the smaller of the two
-      ways' (a lower bound where a way was not tried because its lower bound exceeds the bound).
+    BucketBoundError: if no way fits: the least bytes named are the smallest of the ways'
+      (a lower bound where a way was not tried because its lower bound exceeds the bound).
   """
   key = _split_key(tree, leaf)
-  if key in tree.splits:  # a leaf like one split before (the layers of a model)
-    plan, chunk, slabs = tree.splits[key]
-    tree.set_chunks(leaf, plan, chunk)
-    if slabs is not None:
-      tree.slabs[leaf] = slabs
-    return
-  tried = [_split_rows(tree, leaf, k)]
-  if tried[0] is not None and tree.allow_slabs:
-    tried.append(_split_slabs(tree, leaf, k))
-  if any(t is None for t in tried):
-    tree.splits[key] = (tree.plans[leaf], tree.chunks[leaf], tree.slabs.get(leaf))
-    return
-  minimum, qualifier = min(t for t in tried if t is not None)
-  _raise_bound(tree, leaf, minimum, qualifier)
+  if key not in tree.splits:  # else a leaf like one split before (the layers of a model)
+    tree.splits[key] = _best_split(tree, leaf, k)
+  plan, chunk, slabs, dst_slabs = tree.splits[key]
+  tree.set_chunks(leaf, plan, chunk)
+  if slabs is not None:
+    tree.slabs[leaf] = slabs
+  if dst_slabs is not None:
+    tree.dst_slabs[leaf] = dst_slabs
+
+
+def _best_split(tree: _Tree, leaf: int, k: int) -> tuple[Any, ...]:
+  """The split :func:`_split_leaf` makes: ``(rows, their chunks, source slabs, destination
+  slabs)``, the tree left without slabs for ``leaf``."""
+  assert tree.bound is not None
+  members = tree.members[leaf]
+  heavy = [False] + [
+    2 * int((ph * members).max(initial=0)) > tree.bound
+    for ph in (tree.src_placeholder(leaf), tree.dst_placeholder(leaf))
+  ]
+  ways = (_split_rows, _split_slabs, _split_dst_slabs)[: 3 if tree.allow_slabs else 1]
+  best: tuple[Any, ...] | None = None
+  failed = []
+  for way, worth in zip(ways, heavy, strict=False):
+    if best is not None and not worth:
+      continue
+    found = way(tree, leaf, 2 if way is _split_dst_slabs else k)  # from its own estimate
+    if found is not None:
+      failed.append(found)
+    elif best is None or len(tree.payloads[leaf]) < best[0]:
+      best = (len(tree.payloads[leaf]), tree.plans[leaf], tree.chunks[leaf])
+      best += (tree.slabs.get(leaf), tree.dst_slabs.get(leaf))
+    tree.slabs.pop(leaf, None)
+    tree.dst_slabs.pop(leaf, None)
+  if best is None:
+    minimum, qualifier = min(failed)
+    _raise_bound(tree, leaf, minimum, qualifier)
+  assert best is not None
+  return best[1:]
 
 
 def _split_key(tree: _Tree, leaf: int) -> tuple[object, ...]:
@@ -922,6 +997,39 @@ def _split_slabs(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
     k = min(k_max, max(k + 1, math.ceil(k * ratio)))
 
 
+def _split_dst_slabs(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
+  """Splits ``leaf`` into the fewest slabs of its destination shards (:func:`split_slabs` by
+  receiver) that fit (see :func:`_split_rows` for what it returns). The source placeholder does
+  not shrink: where it is the floor, this fails as the source slabs do."""
+  assert tree.bound is not None
+  bound, orig, isz = tree.bound, tree.original[leaf], tree.itemsizes[leaf]
+  src, dst = tree.layouts[leaf]
+  shard = staged_block_shape(dst.shard_shape())
+  spread = [a == b for a, b in zip(src.shard_shape(), src.shape, strict=True)]
+  k_max = max(shard)
+  floor = tree.src_placeholder(leaf) * tree.members[leaf]  # what every split stages
+  least = int((floor + math.prod(shard) // k_max * isz).max(initial=0))
+  if least > bound or k_max < 2 or not dst.shard_shape():
+    return least, "at least "
+  room = bound - floor
+  if (room > 0).all():
+    pay = tree.payloads[leaf].sum(axis=0)
+    k = max(k, math.ceil(float(((pay + math.prod(shard) * isz) / room).max())))
+  k = max(2, min(k, k_max))
+  while True:
+    plan, chunk, slabs = split_slabs(orig, dst, k, isz, receiver=True, spread=spread)
+    tree.dst_slabs[leaf] = slabs
+    tree.set_chunks(leaf, plan, chunk)
+    stage = np.stack([_build(tree, [item]).stage for item in tree.items(leaf)])
+    if int(stage.max()) <= bound:
+      return None
+    if k >= k_max:
+      tree.dst_slabs.pop(leaf)
+      return int(stage.max()), ""
+    ratio = float(((stage - floor) / np.maximum(bound - floor, 1)).max())
+    k = min(k_max, max(k + 1, math.ceil(k * ratio)))
+
+
 def _raise_bound(tree: _Tree, leaf: int, minimum: int, qualifier: str) -> None:
   raise BucketBoundError(
     f"max_bucket_bytes={tree.bound} is below what leaf {tree.names[leaf]} needs per device "
@@ -984,7 +1092,8 @@ def make_schedule(
     max_bucket_leaves: most leaves (chunks counted apart) per bucket, cut where the tree
       repeats (:func:`_repeat_end`); ``None``: :data:`MAX_BUCKET_LEAVES`.
     slabs: whether a leaf whose placeholder blocks keep sub-boxes of its transfers above the
-      bound may be cut into slabs of its source shards (:func:`split_slabs`).
+      bound may be cut into slabs of its source shards, or of its destination shards
+      (:func:`split_slabs`).
 
   Raises:
     BucketBoundError: if the bound is below what some leaf needs even in its smallest chunks.
@@ -1031,4 +1140,5 @@ def make_schedule(
     row_chunks=tuple(tree.chunks),
     leaf_buckets=tuple(tuple(b) for b in leaf_buckets),
     leaf_slabs=tuple(tree.slabs.get(leaf) for leaf in range(len(plans))),
+    leaf_dst_slabs=tuple(tree.dst_slabs.get(leaf) for leaf in range(len(plans))),
   )

@@ -318,15 +318,57 @@ def test_replicated_leaf_is_cut_into_slabs_under_the_bound(placement: str) -> No
   assert_matches_oracle(x, host, src)  # the source is untouched
 
 
+def _replicated_destinations() -> dict[str, tuple[NamedSharding, NamedSharding, int]]:
+  """A 2 MiB leaf whose destination is replicated on devices 0 and 1: cut into sub-boxes of its
+  transfers or slabs of its source shards, every other device of a bucket would output a
+  discarded 2 MiB destination block, above each bound here."""
+  devs = np.array(jax.devices())
+  dst = NamedSharding(Mesh(devs[:2], ("r",)), P())
+  return {
+    "disjoint": (NamedSharding(Mesh(devs[4:], ("t",)), P(None, "t")), dst, MiB),
+    "colocated": (NamedSharding(Mesh(devs, ("t",)), P(None, "t")), dst, 3 * MiB // 4),
+    "overlapping": (NamedSharding(Mesh(devs[1:5], ("t",)), P(None, "t")), dst, MiB),
+  }
+
+
+@pytest.mark.parametrize("placement", ["disjoint", "colocated", "overlapping"])
+def test_replicated_destination_is_cut_into_destination_slabs(placement: str) -> None:
+  src, dst, bound = _replicated_destinations()[placement]
+  host = np.random.default_rng(4).standard_normal((1024, 512)).astype(np.float32)  # 2 MiB
+  x = jax.device_put(host, src)
+  plan = jr.make_plan(x, dst, max_bucket_bytes=bound)
+  st = plan.stats
+  assert st.peak_staging_bytes <= bound < 2 * MiB and st.num_buckets > 1
+  assert plan.schedule.leaf_dst_slabs[0] is not None and plan.schedule.leaf_slabs[0] is None
+  assert st.bytes_moved == st.lower_bound_bytes
+  for p in plan.programs():  # each bucket outputs a window of the destination rows
+    (lf,) = p.leaves
+    assert lf.dst_window is not None and lf.dst_block[0] < 1024 and "writing the slab" in str(p)
+    assert not lf.dst_input and not lf.in_place
+  analyses = plan.memory_analysis()
+  assert max(m.output_size_in_bytes for m in analyses) < 2 * MiB
+  assert_matches_oracle(plan(x), host, dst)
+  # Refit into a donated destination holding other data: the slabs are written into it.
+  old = jr.reshard(jax.device_put(-host, src), dst)
+  pointers = sorted(s.data.unsafe_buffer_pointer() for s in old.addressable_shards)
+  y = plan(x, donate=old)
+  assert old.is_deleted()
+  assert_matches_oracle(y, host, dst)
+  assert sorted(s.data.unsafe_buffer_pointer() for s in y.addressable_shards) == pointers
+  assert_matches_oracle(x, host, src)  # the source is untouched
+
+
 def test_tree_mixing_slabs_sub_boxes_and_whole_leaves() -> None:
-  """One plan: a replicated 2 MiB leaf cut into slabs, a sharded 4 MiB leaf cut into sub-boxes
-  of its transfers (no placeholders: it moves among the sampler's devices), and small leaves
-  moved whole, all under a 1 MiB bound, bit for bit (eager and into donated buffers)."""
+  """One plan: a replicated 2 MiB leaf cut into slabs, a 2 MiB leaf replicated on two sampler
+  devices cut into destination slabs, a sharded 4 MiB leaf cut into sub-boxes of its transfers
+  (no placeholders: it moves among the sampler's devices), and small leaves moved whole, all
+  under a 1 MiB bound, bit for bit (eager and into donated buffers)."""
   devs = np.array(jax.devices())
   rng = np.random.default_rng(3)
   hosts = {
     "emb": rng.standard_normal((1024, 512)).astype(np.float32),
     "w": rng.standard_normal((2048, 512)).astype(np.float32),
+    "head": rng.standard_normal((1024, 512)).astype(np.float32),
     "b": rng.standard_normal((64,)).astype(np.float32),
     "s": np.float32(5.0),
   }
@@ -335,6 +377,7 @@ def test_tree_mixing_slabs_sub_boxes_and_whole_leaves() -> None:
   srcs = {
     "emb": replicated,
     "w": NamedSharding(Mesh(devs[4:], ("a",)), P("a")),
+    "head": NamedSharding(Mesh(devs[4:], ("a",)), P("a")),
     "b": NamedSharding(sharded.mesh, P("a")),
     "s": replicated,
   }
@@ -342,19 +385,25 @@ def test_tree_mixing_slabs_sub_boxes_and_whole_leaves() -> None:
   dsts = {
     "emb": NamedSharding(sampler, P(None, "t")),
     "w": NamedSharding(sampler, P(None, "t")),
+    "head": NamedSharding(Mesh(devs[4:6], ("r",)), P()),
     "b": NamedSharding(sampler, P()),
     "s": NamedSharding(sampler, P()),
   }
   x = {k: jax.device_put(h, srcs[k]) for k, h in hosts.items()}
   plan = jr.make_plan(x, dsts, max_bucket_bytes=MiB)
   sched, order = plan.schedule, [plan.leaves[i].name for i in plan.layout_plan.scheduled]
-  kinds = {
-    name: (sched.leaf_slabs[j] is not None, len(sched.leaf_buckets[j]))
+  kinds = {  # (source slabs, destination slabs, buckets)
+    name: (
+      sched.leaf_slabs[j] is not None,
+      sched.leaf_dst_slabs[j] is not None,
+      len(sched.leaf_buckets[j]),
+    )
     for j, name in enumerate(order)
   }
-  assert kinds["['emb']"][0] and kinds["['emb']"][1] > 1
-  assert not kinds["['w']"][0] and kinds["['w']"][1] > 1
-  assert kinds["['b']"] == (False, 1) and kinds["['s']"] == (False, 1)
+  assert kinds["['emb']"][:2] == (True, False) and kinds["['emb']"][2] > 1
+  assert kinds["['head']"][:2] == (False, True) and kinds["['head']"][2] > 1
+  assert kinds["['w']"][:2] == (False, False) and kinds["['w']"][2] > 1
+  assert kinds["['b']"] == (False, False, 1) and kinds["['s']"] == (False, False, 1)
   assert plan.stats.peak_staging_bytes <= MiB
   for donate in (None, plan(x)):
     y = plan(x, donate=donate)

@@ -233,6 +233,29 @@ def test_passes_per_moved_byte_by_hand() -> None:
   assert "memory passes      4.50 per moved byte" in repr(plan)
 
 
+def test_passes_count_destination_slab_writes() -> None:
+  """A 4 KiB leaf from columns on devices 4-7 to a replica on devices 0 and 1, cut into
+  destination slabs by a 2.5 KiB bound: each slab is assembled (received parts read, the slab
+  written), then read and written into the shard; the first bucket's shard starts as zeros and
+  the 4 source devices output discarded slabs."""
+  devs = np.array(jax.devices())
+  x = jax.ShapeDtypeStruct(
+    (64, 16), np.float32, sharding=NamedSharding(Mesh(devs[4:], ("t",)), P(None, "t"))
+  )
+  plan = jr.make_plan(x, NamedSharding(Mesh(devs[:2], ("r",)), P()), max_bucket_bytes=2560)
+  assert plan.schedule.leaf_dst_slabs[0] is not None and plan.stats.num_buckets > 1
+  moved = plan.stats.bytes_moved
+  assert moved == 2 * 4096
+  steps = pass_bytes(plan.layout_plan)
+  assert steps["assemble"] == 2 * moved + 2 * moved  # assembled, then written into the shard
+  idle = sum(
+    (len(b.union_device_ids) - len(r.pairs)) * r.nbytes * 2
+    for b in plan.schedule.buckets
+    for r in b.rounds
+  )
+  assert steps["zero_fill"] == idle + 2 * 4096 + 4 * 4096  # zeros of idle devices in rounds
+
+
 def test_whole_shards_move_without_pack_or_assembly() -> None:
   """Rows on devices 0-3 to rows on 4-7: every payload is a whole source shard and a whole
   destination shard, so the program is one ``ppermute`` per round and no branch; by hand, per

@@ -18,6 +18,7 @@ import jax_reshard as jr
 from jax_reshard import Layout
 from jax_reshard._schedule import (
   BucketBoundError,
+  dst_slab_window,
   placeholder_mask,
   slab_window,
   staged_block_shape,
@@ -162,19 +163,23 @@ def _add_blocks(
   src: Layout,
   dst: Layout,
   itemsize: int,
-  window: tuple[int, int, int] | None,
+  windows: tuple[tuple[int, int, int] | None, tuple[int, int, int] | None],
 ) -> None:
-  """Adds a leaf's staged blocks per device: its placeholder blocks; for a leaf cut into slabs,
-  the slab on every device of the bucket (cut from the source shard, or a placeholder)."""
+  """Adds a leaf's staged blocks per device: its placeholder blocks; for a leaf cut into slabs
+  of its source (destination) shards, the slab on every device of the bucket (cut from the
+  source shard or a placeholder; output, written into the destination shard or discarded)."""
   blocks = [math.prod(staged_block_shape(lay.shard_shape())) * itemsize for lay in (src, dst)]
-  if window is not None:
+  assert None in windows  # never both
+  for lay, block, window in zip((src, dst), blocks, windows, strict=True):
+    if window is None:
+      continue
     dim, a, b = window
-    shard = staged_block_shape(src.shard_shape())
+    shard = staged_block_shape(lay.shard_shape())
     assert 0 <= a < b <= shard[dim]
     for dev in union.tolist():
-      stage[dev] += blocks[0] // shard[dim] * (b - a)
+      stage[dev] += block // shard[dim] * (b - a)
   for k, (lay, block) in enumerate(zip((src, dst), blocks, strict=True)):
-    if k == 0 and window is not None:
+    if windows[k] is not None:
       continue
     for dev in union[placeholder_mask(lay, union)].tolist():
       stage[dev] += block
@@ -235,6 +240,32 @@ def test_staging_bound_with_slabs(tree, itemsize, fraction) -> None:
   _check_staging(tree, itemsize, max(1, int(fraction * largest)))
 
 
+def _check_slab_rows(lay: Layout, sched, j: int, slabs, side: int) -> None:
+  """Every row with bytes lies in its chunk's window of its sender's (``side`` 1: receiver's)
+  shard of ``lay``."""
+  dim, bounds = slabs
+  lp = sched.leaf_plans[j]
+  holder = lp.dst_device if side else lp.src_device
+  for t, c in enumerate(sched.row_chunks[j].tolist()):
+    if lp.nbytes[t]:
+      lo = _box(lay, int(holder[t]))[0][dim]
+      assert lo + bounds[c] <= lp.lo[t][dim] < lp.hi[t][dim] <= lo + bounds[c + 1]
+
+
+@SETTINGS
+@given(
+  st.lists(replicated_source_pairs().map(lambda pair: pair[::-1]), min_size=1, max_size=3),
+  itemsizes,
+  st.floats(0.05, 1.0),
+)
+def test_staging_bound_with_destination_slabs(tree, itemsize, fraction) -> None:
+  """The same over leaves whose destination is replicated on one or two devices, so that its
+  placeholder alone exceeds the bound: they are cut into slabs of their destination shards,
+  each bucket outputting its slab on every device, or refused with a minimum above the bound."""
+  largest = max(math.prod(src.shape) for src, _ in tree) * itemsize
+  _check_staging(tree, itemsize, max(1, int(fraction * largest)))
+
+
 def _check_staging(tree, itemsize: int, bound: int) -> None:
   try:
     plan = jr.plan_layouts(tree, [itemsize] * len(tree), max_bucket_bytes=bound)
@@ -251,20 +282,16 @@ def _check_staging(tree, itemsize: int, bound: int) -> None:
         stage[d] += r.nbytes
     for j, chunks in zip(bucket.leaves, bucket.chunks, strict=True):
       src, dst = tree[plan.scheduled[j]]
-      _add_blocks(stage, union, src, dst, itemsize, slab_window(sched, j, chunks))
+      windows = (slab_window(sched, j, chunks), dst_slab_window(sched, j, chunks))
+      _add_blocks(stage, union, src, dst, itemsize, windows)
     assert max(stage.values()) <= bound
   assert plan.stats.peak_staging_bytes <= bound
   _check_arrivals(tree, itemsize, plan)
-  for j, slabs in enumerate(sched.leaf_slabs):  # every row inside its sender's slab
-    if slabs is None:
-      continue
-    event("cut into slabs")
-    dim, bounds = slabs
-    src, lp = tree[plan.scheduled[j]][0], sched.leaf_plans[j]
-    for t, c in enumerate(sched.row_chunks[j].tolist()):
-      if lp.nbytes[t]:
-        lo = _box(src, int(lp.src_device[t]))[0][dim]
-        assert lo + bounds[c] <= lp.lo[t][dim] < lp.hi[t][dim] <= lo + bounds[c + 1]
+  for side, all_slabs in enumerate((sched.leaf_slabs, sched.leaf_dst_slabs)):
+    for j, slabs in enumerate(all_slabs):  # every row inside its sender's (receiver's) slab
+      if slabs is not None:
+        event("cut into destination slabs" if side else "cut into slabs")
+        _check_slab_rows(tree[plan.scheduled[j]][side], sched, j, slabs, side)
   for j, buckets in enumerate(sched.leaf_buckets):
     assert list(buckets) == list(range(buckets[0], buckets[0] + len(buckets)))
     carried = [

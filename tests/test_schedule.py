@@ -14,6 +14,7 @@ from jax_reshard._schedule import (
   BucketBoundError,
   _color_first_fit,
   color_bipartite,
+  dst_slab_window,
   make_schedule,
   slab_window,
   split_slabs,
@@ -154,8 +155,9 @@ def test_slabs_only_where_the_source_placeholder_keeps_sub_boxes_above_the_bound
 
 
 def test_destination_placeholder_floor_is_still_an_error() -> None:
-  """Slabs do not shrink the destination placeholder: a source device without a destination
-  shard stages the whole destination block (1 KiB) in every bucket."""
+  """Source slabs do not shrink the destination placeholder: a source device without a
+  destination shard stages the whole destination block (1 KiB) in every bucket (destination
+  slabs would leave the 4 KiB source placeholder on the destination devices)."""
   layouts = [_replicated(dst_ids=range(4, 8))]
   plans = plan_leaves(layouts, [4])
   with pytest.raises(BucketBoundError, match=r"max_bucket_bytes=\d+ or more") as e:
@@ -170,6 +172,76 @@ def test_destination_placeholder_floor_is_still_an_error() -> None:
       assert again.minimum_bytes > bound
       bound = again.minimum_bytes
   assert sched.peak_staging_bytes <= bound < 2048 and sched.leaf_slabs[0] is not None
+
+
+def _mirrored(shape=(64, 16), n_dst=2, src_ids=range(4, 8)):
+  """:func:`_replicated` the other way round: a source column-sharded over ``src_ids``, a
+  destination replicated on devices ``0..n_dst - 1``."""
+  src, dst = _replicated(shape, n_dst, src_ids)
+  return dst, src
+
+
+def test_split_slabs_by_receiver_partitions_every_row_by_its_receivers_window() -> None:
+  src, dst = _mirrored()
+  (plan,) = plan_leaves([(src, dst)], [4])
+  cut, chunk, (dim, bounds) = split_slabs(plan, dst, 5, 4, receiver=True)
+  assert dim == 0 and bounds == (0, 12, 25, 38, 51, 64)
+  assert sorted(set(chunk.tolist())) == list(range(5))
+  assert int(cut.nbytes.sum()) == int(plan.nbytes.sum())
+  for t, c in enumerate(chunk.tolist()):  # the destination is replicated: its shard starts at 0
+    assert bounds[c] <= cut.lo[t, 0] < cut.hi[t, 0] <= bounds[c + 1]
+  for d in dst.device_ids:  # every destination element exactly once
+    count = np.zeros((64, 16), np.int64)
+    for t in np.flatnonzero(cut.dst_device == d):
+      count[cut.lo[t, 0] : cut.hi[t, 0], cut.lo[t, 1] : cut.hi[t, 1]] += 1
+    assert (count == 1).all()
+
+
+def test_destination_slabs_only_where_the_destination_placeholder_is_the_floor() -> None:
+  """Leaf 0's destination (4 KiB) is replicated on 2 of 6 devices, so sub-boxes and source slabs
+  leave a 4 KiB placeholder on its 4 source devices: a 2.5 KiB bound needs destination slabs
+  (bucket by bucket, a window of the destination rows, counted on every device). Leaf 1 (source
+  replicated, destination sharded) is cut into source slabs as before."""
+  layouts = [_mirrored(), _replicated(dst_ids=range(2, 6))]
+  plans = plan_leaves(layouts, [4, 4])
+  whole = make_schedule(plans, layouts, [4, 4])
+  bound = 2560
+  sched = make_schedule(plans, layouts, [4, 4], max_bucket_bytes=bound)
+  assert sched.leaf_dst_slabs[0] is not None and sched.leaf_slabs[0] is None
+  assert sched.leaf_slabs[1] is not None and sched.leaf_dst_slabs[1] is None
+  assert whole.peak_staging_bytes > bound >= sched.peak_staging_bytes
+  windows = []
+  for b in sched.leaf_buckets[0]:
+    bucket = sched.buckets[b]
+    chunks = bucket.chunks[bucket.leaves.index(0)]
+    assert slab_window(sched, 0, chunks) is None
+    windows.append(dst_slab_window(sched, 0, chunks))
+  assert len(windows) > 1 and windows[0][1] == 0 and windows[-1][2] == 64
+  assert all(a[2] == b[1] for a, b in itertools.pairwise(windows))  # in order
+  moved = [int(p.nbytes[~p.local].sum()) for p in sched.leaf_plans]
+  assert moved == [int(p.nbytes[~p.local].sum()) for p in plans]
+  with pytest.raises(BucketBoundError):  # not allowed: neither sub-boxes nor source slabs fit
+    make_schedule(plans, layouts, [4, 4], max_bucket_bytes=bound, slabs=False)
+
+
+def test_both_placeholders_the_floor_is_an_error_naming_what_fits() -> None:
+  """Source replicated on devices 0 and 1, destination on 4 and 5: every way leaves a 4 KiB
+  placeholder on two devices (slabs of both at once are not made), so 4 KiB does not plan; the
+  error names a bound that does (after at most a few lower bounds)."""
+  src, _ = _replicated()
+  dst = Layout.from_description(
+    (64, 16), mesh_shape=(2,), axis_names=("r",), spec=(None, None), device_ids=(4, 5)
+  )
+  plans = plan_leaves([(src, dst)], [4])
+  bound = 4096
+  for _ in range(4):
+    try:
+      sched = make_schedule(plans, [(src, dst)], [4], max_bucket_bytes=bound)
+      break
+    except BucketBoundError as e:
+      assert e.minimum_bytes > bound >= 4096
+      bound = e.minimum_bytes
+  assert 4096 < sched.peak_staging_bytes <= bound < 2 * 4096 and len(sched.buckets) > 1
 
 
 def _rounds_comparing_both(ps, pd, fill):
