@@ -4,10 +4,11 @@ All remote transfers between one (source device, destination device) pair inside
 packed into one byte payload. Pairs are grouped into rounds in which every device sends at most
 once and receives at most once: a bipartite edge colouring with as many colours as the maximum
 degree (first fit with per-device bitmasks when that reaches the optimum, else alternating-path
-recolouring). Every sender of a round sends the round's largest payload size, so colouring size
-classes apart pads little but can leave devices idle; both that and one colouring of all pairs
-are computed and the one with the smaller sum of round maxima (the time when devices run in
-parallel) is kept.
+recolouring: for a size class, only of the pairs first fit cannot colour). Every sender of a
+round sends the round's largest payload size, so colouring size classes apart pads little but
+can leave devices idle; both that and one colouring of all pairs are compared and the one with
+the smaller sum of round maxima (the time when devices run in parallel) is kept; the colouring
+of all pairs is skipped where a lower bound of its sum shows it cannot be smaller.
 
 Buckets keep the staging memory of every device under ``max_bucket_bytes``, padding included:
 consecutive leaves share a bucket while their unpadded staging fits, and every bucket is then
