@@ -4,10 +4,11 @@ All remote transfers between one (source device, destination device) pair inside
 packed into one byte payload. Pairs are grouped into rounds in which every device sends at most
 once and receives at most once: a bipartite edge colouring with as many colours as the maximum
 degree (first fit with per-device bitmasks when that reaches the optimum, else alternating-path
-recolouring). Every sender of a round sends the round's largest payload size, so colouring size
-classes apart pads little but can leave devices idle; both that and one colouring of all pairs
-are computed and the one with the smaller sum of round maxima (the time when devices run in
-parallel) is kept.
+recolouring: for a size class, only of the pairs first fit cannot colour). Every sender of a
+round sends the round's largest payload size, so colouring size classes apart pads little but
+can leave devices idle; both that and one colouring of all pairs are compared and the one with
+the smaller sum of round maxima (the time when devices run in parallel) is kept; the colouring
+of all pairs is skipped where a lower bound of its sum shows it cannot be smaller.
 
 Buckets keep the staging memory of every device under ``max_bucket_bytes``, padding included:
 consecutive leaves share a bucket while their unpadded staging fits, and every bucket is then
@@ -32,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
@@ -250,65 +251,151 @@ def color_bipartite(edges: Sequence[tuple[int, int]]) -> list[int]:
   """
   if not edges:
     return []
-  k = max(max(Counter(s for s, _ in edges).values()), max(Counter(d for _, d in edges).values()))
-  first_fit = _color_first_fit(edges, k)
-  if first_fit is not None:
-    return first_fit
-  return _color_alternating(edges, k)
+  s, d = (np.asarray(v, dtype=np.int64) for v in zip(*edges, strict=True))
+  return _color_dense(_dense(s), _dense(d)).tolist()
+
+
+def _dense(ids: np.ndarray) -> np.ndarray:
+  """``ids`` renumbered ``0..n-1`` (equal ids equal numbers)."""
+  return np.unique(ids, return_inverse=True)[1].reshape(-1)
+
+
+def _color_dense(s: np.ndarray, d: np.ndarray, swap_late: bool = False) -> np.ndarray:
+  """:func:`color_bipartite` of the edges ``zip(s, d)``, vertices numbered from 0 on each side
+  (the colours depend only on which edges share a vertex, not on the vertices' numbers); with
+  ``swap_late``, where first fit fails, :func:`_first_fit_swapping`'s colouring instead."""
+  if len(s) <= 1:
+    return np.zeros(len(s), dtype=np.int64)
+  k = max(int(np.bincount(s).max()), int(np.bincount(d).max()))
+  if k == 1:  # a matching: first fit gives every edge colour 0
+    return np.zeros(len(s), dtype=np.int64)
+  sl, dl = s.tolist(), d.tolist()
+  colour = _first_fit(sl, dl, k)
+  if colour is None:
+    colour = (_first_fit_swapping if swap_late else _alternating)(sl, dl, k)
+  return np.asarray(colour, dtype=np.int64)
 
 
 def _color_first_fit(edges: Sequence[tuple[int, int]], k: int) -> list[int] | None:
   """Each edge takes the lowest colour free at both ends; ``None`` as soon as one needs more
   than ``k`` colours (first fit may need up to 2k - 1)."""
-  used_s: dict[int, int] = defaultdict(int)
-  used_d: dict[int, int] = defaultdict(int)
+  if not edges:
+    return []
+  s, d = (np.asarray(v, dtype=np.int64) for v in zip(*edges, strict=True))
+  return _first_fit(_dense(s).tolist(), _dense(d).tolist(), k)
+
+
+def _first_fit(s: list[int], d: list[int], k: int) -> list[int] | None:
+  """:func:`_color_first_fit` of the edges ``zip(s, d)``, vertices numbered from 0."""
+  used_s, used_d = [0] * (max(s) + 1), [0] * (max(d) + 1)
   out = []
-  for s, d in edges:
-    m = used_s[s] | used_d[d]
+  for u, v in zip(s, d, strict=True):
+    m = used_s[u] | used_d[v]
     c = (~m & (m + 1)).bit_length() - 1
     if c >= k:
       return None
-    used_s[s] |= 1 << c
-    used_d[d] |= 1 << c
+    used_s[u] |= 1 << c
+    used_d[v] |= 1 << c
     out.append(c)
   return out
 
 
-def _color_alternating(edges: Sequence[tuple[int, int]], k: int) -> list[int]:
-  """Konig colouring with exactly ``k`` (the maximum degree) colours."""
-  at_s: dict[int, list[int]] = defaultdict(lambda: [-1] * k)  # colour -> edge index
-  at_d: dict[int, list[int]] = defaultdict(lambda: [-1] * k)
-  colour = [-1] * len(edges)
-  for e, (s, d) in enumerate(edges):
-    cs, cd = at_s[s], at_d[d]
+def _alternating(s: list[int], d: list[int], k: int) -> list[int]:
+  """Konig colouring of the edges ``zip(s, d)`` (vertices numbered from 0) with exactly ``k``
+  (the maximum degree) colours."""
+  at_s = [[-1] * k for _ in range(max(s) + 1)]  # per vertex, colour -> edge index
+  at_d = [[-1] * k for _ in range(max(d) + 1)]
+  colour = [-1] * len(s)
+  for e, (u, v) in enumerate(zip(s, d, strict=True)):
+    cs, cd = at_s[u], at_d[v]
     a = cs.index(-1)
     if cd[a] != -1:
       b = cd.index(-1)
-      # Walk d -a- s1 -b- d2 -a- ... and swap a and b on the path; then a is free at d.
+      # Walk v -a- u1 -b- v2 -a- ... and swap a and b on the path; then a is free at v.
       path = []
-      node, on_right, c = d, True, a
+      node, on_right, c = v, True, a
       while True:
-        table = at_d if on_right else at_s
-        f = table[node][c]
+        f = (at_d if on_right else at_s)[node][c]
         if f == -1:
           break
         path.append(f)
-        fs, fd = edges[f]
-        node, on_right = (fs, False) if on_right else (fd, True)
+        node, on_right = (s[f], False) if on_right else (d[f], True)
         c = b if c == a else a
       for f in path:
-        fs, fd = edges[f]
-        at_s[fs][colour[f]] = -1
-        at_d[fd][colour[f]] = -1
+        at_s[s[f]][colour[f]] = -1
+        at_d[d[f]][colour[f]] = -1
       for f in path:
-        fs, fd = edges[f]
-        colour[f] = b if colour[f] == a else a
-        at_s[fs][colour[f]] = f
-        at_d[fd][colour[f]] = f
+        c = colour[f] = b if colour[f] == a else a
+        at_s[s[f]][c] = f
+        at_d[d[f]][c] = f
     colour[e] = a
     cs[a] = e
     cd[a] = e
   return colour
+
+
+def _first_fit_swapping(s: list[int], d: list[int], k: int) -> list[int]:
+  """Another Konig colouring of the edges ``zip(s, d)`` (vertices numbered from 0) with exactly
+  ``k`` (the maximum degree) colours, faster than :func:`_alternating` where first fit fails
+  late: each edge takes the lowest colour free at both ends (first
+  fit) where one is below ``k``; else, with ``a`` free at its sender and ``b`` at its receiver,
+  ``a`` and ``b`` are swapped along the alternating path from the receiver, which frees ``a``
+  there. Paths are walked only for the edges first fit cannot colour."""
+  used_s, used_d = [0] * (max(s) + 1), [0] * (max(d) + 1)  # per vertex, a bitmask of colours
+  at_s = [[-1] * k for _ in used_s]  # per vertex, colour -> edge index
+  at_d = [[-1] * k for _ in used_d]
+  colour = [-1] * len(s)
+  for e, (u, v) in enumerate(zip(s, d, strict=True)):
+    m = used_s[u] | used_d[v]
+    c = (~m & (m + 1)).bit_length() - 1
+    if c >= k:
+      m = used_s[u]
+      c = (~m & (m + 1)).bit_length() - 1  # free at u, taken at v
+      m = used_d[v]
+      b = (~m & (m + 1)).bit_length() - 1  # free at v
+      _swap_path(s, d, colour, at_s, at_d, used_s, used_d, v, c, b)
+    colour[e] = c
+    at_s[u][c] = at_d[v][c] = e
+    used_s[u] |= 1 << c
+    used_d[v] |= 1 << c
+  return colour
+
+
+def _swap_path(
+  s: list[int],
+  d: list[int],
+  colour: list[int],
+  at_s: list[list[int]],
+  at_d: list[list[int]],
+  used_s: list[int],
+  used_d: list[int],
+  v: int,
+  a: int,
+  b: int,
+) -> None:
+  """Swaps colours ``a`` and ``b`` on the path from receiver ``v`` (``a`` taken there, ``b``
+  free) along edges coloured ``a``, ``b``, ``a``, ...; afterwards ``a`` is free at ``v``. The
+  path never reaches a sender with ``a`` free (it enters senders by ``a`` edges)."""
+  path = []
+  node, on_right, c = v, True, a
+  while True:
+    f = (at_d if on_right else at_s)[node][c]
+    if f == -1:
+      break
+    path.append(f)
+    node, on_right = (s[f], False) if on_right else (d[f], True)
+    c = b if c == a else a
+  for f in path:
+    at_s[s[f]][colour[f]] = at_d[d[f]][colour[f]] = -1
+  for f in path:
+    c = colour[f] = b if colour[f] == a else a
+    at_s[s[f]][c] = at_d[d[f]][c] = f
+  flip = (1 << a) | (1 << b)  # inner vertices keep both colours; the two ends trade one
+  used_d[v] ^= flip
+  if on_right:
+    used_d[node] ^= flip
+  else:
+    used_s[node] ^= flip
 
 
 def _make_rounds(
@@ -319,23 +406,30 @@ def _make_rounds(
   Two colourings are compared by the time they imply where devices run in parallel, the sum
   over rounds of the round's largest payload: one that colours size classes (payloads within
   SIZE_TOLERANCE of each other) separately, which pads little but may leave devices idle, and
-  one that colours all pairs together, largest first. Ties go to less padding.
+  one that colours all pairs together, largest first. Ties go to less padding. The second is
+  not computed where a lower bound of its time (:func:`_joint_time_bound`) shows it cannot win.
+  Both use max-degree colours; where first fit needs more, a size class (payloads alike, so
+  which pairs share a round barely matters) is finished by :func:`_first_fit_swapping`, which
+  walks alternating paths only for the edges first fit cannot colour, and the joint colouring
+  by :func:`_alternating`.
   """
   if not len(fill):
     return [], np.zeros(0, dtype=np.int64)
   order = np.lexsort((pd, ps, -fill))
   ps, pd, fill = ps[order], pd[order], fill[order]
+  s, d = _dense(ps), _dense(pd)
   bounds = [0]
   while bounds[-1] < len(fill):  # fill is descending: classes are runs above a threshold
     floor = (1 - SIZE_TOLERANCE) * fill[bounds[-1]]
     bounds.append(int(np.searchsorted(-fill, -floor, side="right")))
   best = None
   for classes in (list(itertools.pairwise(bounds)), [(0, len(fill))]):
+    if best is not None and best[0] <= (_joint_time_bound(s, d, fill), 0):
+      break  # all pairs coloured together take no less time, and pad no less where equal
     colour = np.empty(len(fill), dtype=np.int64)
     base = 0
     for a, b in classes:
-      edges = list(zip(ps[a:b].tolist(), pd[a:b].tolist(), strict=True))
-      colour[a:b] = base + np.asarray(color_bipartite(edges))
+      colour[a:b] = base + _color_dense(s[a:b], d[a:b], swap_late=len(classes) > 1)
       base = int(colour[a:b].max()) + 1
     size = np.zeros(base, dtype=np.int64)
     np.maximum.at(size, colour, fill)
@@ -355,6 +449,17 @@ def _make_rounds(
   pair_round_bytes = np.empty(len(fill), dtype=np.int64)
   pair_round_bytes[order] = size[colour]
   return rounds, pair_round_bytes
+
+
+def _joint_time_bound(s: np.ndarray, d: np.ndarray, fill: np.ndarray) -> int:
+  """A lower bound of the sum of round maxima of any colouring of pairs ``(s, d)`` of
+  ``fill`` bytes (descending): a device's pairs are in distinct rounds, so the sum is at least
+  its bytes; and a round holds at most ``m`` pairs (the fewer of senders and receivers), so the
+  ``j m + 1`` largest pairs span ``j + 1`` rounds and the ``(j + 1)``-th largest round maximum
+  is at least the ``(j m + 1)``-th largest payload."""
+  m = min(int(s.max()), int(d.max())) + 1
+  load = max(int(np.bincount(s, fill).max()), int(np.bincount(d, fill).max()))
+  return max(load, int(fill[::m].sum()))
 
 
 def split_rows(plan: LeafPlan, k: int, itemsize: int) -> tuple[LeafPlan, np.ndarray]:

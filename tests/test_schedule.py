@@ -242,3 +242,69 @@ def test_both_placeholders_the_floor_is_an_error_naming_what_fits() -> None:
       assert e.minimum_bytes > bound >= 4096
       bound = e.minimum_bytes
   assert 4096 < sched.peak_staging_bytes <= bound < 2 * 4096 and len(sched.buckets) > 1
+
+
+def _rounds_comparing_both(ps, pd, fill):
+  """The rounds of :func:`_make_rounds` with both colourings always computed and compared."""
+  from jax_reshard._schedule import SIZE_TOLERANCE, _color_dense, _dense
+
+  order = np.lexsort((pd, ps, -fill))
+  ps, pd, fill = ps[order], pd[order], fill[order]
+  bounds = [0]
+  while bounds[-1] < len(fill):
+    floor = (1 - SIZE_TOLERANCE) * fill[bounds[-1]]
+    bounds.append(int(np.searchsorted(-fill, -floor, side="right")))
+  best = None
+  for classes in (list(itertools.pairwise(bounds)), [(0, len(fill))]):
+    colour, base = np.empty(len(fill), dtype=np.int64), 0
+    for a, b in classes:
+      s, d = _dense(ps)[a:b], _dense(pd)[a:b]
+      colour[a:b] = base + _color_dense(s, d, swap_late=len(classes) > 1)
+      base = int(colour[a:b].max()) + 1
+    size = np.zeros(base, dtype=np.int64)
+    np.maximum.at(size, colour, fill)
+    cost = (int(size.sum()), int((size[colour] - fill).sum()))
+    if best is None or cost < best[0]:
+      best = (cost, colour, size)
+  assert best is not None
+  _, colour, size = best
+  return sorted((int(size[c]), int(s), int(d)) for c, s, d in zip(colour, ps, pd, strict=True))
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_joint_colouring_is_skipped_only_where_it_cannot_win(seed: int) -> None:
+  """The joint colouring's time bound is a lower bound, so skipping it where the class
+  colouring reaches it (no padding) gives the rounds of computing and comparing both."""
+  from jax_reshard._schedule import _dense, _joint_time_bound, _make_rounds
+
+  rng = np.random.default_rng(seed)
+  n = int(rng.integers(1, 40))
+  ps, pd = (rng.integers(0, int(rng.integers(1, 7)), n) for _ in range(2))
+  fill = rng.choice([64, 100, 101, 4096, 1 << 20][: 1 + seed % 5], size=n).astype(np.int64)
+  rounds, round_bytes = _make_rounds(ps, pd, fill)
+  got = sorted((r.nbytes, s, d) for r in rounds for s, d in r.pairs)
+  assert got == _rounds_comparing_both(ps, pd, fill)
+  assert sorted(round_bytes.tolist()) == sorted(b for b, _, _ in got)
+  order = np.lexsort((pd, ps, -fill))
+  bound = _joint_time_bound(_dense(ps[order]), _dense(pd[order]), fill[order])
+  assert bound <= sum(r.nbytes for r in rounds)
+
+
+def test_first_fit_swapping_is_proper_and_optimal() -> None:
+  """Dense random multigraphs, some on which first fit needs more than max-degree colours."""
+  from jax_reshard._schedule import _first_fit, _first_fit_swapping
+
+  swapped = 0
+  for seed in range(60):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(3, 9))
+    s, d = (rng.integers(0, n, 8 * n).tolist() for _ in range(2))
+    k = max(max(Counter(s).values()), max(Counter(d).values()))
+    colours = _first_fit_swapping(s, d, k)
+    assert max(colours) + 1 == k
+    assert len(set(zip(s, colours, strict=True))) == len(s)
+    assert len(set(zip(d, colours, strict=True))) == len(s)
+    fit = _first_fit(s, d, k)
+    swapped += fit is None
+    assert fit is None or colours == fit  # where first fit suffices, its colouring is kept
+  assert swapped >= 5
