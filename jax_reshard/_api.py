@@ -230,7 +230,7 @@ def make_plan(
   src: Any,
   dst: Any,
   *,
-  max_bucket_bytes: int = ...,
+  max_bucket_bytes: int | None = ...,
   topology: Topology | None = ...,
   transform: None = ...,
 ) -> ReshardPlan: ...
@@ -241,7 +241,7 @@ def make_plan(
   src: Any,
   dst: Any,
   *,
-  max_bucket_bytes: int = ...,
+  max_bucket_bytes: int | None = ...,
   topology: Topology | None = ...,
   transform: Callable[[Any], Any],
 ) -> TransformPlan: ...
@@ -251,7 +251,7 @@ def make_plan(
   src: Any,
   dst: Any,
   *,
-  max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
+  max_bucket_bytes: int | None = None,
   topology: Topology | None = None,
   transform: Callable[[Any], Any] | None = None,
 ) -> ReshardPlan | TransformPlan:
@@ -262,9 +262,9 @@ def make_plan(
     dst: one ``jax.sharding.Sharding`` for every leaf, or a pytree prefix of ``src`` whose
       leaves are Shardings (or arrays / ShapeDtypeStructs carrying ``.sharding``). With
       ``transform``, a prefix of the transform's output tree instead.
-    max_bucket_bytes: bound on transient staging bytes per device per compiled program. The
-      default, 1 GiB, is 16 MiB where every device is a CPU (larger programs there map fresh
-      host pages on every call).
+    max_bucket_bytes: bound on transient staging bytes per device per compiled program.
+      ``None`` (the default) means 1 GiB, or 16 MiB where every device is a CPU (larger
+      programs there map fresh host pages on every call); with ``transform``, 1 GiB.
     topology: device domains and link costs (``jr.Topology``); with several domains, regions a
       domain lacks cross into it once and are forwarded inside it (see ``jr.plan_layouts``).
     transform: a function of the source tree made of casts, static slicing and indexing,
@@ -308,10 +308,12 @@ def make_plan(
     True
   """
   if transform is not None:
-    return make_transform_plan(src, dst, transform, max_bucket_bytes=max_bucket_bytes)
+    bound = DEFAULT_MAX_BUCKET_BYTES if max_bucket_bytes is None else max_bucket_bytes
+    return make_transform_plan(src, dst, transform, max_bucket_bytes=bound)
   treedef, leaves = flatten_tree(src, dst)
-  if max_bucket_bytes == DEFAULT_MAX_BUCKET_BYTES and _all_cpu(leaves):
-    max_bucket_bytes = CPU_MAX_BUCKET_BYTES
+  if max_bucket_bytes is None:
+    cpu = _all_cpu(leaves)
+    max_bucket_bytes = CPU_MAX_BUCKET_BYTES if cpu else DEFAULT_MAX_BUCKET_BYTES
   return _cached_plan(treedef, tuple(leaves), max_bucket_bytes, topology)
 
 

@@ -8,7 +8,6 @@ from typing import Any
 from jax_reshard import _traced
 from jax_reshard._api import make_plan
 from jax_reshard._errors import ReshardError
-from jax_reshard._schedule import DEFAULT_MAX_BUCKET_BYTES
 from jax_reshard._topology import Topology
 from jax_reshard._tree import is_traced
 
@@ -19,7 +18,7 @@ def reshard(
   *,
   src: Any = None,
   donate: Any = None,
-  max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
+  max_bucket_bytes: int | None = None,
   transform: Callable[[Any], Any] | None = None,
   topology: Topology | None = None,
 ) -> Any:
@@ -39,7 +38,8 @@ def reshard(
       Inside ``jax.jit``, donate the old tree with ``jax.jit(..., donate_argnums=...)``
       instead: XLA then reuses its buffers for the outputs.
     max_bucket_bytes: bound on transient staging bytes per device per compiled program
-      (eager calls; inside ``jax.jit`` XLA schedules the memory of the whole computation).
+      (eager calls; ``None``: as ``make_plan``; inside ``jax.jit`` XLA schedules the memory
+      of the whole computation).
     transform: convert while resharding (casts, slices, concatenate, stack, reshape,
       transpose, renames; see ``make_plan``); ``dst`` then matches the transform's output.
       Inside ``jax.jit`` it needs ``src=``, one source mesh and one destination mesh.

@@ -18,7 +18,6 @@ from typing import Any
 import jax
 
 from jax_reshard._api import ReshardPlan, make_plan
-from jax_reshard._schedule import DEFAULT_MAX_BUCKET_BYTES
 
 try:
   from flax import nnx
@@ -33,7 +32,7 @@ def refit(
   sampler: Any,
   *,
   filter: Any = nnx.Param,
-  max_bucket_bytes: int = DEFAULT_MAX_BUCKET_BYTES,
+  max_bucket_bytes: int | None = None,
 ) -> ReshardPlan:
   """Copies the trainer's variables into the sampler module, in the sampler's own layouts.
 
@@ -50,7 +49,8 @@ def refit(
       layouts: concrete arrays, or ``jax.ShapeDtypeStruct``s from ``nnx.eval_shape`` (whose
       shardings on an ``AbstractMesh`` resolve inside ``with jax.set_mesh(sampler_mesh):``).
     filter: which variables to move (an ``nnx`` filter), ``nnx.Param`` by default.
-    max_bucket_bytes: bound on transient staging bytes per device per compiled program.
+    max_bucket_bytes: bound on transient staging bytes per device per compiled program
+      (``None``: as ``make_plan``, 1 GiB or 16 MiB where every device is a CPU).
 
   Returns:
     The :class:`~jax_reshard.ReshardPlan` that ran (``plan.stats`` has the bytes moved).

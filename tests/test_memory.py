@@ -427,3 +427,6 @@ def test_default_bound_on_cpu_devices() -> None:
   big = jr.make_plan(tree, dst, max_bucket_bytes=2 << 30)
   assert big.stats.num_buckets == 1 and big.stats.peak_staging_bytes > CPU_MAX_BUCKET_BYTES
   assert big.stats.bytes_moved == plan.stats.bytes_moved == plan.stats.lower_bound_bytes
+  # An explicit bound is taken as given, also when it equals the accelerator default.
+  gib = jr.make_plan(tree, dst, max_bucket_bytes=1 << 30)
+  assert gib.stats.num_buckets == 1 and gib.stats.peak_staging_bytes > CPU_MAX_BUCKET_BYTES
