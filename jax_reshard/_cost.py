@@ -24,6 +24,7 @@ in every round's size and in the number of rounds and buckets.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -31,7 +32,13 @@ import numpy as np
 
 from jax_reshard._layout import Layout
 from jax_reshard._planner import LeafPlan
-from jax_reshard._schedule import Schedule, placeholder_mask, slab_window, staged_block_shape
+from jax_reshard._schedule import (
+  Bucket,
+  Schedule,
+  placeholder_mask,
+  slab_window,
+  staged_block_shape,
+)
 from jax_reshard._topology import Topology
 
 
@@ -46,6 +53,8 @@ class _Stage(Protocol):
   def schedule(self) -> Schedule: ...
   @property
   def topology(self) -> Topology | None: ...
+  @property
+  def scheduled(self) -> Sequence[int]: ...
   def bucket_leaves(self, bucket: int) -> tuple[int, ...]: ...
 
 
@@ -193,19 +202,26 @@ def _bucket_cost(stage: _Stage, b: int, topo: Topology) -> _BucketCost:
   transfer = _transfer(lat, sizes[rid] / bw, rid, n, topo.max_parallel)
   slowest_cross = np.zeros(n)
   np.maximum.at(slowest_cross, rid, np.where(cross, cost, 0.0))
-  pack = _phase(sizes[rid] / topo.memory_bandwidth, rid, n, topo.max_parallel)
-  written = (_assembled_bytes(stage, b) + _placeholder_bytes(stage, b)) / topo.memory_bandwidth
+  sent_whole, received_whole = direct_steps(stage, bucket)
+  packed = np.asarray([r not in sent_whole for r in range(n)], dtype=np.float64)
+  pack = _phase(sizes[rid] * packed[rid] / topo.memory_bandwidth, rid, n, topo.max_parallel)
+  copied = _assembled_bytes(stage, b, received_whole) + _placeholder_bytes(stage, b, received_whole)
+  written = copied / topo.memory_bandwidth
   assemble = _phase(written, np.zeros(len(written), dtype=np.int64), 1, topo.max_parallel)
   slow = (slowest_cross > 0) & (slowest_cross >= transfer)
   return _BucketCost(transfer, slow, pack, float(assemble[0]))
 
 
-def _assembled_bytes(stage: _Stage, b: int) -> np.ndarray:
+def _assembled_bytes(stage: _Stage, b: int, direct: set[int]) -> np.ndarray:
   """Per device of bucket ``b``, the destination bytes it writes when assembling: every shard
-  it holds, except one kept whole from a single resident part (no copy)."""
-  union = np.asarray(stage.schedule.buckets[b].union_device_ids, dtype=np.int64)
+  it holds, except one kept whole from a single resident part, or received whole (the leaves
+  ``direct``, positions in the schedule, see :func:`direct_steps`): no copy."""
+  bucket = stage.schedule.buckets[b]
+  union = np.asarray(bucket.union_device_ids, dtype=np.int64)
   out = np.zeros(len(union), dtype=np.float64)
-  for i in stage.bucket_leaves(b):
+  for j, i in zip(bucket.leaves, stage.bucket_leaves(b), strict=True):
+    if j in direct:
+      continue
     _, dst = stage.layouts[i]
     lp = stage.leaf_plans[i]
     ids = np.asarray(dst.device_ids, dtype=np.int64)
@@ -218,24 +234,101 @@ def _assembled_bytes(stage: _Stage, b: int) -> np.ndarray:
   return out
 
 
-def _placeholder_bytes(stage: _Stage, b: int) -> np.ndarray:
+# A device's zero source blocks of a bucket up to this size are made once and kept by the
+# eager path (see _emit.CACHED_PLACEHOLDER_BYTES), so a call does not write them.
+KEPT_ZERO_BYTES = 1 << 18
+
+
+def _placeholder_bytes(stage: _Stage, b: int, direct: set[int]) -> np.ndarray:
   """Per device of bucket ``b``, the placeholder bytes it writes: a zero source block per leaf
-  it has no source shard of, a discarded output block per leaf it has no destination shard of
-  (the rule of :func:`placeholder_mask`); for a leaf cut into slabs, the bucket's slab instead
-  of the source block, on every device (cut from its source shard, or zeros)."""
+  it has no source shard of (unless they total at most ``KEPT_ZERO_BYTES``, kept between
+  calls), a discarded output block per leaf it has no destination shard of (the rule of
+  :func:`placeholder_mask`; none for the leaves ``direct``, received whole); for a leaf cut
+  into slabs, the bucket's slab instead of the source block, on every device (cut from its
+  source shard, or zeros)."""
   bucket = stage.schedule.buckets[b]
   union = np.asarray(bucket.union_device_ids, dtype=np.int64)
   out = np.zeros(len(union), dtype=np.float64)
+  zeros = np.zeros(len(union), dtype=np.float64)
   for j, chunks, i in zip(bucket.leaves, bucket.chunks, stage.bucket_leaves(b), strict=True):
     src, dst = stage.layouts[i]
     isz = stage.itemsizes[i]
     dst_block = float(np.prod(staged_block_shape(dst.shard_shape())) * isz)
-    out += placeholder_mask(dst, union) * dst_block
+    if j not in direct:
+      out += placeholder_mask(dst, union) * dst_block
     src_shape = staged_block_shape(src.shard_shape())
     window = slab_window(stage.schedule, j, chunks)
     if window is None:
-      out += placeholder_mask(src, union) * float(np.prod(src_shape) * isz)
+      zeros += placeholder_mask(src, union) * float(np.prod(src_shape) * isz)
     else:
       dim, start, stop = window
       out += float(np.prod(src_shape) // src_shape[dim] * (stop - start) * isz)
-  return out
+  return out + np.where(zeros > KEPT_ZERO_BYTES, zeros, 0.0)
+
+
+def direct_steps(plan: _Stage, bucket: Bucket) -> tuple[set[int], set[int]]:
+  """The steps of ``bucket`` that move data without a copy: the rounds whose every payload is
+  the whole source shards of the same leaves, unpadded (see :func:`_whole_shards`), and the
+  leaves (positions in
+  ``plan.scheduled``, moved by this bucket alone) whose every destination shard is one round's
+  entire payload."""
+  pair = bucket.piece_src * (1 << 32) + bucket.piece_dst  # pieces are sorted by pair
+  keys, first, count = np.unique(pair, return_index=True, return_counts=True)
+  leaf = np.asarray(bucket.piece_leaf, dtype=np.int64)[first]
+  nbytes = np.asarray(bucket.piece_nbytes, dtype=np.int64)[first]
+  src_bytes, dst_bytes = (
+    {
+      j: math.prod(plan.layouts[plan.scheduled[j]][k].shard_shape())
+      * plan.itemsizes[plan.scheduled[j]]
+      for j in bucket.leaves
+    }
+    for k in (0, 1)
+  )
+  rounds: set[int] = set()
+  arrivals: dict[int, list[tuple[int, int]]] = {}  # leaf -> (round, receiver) of whole shards
+  for r, rnd in enumerate(bucket.rounds):
+    pairs = np.asarray(rnd.pairs, dtype=np.int64).reshape(-1, 2)
+    at = np.searchsorted(keys, pairs[:, 0] * (1 << 32) + pairs[:, 1])
+    alone = (count[at] == 1) & (nbytes[at] == rnd.nbytes)
+    if _whole_shards(bucket, first[at], count[at], src_bytes, rnd.nbytes):
+      rounds.add(r)
+    if r in rounds:  # each leaf of a round of whole source shards arrives on its own
+      rows = (first[at][:, None] + np.arange(count[at][0])[None, :]).reshape(-1)
+      got = np.asarray(bucket.piece_leaf, dtype=np.int64)[rows].tolist()
+      sizes = np.asarray(bucket.piece_nbytes, dtype=np.int64)[rows].tolist()
+      to = np.repeat(pairs[:, 1], count[at][0]).tolist()
+      for j, b, d in zip(got, sizes, to, strict=True):
+        if dst_bytes[j] == b:
+          arrivals.setdefault(j, []).append((r, d))
+      continue
+    for j, d in zip(leaf[at][alone].tolist(), pairs[alone, 1].tolist(), strict=True):
+      if dst_bytes[j] == rnd.nbytes:
+        arrivals.setdefault(j, []).append((r, d))
+  spans = plan.schedule.leaf_buckets
+  whole = set()
+  for j, got in arrivals.items():
+    i = plan.scheduled[j]
+    lp, dst = plan.leaf_plans[i], plan.layouts[i][1]
+    if (spans and len(spans[j]) > 1) or lp.local.any() or len({r for r, _ in got}) != 1:
+      continue
+    if sorted(d for _, d in got) == sorted(dst.device_ids):
+      whole.add(j)
+  return rounds, whole
+
+
+def _whole_shards(
+  bucket: Bucket, first: np.ndarray, count: np.ndarray, src_bytes: dict[int, int], nbytes: int
+) -> bool:
+  """Whether every payload of a round (pairs whose pieces start at ``first``, ``count`` each)
+  is the whole source shards of the same leaves in the same order, unpadded: sent as they are,
+  one ``ppermute`` of several operands."""
+  if len(first) == 0 or (count != count[0]).any():
+    return False
+  leaves = np.asarray(bucket.piece_leaf, dtype=np.int64)
+  sizes = np.asarray(bucket.piece_nbytes, dtype=np.int64)
+  rows = first[:, None] + np.arange(count[0])[None, :]
+  order = leaves[rows]
+  if (order != order[0]).any() or len(set(order[0].tolist())) != count[0]:
+    return False
+  whole = np.array([src_bytes[j] for j in order[0].tolist()], dtype=np.int64)
+  return bool((sizes[rows] == whole).all()) and int(whole.sum()) == nbytes

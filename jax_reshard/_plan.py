@@ -16,12 +16,11 @@ from typing import Literal
 import numpy as np
 
 from jax_reshard._classes import bucket_classes
-from jax_reshard._cost import Estimate, estimate
+from jax_reshard._cost import Estimate, direct_steps, estimate
 from jax_reshard._layout import Layout
 from jax_reshard._planner import LeafPlan, plan_leaves
 from jax_reshard._schedule import (
   DEFAULT_MAX_BUCKET_BYTES,
-  Bucket,
   Schedule,
   dst_slab_window,
   make_schedule,
@@ -309,74 +308,6 @@ def pass_bytes(plan: LayoutPlan) -> dict[str, int]:
         out["zero_fill"] += (n - len(dst.device_ids)) * slab
         out["zero_fill"] += shard * len(dst.device_ids) if 0 in chunks else 0
   return out
-
-
-def direct_steps(plan: LayoutPlan, bucket: Bucket) -> tuple[set[int], set[int]]:
-  """The steps of ``bucket`` that move data without a copy: the rounds whose every payload is
-  the whole source shards of the same leaves, unpadded (see :func:`_whole_shards`), and the
-  leaves (positions in
-  ``plan.scheduled``, moved by this bucket alone) whose every destination shard is one round's
-  entire payload."""
-  pair = bucket.piece_src * (1 << 32) + bucket.piece_dst  # pieces are sorted by pair
-  keys, first, count = np.unique(pair, return_index=True, return_counts=True)
-  leaf = np.asarray(bucket.piece_leaf, dtype=np.int64)[first]
-  nbytes = np.asarray(bucket.piece_nbytes, dtype=np.int64)[first]
-  src_bytes, dst_bytes = (
-    {
-      j: math.prod(plan.layouts[plan.scheduled[j]][k].shard_shape())
-      * plan.itemsizes[plan.scheduled[j]]
-      for j in bucket.leaves
-    }
-    for k in (0, 1)
-  )
-  rounds: set[int] = set()
-  arrivals: dict[int, list[tuple[int, int]]] = {}  # leaf -> (round, receiver) of whole shards
-  for r, rnd in enumerate(bucket.rounds):
-    pairs = np.asarray(rnd.pairs, dtype=np.int64).reshape(-1, 2)
-    at = np.searchsorted(keys, pairs[:, 0] * (1 << 32) + pairs[:, 1])
-    alone = (count[at] == 1) & (nbytes[at] == rnd.nbytes)
-    if _whole_shards(bucket, first[at], count[at], src_bytes, rnd.nbytes):
-      rounds.add(r)
-    if r in rounds:  # each leaf of a round of whole source shards arrives on its own
-      rows = (first[at][:, None] + np.arange(count[at][0])[None, :]).reshape(-1)
-      got = np.asarray(bucket.piece_leaf, dtype=np.int64)[rows].tolist()
-      sizes = np.asarray(bucket.piece_nbytes, dtype=np.int64)[rows].tolist()
-      to = np.repeat(pairs[:, 1], count[at][0]).tolist()
-      for j, b, d in zip(got, sizes, to, strict=True):
-        if dst_bytes[j] == b:
-          arrivals.setdefault(j, []).append((r, d))
-      continue
-    for j, d in zip(leaf[at][alone].tolist(), pairs[alone, 1].tolist(), strict=True):
-      if dst_bytes[j] == rnd.nbytes:
-        arrivals.setdefault(j, []).append((r, d))
-  spans = plan.schedule.leaf_buckets
-  whole = set()
-  for j, got in arrivals.items():
-    i = plan.scheduled[j]
-    lp, dst = plan.leaf_plans[i], plan.layouts[i][1]
-    if (spans and len(spans[j]) > 1) or lp.local.any() or len({r for r, _ in got}) != 1:
-      continue
-    if sorted(d for _, d in got) == sorted(dst.device_ids):
-      whole.add(j)
-  return rounds, whole
-
-
-def _whole_shards(
-  bucket: Bucket, first: np.ndarray, count: np.ndarray, src_bytes: dict[int, int], nbytes: int
-) -> bool:
-  """Whether every payload of a round (pairs whose pieces start at ``first``, ``count`` each)
-  is the whole source shards of the same leaves in the same order, unpadded: sent as they are,
-  one ``ppermute`` of several operands."""
-  if len(first) == 0 or (count != count[0]).any():
-    return False
-  leaves = np.asarray(bucket.piece_leaf, dtype=np.int64)
-  sizes = np.asarray(bucket.piece_nbytes, dtype=np.int64)
-  rows = first[:, None] + np.arange(count[0])[None, :]
-  order = leaves[rows]
-  if (order != order[0]).any() or len(set(order[0].tolist())) != count[0]:
-    return False
-  whole = np.array([src_bytes[j] for j in order[0].tolist()], dtype=np.int64)
-  return bool((sizes[rows] == whole).all()) and int(whole.sum()) == nbytes
 
 
 def _passes(stages: Sequence[LayoutPlan], moved: int) -> float:

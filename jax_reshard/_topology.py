@@ -205,10 +205,10 @@ class Topology:
     )
 
 
-# Measured by benchmarks/calibrate_cpu.py on the development machine (see Topology.cpu).
-# Two runs gave 1.02e9 and 1.43e9, 1.05e9 and 1.02e9, 155e-6 and 118e-6, 205e-6 and 183e-6.
-CPU_CORE_BANDWIDTH = 1.2e9
-CPU_PACK_BANDWIDTH = 1.0e9
-CPU_ROUND_LATENCY = 140e-6
-CPU_CALL_LATENCY = 190e-6
-CPU_LEAF_LATENCY = 145e-6
+# Measured by benchmarks/calibrate_cpu.py on a 2-core AMD EPYC with 8 simulated devices and
+# nothing else running (see Topology.cpu).
+CPU_CORE_BANDWIDTH = 1.66e9
+CPU_PACK_BANDWIDTH = 1.24e9
+CPU_ROUND_LATENCY = 141e-6
+CPU_CALL_LATENCY = 85e-6
+CPU_LEAF_LATENCY = 55e-6

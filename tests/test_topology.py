@@ -5,6 +5,7 @@ of 2."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import numpy as np
@@ -279,3 +280,26 @@ def test_estimate_counts_placeholders_and_leaves() -> None:
   placeholders = 3 * 4 * (src_block + dst_block)  # 3 leaves, 4 + 4 devices, one core
   assembled = 3 * 4 * dst_block  # every sampler shard assembled from parts
   assert est.assemble_s == pytest.approx((placeholders + assembled) / topo.memory_bandwidth)
+
+
+def test_estimate_follows_the_program_copies() -> None:
+  """Whole source shards sent as they are cost no packing and, arriving whole, no assembly nor
+  discarded blocks; zero source blocks small enough to be kept between calls cost nothing."""
+  topo = Topology.cpu(cores=1)
+
+  def lay(shape: tuple[int, ...], ids: range, spec: tuple[Any, ...]) -> jr.Layout:
+    return jr.Layout.from_description(
+      shape, mesh_shape=(4,), axis_names=("x",), spec=spec, device_ids=ids
+    )
+
+  for rows, kept in ((256, True), (1024, False)):  # zero blocks of 64 KiB or 1 MiB per device
+    shape = (rows, 1024)
+    whole = jr.plan_layouts([(lay(shape, range(4), ("x",)), lay(shape, range(4, 8), ("x",)))], [4])
+    est = whole.estimate(topo)
+    assert est.pack_s == 0.0
+    src_zeros = 4 * rows // 4 * 1024 * 4  # the sampler devices' zero source blocks
+    assert est.assemble_s == pytest.approx(0.0 if kept else src_zeros / topo.memory_bandwidth)
+    cut = jr.plan_layouts(
+      [(lay(shape, range(4), ("x",)), lay(shape, range(4, 8), (None, "x")))], [4]
+    ).estimate(topo)
+    assert cut.pack_s > 0.0 and cut.assemble_s > est.assemble_s
