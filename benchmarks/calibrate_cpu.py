@@ -9,10 +9,11 @@ On 8 simulated CPU devices (``jax_num_cpu_devices``) sharing the host's cores, i
 
 * ``CPU_CALL_LATENCY``: a program that only reads its mesh position;
 * ``CPU_ROUND_LATENCY``: the slope of ``R`` rounds of a 4-byte ``ppermute``;
-* ``CPU_CORE_BANDWIDTH``: one round of a large cyclic ``ppermute``: every device copies N bytes,
+* ``CPU_CORE_BANDWIDTH``: one round of a 4 MiB-per-device cyclic ``ppermute``: every device copies N bytes,
   ``cores`` at a time, so the round takes ``8 N / (cores * bandwidth)`` beyond the latency;
 * ``CPU_PACK_BANDWIDTH``: packing: every device concatenates strided column slices of its shard
   into an N-byte payload, ``cores`` at a time;
+* ``CPU_FILL_BANDWIDTH``: every device writes an N-byte block of zeros, ``cores`` at a time;
 * ``CPU_LEAF_LATENCY``: the slope of a ``jr.make_plan`` call over trees of 1 and 65 tiny leaves
   (8x8 float32, 4 devices -> the other 4), one bucket: host work per leaf.
 """
@@ -73,19 +74,25 @@ def calibrate(cores: int | None = None) -> dict[str, float]:
   t1 = _median_s(program(rounds(1), (1,)), reps=30)
   t33 = _median_s(program(rounds(33), (1,)), reps=30)
   round_latency = (t33 - t1) / 32
-  n_words = 8 << 20  # 32 MiB per device
+  # Sizes of a bucket under the 16 MiB CPU bound: larger XLA:CPU temporaries map fresh host
+  # pages on every call, which the plans avoid and the rates must not include.
+  n_words = 1 << 20  # 4 MiB per device
   t_big = _median_s(program(lambda b: jax.lax.ppermute(b, "u", shift), (n_words,)))
   core_bw = N_DEVICES * 4 * n_words / (cores * max(t_big - call - round_latency, 1e-9))
-  rows, cols = 2048, 8192  # 64 MiB shard; pack half its columns in 8 strided slices (32 MiB)
+  rows, cols = 512, 2048  # 4 MiB shard; pack half its columns in 8 strided slices (2 MiB)
 
   def pack(b: jax.Array) -> jax.Array:
-    parts = [jax.lax.slice(b, (0, 1024 * k), (rows, 1024 * k + 512)) for k in range(8)]
+    parts = [jax.lax.slice(b, (0, 256 * k), (rows, 256 * k + 128)) for k in range(8)]
     return jnp.concatenate([p.reshape(-1) for p in parts])
 
   t_pack = _median_s(program(pack, (rows, cols)))
   pack_bw = N_DEVICES * 4 * rows * cols // 2 / (cores * max(t_pack - call, 1e-9))
+  # Zero fills: every device writes a fresh 4 MiB block of zeros (as its placeholders).
+  t_fill = _median_s(program(lambda b: jnp.zeros_like(b) + 0 * b[:1], (n_words,)))
+  fill_bw = N_DEVICES * 4 * n_words / (cores * max(t_fill - call, 1e-9))
   leaf = _leaf_latency(mesh)
   return {
+    "CPU_FILL_BANDWIDTH": fill_bw,
     "CPU_LEAF_LATENCY": leaf,
     "CPU_CORE_BANDWIDTH": core_bw,
     "CPU_PACK_BANDWIDTH": pack_bw,
@@ -123,6 +130,7 @@ def main() -> None:
   print(f"  CPU_ROUND_LATENCY = {out['CPU_ROUND_LATENCY']:.3g}  # s per round")
   print(f"  CPU_CALL_LATENCY = {out['CPU_CALL_LATENCY']:.3g}  # s per program call")
   print(f"  CPU_LEAF_LATENCY = {out['CPU_LEAF_LATENCY']:.3g}  # s per leaf of a call")
+  print(f"  CPU_FILL_BANDWIDTH = {out['CPU_FILL_BANDWIDTH']:.3g}  # bytes/s per core, zero fills")
 
 
 if __name__ == "__main__":

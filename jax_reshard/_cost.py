@@ -11,7 +11,7 @@ rounds one after another. The model charges
   ``memory_bandwidth`` (a shard kept whole from one part costs nothing), and every device of
   the bucket writes its placeholder blocks (a zero source block for each leaf it has no source
   shard of, a discarded output block for each leaf it has no destination shard of) at
-  ``memory_bandwidth``;
+  ``fill_bandwidth`` (zeros; ``memory_bandwidth`` where not given);
 * per bucket and leaf, the topology's ``leaf_latency`` (host work per leaf and call).
 
 Where devices share the host's cores (``max_parallel``, simulated CPU devices), each phase takes
@@ -205,8 +205,10 @@ def _bucket_cost(stage: _Stage, b: int, topo: Topology) -> _BucketCost:
   sent_whole, received_whole = direct_steps(stage, bucket)
   packed = np.asarray([r not in sent_whole for r in range(n)], dtype=np.float64)
   pack = _phase(sizes[rid] * packed[rid] / topo.memory_bandwidth, rid, n, topo.max_parallel)
-  copied = _assembled_bytes(stage, b, received_whole) + _placeholder_bytes(stage, b, received_whole)
-  written = copied / topo.memory_bandwidth
+  fills, slabs = _placeholder_bytes(stage, b, received_whole)
+  fill_bw = topo.fill_bandwidth or topo.memory_bandwidth
+  written = (_assembled_bytes(stage, b, received_whole) + slabs) / topo.memory_bandwidth
+  written = written + fills / fill_bw
   assemble = _phase(written, np.zeros(len(written), dtype=np.int64), 1, topo.max_parallel)
   slow = (slowest_cross > 0) & (slowest_cross >= transfer)
   return _BucketCost(transfer, slow, pack, float(assemble[0]))
@@ -239,17 +241,19 @@ def _assembled_bytes(stage: _Stage, b: int, direct: set[int]) -> np.ndarray:
 KEPT_ZERO_BYTES = 1 << 18
 
 
-def _placeholder_bytes(stage: _Stage, b: int, direct: set[int]) -> np.ndarray:
-  """Per device of bucket ``b``, the placeholder bytes it writes: a zero source block per leaf
-  it has no source shard of (unless they total at most ``KEPT_ZERO_BYTES``, kept between
-  calls), a discarded output block per leaf it has no destination shard of (the rule of
-  :func:`placeholder_mask`; none for the leaves ``direct``, received whole); for a leaf cut
-  into slabs, the bucket's slab instead of the source block, on every device (cut from its
-  source shard, or zeros)."""
+def _placeholder_bytes(stage: _Stage, b: int, direct: set[int]) -> tuple[np.ndarray, np.ndarray]:
+  """Per device of bucket ``b``, the zero bytes and the slab bytes it writes.
+
+  Zeros: a source block per leaf it has no source shard of (unless they total at most
+  ``KEPT_ZERO_BYTES``, kept between calls), a discarded output block per leaf it has no
+  destination shard of (the rule of :func:`placeholder_mask`; none for the leaves ``direct``,
+  received whole). Slabs: for a leaf cut into slabs, the bucket's slab instead of the source
+  block, on every device (cut from its source shard, or zeros; counted as a copy)."""
   bucket = stage.schedule.buckets[b]
   union = np.asarray(bucket.union_device_ids, dtype=np.int64)
   out = np.zeros(len(union), dtype=np.float64)
   zeros = np.zeros(len(union), dtype=np.float64)
+  slabs = np.zeros(len(union), dtype=np.float64)
   for j, chunks, i in zip(bucket.leaves, bucket.chunks, stage.bucket_leaves(b), strict=True):
     src, dst = stage.layouts[i]
     isz = stage.itemsizes[i]
@@ -262,8 +266,8 @@ def _placeholder_bytes(stage: _Stage, b: int, direct: set[int]) -> np.ndarray:
       zeros += placeholder_mask(src, union) * float(np.prod(src_shape) * isz)
     else:
       dim, start, stop = window
-      out += float(np.prod(src_shape) // src_shape[dim] * (stop - start) * isz)
-  return out + np.where(zeros > KEPT_ZERO_BYTES, zeros, 0.0)
+      slabs += float(np.prod(src_shape) // src_shape[dim] * (stop - start) * isz)
+  return out + np.where(zeros > KEPT_ZERO_BYTES, zeros, 0.0), slabs
 
 
 def direct_steps(plan: _Stage, bucket: Bucket) -> tuple[set[int], set[int]]:

@@ -54,6 +54,8 @@ class Topology:
       cores); ``None`` where every device has its own engines and memory (GPUs, TPUs).
     leaf_latency: seconds of host work per leaf of a program call (staging and unwrapping its
       arrays); measured for the CPU preset, 0 in the GPU and TPU presets (not measured there).
+    fill_bandwidth: bytes per second a device writes zeros (placeholder blocks, discarded
+      outputs); ``None``: ``memory_bandwidth``. Measured for the CPU preset only.
 
   Example:
     >>> topo = Topology.h100_nodes()
@@ -72,6 +74,7 @@ class Topology:
   call_latency: float = 0.0
   max_parallel: int | None = None
   leaf_latency: float = 0.0
+  fill_bandwidth: float | None = None
 
   def domain_of(self, device_ids: Sequence[int] | np.ndarray) -> np.ndarray:
     """The domain of each device id, as an ``int64`` array.
@@ -189,7 +192,8 @@ class Topology:
     a device's ``ppermute`` copies at ``CPU_CORE_BANDWIDTH`` bytes/s, its packing and assembly
     (slices and concatenations) at ``CPU_PACK_BANDWIDTH``; ``cores`` devices work at once; a
     round costs ``CPU_ROUND_LATENCY`` s on top, a program call ``CPU_CALL_LATENCY`` s, and
-    each leaf of a call ``CPU_LEAF_LATENCY`` s of host work.
+    each leaf of a call ``CPU_LEAF_LATENCY`` s of host work; zero blocks are written at
+    ``CPU_FILL_BANDWIDTH``.
     ``devices_per_domain`` simulates domains (the "slow" links are then as fast as the others,
     so only the byte counts differ).
     """
@@ -202,13 +206,16 @@ class Topology:
       call_latency=CPU_CALL_LATENCY,
       max_parallel=cores,
       leaf_latency=CPU_LEAF_LATENCY,
+      fill_bandwidth=CPU_FILL_BANDWIDTH,
     )
 
 
 # Measured by benchmarks/calibrate_cpu.py on a 2-core AMD EPYC with 8 simulated devices and
-# nothing else running (see Topology.cpu).
-CPU_CORE_BANDWIDTH = 1.66e9
-CPU_PACK_BANDWIDTH = 1.24e9
-CPU_ROUND_LATENCY = 141e-6
-CPU_CALL_LATENCY = 85e-6
-CPU_LEAF_LATENCY = 55e-6
+# nothing else running (see Topology.cpu): medians of five runs (ppermute 2.85-9.27 GB/s,
+# packing 1.87-2.16 GB/s, zero fills 3.9-4.9 GB/s per core).
+CPU_CORE_BANDWIDTH = 3.4e9
+CPU_PACK_BANDWIDTH = 2.0e9
+CPU_ROUND_LATENCY = 140e-6
+CPU_CALL_LATENCY = 165e-6
+CPU_LEAF_LATENCY = 56e-6
+CPU_FILL_BANDWIDTH = 4.7e9

@@ -269,7 +269,8 @@ def test_the_model_chooses_relays_or_not() -> None:
 
 def test_estimate_counts_placeholders_and_leaves() -> None:
   """Disjoint devices: every sampler device stages a zero source block and every trainer
-  device returns a discarded output block, written at memory bandwidth; host work per leaf."""
+  device returns a discarded output block, zeros written at the fill bandwidth; the shards
+  assembled at memory bandwidth; host work per leaf."""
   tree, isz = _two_hosts(1024)
   topo = Topology.cpu(cores=1).replace(leaf_latency=1e-3)
   plan = jr.plan_layouts(tree * 3, isz * 3)
@@ -279,7 +280,9 @@ def test_estimate_counts_placeholders_and_leaves() -> None:
   dst_block = 1024 * 1024 // 2 * 2
   placeholders = 3 * 4 * (src_block + dst_block)  # 3 leaves, 4 + 4 devices, one core
   assembled = 3 * 4 * dst_block  # every sampler shard assembled from parts
-  assert est.assemble_s == pytest.approx((placeholders + assembled) / topo.memory_bandwidth)
+  assert topo.fill_bandwidth is not None and topo.fill_bandwidth != topo.memory_bandwidth
+  expected = placeholders / topo.fill_bandwidth + assembled / topo.memory_bandwidth
+  assert est.assemble_s == pytest.approx(expected)
 
 
 def test_estimate_follows_the_program_copies() -> None:
@@ -298,7 +301,7 @@ def test_estimate_follows_the_program_copies() -> None:
     est = whole.estimate(topo)
     assert est.pack_s == 0.0
     src_zeros = 4 * rows // 4 * 1024 * 4  # the sampler devices' zero source blocks
-    assert est.assemble_s == pytest.approx(0.0 if kept else src_zeros / topo.memory_bandwidth)
+    assert est.assemble_s == pytest.approx(0.0 if kept else src_zeros / topo.fill_bandwidth)
     cut = jr.plan_layouts(
       [(lay(shape, range(4), ("x",)), lay(shape, range(4, 8), (None, "x")))], [4]
     ).estimate(topo)
