@@ -9,8 +9,9 @@ On 8 simulated CPU devices (``jax_num_cpu_devices``) sharing the host's cores, i
 
 * ``CPU_CALL_LATENCY``: a program that only reads its mesh position;
 * ``CPU_ROUND_LATENCY``: the slope of ``R`` rounds of a 4-byte ``ppermute``;
-* ``CPU_CORE_BANDWIDTH``: one round of a 4 MiB-per-device cyclic ``ppermute``: every device copies N bytes,
-  ``cores`` at a time, so the round takes ``8 N / (cores * bandwidth)`` beyond the latency;
+* ``CPU_CORE_BANDWIDTH``: one round of a cyclic ``ppermute`` of N = 4 MiB per device: every
+  device copies N bytes, ``cores`` at a time, so the round takes ``8 N / (cores * bandwidth)``
+  beyond the latency;
 * ``CPU_PACK_BANDWIDTH``: packing: every device concatenates strided column slices of its shard
   into an N-byte payload, ``cores`` at a time;
 * ``CPU_FILL_BANDWIDTH``: every device writes an N-byte block of zeros, ``cores`` at a time;
