@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     is_leaf=lambda s: isinstance(s, tuple) and all(isinstance(v, int) for v in s),
   )
   dst = jax.tree.map(lambda p: NamedSharding(sampler, p), sample_specs, is_leaf=is_spec)
-  plan = jr.make_plan(src, dst)
+  plan = jr.make_plan(src, dst, max_bucket_bytes=1 << 30)  # one bucket, as on accelerators
   fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.6), width_ratios=(1, 1.6))
   jr.plot_traffic(plan, ax=left)
   jr.plot_rounds(plan, ax=right)
