@@ -306,28 +306,12 @@ def _alternating(s: list[int], d: list[int], k: int) -> list[int]:
   at_s = [[-1] * k for _ in range(max(s) + 1)]  # per vertex, colour -> edge index
   at_d = [[-1] * k for _ in range(max(d) + 1)]
   colour = [-1] * len(s)
+  scratch_s, scratch_d = [0] * len(at_s), [0] * len(at_d)  # bitmasks this colouring ignores
   for e, (u, v) in enumerate(zip(s, d, strict=True)):
     cs, cd = at_s[u], at_d[v]
     a = cs.index(-1)
-    if cd[a] != -1:
-      b = cd.index(-1)
-      # Walk v -a- u1 -b- v2 -a- ... and swap a and b on the path; then a is free at v.
-      path = []
-      node, on_right, c = v, True, a
-      while True:
-        f = (at_d if on_right else at_s)[node][c]
-        if f == -1:
-          break
-        path.append(f)
-        node, on_right = (s[f], False) if on_right else (d[f], True)
-        c = b if c == a else a
-      for f in path:
-        at_s[s[f]][colour[f]] = -1
-        at_d[d[f]][colour[f]] = -1
-      for f in path:
-        c = colour[f] = b if colour[f] == a else a
-        at_s[s[f]][c] = f
-        at_d[d[f]][c] = f
+    if cd[a] != -1:  # swap a and the colour b free at v on the path v -a- u1 -b- v2 -a- ...
+      _swap_path(s, d, colour, at_s, at_d, scratch_s, scratch_d, v, a, cd.index(-1))
     colour[e] = a
     cs[a] = e
     cd[a] = e
