@@ -288,6 +288,15 @@ def direct_steps(plan: _Stage, bucket: Bucket) -> tuple[set[int], set[int]]:
     }
     for k in (0, 1)
   )
+  # Both kinds need a piece that is a whole source or destination shard: most buckets of split
+  # leaves have none, so they skip the per-round walk.
+  used, inv = np.unique(np.asarray(bucket.piece_leaf, dtype=np.int64), return_inverse=True)
+  sizes = np.asarray(bucket.piece_nbytes, dtype=np.int64)
+  shards = [
+    np.array([b[j] for j in used.tolist()], dtype=np.int64)[inv] for b in (src_bytes, dst_bytes)
+  ]
+  if not ((sizes == shards[0]) | (sizes == shards[1])).any():
+    return set(), set()
   rounds: set[int] = set()
   arrivals: dict[int, list[tuple[int, int]]] = {}  # leaf -> (round, receiver) of whole shards
   for r, rnd in enumerate(bucket.rounds):
