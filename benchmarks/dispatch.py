@@ -126,18 +126,26 @@ def _layers_table(sizes: str) -> int:
   print("| layers | leaves | first call s | buckets | distinct programs |")
   print("|---|---|---|---|---|")
   for n in (int(v) for v in sizes.split(",")):
-    cmd = [sys.executable, "-m", "benchmarks.dispatch", "--layers-worker", str(n)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-      print(f"| {n} | error: {(proc.stderr or proc.stdout)[-500:]} |")
+    r = _run_worker(n, "--layers-worker", str(n))
+    if r is None:
       return 1
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
     print(
       f"| {n} | {r['leaves']} | {r['first_call_s']:.2f} | {r['num_buckets']} | "
       f"{r['num_programs']} |",
       flush=True,
     )
   return 0
+
+
+def _run_worker(n: int, *args: str) -> dict[str, Any] | None:
+  """The JSON result of ``benchmarks.dispatch`` run with ``args`` in a fresh process, or
+  ``None`` after printing a table row with its error."""
+  cmd = [sys.executable, "-m", "benchmarks.dispatch", *args]
+  proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  if proc.returncode != 0:
+    print(f"| {n} | error: {(proc.stderr or proc.stdout)[-500:]} |")
+    return None
+  return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,12 +175,9 @@ def main(argv: list[str] | None = None) -> int:
   print(head)
   print("|" + "---|" * 9)
   for n in (int(v) for v in a.leaves.split(",")):
-    cmd = [sys.executable, "-m", "benchmarks.dispatch", "--worker", str(n), "--iters", str(a.iters)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-      print(f"| {n} | error: {(proc.stderr or proc.stdout)[-500:]} |")
+    r = _run_worker(n, "--worker", str(n), "--iters", str(a.iters))
+    if r is None:
       return 1
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
     print(
       f"| {n} | {1e3 * r['plan_dispatch_s']:.2f} | {1e6 * r['plan_dispatch_s'] / n:.1f} | "
       f"{1e3 * r['plan_total_s']:.2f} | {1e3 * r['device_put_dispatch_s']:.2f} | "

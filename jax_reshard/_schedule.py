@@ -954,52 +954,26 @@ def _split_rows(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
     k = min(k_max, max(k + 1, math.ceil(k * ratio)))
 
 
-def _split_slabs(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
-  """Splits ``leaf`` into the fewest slabs of its source shards (:func:`split_slabs`) that fit
-  (see :func:`_split_rows` for what it returns). The destination placeholder does not shrink:
-  where it is the floor, this fails as the sub-boxes do."""
-  assert tree.bound is not None
-  bound, orig, isz = tree.bound, tree.original[leaf], tree.itemsizes[leaf]
-  src = tree.layouts[leaf][0]
-  shard = staged_block_shape(src.shard_shape())
-  k_max = max(shard)
-  members = tree.members[leaf]
-  floor = tree.dst_placeholder(leaf) * members  # what every slab split stages, and a slab
-  least = int((floor + math.prod(shard) // k_max * isz).max(initial=0))
-  if least > bound or k_max < 2 or not src.shard_shape():
-    return least, "at least "
-  pay = tree.payloads[leaf].sum(axis=0)
-  room = bound - floor
-  if (room > 0).all():
-    k = max(k, math.ceil(float(((pay + math.prod(shard) * isz) / room).max())))
-  k = max(2, min(k, k_max))
-  while True:
-    plan, chunk, slabs = split_slabs(orig, src, k, isz)
-    tree.slabs[leaf] = slabs
-    tree.set_chunks(leaf, plan, chunk)
-    stage = np.stack([_build(tree, [item]).stage for item in tree.items(leaf)])
-    if int(stage.max()) <= bound:
-      return None
-    if k >= k_max:
-      tree.slabs.pop(leaf)
-      return int(stage.max()), ""
-    ratio = float(((stage - floor) / np.maximum(bound - floor, 1)).max())
-    k = min(k_max, max(k + 1, math.ceil(k * ratio)))
-
-
-def _split_dst_slabs(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
-  """Splits ``leaf`` into the fewest slabs of its destination shards (:func:`split_slabs` by
-  receiver) that fit (see :func:`_split_rows` for what it returns). The source placeholder does
-  not shrink: where it is the floor, this fails as the source slabs do."""
+def _split_slabs(
+  tree: _Tree, leaf: int, k: int, *, receiver: bool = False
+) -> tuple[int, str] | None:
+  """Splits ``leaf`` into the fewest slabs of its source shards (:func:`split_slabs`), or with
+  ``receiver`` of its destination shards, that fit (see :func:`_split_rows` for what it
+  returns). The other side's placeholder does not shrink: where it is the floor, this fails as
+  the sub-boxes do."""
   assert tree.bound is not None
   bound, orig, isz = tree.bound, tree.original[leaf], tree.itemsizes[leaf]
   src, dst = tree.layouts[leaf]
-  shard = staged_block_shape(dst.shard_shape())
-  spread = [a == b for a, b in zip(src.shard_shape(), src.shape, strict=True)]
+  side = dst if receiver else src
+  # Destination slabs are cut along a dimension the source does not shard where there is one.
+  spread = [a == b for a, b in zip(src.shard_shape(), src.shape, strict=True)] if receiver else None
+  found = tree.dst_slabs if receiver else tree.slabs
+  shard = staged_block_shape(side.shard_shape())
   k_max = max(shard)
-  floor = tree.src_placeholder(leaf) * tree.members[leaf]  # what every split stages
+  other = tree.src_placeholder(leaf) if receiver else tree.dst_placeholder(leaf)
+  floor = other * tree.members[leaf]  # what every slab split stages, and a slab
   least = int((floor + math.prod(shard) // k_max * isz).max(initial=0))
-  if least > bound or k_max < 2 or not dst.shard_shape():
+  if least > bound or k_max < 2 or not side.shard_shape():
     return least, "at least "
   room = bound - floor
   if (room > 0).all():
@@ -1007,17 +981,22 @@ def _split_dst_slabs(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
     k = max(k, math.ceil(float(((pay + math.prod(shard) * isz) / room).max())))
   k = max(2, min(k, k_max))
   while True:
-    plan, chunk, slabs = split_slabs(orig, dst, k, isz, receiver=True, spread=spread)
-    tree.dst_slabs[leaf] = slabs
+    plan, chunk, slabs = split_slabs(orig, side, k, isz, receiver=receiver, spread=spread)
+    found[leaf] = slabs
     tree.set_chunks(leaf, plan, chunk)
     stage = np.stack([_build(tree, [item]).stage for item in tree.items(leaf)])
     if int(stage.max()) <= bound:
       return None
     if k >= k_max:
-      tree.dst_slabs.pop(leaf)
+      found.pop(leaf)
       return int(stage.max()), ""
     ratio = float(((stage - floor) / np.maximum(bound - floor, 1)).max())
     k = min(k_max, max(k + 1, math.ceil(k * ratio)))
+
+
+def _split_dst_slabs(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
+  """:func:`_split_slabs` of the destination shards."""
+  return _split_slabs(tree, leaf, k, receiver=True)
 
 
 def _raise_bound(tree: _Tree, leaf: int, minimum: int, qualifier: str) -> None:
