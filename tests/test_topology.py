@@ -5,6 +5,7 @@ of 2."""
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 from typing import Any
 
 import jax
@@ -39,6 +40,20 @@ def test_presets_and_domains() -> None:
     custom.domain_of([0, 1])
   local = Topology.from_devices(jax.devices())  # one process: one domain
   assert set(local.domain_of([d.id for d in jax.devices()]).tolist()) == {0}
+
+
+def test_domains_from_devices_of_several_processes() -> None:
+  """CPU devices of a jax.distributed job report slice_index 0 in every process (jax 0.10.2):
+  their domains are the processes. TPU devices share a domain per slice."""
+  dev = lambda i, proc, sl, platform: SimpleNamespace(
+    id=i, process_index=proc, slice_index=sl, platform=platform
+  )
+  cpus = [dev(i, i // 2048, 0, "cpu") for i in (0, 1, 2048, 2049)]
+  topo = Topology.from_devices(cpus)
+  assert topo.domain_of([0, 1, 2048, 2049]).tolist() == [0, 0, 1, 1]
+  assert topo.intra == Topology.cpu().intra
+  tpus = [dev(i, i // 2, i // 4, "tpu") for i in range(8)]  # 2 processes per slice
+  assert Topology.from_devices(tpus).domain_of(range(8)).tolist() == [0] * 4 + [1] * 4
 
 
 def _domain_holds(topo: Topology, src: Layout, lo: np.ndarray, hi: np.ndarray, dom: int) -> bool:
