@@ -156,11 +156,9 @@ def plan_layouts(
       and (with ``relays``) a region that several devices of a domain need but no device there
       holds crosses into the domain once and is forwarded inside it in a second stage
       (:attr:`LayoutPlan.relay`). ``None`` or one domain: exactly the plan without topology.
-    relays: with a topology, ``True`` relays, ``False`` plans every need directly from a
-      source replica (exactly the plan without topology, with slow-link stats), ``"auto"``
-      plans both and keeps the one the cost model predicts faster on ``topology`` (relays on
-      a tie). ``None`` (the default): ``True`` with a topology. Checked by
-      :func:`resolve_relays`.
+    relays: ``True`` (``None``, the default, with a topology) relays; ``False`` sends every
+      need directly from a source replica; ``"auto"`` keeps whichever the cost model predicts
+      faster on ``topology`` (relays on a tie). See :func:`resolve_relays`.
     interleave: with several domains, order leaves round-robin over their source device sets
       before bucketing (:func:`interleave_by_source`).
     leaf_names: per leaf, a name for error messages (default ``#i``).
@@ -169,9 +167,8 @@ def plan_layouts(
     A :class:`LayoutPlan`: per-leaf transfers, the schedule and :class:`PlanStats`.
 
   Raises:
-    ReshardError: if ``relays`` is not ``None``, ``True``, ``False`` or ``"auto"``, or asks
-      for relays (``True``, ``"auto"``) without a topology; if a source and a destination
-      layout differ in shape, or if
+    ReshardError: if ``relays`` is invalid (:func:`resolve_relays`); if a source and a
+      destination layout differ in shape, or if
       ``max_bucket_bytes`` is below what a leaf needs even split into its smallest chunks
       (the message names the leaf and the least bound that works).
 
@@ -208,12 +205,8 @@ def plan_layouts(
   names = (
     tuple(leaf_names) if leaf_names is not None else tuple(f"#{i}" for i in range(len(layouts)))
   )
-  return _plan_relays_or_not(
-    (layouts, itemsizes, max_bucket_bytes, topology),
-    resolve_relays(relays, topology),
-    interleave,
-    names,
-  )
+  args = (layouts, itemsizes, max_bucket_bytes, topology)
+  return _plan_relays_or_not(args, resolve_relays(relays, topology), interleave, names)
 
 
 def resolve_relays(

@@ -125,8 +125,10 @@ class Topology:
     keys = {}
     for d in devices:
       slice_index = getattr(d, "slice_index", None)
-      by_process = slice_index is None or getattr(d, "platform", None) == "cpu"
-      keys[int(d.id)] = (0, int(d.process_index)) if by_process else (int(slice_index), 0)
+      if slice_index is None or getattr(d, "platform", None) == "cpu":
+        keys[int(d.id)] = (0, int(d.process_index))
+      else:
+        keys[int(d.id)] = (int(slice_index), 0)
     numbered = {k: i for i, k in enumerate(sorted(set(keys.values())))}
     if preset is None:
       platform = devices[0].platform if devices else "cpu"
