@@ -987,7 +987,7 @@ def _split_windows(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
   dim = window_dim(src, dst)
   assert dim is not None
   ph = tree.placeholders[leaf] * tree.members[leaf]
-  if int(ph.max(initial=0)) >= tree.bound:  # whole placeholders: no window fits
+  if int(ph.max(initial=0)) > tree.bound:  # whole placeholders: no window fits
     return int(ph.max(initial=0)), "at least "
   k_max = src.shape[dim]
   k = max(2, min(k, k_max))
