@@ -239,6 +239,11 @@ def test_chunks_of_repeated_layers_share_one_program(
       assert_matches_oracle(y[k], h, dst[k])
   info = _emit._compiled_program.cache_info()
   assert (info.misses, info.hits) == (1, buckets - 1)
+  # Into the sampler's current tree (donated): the first chunk writes into that buffer.
+  flipped = {k: np.ascontiguousarray(h[::-1]) for k, h in hosts.items()}
+  y = plan({k: jax.device_put(h, src) for k, h in flipped.items()}, donate=y)
+  for k, h in flipped.items():
+    assert_matches_oracle(y[k], h, dst[k])
   # 64 rows in 3 windows of 22 (or 32 in 4 slabs of 8 -> 3 of 11): the last is narrower.
   uneven = jr.make_plan(x, dst, max_bucket_bytes=40000)
   assert uneven.stats.num_programs == 2 < uneven.stats.num_buckets == 9
