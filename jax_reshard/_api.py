@@ -17,7 +17,7 @@ from jax_reshard._emit import BucketExecutable, empty_like_sharded, max_word_byt
 from jax_reshard._layout import Layout
 from jax_reshard._plan import LayoutPlan, PlanStats, format_plan, plan_layouts, resolve_relays
 from jax_reshard._planner import LeafPlan
-from jax_reshard._program import BucketProgram, make_bucket_program, with_leaf_indices
+from jax_reshard._program import BucketProgram, make_bucket_program, rebound_program
 from jax_reshard._schedule import CPU_MAX_BUCKET_BYTES, DEFAULT_MAX_BUCKET_BYTES, Schedule
 from jax_reshard._tapi import TransformPlan, make_transform_plan, transform_cache_clear
 from jax_reshard._topology import Topology
@@ -119,7 +119,8 @@ class ReshardPlan:
       for k, (stage, b) in enumerate(self._stage_buckets):
         first = self._classes[k]
         if first < k:  # the same program as an earlier bucket, on other leaves
-          programs.append(with_leaf_indices(programs[first], self._bucket_leaves[k]))
+          donated = donate and stage is first_stage
+          programs.append(rebound_program(programs[first], stage, b, dtypes, donate=donated))
           continue
         ids = stage.schedule.buckets[b].union_device_ids
         program = make_bucket_program(
@@ -209,7 +210,7 @@ class ReshardPlan:
     for idx, exe in zip(self._bucket_leaves, executables, strict=True):
       dsts = (
         [
-          carry.pop(i) if lf.dst_input else carry.pop(i, None) if lf.dst_window else None
+          carry.pop(i, None) if lf.dst_input or lf.dst_window else None
           for i, lf in zip(idx, exe.program.leaves, strict=True)
         ]
         if exe.takes_destinations
