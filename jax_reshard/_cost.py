@@ -24,6 +24,7 @@ in every round's size and in the number of rounds and buckets.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Protocol
@@ -34,6 +35,7 @@ from jax_reshard._layout import Layout
 from jax_reshard._planner import LeafPlan
 from jax_reshard._schedule import (
   Bucket,
+  Round,
   Schedule,
   placeholder_mask,
   slab_window,
@@ -188,14 +190,25 @@ def _transfer(
   return out
 
 
+def round_pairs(rounds: Sequence[Round]) -> tuple[np.ndarray, ...]:
+  """The pairs of ``rounds`` as arrays: per pair its round, sender and receiver; and per round
+  its payload size."""
+  counts = np.fromiter((len(r.pairs) for r in rounds), dtype=np.int64, count=len(rounds))
+  flat = np.fromiter(
+    itertools.chain.from_iterable(itertools.chain.from_iterable(r.pairs for r in rounds)),
+    dtype=np.int64,
+    count=2 * int(counts.sum()),
+  ).reshape(-1, 2)
+  size = np.fromiter((r.nbytes for r in rounds), dtype=np.int64, count=len(rounds))
+  return np.repeat(np.arange(len(rounds)), counts), flat[:, 0], flat[:, 1], size
+
+
 def _bucket_cost(stage: _Stage, b: int, topo: Topology) -> _BucketCost:
   bucket = stage.schedule.buckets[b]
   n = len(bucket.rounds)
-  sizes = np.asarray([r.nbytes for r in bucket.rounds], dtype=np.float64)
-  counts = np.asarray([len(r.pairs) for r in bucket.rounds], dtype=np.int64)
-  pairs = np.asarray([p for r in bucket.rounds for p in r.pairs], dtype=np.int64).reshape(-1, 2)
-  rid = np.repeat(np.arange(n), counts)
-  cross = topo.domain_of(pairs[:, 0]) != topo.domain_of(pairs[:, 1])
+  rid, src, dst, nbytes = round_pairs(bucket.rounds)
+  sizes = nbytes.astype(np.float64)
+  cross = topo.domain_of(src) != topo.domain_of(dst)
   lat = np.where(cross, topo.inter.latency, topo.intra.latency)
   bw = np.where(cross, topo.inter.bandwidth, topo.intra.bandwidth)
   cost = lat + sizes[rid] / bw

@@ -16,7 +16,7 @@ from typing import Literal
 import numpy as np
 
 from jax_reshard._classes import bucket_classes
-from jax_reshard._cost import Estimate, direct_steps, estimate
+from jax_reshard._cost import Estimate, direct_steps, estimate, round_pairs
 from jax_reshard._layout import Layout
 from jax_reshard._planner import LeafPlan, plan_leaves
 from jax_reshard._schedule import (
@@ -279,16 +279,16 @@ def pass_bytes(plan: LayoutPlan) -> dict[str, int]:
     fill = (
       np.add.reduceat(np.asarray(bucket.piece_nbytes, dtype=np.int64), first) if len(pair) else pair
     )
-    for r, rnd in enumerate(bucket.rounds):
-      senders = {s for s, _ in rnd.pairs}
-      receivers = {d for _, d in rnd.pairs}
-      out["transfer"] += 2 * len(rnd.pairs) * rnd.nbytes
-      out["zero_fill"] += (n - len(receivers)) * rnd.nbytes
-      if r not in sent_whole:
-        at = np.asarray(rnd.pairs, dtype=np.int64).reshape(-1, 2) @ np.array([1 << 32, 1])
-        read = int(fill[np.searchsorted(keys, at)].sum())
-        out["pack"] += read + len(senders) * rnd.nbytes
-        out["zero_fill"] += (n - len(senders)) * rnd.nbytes
+    rid, ps, pd, size = round_pairs(bucket.rounds)
+    pairs = np.bincount(rid, minlength=len(size))
+    senders, receivers = (_distinct_per_round(rid, side, len(size)) for side in (ps, pd))
+    packed = np.ones(len(size), dtype=bool)
+    packed[sorted(sent_whole)] = False
+    read = fill[np.searchsorted(keys, ps * (1 << 32) + pd)][packed[rid]]
+    out["transfer"] += int((2 * pairs * size).sum())
+    out["zero_fill"] += int(((n - receivers) * size).sum())
+    out["pack"] += int(read.sum()) + int((senders * size)[packed].sum())
+    out["zero_fill"] += int(((n - senders) * size)[packed].sum())
     for j, chunks in zip(bucket.leaves, bucket.chunks, strict=True):
       if j in received_whole:
         continue
@@ -308,6 +308,14 @@ def pass_bytes(plan: LayoutPlan) -> dict[str, int]:
         out["zero_fill"] += (n - len(dst.device_ids)) * slab
         out["zero_fill"] += shard * len(dst.device_ids) if 0 in chunks else 0
   return out
+
+
+def _distinct_per_round(rid: np.ndarray, dev: np.ndarray, num: int) -> np.ndarray:
+  """Per round, how many distinct devices ``dev`` (one per pair of round ``rid``) it has."""
+  if not len(rid):
+    return np.zeros(num, dtype=np.int64)
+  key = np.unique(rid * (1 << 32) + dev)
+  return np.bincount(key >> 32, minlength=num)
 
 
 def _passes(stages: Sequence[LayoutPlan], moved: int) -> float:
