@@ -29,6 +29,10 @@ from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
 from jax_reshard._topology import Topology
 
+# Up to this many needs of one size, :func:`_assign_lpt` pops a heap in Python (faster than
+# its array form at this size; the same senders).
+SMALL_LPT = 16
+
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class LeafPlan:
@@ -327,17 +331,25 @@ def _assign_senders(
   if need_dom is not None and rep_doms is not None:  # the same process inside the same domain
     procs = procs * (1 << 32) + rep_doms[u]
     need_procs = need_procs * (1 << 32) + need_dom[group]
-  matched = np.isin(need_procs, procs)
+  matched = _member(need_procs, procs)
   for p in np.unique(need_procs[matched]).tolist():
     _assign_lpt(group[need_procs == p], ids[procs == p], need_bytes, load, sender)
   if need_dom is not None and rep_doms is not None and not matched.all():
     doms, nd = rep_doms[u], need_dom[group]
-    in_dom = ~matched & np.isin(nd, doms)
+    in_dom = ~matched & _member(nd, doms)
     for dom in np.unique(nd[in_dom]).tolist():
       _assign_lpt(group[in_dom & (nd == dom)], ids[doms == dom], need_bytes, load, sender)
     matched |= in_dom
   if not matched.all():  # no replica in the receiver's process: balance over all replicas
     _assign_lpt(group[~matched], ids, need_bytes, load, sender)
+
+
+def _member(values: np.ndarray, pool: np.ndarray) -> np.ndarray:
+  """``np.isin(values, pool)``, through a set where both are short (faster there)."""
+  if len(values) > SMALL_LPT or len(pool) > SMALL_LPT:
+    return np.isin(values, pool)
+  found = set(pool.tolist())
+  return np.fromiter((v in found for v in values.tolist()), dtype=bool, count=len(values))
 
 
 def _assign_lpt(
@@ -355,8 +367,20 @@ def _assign_lpt(
     sender[needs] = dev
     load[dev] = load.get(dev, 0) + int(sizes.sum())
     return
-  loads = np.fromiter((load.get(i, 0) for i in ids.tolist()), dtype=np.int64, count=r)
   b = int(sizes[0])
+  if k <= SMALL_LPT and (sizes == b).all():  # few needs: the heap below, without arrays
+    id_list = ids.tolist()
+    for i in id_list:  # every replica gets an entry, as in the equal-size case below
+      load.setdefault(i, 0)
+    heap = [(load[i], i) for i in id_list]
+    heapq.heapify(heap)
+    for kk in needs.tolist():
+      cur, dev = heapq.heappop(heap)
+      sender[kk] = dev
+      load[dev] = cur + b
+      heapq.heappush(heap, (cur + b, dev))
+    return
+  loads = np.fromiter((load.get(i, 0) for i in ids.tolist()), dtype=np.int64, count=r)
   if (sizes == b).all():
     # Equal sizes: a heap that pops the least (load, id) and pushes it back b bytes heavier
     # pops, in order, the smallest k of the merged sequences load_i + j * b (ties by id).
