@@ -16,7 +16,7 @@ from typing import Literal
 import numpy as np
 
 from jax_reshard._classes import bucket_classes
-from jax_reshard._cost import Estimate, direct_steps, estimate, round_pairs
+from jax_reshard._cost import Estimate, direct_steps, estimate, pair_runs, round_pairs
 from jax_reshard._layout import Layout
 from jax_reshard._planner import LeafPlan, plan_leaves
 from jax_reshard._schedule import (
@@ -274,14 +274,12 @@ def pass_bytes(plan: LayoutPlan) -> dict[str, int]:
   for bucket in plan.schedule.buckets:
     n = len(bucket.union_device_ids)
     sent_whole, received_whole = direct_steps(plan, bucket)
-    pair = bucket.piece_src * (1 << 32) + bucket.piece_dst
-    keys, first = np.unique(pair, return_index=True)
-    fill = (
-      np.add.reduceat(np.asarray(bucket.piece_nbytes, dtype=np.int64), first) if len(pair) else pair
-    )
+    keys, first, _ = pair_runs(bucket)
+    nbytes = np.asarray(bucket.piece_nbytes, dtype=np.int64)
+    fill = np.add.reduceat(nbytes, first) if len(nbytes) else nbytes
     rid, ps, pd, size = round_pairs(bucket.rounds)
     pairs = np.bincount(rid, minlength=len(size))
-    senders, receivers = (_distinct_per_round(rid, side, len(size)) for side in (ps, pd))
+    senders = receivers = pairs  # a round is a matching: each device sends, receives once
     packed = np.ones(len(size), dtype=bool)
     packed[sorted(sent_whole)] = False
     read = fill[np.searchsorted(keys, ps * (1 << 32) + pd)][packed[rid]]
@@ -308,14 +306,6 @@ def pass_bytes(plan: LayoutPlan) -> dict[str, int]:
         out["zero_fill"] += (n - len(dst.device_ids)) * slab
         out["zero_fill"] += shard * len(dst.device_ids) if 0 in chunks else 0
   return out
-
-
-def _distinct_per_round(rid: np.ndarray, dev: np.ndarray, num: int) -> np.ndarray:
-  """Per round, how many distinct devices ``dev`` (one per pair of round ``rid``) it has."""
-  if not len(rid):
-    return np.zeros(num, dtype=np.int64)
-  key = np.unique(rid * (1 << 32) + dev)
-  return np.bincount(key >> 32, minlength=num)
 
 
 def _passes(stages: Sequence[LayoutPlan], moved: int) -> float:
