@@ -24,6 +24,7 @@ in every round's size and in the number of rounds and buckets.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -192,7 +193,13 @@ def _transfer(
 
 def round_pairs(rounds: Sequence[Round]) -> tuple[np.ndarray, ...]:
   """The pairs of ``rounds`` as arrays: per pair its round, sender and receiver; and per round
-  its payload size."""
+  its payload size (read-only; cached, as the stats and the estimates of a plan read the same
+  buckets' rounds several times)."""
+  return _round_arrays(tuple(rounds))
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _round_arrays(rounds: tuple[Round, ...]) -> tuple[np.ndarray, ...]:
   counts = np.fromiter((len(r.pairs) for r in rounds), dtype=np.int64, count=len(rounds))
   flat = np.fromiter(
     itertools.chain.from_iterable(itertools.chain.from_iterable(r.pairs for r in rounds)),
@@ -200,7 +207,10 @@ def round_pairs(rounds: Sequence[Round]) -> tuple[np.ndarray, ...]:
     count=2 * int(counts.sum()),
   ).reshape(-1, 2)
   size = np.fromiter((r.nbytes for r in rounds), dtype=np.int64, count=len(rounds))
-  return np.repeat(np.arange(len(rounds)), counts), flat[:, 0], flat[:, 1], size
+  out = (np.repeat(np.arange(len(rounds)), counts), flat[:, 0].copy(), flat[:, 1].copy(), size)
+  for a in out:
+    a.flags.writeable = False
+  return out
 
 
 def _bucket_cost(stage: _Stage, b: int, topo: Topology) -> _BucketCost:
@@ -287,8 +297,12 @@ def pair_runs(bucket: Bucket) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """The (source, destination) pairs of a bucket's pieces (sorted by pair): per pair, its key
   ``src << 32 | dst``, its first piece and its number of pieces (``np.unique`` of the keys)."""
   pair = np.asarray(bucket.piece_src, dtype=np.int64) * (1 << 32) + bucket.piece_dst
-  first = np.flatnonzero(np.r_[True, pair[1:] != pair[:-1]]) if len(pair) else pair
-  return pair[first], first, np.diff(np.r_[first, len(pair)])
+  if not len(pair):
+    return pair, pair, pair
+  first = np.flatnonzero(pair[1:] != pair[:-1]) + 1
+  count = np.diff(first, prepend=0, append=len(pair))
+  first = np.concatenate(([0], first))
+  return pair[first], first, count
 
 
 def direct_steps(plan: _Stage, bucket: Bucket) -> tuple[set[int], set[int]]:

@@ -292,7 +292,10 @@ def pass_bytes(plan: LayoutPlan) -> dict[str, int]:
         continue
       i = plan.scheduled[j]
       lp, (_, dst), isz = plan.leaf_plans[i], plan.layouts[i], plan.itemsizes[i]
-      rows = np.isin(plan.schedule.row_chunks[j], chunks) if plan.schedule.row_chunks else True
+      rows: np.ndarray | bool = True
+      if plan.schedule.row_chunks:  # a bucket's chunks of a leaf are consecutive
+        rc = plan.schedule.row_chunks[j]
+        rows = (rc >= chunks[0]) & (rc <= chunks[-1])
       remote = int(lp.nbytes[rows & ~lp.local].sum())
       local = int(lp.nbytes[rows & lp.local].sum())
       shard = math.prod(dst.shard_shape()) * isz
