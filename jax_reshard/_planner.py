@@ -345,11 +345,14 @@ def _assign_senders(
 
 
 def _member(values: np.ndarray, pool: np.ndarray) -> np.ndarray:
-  """``np.isin(values, pool)``, through a set where both are short (faster there)."""
-  if len(values) > SMALL_LPT or len(pool) > SMALL_LPT:
-    return np.isin(values, pool)
-  found = set(pool.tolist())
-  return np.fromiter((v in found for v in values.tolist()), dtype=bool, count=len(values))
+  """``np.isin(values, pool)``: through a set where both are short, by comparing every pair
+  where the pool is (both faster there)."""
+  if len(values) <= SMALL_LPT and len(pool) <= SMALL_LPT:
+    found = set(pool.tolist())
+    return np.fromiter((v in found for v in values.tolist()), dtype=bool, count=len(values))
+  if len(pool) <= 4 * SMALL_LPT:
+    return (values[:, None] == pool[None, :]).any(axis=1)
+  return np.isin(values, pool)
 
 
 def _assign_lpt(
@@ -368,6 +371,14 @@ def _assign_lpt(
     load[dev] = load.get(dev, 0) + int(sizes.sum())
     return
   b = int(sizes[0])
+  if k == 1:  # one need: the least (load, id), as the heap below would pop
+    id_list = ids.tolist()
+    for i in id_list:  # every replica gets an entry, as in the equal-size case below
+      load.setdefault(i, 0)
+    cur, dev = min((load[i], i) for i in id_list)
+    sender[needs[0]] = dev
+    load[dev] = cur + b
+    return
   if k <= SMALL_LPT and (sizes == b).all():  # few needs: the heap below, without arrays
     id_list = ids.tolist()
     for i in id_list:  # every replica gets an entry, as in the equal-size case below
