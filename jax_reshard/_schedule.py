@@ -443,10 +443,11 @@ def _make_rounds(
   assert best is not None
   _, colour, base, size = best
   by_round = np.lexsort((pd, ps, colour))
-  cuts = np.searchsorted(colour[by_round], np.arange(1, base))
+  cuts = [0, *np.searchsorted(colour[by_round], np.arange(1, base)).tolist(), len(by_round)]
+  flat = list(zip(ps[by_round].tolist(), pd[by_round].tolist(), strict=True))
   rounds = [
-    Round(nbytes=int(size[r]), pairs=tuple(zip(ps[idx].tolist(), pd[idx].tolist(), strict=True)))
-    for r, idx in enumerate(np.split(by_round, cuts))
+    Round(nbytes=nbytes, pairs=tuple(flat[cuts[r] : cuts[r + 1]]))
+    for r, nbytes in enumerate(size.tolist())
   ]
   pair_round_bytes = np.empty(len(fill), dtype=np.int64)
   pair_round_bytes[order] = size[colour]
