@@ -24,7 +24,6 @@ in every round's size and in the number of rounds and buckets.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -193,13 +192,7 @@ def _transfer(
 
 def round_pairs(rounds: Sequence[Round]) -> tuple[np.ndarray, ...]:
   """The pairs of ``rounds`` as arrays: per pair its round, sender and receiver; and per round
-  its payload size (read-only; cached, as the stats and the estimates of a plan read the same
-  buckets' rounds several times)."""
-  return _round_arrays(tuple(rounds))
-
-
-@functools.lru_cache(maxsize=1 << 12)
-def _round_arrays(rounds: tuple[Round, ...]) -> tuple[np.ndarray, ...]:
+  its payload size."""
   counts = np.fromiter((len(r.pairs) for r in rounds), dtype=np.int64, count=len(rounds))
   flat = np.fromiter(
     itertools.chain.from_iterable(itertools.chain.from_iterable(r.pairs for r in rounds)),
@@ -207,16 +200,14 @@ def _round_arrays(rounds: tuple[Round, ...]) -> tuple[np.ndarray, ...]:
     count=2 * int(counts.sum()),
   ).reshape(-1, 2)
   size = np.fromiter((r.nbytes for r in rounds), dtype=np.int64, count=len(rounds))
-  out = (np.repeat(np.arange(len(rounds)), counts), flat[:, 0].copy(), flat[:, 1].copy(), size)
-  for a in out:
-    a.flags.writeable = False
-  return out
+  return np.repeat(np.arange(len(rounds)), counts), flat[:, 0], flat[:, 1], size
 
 
 def _bucket_cost(stage: _Stage, b: int, topo: Topology) -> _BucketCost:
   bucket = stage.schedule.buckets[b]
   n = len(bucket.rounds)
-  rid, src, dst, nbytes = round_pairs(bucket.rounds)
+  pairs = round_pairs(bucket.rounds)
+  rid, src, dst, nbytes = pairs
   sizes = nbytes.astype(np.float64)
   cross = topo.domain_of(src) != topo.domain_of(dst)
   lat = np.where(cross, topo.inter.latency, topo.intra.latency)
@@ -225,7 +216,7 @@ def _bucket_cost(stage: _Stage, b: int, topo: Topology) -> _BucketCost:
   transfer = _transfer(lat, sizes[rid] / bw, rid, n, topo.max_parallel)
   slowest_cross = np.zeros(n)
   np.maximum.at(slowest_cross, rid, np.where(cross, cost, 0.0))
-  sent_whole, received_whole = direct_steps(stage, bucket)
+  sent_whole, received_whole = direct_steps(stage, bucket, pairs)
   packed = np.asarray([r not in sent_whole for r in range(n)], dtype=np.float64)
   pack = _phase(sizes[rid] * packed[rid] / topo.memory_bandwidth, rid, n, topo.max_parallel)
   fills, slabs = _placeholder_bytes(stage, b, received_whole)
@@ -305,11 +296,13 @@ def pair_runs(bucket: Bucket) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   return pair[first], first, count
 
 
-def direct_steps(plan: _Stage, bucket: Bucket) -> tuple[set[int], set[int]]:
+def direct_steps(
+  plan: _Stage, bucket: Bucket, pairs: tuple[np.ndarray, ...] | None = None
+) -> tuple[set[int], set[int]]:
   """The steps of ``bucket`` that move data without a copy: the rounds whose every payload is
   the whole source shards of the same leaves, unpadded (see :func:`_whole_rounds`), and the
   leaves (positions in ``plan.scheduled``, moved by this bucket alone) whose every destination
-  shard is one round's entire payload."""
+  shard is one round's entire payload. ``pairs``: the bucket's :func:`round_pairs`, if known."""
   keys, first, count = pair_runs(bucket)
   sizes = np.asarray(bucket.piece_nbytes, dtype=np.int64)
   piece_leaf = np.asarray(bucket.piece_leaf, dtype=np.int64)
@@ -324,7 +317,7 @@ def direct_steps(plan: _Stage, bucket: Bucket) -> tuple[set[int], set[int]]:
   # leaves have none.
   if not (src_whole | dst_whole).any():
     return set(), set()
-  rid, ps, pd, size = round_pairs(bucket.rounds)
+  rid, ps, pd, size = round_pairs(bucket.rounds) if pairs is None else pairs
   at = np.searchsorted(keys, ps * (1 << 32) + pd)
   whole = _whole_rounds(piece_leaf, sizes, src_whole, first[at], count[at], rid, size)
   # Arrivals of whole destination shards: in a round of whole source shards, every piece that

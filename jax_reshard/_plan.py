@@ -273,11 +273,11 @@ def pass_bytes(plan: LayoutPlan) -> dict[str, int]:
   spans = plan.schedule.leaf_buckets
   for bucket in plan.schedule.buckets:
     n = len(bucket.union_device_ids)
-    sent_whole, received_whole = direct_steps(plan, bucket)
     keys, first, _ = pair_runs(bucket)
     nbytes = np.asarray(bucket.piece_nbytes, dtype=np.int64)
     fill = np.add.reduceat(nbytes, first) if len(nbytes) else nbytes
-    rid, ps, pd, size = round_pairs(bucket.rounds)
+    rid, ps, pd, size = arrays = round_pairs(bucket.rounds)
+    sent_whole, received_whole = direct_steps(plan, bucket, arrays)
     pairs = np.bincount(rid, minlength=len(size))
     senders = receivers = pairs  # a round is a matching: each device sends, receives once
     packed = np.ones(len(size), dtype=bool)
@@ -470,11 +470,9 @@ def _per_device(plan: LayoutPlan, union: np.ndarray) -> tuple[np.ndarray, np.nda
   send = np.zeros(len(union), dtype=np.int64)
   recv = np.zeros(len(union), dtype=np.int64)
   for bucket in plan.schedule.buckets:
-    for rnd in bucket.rounds:
-      if rnd.pairs:
-        pairs = np.asarray(rnd.pairs, dtype=np.int64)
-        np.add.at(send, np.searchsorted(union, pairs[:, 0]), rnd.nbytes)
-        np.add.at(recv, np.searchsorted(union, pairs[:, 1]), rnd.nbytes)
+    rid, ps, pd, size = round_pairs(bucket.rounds)
+    np.add.at(send, np.searchsorted(union, ps), size[rid])
+    np.add.at(recv, np.searchsorted(union, pd), size[rid])
   return send, recv
 
 
