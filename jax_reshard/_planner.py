@@ -180,6 +180,7 @@ def plan_leaf(
   topology: Topology | None = None,
   entry_load: MutableMapping[int, int] | None = None,
   relays: bool = True,
+  tasks: MutableMapping[tuple[object, ...], list[tuple[np.ndarray, np.ndarray]]] | None = None,
 ) -> LeafPlan:
   """Plans the transfers of one leaf.
 
@@ -195,6 +196,8 @@ def plan_leaf(
     entry_load: bytes each device already receives as a relay entry; updated in place.
     relays: whether to relay (else every need comes from a source replica; the slow-link
       lower bound is computed all the same).
+    tasks: which needs go to which replicas, kept across leaves (the layers of a model have
+      equal layouts, so they balance the same groups of needs over the same replicas).
 
   Returns:
     A :class:`LeafPlan` in which every element a destination device lacks arrives exactly once.
@@ -217,13 +220,14 @@ def plan_leaf(
     hop, slow_bound = _relays(g, need_dom, rep_doms, need_bytes, entry, sender, relays)
   remote = np.nonzero(~g.need_local & (hop != 1 if hop is not None else True))[0]
   if len(remote):
-    d_ids = np.asarray(dst.device_ids, dtype=np.int64)
-    need_proc = np.asarray(dst.process_indices, dtype=np.int64)[np.searchsorted(d_ids, g.need_dst)]
-    # Largest first within each source box; ties by destination id (deterministic).
-    order = remote[np.lexsort((g.need_dst[remote], -need_bytes[remote], need_u[remote]))]
-    bounds = np.nonzero(np.diff(need_u[order]))[0] + 1
-    for group in np.split(order, bounds):
-      _assign_senders(group, g, need_u, need_bytes, need_proc, load, sender, need_dom, rep_doms)
+    key = (src, dst, topology, itemsize > 0, remote.tobytes())
+    todo = None if tasks is None else tasks.get(key)
+    if todo is None:
+      todo = _sender_tasks(remote, g, dst, need_u, need_bytes, need_dom, rep_doms)
+      if tasks is not None:
+        tasks[key] = todo
+    for needs, ids in todo:
+      _assign_lpt(needs, ids, need_bytes, load, sender)
   return LeafPlan(
     src_device=sender,
     dst_device=g.need_dst,
@@ -307,41 +311,47 @@ def _relays(
   return hop, slow_bound
 
 
-def _assign_senders(
-  group: np.ndarray,
+def _sender_tasks(
+  remote: np.ndarray,
   g: _Geometry,
+  dst: Layout,
   need_u: np.ndarray,
   need_bytes: np.ndarray,
-  need_proc: np.ndarray,
-  load: MutableMapping[int, int],
-  sender: np.ndarray,
-  need_dom: np.ndarray | None = None,
-  rep_doms: tuple[np.ndarray, ...] | None = None,
-) -> None:
-  """Longest-processing-time assignment of the needs of one source box to its replicas.
+  need_dom: np.ndarray | None,
+  rep_doms: tuple[np.ndarray, ...] | None,
+) -> list[tuple[np.ndarray, np.ndarray]]:
+  """The calls of :func:`_assign_lpt` that give the ``remote`` needs their senders, in order:
+  per source box (largest needs first; ties by destination id), its needs and replicas.
 
   Needs of a receiver go to the least-loaded replica in the receiver's process (and domain,
   with a topology; ties: lowest device id); then, with domains, to one in the receiver's
   domain; needs without such a replica are balanced over all replicas afterwards.
   """
-  u = int(need_u[group[0]])
-  ids = g.replica_ids[u]
-  procs = g.replica_procs[u]
-  need_procs = need_proc[group]
-  if need_dom is not None and rep_doms is not None:  # the same process inside the same domain
-    procs = procs * (1 << 32) + rep_doms[u]
-    need_procs = need_procs * (1 << 32) + need_dom[group]
-  matched = _member(need_procs, procs)
-  for p in np.unique(need_procs[matched]).tolist():
-    _assign_lpt(group[need_procs == p], ids[procs == p], need_bytes, load, sender)
-  if need_dom is not None and rep_doms is not None and not matched.all():
-    doms, nd = rep_doms[u], need_dom[group]
-    in_dom = ~matched & _member(nd, doms)
-    for dom in np.unique(nd[in_dom]).tolist():
-      _assign_lpt(group[in_dom & (nd == dom)], ids[doms == dom], need_bytes, load, sender)
-    matched |= in_dom
-  if not matched.all():  # no replica in the receiver's process: balance over all replicas
-    _assign_lpt(group[~matched], ids, need_bytes, load, sender)
+  d_ids = np.asarray(dst.device_ids, dtype=np.int64)
+  need_proc = np.asarray(dst.process_indices, dtype=np.int64)[np.searchsorted(d_ids, g.need_dst)]
+  order = remote[np.lexsort((g.need_dst[remote], -need_bytes[remote], need_u[remote]))]
+  bounds = np.nonzero(np.diff(need_u[order]))[0] + 1
+  out = []
+  for group in np.split(order, bounds):
+    u = int(need_u[group[0]])
+    ids = g.replica_ids[u]
+    procs = g.replica_procs[u]
+    need_procs = need_proc[group]
+    if need_dom is not None and rep_doms is not None:  # the same process inside the same domain
+      procs = procs * (1 << 32) + rep_doms[u]
+      need_procs = need_procs * (1 << 32) + need_dom[group]
+    matched = _member(need_procs, procs)
+    for p in np.unique(need_procs[matched]).tolist():
+      out.append((group[need_procs == p], ids[procs == p]))
+    if need_dom is not None and rep_doms is not None and not matched.all():
+      doms, nd = rep_doms[u], need_dom[group]
+      in_dom = ~matched & _member(nd, doms)
+      for dom in np.unique(nd[in_dom]).tolist():
+        out.append((group[in_dom & (nd == dom)], ids[doms == dom]))
+      matched |= in_dom
+    if not matched.all():  # no replica in the receiver's process: balance over all replicas
+      out.append((group[~matched], ids))
+  return out
 
 
 def _member(values: np.ndarray, pool: np.ndarray) -> np.ndarray:
@@ -425,8 +435,9 @@ def plan_leaves(
   """Plans every leaf of a tree, balancing send (and relay entry) load across all of them."""
   load: dict[int, int] = {}
   entry: dict[int, int] = {}
+  tasks: dict[tuple[object, ...], list[tuple[np.ndarray, np.ndarray]]] = {}
   plans = [
-    plan_leaf(s, d, isz, load, topology=topology, entry_load=entry, relays=relays)
+    plan_leaf(s, d, isz, load, topology=topology, entry_load=entry, relays=relays, tasks=tasks)
     for (s, d), isz in zip(layouts, itemsizes, strict=True)
   ]
   if _one_domain(layouts, topology):  # with several domains, senders follow the domains
