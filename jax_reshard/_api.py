@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, overload
+from typing import Any, Literal, overload
 
 import jax
 
@@ -15,9 +15,9 @@ from jax_reshard._classes import bucket_classes
 from jax_reshard._cost import Estimate
 from jax_reshard._emit import BucketExecutable, empty_like_sharded, max_word_bytes
 from jax_reshard._layout import Layout
-from jax_reshard._plan import LayoutPlan, PlanStats, format_plan, plan_layouts
+from jax_reshard._plan import LayoutPlan, PlanStats, format_plan, plan_layouts, resolve_relays
 from jax_reshard._planner import LeafPlan
-from jax_reshard._program import BucketProgram, make_bucket_program, with_leaf_indices
+from jax_reshard._program import BucketProgram, make_bucket_program, rebound_program
 from jax_reshard._schedule import CPU_MAX_BUCKET_BYTES, DEFAULT_MAX_BUCKET_BYTES, Schedule
 from jax_reshard._tapi import TransformPlan, make_transform_plan, transform_cache_clear
 from jax_reshard._topology import Topology
@@ -46,6 +46,7 @@ class ReshardPlan:
     *,
     max_bucket_bytes: int | None,
     topology: Topology | None = None,
+    relays: bool | Literal["auto"] | None = None,
   ) -> None:
     self._treedef = treedef
     self.leaves: tuple[Leaf, ...] = tuple(leaves)
@@ -55,6 +56,7 @@ class ReshardPlan:
       max_bucket_bytes=max_bucket_bytes,
       leaf_names=[lf.name for lf in leaves],
       topology=topology,
+      relays=relays,
     )
     scheduled = set(self.layout_plan.scheduled)
     self._unscheduled = [i for i in range(len(self.leaves)) if i not in scheduled]
@@ -117,7 +119,8 @@ class ReshardPlan:
       for k, (stage, b) in enumerate(self._stage_buckets):
         first = self._classes[k]
         if first < k:  # the same program as an earlier bucket, on other leaves
-          programs.append(with_leaf_indices(programs[first], self._bucket_leaves[k]))
+          donated = donate and stage is first_stage
+          programs.append(rebound_program(programs[first], stage, b, dtypes, donate=donated))
           continue
         ids = stage.schedule.buckets[b].union_device_ids
         program = make_bucket_program(
@@ -205,7 +208,7 @@ class ReshardPlan:
         carry[i] = buffers_by_device(old[i])
     for idx, exe in zip(self._bucket_leaves, executables, strict=True):
       dsts = [
-        carry.pop(i) if lf.dst_input else carry.pop(i, None) if lf.dst_window else None
+        carry.pop(i, None) if lf.dst_input or lf.dst_window else None
         for i, lf in zip(idx, exe.program.leaves, strict=True)
       ]
       # A relay stage takes the first stage's results as its source.
@@ -232,6 +235,7 @@ def make_plan(
   *,
   max_bucket_bytes: int | None = ...,
   topology: Topology | None = ...,
+  relays: bool | Literal["auto"] | None = ...,
   transform: None = ...,
 ) -> ReshardPlan: ...
 
@@ -243,6 +247,7 @@ def make_plan(
   *,
   max_bucket_bytes: int | None = ...,
   topology: Topology | None = ...,
+  relays: bool | Literal["auto"] | None = ...,
   transform: Callable[[Any], Any],
 ) -> TransformPlan: ...
 
@@ -253,6 +258,7 @@ def make_plan(
   *,
   max_bucket_bytes: int | None = None,
   topology: Topology | None = None,
+  relays: bool | Literal["auto"] | None = None,
   transform: Callable[[Any], Any] | None = None,
 ) -> ReshardPlan | TransformPlan:
   """Plans the reshard of a pytree from its current layout to ``dst``.
@@ -267,18 +273,24 @@ def make_plan(
       programs there map fresh host pages on every call); with ``transform``, 1 GiB.
     topology: device domains and link costs (``jr.Topology``); with several domains, regions a
       domain lacks cross into it once and are forwarded inside it (see ``jr.plan_layouts``).
+    relays: with ``topology``: ``True`` (what ``None``, the default, means) relays,
+      ``False`` sends every region directly from a source replica (the plan without
+      topology), ``"auto"`` keeps whichever of the two the cost model predicts faster on
+      ``topology``. ``True`` or ``"auto"`` without a topology raise.
     transform: a function of the source tree made of casts, static slicing and indexing,
       concatenate, stack, split, squeeze, expand_dims, reshape, transpose and pytree
       restructuring (``jax.numpy``). It is traced without data; the plan's result equals
       ``transform(src)`` bit for bit, in ``dst``. Narrowing casts run on the sender, so bytes
-      move in the narrowest dtype of each cast chain (``topology`` is not used yet).
+      move in the narrowest dtype of each cast chain (``topology`` and ``relays`` are not
+      used yet).
 
   Returns:
     A :class:`ReshardPlan` (a ``TransformPlan`` with ``transform``); call it with arrays laid
     out like ``src``.
 
   Raises:
-    ReshardError: invalid trees, shapes, dtypes, devices or shardings (nothing is moved).
+    ReshardError: invalid trees, shapes, dtypes, devices or shardings, or an invalid
+      ``relays`` (nothing is moved).
 
   Example:
     >>> import jax, numpy as np
@@ -307,6 +319,7 @@ def make_plan(
     >>> 2 * fused.stats.bytes_moved == plan.stats.bytes_moved
     True
   """
+  resolved = resolve_relays(relays, topology)
   if transform is not None:
     bound = DEFAULT_MAX_BUCKET_BYTES if max_bucket_bytes is None else max_bucket_bytes
     return make_transform_plan(src, dst, transform, max_bucket_bytes=bound)
@@ -314,7 +327,7 @@ def make_plan(
   if max_bucket_bytes is None:
     cpu = _all_cpu(leaves)
     max_bucket_bytes = CPU_MAX_BUCKET_BYTES if cpu else DEFAULT_MAX_BUCKET_BYTES
-  return _cached_plan(treedef, tuple(leaves), max_bucket_bytes, topology)
+  return _cached_plan(treedef, tuple(leaves), max_bucket_bytes, topology, resolved)
 
 
 def _all_cpu(leaves: list[Leaf]) -> bool:
@@ -328,9 +341,15 @@ def _all_cpu(leaves: list[Leaf]) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def _cached_plan(
-  treedef: Any, leaves: tuple[Leaf, ...], max_bucket_bytes: int, topology: Topology | None
+  treedef: Any,
+  leaves: tuple[Leaf, ...],
+  max_bucket_bytes: int,
+  topology: Topology | None,
+  relays: bool | Literal["auto"],
 ) -> ReshardPlan:
-  return ReshardPlan(treedef, list(leaves), max_bucket_bytes=max_bucket_bytes, topology=topology)
+  return ReshardPlan(
+    treedef, list(leaves), max_bucket_bytes=max_bucket_bytes, topology=topology, relays=relays
+  )
 
 
 def plan_cache_clear() -> None:
