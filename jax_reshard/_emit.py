@@ -1123,37 +1123,48 @@ def _reread(
 # ---------------------------------------------------------------- transformed plans
 
 
+def _cast(x: jax.Array, dtype: np.dtype, casts: Sequence[np.dtype]) -> jax.Array:
+  """Unsigned words of ``dtype`` cast in value (NaN payloads are not kept across a cast) to
+  the last of ``casts``, as that type's unsigned words; without casts, ``x`` unchanged."""
+  if not casts:
+    return x
+  x = _from_uint(x, dtype)
+  for dt in casts:
+    x = jax.lax.convert_element_type(x, dt)
+  return _to_uint(x)
+
+
 def _read_slab(slab: TSlab, shard: jax.Array, me: jax.Array, n: int) -> jax.Array:
   """A slab of a source shard (at a static offset, or one read from a table at ``me``), cast
-  on the reading device up to the wire dtype."""
+  on the reading device up to the wire dtype, as that type's unsigned words.
+
+  The slab is sliced, like everything the transformed program does short of a cast, as
+  unsigned words: XLA:CPU computes bfloat16 and float8 slices, transposes and joins in float32,
+  which changes NaN payloads, and a plan moves every bit it does not cast unchanged."""
   lo, shape = slab.static_offset, slab.shape
-  x = shard
+  x = _to_uint(shard)
   if lo is None:
     row = jnp.asarray(slab.offset_table(n))[me]
-    x = jax.lax.dynamic_slice(shard, [row[j] for j in range(len(shape))], shape)
+    x = jax.lax.dynamic_slice(x, [row[j] for j in range(len(shape))], shape)
   elif lo != (0,) * shard.ndim or shape != shard.shape:
-    x = jax.lax.slice(shard, lo, tuple(a + b for a, b in zip(lo, shape, strict=True)))
-  for dt in slab.casts:
-    x = jax.lax.convert_element_type(x, dt)
-  return x
+    x = jax.lax.slice(x, lo, tuple(a + b for a, b in zip(lo, shape, strict=True)))
+  return _cast(x, np.dtype(shard.dtype), slab.casts)
 
 
 def _arrange(x: jax.Array, part: TPart) -> jax.Array:
-  """A slab's elements in the output box: canonical axes, transposed, reshaped, cast."""
+  """A slab's words (of the wire dtype) in the output box: canonical axes, transposed,
+  reshaped, cast; the output dtype's unsigned words."""
   x = x.reshape(part.extents)
   if part.perm != tuple(range(len(part.perm))):
     x = jnp.transpose(x, part.perm)
-  x = x.reshape(part.shape)
-  for dt in part.casts:
-    x = jax.lax.convert_element_type(x, dt)
-  return x
+  return _cast(x.reshape(part.shape), part.wire, part.casts)
 
 
 def _transform_pack(program: TransformProgram, slabs: Any, pad: int) -> Callable[..., jax.Array]:
   unit, n = program.unit, len(program.device_ids)
 
   def branch(me: jax.Array, *shards: jax.Array) -> jax.Array:
-    parts = [_to_units(_to_uint(_read_slab(s, shards[s.src], me, n)), unit) for s in slabs]
+    parts = [_to_units(_read_slab(s, shards[s.src], me, n), unit) for s in slabs]
     if pad:
       parts.append(jnp.zeros((pad,), unit))
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
@@ -1178,9 +1189,10 @@ def _transform_assemble(program: TransformProgram, parts_per_out: Any) -> Callab
           x = _read_slab(p.slab, shards[p.slab.src], me, n)
         else:
           words = jax.lax.slice(recvs[p.round], (p.start,), (p.stop,))
-          x = _from_uint(_from_units(words, uint_dtype(p.wire), (-1,)), p.wire)
+          x = _from_units(words, uint_dtype(p.wire), (-1,))
         values.append((p.offset, _arrange(x, p)))
-      outs.append(_tile(values, out.shard, out.dtype).reshape(out.block))
+      words = _tile(values, out.shard, uint_dtype(out.dtype)).reshape(out.block)
+      outs.append(_from_uint(words, out.dtype))
     return tuple(outs)
 
   return branch

@@ -327,3 +327,81 @@ def test_donate_writes_into_the_samplers_buffers(placement: str) -> None:
   assert all(a.is_deleted() for a in jax.tree_util.tree_leaves(new))
   for k in want:
     assert_matches_oracle(again[k], np.asarray(want[k]), dst[k])
+
+
+# Several NaN payloads (quiet and signalling, both signs) per float type, and some finite values.
+NAN_WORDS = {
+  np.dtype(jnp.bfloat16): [0x7FC1, 0xFFCA, 0x7F81, 0xFF80 | 0x13, 0x7FFF, 0xFFC0, 0x7FC0],
+  np.dtype(np.float16): [0x7E01, 0xFE2A, 0x7C01, 0xFC13, 0x7FFF, 0xFE00, 0x7E00],
+  np.dtype(jnp.float8_e4m3fn): [0x7F, 0xFF],
+  np.dtype(jnp.float8_e5m2): [0x7D, 0xFE, 0x7F, 0xFD],
+}
+
+
+def _nan_host(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+  """Finite values of ``dtype`` with about a third of the elements NaNs of several payloads."""
+  udtype = np.dtype(f"u{dtype.itemsize}")
+  words = rng.uniform(-8, 8, size=shape).astype(np.float32).astype(dtype).view(udtype)
+  nans = np.array(NAN_WORDS[dtype], udtype)[rng.integers(len(NAN_WORDS[dtype]), size=shape)]
+  return np.where(rng.random(shape) < 0.35, nans, words).view(dtype)
+
+
+def _moves(p: Any, xp: Any) -> dict[str, Any]:
+  """A rename, a fuse (concatenate, transpose) and a stack (slice), none of them a cast."""
+  return {
+    "renamed": p["a"],
+    "fused": xp.concatenate([p["a"], p["b"]], axis=1).T,
+    "stacked": xp.stack([p["a"], p["b"]])[:, 2:6].reshape(8, 2, 4),
+  }
+
+
+def _nan_case(dtype: Any, seed: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+  """Source leaves holding NaNs and the expected outputs, computed on their unsigned words."""
+  dtype = np.dtype(dtype)
+  rng = np.random.default_rng(seed)
+  host = {k: _nan_host(rng, (8, 8), dtype) for k in ("a", "b")}
+  udtype = np.dtype(f"u{dtype.itemsize}")
+  words = _moves({k: v.view(udtype) for k, v in host.items()}, np)
+  return host, {k: np.ascontiguousarray(v).view(dtype) for k, v in words.items()}
+
+
+@pytest.mark.parametrize("dtype", sorted(NAN_WORDS, key=str), ids=lambda d: d.name)
+@pytest.mark.parametrize("placement", ["colocated", "disjoint"])
+def test_nan_payloads_keep_their_bits(placement: str, dtype: Any) -> None:
+  """A transform without a cast moves bits: NaN payloads arrive unchanged (eager plan)."""
+  host, want = _nan_case(dtype, 3)
+  src_ids, dst_ids = PLACEMENTS[placement]
+  devs = np.array(jax.devices())
+  src_mesh = Mesh(devs[list(src_ids)].reshape(2, -1), ("fsdp", "tp"))
+  dst_mesh = Mesh(devs[list(dst_ids)][::-1], ("tp",))
+  x = {k: jax.device_put(v, NamedSharding(src_mesh, P("fsdp", "tp"))) for k, v in host.items()}
+  specs = {"renamed": P(None, "tp"), "fused": P("tp"), "stacked": P("tp")}
+  dst = {k: NamedSharding(dst_mesh, s) for k, s in specs.items()}
+  plan = jr.make_plan(x, dst, transform=lambda p: _moves(p, jnp))
+  out = plan(x)
+  for k in specs:
+    assert_matches_oracle(out[k], want[k], dst[k])
+
+
+@pytest.mark.parametrize("name", ["bfloat16", "float16", "float8_e5m2"])
+def test_traced_nan_payloads_keep_their_bits(name: str) -> None:
+  """The same under ``jax.jit`` (traced transform), with a cast leaf alongside."""
+  dtype = np.dtype(getattr(jnp, name))
+  host, want = _nan_case(dtype, 4)
+  devs = np.array(jax.devices())
+  src = NamedSharding(Mesh(devs.reshape(4, 2), ("fsdp", "tp")), P("fsdp", "tp"))
+  sampler = Mesh(devs.reshape(2, 4), ("dp", "tp"))
+  specs = {"renamed": P("tp"), "fused": P(None, "tp"), "stacked": P("tp", "dp")}
+  dst = {k: NamedSharding(sampler, s) for k, s in specs.items()}
+  dst["cast"] = NamedSharding(sampler, P("tp"))
+  finite = np.arange(64, dtype=np.float32).reshape(8, 8)
+  x = {k: jax.device_put(v, src) for k, v in {**host, "c": finite}.items()}
+
+  def transform(p: Any) -> Any:
+    return {**_moves(p, jnp), "cast": p["c"].astype(dtype)}
+
+  f = jax.jit(lambda t: jr.reshard(t, dst, src=src, transform=transform), out_shardings=dst)
+  out = f(x)
+  for k in specs:
+    assert_matches_oracle(out[k], want[k], dst[k])
+  assert_matches_oracle(out["cast"], finite.astype(dtype), dst["cast"])
