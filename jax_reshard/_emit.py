@@ -1123,26 +1123,45 @@ def _reread(
 # ---------------------------------------------------------------- transformed plans
 
 
+def _as_words(dtype: np.dtype) -> bool:
+  """Whether a transformed program carries elements of ``dtype`` as unsigned words: floats
+  narrower than 32 bits, whose slices, transposes and joins XLA:CPU computes in float32, which
+  changes NaN payloads. Other types are carried as themselves: copying them keeps every bit,
+  and a bitcast after a join costs XLA:CPU one more pass over the output."""
+  dtype = np.dtype(dtype)
+  return bool(jnp.issubdtype(dtype, jnp.floating)) and dtype.itemsize < 4
+
+
+def _carrier(dtype: np.dtype) -> np.dtype:
+  """The type a transformed program carries elements of ``dtype`` in (see :func:`_as_words`)."""
+  return uint_dtype(np.dtype(dtype)) if _as_words(dtype) else np.dtype(dtype)
+
+
+def _to_carrier(x: jax.Array) -> jax.Array:
+  return _to_uint(x) if _as_words(x.dtype) else x
+
+
+def _from_carrier(x: jax.Array, dtype: np.dtype) -> jax.Array:
+  return _from_uint(x, dtype) if _as_words(dtype) else x
+
+
 def _cast(x: jax.Array, dtype: np.dtype, casts: Sequence[np.dtype]) -> jax.Array:
-  """Unsigned words of ``dtype`` cast in value (NaN payloads are not kept across a cast) to
-  the last of ``casts``, as that type's unsigned words; without casts, ``x`` unchanged."""
+  """``x`` (elements of ``dtype`` in its carrier) cast in value to the last of ``casts``, in
+  that type's carrier; without casts, ``x`` unchanged. A cast keeps no NaN payload."""
   if not casts:
     return x
-  x = _from_uint(x, dtype)
+  x = _from_carrier(x, dtype)
   for dt in casts:
     x = jax.lax.convert_element_type(x, dt)
-  return _to_uint(x)
+  return _to_carrier(x)
 
 
 def _read_slab(slab: TSlab, shard: jax.Array, me: jax.Array, n: int) -> jax.Array:
   """A slab of a source shard (at a static offset, or one read from a table at ``me``), cast
-  on the reading device up to the wire dtype, as that type's unsigned words.
-
-  The slab is sliced, like everything the transformed program does short of a cast, as
-  unsigned words: XLA:CPU computes bfloat16 and float8 slices, transposes and joins in float32,
-  which changes NaN payloads, and a plan moves every bit it does not cast unchanged."""
+  on the reading device up to the wire dtype, in that type's carrier (:func:`_as_words`: a
+  plan moves every bit it does not cast unchanged, bfloat16 NaN payloads included)."""
   lo, shape = slab.static_offset, slab.shape
-  x = _to_uint(shard)
+  x = _to_carrier(shard)
   if lo is None:
     row = jnp.asarray(slab.offset_table(n))[me]
     x = jax.lax.dynamic_slice(x, [row[j] for j in range(len(shape))], shape)
@@ -1152,8 +1171,8 @@ def _read_slab(slab: TSlab, shard: jax.Array, me: jax.Array, n: int) -> jax.Arra
 
 
 def _arrange(x: jax.Array, part: TPart) -> jax.Array:
-  """A slab's words (of the wire dtype) in the output box: canonical axes, transposed,
-  reshaped, cast; the output dtype's unsigned words."""
+  """A slab (in the wire dtype's carrier) in the output box: canonical axes, transposed,
+  reshaped, cast; in the output dtype's carrier."""
   x = x.reshape(part.extents)
   if part.perm != tuple(range(len(part.perm))):
     x = jnp.transpose(x, part.perm)
@@ -1164,7 +1183,8 @@ def _transform_pack(program: TransformProgram, slabs: Any, pad: int) -> Callable
   unit, n = program.unit, len(program.device_ids)
 
   def branch(me: jax.Array, *shards: jax.Array) -> jax.Array:
-    parts = [_to_units(_read_slab(s, shards[s.src], me, n), unit) for s in slabs]
+    slabs_read = [_read_slab(s, shards[s.src], me, n) for s in slabs]
+    parts = [_to_units(x if x.dtype.kind == "u" else _to_uint(x), unit) for x in slabs_read]
     if pad:
       parts.append(jnp.zeros((pad,), unit))
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
@@ -1190,9 +1210,10 @@ def _transform_assemble(program: TransformProgram, parts_per_out: Any) -> Callab
         else:
           words = jax.lax.slice(recvs[p.round], (p.start,), (p.stop,))
           x = _from_units(words, uint_dtype(p.wire), (-1,))
+          x = x if _as_words(p.wire) else _from_uint(x, p.wire)
         values.append((p.offset, _arrange(x, p)))
-      words = _tile(values, out.shard, uint_dtype(out.dtype)).reshape(out.block)
-      outs.append(_from_uint(words, out.dtype))
+      tiled = _tile(values, out.shard, _carrier(out.dtype)).reshape(out.block)
+      outs.append(_from_carrier(tiled, out.dtype))
     return tuple(outs)
 
   return branch
