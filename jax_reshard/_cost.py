@@ -6,7 +6,8 @@ rounds one after another. The model charges
 * per bucket, the topology's ``call_latency``;
 * per round, the transfer: the slowest pair's ``latency + nbytes / bandwidth`` over its link
   (inside a domain or between domains; every pair of a round sends the round's padded size);
-* per round, the packing: every sender writes the round's payload at ``memory_bandwidth``;
+* per round, the packing: every sender writes the round's payload at ``memory_bandwidth``,
+  except the whole source shards it sends as they are (:func:`whole_segment_bytes`);
 * per bucket, the assembly: every destination device writes its destination shards at
   ``memory_bandwidth`` (a shard kept whole from one part costs nothing), and every device of
   the bucket writes its placeholder blocks (a zero source block for each leaf it has no source
@@ -203,7 +204,12 @@ def _bucket_cost(stage: _Stage, b: int, topo: Topology) -> _BucketCost:
   slowest_cross = np.zeros(n)
   np.maximum.at(slowest_cross, rid, np.where(cross, cost, 0.0))
   sent_whole, received_whole = direct_steps(stage, bucket)
-  packed = np.asarray([r not in sent_whole for r in range(n)], dtype=np.float64)
+  segments = whole_segment_bytes(stage, bucket)
+  kept = np.asarray(
+    [r.nbytes if k in sent_whole else segments.get(k, 0) for k, r in enumerate(bucket.rounds)],
+    dtype=np.float64,
+  )
+  packed = 1.0 - kept / np.maximum(sizes, 1.0)
   pack = _phase(sizes[rid] * packed[rid] / topo.memory_bandwidth, rid, n, topo.max_parallel)
   fills, slabs = _placeholder_bytes(stage, b, received_whole)
   fill_bw = topo.fill_bandwidth or topo.memory_bandwidth
@@ -327,6 +333,45 @@ def direct_steps(plan: _Stage, bucket: Bucket) -> tuple[set[int], set[int]]:
     if sorted(d for _, d in got) == sorted(dst.device_ids):
       whole.add(j)
   return rounds, whole
+
+
+def whole_segment_bytes(plan: _Stage, bucket: Bucket) -> dict[int, int]:
+  """Round -> bytes of its payload sent as they are, for the rounds of ``bucket`` that are
+  packed (not :func:`direct_steps`' rounds of whole source shards) but where every payload
+  holds the whole source shard of a leaf at the same byte offset: each such segment is its
+  own operand of the round's ``ppermute`` (the staged block, no copy; idle devices send their
+  placeholder), and only the rest is packed (and zero-filled on idle senders)."""
+  src_bytes = {
+    j: math.prod(plan.layouts[plan.scheduled[j]][0].shard_shape())
+    * plan.itemsizes[plan.scheduled[j]]
+    for j in bucket.leaves
+  }
+  leaves = np.asarray(bucket.piece_leaf, dtype=np.int64)
+  sizes = np.asarray(bucket.piece_nbytes, dtype=np.int64)
+  if not len(leaves):
+    return {}
+  used, inv = np.unique(leaves, return_inverse=True)
+  whole = sizes == np.array([src_bytes[j] for j in used.tolist()], dtype=np.int64)[inv]
+  if not whole.any():
+    return {}
+  pair = bucket.piece_src * (1 << 32) + bucket.piece_dst  # pieces are sorted by pair
+  keys, first, count = np.unique(pair, return_index=True, return_counts=True)
+  ends = np.cumsum(sizes)
+  out = {}
+  for r, rnd in enumerate(bucket.rounds):
+    pairs = np.asarray(rnd.pairs, dtype=np.int64).reshape(-1, 2)
+    at = np.searchsorted(keys, pairs[:, 0] * (1 << 32) + pairs[:, 1])
+    common: set[tuple[int, int, int]] | None = None
+    for f, c in zip(first[at].tolist(), count[at].tolist(), strict=True):
+      base = int(ends[f] - sizes[f])
+      rows = [k for k in range(f, f + c) if whole[k]]
+      found = {(int(ends[k] - sizes[k]) - base, int(sizes[k]), int(leaves[k])) for k in rows}
+      common = found if common is None else common & found
+      if not common:
+        break
+    if common:
+      out[r] = sum(size for _, size, _ in common)
+  return out
 
 
 def _whole_shards(

@@ -16,7 +16,7 @@ from typing import Literal
 import numpy as np
 
 from jax_reshard._classes import bucket_classes
-from jax_reshard._cost import Estimate, direct_steps, estimate
+from jax_reshard._cost import Estimate, direct_steps, estimate, whole_segment_bytes
 from jax_reshard._layout import Layout
 from jax_reshard._planner import LeafPlan, plan_leaves
 from jax_reshard._schedule import (
@@ -262,7 +262,9 @@ def pass_bytes(plan: LayoutPlan) -> dict[str, int]:
   of devices that send or receive nothing in a round, and the discarded output blocks of
   devices without a destination shard of a leaf. A round whose every payload is the whole
   source shards of the same leaves is sent as it is (no pack, no zeros for idle senders; one
-  ``ppermute`` of several operands), and a leaf whose every destination shard arrives whole in
+  ``ppermute`` of several operands); in other rounds, a leaf's whole source shard at the same
+  offset of every payload is an operand of its own, and only the rest is packed (see
+  :func:`whole_segment_bytes`). A leaf whose every destination shard arrives whole in
   one round (the payload, or its leaf's operand) is that array (no assembly, no discarded
   block), see :func:`direct_steps`. A leaf cut into destination slabs assembles each
   bucket's slab whole (discarded slab-sized blocks elsewhere), then reads it and writes it into
@@ -274,6 +276,7 @@ def pass_bytes(plan: LayoutPlan) -> dict[str, int]:
   for bucket in plan.schedule.buckets:
     n = len(bucket.union_device_ids)
     sent_whole, received_whole = direct_steps(plan, bucket)
+    segments = whole_segment_bytes(plan, bucket)
     pair = bucket.piece_src * (1 << 32) + bucket.piece_dst
     keys, first = np.unique(pair, return_index=True)
     fill = (
@@ -284,11 +287,12 @@ def pass_bytes(plan: LayoutPlan) -> dict[str, int]:
       receivers = {d for _, d in rnd.pairs}
       out["transfer"] += 2 * len(rnd.pairs) * rnd.nbytes
       out["zero_fill"] += (n - len(receivers)) * rnd.nbytes
-      if r not in sent_whole:
+      kept = rnd.nbytes if r in sent_whole else segments.get(r, 0)
+      if kept < rnd.nbytes:
         at = np.asarray(rnd.pairs, dtype=np.int64).reshape(-1, 2) @ np.array([1 << 32, 1])
-        read = int(fill[np.searchsorted(keys, at)].sum())
-        out["pack"] += read + len(senders) * rnd.nbytes
-        out["zero_fill"] += (n - len(senders)) * rnd.nbytes
+        read = int(fill[np.searchsorted(keys, at)].sum()) - len(rnd.pairs) * kept
+        out["pack"] += read + len(senders) * (rnd.nbytes - kept)
+        out["zero_fill"] += (n - len(senders)) * (rnd.nbytes - kept)
     for j, chunks in zip(bucket.leaves, bucket.chunks, strict=True):
       if j in received_whole:
         continue
