@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -101,12 +101,16 @@ class Estimate:
     )
 
 
-def estimate(plan: _Plan, topology: Topology | None = None) -> Estimate:
+def estimate(
+  plan: _Plan, topology: Topology | None = None, as_is: Collection[int] | None = None
+) -> Estimate:
   """Predicts the time ``plan`` takes on ``topology`` (default: the topology it was made for).
 
   Args:
     plan: a :class:`LayoutPlan` (or a ``ReshardPlan``'s ``layout_plan``).
     topology: link and memory costs; a plan made without a topology needs one here.
+    as_is: the leaves whose whole source shards travel as they are (see
+      :func:`whole_segment_bytes`); ``None``: all.
 
   Returns:
     An :class:`Estimate`: a prediction from the model in this module's docstring.
@@ -129,7 +133,7 @@ def estimate(plan: _Plan, topology: Topology | None = None) -> Estimate:
   if topo is None:
     raise ValueError("estimate needs a topology: plan.estimate(jr.Topology.h100_nodes())")
   parts = [
-    _bucket_cost(stage, b, topo)
+    _bucket_cost(stage, b, topo, as_is)
     for stage in plan.stages()
     for b in range(len(stage.schedule.buckets))
   ]
@@ -189,7 +193,9 @@ def _transfer(
   return out
 
 
-def _bucket_cost(stage: _Stage, b: int, topo: Topology) -> _BucketCost:
+def _bucket_cost(
+  stage: _Stage, b: int, topo: Topology, as_is: Collection[int] | None = None
+) -> _BucketCost:
   bucket = stage.schedule.buckets[b]
   n = len(bucket.rounds)
   sizes = np.asarray([r.nbytes for r in bucket.rounds], dtype=np.float64)
@@ -204,7 +210,7 @@ def _bucket_cost(stage: _Stage, b: int, topo: Topology) -> _BucketCost:
   slowest_cross = np.zeros(n)
   np.maximum.at(slowest_cross, rid, np.where(cross, cost, 0.0))
   sent_whole, received_whole = direct_steps(stage, bucket)
-  segments = whole_segment_bytes(stage, bucket)
+  segments = whole_segment_bytes(stage, bucket, as_is)
   kept = np.asarray(
     [r.nbytes if k in sent_whole else segments.get(k, 0) for k, r in enumerate(bucket.rounds)],
     dtype=np.float64,
@@ -335,15 +341,21 @@ def direct_steps(plan: _Stage, bucket: Bucket) -> tuple[set[int], set[int]]:
   return rounds, whole
 
 
-def whole_segment_bytes(plan: _Stage, bucket: Bucket) -> dict[int, int]:
+def whole_segment_bytes(
+  plan: _Stage, bucket: Bucket, as_is: Collection[int] | None = None
+) -> dict[int, int]:
   """Round -> bytes of its payload sent as they are, for the rounds of ``bucket`` that are
   packed (not :func:`direct_steps`' rounds of whole source shards) but where every payload
   holds the whole source shard of a leaf at the same byte offset: each such segment is its
   own operand of the round's ``ppermute`` (the staged block, no copy; idle devices send their
-  placeholder), and only the rest is packed (and zero-filled on idle senders)."""
+  placeholder), and only the rest is packed (and zero-filled on idle senders). ``as_is``: the
+  leaves (indices into ``plan.layouts``) whose types travel as they are (see
+  ``_program.travels_as_is``); ``None``: all."""
   src_bytes = {
     j: math.prod(plan.layouts[plan.scheduled[j]][0].shard_shape())
     * plan.itemsizes[plan.scheduled[j]]
+    if as_is is None or plan.scheduled[j] in as_is
+    else -1
     for j in bucket.leaves
   }
   leaves = np.asarray(bucket.piece_leaf, dtype=np.int64)

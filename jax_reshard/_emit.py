@@ -44,6 +44,7 @@ from jax_reshard._program import (
   chunk_writes,
   program_signature,
   role_table,
+  travels_as_is,
   uint_dtype,
 )
 from jax_reshard._tprogram import Part as TPart
@@ -76,15 +77,6 @@ def _to_units(x: jax.Array, unit: np.dtype) -> jax.Array:
   if x.dtype == unit:
     return x.reshape(-1)
   return jax.lax.bitcast_convert_type(x, unit).reshape(-1)
-
-
-def _wire(x: jax.Array) -> jax.Array:
-  """A staged block as a ``ppermute`` operand: as it is, except types outside NumPy's
-  (bfloat16, float8: XLA's CPU collectives widen them to float32, doubling the bytes), which
-  go as unsigned integers of their width."""
-  if np.dtype(x.dtype).kind != "V":
-    return x
-  return jax.lax.bitcast_convert_type(x, uint_dtype(np.dtype(x.dtype)))
 
 
 def _from_units(b: jax.Array, udtype: np.dtype, shape: tuple[int, ...]) -> jax.Array:
@@ -206,7 +198,7 @@ def whole_segments(program: BucketProgram, rnd: SendRound) -> tuple[Segment, ...
     for cut in p.cuts:
       lf, size = program.leaves[cut.leaf], _cut_words(program, cut)
       whole = cut.static_offset == (0,) * len(cut.shape) and cut.shape == _words(lf.src_shard, lf)
-      if whole and lf.src_window is None:
+      if whole and lf.src_window is None and travels_as_is(lf.dtype):
         found.add((at, at + size, cut.leaf))
       at += size
     common = found if common is None else common & found
@@ -340,13 +332,12 @@ def _direct_part(program: BucketProgram, li: int) -> Received:
 def _direct_value(program: BucketProgram, li: int, r: int, recv: Sequence[jax.Array]) -> jax.Array:
   """The destination block of leaf ``li``, received whole in round ``r`` (see
   :func:`received_whole`): an operand that is a staged block of the same size is that block
-  reshaped (no copy; one that :func:`_wire` sent as unsigned integers, viewed back), anything
-  else is viewed from unit words."""
+  reshaped (no copy), anything else is viewed from unit words."""
   lf, p = program.leaves[li], _direct_part(program, li)
   for (a, b, src), v in zip(operand_layout(program, program.rounds[r]), recv, strict=True):
-    same = v.dtype.itemsize == lf.dtype.itemsize and v.size == math.prod(lf.dst_block)
+    same = v.dtype == lf.dtype and v.size == math.prod(lf.dst_block)
     if (a, b) == (p.start, p.stop) and src is not None and same:
-      return (v if v.dtype == lf.dtype else _from_uint(v, lf.dtype)).reshape(lf.dst_block)
+      return v.reshape(lf.dst_block)
   words = _from_units(_payload_words(program, r, recv, p.start, p.stop), lf.word, lf.dst_words)
   return _from_uint(_narrow(words, lf.dtype), lf.dtype).reshape(lf.dst_block)
 
@@ -361,7 +352,13 @@ def _emit_round(
   unit = program.unit
   whole = whole_block_leaves(program, rnd)
   if whole is not None:
-    return tuple(jax.lax.ppermute([_wire(blocks[li]) for li in whole], axis, list(rnd.pairs)))
+    operands = [
+      blocks[li]
+      if li_ is not None
+      else _to_units(_local_view([program.leaves[li]], [blocks[li]])[0], unit)
+      for li, (_, _, li_) in zip(whole, operand_layout(program, rnd), strict=True)
+    ]
+    return tuple(jax.lax.ppermute(operands, axis, list(rnd.pairs)))
   segments = whole_segments(program, rnd)
   if segments is not None:
     return _emit_segments(program, rnd, segments, axis, me, blocks)
@@ -375,7 +372,8 @@ def operand_layout(program: BucketProgram, rnd: SendRound) -> tuple[Segment, ...
   """How a round's payload travels: per operand of its ``ppermute``, ``(start, stop, leaf)``
   in unit words of the payload, ``leaf`` the position of the leaf whose staged block the
   operand is, sent and received as it is (in its own type and shape: no copy on either side),
-  or ``None`` for packed unit words."""
+  or ``None`` for unit words (packed, or a whole shard of a type that does not travel as it
+  is, see :func:`travels_as_is`)."""
   whole = whole_block_leaves(program, rnd)
   if whole is None:
     return whole_segments(program, rnd) or ((0, rnd.words, None),)
@@ -383,7 +381,7 @@ def operand_layout(program: BucketProgram, rnd: SendRound) -> tuple[Segment, ...
   for li in whole:
     lf = program.leaves[li]
     size = math.prod(_words(lf.src_shard, lf)) * lf.word.itemsize // program.unit.itemsize
-    out.append((at, at + size, li))
+    out.append((at, at + size, li if travels_as_is(lf.dtype) else None))
     at += size
   return tuple(out)
 
@@ -407,7 +405,7 @@ def _emit_segments(
     )
     branches = [idle, *(_packed_fn(program, p, packed) for p in rnd.packs)]
     values = list(_switch(me, role_table(n, rnd.packs), branches, me, *blocks))
-  operands = [values.pop(0) if li is None else _wire(blocks[li]) for _, _, li in segments]
+  operands = [values.pop(0) if li is None else blocks[li] for _, _, li in segments]
   return tuple(jax.lax.ppermute(operands, axis, list(rnd.pairs)))
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Literal
 
 import numpy as np
@@ -114,10 +114,12 @@ class LayoutPlan:
     """The plans run one after the other: this one, then the relay stage if any."""
     return (self,) if self.relay is None else (self, self.relay)
 
-  def estimate(self, topology: Topology | None = None) -> Estimate:
+  def estimate(
+    self, topology: Topology | None = None, as_is: Collection[int] | None = None
+  ) -> Estimate:
     """The predicted time of this plan on ``topology`` (default: the plan's own); see
     :func:`jax_reshard.estimate`."""
-    return estimate(self, topology)
+    return estimate(self, topology, as_is)
 
   def bucket_leaves(self, bucket: int) -> tuple[int, ...]:
     """The leaves (indices into ``layouts``) that bucket ``bucket`` moves."""
@@ -247,11 +249,13 @@ def _plan_tree(
   )
   stats = _stats(first_stage, relay, full, topology)
   stages = (first_stage,) if relay is None else (first_stage, relay)
-  stats = dataclasses.replace(stats, passes_per_moved_byte=_passes(stages, stats.bytes_moved))
+  stats = dataclasses.replace(
+    stats, passes_per_moved_byte=passes_per_moved_byte(stages, stats.bytes_moved)
+  )
   return dataclasses.replace(first_stage, stats=stats, relay=relay)
 
 
-def pass_bytes(plan: LayoutPlan) -> dict[str, int]:
+def pass_bytes(plan: LayoutPlan, as_is: Collection[int] | None = None) -> dict[str, int]:
   """Bytes all devices read and write per call (without ``donate=``) of one stage's bucket
   programs, by step.
 
@@ -269,14 +273,15 @@ def pass_bytes(plan: LayoutPlan) -> dict[str, int]:
   block), see :func:`direct_steps`. A leaf cut into destination slabs assembles each
   bucket's slab whole (discarded slab-sized blocks elsewhere), then reads it and writes it into
   the destination shard, which its first bucket fills with zeros. Zero source blocks
-  (placeholders) are left out: small ones are made once and kept.
+  (placeholders) are left out: small ones are made once and kept. ``as_is``: the leaves
+  (indices into ``plan.layouts``) whose types travel as they are; ``None``: all.
   """
   out = dict.fromkeys(("pack", "transfer", "assemble", "zero_fill"), 0)
   spans = plan.schedule.leaf_buckets
   for bucket in plan.schedule.buckets:
     n = len(bucket.union_device_ids)
     sent_whole, received_whole = direct_steps(plan, bucket)
-    segments = whole_segment_bytes(plan, bucket)
+    segments = whole_segment_bytes(plan, bucket, as_is)
     pair = bucket.piece_src * (1 << 32) + bucket.piece_dst
     keys, first = np.unique(pair, return_index=True)
     fill = (
@@ -314,9 +319,12 @@ def pass_bytes(plan: LayoutPlan) -> dict[str, int]:
   return out
 
 
-def _passes(stages: Sequence[LayoutPlan], moved: int) -> float:
-  """:attr:`PlanStats.passes_per_moved_byte` of ``stages`` run one after the other."""
-  total = sum(sum(pass_bytes(st).values()) for st in stages)
+def passes_per_moved_byte(
+  stages: Sequence[LayoutPlan], moved: int, as_is: Collection[int] | None = None
+) -> float:
+  """:attr:`PlanStats.passes_per_moved_byte` of ``stages`` run one after the other (``as_is``:
+  see :func:`pass_bytes`)."""
+  total = sum(sum(pass_bytes(st, as_is).values()) for st in stages)
   return total / (2 * moved) if moved else 0.0
 
 
@@ -538,12 +546,13 @@ def count_programs(
   return len(set(classes))
 
 
-def format_plan(plan: LayoutPlan, title: str) -> str:
-  """A short summary: one line per (source layout -> destination layout) group, then totals."""
+def format_plan(plan: LayoutPlan, title: str, stats: PlanStats | None = None) -> str:
+  """A short summary: one line per (source layout -> destination layout) group, then totals
+  (``stats``: the plan's, where they differ from ``plan.stats``)."""
   groups: dict[tuple[str, str], list[int]] = {}
   for i, (s, d) in enumerate(plan.layouts):
     groups.setdefault((s.description, d.description), []).append(i)
-  st = plan.stats
+  st = stats or plan.stats
   lines = [f"{title}: {len(plan.layouts)} leaves, {len(groups)} layout groups"]
   for (src_txt, dst_txt), idx in groups.items():
     moved = sum(plan.leaf_plans[i].bytes_moved for i in idx)
