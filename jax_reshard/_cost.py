@@ -34,6 +34,7 @@ import numpy as np
 from jax_reshard._layout import Layout
 from jax_reshard._planner import LeafPlan
 from jax_reshard._schedule import (
+  WHOLE_OPERAND_BYTES,
   Bucket,
   Schedule,
   placeholder_mask,
@@ -346,7 +347,8 @@ def whole_segment_bytes(
 ) -> dict[int, int]:
   """Round -> bytes of its payload sent as they are, for the rounds of ``bucket`` that are
   packed (not :func:`direct_steps`' rounds of whole source shards) but where every payload
-  holds the whole source shard of a leaf at the same byte offset: each such segment is its
+  holds the whole source shard of a leaf, of at least ``WHOLE_OPERAND_BYTES``, at the same
+  byte offset: each such segment is its
   own operand of the round's ``ppermute`` (the staged block, no copy; idle devices send their
   placeholder), and only the rest is packed (and zero-filled on idle senders). ``as_is``: the
   leaves (indices into ``plan.layouts``) whose types travel as they are (see
@@ -364,6 +366,7 @@ def whole_segment_bytes(
     return {}
   used, inv = np.unique(leaves, return_inverse=True)
   whole = sizes == np.array([src_bytes[j] for j in used.tolist()], dtype=np.int64)[inv]
+  whole &= sizes >= WHOLE_OPERAND_BYTES
   if not whole.any():
     return {}
   pair = bucket.piece_src * (1 << 32) + bucket.piece_dst  # pieces are sorted by pair

@@ -47,6 +47,7 @@ from jax_reshard._program import (
   travels_as_is,
   uint_dtype,
 )
+from jax_reshard._schedule import WHOLE_OPERAND_BYTES
 from jax_reshard._tprogram import Part as TPart
 from jax_reshard._tprogram import Slab as TSlab
 from jax_reshard._tprogram import TransformProgram
@@ -186,7 +187,8 @@ def _cut_words(program: BucketProgram, cut: Cut) -> int:
 
 def whole_segments(program: BucketProgram, rnd: SendRound) -> tuple[Segment, ...] | None:
   """For a packed round (not :func:`whole_block_leaves`') where every sender's payload holds
-  the whole source shard of a leaf at the same words, the payload cut at those shards:
+  the whole source shard of a leaf (of a type that travels as it is, and of at least
+  ``WHOLE_OPERAND_BYTES``) at the same words, the payload cut at those shards:
   ``(start, stop, leaf)`` in unit words, ``leaf`` the position of the leaf whose staged block is
   that segment (sent as it is, idle devices' placeholders too) or ``None`` for words packed
   by the senders' roles (zeros on idle devices). ``None`` where there is no such shard."""
@@ -198,7 +200,8 @@ def whole_segments(program: BucketProgram, rnd: SendRound) -> tuple[Segment, ...
     for cut in p.cuts:
       lf, size = program.leaves[cut.leaf], _cut_words(program, cut)
       whole = cut.static_offset == (0,) * len(cut.shape) and cut.shape == _words(lf.src_shard, lf)
-      if whole and lf.src_window is None and travels_as_is(lf.dtype):
+      big = size * program.unit.itemsize >= WHOLE_OPERAND_BYTES
+      if whole and big and lf.src_window is None and travels_as_is(lf.dtype):
         found.add((at, at + size, cut.leaf))
       at += size
     common = found if common is None else common & found

@@ -691,12 +691,19 @@ def _bucket_pieces(
   return src, dst, leaf_of, transfer, nbytes, offset, first
 
 
+# A whole source shard is an operand of its own in a packed round (see _whole_first) from this
+# size on: smaller ones are packed, as another collective per round costs more than their copy
+# (24-61 KiB shards of 1 MiB payloads made the DeepSeek-V3 colocated bench case 1.25x slower).
+WHOLE_OPERAND_BYTES = 1 << 18
+
+
 def _whole_first(
   tree: _Tree, rounds: Sequence[Round], cols: tuple[np.ndarray, ...], first: np.ndarray
 ) -> tuple[np.ndarray, ...]:
   """The pieces ``cols`` (src, dst, leaf, transfer, nbytes; sorted by pair, then leaf and
-  transfer) reordered within each payload so that the whole source shards of the leaves whose
-  whole source shard every payload of the round holds come first, in leaf order: they lie at
+  transfer) reordered within each payload so that the whole source shards (of at least
+  ``WHOLE_OPERAND_BYTES``) of the leaves whose whole source shard every payload of the round
+  holds come first, in leaf order: they lie at
   the same offsets of every payload of the round, and are sent as they are (an operand of the
   round's ``ppermute`` each, see ``_cost.whole_segment_bytes``); then their offsets."""
   src, dst, leaf_of, transfer, nbytes = cols
@@ -705,7 +712,7 @@ def _whole_first(
     math.prod(tree.layouts[j][0].shard_shape()) * tree.itemsizes[j] if tree.layouts else -1
     for j in used.tolist()
   ]
-  whole = nbytes == np.asarray(shard, dtype=np.int64)[inv]
+  whole = (nbytes == np.asarray(shard, dtype=np.int64)[inv]) & (nbytes >= WHOLE_OPERAND_BYTES)
   if whole.any():
     pair_round = {p: r for r, rnd in enumerate(rounds) for p in rnd.pairs}
     pid = np.cumsum(np.r_[True, (src[1:] != src[:-1]) | (dst[1:] != dst[:-1])][: len(src)]) - 1

@@ -319,40 +319,48 @@ def test_whole_shards_of_several_leaves_move_without_pack() -> None:
 
 def test_whole_source_shards_inside_packed_payloads_are_sent_as_they_are() -> None:
   """Leaf ``a`` (columns on 4-7) is listed first but cut; leaf ``b`` goes whole to a replica on
-  4-7: every payload holds ``b``'s whole source shard, which the schedule puts first in every
-  payload, so ``b``'s staged block is an operand of its own in each round (the parameter itself
-  in the compiled program) and only ``a``'s pieces are packed. By hand, per round 4 senders
-  read and write a 32 B piece of ``a``: 1024 B of pack in 4 rounds instead of 3072. In
-  bfloat16 (which does not travel as it is) the payloads are packed whole. Bit for bit."""
+  4-7: every payload holds ``b``'s whole source shard (256 KiB, ``WHOLE_OPERAND_BYTES``), which
+  the schedule puts first in every payload, so ``b``'s staged block is an operand of its own in
+  each round (the parameter itself in the compiled program) and only ``a``'s pieces are packed.
+  By hand, per round 4 senders read and write a 32 B piece of ``a``: 1024 B of pack in 4
+  rounds. In bfloat16 (which does not travel as it is) the payloads are packed whole, as are
+  float32 shards under the size. Bit for bit."""
   devs = np.array(jax.devices())
   src = NamedSharding(Mesh(devs[:4], ("x",)), P("x"))
   m = Mesh(devs[4:], ("x",))
   rng = np.random.default_rng(9)
-  for dtype in (np.float32, jnp.bfloat16):
-    h = {"a": random_host_array(rng, (8, 16), dtype), "b": random_host_array(rng, (8, 8), dtype)}
+  assert _schedule.WHOLE_OPERAND_BYTES == 2 * 4 * 32768
+  for dtype, cols in ((np.float32, 32768), (jnp.bfloat16, 65536), (np.float32, 32767)):
+    h = {
+      "a": random_host_array(rng, (8, 16), dtype),
+      "b": random_host_array(rng, (8, cols), dtype),
+    }
     x = jax.device_put(h, src)
     dst = {"a": NamedSharding(m, P(None, "x")), "b": NamedSharding(m, P())}
     plan = jr.make_plan(x, dst)
     (bucket,) = plan.schedule.buckets
     whole = bucket.piece_leaf == 1
-    assert (bucket.piece_offset[whole] == 0).all() and whole.sum() == 16
+    assert whole.sum() == 16
+    shard = 2 * cols * np.dtype(dtype).itemsize
     (program,) = plan.programs()
-    size = 16 * np.dtype(dtype).itemsize // program.unit.itemsize
-    for rnd in program.rounds:
-      segments = _emit.whole_segments(program, rnd)
-      if dtype == np.float32:
-        assert segments == ((0, size, 1), (size, rnd.words, None))
-      else:
-        assert segments is None
     hlo = plan.executables()[0].compile().as_text()
-    if dtype == np.float32:
-      assert plan.stats.bytes_moved == 1536
+    segments = [_emit.whole_segments(program, rnd) for rnd in program.rounds]
+    if cols == 32768 and dtype == np.float32:
+      assert (bucket.piece_offset[whole] == 0).all()
+      size = shard // program.unit.itemsize
+      assert all(
+        s == ((0, size, 1), (size, r.words, None))
+        for s, r in zip(segments, program.rounds, strict=True)
+      )
+      assert plan.stats.bytes_moved == 4 * 4 * (32 + shard)
       assert pass_bytes(plan.layout_plan)["pack"] == 4 * 4 * (32 + 32)
       assert hlo.count("collective-permute(%param") == 4
     else:
-      steps = pass_bytes(plan.layout_plan, as_is=())  # neither leaf travels as it is
-      assert steps["pack"] == 4 * 4 * (48 + 48)
-      assert plan.stats.passes_per_moved_byte == sum(steps.values()) / (2 * 768)
+      assert segments == [None] * 4 and "collective-permute(%param" not in hlo
+      piece = 2 * 4 * np.dtype(dtype).itemsize
+      steps = pass_bytes(plan.layout_plan, as_is=())  # packed whole
+      assert steps["pack"] == 4 * 4 * 2 * (piece + shard)
+      assert plan.stats.passes_per_moved_byte == sum(steps.values()) / (2 * 16 * (piece + shard))
       assert "collective-permute(%param" not in hlo
     y = plan(x)
     for k in h:
