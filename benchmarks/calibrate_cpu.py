@@ -17,11 +17,17 @@ On 8 simulated CPU devices (``jax_num_cpu_devices``) sharing the host's cores, i
 * ``CPU_FILL_BANDWIDTH``: every device writes an N-byte block of zeros, ``cores`` at a time;
 * ``CPU_LEAF_LATENCY``: the slope of a ``jr.make_plan`` call over trees of 1 and 65 tiny leaves
   (8x8 float32, 4 devices -> the other 4), one bucket: host work per leaf.
+
+It also prints each copy rate from the process's CPU time (all threads) instead of wall time
+times ``cores``: bytes per CPU second. Other load on the machine stretches wall times but
+hardly CPU times, so on a busy machine these show what the wall-time rates would be on an idle
+one where the devices keep all ``cores`` busy (they agree there when they do).
 """
 
 from __future__ import annotations
 
 import os
+import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -30,15 +36,26 @@ from typing import Any
 N_DEVICES = 8
 
 
+CPU_MEDIANS: list[float] = []  # per _median_s call, the median CPU seconds per call
+
+
+def _cpu_s() -> float:
+  r = resource.getrusage(resource.RUSAGE_SELF)
+  return r.ru_utime + r.ru_stime
+
+
 def _median_s(fn: Callable[[], Any], reps: int = 15) -> float:
+  """Median wall seconds per call; the median CPU seconds go to ``CPU_MEDIANS``."""
   import jax
 
   jax.block_until_ready(fn())
-  times = []
+  times, cpus = [], []
   for _ in range(reps):
-    t = time.perf_counter()
+    t, c = time.perf_counter(), _cpu_s()
     jax.block_until_ready(fn())
     times.append(time.perf_counter() - t)
+    cpus.append(_cpu_s() - c)
+  CPU_MEDIANS.append(statistics.median(cpus))
   return statistics.median(times)
 
 
@@ -78,8 +95,11 @@ def calibrate(cores: int | None = None) -> dict[str, float]:
   # Sizes of a bucket under the 16 MiB CPU bound: larger XLA:CPU temporaries map fresh host
   # pages on every call, which the plans avoid and the rates must not include.
   n_words = 1 << 20  # 4 MiB per device
+  cpu_call = CPU_MEDIANS[0]
+  cpu_round = (CPU_MEDIANS[2] - CPU_MEDIANS[1]) / 32
   t_big = _median_s(program(lambda b: jax.lax.ppermute(b, "u", shift), (n_words,)))
   core_bw = N_DEVICES * 4 * n_words / (cores * max(t_big - call - round_latency, 1e-9))
+  cpu_core_bw = N_DEVICES * 4 * n_words / max(CPU_MEDIANS[-1] - cpu_call - cpu_round, 1e-9)
   rows, cols = 512, 2048  # 4 MiB shard; pack half its columns in 8 strided slices (2 MiB)
 
   def pack(b: jax.Array) -> jax.Array:
@@ -88,9 +108,11 @@ def calibrate(cores: int | None = None) -> dict[str, float]:
 
   t_pack = _median_s(program(pack, (rows, cols)))
   pack_bw = N_DEVICES * 4 * rows * cols // 2 / (cores * max(t_pack - call, 1e-9))
+  cpu_pack_bw = N_DEVICES * 4 * rows * cols // 2 / max(CPU_MEDIANS[-1] - cpu_call, 1e-9)
   # Zero fills: every device writes a fresh 4 MiB block of zeros (as its placeholders).
   t_fill = _median_s(program(lambda b: jnp.zeros_like(b) + 0 * b[:1], (n_words,)))
   fill_bw = N_DEVICES * 4 * n_words / (cores * max(t_fill - call, 1e-9))
+  cpu_fill_bw = N_DEVICES * 4 * n_words / max(CPU_MEDIANS[-1] - cpu_call, 1e-9)
   leaf = _leaf_latency(mesh)
   return {
     "CPU_FILL_BANDWIDTH": fill_bw,
@@ -100,6 +122,11 @@ def calibrate(cores: int | None = None) -> dict[str, float]:
     "CPU_ROUND_LATENCY": round_latency,
     "CPU_CALL_LATENCY": call,
     "cores": float(cores),
+    "cpu_time:CPU_CORE_BANDWIDTH": cpu_core_bw,
+    "cpu_time:CPU_PACK_BANDWIDTH": cpu_pack_bw,
+    "cpu_time:CPU_FILL_BANDWIDTH": cpu_fill_bw,
+    "cpu_time:CPU_ROUND_LATENCY": cpu_round,
+    "cpu_time:CPU_CALL_LATENCY": cpu_call,
   }
 
 
@@ -132,6 +159,10 @@ def main() -> None:
   print(f"  CPU_CALL_LATENCY = {out['CPU_CALL_LATENCY']:.3g}  # s per program call")
   print(f"  CPU_LEAF_LATENCY = {out['CPU_LEAF_LATENCY']:.3g}  # s per leaf of a call")
   print(f"  CPU_FILL_BANDWIDTH = {out['CPU_FILL_BANDWIDTH']:.3g}  # bytes/s per core, zero fills")
+  print("from CPU time (bytes per CPU second; seconds of CPU per round and call):")
+  for k, v in out.items():
+    if k.startswith("cpu_time:"):
+      print(f"  {k.removeprefix('cpu_time:')} = {v:.3g}")
 
 
 if __name__ == "__main__":

@@ -4,11 +4,18 @@ Usage::
 
   python -m benchmarks.cost_check            # the 6 quick cases of benchmarks.refit
   python -m benchmarks.cost_check --cases 2  # the first 2
+  python -m benchmarks.cost_check --runs 3   # each case in 3 fresh processes: medians, ranges
 
 Each case runs in a fresh subprocess on 8 simulated CPU devices (scale 1/32, as ``make bench``):
 ``jr.make_plan``, a warm-up, then the median of ``--iters`` timed calls, against
 ``plan.estimate(jr.Topology.cpu(cores=os.cpu_count()))``. The CPU preset's constants come from
 ``benchmarks/calibrate_cpu.py``, never from these cases.
+
+Next to the wall time it reports the process's CPU time per call (all threads; median) and the
+model's work: the same plan's estimate on one core (``Topology.cpu(cores=1)``), the devices'
+copying summed. Other load on the machine stretches wall times far more than CPU times, so
+``work / CPU`` checks the byte and copy-rate part of the model on a busy machine, and
+``CPU / measured`` shows how many cores the call kept busy.
 """
 
 from __future__ import annotations
@@ -16,12 +23,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
 import time
 
 from benchmarks.refit import QUICK_CASES, Case
+
+
+def _cpu_s() -> float:
+  """CPU seconds this process (all its threads) has used."""
+  r = resource.getrusage(resource.RUSAGE_SELF)
+  return r.ru_utime + r.ru_stime
 
 
 def worker(case_id: str, scale: float, iters: int) -> dict[str, float | str]:
@@ -33,16 +47,19 @@ def worker(case_id: str, scale: float, iters: int) -> dict[str, float | str]:
   x, dst, _ = build_case(Case.parse(case_id), scale)
   plan = jr.make_plan(x, dst)
   jax.block_until_ready(plan(x))
-  times = []
+  times, cpus = [], []
   for _ in range(iters):
-    t = time.perf_counter()
+    t, c = time.perf_counter(), _cpu_s()
     jax.block_until_ready(plan(x))
     times.append(time.perf_counter() - t)
+    cpus.append(_cpu_s() - c)
   est = plan.estimate(jr.Topology.cpu(cores=os.cpu_count() or 1))
   return {
     "case": case_id,
     "measured_s": statistics.median(times),
+    "cpu_s": statistics.median(cpus),
     "predicted_s": est.seconds,
+    "work_s": plan.estimate(jr.Topology.cpu(cores=1)).seconds,
     "transfer_s": est.transfer_s,
     "pack_s": est.pack_s,
     "assemble_s": est.assemble_s,
@@ -53,32 +70,50 @@ def worker(case_id: str, scale: float, iters: int) -> dict[str, float | str]:
   }
 
 
+def _run_case(case_id: str, a: argparse.Namespace) -> list[dict[str, float | str]]:
+  cmd = [sys.executable, "-m", "benchmarks.cost_check", "--worker", case_id,
+         "--scale", str(a.scale), "--iters", str(a.iters)]  # fmt: skip
+  out = []
+  for _ in range(a.runs):
+    text = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    out.append(json.loads(text.strip().splitlines()[-1]))
+  return out
+
+
+def _span(values: list[float]) -> str:
+  """Milliseconds: the median, and with several runs their range."""
+  text = f"{1e3 * statistics.median(values):.1f}"
+  return text if len(values) == 1 else f"{text} ({1e3 * min(values):.1f}-{1e3 * max(values):.1f})"
+
+
 def main(argv: list[str] | None = None) -> None:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--cases", type=int, default=len(QUICK_CASES))
   p.add_argument("--scale", type=float, default=1 / 32)
   p.add_argument("--iters", type=int, default=10)
+  p.add_argument("--runs", type=int, default=1, help="fresh processes per case (medians)")
   p.add_argument("--worker", default=None)
   a = p.parse_args(argv)
   if a.worker:
     print(json.dumps(worker(a.worker, a.scale, a.iters)))
     return
   print(
-    "| case | measured ms | predicted ms | predicted / measured | transfer | pack | "
-    "assemble | calls | rounds | leaves | moved MiB |"
+    "| case | measured ms | predicted ms | predicted / measured | CPU ms | work ms | work / CPU "
+    "| transfer | pack | assemble | calls | rounds | leaves | moved MiB |"
   )
-  print("|---|---|---|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
   for c in QUICK_CASES[: a.cases]:
     case_id = Case(*c).id
-    cmd = [sys.executable, "-m", "benchmarks.cost_check", "--worker", case_id,
-           "--scale", str(a.scale), "--iters", str(a.iters)]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    r = json.loads(out.strip().splitlines()[-1])
+    runs = _run_case(case_id, a)
+    r = runs[0]
+    med = lambda k, runs=runs: statistics.median(float(x[k]) for x in runs)
+    span = lambda k, runs=runs: _span([float(x[k]) for x in runs])
     ms = lambda k, r=r: f"{1e3 * float(r[k]):.1f}"
     print(
-      f"| {case_id} | {ms('measured_s')} | {ms('predicted_s')} | "
-      f"{float(r['predicted_s']) / float(r['measured_s']):.2f} | {ms('transfer_s')} | "
-      f"{ms('pack_s')} | {ms('assemble_s')} | {ms('call_s')} | {r['rounds']} | {r['leaves']} | "
+      f"| {case_id} | {span('measured_s')} | {ms('predicted_s')} | "
+      f"{float(r['predicted_s']) / med('measured_s'):.2f} | {span('cpu_s')} | {ms('work_s')} | "
+      f"{float(r['work_s']) / med('cpu_s'):.2f} | {ms('transfer_s')} | {ms('pack_s')} | "
+      f"{ms('assemble_s')} | {ms('call_s')} | {r['rounds']} | {r['leaves']} | "
       f"{int(r['moved']) / 2**20:.1f} |",
       flush=True,
     )

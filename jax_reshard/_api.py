@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, overload
+from typing import Any, Literal, overload
 
 import jax
 
@@ -21,6 +21,7 @@ from jax_reshard._plan import (
   format_plan,
   passes_per_moved_byte,
   plan_layouts,
+  resolve_relays,
 )
 from jax_reshard._planner import LeafPlan
 from jax_reshard._program import (
@@ -57,6 +58,7 @@ class ReshardPlan:
     *,
     max_bucket_bytes: int | None,
     topology: Topology | None = None,
+    relays: bool | Literal["auto"] | None = None,
   ) -> None:
     self._treedef = treedef
     self.leaves: tuple[Leaf, ...] = tuple(leaves)
@@ -66,6 +68,7 @@ class ReshardPlan:
       max_bucket_bytes=max_bucket_bytes,
       leaf_names=[lf.name for lf in leaves],
       topology=topology,
+      relays=relays,
     )
     scheduled = set(self.layout_plan.scheduled)
     self._unscheduled = [i for i in range(len(self.leaves)) if i not in scheduled]
@@ -251,6 +254,7 @@ def make_plan(
   *,
   max_bucket_bytes: int | None = ...,
   topology: Topology | None = ...,
+  relays: bool | Literal["auto"] | None = ...,
   transform: None = ...,
 ) -> ReshardPlan: ...
 
@@ -262,6 +266,7 @@ def make_plan(
   *,
   max_bucket_bytes: int | None = ...,
   topology: Topology | None = ...,
+  relays: bool | Literal["auto"] | None = ...,
   transform: Callable[[Any], Any],
 ) -> TransformPlan: ...
 
@@ -272,6 +277,7 @@ def make_plan(
   *,
   max_bucket_bytes: int | None = None,
   topology: Topology | None = None,
+  relays: bool | Literal["auto"] | None = None,
   transform: Callable[[Any], Any] | None = None,
 ) -> ReshardPlan | TransformPlan:
   """Plans the reshard of a pytree from its current layout to ``dst``.
@@ -286,18 +292,24 @@ def make_plan(
       programs there map fresh host pages on every call); with ``transform``, 1 GiB.
     topology: device domains and link costs (``jr.Topology``); with several domains, regions a
       domain lacks cross into it once and are forwarded inside it (see ``jr.plan_layouts``).
+    relays: with ``topology``: ``True`` (what ``None``, the default, means) relays,
+      ``False`` sends every region directly from a source replica (the plan without
+      topology), ``"auto"`` keeps whichever of the two the cost model predicts faster on
+      ``topology``. ``True`` or ``"auto"`` without a topology raise.
     transform: a function of the source tree made of casts, static slicing and indexing,
       concatenate, stack, split, squeeze, expand_dims, reshape, transpose and pytree
       restructuring (``jax.numpy``). It is traced without data; the plan's result equals
       ``transform(src)`` bit for bit, in ``dst``. Narrowing casts run on the sender, so bytes
-      move in the narrowest dtype of each cast chain (``topology`` is not used yet).
+      move in the narrowest dtype of each cast chain (``topology`` and ``relays`` are not
+      used yet).
 
   Returns:
     A :class:`ReshardPlan` (a ``TransformPlan`` with ``transform``); call it with arrays laid
     out like ``src``.
 
   Raises:
-    ReshardError: invalid trees, shapes, dtypes, devices or shardings (nothing is moved).
+    ReshardError: invalid trees, shapes, dtypes, devices or shardings, or an invalid
+      ``relays`` (nothing is moved).
 
   Example:
     >>> import jax, numpy as np
@@ -326,6 +338,7 @@ def make_plan(
     >>> 2 * fused.stats.bytes_moved == plan.stats.bytes_moved
     True
   """
+  resolved = resolve_relays(relays, topology)
   if transform is not None:
     bound = DEFAULT_MAX_BUCKET_BYTES if max_bucket_bytes is None else max_bucket_bytes
     return make_transform_plan(src, dst, transform, max_bucket_bytes=bound)
@@ -333,7 +346,7 @@ def make_plan(
   if max_bucket_bytes is None:
     cpu = _all_cpu(leaves)
     max_bucket_bytes = CPU_MAX_BUCKET_BYTES if cpu else DEFAULT_MAX_BUCKET_BYTES
-  return _cached_plan(treedef, tuple(leaves), max_bucket_bytes, topology)
+  return _cached_plan(treedef, tuple(leaves), max_bucket_bytes, topology, resolved)
 
 
 def _all_cpu(leaves: list[Leaf]) -> bool:
@@ -347,9 +360,15 @@ def _all_cpu(leaves: list[Leaf]) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def _cached_plan(
-  treedef: Any, leaves: tuple[Leaf, ...], max_bucket_bytes: int, topology: Topology | None
+  treedef: Any,
+  leaves: tuple[Leaf, ...],
+  max_bucket_bytes: int,
+  topology: Topology | None,
+  relays: bool | Literal["auto"],
 ) -> ReshardPlan:
-  return ReshardPlan(treedef, list(leaves), max_bucket_bytes=max_bucket_bytes, topology=topology)
+  return ReshardPlan(
+    treedef, list(leaves), max_bucket_bytes=max_bucket_bytes, topology=topology, relays=relays
+  )
 
 
 def plan_cache_clear() -> None:

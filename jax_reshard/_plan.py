@@ -17,6 +17,7 @@ import numpy as np
 
 from jax_reshard._classes import bucket_classes
 from jax_reshard._cost import Estimate, direct_steps, estimate, whole_segment_bytes
+from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
 from jax_reshard._planner import LeafPlan, plan_leaves
 from jax_reshard._schedule import (
@@ -135,7 +136,7 @@ def plan_layouts(
   *,
   max_bucket_bytes: int | None = DEFAULT_MAX_BUCKET_BYTES,
   topology: Topology | None = None,
-  relays: bool | Literal["auto"] = True,
+  relays: bool | Literal["auto"] | None = None,
   interleave: bool = True,
   leaf_names: Sequence[str] | None = None,
 ) -> LayoutPlan:
@@ -157,8 +158,9 @@ def plan_layouts(
       and (with ``relays``) a region that several devices of a domain need but no device there
       holds crosses into the domain once and is forwarded inside it in a second stage
       (:attr:`LayoutPlan.relay`). ``None`` or one domain: exactly the plan without topology.
-    relays: whether to relay (only with a topology); ``"auto"``: plan with and without relays
-      and keep the plan the cost model predicts faster on ``topology`` (relays on a tie).
+    relays: ``True`` (``None``, the default, with a topology) relays; ``False`` sends every
+      need directly from a source replica; ``"auto"`` keeps whichever the cost model predicts
+      faster on ``topology`` (relays on a tie). See :func:`resolve_relays`.
     interleave: with several domains, order leaves round-robin over their source device sets
       before bucketing (:func:`interleave_by_source`).
     leaf_names: per leaf, a name for error messages (default ``#i``).
@@ -167,7 +169,8 @@ def plan_layouts(
     A :class:`LayoutPlan`: per-leaf transfers, the schedule and :class:`PlanStats`.
 
   Raises:
-    ReshardError: if a source and a destination layout differ in shape, or if
+    ReshardError: if ``relays`` is invalid (:func:`resolve_relays`); if a source and a
+      destination layout differ in shape, or if
       ``max_bucket_bytes`` is below what a leaf needs even split into its smallest chunks
       (the message names the leaf and the least bound that works).
 
@@ -204,9 +207,44 @@ def plan_layouts(
   names = (
     tuple(leaf_names) if leaf_names is not None else tuple(f"#{i}" for i in range(len(layouts)))
   )
-  return _plan_relays_or_not(
-    (layouts, itemsizes, max_bucket_bytes, topology), relays, interleave, names
-  )
+  args = (layouts, itemsizes, max_bucket_bytes, topology)
+  return _plan_relays_or_not(args, resolve_relays(relays, topology), interleave, names)
+
+
+def resolve_relays(
+  relays: bool | Literal["auto"] | None, topology: Topology | None
+) -> bool | Literal["auto"]:
+  """The ``relays=`` option of the planning calls, checked and normalised: ``None`` means
+  ``True`` with a topology; without a topology the result is ``False`` (nothing to relay).
+
+  Raises:
+    ReshardError: ``relays`` is none of ``None``, ``True``, ``False``, ``"auto"``, or is
+      ``True`` or ``"auto"`` without a topology.
+
+  Example:
+    >>> import jax_reshard as jr
+    >>> resolve_relays(None, jr.Topology.h100_nodes()), resolve_relays(None, None)
+    (True, False)
+    >>> resolve_relays("auto", None)
+    Traceback (most recent call last):
+    ...
+    jax_reshard._errors.ReshardError: relays='auto' needs a topology...
+  """
+  if isinstance(relays, (bool, np.bool_)):
+    relays = bool(relays)
+  elif relays is not None and not (isinstance(relays, str) and relays == "auto"):
+    raise ReshardError(
+      f"relays must be True, False or 'auto' (or None: True with a topology), got {relays!r}"
+    )
+  if topology is None:
+    if relays is True or relays == "auto":
+      raise ReshardError(
+        f"relays={relays!r} needs a topology: relays forward regions inside the domains of a "
+        "jr.Topology, e.g. topology=jr.Topology.from_devices(jax.devices()) or "
+        "jr.Topology.h100_nodes(); without one every device receives directly"
+      )
+    return False
+  return True if relays is None else relays
 
 
 def _plan_relays_or_not(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from jax_reshard import _traced
 from jax_reshard._api import make_plan
@@ -21,6 +21,7 @@ def reshard(
   max_bucket_bytes: int | None = None,
   transform: Callable[[Any], Any] | None = None,
   topology: Topology | None = None,
+  relays: bool | Literal["auto"] | None = None,
 ) -> Any:
   """Moves ``x`` into the destination layout(s), sending each device only what it lacks.
 
@@ -47,6 +48,10 @@ def reshard(
       of a domain need and none there holds crosses into the domain once and is forwarded
       inside it (relays), eagerly and inside ``jax.jit`` alike (see ``jr.plan_layouts``). Not
       used with ``transform=`` yet.
+    relays: with ``topology``: ``True`` (what ``None``, the default, means) relays,
+      ``False`` sends every region directly from a source replica, ``"auto"`` keeps whichever
+      the cost model predicts faster on ``topology``; eagerly and inside ``jax.jit`` alike.
+      ``True`` or ``"auto"`` without a topology raise ``ReshardError``.
 
   Returns:
     A pytree like ``x`` whose leaves are laid out as ``dst``. ``x`` is left untouched.
@@ -70,11 +75,14 @@ def reshard(
       )
     if transform is not None:
       return _traced.reshard_traced_transform(x, dst, src, transform)
-    return _traced.reshard_traced(x, dst, src, topology)
+    return _traced.reshard_traced(x, dst, src, topology, relays)
   if src is not None:
     raise ReshardError("src= is only for traced values; concrete arrays carry their sharding")
   if transform is not None:
-    plan_t = make_plan(x, dst, max_bucket_bytes=max_bucket_bytes, transform=transform)
+    plan_t = make_plan(
+      x, dst, max_bucket_bytes=max_bucket_bytes, topology=topology, relays=relays,
+      transform=transform,
+    )  # fmt: skip
     return plan_t(x, donate=donate)
-  plan = make_plan(x, dst, max_bucket_bytes=max_bucket_bytes, topology=topology)
+  plan = make_plan(x, dst, max_bucket_bytes=max_bucket_bytes, topology=topology, relays=relays)
   return plan(x, donate=donate)

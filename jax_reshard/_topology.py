@@ -113,18 +113,22 @@ class Topology:
 
   @classmethod
   def from_devices(cls, devices: Iterable[Any], preset: Topology | None = None) -> Topology:
-    """The domains JAX reports for real devices: per ``(slice_index, process_index)``.
+    """The domains JAX reports for real devices.
 
-    Devices of one process (host) share a domain; on TPU, devices of one slice do. Link costs
-    come from ``preset`` (default: :meth:`h100_nodes` for GPUs, :meth:`cpu` for CPUs,
+    Devices of one slice share a domain where JAX gives a ``slice_index`` (TPU slices, GPU
+    NVLink domains); otherwise, and always for CPU devices (whose ``slice_index`` is 0 in every
+    process of a ``jax.distributed`` job), devices of one process (host) do. Link costs come
+    from ``preset`` (default: :meth:`h100_nodes` for GPUs, :meth:`cpu` for CPUs,
     :meth:`tpu_slices` for TPUs).
     """
     devices = list(devices)
     keys = {}
     for d in devices:
       slice_index = getattr(d, "slice_index", None)
-      key = (int(slice_index), 0) if slice_index is not None else (0, int(d.process_index))
-      keys[int(d.id)] = key
+      if slice_index is None or getattr(d, "platform", None) == "cpu":
+        keys[int(d.id)] = (0, int(d.process_index))
+      else:
+        keys[int(d.id)] = (int(slice_index), 0)
     numbered = {k: i for i, k in enumerate(sorted(set(keys.values())))}
     if preset is None:
       platform = devices[0].platform if devices else "cpu"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, Sharding
 from jax_reshard._emit import emit_traced_move, emit_traced_transform, max_word_bytes
 from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
-from jax_reshard._plan import plan_layouts
+from jax_reshard._plan import plan_layouts, resolve_relays
 from jax_reshard._program import BucketProgram, make_bucket_program
 from jax_reshard._tapi import analyze, output_leaves
 from jax_reshard._topology import Topology
@@ -51,8 +51,15 @@ def _source_sharding(path: str, x: Any, dst: Any) -> Sharding:
   )
 
 
-def reshard_traced(x: Any, dst: Any, src: Any, topology: Topology | None = None) -> Any:
+def reshard_traced(
+  x: Any,
+  dst: Any,
+  src: Any,
+  topology: Topology | None = None,
+  relays: bool | Literal["auto"] | None = None,
+) -> Any:
   """``reshard`` for a pytree containing tracers; see :func:`jax_reshard.reshard`."""
+  resolved = resolve_relays(relays, topology)
   flat, treedef = jax.tree_util.tree_flatten_with_path(x)
   if src is not None:
     src_list = broadcast_shardings(src, x, treedef, len(flat), "source")
@@ -71,7 +78,7 @@ def reshard_traced(x: Any, dst: Any, src: Any, topology: Topology | None = None)
   values = [v for _, v in flat]
   out: list[Any] = [None] * len(values)
   for idx in groups.values():
-    fn = _group_fn(tuple(leaves[i] for i in idx), topology)
+    fn = _group_fn(tuple(leaves[i] for i in idx), topology, resolved)
     for i, y in zip(idx, fn(*(values[i] for i in idx)), strict=True):
       out[i] = y
   return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(x), out)
@@ -103,11 +110,16 @@ def _check_traceable(leaf: Leaf) -> None:
 
 
 @functools.lru_cache(maxsize=512)
-def _group_fn(leaves: tuple[Leaf, ...], topology: Topology | None = None) -> Any:
+def _group_fn(
+  leaves: tuple[Leaf, ...],
+  topology: Topology | None = None,
+  relays: bool | Literal["auto"] = False,
+) -> Any:
   """A differentiable traced function moving leaves that share a source and destination mesh.
 
-  With a ``topology`` of several domains the plan may relay: its second stage (forwards inside
-  domains) is a second program over the destination mesh that takes the first one's results.
+  With a ``topology`` of several domains and ``relays`` the plan may relay: its second stage
+  (forwards inside domains) is a second program over the destination mesh that takes the first
+  one's results.
   """
   src_mesh = leaves[0].src_sharding.mesh  # type: ignore[attr-defined]
   dst_mesh = leaves[0].dst_sharding.mesh  # type: ignore[attr-defined]
@@ -118,6 +130,7 @@ def _group_fn(leaves: tuple[Leaf, ...], topology: Topology | None = None) -> Any
     [lf.dtype.itemsize for lf in leaves],
     max_bucket_bytes=None,
     topology=topology,
+    relays=relays,
   )
   device_ids = [d.id for d in src_mesh.devices.flat]
   dtypes = [lf.dtype for lf in leaves]
@@ -131,7 +144,7 @@ def _group_fn(leaves: tuple[Leaf, ...], topology: Topology | None = None) -> Any
     programs,
     src_mesh,
     dst_mesh,
-    lambda: _group_fn(tuple(lf.reversed() for lf in leaves), topology),
+    lambda: _group_fn(tuple(lf.reversed() for lf in leaves), topology, relays),
   )
 
 

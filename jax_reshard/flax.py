@@ -13,11 +13,12 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import jax
 
 from jax_reshard._api import ReshardPlan, make_plan
+from jax_reshard._topology import Topology
 
 try:
   from flax import nnx
@@ -33,6 +34,8 @@ def refit(
   *,
   filter: Any = nnx.Param,
   max_bucket_bytes: int | None = None,
+  topology: Topology | None = None,
+  relays: bool | Literal["auto"] | None = None,
 ) -> ReshardPlan:
   """Copies the trainer's variables into the sampler module, in the sampler's own layouts.
 
@@ -51,17 +54,21 @@ def refit(
     filter: which variables to move (an ``nnx`` filter), ``nnx.Param`` by default.
     max_bucket_bytes: bound on transient staging bytes per device per compiled program
       (``None``: as ``make_plan``, 1 GiB or 16 MiB where every device is a CPU).
+    topology: device domains (``jr.Topology``), as in ``make_plan``: with several, a region
+      that several sampler devices of a domain need crosses into the domain once (relays).
+    relays: as in ``make_plan``: ``True`` (what ``None``, the default, means with a
+      topology), ``False`` or ``"auto"``.
 
   Returns:
     The :class:`~jax_reshard.ReshardPlan` that ran (``plan.stats`` has the bytes moved).
 
   Raises:
-    ReshardError: the two states differ in paths, shapes or dtypes, or a layout cannot be
-      resolved; nothing is moved and the sampler is unchanged.
+    ReshardError: the two states differ in paths, shapes or dtypes, a layout cannot be
+      resolved, or ``relays`` is invalid; nothing is moved and the sampler is unchanged.
   """
   src = trainer if isinstance(trainer, nnx.State) else nnx.state(trainer, filter)
   dst = nnx.state(sampler, filter)
-  plan = make_plan(src, dst, max_bucket_bytes=max_bucket_bytes)
+  plan = make_plan(src, dst, max_bucket_bytes=max_bucket_bytes, topology=topology, relays=relays)
   new = plan(src)
   # The result has the trainer's tree (its Variables record the trainer's sharding
   # annotations); re-wrap the values in the sampler's tree so its metadata stays its own.

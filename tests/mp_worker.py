@@ -10,6 +10,7 @@ finished; any failure exits non-zero with a traceback.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import time
@@ -164,6 +165,63 @@ def case_c() -> None:
   flat = {**ys["params"], "step": ys["state"][0], "mask": ys["state"][1]}
   check_tree(flat, hosts, dst_sh)
   ok("case_c")
+
+
+def _relay_stats(plan: Any, direct: Any) -> None:
+  """``plan`` relays (a second stage, forwards inside a process) and sends each region across
+  processes once; ``direct`` (``relays=False``) sends more across, none forwarded."""
+  st = plan.stats
+  assert plan.relay is not None and st.relay_bytes > 0, st
+  assert st.bytes_moved == st.lower_bound_bytes == direct.stats.bytes_moved, (st, direct.stats)
+  assert 0 < st.slow_link_bytes == st.slow_link_lower_bound_bytes, st
+  assert st.slow_link_bytes < direct.stats.slow_link_bytes, (st, direct.stats)
+  assert direct.relay is None and direct.stats.relay_bytes == 0, direct.stats
+
+
+def case_relay() -> None:
+  """Domains = processes (Topology.from_devices): a region that two sampler devices of one
+  process need and that process lacks crosses between the processes once and is forwarded
+  inside; eagerly (trainer on process 0 -> sampler on process 1, and meshes over both) and
+  inside jax.jit, bit for bit."""
+  topo = jr.Topology.from_devices(jax.devices())
+  assert topo.domain_of([d.id for d in DEVS]).tolist() == [d.process_index for d in DEVS]
+  trainer = mesh(P0, (4,), ("fsdp",))
+  sampler = mesh(P1, (2, 2), ("tp", "dp"))  # each pair of process 1 needs the same half
+  specs = {"w": ((16, 8), np.float32), "e": ((8, 4), jnp.bfloat16)}
+  src_sh = {k: NamedSharding(trainer, P("fsdp")) for k in specs}
+  dst_sh = {"w": NamedSharding(sampler, P(None, "tp")), "e": NamedSharding(sampler, P("tp"))}
+  hosts = make_hosts(10, specs)
+  xs = {k: put(h, src_sh[k]) for k, h in hosts.items()}
+  plan = jr.make_plan(xs, dst_sh, topology=topo)
+  _relay_stats(plan.layout_plan, jr.make_plan(xs, dst_sh, topology=topo, relays=False).layout_plan)
+  check_tree(plan(xs), hosts, dst_sh)
+  # Both meshes over both processes in one device order: columns 8 ways -> row blocks 4 ways,
+  # replicated over the two devices of a pair in one process, which holds half the columns.
+  cols = NamedSharding(mesh(DEVS, (8,), ("x",)), P(None, "x"))
+  rows = NamedSharding(mesh(DEVS, (2, 2, 2), ("p", "tp", "dp")), P(("p", "tp")))
+  specs = {"w": ((8, 16), np.float32), "b": ((4, 8), np.int8)}
+  hosts = make_hosts(12, specs)
+  xs = {k: put(h, cols) for k, h in hosts.items()}
+  dst = {k: rows for k in specs}
+  plan = jr.make_plan(xs, dst, topology=topo)
+  _relay_stats(plan.layout_plan, jr.make_plan(xs, dst, topology=topo, relays=False).layout_plan)
+  check_tree(plan(xs), hosts, dst)
+  ok("case_relay")
+  src = {k: cols for k in specs}
+  f = jax.jit(lambda x: jr.reshard(x, dst, src=src, topology=topo), out_shardings=dst)
+  compiled = f.lower(xs).compile()
+  check_tree(compiled(xs), hosts, dst)
+  layouts = [
+    (jr.Layout.from_sharding(cols, hosts[k].shape), jr.Layout.from_sharding(rows, hosts[k].shape))
+    for k in sorted(specs)
+  ]
+  isz = [hosts[k].dtype.itemsize for k in sorted(specs)]
+  traced = jr.plan_layouts(layouts, isz, max_bucket_bytes=None, topology=topo)
+  _relay_stats(traced, jr.plan_layouts(layouts, isz, max_bucket_bytes=None, topology=topo,
+                                       relays=False))  # fmt: skip
+  permutes = len(re.findall(r" collective-permute(?:-start)?\(", compiled.as_text()))
+  assert permutes == traced.stats.num_rounds, (permutes, traced.stats.num_rounds)
+  ok("case_relay_jit")
 
 
 def _fuse(order: str) -> Any:
@@ -330,7 +388,10 @@ def die_during(victim: int, *, freeze: bool = False) -> None:
 
 def main() -> None:
   if SCENARIO == "cases":
-    steps = (case_a, case_b, case_c, case_transform, built_differently, mismatch, missing_peer)
+    steps = (
+      case_a, case_b, case_c, case_relay, case_transform, built_differently, mismatch,
+      missing_peer,
+    )  # fmt: skip
     for step in steps:
       step()
   elif SCENARIO == "die_before":

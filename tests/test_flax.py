@@ -117,6 +117,27 @@ def test_refit_module_in_place_keeps_sampler_metadata() -> None:
   assert isinstance(sampler.norm.mean.get_value(), jax.ShapeDtypeStruct)
 
 
+def test_refit_with_a_topology_relays_or_not() -> None:
+  """Sampler replicated over the two devices of each simulated domain ({4, 5}, {6, 7}): with
+  relays each kernel block crosses into a domain once and is forwarded; ``relays=False`` sends
+  every block directly. Same values either way; a bad ``relays`` changes nothing."""
+  pairs = jr.Topology.cpu(devices_per_domain=2)
+  with jax.set_mesh(Mesh(DEVS[4:].reshape(2, 2), ("tp", "dp"))):
+    sampler = Mlp((None, "tp"), rngs=nnx.Rngs(3))
+  before = _values(nnx.state(sampler, nnx.Param))
+  with pytest.raises(jr.ReshardError, match="relays must be True, False or 'auto'"):
+    jr_flax.refit(_trainer(), sampler, topology=pairs, relays="yes")  # type: ignore[arg-type]
+  after = _values(nnx.state(sampler, nnx.Param))
+  assert all(np.array_equal(after[k], before[k]) for k in before)
+  for seed, relays, relayed in ((7, None, True), (8, True, True), (9, False, False)):
+    new = _trainer(seed)  # new values each time
+    plan = jr_flax.refit(new, sampler, topology=pairs, relays=relays)
+    assert (plan.layout_plan.relay is not None) == relayed
+    assert (plan.stats.relay_bytes > 0) == relayed
+    got, want = _values(nnx.state(sampler, nnx.Param)), _values(nnx.state(new, nnx.Param))
+    assert all(np.array_equal(got[k], want[k]) for k in want)
+
+
 def test_refit_other_variable_types_with_a_filter() -> None:
   trainer = _trainer()
   with jax.set_mesh(SAMPLER):

@@ -34,6 +34,8 @@ CASE_STEPS = [
   "case_a",
   "case_b",
   "case_c",
+  "case_relay",
+  "case_relay_jit",
   "case_transform",
   "transform_mismatch",
   "built_differently",
@@ -157,6 +159,8 @@ def cases(pairs):
     "case_a",
     "case_b",
     "case_c",
+    "case_relay",
+    "case_relay_jit",
     "case_transform",
     "transform_mismatch",
     "built_differently",
@@ -167,7 +171,8 @@ def cases(pairs):
 def test_collective_cases(cases, step):
   """(a) trainer on process 0 -> sampler on process 1, (b) meshes spanning both processes,
   (c) a pytree of replicated and sharded leaves, equal plans built differently, and a plan
-  mismatch raised on both processes: each process checks its own shards against NumPy."""
+  mismatch raised on both processes, and relay plans with the processes as domains (eager
+  and inside jax.jit): each process checks its own shards against NumPy."""
   for i, p in enumerate(cases.procs):
     assert step in _steps(p.out), f"process {i} did not pass {step}\n{cases}"
 

@@ -5,6 +5,7 @@ of 2."""
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 from typing import Any
 
 import jax
@@ -17,9 +18,13 @@ from jax.sharding import PartitionSpec as P
 from test_properties import SETTINGS, itemsizes, trees
 
 import jax_reshard as jr
-from jax_reshard import Layout, Topology
+from jax_reshard import Layout, Link, Topology
 
 PAIRS = Topology.cpu(devices_per_domain=2)  # domains {0, 1}, {2, 3}, ...
+# The same domains with links between them 50x slower: the model prefers relays there.
+SLOW_PAIRS = PAIRS.replace(
+  name="CPU pairs, slow links", inter=Link(PAIRS.inter.bandwidth / 50, 4 * PAIRS.inter.latency)
+)
 NEW_FIELDS = {"slow_link_bytes", "slow_link_lower_bound_bytes", "relay_bytes"}
 
 
@@ -35,6 +40,20 @@ def test_presets_and_domains() -> None:
     custom.domain_of([0, 1])
   local = Topology.from_devices(jax.devices())  # one process: one domain
   assert set(local.domain_of([d.id for d in jax.devices()]).tolist()) == {0}
+
+
+def test_domains_from_devices_of_several_processes() -> None:
+  """CPU devices of a jax.distributed job report slice_index 0 in every process (jax 0.10.2):
+  their domains are the processes. TPU devices share a domain per slice."""
+  dev = lambda i, proc, sl, platform: SimpleNamespace(
+    id=i, process_index=proc, slice_index=sl, platform=platform
+  )
+  cpus = [dev(i, i // 2048, 0, "cpu") for i in (0, 1, 2048, 2049)]
+  topo = Topology.from_devices(cpus)
+  assert topo.domain_of([0, 1, 2048, 2049]).tolist() == [0, 0, 1, 1]
+  assert topo.intra == Topology.cpu().intra
+  tpus = [dev(i, i // 2, i // 4, "tpu") for i in range(8)]  # 2 processes per slice
+  assert Topology.from_devices(tpus).domain_of(range(8)).tolist() == [0] * 4 + [1] * 4
 
 
 def _domain_holds(topo: Topology, src: Layout, lo: np.ndarray, hi: np.ndarray, dom: int) -> bool:
@@ -182,6 +201,64 @@ def test_relay_plans_run_bit_for_bit_on_4_domains_of_2() -> None:
     assert plan.estimate().seconds > 0
 
 
+def _run_bit_for_bit(plan: Any, x: dict, dst: dict) -> None:
+  y = plan(x)
+  for k in x:
+    assert y[k].sharding == dst[k]
+    assert np.array_equal(np.asarray(y[k]).view(np.uint8), np.asarray(x[k]).view(np.uint8))
+
+
+def test_relays_option_of_make_plan() -> None:
+  """``relays=False`` is the direct plan (no relay stage, the bytes of the plan without
+  topology, more over slow links); ``"auto"`` keeps what the model predicts faster: direct on
+  the CPU preset (its "slow" links are as fast as the others), relays with slow links. All run
+  bit for bit."""
+  devs = np.array(sorted(jax.devices(), key=lambda d: d.id)[:8])
+  chosen = set()
+  for x, dst in _trees(devs):
+    none = jr.make_plan(x, dst)
+    assert jr.make_plan(x, dst, relays=False) is none  # nothing to relay without a topology
+    for topo in (PAIRS, SLOW_PAIRS):
+      plans = {r: jr.make_plan(x, dst, topology=topo, relays=r) for r in (True, False, "auto")}
+      assert jr.make_plan(x, dst, topology=topo) is plans[True]  # the default
+      relayed, direct = plans[True].stats, plans[False].stats
+      assert plans[True].layout_plan.relay is not None and relayed.relay_bytes > 0
+      assert plans[False].layout_plan.relay is None and direct.relay_bytes == 0
+      assert direct.bytes_moved == none.stats.bytes_moved == direct.lower_bound_bytes
+      assert relayed.slow_link_bytes < direct.slow_link_bytes
+      times = {r: plans[r].estimate().seconds for r in (True, False)}
+      best = min(times, key=lambda r: (times[r], not r))  # relays on a tie
+      assert plans["auto"].stats == plans[best].stats
+      assert plans["auto"].estimate().seconds == times[best]
+      chosen.add((topo.name, best))
+      for plan in plans.values():
+        _run_bit_for_bit(plan, x, dst)
+  assert chosen == {(PAIRS.name, False), (SLOW_PAIRS.name, True)}
+
+
+def test_relays_option_is_checked() -> None:
+  devs = np.array(sorted(jax.devices(), key=lambda d: d.id)[:8])
+  (x, dst), _ = _trees(devs)
+  for relays in (True, "auto"):
+    with pytest.raises(jr.ReshardError, match=f"relays={relays!r} needs a topology"):
+      jr.make_plan(x, dst, relays=relays)
+    with pytest.raises(jr.ReshardError, match="needs a topology"):
+      jr.reshard(x, dst, relays=relays)
+    with pytest.raises(jr.ReshardError, match="needs a topology"):
+      jr.plan_layouts([(Layout.from_sharding(dst["w"], (16, 8)),) * 2], [4], relays=relays)
+  for bad in ("yes", 1, "AUTO"):
+    with pytest.raises(jr.ReshardError, match="relays must be True, False or 'auto'"):
+      jr.make_plan(x, dst, topology=PAIRS, relays=bad)  # type: ignore[arg-type]
+  src = {k: v.sharding for k, v in x.items()}
+  traced = jax.jit(lambda x: jr.reshard(x, dst, src=src, topology=PAIRS, relays="on"))
+  with pytest.raises(jr.ReshardError, match="relays must be"):
+    traced(x)
+  traced = jax.jit(lambda x: jr.reshard(x, dst, src=src, relays=True))
+  with pytest.raises(jr.ReshardError, match="needs a topology"):
+    traced(x)
+  assert jr.make_plan(x, dst, topology=PAIRS, relays=np.bool_(False)).layout_plan.relay is None
+
+
 def _jit_case(devs: np.ndarray) -> tuple[dict, dict, dict]:
   """Over all 8 devices in one order: columns 8 ways -> rows 4 ways, replicated over the two
   devices of each domain, so every domain needs 6 of 8 column blocks of its rows twice."""
@@ -228,6 +305,45 @@ def test_relay_plans_run_inside_jit_bit_for_bit() -> None:
   g = jax.jit(lambda x: jr.reshard(x, dst, src=src), out_shardings=dst)
   direct_hlo = _collective_bytes(g.lower(x).compile().as_text())
   assert direct_hlo["collective-permute"] == (direct.stats.bytes_moved + direct.stats.padding_bytes)
+
+
+def test_relays_option_inside_jit() -> None:
+  """Inside jax.jit, ``relays=`` picks the same plan as ``plan_layouts``: the compiled program
+  has its rounds (one ``collective-permute`` each) and bytes, and is bit for bit."""
+  import re
+
+  from test_jit import _collective_bytes
+
+  devs = np.array(jax.devices()[:8])
+  x, src, dst = _jit_case(devs)
+  keys = sorted(x)
+  layouts = [
+    (Layout.from_sharding(src[k], x[k].shape), Layout.from_sharding(dst[k], x[k].shape))
+    for k in keys
+  ]
+  itemsizes = [x[k].dtype.itemsize for k in keys]
+  rounds = {}
+  # relays=True (the default) inside jit: test_relay_plans_run_inside_jit_bit_for_bit.
+  for topo, relays in ((PAIRS, False), (PAIRS, "auto"), (SLOW_PAIRS, "auto")):
+    f = jax.jit(
+      lambda x, t=topo, r=relays: jr.reshard(x, dst, src=src, topology=t, relays=r),
+      out_shardings=dst,
+    )
+    compiled = f.lower(x).compile()
+    y = compiled(x)
+    for k in x:
+      assert y[k].sharding == dst[k]
+      assert np.array_equal(np.asarray(y[k]).view(np.uint8), np.asarray(x[k]).view(np.uint8))
+    want = jr.plan_layouts(layouts, itemsizes, max_bucket_bytes=None, topology=topo, relays=relays)
+    hlo = compiled.as_text()
+    assert len(re.findall(r" collective-permute(?:-start)?\(", hlo)) == want.stats.num_rounds
+    moved = _collective_bytes(hlo)["collective-permute"]
+    assert moved == want.stats.bytes_moved + want.stats.padding_bytes
+    rounds[(topo.name, relays)] = (want.relay is not None, want.stats.num_rounds)
+  relayed = jr.plan_layouts(layouts, itemsizes, max_bucket_bytes=None, topology=PAIRS)
+  assert rounds[(PAIRS.name, False)] == (False, 7) and relayed.stats.num_rounds == 5
+  assert rounds[(PAIRS.name, "auto")] == (False, 7)  # direct predicted faster
+  assert rounds[(SLOW_PAIRS.name, "auto")] == (True, 5)  # relays predicted faster
 
 
 def test_relay_plans_inside_jit_differentiate() -> None:
