@@ -430,8 +430,9 @@ def _in_place(
 
 def _base(lf: LeafView, dst: jax.Array | None) -> jax.Array:
   """The block a leaf's destination starts from where chunks fill it in place, or that a
-  device without a destination shard of it returns (discarded): its destination input, else
-  zeros. A donated block returned unchanged costs no write (XLA aliases it to the output)."""
+  device without any destination shard of the bucket returns (discarded): its destination
+  input, else zeros. A donated block returned unchanged costs no write (XLA aliases it to the
+  output)."""
   return dst if dst is not None else jnp.zeros(lf.dst_block, lf.dtype)
 
 
@@ -482,8 +483,8 @@ def _assemble_fn(
     outs = []
     for li in switched:
       lf, parts = program.leaves[li], role.parts[li]
-      if parts is None:
-        outs.append(_base(lf, dsts[li]))
+      if parts is None:  # zeros unless in place: aliasing here costs XLA scratch elsewhere
+        outs.append(_base(lf, dsts[li] if lf.in_place else None))
         continue
       values = [(p.offset, _part_value(program, li, p, shards[li], recvs, me)) for p in parts]
       if lf.in_place:
@@ -557,8 +558,15 @@ def emit_body(program: BucketProgram, axis: Any) -> Callable[..., tuple[jax.Arra
   switched = [li for li in range(num_src) if li not in writes and li not in direct]
   valued = {li: w for li, w in writes.items() if w.sources is None}
 
+  # Devices without any destination shard return donated blocks unchanged; where there are
+  # none, the (unused) branch makes zeros: aliasing it would cost XLA scratch elsewhere.
+  idle_used = bool((role_table(n, program.assembles) == 0).any())
+
   def idle(me: jax.Array, blocks: Any, dsts: Any, recvs: Any) -> tuple[jax.Array, ...]:
-    outs = [_base(program.leaves[li], dsts[li]) for li in switched]
+    outs = [
+      _base(lf, dsts[li] if idle_used or lf.in_place else None)
+      for li, lf in ((li, program.leaves[li]) for li in switched)
+    ]
     for li, w in valued.items():
       outs += [jnp.zeros(shape, program.leaves[li].word) for shape in w.shapes]
     return tuple(outs)
