@@ -27,8 +27,8 @@ from jax_reshard._planner import LeafPlan
 from jax_reshard._program import (
   BucketProgram,
   make_bucket_program,
+  rebound_program,
   travels_as_is,
-  with_leaf_indices,
 )
 from jax_reshard._schedule import CPU_MAX_BUCKET_BYTES, DEFAULT_MAX_BUCKET_BYTES, Schedule
 from jax_reshard._tapi import TransformPlan, make_transform_plan, transform_cache_clear
@@ -139,7 +139,8 @@ class ReshardPlan:
       for k, (stage, b) in enumerate(self._stage_buckets):
         first = self._classes[k]
         if first < k:  # the same program as an earlier bucket, on other leaves
-          programs.append(with_leaf_indices(programs[first], self._bucket_leaves[k]))
+          donated = donate and stage is first_stage
+          programs.append(rebound_program(programs[first], stage, b, dtypes, donate=donated))
           continue
         ids = stage.schedule.buckets[b].union_device_ids
         program = make_bucket_program(
@@ -227,7 +228,7 @@ class ReshardPlan:
         carry[i] = buffers_by_device(old[i])
     for idx, exe in zip(self._bucket_leaves, executables, strict=True):
       dsts = [
-        carry.pop(i) if lf.dst_input else carry.pop(i, None) if lf.dst_window else None
+        carry.pop(i, None) if lf.dst_input or lf.dst_window else None
         for i, lf in zip(idx, exe.program.leaves, strict=True)
       ]
       # A relay stage takes the first stage's results as its source.

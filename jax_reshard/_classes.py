@@ -4,7 +4,9 @@ A bucket's program (``_program``) is a function of its devices, its rounds and p
 and of each of its leaves' layouts, element type and planned transfers, with leaves numbered
 by their position in the bucket. Buckets equal in all of that (the layers of a model, moved by
 the same devices) run one program and share one compiled executable, so the number of distinct
-programs, not of buckets, is what a plan compiles.
+programs, not of buckets, is what a plan compiles. The chunks of a leaf cut into windows of one
+width are equal too: their transfers are compared from the window's start (an argument of the
+program).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import numpy as np
 
 from jax_reshard._layout import Layout
 from jax_reshard._planner import LeafPlan
-from jax_reshard._schedule import Schedule
+from jax_reshard._schedule import Bucket, Schedule, chunk_shift
 
 
 def _leaf_key(plan: LeafPlan, layouts: tuple[Layout, Layout], kind: Any) -> tuple[Any, ...]:
@@ -51,6 +53,11 @@ def bucket_classes(
     position = np.zeros(max(bucket.leaves, default=0) + 1, dtype=np.int64)
     position[list(bucket.leaves)] = np.arange(len(bucket.leaves))
     rel = position[np.asarray(bucket.piece_leaf, dtype=np.int64)]
+    shifts = [
+      chunk_shift(schedule, leaf, chunks, layouts[leaf])
+      for leaf, chunks in zip(bucket.leaves, bucket.chunks, strict=True)
+    ]
+    transfer, chunks = _windowed(schedule, bucket, shifts)
     pieces = np.stack(
       [
         rel,
@@ -59,7 +66,7 @@ def bucket_classes(
           for a in (
             bucket.piece_src,
             bucket.piece_dst,
-            bucket.piece_transfer,
+            transfer,
             bucket.piece_offset,
             bucket.piece_nbytes,
           )
@@ -71,17 +78,53 @@ def bucket_classes(
       bucket.rounds,
       pieces.tobytes(),
       tuple(leaf_class[leaf] for leaf in bucket.leaves),
-      bucket.chunks,  # which local copies, and which slab of a leaf cut into slabs
-      _modes(schedule, b, bucket.leaves),
+      chunks,  # which local copies, which slab of a leaf cut into slabs, or a window's rows
+      _modes(schedule, b, bucket.leaves, shifts),
     )
     out.append(first.setdefault(key, b))
   return tuple(out)
 
 
-def _modes(schedule: Schedule, b: int, leaves: Sequence[int]) -> tuple[tuple[bool, bool], ...]:
-  """Per leaf of bucket ``b``, whether the bucket is the first and the last of the leaf's
-  buckets: a leaf split over buckets is written in place, from and into carried blocks."""
+def _windowed(
+  schedule: Schedule, bucket: Bucket, shifts: Sequence[tuple[int, int] | None]
+) -> tuple[np.ndarray, tuple[Any, ...]]:
+  """The pieces' transfers, and per leaf what the bucket moves of it: its chunks, or for a
+  leaf whose offsets start at a shift (``chunk_shift``), the rows it moves with offsets from
+  there (its transfers then numbered among those rows)."""
+  transfer = np.asarray(bucket.piece_transfer, dtype=np.int64).copy()
+  out: list[Any] = []
+  for leaf, chunks, shift in zip(bucket.leaves, bucket.chunks, shifts, strict=True):
+    if shift is None:
+      out.append(chunks)
+      continue
+    lp = schedule.leaf_plans[leaf]
+    rows = np.flatnonzero(np.isin(schedule.row_chunks[leaf], chunks))
+    lo, hi = lp.lo[rows].copy(), lp.hi[rows].copy()
+    lo[:, shift[0]] -= shift[1]
+    hi[:, shift[0]] -= shift[1]
+    arrays = (lp.src_device[rows], lp.dst_device[rows], lo, hi, lp.local[rows])
+    out.append((shift[0], *(np.ascontiguousarray(a).tobytes() for a in arrays)))
+    mine = np.asarray(bucket.piece_leaf) == leaf
+    transfer[mine] = np.searchsorted(rows, transfer[mine])
+  return transfer, tuple(out)
+
+
+def _modes(
+  schedule: Schedule,
+  b: int,
+  leaves: Sequence[int],
+  shifts: Sequence[tuple[int, int] | None],
+) -> tuple[tuple[bool, bool], ...]:
+  """Per leaf of bucket ``b``, whether the bucket is the first of the leaf's buckets, and
+  whether there are several: a leaf split over buckets is written in place, from the second
+  bucket on (from the first, for windows) into a destination input (whether the output is
+  carried on changes no program)."""
   if not schedule.leaf_buckets:
     return ()
   spans = [schedule.leaf_buckets[leaf] for leaf in leaves]
-  return tuple((span[0] == b, span[-1] == b) for span in spans)
+  # A window takes a destination input in its leaf's first bucket too (see _program), and a
+  # destination slab takes none in any.
+  return tuple(
+    (span[0] == b and shift is None, len(span) > 1)
+    for span, shift in zip(spans, shifts, strict=True)
+  )

@@ -122,6 +122,8 @@ def _schedule_digest(schedule: Schedule) -> str:
     _feed_ints(h, [-1] if slab is None else [slab[0], *slab[1]])
   for slab in schedule.leaf_dst_slabs:  # which window of the destination shards it outputs
     _feed_ints(h, [-1] if slab is None else [slab[0], *slab[1]])
+  for window in schedule.leaf_windows:  # which window of both it moves
+    _feed_ints(h, [-1] if window is None else [window[0], *window[1]])
   return h.hexdigest()[:16]
 
 

@@ -148,15 +148,42 @@ def _switch(
   return jax.lax.switch(jnp.asarray(index_table, dtype=np.int32)[me], branches, *operands)
 
 
-def _slice(cut: Cut, x: jax.Array, me: jax.Array, num_positions: int) -> jax.Array:
-  """The cut of ``x``: a static slice, or one at an offset read from a table at ``me``."""
+# Per leaf of a program, ``None`` or ``(dim, start)``: the start of the window the bucket moves
+# (a traced int32 scalar, in elements), see LeafView.shift.
+Shifts = Sequence[tuple[int, Any] | None]
+
+
+def _shift_words(lf: LeafView, shift: tuple[int, Any], ndim: int) -> list[Any]:
+  """A window start as an offset vector in the leaf's words."""
+  dim, start = shift
+  at: list[Any] = [0] * ndim
+  at[dim] = start // lf.word_ratio if dim == ndim - 1 else start
+  return at
+
+
+def _slice(
+  cut: Cut, x: jax.Array, me: jax.Array, num_positions: int, at: Sequence[Any] | None = None
+) -> jax.Array:
+  """The cut of ``x``: a static slice, or one at an offset read from a table at ``me``; with
+  ``at``, at that offset added (a window start, see :func:`_shift_words`)."""
   lo = cut.static_offset
-  if lo is not None:
+  if lo is not None and at is None:
     if lo == (0,) * x.ndim and cut.shape == x.shape:
       return x
     return jax.lax.slice(x, lo, tuple(a + b for a, b in zip(lo, cut.shape, strict=True)))
-  row = jnp.asarray(cut.offset_table(num_positions))[me]
-  return jax.lax.dynamic_slice(x, [row[j] for j in range(len(cut.shape))], cut.shape)
+  if lo is not None:
+    row: Any = lo
+  else:
+    table = jnp.asarray(cut.offset_table(num_positions))[me]
+    row = [table[j] for j in range(len(cut.shape))]
+  if at is not None:
+    row = [r + a for r, a in zip(row, at, strict=True)]
+  return jax.lax.dynamic_slice(x, list(row), cut.shape)
+
+
+def _leaf_at(program: BucketProgram, shifts: Shifts, li: int, ndim: int) -> list[Any] | None:
+  shift = shifts[li] if shifts else None
+  return None if shift is None else _shift_words(program.leaves[li], shift, ndim)
 
 
 def _local_view(leaves: Sequence[LeafView], blocks: Sequence[jax.Array]) -> list[jax.Array]:
@@ -166,13 +193,18 @@ def _local_view(leaves: Sequence[LeafView], blocks: Sequence[jax.Array]) -> list
   ]
 
 
-def _pack_fn(program: BucketProgram, pack: Pack) -> Callable[..., jax.Array]:
+def _pack_fn(program: BucketProgram, pack: Pack, shifts: Shifts = ()) -> Callable[..., jax.Array]:
   """The payload code of one sender role."""
   n, unit = len(program.device_ids), program.unit
 
   def branch(me: jax.Array, *blocks: jax.Array) -> jax.Array:
     shards = _local_view(program.leaves, blocks)
-    parts = [_to_units(_slice(c, shards[c.leaf], me, n), unit) for c in pack.cuts]
+    parts = [
+      _to_units(
+        _slice(c, shards[c.leaf], me, n, _leaf_at(program, shifts, c.leaf, len(c.shape))), unit
+      )
+      for c in pack.cuts
+    ]
     if pack.pad_words:
       parts.append(jnp.zeros((pack.pad_words,), unit))
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
@@ -220,7 +252,7 @@ def whole_segments(program: BucketProgram, rnd: SendRound) -> tuple[Segment, ...
 
 
 def _packed_fn(
-  program: BucketProgram, pack: Pack, packed: Sequence[tuple[int, int]]
+  program: BucketProgram, pack: Pack, packed: Sequence[tuple[int, int]], shifts: Shifts = ()
 ) -> Callable[..., tuple[jax.Array, ...]]:
   """The code of one sender role for the ``packed`` word ranges of a round cut by
   :func:`whole_segments`: one vector per range, its cuts concatenated (padding in the last)."""
@@ -234,7 +266,8 @@ def _packed_fn(
       for c in pack.cuts:
         size = _cut_words(program, c)
         if start <= at and at + size <= stop:
-          parts.append(_to_units(_slice(c, shards[c.leaf], me, n), unit))
+          lo = _leaf_at(program, shifts, c.leaf, len(c.shape))
+          parts.append(_to_units(_slice(c, shards[c.leaf], me, n, lo), unit))
         at += size
       filled = sum(int(v.shape[0]) for v in parts)
       if filled < stop - start:
@@ -346,7 +379,12 @@ def _direct_value(program: BucketProgram, li: int, r: int, recv: Sequence[jax.Ar
 
 
 def _emit_round(
-  program: BucketProgram, rnd: SendRound, axis: Any, me: jax.Array, blocks: Sequence[jax.Array]
+  program: BucketProgram,
+  rnd: SendRound,
+  axis: Any,
+  me: jax.Array,
+  blocks: Sequence[jax.Array],
+  shifts: Shifts = (),
 ) -> Any:
   """Packs the round's payload on every device and moves it; returns what this device got: one
   vector of unit words, or a tuple of them (the leaves of a round of whole source shards, see
@@ -364,9 +402,9 @@ def _emit_round(
     return tuple(jax.lax.ppermute(operands, axis, list(rnd.pairs)))
   segments = whole_segments(program, rnd)
   if segments is not None:
-    return _emit_segments(program, rnd, segments, axis, me, blocks)
+    return _emit_segments(program, rnd, segments, axis, me, blocks, shifts)
   idle: Callable[..., jax.Array] = lambda me, *_: jnp.zeros((rnd.words,), unit)
-  branches = [idle, *(_pack_fn(program, p) for p in rnd.packs)]
+  branches = [idle, *(_pack_fn(program, p, shifts) for p in rnd.packs)]
   payload = _switch(me, role_table(len(program.device_ids), rnd.packs), branches, me, *blocks)
   return (jax.lax.ppermute(payload, axis, list(rnd.pairs)),)
 
@@ -396,6 +434,7 @@ def _emit_segments(
   axis: Any,
   me: jax.Array,
   blocks: Sequence[jax.Array],
+  shifts: Shifts = (),
 ) -> tuple[jax.Array, ...]:
   """A round cut by :func:`whole_segments`: the whole shards as they are, the rest packed by
   one switch on the senders' roles, all moved by one ``ppermute`` of several operands."""
@@ -406,24 +445,30 @@ def _emit_segments(
     idle: Callable[..., tuple[jax.Array, ...]] = lambda me, *_: tuple(
       jnp.zeros((b - a,), unit) for a, b in packed
     )
-    branches = [idle, *(_packed_fn(program, p, packed) for p in rnd.packs)]
+    branches = [idle, *(_packed_fn(program, p, packed, shifts) for p in rnd.packs)]
     values = list(_switch(me, role_table(n, rnd.packs), branches, me, *blocks))
   operands = [values.pop(0) if li is None else blocks[li] for _, _, li in segments]
   return tuple(jax.lax.ppermute(operands, axis, list(rnd.pairs)))
 
 
 def _in_place(
-  lf: LeafView, base: jax.Array, values: Sequence[tuple[tuple[int, ...], jax.Array]]
+  lf: LeafView,
+  base: jax.Array,
+  values: Sequence[tuple[tuple[int, ...], jax.Array]],
+  shift: tuple[int, Any] | None = None,
 ) -> jax.Array:
   """``base`` (a destination block) with every part (offset in words, value in words) written
-  into it by ``dynamic_update_slice``, in the leaf's element type."""
+  into it by ``dynamic_update_slice``, in the leaf's element type; with ``shift``, offsets are
+  from that window start (see :attr:`LeafView.shift`)."""
   out = base.reshape(lf.dst_shard)
   for offset, value in values:
     part = _from_uint(_narrow(value, lf.dtype), lf.dtype)
     if not lf.dst_shard:
       out = part.reshape(())
       continue
-    at = (*offset[:-1], offset[-1] * lf.word_ratio)
+    at: list[Any] = [*offset[:-1], offset[-1] * lf.word_ratio]
+    if shift is not None:
+      at[shift[0]] = at[shift[0]] + shift[1]
     out = jax.lax.dynamic_update_slice(out, part, at)
   return out.reshape(lf.dst_block)
 
@@ -443,15 +488,17 @@ def _part_value(
   shard: jax.Array,
   recvs: Sequence[Any],
   me: jax.Array,
+  at: Sequence[Any] | None = None,
 ) -> jax.Array:
   """A destination part of leaf ``li`` in its words: payload words of a round (a
   :class:`Received`, or a :class:`ChunkWrites` source of one), or a cut of the own source
-  shard."""
+  shard (``at``: the window start in words where the leaf has one)."""
   lf = program.leaves[li]
   if isinstance(part, Received):
     words = _payload_words(program, part.round, recvs[part.round], part.start, part.stop)
     return _from_units(words, lf.word, part.shape)
-  return _slice(part if isinstance(part, Cut) else part.cut, shard, me, len(program.device_ids))
+  cut = part if isinstance(part, Cut) else part.cut
+  return _slice(cut, shard, me, len(program.device_ids), at)
 
 
 def _payload_words(
@@ -470,7 +517,11 @@ def _payload_words(
 
 
 def _assemble_fn(
-  program: BucketProgram, k: int, switched: Sequence[int], slots: dict[int, ChunkWrites]
+  program: BucketProgram,
+  k: int,
+  switched: Sequence[int],
+  slots: dict[int, ChunkWrites],
+  shifts: Shifts = (),
 ) -> Callable[..., tuple[jax.Array, ...]]:
   """The destination code of assembly role ``k``: the blocks of the leaves ``switched``, then
   the slot values of the leaves in ``slots`` (written after the switch)."""
@@ -486,9 +537,10 @@ def _assemble_fn(
       if parts is None:  # zeros unless in place: aliasing here costs XLA scratch elsewhere
         outs.append(_base(lf, dsts[li] if lf.in_place else None))
         continue
-      values = [(p.offset, _part_value(program, li, p, shards[li], recvs, me)) for p in parts]
+      at = _leaf_at(program, shifts, li, len(lf.src_shard))
+      values = [(p.offset, _part_value(program, li, p, shards[li], recvs, me, at)) for p in parts]
       if lf.in_place:
-        outs.append(_in_place(lf, _base(lf, dsts[li]), values))
+        outs.append(_in_place(lf, _base(lf, dsts[li]), values, shifts[li] if shifts else None))
         continue
       out = _tile(values, lf.dst_words, lf.word)
       outs.append(_from_uint(_narrow(out, lf.dtype), lf.dtype).reshape(lf.dst_block))
@@ -497,12 +549,17 @@ def _assemble_fn(
       if fill is None:
         outs += [jnp.zeros(shape, lf.word) for shape in w.shapes]
         continue
+      at = _leaf_at(program, shifts, li, len(lf.src_shard))
       for p, shape in zip(fill, w.shapes, strict=True):
         if p is None:  # written back unchanged, before this role's own writes
           words = _widen(_to_uint(_base(lf, dsts[li]).reshape(lf.dst_shard)), lf.word)
-          outs.append(jax.lax.slice(words, (0,) * len(shape), shape))
+          dst_at = _leaf_at(program, shifts, li, len(shape))
+          if dst_at is None:
+            outs.append(jax.lax.slice(words, (0,) * len(shape), shape))
+          else:
+            outs.append(jax.lax.dynamic_slice(words, dst_at, shape))
         else:
-          outs.append(_part_value(program, li, p, shards[li], recvs, me))
+          outs.append(_part_value(program, li, p, shards[li], recvs, me, at))
     return tuple(outs)
 
   return branch
@@ -515,10 +572,12 @@ def _write_chunks(
   base: jax.Array,
   values: Sequence[jax.Array],
   me: jax.Array,
+  shift: tuple[int, Any] | None = None,
 ) -> jax.Array:
   """A split leaf's destination block: ``values`` (one per slot, in words) written into
   ``base`` in place, the same code on every device (offsets read from a table at the mesh
-  position): outside any switch, XLA updates the donated block where it is."""
+  position, from the window start ``shift`` where the leaf has one): outside any switch, XLA
+  updates the donated block where it is."""
   lf, n = program.leaves[li], len(program.device_ids)
   out = base.reshape(lf.dst_shard)
   for j, value in enumerate(values):
@@ -526,20 +585,26 @@ def _write_chunks(
     table = w.offset_table(j, n)
     table[:, -1] *= lf.word_ratio  # words to elements
     if len({tuple(r) for r in table.tolist()}) == 1:
-      at: Sequence[Any] = [int(v) for v in table[0]]
+      at: list[Any] = [int(v) for v in table[0]]
     else:
       row = jnp.asarray(table)[me]
       at = [row[d] for d in range(table.shape[1])]
+    if shift is not None:
+      at[shift[0]] = at[shift[0]] + shift[1]
     out = jax.lax.dynamic_update_slice(out, part, at)
   return out.reshape(lf.dst_block)
 
 
-def emit_body(program: BucketProgram, axis: Any) -> Callable[..., tuple[jax.Array, ...]]:
+def emit_body(
+  program: BucketProgram, axis: Any, *, shift_inputs: bool = False
+) -> Callable[..., tuple[jax.Array, ...]]:
   """The per-device body of ``program`` for a ``shard_map`` whose mesh positions ``axis``
   (one axis name, or a tuple of all of them) enumerates in the order of ``device_ids``.
 
   It takes one staged source block per leaf, then the destination block of every leaf in
-  :attr:`BucketProgram.dst_inputs`, and returns one destination block per leaf. Split leaves
+  :attr:`BucketProgram.dst_inputs`, then (``shift_inputs``) the window start of every leaf in
+  :attr:`BucketProgram.shifted` as an int32 scalar (else the program's own starts are
+  constants), and returns one destination block per leaf. Split leaves
   whose parts every device can write alike (:func:`chunk_writes`) are written after the
   per-role switch, which then returns at most their parts.
   """
@@ -573,17 +638,24 @@ def emit_body(program: BucketProgram, axis: Any) -> Callable[..., tuple[jax.Arra
 
   def body(*inputs: jax.Array) -> tuple[jax.Array, ...]:
     blocks = inputs[:num_src]
+    num_dst = len(program.dst_inputs)
     dsts: list[Any] = [None] * num_src
-    for li, d in zip(program.dst_inputs, inputs[num_src:], strict=True):
+    for li, d in zip(program.dst_inputs, inputs[num_src : num_src + num_dst], strict=True):
       dsts[li] = d
+    shifts: list[tuple[int, Any] | None] = [None] * num_src
+    for k, li in enumerate(program.shifted):
+      dim, start = program.leaves[li].shift  # type: ignore[misc]
+      shifts[li] = (dim, inputs[num_src + num_dst + k] if shift_inputs else start)
     me = jax.lax.axis_index(axis)
-    recvs = [_emit_round(program, rnd, axis, me, blocks) for rnd in program.rounds]
+    recvs = [_emit_round(program, rnd, axis, me, blocks, shifts) for rnd in program.rounds]
     outs: list[Any] = [None] * num_src
     for li, r in direct.items():
       outs[li] = _direct_value(program, li, r, recvs[r])
     ys: list[Any] = []
     if switched or valued:
-      fns = [_assemble_fn(program, k, switched, valued) for k in range(len(program.assembles))]
+      fns = [
+        _assemble_fn(program, k, switched, valued, shifts) for k in range(len(program.assembles))
+      ]
       table = role_table(n, program.assembles)
       ys = list(_switch(me, table, [idle, *fns], me, list(blocks), dsts, recvs))
     for li in switched:
@@ -594,8 +666,9 @@ def emit_body(program: BucketProgram, axis: Any) -> Callable[..., tuple[jax.Arra
         values = [ys.pop(0) for _ in w.shapes]
       else:
         shard = _local_view([lf], [blocks[li]])[0]
-        values = [_part_value(program, li, src, shard, recvs, me) for src in w.sources]
-      outs[li] = _write_chunks(program, li, w, _base(lf, dsts[li]), values, me)
+        at = _leaf_at(program, shifts, li, len(lf.src_shard))
+        values = [_part_value(program, li, src, shard, recvs, me, at) for src in w.sources]
+      outs[li] = _write_chunks(program, li, w, _base(lf, dsts[li]), values, me, shifts[li])
     return tuple(outs)
 
   return body
@@ -618,8 +691,10 @@ def _compiled_program(signature: BucketProgram, devices: tuple[Any, ...]) -> tup
   leaves = signature.leaves
   dst_leaves = [leaves[i] for i in signature.dst_inputs]
   specs = tuple(PartitionSpec(AXIS) for _ in leaves)
+  num_shifts = len(signature.shifted)
   in_specs = specs + tuple(PartitionSpec(AXIS) for _ in dst_leaves)
-  body = emit_body(signature, AXIS)
+  in_specs += (PartitionSpec(),) * num_shifts
+  body = emit_body(signature, AXIS, shift_inputs=True)
   fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=specs, check_vma=False)
   n = len(devices)
   avals = [
@@ -627,6 +702,8 @@ def _compiled_program(signature: BucketProgram, devices: tuple[Any, ...]) -> tup
     for block, lf in [(lf.src_block, lf) for lf in leaves]
     + [(lf.dst_block, lf) for lf in dst_leaves]
   ]
+  scalar = NamedSharding(mesh, PartitionSpec())
+  avals += [jax.ShapeDtypeStruct((), np.int32, sharding=scalar)] * num_shifts
   donate = tuple(range(len(leaves), len(leaves) + len(dst_leaves)))  # written in place
   # keep_unused: a donated block that is only a buffer for the result is never read, yet must
   # stay an argument for its output to alias it.
@@ -883,6 +960,10 @@ class _LeafIO:
     device id, block shape and dtype): buffers a later bucket donates instead of making zero
     blocks. A leaf cut into destination slabs has its slab written into ``carried`` (its
     destination blocks by device id, donated), or into zeros where that is ``None``."""
+    if self.writer is not None:
+      # The slab writes wait for the bucket: on the CPU backend, queuing them behind a bucket
+      # whose program the next bucket runs again stalled its collectives (a 40 s abort).
+      y = jax.block_until_ready(y)
     held = buffers(y, fast=self.unstage_wrap.fast)
     if spares is not None and self.dst_input:
       for j, key in self.spare_at:
@@ -943,6 +1024,7 @@ class BucketExecutable:
     self._mesh_devices = tuple(devices[i] for i in program.device_ids)
     self._compiled: Any = None
     self._io: list[_LeafIO] | None = None
+    self._shift_args: list[jax.Array] | None = None
 
   @property
   def staged_sharding(self) -> NamedSharding:
@@ -985,6 +1067,20 @@ class BucketExecutable:
         for dev_id, data in zip(ids, buffers(arr, fast=fast), strict=True):
           out[(dev_id, key) if which else (dev_id, *key)] = data
     return out
+
+  def _shifts(self) -> list[jax.Array]:
+    """The window starts of the leaves in :attr:`BucketProgram.shifted`, as int32 scalars
+    replicated over the mesh (made once)."""
+    if self._shift_args is None:
+      scalar = NamedSharding(self.staged_sharding.mesh, PartitionSpec())
+      # Ready before the program is queued (see _placeholders).
+      self._shift_args = jax.block_until_ready(
+        [
+          jax.device_put(np.int32(self.program.leaves[li].shift[1]), scalar)  # type: ignore[index]
+          for li in self.program.shifted
+        ]
+      )
+    return self._shift_args
 
   def leaf_io(self) -> list[_LeafIO]:
     """Per leaf, its staging and unstaging worked out (once)."""
@@ -1044,7 +1140,7 @@ class BucketExecutable:
       dst_ph = self._placeholders(1) if spares is None else self._spare_blocks(spares)
       for li in self.program.dst_inputs:
         staged.append(io[li].stage_dst(dsts[li] or {}, dst_ph, li))
-    ys = compiled(*staged)
+    ys = compiled(*staged, *self._shifts())
     carried = [None if lf.writer is None or not dsts else dsts[li] for li, lf in enumerate(io)]
     return [
       leaf.unstage(y, spares, c) for leaf, y, c in zip(io, ys, carried, strict=True)

@@ -31,6 +31,7 @@ from jax_reshard._planner import LeafPlan
 from jax_reshard._schedule import (
   Bucket,
   Piece,
+  chunk_shift,
   dst_slab_window,
   placeholder_mask,
   slab_window,
@@ -92,6 +93,12 @@ class LeafView:
       (cut from the shard before the program runs); ``None``: the whole shard.
     dst_window: for a leaf cut into destination slabs, the slab of every destination shard the
       program outputs (``dst_shard`` is its shape); ``None``: the whole shard.
+    shift: for a leaf cut into windows and split over buckets, ``(dim, start)``: the bucket
+      moves the window of its source and destination shards that starts at ``start`` along
+      ``dim``; every offset of the leaf in the program is relative to it and ``start`` is an
+      argument of the compiled program (one int32 scalar), so the chunks share one program.
+      For a leaf cut into destination slabs along a dimension its source does not shard, the
+      same for the source offsets alone (``start`` is the slab's).
   """
 
   index: int
@@ -108,6 +115,7 @@ class LeafView:
   carry_out: bool = False
   src_window: SourceWindow | None = None
   dst_window: DestinationWindow | None = None
+  shift: tuple[int, int] | None = None
 
   @property
   def word_ratio(self) -> int:
@@ -261,23 +269,36 @@ class BucketProgram:
     """Positions of the leaves whose destination block the program takes as an input."""
     return tuple(i for i, lf in enumerate(self.leaves) if lf.dst_input)
 
+  @property
+  def shifted(self) -> tuple[int, ...]:
+    """Positions of the leaves whose window start the program takes as an input (after the
+    destination inputs), see :attr:`LeafView.shift`."""
+    return tuple(i for i, lf in enumerate(self.leaves) if lf.shift is not None)
+
   def __str__(self) -> str:
     return format_program(self)
 
 
 def program_signature(program: BucketProgram) -> BucketProgram:
-  """``program`` without the plan's leaf numbers and where its slabs lie in the source or
-  destination shards: equal for buckets that differ only in which leaves (or which equal-sized
-  slabs of a leaf) they carry (same devices, shapes, dtypes, payloads and roles), which can
-  therefore share one compiled executable (cutting or writing the slab happens outside it)."""
-  if all(
-    lf.index == -1 and lf.src_window is None and lf.dst_window is None for lf in program.leaves
-  ):
-    return program
+  """``program`` without what its compiled code does not depend on: the plan's leaf numbers,
+  where its slabs lie in the source or destination shards (cut or written outside it), where
+  its windows start (an argument, see :attr:`LeafView.shift`), whether an output is carried
+  to a later bucket, and the zero blocks staged for it. Equal for buckets that differ only in
+  which leaves (or which equal-sized slabs or windows of a leaf) they carry (same devices,
+  shapes, dtypes, payloads and roles), which therefore share one compiled executable."""
   leaves = tuple(
-    dataclasses.replace(lf, index=-1, src_window=None, dst_window=None) for lf in program.leaves
+    dataclasses.replace(
+      lf,
+      index=-1,
+      src_window=None,
+      dst_window=None,
+      carry_out=False,
+      shift=None if lf.shift is None else (lf.shift[0], 0),
+    )
+    for lf in program.leaves
   )
-  return dataclasses.replace(program, leaves=leaves)
+  # Zero blocks are staged outside the program.
+  return dataclasses.replace(program, leaves=leaves, placeholders=(), dst_placeholders=())
 
 
 def with_leaf_indices(program: BucketProgram, indices: Sequence[int]) -> BucketProgram:
@@ -335,6 +356,7 @@ class _LeafInput:
   dst: Layout
   view: LeafView
   copies: np.ndarray | bool = True  # which rows' local copies the bucket makes
+  fresh: bool = False  # see _Mode
 
   def in_words(self, v: np.ndarray) -> Box:
     """Element coordinates (or a shape) in word units."""
@@ -350,6 +372,8 @@ class _LeafInput:
     window = self.view.src_window
     if window is not None:
       start[window.dim] += window.start
+    if self.view.shift is not None:
+      start[self.view.shift[0]] += self.view.shift[1]
     return self.in_words(self.plan.lo[t] - start), self.in_words(self.plan.hi[t] - self.plan.lo[t])
 
   def dst_offset(self, t: int, dev: int) -> Box:
@@ -357,8 +381,10 @@ class _LeafInput:
     the bucket outputs)."""
     start = np.asarray(self.dst.starts[self.dst.device_ids.index(dev)], dtype=np.int64)
     window = self.view.dst_window
-    if window is not None:
+    if window is not None:  # a destination slab: offsets in it (the shift is the source's)
       start[window.dim] += window.start
+    elif self.view.shift is not None:
+      start[self.view.shift[0]] += self.view.shift[1]
     return self.in_words(self.plan.lo[t] - start)
 
 
@@ -393,19 +419,7 @@ def make_bucket_program(
   # Each leaf works in the unit, or in its own element width where that is wider (widening and
   # then narrowing below the element width trips XLA's bitcast folding).
   leaves = []
-  for j, i, chunks in zip(sched_bucket.leaves, leaf_ids, sched_bucket.chunks, strict=True):
-    spans = plan.schedule.leaf_buckets[j] if plan.schedule.leaf_buckets else (bucket,)
-    row_chunks = plan.schedule.row_chunks
-    dst_window = dst_slab_window(plan.schedule, j, chunks)
-    whole = dst_window is None  # a destination slab is assembled whole, written in afterwards
-    mode = _Mode(
-      in_place=whole and len(spans) > 1,
-      dst_input=whole and (donate or spans[0] != bucket),
-      carry_out=spans[-1] != bucket,
-      copies=np.isin(row_chunks[j], chunks) if row_chunks else True,
-      window=slab_window(plan.schedule, j, chunks),
-      dst_window=dst_window,
-    )
+  for i, mode in zip(leaf_ids, _leaf_modes(plan, bucket, donate), strict=True):
     word = max(uint_dtype(dtypes[i]), unit, key=lambda d: d.itemsize)
     leaves.append(_leaf_input(i, plan, dtypes[i], word, mode))
   positions = {d: k for k, d in enumerate(device_ids)}
@@ -421,6 +435,48 @@ def make_bucket_program(
   )
 
 
+def rebound_program(
+  program: BucketProgram, plan: LayoutPlan, bucket: int, dtypes: Sequence[np.dtype], *, donate: bool
+) -> BucketProgram:
+  """``program``, made for a bucket with the same :func:`program_signature`, as bucket
+  ``bucket`` of ``plan`` runs it: with that bucket's leaves, and where their slabs and windows
+  lie and whether their outputs are carried (see :func:`make_bucket_program`)."""
+  leaf_ids = plan.bucket_leaves(bucket)
+  views = tuple(
+    _leaf_input(i, plan, dtypes[i], lf.word, mode).view
+    for i, lf, mode in zip(leaf_ids, program.leaves, _leaf_modes(plan, bucket, donate), strict=True)
+  )
+  return dataclasses.replace(program, leaves=views)
+
+
+def _leaf_modes(plan: LayoutPlan, bucket: int, donate: bool) -> list[_Mode]:
+  """Per leaf of bucket ``bucket``, how the bucket treats it."""
+  sched_bucket = plan.schedule.buckets[bucket]
+  out = []
+  for j, chunks in zip(sched_bucket.leaves, sched_bucket.chunks, strict=True):
+    spans = plan.schedule.leaf_buckets[j] if plan.schedule.leaf_buckets else (bucket,)
+    row_chunks = plan.schedule.row_chunks
+    dst_window = dst_slab_window(plan.schedule, j, chunks)
+    whole = dst_window is None  # a destination slab is assembled whole, written in afterwards
+    shift = chunk_shift(plan.schedule, j, chunks, plan.layouts[plan.scheduled[j]])
+    # A leaf cut into windows takes a destination input in its first bucket too (zero blocks on
+    # every device), so that its first window runs the program of the others.
+    fresh = shift is not None and whole and spans[0] == bucket and not donate
+    out.append(
+      _Mode(
+        in_place=whole and len(spans) > 1,
+        dst_input=whole and (donate or spans[0] != bucket or fresh),
+        carry_out=spans[-1] != bucket,
+        copies=np.isin(row_chunks[j], chunks) if row_chunks else True,
+        window=slab_window(plan.schedule, j, chunks),
+        dst_window=dst_window,
+        shift=shift,
+        fresh=fresh,
+      )
+    )
+  return out
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Mode:
   """How a bucket treats one leaf (see :class:`LeafView`)."""
@@ -431,6 +487,8 @@ class _Mode:
   copies: np.ndarray | bool = True
   window: tuple[int, int, int] | None = None
   dst_window: tuple[int, int, int] | None = None
+  shift: tuple[int, int] | None = None
+  fresh: bool = False  # a destination input on every device, nothing carried into it yet
 
 
 def _leaf_input(
@@ -461,8 +519,9 @@ def _leaf_input(
     carry_out=mode.carry_out,
     src_window=window,
     dst_window=dst_window,
+    shift=mode.shift,
   )
-  return _LeafInput(plan.leaf_plans[index], src, dst, view, mode.copies)
+  return _LeafInput(plan.leaf_plans[index], src, dst, view, mode.copies, mode.fresh)
 
 
 # Per receiving device, per bucket leaf: (transfer, round, piece) it receives.
@@ -606,11 +665,12 @@ def _dst_placeholder_groups(
   leaves: Sequence[_LeafInput], union_device_ids: Sequence[int]
 ) -> tuple[PlaceholderGroup, ...]:
   """Per distinct set of devices, the zero destination blocks they stage: one per leaf with a
-  destination input, on the devices without a destination shard of it (donated, not shared)."""
+  destination input, on the devices without a destination shard of it, or on every device in
+  the first bucket of a leaf cut into windows (donated, not shared)."""
   union = np.asarray(union_device_ids, dtype=np.int64)
   by_devices: dict[tuple[int, ...], list[int]] = defaultdict(list)
   for li, leaf in enumerate(leaves):
-    devs = union[placeholder_mask(leaf.dst, union)]
+    devs = union if leaf.fresh else union[placeholder_mask(leaf.dst, union)]
     if leaf.view.dst_input and len(devs):
       by_devices[tuple(devs.tolist())].append(li)
   return tuple(
@@ -767,6 +827,8 @@ def format_program(program: BucketProgram) -> str:
       mode += (
         f", writing the slab {w.start}:{w.stop} of dim {w.dim} of {list(w.shard)} after it runs"
       )
+    if lf.shift is not None:
+      mode += f", offsets from index {lf.shift[1]} of dim {lf.shift[0]} (an argument)"
     lines.append(
       f"  leaf {li} (#{lf.index}) {lf.dtype.name}{list(lf.shape)} in {lf.word.name}: "
       f"{list(lf.src_shard)} -> {list(lf.dst_shard)}{mode}"

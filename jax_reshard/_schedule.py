@@ -142,6 +142,10 @@ class Schedule:
       covers local indices ``bounds[j]:bounds[j + 1]`` along ``dim`` of every source shard.
     leaf_dst_slabs: the same for leaves cut into destination slabs: chunk ``j`` covers those
       local indices of every destination shard.
+    leaf_windows: the same for leaves cut into *windows*: chunk ``j`` covers indices
+      ``bounds[j]:bounds[j + 1]`` along ``dim``, a dimension neither side shards (local indices
+      are global ones on both sides), of every source and destination shard; every window but
+      the last has one width, so the chunks' programs differ only by where the window starts.
   """
 
   buckets: tuple[Bucket, ...]
@@ -155,6 +159,7 @@ class Schedule:
   leaf_buckets: tuple[tuple[int, ...], ...] = ()
   leaf_slabs: tuple[tuple[int, tuple[int, ...]] | None, ...] = ()
   leaf_dst_slabs: tuple[tuple[int, tuple[int, ...]] | None, ...] = ()
+  leaf_windows: tuple[tuple[int, tuple[int, ...]] | None, ...] = ()
 
   @property
   def num_rounds(self) -> int:
@@ -223,6 +228,43 @@ def dst_slab_window(
     return None
   dim, bounds = slab
   return dim, bounds[min(chunks)], bounds[max(chunks) + 1]
+
+
+def window_start(schedule: Schedule, leaf: int, chunks: Sequence[int]) -> tuple[int, int] | None:
+  """``(dim, start)``: where the window of ``leaf`` that a bucket moving ``chunks``
+  (consecutive) of it starts in every source and destination shard, or ``None`` where the leaf
+  is not cut into windows (see :attr:`Schedule.leaf_windows`)."""
+  window = schedule.leaf_windows[leaf] if schedule.leaf_windows else None
+  if window is None:
+    return None
+  dim, bounds = window
+  return dim, bounds[min(chunks)]
+
+
+def chunk_shift(
+  schedule: Schedule, leaf: int, chunks: Sequence[int], layouts: tuple[Layout, Layout]
+) -> tuple[int, int] | None:
+  """``(dim, start)`` where a bucket moving ``chunks`` of ``leaf`` (split over buckets) can
+  take its offsets from, so that chunks of one width run one program: the start of its window
+  (:func:`window_start`), or of its destination slab along a dimension the source does not
+  shard (the source rows it reads start there); ``None`` otherwise."""
+  if not schedule.leaf_buckets or len(schedule.leaf_buckets[leaf]) < 2:
+    return None
+  shift = window_start(schedule, leaf, chunks)
+  slab = dst_slab_window(schedule, leaf, chunks)
+  if shift is None and slab is not None:
+    src = layouts[0]
+    if src.shard_shape()[slab[0]] == src.shape[slab[0]]:
+      shift = slab[0], slab[1]
+  return shift
+
+
+def window_dim(src: Layout, dst: Layout) -> int | None:
+  """The longest dimension (of extent 2 or more) that neither ``src`` nor ``dst`` shards, where
+  a leaf can be cut into windows, or ``None``."""
+  sizes = zip(src.shape, src.shard_shape(), dst.shard_shape(), strict=True)
+  full = [(n, -d) for d, (n, a, b) in enumerate(sizes) if n == a == b and n >= 2]
+  return -max(full)[1] if full else None
 
 
 def slab_dim(shard_shape: Sequence[int], k: int, spread: Sequence[bool] | None = None) -> int:
@@ -515,6 +557,7 @@ def split_slabs(
   *,
   receiver: bool = False,
   spread: Sequence[bool] | None = None,
+  dim: int | None = None,
 ) -> tuple[LeafPlan, np.ndarray, tuple[int, tuple[int, ...]]]:
   """``plan`` cut into up to ``k`` slabs of source-local indices, each row's chunk, and the
   slabs ``(dim, bounds)``.
@@ -523,7 +566,8 @@ def split_slabs(
   :func:`slab_dim`) of every source shard; every transfer with bytes, local copies included, is
   cut by its sender's windows. With ``receiver``, ``src`` is the destination layout: the slabs
   are of destination-local indices and every row is cut by its receiver's windows. ``spread``:
-  see :func:`slab_dim`. Rows keep
+  see :func:`slab_dim`. With ``dim``, the slabs cut that dimension into windows of one width
+  (the last narrower where ``k`` does not divide it). Rows keep
   the planner's order (each cut row replaced by its
   pieces, by chunk); the pieces partition the rows: the same bytes, more rows.
 
@@ -537,9 +581,13 @@ def split_slabs(
     ((0, (0, 4, 8)), [0, 1], True)
   """
   shard = src.shard_shape()
-  dim = slab_dim(shard, k, spread)
-  k = max(1, min(k, shard[dim]))
-  bounds = (np.arange(k + 1, dtype=np.int64) * shard[dim]) // k
+  if dim is None:
+    dim = slab_dim(shard, k, spread)
+    k = max(1, min(k, shard[dim]))
+    bounds = (np.arange(k + 1, dtype=np.int64) * shard[dim]) // k
+  else:
+    width = -(-shard[dim] // max(1, min(k, shard[dim])))
+    bounds = np.minimum(np.arange(-(-shard[dim] // width) + 1, dtype=np.int64) * width, shard[dim])
   rows = np.flatnonzero(plan.nbytes > 0)
   ids = np.asarray(src.device_ids, dtype=np.int64)
   order_ids = np.argsort(ids)
@@ -591,6 +639,7 @@ class _Tree:
   allow_slabs: bool = False
   slabs: dict[int, tuple[int, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
   dst_slabs: dict[int, tuple[int, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
+  windows: dict[int, tuple[int, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
   # per split key: the rows, their chunks, and the source and destination slabs (or None)
   splits: dict[tuple[object, ...], tuple[Any, ...]] = dataclasses.field(default_factory=dict)
   plans: list[LeafPlan] = dataclasses.field(default_factory=list)
@@ -916,8 +965,10 @@ def _split_leaf(tree: _Tree, leaf: int, k: int) -> None:
   key = _split_key(tree, leaf)
   if key not in tree.splits:  # else a leaf like one split before (the layers of a model)
     tree.splits[key] = _best_split(tree, leaf, k)
-  plan, chunk, slabs, dst_slabs = tree.splits[key]
+  plan, chunk, slabs, dst_slabs, windows = tree.splits[key]
   tree.set_chunks(leaf, plan, chunk)
+  if windows is not None:
+    tree.windows[leaf] = windows
   if slabs is not None:
     tree.slabs[leaf] = slabs
   if dst_slabs is not None:
@@ -926,14 +977,19 @@ def _split_leaf(tree: _Tree, leaf: int, k: int) -> None:
 
 def _best_split(tree: _Tree, leaf: int, k: int) -> tuple[Any, ...]:
   """The split :func:`_split_leaf` makes: ``(rows, their chunks, source slabs, destination
-  slabs)``, the tree left without slabs for ``leaf``."""
+  slabs, windows)``, the tree left without slabs or windows for ``leaf``. Windows come first
+  where the leaf has a dimension neither side shards: their chunks stage what sub-boxes do and
+  run one program."""
   assert tree.bound is not None
   members = tree.members[leaf]
-  heavy = [False] + [
+  heavy = [False, False] + [
     2 * int((ph * members).max(initial=0)) > tree.bound
     for ph in (tree.src_placeholder(leaf), tree.dst_placeholder(leaf))
   ]
-  ways = (_split_rows, _split_slabs, _split_dst_slabs)[: 3 if tree.allow_slabs else 1]
+  ways: list[Any] = [_split_windows, _split_rows, _split_slabs, _split_dst_slabs]
+  ways = ways[: 4 if tree.allow_slabs else 2]
+  if not tree.layouts or window_dim(*tree.layouts[leaf]) is None:
+    ways, heavy = ways[1:], heavy[1:]
   best: tuple[Any, ...] | None = None
   failed = []
   for way, worth in zip(ways, heavy, strict=False):
@@ -944,9 +1000,10 @@ def _best_split(tree: _Tree, leaf: int, k: int) -> tuple[Any, ...]:
       failed.append(found)
     elif best is None or len(tree.payloads[leaf]) < best[0]:
       best = (len(tree.payloads[leaf]), tree.plans[leaf], tree.chunks[leaf])
-      best += (tree.slabs.get(leaf), tree.dst_slabs.get(leaf))
+      best += (tree.slabs.get(leaf), tree.dst_slabs.get(leaf), tree.windows.get(leaf))
     tree.slabs.pop(leaf, None)
     tree.dst_slabs.pop(leaf, None)
+    tree.windows.pop(leaf, None)
   if best is None:
     minimum, qualifier = min(failed)
     _raise_bound(tree, leaf, minimum, qualifier)
@@ -965,6 +1022,36 @@ def _split_key(tree: _Tree, leaf: int) -> tuple[object, ...]:
     p.lo.shape,
     *(np.ascontiguousarray(a).tobytes() for a in arrays),
   )
+
+
+def _split_windows(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
+  """Splits ``leaf`` into the fewest windows of one width along :func:`window_dim` that fit
+  (see :func:`_split_rows` for what it returns): every transfer and local copy cut by the
+  window, the whole shards staged as for sub-boxes."""
+  assert tree.bound is not None
+  src, dst = tree.layouts[leaf]
+  dim = window_dim(src, dst)
+  assert dim is not None
+  ph = tree.placeholders[leaf] * tree.members[leaf]
+  if int(ph.max(initial=0)) > tree.bound:  # whole placeholders: no window fits
+    return int(ph.max(initial=0)), "at least "
+  k_max = src.shape[dim]
+  k = max(2, min(k, k_max))
+  while True:
+    plan, chunk, windows = split_slabs(tree.original[leaf], src, k, tree.itemsizes[leaf], dim=dim)
+    tree.windows[leaf] = windows
+    tree.set_chunks(leaf, plan, chunk)
+    # Windows of one width stage alike (the last, narrower one, less): the first is checked
+    # where no other moves more bytes on any device.
+    pay = tree.payloads[leaf]
+    items = tree.items(leaf)[: 1 if (pay <= pay[0]).all() else None]
+    stage = np.stack([_build(tree, [item]).stage for item in items])
+    if int(stage.max()) <= tree.bound:
+      return None
+    if k >= k_max:
+      return int(stage.max()), ""
+    ratio = float(((stage - ph) / np.maximum(tree.bound - ph, 1)).max())
+    k = min(k_max, max(k + 1, math.ceil(k * ratio)))
 
 
 def _split_rows(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
@@ -1027,7 +1114,11 @@ def _split_slabs(
     k = max(k, math.ceil(float(((pay + math.prod(shard) * isz) / room).max())))
   k = max(2, min(k, k_max))
   while True:
-    plan, chunk, slabs = split_slabs(orig, side, k, isz, receiver=receiver, spread=spread)
+    # Destination slabs along a dimension the source does not shard are of one width: their
+    # chunks then differ only by where the source rows start (see chunk_shift).
+    dim = slab_dim(shard, k, spread) if receiver else None
+    even = dim if dim is not None and spread is not None and spread[dim] else None
+    plan, chunk, slabs = split_slabs(orig, side, k, isz, receiver=receiver, spread=spread, dim=even)
     found[leaf] = slabs
     tree.set_chunks(leaf, plan, chunk)
     stage = np.stack([_build(tree, [item]).stage for item in tree.items(leaf)])
@@ -1156,4 +1247,5 @@ def make_schedule(
     leaf_buckets=tuple(tuple(b) for b in leaf_buckets),
     leaf_slabs=tuple(tree.slabs.get(leaf) for leaf in range(len(plans))),
     leaf_dst_slabs=tuple(tree.dst_slabs.get(leaf) for leaf in range(len(plans))),
+    leaf_windows=tuple(tree.windows.get(leaf) for leaf in range(len(plans))),
   )

@@ -197,6 +197,60 @@ def test_leaf_cap_cuts_buckets_at_layer_boundaries(monkeypatch: pytest.MonkeyPat
   jr.plan_cache_clear()
 
 
+@pytest.mark.parametrize(
+  ("where", "bound", "buckets", "cut"),
+  [
+    # Colocated: every chunk stages the whole source shard, so the leaf is cut into windows
+    # along the dimension neither side shards (64 rows: 4 of 16).
+    ("windows", 25000, 12, (1, (0, 16, 32, 48, 64))),
+    # Disjoint: the destination placeholders on the source devices are the floor, so the
+    # leaf is cut into destination slabs, along the dimension the source does not shard.
+    ("destination slabs", 25000, 24, (1, (0, 4, 8, 12, 16, 20, 24, 28, 32))),
+  ],
+)
+def test_chunks_of_repeated_layers_share_one_program(
+  where: str, bound: int, buckets: int, cut: tuple[int, tuple[int, ...]]
+) -> None:
+  """Three layers of one leaf, each split over buckets into chunks of one width: every bucket
+  runs one program, compiled once (the others hit the cache), and every leaf arrives bit for
+  bit; with an uneven cut, the narrower last chunk is a second program."""
+  devs = np.array(jax.devices())
+  src = NamedSharding(Mesh(devs[:4], ("ep",)), P("ep"))
+  if where == "windows":
+    sharding = NamedSharding(Mesh(devs.reshape(4, 2), ("dp", "tp")), P(None, None, "tp"))
+  else:
+    sharding = NamedSharding(Mesh(devs[4:].reshape(2, 2), ("dp", "tp")), P(None, "tp"))
+  rng = np.random.default_rng(7)
+  hosts = {f"l{i}": random_host_array(rng, (8, 64, 32), np.float32) for i in range(3)}
+  x = {k: jax.device_put(h, src) for k, h in hosts.items()}
+  dst = {k: sharding for k in x}
+  jr.plan_cache_clear()
+  plan = jr.make_plan(x, dst, max_bucket_bytes=bound)
+  cuts = plan.schedule.leaf_windows if where == "windows" else plan.schedule.leaf_dst_slabs
+  assert list(cuts) == [cut] * 3
+  assert plan.stats.num_buckets == buckets and plan.stats.num_programs == 1
+  assert plan.stats.bytes_moved == plan.stats.lower_bound_bytes
+  assert plan.stats.peak_staging_bytes <= bound
+  assert len({program_signature(p) for p in plan.programs()}) == 1
+  _emit.clear_program_cache()
+  for _ in range(2):
+    y = plan(x)
+    for k, h in hosts.items():
+      assert_matches_oracle(y[k], h, dst[k])
+  info = _emit._compiled_program.cache_info()
+  assert (info.misses, info.hits) == (1, buckets - 1)
+  # Into the sampler's current tree (donated): the first chunk writes into that buffer.
+  flipped = {k: np.ascontiguousarray(h[::-1]) for k, h in hosts.items()}
+  y = plan({k: jax.device_put(h, src) for k, h in flipped.items()}, donate=y)
+  for k, h in flipped.items():
+    assert_matches_oracle(y[k], h, dst[k])
+  # 64 rows in 3 windows of 22 (or 32 in 4 slabs of 8 -> 3 of 11): the last is narrower.
+  uneven = jr.make_plan(x, dst, max_bucket_bytes=40000)
+  assert uneven.stats.num_programs == 2 < uneven.stats.num_buckets == 9
+  jr.plan_cache_clear()
+  _emit.clear_program_cache()
+
+
 def test_small_source_placeholders_are_made_once() -> None:
   """Zero source blocks of devices without a source shard are made on the first call only, and
   the results of both calls are bit for bit."""
