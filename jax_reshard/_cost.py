@@ -25,6 +25,7 @@ in every round's size and in the number of rounds and buckets.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Collection, Sequence
 from typing import Protocol
@@ -36,6 +37,7 @@ from jax_reshard._planner import LeafPlan
 from jax_reshard._schedule import (
   WHOLE_OPERAND_BYTES,
   Bucket,
+  Round,
   Schedule,
   placeholder_mask,
   slab_window,
@@ -194,23 +196,35 @@ def _transfer(
   return out
 
 
+def round_pairs(rounds: Sequence[Round]) -> tuple[np.ndarray, ...]:
+  """The pairs of ``rounds`` as arrays: per pair its round, sender and receiver; and per round
+  its payload size."""
+  counts = np.fromiter((len(r.pairs) for r in rounds), dtype=np.int64, count=len(rounds))
+  flat = np.fromiter(
+    itertools.chain.from_iterable(itertools.chain.from_iterable(r.pairs for r in rounds)),
+    dtype=np.int64,
+    count=2 * int(counts.sum()),
+  ).reshape(-1, 2)
+  size = np.fromiter((r.nbytes for r in rounds), dtype=np.int64, count=len(rounds))
+  return np.repeat(np.arange(len(rounds)), counts), flat[:, 0], flat[:, 1], size
+
+
 def _bucket_cost(
   stage: _Stage, b: int, topo: Topology, as_is: Collection[int] | None = None
 ) -> _BucketCost:
   bucket = stage.schedule.buckets[b]
   n = len(bucket.rounds)
-  sizes = np.asarray([r.nbytes for r in bucket.rounds], dtype=np.float64)
-  counts = np.asarray([len(r.pairs) for r in bucket.rounds], dtype=np.int64)
-  pairs = np.asarray([p for r in bucket.rounds for p in r.pairs], dtype=np.int64).reshape(-1, 2)
-  rid = np.repeat(np.arange(n), counts)
-  cross = topo.domain_of(pairs[:, 0]) != topo.domain_of(pairs[:, 1])
+  pairs = round_pairs(bucket.rounds)
+  rid, src, dst, nbytes = pairs
+  sizes = nbytes.astype(np.float64)
+  cross = topo.domain_of(src) != topo.domain_of(dst)
   lat = np.where(cross, topo.inter.latency, topo.intra.latency)
   bw = np.where(cross, topo.inter.bandwidth, topo.intra.bandwidth)
   cost = lat + sizes[rid] / bw
   transfer = _transfer(lat, sizes[rid] / bw, rid, n, topo.max_parallel)
   slowest_cross = np.zeros(n)
   np.maximum.at(slowest_cross, rid, np.where(cross, cost, 0.0))
-  sent_whole, received_whole = direct_steps(stage, bucket)
+  sent_whole, received_whole = direct_steps(stage, bucket, pairs)
   segments = whole_segment_bytes(stage, bucket, as_is)
   kept = np.asarray(
     [r.nbytes if k in sent_whole else segments.get(k, 0) for k, r in enumerate(bucket.rounds)],
@@ -283,63 +297,67 @@ def _placeholder_bytes(stage: _Stage, b: int, direct: set[int]) -> tuple[np.ndar
   return out + np.where(zeros > KEPT_ZERO_BYTES, zeros, 0.0), slabs
 
 
-def direct_steps(plan: _Stage, bucket: Bucket) -> tuple[set[int], set[int]]:
+def pair_runs(bucket: Bucket) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """The (source, destination) pairs of a bucket's pieces (sorted by pair): per pair, its key
+  ``src << 32 | dst``, its first piece and its number of pieces (``np.unique`` of the keys)."""
+  pair = np.asarray(bucket.piece_src, dtype=np.int64) * (1 << 32) + bucket.piece_dst
+  if not len(pair):
+    return pair, pair, pair
+  first = np.flatnonzero(pair[1:] != pair[:-1]) + 1
+  count = np.diff(first, prepend=0, append=len(pair))
+  first = np.concatenate(([0], first))
+  return pair[first], first, count
+
+
+def direct_steps(
+  plan: _Stage, bucket: Bucket, pairs: tuple[np.ndarray, ...] | None = None
+) -> tuple[set[int], set[int]]:
   """The steps of ``bucket`` that move data without a copy: the rounds whose every payload is
-  the whole source shards of the same leaves, unpadded (see :func:`_whole_shards`), and the
-  leaves (positions in
-  ``plan.scheduled``, moved by this bucket alone) whose every destination shard is one round's
-  entire payload."""
-  pair = bucket.piece_src * (1 << 32) + bucket.piece_dst  # pieces are sorted by pair
-  keys, first, count = np.unique(pair, return_index=True, return_counts=True)
-  leaf = np.asarray(bucket.piece_leaf, dtype=np.int64)[first]
-  nbytes = np.asarray(bucket.piece_nbytes, dtype=np.int64)[first]
-  src_bytes, dst_bytes = (
-    {
-      j: math.prod(plan.layouts[plan.scheduled[j]][k].shard_shape())
-      * plan.itemsizes[plan.scheduled[j]]
-      for j in bucket.leaves
-    }
-    for k in (0, 1)
-  )
-  # Both kinds need a piece that is a whole source or destination shard: most buckets of split
-  # leaves have none, so they skip the per-round walk.
-  used, inv = np.unique(np.asarray(bucket.piece_leaf, dtype=np.int64), return_inverse=True)
+  the whole source shards of the same leaves, unpadded (see :func:`_whole_rounds`), and the
+  leaves (positions in ``plan.scheduled``, moved by this bucket alone) whose every destination
+  shard is one round's entire payload. ``pairs``: the bucket's :func:`round_pairs`, if known."""
+  keys, first, count = pair_runs(bucket)
   sizes = np.asarray(bucket.piece_nbytes, dtype=np.int64)
-  shards = [
-    np.array([b[j] for j in used.tolist()], dtype=np.int64)[inv] for b in (src_bytes, dst_bytes)
-  ]
-  if not ((sizes == shards[0]) | (sizes == shards[1])).any():
+  piece_leaf = np.asarray(bucket.piece_leaf, dtype=np.int64)
+  shards = np.zeros((2, max(bucket.leaves, default=-1) + 1), dtype=np.int64)
+  for j in bucket.leaves:
+    i = plan.scheduled[j]
+    for k in (0, 1):
+      shards[k, j] = math.prod(plan.layouts[i][k].shard_shape()) * plan.itemsizes[i]
+  src_whole = sizes == shards[0, piece_leaf]
+  dst_whole = sizes == shards[1, piece_leaf]
+  # Both kinds need a piece that is a whole source or destination shard: most buckets of split
+  # leaves have none.
+  if not (src_whole | dst_whole).any():
     return set(), set()
-  rounds: set[int] = set()
-  arrivals: dict[int, list[tuple[int, int]]] = {}  # leaf -> (round, receiver) of whole shards
-  for r, rnd in enumerate(bucket.rounds):
-    pairs = np.asarray(rnd.pairs, dtype=np.int64).reshape(-1, 2)
-    at = np.searchsorted(keys, pairs[:, 0] * (1 << 32) + pairs[:, 1])
-    alone = (count[at] == 1) & (nbytes[at] == rnd.nbytes)
-    if _whole_shards(bucket, first[at], count[at], src_bytes, rnd.nbytes):
-      rounds.add(r)
-    if r in rounds:  # each leaf of a round of whole source shards arrives on its own
-      rows = (first[at][:, None] + np.arange(count[at][0])[None, :]).reshape(-1)
-      got = np.asarray(bucket.piece_leaf, dtype=np.int64)[rows].tolist()
-      sizes = np.asarray(bucket.piece_nbytes, dtype=np.int64)[rows].tolist()
-      to = np.repeat(pairs[:, 1], count[at][0]).tolist()
-      for j, b, d in zip(got, sizes, to, strict=True):
-        if dst_bytes[j] == b:
-          arrivals.setdefault(j, []).append((r, d))
-      continue
-    for j, d in zip(leaf[at][alone].tolist(), pairs[alone, 1].tolist(), strict=True):
-      if dst_bytes[j] == rnd.nbytes:
-        arrivals.setdefault(j, []).append((r, d))
+  rid, ps, pd, size = round_pairs(bucket.rounds) if pairs is None else pairs
+  at = np.searchsorted(keys, ps * (1 << 32) + pd)
+  whole = _whole_rounds(piece_leaf, sizes, src_whole, first[at], count[at], rid, size)
+  # Arrivals of whole destination shards: in a round of whole source shards, every piece that
+  # is one; elsewhere, a pair's payload that is one piece, the round's size and such a shard.
+  in_whole = whole[rid]
+  reps = np.where(in_whole, count[at], 0)
+  piece = (
+    np.repeat(first[at], reps)
+    + np.arange(int(reps.sum()))
+    - np.repeat(np.cumsum(reps) - reps, reps)
+  )
+  take = dst_whole[piece]
+  alone = ~in_whole & (count[at] == 1) & (sizes[first[at]] == size[rid]) & dst_whole[first[at]]
+  got_leaf = np.r_[piece_leaf[piece][take], piece_leaf[first[at]][alone]]
+  got_round = np.r_[np.repeat(rid, reps)[take], rid[alone]]
+  got_dst = np.r_[np.repeat(pd, reps)[take], pd[alone]]
   spans = plan.schedule.leaf_buckets
-  whole = set()
-  for j, got in arrivals.items():
+  received = set()
+  for j in np.unique(got_leaf).tolist():
     i = plan.scheduled[j]
     lp, dst = plan.leaf_plans[i], plan.layouts[i][1]
-    if (spans and len(spans[j]) > 1) or lp.local.any() or len({r for r, _ in got}) != 1:
+    mine = got_leaf == j
+    if (spans and len(spans[j]) > 1) or lp.local.any() or len(np.unique(got_round[mine])) != 1:
       continue
-    if sorted(d for _, d in got) == sorted(dst.device_ids):
-      whole.add(j)
-  return rounds, whole
+    if sorted(got_dst[mine].tolist()) == sorted(dst.device_ids):
+      received.add(j)
+  return set(np.flatnonzero(whole).tolist()), received
 
 
 def whole_segment_bytes(
@@ -389,19 +407,35 @@ def whole_segment_bytes(
   return out
 
 
-def _whole_shards(
-  bucket: Bucket, first: np.ndarray, count: np.ndarray, src_bytes: dict[int, int], nbytes: int
-) -> bool:
-  """Whether every payload of a round (pairs whose pieces start at ``first``, ``count`` each)
-  is the whole source shards of the same leaves in the same order, unpadded: sent as they are,
-  one ``ppermute`` of several operands."""
-  if len(first) == 0 or (count != count[0]).any():
-    return False
-  leaves = np.asarray(bucket.piece_leaf, dtype=np.int64)
-  sizes = np.asarray(bucket.piece_nbytes, dtype=np.int64)
-  rows = first[:, None] + np.arange(count[0])[None, :]
-  order = leaves[rows]
-  if (order != order[0]).any() or len(set(order[0].tolist())) != count[0]:
-    return False
-  whole = np.array([src_bytes[j] for j in order[0].tolist()], dtype=np.int64)
-  return bool((sizes[rows] == whole).all()) and int(whole.sum()) == nbytes
+def _whole_rounds(
+  piece_leaf: np.ndarray,
+  sizes: np.ndarray,
+  src_whole: np.ndarray,
+  fst: np.ndarray,
+  cnt: np.ndarray,
+  rid: np.ndarray,
+  size: np.ndarray,
+) -> np.ndarray:
+  """Per round, whether every payload (pairs in round order ``rid``, whose pieces start at
+  ``fst``, ``cnt`` each) is the whole source shards of the same leaves in the same order,
+  unpadded: sent as they are, one ``ppermute`` of several operands."""
+  n = len(size)
+  if not len(rid):
+    return np.zeros(n, dtype=bool)
+  start = np.searchsorted(rid, np.arange(n))  # each round's first pair (rid ascending)
+  lo, hi = np.full(n, np.iinfo(np.int64).max), np.zeros(n, dtype=np.int64)
+  np.minimum.at(lo, rid, cnt)
+  np.maximum.at(hi, rid, cnt)
+  ok = (np.bincount(rid, minlength=n) > 0) & (lo == hi)
+  # Every piece: the same leaf as the round's first payload's piece at its place, and a whole
+  # source shard (rounds of unequal counts are out already).
+  reps = np.where(ok[rid], cnt, 0)
+  offset = np.arange(int(reps.sum())) - np.repeat(np.cumsum(reps) - reps, reps)
+  piece = np.repeat(fst, reps) + offset
+  ref = np.repeat(fst[np.minimum(start, len(rid) - 1)][rid], reps) + offset
+  bad = ~((piece_leaf[piece] == piece_leaf[ref]) & src_whole[piece])
+  ok &= np.bincount(np.repeat(rid, reps), bad, minlength=n) == 0
+  for r in np.flatnonzero(ok).tolist():  # distinct leaves, whose shards make the round's size
+    row = slice(int(fst[start[r]]), int(fst[start[r]] + cnt[start[r]]))
+    ok[r] = len(set(piece_leaf[row].tolist())) == cnt[start[r]] and sizes[row].sum() == size[r]
+  return ok

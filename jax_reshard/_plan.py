@@ -16,7 +16,14 @@ from typing import Literal
 import numpy as np
 
 from jax_reshard._classes import bucket_classes
-from jax_reshard._cost import Estimate, direct_steps, estimate, whole_segment_bytes
+from jax_reshard._cost import (
+  Estimate,
+  direct_steps,
+  estimate,
+  pair_runs,
+  round_pairs,
+  whole_segment_bytes,
+)
 from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
 from jax_reshard._planner import LeafPlan, plan_leaves
@@ -318,30 +325,32 @@ def pass_bytes(plan: LayoutPlan, as_is: Collection[int] | None = None) -> dict[s
   spans = plan.schedule.leaf_buckets
   for bucket in plan.schedule.buckets:
     n = len(bucket.union_device_ids)
-    sent_whole, received_whole = direct_steps(plan, bucket)
-    segments = whole_segment_bytes(plan, bucket, as_is)
-    pair = bucket.piece_src * (1 << 32) + bucket.piece_dst
-    keys, first = np.unique(pair, return_index=True)
-    fill = (
-      np.add.reduceat(np.asarray(bucket.piece_nbytes, dtype=np.int64), first) if len(pair) else pair
-    )
-    for r, rnd in enumerate(bucket.rounds):
-      senders = {s for s, _ in rnd.pairs}
-      receivers = {d for _, d in rnd.pairs}
-      out["transfer"] += 2 * len(rnd.pairs) * rnd.nbytes
-      out["zero_fill"] += (n - len(receivers)) * rnd.nbytes
-      kept = rnd.nbytes if r in sent_whole else segments.get(r, 0)
-      if kept < rnd.nbytes:
-        at = np.asarray(rnd.pairs, dtype=np.int64).reshape(-1, 2) @ np.array([1 << 32, 1])
-        read = int(fill[np.searchsorted(keys, at)].sum()) - len(rnd.pairs) * kept
-        out["pack"] += read + len(senders) * (rnd.nbytes - kept)
-        out["zero_fill"] += (n - len(senders)) * (rnd.nbytes - kept)
+    keys, first, _ = pair_runs(bucket)
+    nbytes = np.asarray(bucket.piece_nbytes, dtype=np.int64)
+    fill = np.add.reduceat(nbytes, first) if len(nbytes) else nbytes
+    rid, ps, pd, size = arrays = round_pairs(bucket.rounds)
+    sent_whole, received_whole = direct_steps(plan, bucket, arrays)
+    pairs = np.bincount(rid, minlength=len(size))
+    senders = receivers = pairs  # a round is a matching: each device sends, receives once
+    kept = np.zeros(len(size), dtype=np.int64)  # bytes of each payload sent as they are
+    for r, k in whole_segment_bytes(plan, bucket, as_is).items():
+      kept[r] = k
+    kept[sorted(sent_whole)] = size[sorted(sent_whole)]
+    packed = kept < size
+    read = (fill[np.searchsorted(keys, ps * (1 << 32) + pd)] - kept[rid])[packed[rid]]
+    out["transfer"] += int((2 * pairs * size).sum())
+    out["zero_fill"] += int(((n - receivers) * size).sum())
+    out["pack"] += int(read.sum()) + int((senders * (size - kept))[packed].sum())
+    out["zero_fill"] += int(((n - senders) * (size - kept))[packed].sum())
     for j, chunks in zip(bucket.leaves, bucket.chunks, strict=True):
       if j in received_whole:
         continue
       i = plan.scheduled[j]
       lp, (_, dst), isz = plan.leaf_plans[i], plan.layouts[i], plan.itemsizes[i]
-      rows = np.isin(plan.schedule.row_chunks[j], chunks) if plan.schedule.row_chunks else True
+      rows: np.ndarray | bool = True
+      if plan.schedule.row_chunks:  # a bucket's chunks of a leaf are consecutive
+        rc = plan.schedule.row_chunks[j]
+        rows = (rc >= chunks[0]) & (rc <= chunks[-1])
       remote = int(lp.nbytes[rows & ~lp.local].sum())
       local = int(lp.nbytes[rows & lp.local].sum())
       shard = math.prod(dst.shard_shape()) * isz
@@ -519,11 +528,9 @@ def _per_device(plan: LayoutPlan, union: np.ndarray) -> tuple[np.ndarray, np.nda
   send = np.zeros(len(union), dtype=np.int64)
   recv = np.zeros(len(union), dtype=np.int64)
   for bucket in plan.schedule.buckets:
-    for rnd in bucket.rounds:
-      if rnd.pairs:
-        pairs = np.asarray(rnd.pairs, dtype=np.int64)
-        np.add.at(send, np.searchsorted(union, pairs[:, 0]), rnd.nbytes)
-        np.add.at(recv, np.searchsorted(union, pairs[:, 1]), rnd.nbytes)
+    rid, ps, pd, size = round_pairs(bucket.rounds)
+    np.add.at(send, np.searchsorted(union, ps), size[rid])
+    np.add.at(recv, np.searchsorted(union, pd), size[rid])
   return send, recv
 
 

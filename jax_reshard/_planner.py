@@ -29,6 +29,10 @@ from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
 from jax_reshard._topology import Topology
 
+# Up to this many needs of one size, :func:`_assign_lpt` pops a heap in Python (faster than
+# its array form at this size; the same senders).
+SMALL_LPT = 16
+
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class LeafPlan:
@@ -176,6 +180,7 @@ def plan_leaf(
   topology: Topology | None = None,
   entry_load: MutableMapping[int, int] | None = None,
   relays: bool = True,
+  tasks: MutableMapping[tuple[object, ...], list[tuple[np.ndarray, np.ndarray]]] | None = None,
 ) -> LeafPlan:
   """Plans the transfers of one leaf.
 
@@ -191,6 +196,8 @@ def plan_leaf(
     entry_load: bytes each device already receives as a relay entry; updated in place.
     relays: whether to relay (else every need comes from a source replica; the slow-link
       lower bound is computed all the same).
+    tasks: which needs go to which replicas, kept across leaves (the layers of a model have
+      equal layouts, so they balance the same groups of needs over the same replicas).
 
   Returns:
     A :class:`LeafPlan` in which every element a destination device lacks arrives exactly once.
@@ -213,13 +220,14 @@ def plan_leaf(
     hop, slow_bound = _relays(g, need_dom, rep_doms, need_bytes, entry, sender, relays)
   remote = np.nonzero(~g.need_local & (hop != 1 if hop is not None else True))[0]
   if len(remote):
-    d_ids = np.asarray(dst.device_ids, dtype=np.int64)
-    need_proc = np.asarray(dst.process_indices, dtype=np.int64)[np.searchsorted(d_ids, g.need_dst)]
-    # Largest first within each source box; ties by destination id (deterministic).
-    order = remote[np.lexsort((g.need_dst[remote], -need_bytes[remote], need_u[remote]))]
-    bounds = np.nonzero(np.diff(need_u[order]))[0] + 1
-    for group in np.split(order, bounds):
-      _assign_senders(group, g, need_u, need_bytes, need_proc, load, sender, need_dom, rep_doms)
+    key = (src, dst, topology, itemsize > 0, remote.tobytes())
+    todo = None if tasks is None else tasks.get(key)
+    if todo is None:
+      todo = _sender_tasks(remote, g, dst, need_u, need_bytes, need_dom, rep_doms)
+      if tasks is not None:
+        tasks[key] = todo
+    for needs, ids in todo:
+      _assign_lpt(needs, ids, need_bytes, load, sender)
   return LeafPlan(
     src_device=sender,
     dst_device=g.need_dst,
@@ -303,41 +311,58 @@ def _relays(
   return hop, slow_bound
 
 
-def _assign_senders(
-  group: np.ndarray,
+def _sender_tasks(
+  remote: np.ndarray,
   g: _Geometry,
+  dst: Layout,
   need_u: np.ndarray,
   need_bytes: np.ndarray,
-  need_proc: np.ndarray,
-  load: MutableMapping[int, int],
-  sender: np.ndarray,
-  need_dom: np.ndarray | None = None,
-  rep_doms: tuple[np.ndarray, ...] | None = None,
-) -> None:
-  """Longest-processing-time assignment of the needs of one source box to its replicas.
+  need_dom: np.ndarray | None,
+  rep_doms: tuple[np.ndarray, ...] | None,
+) -> list[tuple[np.ndarray, np.ndarray]]:
+  """The calls of :func:`_assign_lpt` that give the ``remote`` needs their senders, in order:
+  per source box (largest needs first; ties by destination id), its needs and replicas.
 
   Needs of a receiver go to the least-loaded replica in the receiver's process (and domain,
   with a topology; ties: lowest device id); then, with domains, to one in the receiver's
   domain; needs without such a replica are balanced over all replicas afterwards.
   """
-  u = int(need_u[group[0]])
-  ids = g.replica_ids[u]
-  procs = g.replica_procs[u]
-  need_procs = need_proc[group]
-  if need_dom is not None and rep_doms is not None:  # the same process inside the same domain
-    procs = procs * (1 << 32) + rep_doms[u]
-    need_procs = need_procs * (1 << 32) + need_dom[group]
-  matched = np.isin(need_procs, procs)
-  for p in np.unique(need_procs[matched]).tolist():
-    _assign_lpt(group[need_procs == p], ids[procs == p], need_bytes, load, sender)
-  if need_dom is not None and rep_doms is not None and not matched.all():
-    doms, nd = rep_doms[u], need_dom[group]
-    in_dom = ~matched & np.isin(nd, doms)
-    for dom in np.unique(nd[in_dom]).tolist():
-      _assign_lpt(group[in_dom & (nd == dom)], ids[doms == dom], need_bytes, load, sender)
-    matched |= in_dom
-  if not matched.all():  # no replica in the receiver's process: balance over all replicas
-    _assign_lpt(group[~matched], ids, need_bytes, load, sender)
+  d_ids = np.asarray(dst.device_ids, dtype=np.int64)
+  need_proc = np.asarray(dst.process_indices, dtype=np.int64)[np.searchsorted(d_ids, g.need_dst)]
+  order = remote[np.lexsort((g.need_dst[remote], -need_bytes[remote], need_u[remote]))]
+  bounds = np.nonzero(np.diff(need_u[order]))[0] + 1
+  out = []
+  for group in np.split(order, bounds):
+    u = int(need_u[group[0]])
+    ids = g.replica_ids[u]
+    procs = g.replica_procs[u]
+    need_procs = need_proc[group]
+    if need_dom is not None and rep_doms is not None:  # the same process inside the same domain
+      procs = procs * (1 << 32) + rep_doms[u]
+      need_procs = need_procs * (1 << 32) + need_dom[group]
+    matched = _member(need_procs, procs)
+    for p in np.unique(need_procs[matched]).tolist():
+      out.append((group[need_procs == p], ids[procs == p]))
+    if need_dom is not None and rep_doms is not None and not matched.all():
+      doms, nd = rep_doms[u], need_dom[group]
+      in_dom = ~matched & _member(nd, doms)
+      for dom in np.unique(nd[in_dom]).tolist():
+        out.append((group[in_dom & (nd == dom)], ids[doms == dom]))
+      matched |= in_dom
+    if not matched.all():  # no replica in the receiver's process: balance over all replicas
+      out.append((group[~matched], ids))
+  return out
+
+
+def _member(values: np.ndarray, pool: np.ndarray) -> np.ndarray:
+  """``np.isin(values, pool)``: through a set where both are short, by comparing every pair
+  where the pool is (both faster there)."""
+  if len(values) <= SMALL_LPT and len(pool) <= SMALL_LPT:
+    found = set(pool.tolist())
+    return np.fromiter((v in found for v in values.tolist()), dtype=bool, count=len(values))
+  if len(pool) <= 4 * SMALL_LPT:
+    return (values[:, None] == pool[None, :]).any(axis=1)
+  return np.isin(values, pool)
 
 
 def _assign_lpt(
@@ -355,8 +380,28 @@ def _assign_lpt(
     sender[needs] = dev
     load[dev] = load.get(dev, 0) + int(sizes.sum())
     return
-  loads = np.fromiter((load.get(i, 0) for i in ids.tolist()), dtype=np.int64, count=r)
   b = int(sizes[0])
+  if k == 1:  # one need: the least (load, id), as the heap below would pop
+    id_list = ids.tolist()
+    for i in id_list:  # every replica gets an entry, as in the equal-size case below
+      load.setdefault(i, 0)
+    cur, dev = min((load[i], i) for i in id_list)
+    sender[needs[0]] = dev
+    load[dev] = cur + b
+    return
+  if k <= SMALL_LPT and (sizes == b).all():  # few needs: the heap below, without arrays
+    id_list = ids.tolist()
+    for i in id_list:  # every replica gets an entry, as in the equal-size case below
+      load.setdefault(i, 0)
+    heap = [(load[i], i) for i in id_list]
+    heapq.heapify(heap)
+    for kk in needs.tolist():
+      cur, dev = heapq.heappop(heap)
+      sender[kk] = dev
+      load[dev] = cur + b
+      heapq.heappush(heap, (cur + b, dev))
+    return
+  loads = np.fromiter((load.get(i, 0) for i in ids.tolist()), dtype=np.int64, count=r)
   if (sizes == b).all():
     # Equal sizes: a heap that pops the least (load, id) and pushes it back b bytes heavier
     # pops, in order, the smallest k of the merged sequences load_i + j * b (ties by id).
@@ -390,8 +435,9 @@ def plan_leaves(
   """Plans every leaf of a tree, balancing send (and relay entry) load across all of them."""
   load: dict[int, int] = {}
   entry: dict[int, int] = {}
+  tasks: dict[tuple[object, ...], list[tuple[np.ndarray, np.ndarray]]] = {}
   plans = [
-    plan_leaf(s, d, isz, load, topology=topology, entry_load=entry, relays=relays)
+    plan_leaf(s, d, isz, load, topology=topology, entry_load=entry, relays=relays, tasks=tasks)
     for (s, d), isz in zip(layouts, itemsizes, strict=True)
   ]
   if _one_domain(layouts, topology):  # with several domains, senders follow the domains

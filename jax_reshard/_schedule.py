@@ -193,7 +193,11 @@ def placeholder_mask(layout: Layout, device_ids: np.ndarray) -> np.ndarray:
   block's shape; a device without a destination shard returns a block of the destination
   block's shape that is discarded. Both count as staging.
   """
-  return ~np.isin(device_ids, np.asarray(layout.device_ids, dtype=np.int64))
+  ids = np.asarray(layout.device_ids, dtype=np.int64)  # ascending
+  if not len(ids):
+    return np.ones(np.shape(device_ids), dtype=bool)
+  at = np.minimum(np.searchsorted(ids, device_ids), len(ids) - 1)
+  return ids[at] != device_ids
 
 
 def _placeholder_bytes(src: Layout, dst: Layout, itemsize: int, union: np.ndarray) -> np.ndarray:
@@ -348,12 +352,26 @@ def _alternating(s: list[int], d: list[int], k: int) -> list[int]:
   at_s = [[-1] * k for _ in range(max(s) + 1)]  # per vertex, colour -> edge index
   at_d = [[-1] * k for _ in range(max(d) + 1)]
   colour = [-1] * len(s)
-  scratch_s, scratch_d = [0] * len(at_s), [0] * len(at_d)  # bitmasks this colouring ignores
   for e, (u, v) in enumerate(zip(s, d, strict=True)):
     cs, cd = at_s[u], at_d[v]
     a = cs.index(-1)
-    if cd[a] != -1:  # swap a and the colour b free at v on the path v -a- u1 -b- v2 -a- ...
-      _swap_path(s, d, colour, at_s, at_d, scratch_s, scratch_d, v, a, cd.index(-1))
+    g = cd[a]
+    if g != -1:  # swap a and the colour b free at v on the path v -a- u1 -b- v2 -a- ...
+      b = cd.index(-1)  # :func:`_swap_path`'s walk, inlined (most edges take one)
+      cd[a], cd[b] = -1, g
+      while True:
+        colour[g] = b
+        tab = at_s[s[g]]  # a sender, entered by a: leave by b
+        f = tab[b]
+        tab[b], tab[a] = g, f
+        if f == -1:
+          break
+        colour[f] = a
+        tab = at_d[d[f]]  # a receiver, entered by b: leave by a
+        g = tab[a]
+        tab[a], tab[b] = f, g
+        if g == -1:
+          break
     colour[e] = a
     cs[a] = e
     cd[a] = e
@@ -401,27 +419,27 @@ def _swap_path(
 ) -> None:
   """Swaps colours ``a`` and ``b`` on the path from receiver ``v`` (``a`` taken there, ``b``
   free) along edges coloured ``a``, ``b``, ``a``, ...; afterwards ``a`` is free at ``v``. The
-  path never reaches a sender with ``a`` free (it enters senders by ``a`` edges)."""
-  path = []
-  node, on_right, c = v, True, a
-  while True:
-    f = (at_d if on_right else at_s)[node][c]
-    if f == -1:
+  path never reaches a sender with ``a`` free (it enters senders by ``a`` edges). One walk: a
+  vertex's two path edges trade their colours as it is passed (the path visits it once)."""
+  f, node = -1, v  # f: the path edge that reached node (-1 at v, where b is free)
+  while True:  # node is a receiver: leave by colour a
+    tab = at_d[node]
+    g = tab[a]
+    tab[a], tab[b] = f, g
+    if g == -1:
+      used_d[node] ^= (1 << a) | (1 << b)
       break
-    path.append(f)
-    node, on_right = (s[f], False) if on_right else (d[f], True)
-    c = b if c == a else a
-  for f in path:
-    at_s[s[f]][colour[f]] = at_d[d[f]][colour[f]] = -1
-  for f in path:
-    c = colour[f] = b if colour[f] == a else a
-    at_s[s[f]][c] = at_d[d[f]][c] = f
-  flip = (1 << a) | (1 << b)  # inner vertices keep both colours; the two ends trade one
-  used_d[v] ^= flip
-  if on_right:
-    used_d[node] ^= flip
-  else:
-    used_s[node] ^= flip
+    colour[g] = b
+    node = s[g]
+    tab = at_s[node]  # a sender, entered by a: leave by colour b
+    f = tab[b]
+    tab[b], tab[a] = g, f
+    if f == -1:
+      used_s[node] ^= (1 << a) | (1 << b)
+      break
+    colour[f] = a
+    node = d[f]
+  used_d[v] ^= (1 << a) | (1 << b)  # inner vertices keep both colours; the two ends trade one
 
 
 def _make_rounds(
@@ -467,10 +485,11 @@ def _make_rounds(
   assert best is not None
   _, colour, base, size = best
   by_round = np.lexsort((pd, ps, colour))
-  cuts = np.searchsorted(colour[by_round], np.arange(1, base))
+  cuts = [0, *np.searchsorted(colour[by_round], np.arange(1, base)).tolist(), len(by_round)]
+  flat = list(zip(ps[by_round].tolist(), pd[by_round].tolist(), strict=True))
   rounds = [
-    Round(nbytes=int(size[r]), pairs=tuple(zip(ps[idx].tolist(), pd[idx].tolist(), strict=True)))
-    for r, idx in enumerate(np.split(by_round, cuts))
+    Round(nbytes=nbytes, pairs=tuple(flat[cuts[r] : cuts[r + 1]]))
+    for r, nbytes in enumerate(size.tolist())
   ]
   pair_round_bytes = np.empty(len(fill), dtype=np.int64)
   pair_round_bytes[order] = size[colour]

@@ -85,3 +85,33 @@ def test_deterministic_and_exact(seed: int) -> None:
   _coverage(p1, dst)
   assert p1.bytes_moved == p1.lower_bound_bytes
   assert p1.bytes_moved + p1.local_copy_bytes == math.prod(dst.shard_shape()) * 4 * n
+
+
+def _lpt_heap(needs, ids, need_bytes, load, sender) -> None:
+  """Assigns ``needs`` in order, each to the replica of least (load, id)."""
+  for k in needs.tolist():
+    dev = min(ids.tolist(), key=lambda i: (load.get(i, 0), i))
+    sender[k] = dev
+    load[dev] = load.get(dev, 0) + int(need_bytes[k])
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_assign_lpt_gives_the_least_loaded_replica_in_every_form(seed: int) -> None:
+  """One need, a few equal needs (a heap in Python), many equal needs (arrays) and unequal
+  needs all pick, need by need, the replica of least (load, id)."""
+  from jax_reshard._planner import _assign_lpt
+
+  rng = np.random.default_rng(seed)
+  for k in (1, 2, 16, 17, 60):
+    ids = np.sort(rng.choice(40, size=int(rng.integers(1, 7)), replace=False))
+    need_bytes = np.full(80, int(rng.choice([4, 64])), dtype=np.int64)
+    if seed % 3 == 0:
+      need_bytes = rng.choice([8, 64, 96], size=80).astype(np.int64)
+    needs = rng.choice(80, size=k, replace=False)
+    start = {int(i): int(rng.choice([0, 64, 128])) for i in rng.choice(40, size=8)}
+    got, want = dict(start), dict(start)
+    got_sender, want_sender = np.full(80, -1), np.full(80, -1)
+    _assign_lpt(needs, ids, need_bytes, got, got_sender)
+    _lpt_heap(needs, ids, need_bytes, want, want_sender)
+    assert got_sender.tolist() == want_sender.tolist()
+    assert {i: got.get(i, 0) for i in range(40)} == {i: want.get(i, 0) for i in range(40)}

@@ -308,3 +308,47 @@ def test_first_fit_swapping_is_proper_and_optimal() -> None:
     swapped += fit is None
     assert fit is None or colours == fit  # where first fit suffices, its colouring is kept
   assert swapped >= 5
+
+
+def _konig_two_pass(s: list[int], d: list[int], k: int) -> list[int]:
+  """A textbook Konig colouring: each edge takes the lowest colour ``a`` free at its sender;
+  where ``a`` is taken at its receiver, the path from there alternating ``a`` and the lowest
+  colour ``b`` free there is first walked, then its colours swapped."""
+  at_s = [[-1] * k for _ in range(max(s) + 1)]
+  at_d = [[-1] * k for _ in range(max(d) + 1)]
+  colour = [-1] * len(s)
+  for e, (u, v) in enumerate(zip(s, d, strict=True)):
+    a = at_s[u].index(-1)
+    if at_d[v][a] != -1:
+      b = at_d[v].index(-1)
+      path, node, right, c = [], v, True, a
+      while (f := (at_d if right else at_s)[node][c]) != -1:
+        path.append(f)
+        node, right, c = (s[f], False, b) if right else (d[f], True, a)
+      for f in path:
+        at_s[s[f]][colour[f]] = at_d[d[f]][colour[f]] = -1
+      for f in path:
+        colour[f] = b if colour[f] == a else a
+        at_s[s[f]][colour[f]] = at_d[d[f]][colour[f]] = f
+    colour[e] = a
+    at_s[u][a] = at_d[v][a] = e
+  return colour
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_alternating_paths_walked_once_give_the_textbook_colouring(seed: int) -> None:
+  """The joint colouring swaps each alternating path in one walk (and the size classes'
+  colouring, through :func:`_swap_path`, only where first fit fails): the same colours as
+  walking the path first and swapping it afterwards, on dense and sparse multigraphs."""
+  from jax_reshard._schedule import _alternating, _first_fit, _first_fit_swapping
+
+  rng = np.random.default_rng(seed)
+  n_s, n_d = (int(rng.integers(1, 10)) for _ in range(2))
+  m = int(rng.integers(1, 12 * max(n_s, n_d)))
+  s, d = rng.integers(0, n_s, m), rng.integers(0, n_d, m)
+  s, d = (np.unique(v, return_inverse=True)[1].tolist() for v in (s, d))
+  k = max(max(Counter(s).values()), max(Counter(d).values()))
+  assert _alternating(s, d, k) == _konig_two_pass(s, d, k)
+  late = _first_fit_swapping(s, d, k)
+  assert len(set(zip(s, late, strict=True))) == len(set(zip(d, late, strict=True))) == m
+  assert max(late) + 1 == k and (_first_fit(s, d, k) in (None, late))

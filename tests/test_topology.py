@@ -5,6 +5,7 @@ of 2."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from types import SimpleNamespace
 from typing import Any
 
@@ -422,3 +423,74 @@ def test_estimate_follows_the_program_copies() -> None:
       [(lay(shape, range(4), ("x",)), lay(shape, range(4, 8), (None, "x")))], [4]
     ).estimate(topo)
     assert cut.pack_s > 0.0 and cut.assemble_s > est.assemble_s
+
+
+def _direct_steps_by_round(plan: jr.LayoutPlan, bucket: Any) -> tuple[set[int], set[int]]:
+  """:func:`direct_steps` by a walk over the rounds: the rounds whose every payload is the
+  whole source shards of the same distinct leaves in the same order (their sizes summing to
+  the round's), and the leaves moved by this bucket alone, with no local copy, whose every
+  destination shard arrives whole in one round (alone in its payload, or in such a round)."""
+  shard = lambda j, k: (
+    int(np.prod(plan.layouts[plan.scheduled[j]][k].shard_shape()))
+    * plan.itemsizes[plan.scheduled[j]]
+  )
+  payload: dict[tuple[int, int], list[tuple[int, int]]] = {}
+  for s, d, j, nb in zip(
+    bucket.piece_src.tolist(), bucket.piece_dst.tolist(), bucket.piece_leaf.tolist(),
+    bucket.piece_nbytes.tolist(), strict=True,
+  ):  # fmt: skip
+    payload.setdefault((s, d), []).append((j, nb))
+  rounds, arrivals = set(), {}
+  for r, rnd in enumerate(bucket.rounds):
+    parts = [payload[p] for p in rnd.pairs]
+    leaves = [[j for j, _ in part] for part in parts]
+    if (
+      parts
+      and all(x == leaves[0] for x in leaves)
+      and len(set(leaves[0])) == len(leaves[0])
+      and all(nb == shard(j, 0) for part in parts for j, nb in part)
+      and sum(shard(j, 0) for j in leaves[0]) == rnd.nbytes
+    ):
+      rounds.add(r)
+    for (_, d), part in zip(rnd.pairs, parts, strict=True):
+      for j, nb in part if r in rounds else part[:1] if len(part) == 1 else []:
+        if nb == shard(j, 1) and (r in rounds or nb == rnd.nbytes):
+          arrivals.setdefault(j, []).append((r, d))
+  whole = set()
+  for j, got in arrivals.items():
+    lp, dst = plan.leaf_plans[plan.scheduled[j]], plan.layouts[plan.scheduled[j]][1]
+    if len(plan.schedule.leaf_buckets[j]) > 1 or lp.local.any() or len({r for r, _ in got}) > 1:
+      continue
+    whole |= {j} if sorted(d for _, d in got) == sorted(dst.device_ids) else set()
+  return rounds, whole
+
+
+@pytest.mark.parametrize("bound", [None, 1 << 12, 1 << 10])
+def test_direct_steps_match_a_walk_over_rounds(bound: int | None) -> None:
+  """The rounds sent as they are and the leaves received whole, found with array operations,
+  are those of a walk over every round, on trees mixing whole-shard moves, gathers, sub-box
+  moves and local copies, in one bucket and split over several."""
+  from jax_reshard._cost import direct_steps
+
+  lay = lambda shape, mesh, spec, ids: Layout.from_description(
+    shape, mesh_shape=mesh, axis_names=("x", "y")[: len(mesh)], spec=spec, device_ids=ids
+  )
+  shapes = [(16, 8), (8, 8), (32,)]
+  found = [0, 0]
+  for n, shape in enumerate(shapes):
+    specs = [("x",), (None,), ("x",)] if len(shape) == 1 else [("x",), (None, "x"), ("x", "y")]
+    meshes = [(4,), (2,), (2, 2)]
+    pairs = []
+    for (spec_s, mesh_s), (spec_d, mesh_d), ids in itertools.product(
+      zip(specs, meshes, strict=True), zip(specs, meshes, strict=True), (range(4, 8), range(2, 6))
+    ):
+      src = lay(shape, mesh_s, spec_s, range(int(np.prod(mesh_s))))
+      dst = lay(shape, mesh_d, spec_d, list(ids)[: int(np.prod(mesh_d))])
+      pairs.append((src, dst))
+    for tree in [pairs, *([p] for p in pairs), *([p, p, q] for p, q in itertools.pairwise(pairs))]:
+      plan = jr.plan_layouts(tree, [4 + 4 * (n % 2)] * len(tree), max_bucket_bytes=bound)
+      for bucket in plan.schedule.buckets:
+        got = direct_steps(plan, bucket)
+        assert got == _direct_steps_by_round(plan, bucket)
+        found = [found[0] + len(got[0]), found[1] + len(got[1])]
+  assert found[0] > 0 and found[1] > 0  # both kinds occur
