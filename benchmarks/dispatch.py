@@ -11,10 +11,13 @@ Every leaf is an 8x8 float32 array moved 4 -> 4 disjoint (devices 0-3, rows shar
 4-7, columns sharded), so the bytes are negligible and the time is host work. Per tree size,
 ``plan(x)`` and ``jax.device_put(x, dst)`` run interleaved on the same tree; *dispatch* is the
 time until the call returns, *total* until ``jax.block_until_ready`` of its result (dispatch
-plus transfer). Each tree size runs in a fresh subprocess; medians, with each method's ratio to
-``device_put`` from the same run. The first call of the plan (compile included) is reported
-apart: a bucket holds at most ``MAX_BUCKET_LEAVES`` leaves, so 1,000 equal leaves are 20 equal
-buckets that compile one program.
+plus transfer), *host CPU* the calling thread's CPU time until the call returns (the host work
+alone: other processes and the devices' threads sharing the cores do not count; on CPU devices
+a plan queues each bucket once the previous one is done, so its dispatch includes the
+transfers of all but its last bucket). Each tree size runs in a fresh subprocess; medians,
+with each method's ratio to ``device_put`` from the same run. The first call of the plan
+(compile included) is reported apart: a bucket holds at most ``MAX_BUCKET_LEAVES`` leaves, so
+1,000 equal leaves are 20 equal buckets that compile one program.
 
 The layered trees (``--layers``) are an embedding, ``n`` layers of 9 float32 leaves (4 attention
 64x64, 3 MLP 64x128 / 128x64, 2 norms of 64) and a final norm and head, moved fsdp on devices
@@ -56,18 +59,21 @@ def worker(num_leaves: int, iters: int) -> dict[str, Any]:
   jax.block_until_ready(plan(x))
   first_s = time.perf_counter() - t0
   methods = {"plan": plan, "device_put": lambda t: jax.device_put(t, dst)}
-  times: dict[str, dict[str, list[float]]] = {m: {"dispatch": [], "total": []} for m in methods}
+  times: dict[str, dict[str, list[float]]] = {
+    m: {"dispatch": [], "total": [], "dispatch_cpu": []} for m in methods
+  }
   for _ in range(2):  # warm-up
     for fn in methods.values():
       jax.block_until_ready(fn(x))
   names = list(methods)
   for it in range(iters):
     for name in names[it % 2 :] + names[: it % 2]:
-      t0 = time.perf_counter()
+      c0, t0 = time.thread_time(), time.perf_counter()
       y = methods[name](x)
-      t1 = time.perf_counter()
+      c1, t1 = time.thread_time(), time.perf_counter()
       jax.block_until_ready(y)
       t2 = time.perf_counter()
+      times[name]["dispatch_cpu"].append(c1 - c0)
       times[name]["dispatch"].append(t1 - t0)
       times[name]["total"].append(t2 - t0)
       del y
@@ -170,10 +176,11 @@ def main(argv: list[str] | None = None) -> int:
   )
   head = (
     "| leaves | plan dispatch ms | per leaf us | plan total ms | device_put dispatch ms | "
-    "device_put total ms | plan / device_put (total) | first call s | buckets |"
+    "device_put total ms | plan / device_put (total) | plan host CPU per leaf us | "
+    "first call s | buckets |"
   )
   print(head)
-  print("|" + "---|" * 9)
+  print("|" + "---|" * 10)
   for n in (int(v) for v in a.leaves.split(",")):
     r = _run_worker(n, "--worker", str(n), "--iters", str(a.iters))
     if r is None:
@@ -182,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
       f"| {n} | {1e3 * r['plan_dispatch_s']:.2f} | {1e6 * r['plan_dispatch_s'] / n:.1f} | "
       f"{1e3 * r['plan_total_s']:.2f} | {1e3 * r['device_put_dispatch_s']:.2f} | "
       f"{1e3 * r['device_put_total_s']:.2f} | "
-      f"{r['plan_total_s'] / r['device_put_total_s']:.2f} | {r['first_call_s']:.2f} | "
+      f"{r['plan_total_s'] / r['device_put_total_s']:.2f} | "
+      f"{1e6 * r['plan_dispatch_cpu_s'] / n:.1f} | {r['first_call_s']:.2f} | "
       f"{r['num_buckets']} |",
       flush=True,
     )

@@ -223,17 +223,24 @@ class ReshardPlan:
     # that devices holding no destination shard (a disjoint trainer's) keep nothing between
     # refits.
     spares: dict[Any, list[Any]] = {}
+    previous: Any = None  # the last bucket's first result
     if old is not None:
       for i in self.layout_plan.scheduled:
         carry[i] = buffers_by_device(old[i])
     for idx, exe in zip(self._bucket_leaves, executables, strict=True):
-      dsts = [
-        carry.pop(i, None) if lf.dst_input or lf.dst_window else None
-        for i, lf in zip(idx, exe.program.leaves, strict=True)
-      ]
+      dsts = (
+        [
+          carry.pop(i, None) if lf.dst_input or lf.dst_window else None
+          for i, lf in zip(idx, exe.program.leaves, strict=True)
+        ]
+        if exe.takes_destinations
+        else []
+      )
       # A relay stage takes the first stage's results as its source.
       xs = [arrays[i] if out[i] is None else out[i] for i in idx]
-      for i, y in zip(idx, exe(xs, dsts, spares), strict=True):
+      ys = exe(xs, dsts, spares, previous if exe.one_at_a_time else None)
+      previous = ys[0] if ys else None
+      for i, y in zip(idx, ys, strict=True):
         if isinstance(y, dict):
           carry[i] = y
         else:

@@ -4,13 +4,16 @@ An eager bucket run takes every leaf apart into its per-device buffers and wraps
 new arrays (the staged inputs, the results), zero-copy. JAX's public way to do that,
 ``addressable_shards`` and ``jax.make_array_from_single_device_arrays``, costs tens of
 microseconds per array (it builds ``Shard`` objects, then validates and reorders the buffers),
-which dominates a refit of many small leaves. Where this JAX has them, three private members do
-the same with what a plan already knows: ``Array._arrays`` (the buffers, in the order of
-``Sharding._addressable_device_assignment``) and ``ArrayImpl(aval, sharding, buffers,
-committed=True, _skip_checks=True)`` (buffers already in that order, nothing validated). Every
-function here falls back to the public API when they are missing (:func:`fast_path_available`)
-or when called with ``fast=False``; the plan checks shapes, dtypes and shardings before any
-buffer is touched, so skipping the checks changes nothing else.
+which dominates a refit of many small leaves. Where this JAX has them, private members do the
+same with what a plan already knows: ``Array._arrays`` (the buffers, in the order of
+``Sharding._addressable_device_assignment``), ``ArrayImpl(aval, sharding, buffers,
+committed=True, _skip_checks=True)`` (buffers already in that order, nothing validated), and
+the loaded executable behind a ``jax.stages.Compiled`` (:class:`Runner`), whose
+``execute_sharded(...).disassemble_into_single_device_arrays()`` hands back every output's
+per-device buffers without first wrapping each output into an array of the staged sharding.
+Every function here falls back to the public API when they are missing
+(:func:`fast_path_available`) or when called with ``fast=False``; the plan checks shapes,
+dtypes and shardings before any buffer is touched, so skipping the checks changes nothing else.
 """
 
 from __future__ import annotations
@@ -23,11 +26,15 @@ import numpy as np
 
 _core: Any
 _ArrayImpl: Any
+_dispatch: Any
+_ExecuteReplicated: Any
 try:  # private: the constructor jax's own transformations use for their outputs
   from jax._src import core as _core
+  from jax._src import dispatch as _dispatch
   from jax._src.array import ArrayImpl as _ArrayImpl
+  from jax._src.interpreters.pxla import ExecuteReplicated as _ExecuteReplicated
 except ImportError:  # pragma: no cover - depends on the JAX version
-  _core = _ArrayImpl = None
+  _core = _ArrayImpl = _dispatch = _ExecuteReplicated = None
 
 
 def fast_path_available() -> bool:
@@ -88,3 +95,52 @@ class Wrapper:
     return jax.make_array_from_single_device_arrays(
       self.shape, self.sharding, list(arrays), dtype=self.dtype
     )
+
+
+def loaded_executable(compiled: Any, num_args: int) -> Any:
+  """The loaded XLA executable of ``compiled`` (a ``jax.stages.Compiled`` of ``num_args``
+  arguments), when running it directly does what calling ``compiled`` does: every argument
+  kept, no effects, host callbacks or mutable arrays (no tokens to thread through, nothing to
+  write back). ``None`` otherwise, or where this JAX lacks the members used."""
+  if _ExecuteReplicated is None or _dispatch is None:
+    return None
+  call = getattr(getattr(compiled, "_executable", None), "unsafe_call", None)
+  if not isinstance(call, _ExecuteReplicated):
+    return None
+  if call.ordered_effects or call.has_unordered_effects or call.has_host_callbacks:
+    return None
+  if getattr(call, "mut", None) or set(call.kept_var_idx) != set(range(num_args)):
+    return None
+  loaded = call.xla_executable
+  needed = ("execute_sharded", "local_devices")
+  if not all(hasattr(loaded, n) for n in needed) or not hasattr(_dispatch, "needs_check_special"):
+    return None
+  return loaded
+
+
+class Runner:
+  """Runs a compiled program on staged arrays and hands back, per output, its single-device
+  arrays in :func:`addressable_order` of the output sharding.
+
+  On the fast path the program's loaded executable runs the arguments as given (they are
+  built in the shardings it was compiled for) and its results are taken apart straight into
+  per-device arrays; otherwise (``fast=False``, a JAX without these members, or
+  ``jax_debug_nans`` / ``jax_debug_infs`` set, which check outputs) ``compiled`` is called and
+  each output split with :func:`buffers`.
+
+  Attributes:
+    compiled: the ``jax.stages.Compiled``.
+    loaded: its loaded executable on the fast path, else ``None``.
+  """
+
+  __slots__ = ("compiled", "fast", "loaded")
+
+  def __init__(self, compiled: Any, num_args: int, *, fast: bool) -> None:
+    self.compiled, self.fast = compiled, fast
+    self.loaded = loaded_executable(compiled, num_args) if fast else None
+
+  def __call__(self, args: Sequence[Any]) -> list[list[Any]]:
+    """Per output of the program run on ``args``, its single-device arrays."""
+    if self.loaded is not None and not _dispatch.needs_check_special():
+      return self.loaded.execute_sharded(args).disassemble_into_single_device_arrays()
+    return [buffers(y, fast=self.fast) for y in self.compiled(*args)]

@@ -24,6 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jax_reshard._buffers import (
+  Runner,
   Wrapper,
   addressable_order,
   buffers,
@@ -845,6 +846,16 @@ class _SlabWriter:
     return buffers_by_device(self.compiled[carried is not None](*args))
 
 
+def one_at_a_time(devices: Sequence[Any]) -> bool:
+  """Whether bucket programs on ``devices`` must run one at a time: on the CPU backend every
+  device of a collective program takes a thread of one shared pool and blocks in the
+  ``ppermute`` rendezvous until all arrive, so independent programs queued faster than they
+  run can each hold some of the threads while none has all (seen as a 40 s rendezvous abort
+  with 200 buckets of 8 devices queued at once on 2 cores). Each program is then queued once
+  the previous one's results are ready; its staging still overlaps the previous run."""
+  return any(getattr(d, "platform", None) == "cpu" for d in devices)
+
+
 def clear_program_cache() -> None:
   """Forgets the compiled programs shared between buckets and plans, and the zero blocks kept."""
   _compiled_program.cache_clear()
@@ -870,6 +881,7 @@ class _LeafIO:
     "scalar_src",
     "slicer",
     "spare_at",
+    "src_block",
     "src_pick",
     "src_sharding",
     "stage_wrap",
@@ -883,6 +895,7 @@ class _LeafIO:
   ) -> None:
     self.src_sharding = src_sharding
     self.staged_ids = addressable_order(staged, fast=fast)
+    self.src_block = lf.src_block
     self.ph_keys = [(i, lf.src_block, lf.dtype) for i in self.staged_ids]
     self.src_pick = self._pick(src_sharding, fast=fast) if src_sharding is not None else None
     self.slicer = None  # a leaf cut into slabs stages the bucket's slab of each source shard
@@ -919,19 +932,22 @@ class _LeafIO:
       return self.stage_wrap(
         [slabs[key[0]] if key[0] in slabs else placeholders[key] for key in self.ph_keys]
       )
-    fast = self.stage_wrap.fast
-    if fast and self.src_pick is not None and x.sharding == self.src_sharding:
+    fast, sharding = self.stage_wrap.fast, x.sharding
+    if (
+      fast
+      and self.src_pick is not None
+      and (sharding is self.src_sharding or sharding == self.src_sharding)
+    ):
       pick = self.src_pick
     else:  # an equivalent sharding may list its devices in another order
-      pick = self._pick(x.sharding, fast=fast)
+      pick = self._pick(sharding, fast=fast)
     held = buffers(x, fast=fast)
-    blocks = []
-    for j, key in zip(pick, self.ph_keys, strict=True):
-      if j < 0:  # a zero block shared by leaves of one shape and dtype
-        blocks.append(placeholders[key])
-      else:
-        blocks.append(held[j].reshape(key[1]) if self.scalar_src else held[j])
-    return self.stage_wrap(blocks)
+    if self.scalar_src:
+      held = [h.reshape(self.src_block) for h in held]
+    # Positions without a source shard take a zero block shared by leaves of one shape and dtype.
+    return self.stage_wrap(
+      [placeholders[key] if j < 0 else held[j] for j, key in zip(pick, self.ph_keys, strict=True)]
+    )
 
   def stage_dst(
     self, held: dict[int, jax.Array], placeholders: dict[Any, jax.Array], position: int
@@ -950,11 +966,12 @@ class _LeafIO:
 
   def unstage(
     self,
-    y: jax.Array,
+    held: list[Any],
     spares: dict[Any, list[jax.Array]] | None = None,
     carried: dict[int, jax.Array] | None = None,
   ) -> jax.Array | dict[int, jax.Array]:
-    """The destination array made of the destination devices' output blocks (zero-copy), or
+    """The destination array made of the destination devices' output blocks (``held``: the
+    leaf's output blocks in staged order, see :class:`Runner`), zero-copy, or
     (``carry_out``) those blocks by device id, for the leaf's next bucket. With ``spares``, a
     leaf with a destination input also leaves there its other positions' blocks (keyed by
     device id, block shape and dtype): buffers a later bucket donates instead of making zero
@@ -963,8 +980,7 @@ class _LeafIO:
     if self.writer is not None:
       # The slab writes wait for the bucket: on the CPU backend, queuing them behind a bucket
       # whose program the next bucket runs again stalled its collectives (a 40 s abort).
-      y = jax.block_until_ready(y)
-    held = buffers(y, fast=self.unstage_wrap.fast)
+      held = jax.block_until_ready(held)
     if spares is not None and self.dst_input:
       for j, key in self.spare_at:
         spares.setdefault(key, []).append(held[j])
@@ -986,7 +1002,11 @@ def _stage_placeholders(
   out = {}
   fast = fast_path_available()
   for group in groups:
-    fn = _placeholder_program(group, tuple(devices[i] for i in group.device_ids))
+    mesh_devices = tuple(devices[i] for i in group.device_ids)
+    if not group.leaves and _block_bytes(group) <= CACHED_PLACEHOLDER_BYTES:
+      out.update(_source_zeros(group, mesh_devices, fast=fast))  # read only: made once
+      continue
+    fn = _placeholder_program(group, mesh_devices)
     keys: Sequence[Any] = [(k,) for k in group.leaves] if group.leaves else group.blocks
     # Ready before the transfer program is queued: on the CPU backend, a collective program
     # whose inputs come from another in-flight program can starve the thread pool it shares
@@ -1022,8 +1042,17 @@ class BucketExecutable:
     self.dst_shardings = list(dst_shardings)
     self.src_shardings = list(src_shardings or [None] * len(program.leaves))
     self._mesh_devices = tuple(devices[i] for i in program.device_ids)
+    # Whether a call needs leaves' destination blocks (``dsts``): some leaf has a destination
+    # input or is cut into destination slabs.
+    self.takes_destinations = any(
+      lf.dst_input or lf.dst_window is not None for lf in program.leaves
+    )
+    self.one_at_a_time = one_at_a_time(self._mesh_devices)
     self._compiled: Any = None
     self._io: list[_LeafIO] | None = None
+    self._runner: Runner | None = None
+    # Source placeholders, when every group is small enough to be made once and kept.
+    self._kept_placeholders: dict[tuple[Any, ...], jax.Array] | None = None
     self._shift_args: list[jax.Array] | None = None
 
   @property
@@ -1048,8 +1077,11 @@ class BucketExecutable:
     """Zero blocks for this call (``which``: 0 source, 1 destination; ``groups``: those of
     the program by default), keyed by (device id, block shape, dtype) for source blocks and
     (device id, leaf position) for destination blocks (donated, so each belongs to one leaf)."""
+    if not which and groups is None and self._kept_placeholders is not None:
+      return self._kept_placeholders
     out = {}
     fast = fast_path_available()
+    kept = not which and groups is None  # only source blocks of cached groups: keep the dict
     if groups is None:
       groups = (self.program.placeholders, self.program.dst_placeholders)[which]
     for group in groups:
@@ -1057,6 +1089,7 @@ class BucketExecutable:
       if not which and _block_bytes(group) <= CACHED_PLACEHOLDER_BYTES:
         out.update(_source_zeros(group, devices, fast=fast))
         continue
+      kept = False
       fn = _placeholder_program(group, devices)
       # Ready before the transfer program is queued: on the CPU backend, a collective program
       # whose inputs come from another in-flight program can starve the thread pool it shares
@@ -1066,7 +1099,17 @@ class BucketExecutable:
         ids = addressable_order(arr.sharding, fast=fast)
         for dev_id, data in zip(ids, buffers(arr, fast=fast), strict=True):
           out[(dev_id, key) if which else (dev_id, *key)] = data
+    if kept:
+      self._kept_placeholders = out
     return out
+
+  def runner(self) -> Runner:
+    """Runs the compiled program and splits its outputs into per-device blocks (made once)."""
+    if self._runner is None:
+      program = self.program
+      num_args = len(program.leaves) + len(program.dst_inputs) + len(program.shifted)
+      self._runner = Runner(self.compile(), num_args, fast=fast_path_available())
+    return self._runner
 
   def _shifts(self) -> list[jax.Array]:
     """The window starts of the leaves in :attr:`BucketProgram.shifted`, as int32 scalars
@@ -1118,6 +1161,7 @@ class BucketExecutable:
     xs: Sequence[jax.Array],
     dsts: Sequence[dict[int, jax.Array] | None] = (),
     spares: dict[Any, list[jax.Array]] | None = None,
+    wait_for: Any = None,
   ) -> list[Any]:
     """Moves the bucket's leaves.
 
@@ -1128,11 +1172,13 @@ class BucketExecutable:
       spares: optional, buffers to donate as destination placeholders, by (device id, block
         shape, dtype); consumed, then refilled with this call's blocks of positions without a
         destination shard (see :meth:`_LeafIO.unstage`), for the caller's next bucket.
+      wait_for: optional, arrays (a pytree) to wait for after staging, before the program is
+        queued: the previous bucket's results where :attr:`one_at_a_time`.
 
     Returns:
       Per leaf, the destination array, or (``carry_out``) its blocks by device id.
     """
-    compiled = self.compile()
+    run = self.runner()
     io = self.leaf_io()
     placeholders = self._placeholders(0)
     staged = [leaf.stage(x, placeholders) for leaf, x in zip(io, xs, strict=True)]
@@ -1140,10 +1186,14 @@ class BucketExecutable:
       dst_ph = self._placeholders(1) if spares is None else self._spare_blocks(spares)
       for li in self.program.dst_inputs:
         staged.append(io[li].stage_dst(dsts[li] or {}, dst_ph, li))
-    ys = compiled(*staged, *self._shifts())
-    carried = [None if lf.writer is None or not dsts else dsts[li] for li, lf in enumerate(io)]
+    if wait_for is not None:
+      jax.block_until_ready(wait_for)
+    outs = run([*staged, *self._shifts()])
+    if not dsts:
+      return [leaf.unstage(held, spares) for leaf, held in zip(io, outs, strict=True)]
+    carried = [None if lf.writer is None else dsts[li] for li, lf in enumerate(io)]
     return [
-      leaf.unstage(y, spares, c) for leaf, y, c in zip(io, ys, carried, strict=True)
+      leaf.unstage(held, spares, c) for leaf, held, c in zip(io, outs, carried, strict=True)
     ]  # fmt: skip
 
 
@@ -1331,6 +1381,7 @@ class TransformExecutable:
     self.program = program
     self.devices = devices
     self.donate = donate
+    self.one_at_a_time = one_at_a_time([devices[i] for i in program.device_ids])
     mesh = Mesh(np.array([devices[i] for i in program.device_ids]), (AXIS,))
     self.staged = NamedSharding(mesh, PartitionSpec(AXIS))
     n = len(program.device_ids)
@@ -1347,8 +1398,10 @@ class TransformExecutable:
     ]
     k = len(program.inputs)
     donated = tuple(range(k, len(blocks)))
+    self._num_args = len(blocks)
     self._fn = jax.jit(fn, donate_argnums=donated, keep_unused=True).lower(*avals)
     self._compiled: Any = None
+    self._runner: Runner | None = None
     fast = fast_path_available()
     self._in_io = [
       _LeafIO(_view(i), s, s, self.staged, fast=fast)
@@ -1359,19 +1412,25 @@ class TransformExecutable:
       for o, d in zip(program.outputs, dst_shardings, strict=True)
     ]
 
-  def __call__(self, xs: Sequence[jax.Array], olds: Sequence[jax.Array] = ()) -> list[Any]:
+  def __call__(
+    self, xs: Sequence[jax.Array], olds: Sequence[jax.Array] = (), wait_for: Any = None
+  ) -> list[Any]:
     """The outputs from the source leaves ``xs``; with ``donate``, written into the buffers of
-    ``olds`` (one array per output, in its destination sharding)."""
-    if self._compiled is None:
+    ``olds`` (one array per output, in its destination sharding). ``wait_for``: arrays to wait
+    for before the program is queued (see :meth:`BucketExecutable.__call__`)."""
+    if self._runner is None:
       self._compiled = self._fn.compile()
+      self._runner = Runner(self._compiled, self._num_args, fast=fast_path_available())
     placeholders = _stage_placeholders(self.program.placeholders, self.devices)
     args = [io.stage(x, placeholders) for io, x in zip(self._in_io, xs, strict=True)]
     if self.donate:
       zeros = _stage_placeholders(self.program.dst_placeholders, self.devices)
       for k, (io, old) in enumerate(zip(self._out_io, olds, strict=True)):
         args.append(io.stage_dst(buffers_by_device(old), zeros, k))
-    ys = self._compiled(*args)
-    return [io.unstage(y) for io, y in zip(self._out_io, ys, strict=True)]
+    if wait_for is not None:
+      jax.block_until_ready(wait_for)
+    outs = self._runner(args)
+    return [io.unstage(held) for io, held in zip(self._out_io, outs, strict=True)]
 
 
 def _view(b: Any) -> LeafView:
