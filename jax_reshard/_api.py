@@ -15,9 +15,21 @@ from jax_reshard._classes import bucket_classes
 from jax_reshard._cost import Estimate
 from jax_reshard._emit import BucketExecutable, empty_like_sharded, max_word_bytes
 from jax_reshard._layout import Layout
-from jax_reshard._plan import LayoutPlan, PlanStats, format_plan, plan_layouts, resolve_relays
+from jax_reshard._plan import (
+  LayoutPlan,
+  PlanStats,
+  format_plan,
+  passes_per_moved_byte,
+  plan_layouts,
+  resolve_relays,
+)
 from jax_reshard._planner import LeafPlan
-from jax_reshard._program import BucketProgram, make_bucket_program, rebound_program
+from jax_reshard._program import (
+  BucketProgram,
+  make_bucket_program,
+  rebound_program,
+  travels_as_is,
+)
 from jax_reshard._schedule import CPU_MAX_BUCKET_BYTES, DEFAULT_MAX_BUCKET_BYTES, Schedule
 from jax_reshard._tapi import TransformPlan, make_transform_plan, transform_cache_clear
 from jax_reshard._topology import Topology
@@ -68,7 +80,15 @@ class ReshardPlan:
     self._programs: dict[bool, list[BucketProgram]] = {}
     self._executables: dict[bool, list[BucketExecutable]] = {}
     self._classes = self._bucket_classes()
-    self._stats = dataclasses.replace(self.layout_plan.stats, num_programs=len(set(self._classes)))
+    # Leaves whose whole shards travel as they are: only an array plan knows the types.
+    self._as_is = frozenset(i for i, lf in enumerate(leaves) if travels_as_is(lf.dtype))
+    self._stats = dataclasses.replace(
+      self.layout_plan.stats,
+      num_programs=len(set(self._classes)),
+      passes_per_moved_byte=passes_per_moved_byte(
+        self.layout_plan.stages(), self.layout_plan.stats.bytes_moved, self._as_is
+      ),
+    )
 
   def _bucket_classes(self) -> tuple[int, ...]:
     """Per bucket of every stage, the first bucket with the same program (element types told
@@ -137,7 +157,7 @@ class ReshardPlan:
 
   def estimate(self, topology: Topology | None = None) -> Estimate:
     """The predicted time on ``topology`` (default: the plan's); see ``jr.estimate``."""
-    return self.layout_plan.estimate(topology)
+    return self.layout_plan.estimate(topology, self._as_is)
 
   def executables(self, *, donate: bool = False) -> list[BucketExecutable]:
     """Per bucket, its program emitted for its union mesh (compiled on the first call)."""
@@ -228,7 +248,7 @@ class ReshardPlan:
     return out
 
   def __repr__(self) -> str:
-    return format_plan(self.layout_plan, "ReshardPlan")
+    return format_plan(self.layout_plan, "ReshardPlan", self._stats)
 
   def _repr_html_(self) -> str:
     """Jupyter's rich display: the stats table and one row per layout group."""

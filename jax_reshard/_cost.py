@@ -6,7 +6,8 @@ rounds one after another. The model charges
 * per bucket, the topology's ``call_latency``;
 * per round, the transfer: the slowest pair's ``latency + nbytes / bandwidth`` over its link
   (inside a domain or between domains; every pair of a round sends the round's padded size);
-* per round, the packing: every sender writes the round's payload at ``memory_bandwidth``;
+* per round, the packing: every sender writes the round's payload at ``memory_bandwidth``,
+  except the whole source shards it sends as they are (:func:`whole_segment_bytes`);
 * per bucket, the assembly: every destination device writes its destination shards at
   ``memory_bandwidth`` (a shard kept whole from one part costs nothing), and every device of
   the bucket writes its placeholder blocks (a zero source block for each leaf it has no source
@@ -26,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -34,6 +35,7 @@ import numpy as np
 from jax_reshard._layout import Layout
 from jax_reshard._planner import LeafPlan
 from jax_reshard._schedule import (
+  WHOLE_OPERAND_BYTES,
   Bucket,
   Round,
   Schedule,
@@ -102,12 +104,16 @@ class Estimate:
     )
 
 
-def estimate(plan: _Plan, topology: Topology | None = None) -> Estimate:
+def estimate(
+  plan: _Plan, topology: Topology | None = None, as_is: Collection[int] | None = None
+) -> Estimate:
   """Predicts the time ``plan`` takes on ``topology`` (default: the topology it was made for).
 
   Args:
     plan: a :class:`LayoutPlan` (or a ``ReshardPlan``'s ``layout_plan``).
     topology: link and memory costs; a plan made without a topology needs one here.
+    as_is: the leaves whose whole source shards travel as they are (see
+      :func:`whole_segment_bytes`); ``None``: all.
 
   Returns:
     An :class:`Estimate`: a prediction from the model in this module's docstring.
@@ -130,7 +136,7 @@ def estimate(plan: _Plan, topology: Topology | None = None) -> Estimate:
   if topo is None:
     raise ValueError("estimate needs a topology: plan.estimate(jr.Topology.h100_nodes())")
   parts = [
-    _bucket_cost(stage, b, topo)
+    _bucket_cost(stage, b, topo, as_is)
     for stage in plan.stages()
     for b in range(len(stage.schedule.buckets))
   ]
@@ -203,7 +209,9 @@ def round_pairs(rounds: Sequence[Round]) -> tuple[np.ndarray, ...]:
   return np.repeat(np.arange(len(rounds)), counts), flat[:, 0], flat[:, 1], size
 
 
-def _bucket_cost(stage: _Stage, b: int, topo: Topology) -> _BucketCost:
+def _bucket_cost(
+  stage: _Stage, b: int, topo: Topology, as_is: Collection[int] | None = None
+) -> _BucketCost:
   bucket = stage.schedule.buckets[b]
   n = len(bucket.rounds)
   pairs = round_pairs(bucket.rounds)
@@ -217,7 +225,12 @@ def _bucket_cost(stage: _Stage, b: int, topo: Topology) -> _BucketCost:
   slowest_cross = np.zeros(n)
   np.maximum.at(slowest_cross, rid, np.where(cross, cost, 0.0))
   sent_whole, received_whole = direct_steps(stage, bucket, pairs)
-  packed = np.asarray([r not in sent_whole for r in range(n)], dtype=np.float64)
+  segments = whole_segment_bytes(stage, bucket, as_is)
+  kept = np.asarray(
+    [r.nbytes if k in sent_whole else segments.get(k, 0) for k, r in enumerate(bucket.rounds)],
+    dtype=np.float64,
+  )
+  packed = 1.0 - kept / np.maximum(sizes, 1.0)
   pack = _phase(sizes[rid] * packed[rid] / topo.memory_bandwidth, rid, n, topo.max_parallel)
   fills, slabs = _placeholder_bytes(stage, b, received_whole)
   fill_bw = topo.fill_bandwidth or topo.memory_bandwidth
@@ -345,6 +358,53 @@ def direct_steps(
     if sorted(got_dst[mine].tolist()) == sorted(dst.device_ids):
       received.add(j)
   return set(np.flatnonzero(whole).tolist()), received
+
+
+def whole_segment_bytes(
+  plan: _Stage, bucket: Bucket, as_is: Collection[int] | None = None
+) -> dict[int, int]:
+  """Round -> bytes of its payload sent as they are, for the rounds of ``bucket`` that are
+  packed (not :func:`direct_steps`' rounds of whole source shards) but where every payload
+  holds the whole source shard of a leaf, of at least ``WHOLE_OPERAND_BYTES``, at the same
+  byte offset: each such segment is its
+  own operand of the round's ``ppermute`` (the staged block, no copy; idle devices send their
+  placeholder), and only the rest is packed (and zero-filled on idle senders). ``as_is``: the
+  leaves (indices into ``plan.layouts``) whose types travel as they are (see
+  ``_program.travels_as_is``); ``None``: all."""
+  src_bytes = {
+    j: math.prod(plan.layouts[plan.scheduled[j]][0].shard_shape())
+    * plan.itemsizes[plan.scheduled[j]]
+    if as_is is None or plan.scheduled[j] in as_is
+    else -1
+    for j in bucket.leaves
+  }
+  leaves = np.asarray(bucket.piece_leaf, dtype=np.int64)
+  sizes = np.asarray(bucket.piece_nbytes, dtype=np.int64)
+  if not len(leaves):
+    return {}
+  used, inv = np.unique(leaves, return_inverse=True)
+  whole = sizes == np.array([src_bytes[j] for j in used.tolist()], dtype=np.int64)[inv]
+  whole &= sizes >= WHOLE_OPERAND_BYTES
+  if not whole.any():
+    return {}
+  pair = bucket.piece_src * (1 << 32) + bucket.piece_dst  # pieces are sorted by pair
+  keys, first, count = np.unique(pair, return_index=True, return_counts=True)
+  ends = np.cumsum(sizes)
+  out = {}
+  for r, rnd in enumerate(bucket.rounds):
+    pairs = np.asarray(rnd.pairs, dtype=np.int64).reshape(-1, 2)
+    at = np.searchsorted(keys, pairs[:, 0] * (1 << 32) + pairs[:, 1])
+    common: set[tuple[int, int, int]] | None = None
+    for f, c in zip(first[at].tolist(), count[at].tolist(), strict=True):
+      base = int(ends[f] - sizes[f])
+      rows = [k for k in range(f, f + c) if whole[k]]
+      found = {(int(ends[k] - sizes[k]) - base, int(sizes[k]), int(leaves[k])) for k in rows}
+      common = found if common is None else common & found
+      if not common:
+        break
+    if common:
+      out[r] = sum(size for _, size, _ in common)
+  return out
 
 
 def _whole_rounds(

@@ -45,13 +45,16 @@ from jax_reshard._program import (
   chunk_writes,
   program_signature,
   role_table,
+  travels_as_is,
   uint_dtype,
 )
+from jax_reshard._schedule import WHOLE_OPERAND_BYTES
 from jax_reshard._tprogram import Part as TPart
 from jax_reshard._tprogram import Slab as TSlab
 from jax_reshard._tprogram import TransformProgram
 
 AXIS = "u"
+Segment = tuple[int, int, int | None]  # unit words start, stop; the leaf sent whole, or None
 
 
 def max_word_bytes() -> int:
@@ -210,6 +213,72 @@ def _pack_fn(program: BucketProgram, pack: Pack, shifts: Shifts = ()) -> Callabl
   return branch
 
 
+def _cut_words(program: BucketProgram, cut: Cut) -> int:
+  """Unit words of ``cut`` in a payload."""
+  return math.prod(cut.shape) * program.leaves[cut.leaf].word.itemsize // program.unit.itemsize
+
+
+def whole_segments(program: BucketProgram, rnd: SendRound) -> tuple[Segment, ...] | None:
+  """For a packed round (not :func:`whole_block_leaves`') where every sender's payload holds
+  the whole source shard of a leaf (of a type that travels as it is, and of at least
+  ``WHOLE_OPERAND_BYTES``) at the same words, the payload cut at those shards:
+  ``(start, stop, leaf)`` in unit words, ``leaf`` the position of the leaf whose staged block is
+  that segment (sent as it is, idle devices' placeholders too) or ``None`` for words packed
+  by the senders' roles (zeros on idle devices). ``None`` where there is no such shard."""
+  if not rnd.packs or whole_block_leaves(program, rnd) is not None:
+    return None
+  common: set[Segment] | None = None
+  for p in rnd.packs:
+    at, found = 0, set[Segment]()
+    for cut in p.cuts:
+      lf, size = program.leaves[cut.leaf], _cut_words(program, cut)
+      whole = cut.static_offset == (0,) * len(cut.shape) and cut.shape == _words(lf.src_shard, lf)
+      big = size * program.unit.itemsize >= WHOLE_OPERAND_BYTES
+      if whole and big and lf.src_window is None and travels_as_is(lf.dtype):
+        found.add((at, at + size, cut.leaf))
+      at += size
+    common = found if common is None else common & found
+  if not common:
+    return None
+  out: list[Segment] = []
+  at = 0
+  for start, stop, li in sorted(common):
+    if start > at:
+      out.append((at, start, None))
+    out.append((start, stop, li))
+    at = stop
+  if at < rnd.words:
+    out.append((at, rnd.words, None))
+  return tuple(out)
+
+
+def _packed_fn(
+  program: BucketProgram, pack: Pack, packed: Sequence[tuple[int, int]], shifts: Shifts = ()
+) -> Callable[..., tuple[jax.Array, ...]]:
+  """The code of one sender role for the ``packed`` word ranges of a round cut by
+  :func:`whole_segments`: one vector per range, its cuts concatenated (padding in the last)."""
+  n, unit = len(program.device_ids), program.unit
+
+  def branch(me: jax.Array, *blocks: jax.Array) -> tuple[jax.Array, ...]:
+    shards = _local_view(program.leaves, blocks)
+    outs = []
+    for start, stop in packed:
+      parts, at = [], 0
+      for c in pack.cuts:
+        size = _cut_words(program, c)
+        if start <= at and at + size <= stop:
+          lo = _leaf_at(program, shifts, c.leaf, len(c.shape))
+          parts.append(_to_units(_slice(c, shards[c.leaf], me, n, lo), unit))
+        at += size
+      filled = sum(int(v.shape[0]) for v in parts)
+      if filled < stop - start:
+        parts.append(jnp.zeros((stop - start - filled,), unit))
+      outs.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts))
+    return tuple(outs)
+
+  return branch
+
+
 def whole_block_leaf(program: BucketProgram, rnd: SendRound) -> int | None:
   """The leaf whose whole source shard every sender of ``rnd`` sends, alone and unpadded, or
   ``None``. Such a round needs no packing: every device (idle ones too, from their placeholder
@@ -297,6 +366,19 @@ def _direct_part(program: BucketProgram, li: int) -> Received:
   raise AssertionError(f"leaf {li} is not received whole")
 
 
+def _direct_value(program: BucketProgram, li: int, r: int, recv: Sequence[jax.Array]) -> jax.Array:
+  """The destination block of leaf ``li``, received whole in round ``r`` (see
+  :func:`received_whole`): an operand that is a staged block of the same size is that block
+  reshaped (no copy), anything else is viewed from unit words."""
+  lf, p = program.leaves[li], _direct_part(program, li)
+  for (a, b, src), v in zip(operand_layout(program, program.rounds[r]), recv, strict=True):
+    same = v.dtype == lf.dtype and v.size == math.prod(lf.dst_block)
+    if (a, b) == (p.start, p.stop) and src is not None and same:
+      return v.reshape(lf.dst_block)
+  words = _from_units(_payload_words(program, r, recv, p.start, p.stop), lf.word, lf.dst_words)
+  return _from_uint(_narrow(words, lf.dtype), lf.dtype).reshape(lf.dst_block)
+
+
 def _emit_round(
   program: BucketProgram,
   rnd: SendRound,
@@ -307,19 +389,67 @@ def _emit_round(
 ) -> Any:
   """Packs the round's payload on every device and moves it; returns what this device got: one
   vector of unit words, or a tuple of them (the leaves of a round of whole source shards, see
-  :func:`whole_block_leaves`), which concatenated would be that payload."""
+  :func:`whole_block_leaves`, or the segments of :func:`whole_segments`), which concatenated
+  would be that payload."""
   unit = program.unit
   whole = whole_block_leaves(program, rnd)
   if whole is not None:
-    shards = _local_view([program.leaves[li] for li in whole], [blocks[li] for li in whole])
-    units = [_to_units(shard, unit) for shard in shards]
-    if len(units) == 1:
-      return jax.lax.ppermute(units[0], axis, list(rnd.pairs))
-    return tuple(jax.lax.ppermute(units, axis, list(rnd.pairs)))
+    operands = [
+      blocks[li]
+      if li_ is not None
+      else _to_units(_local_view([program.leaves[li]], [blocks[li]])[0], unit)
+      for li, (_, _, li_) in zip(whole, operand_layout(program, rnd), strict=True)
+    ]
+    return tuple(jax.lax.ppermute(operands, axis, list(rnd.pairs)))
+  segments = whole_segments(program, rnd)
+  if segments is not None:
+    return _emit_segments(program, rnd, segments, axis, me, blocks, shifts)
   idle: Callable[..., jax.Array] = lambda me, *_: jnp.zeros((rnd.words,), unit)
   branches = [idle, *(_pack_fn(program, p, shifts) for p in rnd.packs)]
   payload = _switch(me, role_table(len(program.device_ids), rnd.packs), branches, me, *blocks)
-  return jax.lax.ppermute(payload, axis, list(rnd.pairs))
+  return (jax.lax.ppermute(payload, axis, list(rnd.pairs)),)
+
+
+def operand_layout(program: BucketProgram, rnd: SendRound) -> tuple[Segment, ...]:
+  """How a round's payload travels: per operand of its ``ppermute``, ``(start, stop, leaf)``
+  in unit words of the payload, ``leaf`` the position of the leaf whose staged block the
+  operand is, sent and received as it is (in its own type and shape: no copy on either side),
+  or ``None`` for unit words (packed, or a whole shard of a type that does not travel as it
+  is, see :func:`travels_as_is`)."""
+  whole = whole_block_leaves(program, rnd)
+  if whole is None:
+    return whole_segments(program, rnd) or ((0, rnd.words, None),)
+  out, at = [], 0
+  for li in whole:
+    lf = program.leaves[li]
+    size = math.prod(_words(lf.src_shard, lf)) * lf.word.itemsize // program.unit.itemsize
+    out.append((at, at + size, li if travels_as_is(lf.dtype) else None))
+    at += size
+  return tuple(out)
+
+
+def _emit_segments(
+  program: BucketProgram,
+  rnd: SendRound,
+  segments: Sequence[Segment],
+  axis: Any,
+  me: jax.Array,
+  blocks: Sequence[jax.Array],
+  shifts: Shifts = (),
+) -> tuple[jax.Array, ...]:
+  """A round cut by :func:`whole_segments`: the whole shards as they are, the rest packed by
+  one switch on the senders' roles, all moved by one ``ppermute`` of several operands."""
+  unit, n = program.unit, len(program.device_ids)
+  packed = [(a, b) for a, b, li in segments if li is None]
+  values: list[jax.Array] = []
+  if packed:
+    idle: Callable[..., tuple[jax.Array, ...]] = lambda me, *_: tuple(
+      jnp.zeros((b - a,), unit) for a, b in packed
+    )
+    branches = [idle, *(_packed_fn(program, p, packed, shifts) for p in rnd.packs)]
+    values = list(_switch(me, role_table(n, rnd.packs), branches, me, *blocks))
+  operands = [values.pop(0) if li is None else blocks[li] for _, _, li in segments]
+  return tuple(jax.lax.ppermute(operands, axis, list(rnd.pairs)))
 
 
 def _in_place(
@@ -345,42 +475,46 @@ def _in_place(
 
 
 def _base(lf: LeafView, dst: jax.Array | None) -> jax.Array:
-  """The block a leaf's destination starts from: its destination input where chunks fill it
-  in place, else zeros (a donated block that the leaf's shard is assembled into whole is only
-  a buffer to reuse, never read)."""
-  return dst if dst is not None and lf.in_place else jnp.zeros(lf.dst_block, lf.dtype)
+  """The block a leaf's destination starts from where chunks fill it in place, or that a
+  device without any destination shard of the bucket returns (discarded): its destination
+  input, else zeros. A donated block returned unchanged costs no write (XLA aliases it to the
+  output)."""
+  return dst if dst is not None else jnp.zeros(lf.dst_block, lf.dtype)
 
 
 def _part_value(
-  lf: LeafView,
+  program: BucketProgram,
+  li: int,
   part: Any,
   shard: jax.Array,
-  recvs: Sequence[jax.Array],
+  recvs: Sequence[Any],
   me: jax.Array,
-  n: int,
   at: Sequence[Any] | None = None,
 ) -> jax.Array:
-  """A destination part in the leaf's words: payload words of a round (a :class:`Received`, or
-  a :class:`ChunkWrites` source of one), or a cut of the own source shard (``at``: the
-  window start in words where the leaf has one)."""
+  """A destination part of leaf ``li`` in its words: payload words of a round (a
+  :class:`Received`, or a :class:`ChunkWrites` source of one), or a cut of the own source
+  shard (``at``: the window start in words where the leaf has one)."""
+  lf = program.leaves[li]
   if isinstance(part, Received):
-    return _from_units(
-      _payload_words(recvs[part.round], part.start, part.stop), lf.word, part.shape
-    )
-  return _slice(part if isinstance(part, Cut) else part.cut, shard, me, n, at)
+    words = _payload_words(program, part.round, recvs[part.round], part.start, part.stop)
+    return _from_units(words, lf.word, part.shape)
+  cut = part if isinstance(part, Cut) else part.cut
+  return _slice(cut, shard, me, len(program.device_ids), at)
 
 
-def _payload_words(recv: Any, start: int, stop: int) -> jax.Array:
-  """Unit words ``start:stop`` of a received payload (a vector, or a tuple of the vectors of a
-  round of whole source shards: a part within one of them is that vector or a slice of it)."""
-  if not isinstance(recv, tuple):
-    return recv if (start, stop) == (0, recv.shape[0]) else jax.lax.slice(recv, (start,), (stop,))
-  at = 0
-  for v in recv:
-    if at <= start and stop <= at + v.shape[0]:
-      return _payload_words(v, start - at, stop - at)
-    at += v.shape[0]
-  return jax.lax.slice(jnp.concatenate(recv), (start,), (stop,))
+def _payload_words(
+  program: BucketProgram, r: int, recv: Sequence[jax.Array], start: int, stop: int
+) -> jax.Array:
+  """Unit words ``start:stop`` of round ``r``'s received payload (its operands, see
+  :func:`operand_layout`: a part within one of them is that operand or a slice of it, a
+  staged block viewed in unit words where it is read)."""
+  views = []
+  for (a, b, li), v in zip(operand_layout(program, program.rounds[r]), recv, strict=True):
+    words = v if li is None else _to_units(_local_view([program.leaves[li]], [v])[0], program.unit)
+    if a <= start and stop <= b:
+      return words if (start, stop) == (a, b) else jax.lax.slice(words, (start - a,), (stop - a,))
+    views.append(words)
+  return jax.lax.slice(jnp.concatenate(views), (start,), (stop,))
 
 
 def _assemble_fn(
@@ -392,7 +526,7 @@ def _assemble_fn(
 ) -> Callable[..., tuple[jax.Array, ...]]:
   """The destination code of assembly role ``k``: the blocks of the leaves ``switched``, then
   the slot values of the leaves in ``slots`` (written after the switch)."""
-  n, role = len(program.device_ids), program.assembles[k]
+  role = program.assembles[k]
 
   def branch(
     me: jax.Array, blocks: Sequence[jax.Array], dsts: Sequence[Any], recvs: Sequence[jax.Array]
@@ -401,11 +535,11 @@ def _assemble_fn(
     outs = []
     for li in switched:
       lf, parts = program.leaves[li], role.parts[li]
-      if parts is None:
-        outs.append(_base(lf, dsts[li]))
+      if parts is None:  # zeros unless in place: aliasing here costs XLA scratch elsewhere
+        outs.append(_base(lf, dsts[li] if lf.in_place else None))
         continue
       at = _leaf_at(program, shifts, li, len(lf.src_shard))
-      values = [(p.offset, _part_value(lf, p, shards[li], recvs, me, n, at)) for p in parts]
+      values = [(p.offset, _part_value(program, li, p, shards[li], recvs, me, at)) for p in parts]
       if lf.in_place:
         outs.append(_in_place(lf, _base(lf, dsts[li]), values, shifts[li] if shifts else None))
         continue
@@ -426,7 +560,7 @@ def _assemble_fn(
           else:
             outs.append(jax.lax.dynamic_slice(words, dst_at, shape))
         else:
-          outs.append(_part_value(lf, p, shards[li], recvs, me, n, at))
+          outs.append(_part_value(program, li, p, shards[li], recvs, me, at))
     return tuple(outs)
 
   return branch
@@ -490,8 +624,15 @@ def emit_body(
   switched = [li for li in range(num_src) if li not in writes and li not in direct]
   valued = {li: w for li, w in writes.items() if w.sources is None}
 
+  # Devices without any destination shard return donated blocks unchanged; where there are
+  # none, the (unused) branch makes zeros: aliasing it would cost XLA scratch elsewhere.
+  idle_used = bool((role_table(n, program.assembles) == 0).any())
+
   def idle(me: jax.Array, blocks: Any, dsts: Any, recvs: Any) -> tuple[jax.Array, ...]:
-    outs = [_base(program.leaves[li], dsts[li]) for li in switched]
+    outs = [
+      _base(lf, dsts[li] if idle_used or lf.in_place else None)
+      for li, lf in ((li, program.leaves[li]) for li in switched)
+    ]
     for li, w in valued.items():
       outs += [jnp.zeros(shape, program.leaves[li].word) for shape in w.shapes]
     return tuple(outs)
@@ -510,10 +651,7 @@ def emit_body(
     recvs = [_emit_round(program, rnd, axis, me, blocks, shifts) for rnd in program.rounds]
     outs: list[Any] = [None] * num_src
     for li, r in direct.items():
-      lf = program.leaves[li]
-      p = _direct_part(program, li)
-      words = _from_units(_payload_words(recvs[r], p.start, p.stop), lf.word, lf.dst_words)
-      outs[li] = _from_uint(_narrow(words, lf.dtype), lf.dtype).reshape(lf.dst_block)
+      outs[li] = _direct_value(program, li, r, recvs[r])
     ys: list[Any] = []
     if switched or valued:
       fns = [
@@ -530,7 +668,7 @@ def emit_body(
       else:
         shard = _local_view([lf], [blocks[li]])[0]
         at = _leaf_at(program, shifts, li, len(lf.src_shard))
-        values = [_part_value(lf, src, shard, recvs, me, n, at) for src in w.sources]
+        values = [_part_value(program, li, src, shard, recvs, me, at) for src in w.sources]
       outs[li] = _write_chunks(program, li, w, _base(lf, dsts[li]), values, me, shifts[li])
     return tuple(outs)
 

@@ -10,13 +10,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Literal
 
 import numpy as np
 
 from jax_reshard._classes import bucket_classes
-from jax_reshard._cost import Estimate, direct_steps, estimate, pair_runs, round_pairs
+from jax_reshard._cost import (
+  Estimate,
+  direct_steps,
+  estimate,
+  pair_runs,
+  round_pairs,
+  whole_segment_bytes,
+)
 from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
 from jax_reshard._planner import LeafPlan, plan_leaves
@@ -115,10 +122,12 @@ class LayoutPlan:
     """The plans run one after the other: this one, then the relay stage if any."""
     return (self,) if self.relay is None else (self, self.relay)
 
-  def estimate(self, topology: Topology | None = None) -> Estimate:
+  def estimate(
+    self, topology: Topology | None = None, as_is: Collection[int] | None = None
+  ) -> Estimate:
     """The predicted time of this plan on ``topology`` (default: the plan's own); see
     :func:`jax_reshard.estimate`."""
-    return estimate(self, topology)
+    return estimate(self, topology, as_is)
 
   def bucket_leaves(self, bucket: int) -> tuple[int, ...]:
     """The leaves (indices into ``layouts``) that bucket ``bucket`` moves."""
@@ -285,11 +294,13 @@ def _plan_tree(
   )
   stats = _stats(first_stage, relay, full, topology)
   stages = (first_stage,) if relay is None else (first_stage, relay)
-  stats = dataclasses.replace(stats, passes_per_moved_byte=_passes(stages, stats.bytes_moved))
+  stats = dataclasses.replace(
+    stats, passes_per_moved_byte=passes_per_moved_byte(stages, stats.bytes_moved)
+  )
   return dataclasses.replace(first_stage, stats=stats, relay=relay)
 
 
-def pass_bytes(plan: LayoutPlan) -> dict[str, int]:
+def pass_bytes(plan: LayoutPlan, as_is: Collection[int] | None = None) -> dict[str, int]:
   """Bytes all devices read and write per call (without ``donate=``) of one stage's bucket
   programs, by step.
 
@@ -300,12 +311,15 @@ def pass_bytes(plan: LayoutPlan) -> dict[str, int]:
   of devices that send or receive nothing in a round, and the discarded output blocks of
   devices without a destination shard of a leaf. A round whose every payload is the whole
   source shards of the same leaves is sent as it is (no pack, no zeros for idle senders; one
-  ``ppermute`` of several operands), and a leaf whose every destination shard arrives whole in
+  ``ppermute`` of several operands); in other rounds, a leaf's whole source shard at the same
+  offset of every payload is an operand of its own, and only the rest is packed (see
+  :func:`whole_segment_bytes`). A leaf whose every destination shard arrives whole in
   one round (the payload, or its leaf's operand) is that array (no assembly, no discarded
   block), see :func:`direct_steps`. A leaf cut into destination slabs assembles each
   bucket's slab whole (discarded slab-sized blocks elsewhere), then reads it and writes it into
   the destination shard, which its first bucket fills with zeros. Zero source blocks
-  (placeholders) are left out: small ones are made once and kept.
+  (placeholders) are left out: small ones are made once and kept. ``as_is``: the leaves
+  (indices into ``plan.layouts``) whose types travel as they are; ``None``: all.
   """
   out = dict.fromkeys(("pack", "transfer", "assemble", "zero_fill"), 0)
   spans = plan.schedule.leaf_buckets
@@ -318,13 +332,16 @@ def pass_bytes(plan: LayoutPlan) -> dict[str, int]:
     sent_whole, received_whole = direct_steps(plan, bucket, arrays)
     pairs = np.bincount(rid, minlength=len(size))
     senders = receivers = pairs  # a round is a matching: each device sends, receives once
-    packed = np.ones(len(size), dtype=bool)
-    packed[sorted(sent_whole)] = False
-    read = fill[np.searchsorted(keys, ps * (1 << 32) + pd)][packed[rid]]
+    kept = np.zeros(len(size), dtype=np.int64)  # bytes of each payload sent as they are
+    for r, k in whole_segment_bytes(plan, bucket, as_is).items():
+      kept[r] = k
+    kept[sorted(sent_whole)] = size[sorted(sent_whole)]
+    packed = kept < size
+    read = (fill[np.searchsorted(keys, ps * (1 << 32) + pd)] - kept[rid])[packed[rid]]
     out["transfer"] += int((2 * pairs * size).sum())
     out["zero_fill"] += int(((n - receivers) * size).sum())
-    out["pack"] += int(read.sum()) + int((senders * size)[packed].sum())
-    out["zero_fill"] += int(((n - senders) * size)[packed].sum())
+    out["pack"] += int(read.sum()) + int((senders * (size - kept))[packed].sum())
+    out["zero_fill"] += int(((n - senders) * (size - kept))[packed].sum())
     for j, chunks in zip(bucket.leaves, bucket.chunks, strict=True):
       if j in received_whole:
         continue
@@ -349,9 +366,12 @@ def pass_bytes(plan: LayoutPlan) -> dict[str, int]:
   return out
 
 
-def _passes(stages: Sequence[LayoutPlan], moved: int) -> float:
-  """:attr:`PlanStats.passes_per_moved_byte` of ``stages`` run one after the other."""
-  total = sum(sum(pass_bytes(st).values()) for st in stages)
+def passes_per_moved_byte(
+  stages: Sequence[LayoutPlan], moved: int, as_is: Collection[int] | None = None
+) -> float:
+  """:attr:`PlanStats.passes_per_moved_byte` of ``stages`` run one after the other (``as_is``:
+  see :func:`pass_bytes`)."""
+  total = sum(sum(pass_bytes(st, as_is).values()) for st in stages)
   return total / (2 * moved) if moved else 0.0
 
 
@@ -571,12 +591,13 @@ def count_programs(
   return len(set(classes))
 
 
-def format_plan(plan: LayoutPlan, title: str) -> str:
-  """A short summary: one line per (source layout -> destination layout) group, then totals."""
+def format_plan(plan: LayoutPlan, title: str, stats: PlanStats | None = None) -> str:
+  """A short summary: one line per (source layout -> destination layout) group, then totals
+  (``stats``: the plan's, where they differ from ``plan.stats``)."""
   groups: dict[tuple[str, str], list[int]] = {}
   for i, (s, d) in enumerate(plan.layouts):
     groups.setdefault((s.description, d.description), []).append(i)
-  st = plan.stats
+  st = stats or plan.stats
   lines = [f"{title}: {len(plan.layouts)} leaves, {len(groups)} layout groups"]
   for (src_txt, dst_txt), idx in groups.items():
     moved = sum(plan.leaf_plans[i].bytes_moved for i in idx)

@@ -322,6 +322,13 @@ def uint_dtype(dtype: np.dtype) -> np.dtype:
   return np.dtype(f"uint{8 * dtype.itemsize}")
 
 
+def travels_as_is(dtype: np.dtype) -> bool:
+  """Whether a whole source shard of this type is sent as it is (an operand of its own, no
+  copy): every type but those outside NumPy's (bfloat16, float8), which XLA's CPU collectives
+  widen to float32; those travel in unsigned words like packed payloads."""
+  return np.dtype(dtype).kind != "V"
+
+
 def widest_word(
   plan: LeafPlan, src: Layout, dst: Layout, dtype: np.dtype, *, max_word_bytes: int
 ) -> np.dtype:

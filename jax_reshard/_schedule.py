@@ -759,6 +759,49 @@ def _bucket_pieces(
   return src, dst, leaf_of, transfer, nbytes, offset, first
 
 
+# A whole source shard is an operand of its own in a packed round (see _whole_first) from this
+# size on: smaller ones are packed, as another collective per round costs more than their copy
+# (24-61 KiB shards of 1 MiB payloads made the DeepSeek-V3 colocated bench case 1.25x slower).
+WHOLE_OPERAND_BYTES = 1 << 18
+
+
+def _whole_first(
+  tree: _Tree, rounds: Sequence[Round], cols: tuple[np.ndarray, ...], first: np.ndarray
+) -> tuple[np.ndarray, ...]:
+  """The pieces ``cols`` (src, dst, leaf, transfer, nbytes; sorted by pair, then leaf and
+  transfer) reordered within each payload so that the whole source shards (of at least
+  ``WHOLE_OPERAND_BYTES``) of the leaves whose whole source shard every payload of the round
+  holds come first, in leaf order: they lie at
+  the same offsets of every payload of the round, and are sent as they are (an operand of the
+  round's ``ppermute`` each, see ``_cost.whole_segment_bytes``); then their offsets."""
+  src, dst, leaf_of, transfer, nbytes = cols
+  used, inv = np.unique(leaf_of, return_inverse=True)
+  shard = [
+    math.prod(tree.layouts[j][0].shard_shape()) * tree.itemsizes[j] if tree.layouts else -1
+    for j in used.tolist()
+  ]
+  whole = (nbytes == np.asarray(shard, dtype=np.int64)[inv]) & (nbytes >= WHOLE_OPERAND_BYTES)
+  if whole.any():
+    pair_round = {p: r for r, rnd in enumerate(rounds) for p in rnd.pairs}
+    pid = np.cumsum(np.r_[True, (src[1:] != src[:-1]) | (dst[1:] != dst[:-1])][: len(src)]) - 1
+    pairs = zip(src[first].tolist(), dst[first].tolist(), strict=True)
+    rid = np.array([pair_round[p] for p in pairs], dtype=np.int64)
+    piece_round = rid[pid]
+    key = piece_round * (int(leaf_of.max()) + 1) + leaf_of
+    keys, inv, counts = np.unique(key[whole], return_inverse=True, return_counts=True)
+    size = np.array([len(rnd.pairs) for rnd in rounds], dtype=np.int64)
+    common = np.zeros(len(src), dtype=bool)
+    common[np.flatnonzero(whole)] = counts[inv] == size[keys[inv] // (int(leaf_of.max()) + 1)]
+    if common.any():
+      order = np.lexsort((transfer, leaf_of, ~common, pid))
+      src, dst, leaf_of, transfer, nbytes = (a[order] for a in cols)
+  ends = np.cumsum(nbytes)
+  new_pair = np.zeros(len(src), dtype=bool)
+  new_pair[first] = True
+  offset = ends - nbytes - (ends[first] - nbytes[first])[np.cumsum(new_pair) - 1]
+  return src, dst, leaf_of, transfer, nbytes, offset
+
+
 def _build(tree: _Tree, items: Sequence[tuple[int, int]]) -> _Built:
   """The bucket of ``items`` ((leaf, chunk), consecutive) with its rounds and byte counts."""
   chunks: dict[int, list[int]] = {}
@@ -777,6 +820,9 @@ def _build(tree: _Tree, items: Sequence[tuple[int, int]]) -> _Built:
   if key not in tree.round_cache:
     tree.round_cache[key] = _make_rounds(ps, pd, fill)
   rounds, round_bytes = tree.round_cache[key]
+  src, dst, leaf_of, transfer, nbytes, offset = _whole_first(
+    tree, rounds, (src, dst, leaf_of, transfer, nbytes), first
+  )
   n, union = len(tree.union), tree.union
   sent = np.bincount(np.searchsorted(union, ps), round_bytes, minlength=n).astype(np.int64)
   received = np.bincount(np.searchsorted(union, pd), round_bytes, minlength=n).astype(np.int64)

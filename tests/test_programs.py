@@ -372,6 +372,88 @@ def test_whole_shards_of_several_leaves_move_without_pack() -> None:
     assert_matches_oracle(y[k], h[k], dst2)
 
 
+def test_whole_source_shards_inside_packed_payloads_are_sent_as_they_are() -> None:
+  """Leaf ``a`` (columns on 4-7) is listed first but cut; leaf ``b`` goes whole to a replica on
+  4-7: every payload holds ``b``'s whole source shard (256 KiB, ``WHOLE_OPERAND_BYTES``), which
+  the schedule puts first in every payload, so ``b``'s staged block is an operand of its own in
+  each round (the parameter itself in the compiled program) and only ``a``'s pieces are packed.
+  By hand, per round 4 senders read and write a 32 B piece of ``a``: 1024 B of pack in 4
+  rounds. In bfloat16 (which does not travel as it is) the payloads are packed whole, as are
+  float32 shards under the size. Bit for bit."""
+  devs = np.array(jax.devices())
+  src = NamedSharding(Mesh(devs[:4], ("x",)), P("x"))
+  m = Mesh(devs[4:], ("x",))
+  rng = np.random.default_rng(9)
+  assert _schedule.WHOLE_OPERAND_BYTES == 2 * 4 * 32768
+  for dtype, cols in ((np.float32, 32768), (jnp.bfloat16, 65536), (np.float32, 32767)):
+    h = {
+      "a": random_host_array(rng, (8, 16), dtype),
+      "b": random_host_array(rng, (8, cols), dtype),
+    }
+    x = jax.device_put(h, src)
+    dst = {"a": NamedSharding(m, P(None, "x")), "b": NamedSharding(m, P())}
+    plan = jr.make_plan(x, dst)
+    (bucket,) = plan.schedule.buckets
+    whole = bucket.piece_leaf == 1
+    assert whole.sum() == 16
+    shard = 2 * cols * np.dtype(dtype).itemsize
+    (program,) = plan.programs()
+    hlo = plan.executables()[0].compile().as_text()
+    segments = [_emit.whole_segments(program, rnd) for rnd in program.rounds]
+    if cols == 32768 and dtype == np.float32:
+      assert (bucket.piece_offset[whole] == 0).all()
+      size = shard // program.unit.itemsize
+      assert all(
+        s == ((0, size, 1), (size, r.words, None))
+        for s, r in zip(segments, program.rounds, strict=True)
+      )
+      assert plan.stats.bytes_moved == 4 * 4 * (32 + shard)
+      assert pass_bytes(plan.layout_plan)["pack"] == 4 * 4 * (32 + 32)
+      assert hlo.count("collective-permute(%param") == 4
+    else:
+      assert segments == [None] * 4 and "collective-permute(%param" not in hlo
+      piece = 2 * 4 * np.dtype(dtype).itemsize
+      steps = pass_bytes(plan.layout_plan, as_is=())  # packed whole
+      assert steps["pack"] == 4 * 4 * 2 * (piece + shard)
+      assert plan.stats.passes_per_moved_byte == sum(steps.values()) / (2 * 16 * (piece + shard))
+      assert "collective-permute(%param" not in hlo
+    y = plan(x)
+    for k in h:
+      assert_matches_oracle(y[k], h[k], dst[k])
+
+
+def test_whole_shards_travel_in_their_own_type() -> None:
+  """A round of whole float32 shards received whole compiles to the ``collective-permute`` of
+  the parameter alone (no conversion copy on either side); bfloat16, which XLA's CPU
+  collectives would widen to float32, travels in unsigned words as packed payloads do."""
+  devs = np.array(jax.devices())
+  src = NamedSharding(Mesh(devs[:4], ("x",)), P("x"))
+  dst = NamedSharding(Mesh(devs[4:], ("x",)), P("x"))
+  plan = jr.make_plan(jax.device_put(np.zeros((8, 8), np.float32), src), dst)
+  hlo = plan.executables()[0].compile().as_text()
+  entry = hlo[hlo.index("ENTRY") :]
+  assert "ROOT %ppermute" in entry and "fusion(" not in entry
+  plan = jr.make_plan(jax.device_put(jnp.zeros((8, 16), jnp.bfloat16), src), dst)
+  hlo = plan.executables()[0].compile().as_text()
+  assert "u32[16]{0} collective-permute(" in hlo and "f32" not in hlo
+
+
+def test_donated_blocks_are_returned_where_discarded() -> None:
+  """Rows on devices 0-3 to rows on 4-5, refit with ``donate=``: the six devices without a
+  destination shard return their donated block unchanged (aliased, not zero-filled), so the
+  compiled program writes no zeros at all; without ``donate=`` it does. Bit for bit."""
+  devs = np.array(jax.devices())
+  src = NamedSharding(Mesh(devs[:4], ("x",)), P("x"))
+  dst = NamedSharding(Mesh(devs[4:6], ("x",)), P("x"))
+  h = random_host_array(np.random.default_rng(10), (8, 8), np.float32)
+  x = jax.device_put(h, src)
+  plan = jr.make_plan(x, dst)
+  assert "broadcast(" in plan.executables()[0].compile().as_text()
+  assert "broadcast(" not in plan.executables(donate=True)[0].compile().as_text()
+  y = plan(x)
+  assert_matches_oracle(plan(x, donate=y), h, dst)
+
+
 def test_fast_path_runs_without_the_public_calls(monkeypatch: pytest.MonkeyPatch) -> None:
   """Where this JAX has the private members, a call neither wraps buffers with
   ``jax.make_array_from_single_device_arrays``, nor splits arrays with ``addressable_shards``,
