@@ -13,7 +13,7 @@ import jax
 from jax_reshard._buffers import buffers_by_device
 from jax_reshard._classes import bucket_classes
 from jax_reshard._cost import Estimate
-from jax_reshard._emit import BucketExecutable, empty_like_sharded, max_word_bytes
+from jax_reshard._emit import BucketExecutable, InFlight, empty_like_sharded, max_word_bytes
 from jax_reshard._layout import Layout
 from jax_reshard._plan import (
   LayoutPlan,
@@ -223,7 +223,7 @@ class ReshardPlan:
     # that devices holding no destination shard (a disjoint trainer's) keep nothing between
     # refits.
     spares: dict[Any, list[Any]] = {}
-    previous: Any = None  # the last bucket's first result
+    in_flight = InFlight()
     if old is not None:
       for i in self.layout_plan.scheduled:
         carry[i] = buffers_by_device(old[i])
@@ -238,8 +238,8 @@ class ReshardPlan:
       )
       # A relay stage takes the first stage's results as its source.
       xs = [arrays[i] if out[i] is None else out[i] for i in idx]
-      ys = exe(xs, dsts, spares, previous if exe.one_at_a_time else None)
-      previous = ys[0] if ys else None
+      ys = exe(xs, dsts, spares, in_flight.wait_for(exe))
+      in_flight.add(ys)
       for i, y in zip(idx, ys, strict=True):
         if isinstance(y, dict):
           carry[i] = y

@@ -13,6 +13,7 @@ Data moves as unsigned integers of the element width, so no backend pass that up
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -846,14 +847,44 @@ class _SlabWriter:
     return buffers_by_device(self.compiled[carried is not None](*args))
 
 
+IN_FLIGHT_BUCKETS = 2
+"""On CPU devices, how many bucket programs may be queued and not yet finished (see
+:func:`one_at_a_time`)."""
+
+
 def one_at_a_time(devices: Sequence[Any]) -> bool:
-  """Whether bucket programs on ``devices`` must run one at a time: on the CPU backend every
-  device of a collective program takes a thread of one shared pool and blocks in the
+  """Whether bucket programs on ``devices`` must be queued a few at a time: on the CPU backend
+  every device of a collective program takes a thread of one shared pool and blocks in the
   ``ppermute`` rendezvous until all arrive, so independent programs queued faster than they
   run can each hold some of the threads while none has all (seen as a 40 s rendezvous abort
-  with 200 buckets of 8 devices queued at once on 2 cores). Each program is then queued once
-  the previous one's results are ready; its staging still overlaps the previous run."""
+  with 200 buckets of 8 devices queued at once on 2 cores). A program is then queued once the
+  results of the bucket :data:`IN_FLIGHT_BUCKETS` before it are ready, so that one bucket runs
+  while the next is staged and queued."""
   return any(getattr(d, "platform", None) == "cpu" for d in devices)
+
+
+class InFlight:
+  """The results of the last :data:`IN_FLIGHT_BUCKETS` buckets of a call: what the next bucket
+  waits for before its program is queued, where :func:`one_at_a_time`."""
+
+  def __init__(self) -> None:
+    self._recent: collections.deque[Any] = collections.deque(maxlen=IN_FLIGHT_BUCKETS)
+
+  def wait_for(self, exe: Any) -> Any:
+    """What ``exe`` (a bucket's executable) waits for: ``None``, or one result of the bucket
+    :data:`IN_FLIGHT_BUCKETS` before it (all of a program's results are ready together). A
+    result carried into a later bucket was donated there; then one of a later bucket's."""
+    if not exe.one_at_a_time or len(self._recent) < IN_FLIGHT_BUCKETS:
+      return None
+    for ys in self._recent:  # oldest first
+      for y in jax.tree_util.tree_leaves(ys):
+        if not y.is_deleted():
+          return y
+    return None
+
+  def add(self, ys: Sequence[Any]) -> None:
+    """Records a bucket's results ``ys``."""
+    self._recent.append(ys)
 
 
 def clear_program_cache() -> None:
@@ -1173,7 +1204,7 @@ class BucketExecutable:
         shape, dtype); consumed, then refilled with this call's blocks of positions without a
         destination shard (see :meth:`_LeafIO.unstage`), for the caller's next bucket.
       wait_for: optional, arrays (a pytree) to wait for after staging, before the program is
-        queued: the previous bucket's results where :attr:`one_at_a_time`.
+        queued: an earlier bucket's results where :attr:`one_at_a_time`.
 
     Returns:
       Per leaf, the destination array, or (``carry_out``) its blocks by device id.

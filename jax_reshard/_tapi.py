@@ -9,7 +9,7 @@ from typing import Any
 
 import jax
 
-from jax_reshard._emit import TransformExecutable, empty_like_sharded
+from jax_reshard._emit import InFlight, TransformExecutable, empty_like_sharded
 from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
 from jax_reshard._plan import PlanStats, format_bytes
@@ -133,13 +133,12 @@ class TransformPlan:
         empty_like_sharded(lf.shape, lf.dtype, lf.dst_sharding) if not lf_plan.leaf.pieces else None
         for lf, lf_plan in zip(self.leaves, self.layout_plan.leaf_plans, strict=True)
       ]
-      previous: Any = None  # the last bucket's first output
+      in_flight = InFlight()
       for exe in self.executables(donate=old is not None):
         p = exe.program
         olds = [old[i] for i in p.output_leaves] if old is not None else []
-        wait = previous if exe.one_at_a_time else None
-        ys = exe([arrays[i] for i in p.input_leaves], olds, wait)
-        previous = ys[0] if ys else None
+        ys = exe([arrays[i] for i in p.input_leaves], olds, in_flight.wait_for(exe))
+        in_flight.add(ys)
         for i, y in zip(p.output_leaves, ys, strict=True):
           out[i] = y
     for a in old or ():
