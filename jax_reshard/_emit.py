@@ -625,13 +625,11 @@ def emit_body(
   switched = [li for li in range(num_src) if li not in writes and li not in direct]
   valued = {li: w for li, w in writes.items() if w.sources is None}
 
-  # Devices without any destination shard return donated blocks unchanged; where there are
-  # none, the (unused) branch makes zeros: aliasing it would cost XLA scratch elsewhere.
-  idle_used = bool((role_table(n, program.assembles) == 0).any())
-
+  # Devices without a destination shard return zeros for discarded blocks (of leaves not
+  # written in place): returning their donated blocks there costs XLA more scratch.
   def idle(me: jax.Array, blocks: Any, dsts: Any, recvs: Any) -> tuple[jax.Array, ...]:
     outs = [
-      _base(lf, dsts[li] if idle_used or lf.in_place else None)
+      _base(lf, dsts[li] if lf.in_place else None)
       for li, lf in ((li, program.leaves[li]) for li in switched)
     ]
     for li, w in valued.items():
