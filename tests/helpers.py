@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -183,3 +185,19 @@ def make_plan_within(src: Any, dst: Any, bound: int) -> Any:
     assert plan.stats.peak_staging_bytes <= bound
     return plan
   raise AssertionError("no bound accepted")
+
+
+@contextlib.contextmanager
+def compile_events() -> Iterator[list[str]]:
+  """The names of JAX's compile events while the block runs (a list filled in place)."""
+  events: list[str] = []
+
+  def listener(event: str, duration: float, **_: object) -> None:
+    if "compile" in event:
+      events.append(event)
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield events
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)

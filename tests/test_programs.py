@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_matches_oracle, random_host_array
+from helpers import assert_matches_oracle, compile_events, random_host_array
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -45,16 +45,6 @@ def _layer_bound(x: dict[str, Any], dst: dict[str, Any]) -> int:
   return jr.make_plan(one, {k: dst[k] for k in one}).stats.peak_staging_bytes
 
 
-def _count_compiles() -> tuple[list[str], Any]:
-  events: list[str] = []
-
-  def listener(event: str, duration: float, **_: object) -> None:
-    if "compile" in event:
-      events.append(event)
-
-  return events, listener
-
-
 def test_identical_buckets_share_one_program() -> None:
   hosts, x, dst = _layers(3)
   plan = jr.make_plan(x, dst, max_bucket_bytes=_layer_bound(x, dst))
@@ -73,13 +63,9 @@ def test_identical_buckets_share_one_program() -> None:
   leaves = jax.tree_util.tree_leaves(x)
   firsts = {}
   for b, exe in enumerate(exes):
-    events, listener = _count_compiles()
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with compile_events() as events:
       idx = [lf.index for lf in exe.program.leaves]
       outs = exe([leaves[i] for i in idx])
-    finally:
-      jax.monitoring.unregister_event_duration_listener(listener)
     sig = program_signature(exe.program)
     assert bool(events) == (sig not in firsts), (b, events)  # compiles once per signature
     firsts.setdefault(sig, b)
@@ -96,12 +82,8 @@ def test_layers_of_two_plans_share_programs() -> None:
   hosts4, x4, dst4 = _layers(4, seed=2)
   plan = jr.make_plan(x4, dst4, max_bucket_bytes=bound)
   assert plan.stats.num_buckets == 4 and plan.stats.num_programs == 1
-  events, listener = _count_compiles()
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  try:
+  with compile_events() as events:
     y = plan(x4)
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
   assert events == []
   for k, h in hosts4.items():
     assert_matches_oracle(y[k], h, dst4[k])
@@ -184,12 +166,8 @@ def test_leaf_cap_cuts_buckets_at_layer_boundaries(monkeypatch: pytest.MonkeyPat
   assert [len(b.leaves) for b in plan.schedule.buckets] == [1, 3, 3, 3, 3, 3, 1]
   assert plan.stats.num_programs == 3
   _emit.clear_program_cache()
-  events, listener = _count_compiles()
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  try:
+  with compile_events() as events:
     y = plan(x)
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
   assert len([e for e in events if "backend_compile" in e]) >= 3
   assert _emit._compiled_program.cache_info().currsize == 3
   for k, h in hosts.items():

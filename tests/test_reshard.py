@@ -15,6 +15,7 @@ from helpers import (
   DEVICE_SETS,
   DTYPES,
   assert_matches_oracle,
+  compile_events,
   independent_lower_bound,
   make_plan_within,
   random_case,
@@ -131,20 +132,11 @@ def test_reused_plan_does_not_recompile() -> None:
   plan = jr.make_plan(x, dst_s)
   assert_matches_oracle(plan(x), host, dst_s)  # first call compiles
 
-  compiles: list[str] = []
-
-  def listener(event: str, duration: float, **_: object) -> None:
-    if "compile" in event:
-      compiles.append(event)
-
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  try:
+  with compile_events() as compiles:
     for step in range(3):
       x2 = jax.device_put(host + step, src_s)
       assert_matches_oracle(plan(x2), host + step, dst_s)
       assert_matches_oracle(jr.reshard(x2, dst_s), host + step, dst_s)
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
   assert compiles == []
   assert jr.make_plan(x, dst_s) is plan  # plans are cached by layout
 
