@@ -79,30 +79,33 @@ class ReshardPlan:
     self._bucket_leaves = [stage.bucket_leaves(b) for stage, b in self._stage_buckets]
     self._programs: dict[bool, list[BucketProgram]] = {}
     self._executables: dict[bool, list[BucketExecutable]] = {}
-    self._classes = self._bucket_classes()
+    stage_classes = self._stage_classes()
+    classes: list[int] = []
+    for stage in stage_classes:  # numbered over the buckets of every stage
+      classes += [len(classes) + c for c in stage]
+    self._classes = tuple(classes)
     # Leaves whose whole shards travel as they are: only an array plan knows the types.
     self._as_is = frozenset(i for i, lf in enumerate(leaves) if travels_as_is(lf.dtype))
     self._stats = dataclasses.replace(
       self.layout_plan.stats,
       num_programs=len(set(self._classes)),
       passes_per_moved_byte=passes_per_moved_byte(
-        self.layout_plan.stages(), self.layout_plan.stats.bytes_moved, self._as_is
+        self.layout_plan.stages(), self.layout_plan.stats.bytes_moved, self._as_is, stage_classes
       ),
     )
 
-  def _bucket_classes(self) -> tuple[int, ...]:
-    """Per bucket of every stage, the first bucket with the same program (element types told
-    apart)."""
-    out: list[int] = []
-    for stage in self.layout_plan.stages():
-      classes = bucket_classes(
+  def _stage_classes(self) -> list[tuple[int, ...]]:
+    """Per stage, per bucket, the first bucket of the stage with the same program (element
+    types told apart)."""
+    return [
+      bucket_classes(
         stage.schedule,
         [stage.leaf_plans[i] for i in stage.scheduled],
         [stage.layouts[i] for i in stage.scheduled],
         [self.leaves[i].dtype for i in stage.scheduled],
       )
-      out += [len(out) + c for c in classes]
-    return tuple(out)
+      for stage in self.layout_plan.stages()
+    ]
 
   @property
   def stats(self) -> PlanStats:

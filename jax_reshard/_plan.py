@@ -29,6 +29,7 @@ from jax_reshard._layout import Layout
 from jax_reshard._planner import LeafPlan, plan_leaves
 from jax_reshard._schedule import (
   DEFAULT_MAX_BUCKET_BYTES,
+  Bucket,
   Schedule,
   dst_slab_window,
   make_schedule,
@@ -284,23 +285,26 @@ def _plan_tree(
     _split_relays(lp, d, isz) for lp, (_, d), isz in zip(full, layouts, itemsizes, strict=True)
   ]
   leaf_plans = tuple(first for first, _ in split)
-  relay = _relay_stage(
+  relay, relay_classes = _relay_stage(
     [second for _, second in split], layouts, itemsizes, max_bucket_bytes, topology, interleave
   )
   scheduled = tuple(i for i, (s, _) in enumerate(layouts) if math.prod(s.shape) > 0)
   scheduled = interleave_by_source(scheduled, layouts) if interleave else scheduled
-  first_stage = _stage_plan(
+  first_stage, classes = _stage_plan(
     layouts, itemsizes, leaf_plans, scheduled, max_bucket_bytes, topology, names
   )
   stats = _stats(first_stage, relay, full, topology)
   stages = (first_stage,) if relay is None else (first_stage, relay)
-  stats = dataclasses.replace(
-    stats, passes_per_moved_byte=passes_per_moved_byte(stages, stats.bytes_moved)
-  )
+  passes = passes_per_moved_byte(stages, stats.bytes_moved, None, [classes, relay_classes])
+  stats = dataclasses.replace(stats, passes_per_moved_byte=passes)
   return dataclasses.replace(first_stage, stats=stats, relay=relay)
 
 
-def pass_bytes(plan: LayoutPlan, as_is: Collection[int] | None = None) -> dict[str, int]:
+def pass_bytes(
+  plan: LayoutPlan,
+  as_is: Collection[int] | None = None,
+  classes: Sequence[int] | None = None,
+) -> dict[str, int]:
   """Bytes all devices read and write per call (without ``donate=``) of one stage's bucket
   programs, by step.
 
@@ -319,59 +323,128 @@ def pass_bytes(plan: LayoutPlan, as_is: Collection[int] | None = None) -> dict[s
   bucket's slab whole (discarded slab-sized blocks elsewhere), then reads it and writes it into
   the destination shard, which its first bucket fills with zeros. Zero source blocks
   (placeholders) are left out: small ones are made once and kept. ``as_is``: the leaves
-  (indices into ``plan.layouts``) whose types travel as they are; ``None``: all.
+  (indices into ``plan.layouts``) whose types travel as they are; ``None``: all. ``classes``:
+  the plan's :func:`bucket_classes` (any element kinds), if known: buckets of one program,
+  whose leaves also agree in everything else this count reads (:func:`_leaf_extras`), are
+  counted once.
   """
   out = dict.fromkeys(("pack", "transfer", "assemble", "zero_fill"), 0)
+  extras = _leaf_extras(plan, as_is) if classes is not None else []
+  done: dict[tuple[object, ...], dict[str, int]] = {}
+  for b, bucket in enumerate(plan.schedule.buckets):
+    key = None
+    if classes is not None:
+      key = (
+        classes[b],
+        *(
+          _bucket_extra(plan, j, c, extras)
+          for j, c in zip(bucket.leaves, bucket.chunks, strict=True)
+        ),
+      )
+    part = done.get(key) if key is not None else None
+    if part is None:
+      part = _bucket_pass_bytes(plan, bucket, as_is)
+      if key is not None:
+        done[key] = part
+    for step, k in part.items():
+      out[step] += k
+  return out
+
+
+def _leaf_extras(plan: LayoutPlan, as_is: Collection[int] | None) -> list[int]:
+  """Per scheduled leaf, a number equal for leaves that agree in what :func:`pass_bytes` reads
+  of them besides their bucket's program (:func:`bucket_classes`): its transfers' bytes, the
+  chunks of its rows, its slabs and windows, whether it spans several buckets, and whether it
+  travels as it is."""
+  sch = plan.schedule
+  ids: dict[tuple[object, ...], int] = {}
+  out = []
+  for j, i in enumerate(plan.scheduled):
+    key = (
+      plan.leaf_plans[i].nbytes.tobytes(),
+      sch.row_chunks[j].tobytes() if sch.row_chunks else None,
+      sch.leaf_slabs[j] if sch.leaf_slabs else None,
+      sch.leaf_dst_slabs[j] if sch.leaf_dst_slabs else None,
+      sch.leaf_windows[j] if sch.leaf_windows else None,
+      len(sch.leaf_buckets[j]) > 1 if sch.leaf_buckets else None,
+      as_is is None or i in as_is,
+    )
+    out.append(ids.setdefault(key, len(ids)))
+  return out
+
+
+def _bucket_extra(
+  plan: LayoutPlan, leaf: int, chunks: tuple[int, ...], extras: Sequence[int]
+) -> tuple[int, ...]:
+  """What :func:`pass_bytes` reads of ``leaf`` in a bucket moving ``chunks`` of it that its
+  bucket's program may not tell: :func:`_leaf_extras`, and for a destination slab, the slab's
+  width and whether it is the leaf's first (its chunks may share a program)."""
+  window = dst_slab_window(plan.schedule, leaf, chunks)
+  if window is None:
+    return (extras[leaf],)
+  return extras[leaf], window[2] - window[1], int(0 in chunks)
+
+
+def _bucket_pass_bytes(
+  plan: LayoutPlan, bucket: Bucket, as_is: Collection[int] | None
+) -> dict[str, int]:
+  """:func:`pass_bytes` of one bucket."""
+  out = dict.fromkeys(("pack", "transfer", "assemble", "zero_fill"), 0)
   spans = plan.schedule.leaf_buckets
-  for bucket in plan.schedule.buckets:
-    n = len(bucket.union_device_ids)
-    keys, first, _ = pair_runs(bucket)
-    nbytes = np.asarray(bucket.piece_nbytes, dtype=np.int64)
-    fill = np.add.reduceat(nbytes, first) if len(nbytes) else nbytes
-    rid, ps, pd, size = arrays = round_pairs(bucket.rounds)
-    sent_whole, received_whole = direct_steps(plan, bucket, arrays)
-    pairs = np.bincount(rid, minlength=len(size))
-    senders = receivers = pairs  # a round is a matching: each device sends, receives once
-    kept = np.zeros(len(size), dtype=np.int64)  # bytes of each payload sent as they are
-    for r, k in whole_segment_bytes(plan, bucket, as_is).items():
-      kept[r] = k
-    kept[sorted(sent_whole)] = size[sorted(sent_whole)]
-    packed = kept < size
-    read = (fill[np.searchsorted(keys, ps * (1 << 32) + pd)] - kept[rid])[packed[rid]]
-    out["transfer"] += int((2 * pairs * size).sum())
-    out["zero_fill"] += int(((n - receivers) * size).sum())
-    out["pack"] += int(read.sum()) + int((senders * (size - kept))[packed].sum())
-    out["zero_fill"] += int(((n - senders) * (size - kept))[packed].sum())
-    for j, chunks in zip(bucket.leaves, bucket.chunks, strict=True):
-      if j in received_whole:
-        continue
-      i = plan.scheduled[j]
-      lp, (_, dst), isz = plan.leaf_plans[i], plan.layouts[i], plan.itemsizes[i]
-      rows: np.ndarray | bool = True
-      if plan.schedule.row_chunks:  # a bucket's chunks of a leaf are consecutive
-        rc = plan.schedule.row_chunks[j]
-        rows = (rc >= chunks[0]) & (rc <= chunks[-1])
-      remote = int(lp.nbytes[rows & ~lp.local].sum())
-      local = int(lp.nbytes[rows & lp.local].sum())
-      shard = math.prod(dst.shard_shape()) * isz
-      whole = not spans or len(spans[j]) == 1
-      out["assemble"] += remote + local + (shard * len(dst.device_ids) if whole else remote + local)
-      if whole:
-        out["zero_fill"] += (n - len(dst.device_ids)) * shard
-      if (window := dst_slab_window(plan.schedule, j, chunks)) is not None:
-        slab = shard // dst.shard_shape()[window[0]] * (window[2] - window[1])
-        out["assemble"] += 2 * slab * len(dst.device_ids)
-        out["zero_fill"] += (n - len(dst.device_ids)) * slab
-        out["zero_fill"] += shard * len(dst.device_ids) if 0 in chunks else 0
+  n = len(bucket.union_device_ids)
+  keys, first, _ = pair_runs(bucket)
+  nbytes = np.asarray(bucket.piece_nbytes, dtype=np.int64)
+  fill = np.add.reduceat(nbytes, first) if len(nbytes) else nbytes
+  rid, ps, pd, size = arrays = round_pairs(bucket.rounds)
+  sent_whole, received_whole = direct_steps(plan, bucket, arrays)
+  pairs = np.bincount(rid, minlength=len(size))
+  senders = receivers = pairs  # a round is a matching: each device sends, receives once
+  kept = np.zeros(len(size), dtype=np.int64)  # bytes of each payload sent as they are
+  for r, k in whole_segment_bytes(plan, bucket, as_is).items():
+    kept[r] = k
+  kept[sorted(sent_whole)] = size[sorted(sent_whole)]
+  packed = kept < size
+  read = (fill[np.searchsorted(keys, ps * (1 << 32) + pd)] - kept[rid])[packed[rid]]
+  out["transfer"] += int((2 * pairs * size).sum())
+  out["zero_fill"] += int(((n - receivers) * size).sum())
+  out["pack"] += int(read.sum()) + int((senders * (size - kept))[packed].sum())
+  out["zero_fill"] += int(((n - senders) * (size - kept))[packed].sum())
+  for j, chunks in zip(bucket.leaves, bucket.chunks, strict=True):
+    if j in received_whole:
+      continue
+    i = plan.scheduled[j]
+    lp, (_, dst), isz = plan.leaf_plans[i], plan.layouts[i], plan.itemsizes[i]
+    rows: np.ndarray | bool = True
+    if plan.schedule.row_chunks:  # a bucket's chunks of a leaf are consecutive
+      rc = plan.schedule.row_chunks[j]
+      rows = (rc >= chunks[0]) & (rc <= chunks[-1])
+    remote = int(lp.nbytes[rows & ~lp.local].sum())
+    local = int(lp.nbytes[rows & lp.local].sum())
+    shard = math.prod(dst.shard_shape()) * isz
+    whole = not spans or len(spans[j]) == 1
+    out["assemble"] += remote + local + (shard * len(dst.device_ids) if whole else remote + local)
+    if whole:
+      out["zero_fill"] += (n - len(dst.device_ids)) * shard
+    if (window := dst_slab_window(plan.schedule, j, chunks)) is not None:
+      slab = shard // dst.shard_shape()[window[0]] * (window[2] - window[1])
+      out["assemble"] += 2 * slab * len(dst.device_ids)
+      out["zero_fill"] += (n - len(dst.device_ids)) * slab
+      out["zero_fill"] += shard * len(dst.device_ids) if 0 in chunks else 0
   return out
 
 
 def passes_per_moved_byte(
-  stages: Sequence[LayoutPlan], moved: int, as_is: Collection[int] | None = None
+  stages: Sequence[LayoutPlan],
+  moved: int,
+  as_is: Collection[int] | None = None,
+  classes: Sequence[Sequence[int] | None] | None = None,
 ) -> float:
-  """:attr:`PlanStats.passes_per_moved_byte` of ``stages`` run one after the other (``as_is``:
-  see :func:`pass_bytes`)."""
-  total = sum(sum(pass_bytes(st, as_is).values()) for st in stages)
+  """:attr:`PlanStats.passes_per_moved_byte` of ``stages`` run one after the other (``as_is``,
+  and per stage its ``classes`` if known: see :func:`pass_bytes`)."""
+  total = sum(
+    sum(pass_bytes(st, as_is, None if classes is None else classes[k]).values())
+    for k, st in enumerate(stages)
+  )
   return total / (2 * moved) if moved else 0.0
 
 
@@ -416,11 +489,12 @@ def _relay_stage(
   max_bucket_bytes: int | None,
   topology: Topology | None,
   interleave: bool,
-) -> LayoutPlan | None:
-  """The relay stage of the leaves with a second-stage plan, or ``None`` if none has one."""
+) -> tuple[LayoutPlan | None, tuple[int, ...]]:
+  """The relay stage of the leaves with a second-stage plan, or ``None`` if none has one, with
+  its :func:`bucket_classes`."""
   relayed = tuple(i for i, second in enumerate(seconds) if second is not None)
   if not relayed:
-    return None
+    return None, ()
   if interleave:
     relayed = interleave_by_source(relayed, layouts)
   return _stage_plan(
@@ -444,9 +518,10 @@ def _stage_plan(
   max_bucket_bytes: int | None,
   topology: Topology | None,
   names: Sequence[str] | None = None,
-) -> LayoutPlan:
-  """One stage: its leaf plans scheduled, with the stats of this stage alone. Leaves split over
-  several buckets come back with their remote transfers cut into chunks."""
+) -> tuple[LayoutPlan, tuple[int, ...]]:
+  """One stage: its leaf plans scheduled, with the stats of this stage alone, and its
+  :func:`bucket_classes` (itemsizes as kinds). Leaves split over several buckets come back with
+  their remote transfers cut into chunks."""
   schedule = make_schedule(
     [leaf_plans[i] for i in scheduled],
     [layouts[i] for i in scheduled],
@@ -458,11 +533,12 @@ def _stage_plan(
   for j, i in enumerate(scheduled):  # the transfers as the buckets move them (chunks)
     chunked[i] = schedule.leaf_plans[j]
   leaf_plans = tuple(chunked)
-  programs = count_programs(leaf_plans, layouts, scheduled, schedule, itemsizes)
-  stats = schedule_stats(leaf_plans, schedule, programs)
-  return LayoutPlan(
+  classes = stage_classes(leaf_plans, layouts, scheduled, schedule, itemsizes)
+  stats = schedule_stats(leaf_plans, schedule, len(set(classes)))
+  plan = LayoutPlan(
     layouts, itemsizes, leaf_plans, scheduled, schedule, stats, max_bucket_bytes, topology
   )
+  return plan, classes
 
 
 def schedule_stats(
@@ -574,21 +650,20 @@ def _split_relays(lp: LeafPlan, dst: Layout, itemsize: int) -> tuple[LeafPlan, L
   return stage0, stage1
 
 
-def count_programs(
+def stage_classes(
   leaf_plans: Sequence[LeafPlan],
   layouts: Sequence[tuple[Layout, Layout]],
   scheduled: Sequence[int],
   schedule: Schedule,
   kinds: Sequence[object],
-) -> int:
-  """Distinct bucket programs (see :func:`bucket_classes`); ``kinds`` per leaf of the plan."""
-  classes = bucket_classes(
+) -> tuple[int, ...]:
+  """The :func:`bucket_classes` of a stage; ``kinds`` per leaf of the plan."""
+  return bucket_classes(
     schedule,
     [leaf_plans[i] for i in scheduled],
     [layouts[i] for i in scheduled],
     [kinds[i] for i in scheduled],
   )
-  return len(set(classes))
 
 
 def format_plan(plan: LayoutPlan, title: str, stats: PlanStats | None = None) -> str:
