@@ -34,7 +34,7 @@ import dataclasses
 import itertools
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -659,15 +659,29 @@ class _Tree:
   slabs: dict[int, tuple[int, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
   dst_slabs: dict[int, tuple[int, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
   windows: dict[int, tuple[int, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
-  # per split key: the rows, their chunks, and the source and destination slabs (or None)
+  # per split key: its number, the rows, their chunks, the source and destination slabs and
+  # the windows (or None)
   splits: dict[tuple[object, ...], tuple[Any, ...]] = dataclasses.field(default_factory=dict)
   plans: list[LeafPlan] = dataclasses.field(default_factory=list)
   chunks: list[np.ndarray] = dataclasses.field(default_factory=list)
   payloads: list[np.ndarray] = dataclasses.field(default_factory=list)  # (chunks, devices)
   round_cache: dict[bytes, tuple[list[Round], np.ndarray]] = dataclasses.field(default_factory=dict)
+  # per leaf, what its rows and chunks are: ("orig", its transfers' bytes) as planned,
+  # ("split", i) the split numbered i of tree.splits (shared by leaves of one split key), else
+  # ("fresh", a number of its own)
+  states: list[tuple[Any, ...]] = dataclasses.field(default_factory=list)
+  fresh: Iterator[int] = dataclasses.field(default_factory=itertools.count)
+  built: dict[tuple[Any, ...], tuple[_Built, np.ndarray]] = dataclasses.field(default_factory=dict)
 
-  def set_chunks(self, leaf: int, plan: LeafPlan, chunk: np.ndarray) -> None:
-    """Records ``leaf``'s rows and their chunks, and each chunk's payload bytes per device."""
+  def set_chunks(
+    self, leaf: int, plan: LeafPlan, chunk: np.ndarray, state: tuple[Any, ...] | None = None
+  ) -> None:
+    """Records ``leaf``'s rows and their chunks, and each chunk's payload bytes per device;
+    ``state``: see :attr:`states` (default: a new number)."""
+    state = ("fresh", next(self.fresh)) if state is None else state
+    if leaf == len(self.states):
+      self.states.append(state)
+    self.states[leaf] = state
     n, k = len(self.union), int(chunk.max(initial=0)) + 1
     remote = ~plan.local
     nb, c = plan.nbytes[remote], chunk[remote]
@@ -680,6 +694,17 @@ class _Tree:
       self.payloads.append(pay)
     self.plans[leaf], self.chunks[leaf] = plan, chunk
     self.payloads[leaf] = pay.astype(np.int64).reshape(k, n)
+
+  def state(self, leaf: int) -> tuple[Any, ...]:
+    """Equal for leaves whose chunks build equal buckets (up to their leaf numbers): their
+    kind, rows, chunks, slabs and windows."""
+    return (
+      self.kinds[leaf],
+      self.states[leaf],
+      self.slabs.get(leaf),
+      self.dst_slabs.get(leaf),
+      self.windows.get(leaf),
+    )
 
   def items(self, leaf: int) -> list[tuple[int, int]]:
     return [(leaf, c) for c in range(len(self.payloads[leaf]))]
@@ -803,11 +828,30 @@ def _whole_first(
 
 
 def _build(tree: _Tree, items: Sequence[tuple[int, int]]) -> _Built:
-  """The bucket of ``items`` ((leaf, chunk), consecutive) with its rounds and byte counts."""
+  """The bucket of ``items`` ((leaf, chunk), consecutive) with its rounds and byte counts. A
+  bucket like one built before (leaves of the same states in the same order, the layers of a
+  model) is that bucket with its leaves renumbered."""
   chunks: dict[int, list[int]] = {}
   for leaf, c in items:
     chunks.setdefault(leaf, []).append(c)
   leaves = list(chunks)
+  # Pieces sort by leaf number: renumbering keeps their order where both ascend.
+  ascending = all(a < b for a, b in itertools.pairwise(leaves))
+  key = tuple((tree.state(leaf), tuple(chunks[leaf])) for leaf in leaves) if ascending else None
+  if key is not None and key in tree.built:
+    before, position = tree.built[key]
+    piece_leaf = np.asarray(leaves, dtype=np.int64)[position]
+    bucket = dataclasses.replace(before.bucket, leaves=tuple(leaves), piece_leaf=piece_leaf)
+    return dataclasses.replace(before, bucket=bucket)
+  built = _build_new(tree, leaves, chunks)
+  if key is not None:
+    position = np.searchsorted(np.asarray(leaves, dtype=np.int64), built.bucket.piece_leaf)
+    tree.built[key] = built, position
+  return built
+
+
+def _build_new(tree: _Tree, leaves: list[int], chunks: dict[int, list[int]]) -> _Built:
+  """:func:`_build` of ``leaves`` (their ``chunks``), from scratch."""
   # A bucket's chunks of a leaf are consecutive.
   rows = [
     (tree.chunks[leaf] >= chunks[leaf][0]) & (tree.chunks[leaf] <= chunks[leaf][-1])
@@ -983,9 +1027,9 @@ def _split_leaf(tree: _Tree, leaf: int, k: int) -> None:
   """
   key = _split_key(tree, leaf)
   if key not in tree.splits:  # else a leaf like one split before (the layers of a model)
-    tree.splits[key] = _best_split(tree, leaf, k)
-  plan, chunk, slabs, dst_slabs, windows = tree.splits[key]
-  tree.set_chunks(leaf, plan, chunk)
+    tree.splits[key] = (len(tree.splits), *_best_split(tree, leaf, k))
+  number, plan, chunk, slabs, dst_slabs, windows = tree.splits[key]
+  tree.set_chunks(leaf, plan, chunk, ("split", number))
   if windows is not None:
     tree.windows[leaf] = windows
   if slabs is not None:
@@ -1244,7 +1288,9 @@ def make_schedule(
     allow_slabs=slabs,
   )
   for leaf, plan in enumerate(plans):
-    tree.set_chunks(leaf, plan, np.zeros(len(plan.nbytes), dtype=np.int64))
+    tree.set_chunks(
+      leaf, plan, np.zeros(len(plan.nbytes), dtype=np.int64), ("orig", plan.nbytes.tobytes())
+    )
   _presplit(tree)
   built = _fill_buckets(tree)
   leaf_buckets: list[list[int]] = [[] for _ in plans]

@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jax_reshard import Layout, Topology
+
 DTYPES = [
   np.dtype(np.float32),
   np.dtype(jnp.bfloat16),
@@ -201,3 +203,32 @@ def compile_events() -> Iterator[list[str]]:
     yield events
   finally:
     jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def split_cases() -> list[tuple[list[tuple[Layout, Layout]], int, Topology | None]]:
+  """Trees of repeated leaves whose bounds cut them into destination slabs, source slabs,
+  sub-boxes and windows, and one with relays."""
+
+  def lay(shape: tuple[int, ...], mesh: tuple[int, ...], names: tuple[str, ...], spec: Any,
+          ids: range) -> Layout:  # fmt: skip
+    return Layout.from_description(
+      shape, mesh_shape=mesh, axis_names=names, spec=spec, device_ids=ids
+    )
+
+  col = lay((64, 16), (4,), ("t",), (None, "t"), range(4, 8))
+  rep = lay((64, 16), (2,), ("r",), (), range(2))
+  a = lay((8, 256), (4,), ("x",), ("x",), range(4))
+  b = lay((8, 256), (2,), ("x",), ("x",), range(4, 6))
+  c = lay((32, 32), (2, 2), ("x", "y"), ("x", "y"), range(4))
+  d = lay((32, 32), (4,), ("x",), (None, "x"), range(4, 8))
+  g = lay((4, 4, 256), (4,), ("x",), ("x",), range(4))
+  h = lay((4, 4, 256), (4,), ("x",), (None, "x"), range(4))
+  e = lay((16, 16), (2,), ("x",), ("x",), range(2))
+  f = lay((16, 16), (2, 2), ("t", "d"), (None, "t"), range(4, 8))  # pairs of a node: relays
+  return [
+    ([(col, rep)] * 3 + [(rep, col)] * 2, 2560, None),
+    ([(a, b)] * 4 + [(b, a)] * 3, 4096, None),
+    ([(c, d), (d, c)] * 3, 1600, None),
+    ([(g, h)] * 3, 600, None),
+    ([(e, f)] * 5, 700, Topology.h100_nodes(devices_per_node=2)),
+  ]

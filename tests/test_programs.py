@@ -9,12 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_matches_oracle, compile_events, random_host_array
+from helpers import assert_matches_oracle, compile_events, random_host_array, split_cases
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_reshard as jr
 from jax_reshard import _buffers, _emit, _schedule
+from jax_reshard._classes import bucket_classes
 from jax_reshard._plan import pass_bytes
 from jax_reshard._program import make_bucket_program, program_signature
 
@@ -287,6 +288,31 @@ def test_passes_count_destination_slab_writes() -> None:
     for r in b.rounds
   )
   assert steps["zero_fill"] == idle + 2 * 4096 + 4 * 4096  # zeros of idle devices in rounds
+
+
+def test_pass_bytes_per_program_equal_those_per_bucket() -> None:
+  """:func:`pass_bytes` given the bucket classes counts each program once; it gives what the
+  walk over every bucket gives, for leaves split into each kind of chunk (the chunks of a leaf
+  share a program but not its first bucket's zero fill), with relays, for any ``as_is``."""
+  kinds = set()
+  for layouts, bound, topo in split_cases():
+    plan = jr.plan_layouts(layouts, [4] * len(layouts), max_bucket_bytes=bound, topology=topo)
+    for stage in plan.stages():
+      sch = stage.schedule
+      for kind, per_leaf in (("src slabs", sch.leaf_slabs), ("dst slabs", sch.leaf_dst_slabs),
+                             ("windows", sch.leaf_windows)):  # fmt: skip
+        kinds |= {kind} if any(v is not None for v in per_leaf) else set()
+      kinds |= {"relays"} if stage is plan.relay else set()
+      classes = bucket_classes(
+        sch,
+        [stage.leaf_plans[i] for i in stage.scheduled],
+        [stage.layouts[i] for i in stage.scheduled],
+        [4] * len(stage.scheduled),
+      )
+      assert len(set(classes)) < len(sch.buckets)
+      for as_is in (None, set(), set(range(0, len(layouts), 2))):
+        assert pass_bytes(stage, as_is, classes) == pass_bytes(stage, as_is)
+  assert kinds == {"src slabs", "dst slabs", "windows", "relays"}
 
 
 def test_whole_shards_move_without_pack_or_assembly() -> None:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import Counter
+from typing import Any
 
 import numpy as np
 import pytest
+from helpers import split_cases
 
-from jax_reshard import Layout
+import jax_reshard as jr
+from jax_reshard import Layout, _schedule
 from jax_reshard._planner import plan_leaves
 from jax_reshard._schedule import (
   BucketBoundError,
@@ -352,3 +356,44 @@ def test_alternating_paths_walked_once_give_the_textbook_colouring(seed: int) ->
   late = _first_fit_swapping(s, d, k)
   assert len(set(zip(s, late, strict=True))) == len(set(zip(d, late, strict=True))) == m
   assert max(late) + 1 == k and (_first_fit(s, d, k) in (None, late))
+
+
+def _values(x: object) -> object:
+  """``x`` (dataclasses, tuples, arrays) as nested tuples that compare by value."""
+  if isinstance(x, np.ndarray):
+    return ("array", x.dtype.str, x.shape, x.tobytes())
+  if dataclasses.is_dataclass(x) and not isinstance(x, type):
+    return tuple((f.name, _values(getattr(x, f.name))) for f in dataclasses.fields(x))
+  if isinstance(x, (tuple, list)):
+    return tuple(_values(v) for v in x)
+  return x
+
+
+def test_buckets_like_ones_built_before_are_those_renumbered(
+  monkeypatch: pytest.MonkeyPatch,
+) -> None:
+  """Buckets of leaves in the same states (kind, chunks, slabs, windows) are built once and
+  renumbered: every schedule, split leaves and relay stages included, is the one built bucket
+  by bucket (no two leaves in the same state)."""
+  made = []
+  build_new = _schedule._build_new
+
+  def counted(*args: Any) -> Any:
+    made.append(1)
+    return build_new(*args)
+
+  monkeypatch.setattr(_schedule, "_build_new", counted)
+  plans = []
+  for layouts, bound, topo in split_cases():
+    plans.append(
+      jr.plan_layouts(layouts, [4] * len(layouts), max_bucket_bytes=bound, topology=topo)
+    )
+  shared = len(made)
+  fresh = itertools.count()
+  monkeypatch.setattr(_schedule._Tree, "state", lambda self, leaf: (next(fresh),))
+  for (layouts, bound, topo), plan in zip(split_cases(), plans, strict=True):
+    alone = jr.plan_layouts(layouts, [4] * len(layouts), max_bucket_bytes=bound, topology=topo)
+    for a, b in zip(plan.stages(), alone.stages(), strict=True):
+      assert _values(a.schedule) == _values(b.schedule)
+      assert _values(a.leaf_plans) == _values(b.leaf_plans) and a.stats == b.stats
+  assert shared < 0.7 * (len(made) - shared)  # many buckets were renumbered, not built
