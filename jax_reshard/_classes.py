@@ -43,7 +43,11 @@ def bucket_classes(
   """
   leaf_ids: dict[tuple[Any, ...], int] = {}
   leaf_class: dict[int, int] = {}
-  first: dict[tuple[Any, ...], int] = {}
+  rounds = _Numbers()
+  # Buckets by everything but their pieces; per such group, each distinct pieces' bytes and
+  # the first bucket with them (bytes compared only where all else is equal: faster than
+  # hashing them).
+  first: dict[tuple[Any, ...], list[tuple[bytes, int]]] = {}
   out = []
   for b, bucket in enumerate(schedule.buckets):
     for leaf in bucket.leaves:
@@ -75,14 +79,33 @@ def bucket_classes(
     )
     key = (
       bucket.union_device_ids,
-      bucket.rounds,
-      pieces.tobytes(),
+      tuple(rounds.number(r) for r in bucket.rounds),
       tuple(leaf_class[leaf] for leaf in bucket.leaves),
       chunks,  # which local copies, which slab of a leaf cut into slabs, or a window's rows
       _modes(schedule, b, bucket.leaves, shifts),
     )
-    out.append(first.setdefault(key, b))
+    data = pieces.tobytes()
+    group = first.setdefault(key, [])
+    same = [c for other, c in group if other == data]
+    if not same:
+      group.append((data, b))
+    out.append(same[0] if same else b)
   return tuple(out)
+
+
+class _Numbers:
+  """Numbers values (equal values, equal numbers), looking each object up by value once."""
+
+  def __init__(self) -> None:
+    self.by_value: dict[Any, int] = {}
+    self.by_object: dict[int, tuple[Any, int]] = {}  # id -> (the object, kept alive; number)
+
+  def number(self, value: Any) -> int:
+    seen = self.by_object.get(id(value))
+    if seen is None:
+      seen = value, self.by_value.setdefault(value, len(self.by_value))
+      self.by_object[id(value)] = seen
+    return seen[1]
 
 
 def _windowed(
@@ -98,7 +121,11 @@ def _windowed(
       out.append(chunks)
       continue
     lp = schedule.leaf_plans[leaf]
-    rows = np.flatnonzero(np.isin(schedule.row_chunks[leaf], chunks))
+    rc = schedule.row_chunks[leaf]
+    if chunks[-1] - chunks[0] == len(chunks) - 1:  # consecutive, as buckets take them
+      rows = np.flatnonzero((rc >= chunks[0]) & (rc <= chunks[-1]))
+    else:
+      rows = np.flatnonzero(np.isin(rc, chunks))
     lo, hi = lp.lo[rows].copy(), lp.hi[rows].copy()
     lo[:, shift[0]] -= shift[1]
     hi[:, shift[0]] -= shift[1]
