@@ -443,9 +443,14 @@ def _swap_path(
 
 
 def _make_rounds(
-  ps: np.ndarray, pd: np.ndarray, fill: np.ndarray
+  ps: np.ndarray,
+  pd: np.ndarray,
+  fill: np.ndarray,
+  colourings: dict[tuple[bytes, bytes, bool], np.ndarray] | None = None,
 ) -> tuple[list[Round], np.ndarray]:
   """Rounds for pairs ``(ps[i], pd[i])`` of ``fill[i]`` bytes, and each pair's round size.
+  ``colourings``: :func:`_color_dense`'s results by its arguments, read and filled (the
+  buckets of a tree colour the same pairs again and again).
 
   Two colourings are compared by the time they imply where devices run in parallel, the sum
   over rounds of the round's largest payload: one that colours size classes (payloads within
@@ -473,7 +478,13 @@ def _make_rounds(
     colour = np.empty(len(fill), dtype=np.int64)
     base = 0
     for a, b in classes:
-      colour[a:b] = base + _color_dense(s[a:b], d[a:b], swap_late=len(classes) > 1)
+      key = (s[a:b].tobytes(), d[a:b].tobytes(), len(classes) > 1)
+      found = colourings.get(key) if colourings is not None else None
+      if found is None:
+        found = _color_dense(s[a:b], d[a:b], swap_late=key[2])
+        if colourings is not None:
+          colourings[key] = found
+      colour[a:b] = base + found
       base = int(colour[a:b].max()) + 1
     size = np.zeros(base, dtype=np.int64)
     np.maximum.at(size, colour, fill)
@@ -666,6 +677,7 @@ class _Tree:
   chunks: list[np.ndarray] = dataclasses.field(default_factory=list)
   payloads: list[np.ndarray] = dataclasses.field(default_factory=list)  # (chunks, devices)
   round_cache: dict[bytes, tuple[list[Round], np.ndarray]] = dataclasses.field(default_factory=dict)
+  colourings: dict[tuple[bytes, bytes, bool], np.ndarray] = dataclasses.field(default_factory=dict)
   # per leaf, what its rows and chunks are: ("orig", its transfers' bytes) as planned,
   # ("split", i) the split numbered i of tree.splits (shared by leaves of one split key), else
   # ("fresh", a number of its own)
@@ -862,7 +874,7 @@ def _build_new(tree: _Tree, leaves: list[int], chunks: dict[int, list[int]]) -> 
   ps, pd = src[first], dst[first]
   key = ps.tobytes() + b"|" + pd.tobytes() + b"|" + fill.tobytes()
   if key not in tree.round_cache:
-    tree.round_cache[key] = _make_rounds(ps, pd, fill)
+    tree.round_cache[key] = _make_rounds(ps, pd, fill, tree.colourings)
   rounds, round_bytes = tree.round_cache[key]
   src, dst, leaf_of, transfer, nbytes, offset = _whole_first(
     tree, rounds, (src, dst, leaf_of, transfer, nbytes), first

@@ -101,6 +101,26 @@ def test_rounds_minimise_parallel_time_over_padding() -> None:
     assert len({s for s, _ in r.pairs}) == len({d for _, d in r.pairs}) == len(r.pairs) == 4
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_rounds_from_colourings_kept_are_those_made_anew(seed: int) -> None:
+  """Rounds made with the colourings of earlier pairs at hand (a tree's buckets colour the same
+  pairs again and again) are those made without; the same pairs in another order colour
+  apart."""
+  from jax_reshard._schedule import _make_rounds
+
+  rng = np.random.default_rng(seed)
+  kept: dict[tuple[bytes, bytes, bool], np.ndarray] = {}
+  for _ in range(8):
+    n = int(rng.integers(2, 40))
+    ps, pd = rng.integers(0, 6, n), rng.integers(4, 12, n)
+    fill = rng.choice([100, 101, 150, 400], n)
+    for order in (np.arange(n), rng.permutation(n)):
+      got = _make_rounds(ps[order], pd[order], fill[order], kept)
+      want = _make_rounds(ps[order], pd[order], fill[order])
+      assert got[0] == want[0] and (got[1] == want[1]).all()
+  assert kept
+
+
 def _replicated(shape=(64, 16), n_src=2, dst_ids=range(4, 8)):
   """A source replicated on ``n_src`` devices, a destination column-sharded over ``dst_ids``."""
   src = Layout.from_description(
