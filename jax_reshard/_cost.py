@@ -32,6 +32,7 @@ from typing import Protocol
 
 import numpy as np
 
+from jax_reshard._classes import bucket_classes
 from jax_reshard._layout import Layout
 from jax_reshard._planner import LeafPlan
 from jax_reshard._schedule import (
@@ -105,7 +106,10 @@ class Estimate:
 
 
 def estimate(
-  plan: _Plan, topology: Topology | None = None, as_is: Collection[int] | None = None
+  plan: _Plan,
+  topology: Topology | None = None,
+  as_is: Collection[int] | None = None,
+  classes: Sequence[Sequence[int]] | None = None,
 ) -> Estimate:
   """Predicts the time ``plan`` takes on ``topology`` (default: the topology it was made for).
 
@@ -114,6 +118,8 @@ def estimate(
     topology: link and memory costs; a plan made without a topology needs one here.
     as_is: the leaves whose whole source shards travel as they are (see
       :func:`whole_segment_bytes`); ``None``: all.
+    classes: per stage, its :func:`bucket_classes` (any element kinds), if known; else they
+      are found (item sizes as kinds). Buckets equal in :func:`count_keys` are costed once.
 
   Returns:
     An :class:`Estimate`: a prediction from the model in this module's docstring.
@@ -135,11 +141,14 @@ def estimate(
   topo = topology or plan.topology
   if topo is None:
     raise ValueError("estimate needs a topology: plan.estimate(jr.Topology.h100_nodes())")
-  parts = [
-    _bucket_cost(stage, b, topo, as_is)
-    for stage in plan.stages()
-    for b in range(len(stage.schedule.buckets))
-  ]
+  parts = []
+  for k, stage in enumerate(plan.stages()):
+    keys = count_keys(stage, _classes(stage) if classes is None else classes[k], as_is)
+    done: dict[tuple[object, ...], _BucketCost] = {}
+    for b, key in enumerate(keys):
+      if key not in done:
+        done[key] = _bucket_cost(stage, b, topo, as_is)
+      parts.append(done[key])
   leaves = [len(stage.schedule.buckets[b].leaves) for stage in plan.stages() for b in
             range(len(stage.schedule.buckets))]  # fmt: skip
   calls = [topo.call_latency + topo.leaf_latency * n for n in leaves]
@@ -161,6 +170,63 @@ def estimate(
     ),
     round_seconds=tuple(tuple((c.transfer + c.pack).tolist()) for c in parts),
     topology=topo.name,
+  )
+
+
+def count_keys(
+  plan: _Stage, classes: Sequence[int], as_is: Collection[int] | None = None
+) -> list[tuple[object, ...]]:
+  """Per bucket of ``plan``, a key equal for buckets whose byte counts (``_plan.pass_bytes``)
+  and costs (:func:`estimate`) are equal: its ``classes`` entry (:func:`bucket_classes`, the
+  same program) and, per leaf, what those counts read that a program may not tell
+  (:func:`_bucket_extra`). ``as_is``: as for :func:`whole_segment_bytes`."""
+  extras = _leaf_extras(plan, as_is)
+  out = []
+  for b, bucket in enumerate(plan.schedule.buckets):
+    leaves = zip(bucket.leaves, bucket.chunks, strict=True)
+    out.append((classes[b], *(_bucket_extra(plan, j, c, extras) for j, c in leaves)))
+  return out
+
+
+def _leaf_extras(plan: _Stage, as_is: Collection[int] | None) -> list[int]:
+  """Per scheduled leaf, a number equal for leaves that agree in what the byte counts read of
+  them besides their bucket's program: its transfers' bytes, the chunks of its rows, its slabs
+  and windows, whether it spans several buckets, and whether it travels as it is."""
+  sch = plan.schedule
+  ids: dict[tuple[object, ...], int] = {}
+  out = []
+  for j, i in enumerate(plan.scheduled):
+    key = (
+      plan.leaf_plans[i].nbytes.tobytes(),
+      sch.row_chunks[j].tobytes() if sch.row_chunks else None,
+      sch.leaf_slabs[j] if sch.leaf_slabs else None,
+      sch.leaf_dst_slabs[j] if sch.leaf_dst_slabs else None,
+      sch.leaf_windows[j] if sch.leaf_windows else None,
+      len(sch.leaf_buckets[j]) > 1 if sch.leaf_buckets else None,
+      as_is is None or i in as_is,
+    )
+    out.append(ids.setdefault(key, len(ids)))
+  return out
+
+
+def _bucket_extra(
+  plan: _Stage, leaf: int, chunks: tuple[int, ...], extras: Sequence[int]
+) -> tuple[object, ...]:
+  """What the byte counts read of ``leaf`` in a bucket moving ``chunks`` of it that its
+  bucket's program may not tell: :func:`_leaf_extras`, and for a leaf cut into slabs, the
+  chunks (slabs of one width may share a program, not their first bucket's zero fill)."""
+  sch = plan.schedule
+  slabs = [s[leaf] for s in (sch.leaf_slabs, sch.leaf_dst_slabs) if s]
+  return (extras[leaf], chunks) if any(s is not None for s in slabs) else (extras[leaf],)
+
+
+def _classes(stage: _Stage) -> tuple[int, ...]:
+  """The :func:`bucket_classes` of a stage, item sizes as kinds."""
+  return bucket_classes(
+    stage.schedule,
+    [stage.leaf_plans[i] for i in stage.scheduled],
+    [stage.layouts[i] for i in stage.scheduled],
+    [stage.itemsizes[i] for i in stage.scheduled],
   )
 
 

@@ -18,6 +18,7 @@ import numpy as np
 from jax_reshard._classes import bucket_classes
 from jax_reshard._cost import (
   Estimate,
+  count_keys,
   direct_steps,
   estimate,
   pair_runs,
@@ -262,11 +263,15 @@ def _plan_relays_or_not(
   names: tuple[str, ...],
 ) -> LayoutPlan:
   """The plan with ``relays``; for ``"auto"``, the faster predicted of with and without."""
-  relayed = _plan_tree(*args, relays is not False, interleave, names)
+  relayed, relayed_classes = _plan_tree(*args, relays is not False, interleave, names)
   if relays != "auto" or relayed.relay is None:
     return relayed
-  direct = _plan_tree(*args, False, interleave, names)
-  return direct if direct.estimate().seconds < relayed.estimate().seconds else relayed
+  direct, direct_classes = _plan_tree(*args, False, interleave, names)
+  faster = (
+    estimate(direct, classes=direct_classes).seconds
+    < estimate(relayed, classes=relayed_classes).seconds
+  )
+  return direct if faster else relayed
 
 
 def _plan_tree(
@@ -277,8 +282,9 @@ def _plan_tree(
   relays: bool,
   interleave: bool,
   names: tuple[str, ...],
-) -> LayoutPlan:
-  """:func:`plan_layouts` on normalised arguments."""
+) -> tuple[LayoutPlan, list[tuple[int, ...]]]:
+  """:func:`plan_layouts` on normalised arguments, with the :func:`bucket_classes` of each
+  stage."""
   full = tuple(plan_leaves(layouts, itemsizes, topology=topology, relays=relays))
   interleave = interleave and _domains(layouts, topology) > 1
   split = [
@@ -295,9 +301,11 @@ def _plan_tree(
   )
   stats = _stats(first_stage, relay, full, topology)
   stages = (first_stage,) if relay is None else (first_stage, relay)
-  passes = passes_per_moved_byte(stages, stats.bytes_moved, None, [classes, relay_classes])
+  stage_classes = [classes] if relay is None else [classes, relay_classes]
+  passes = passes_per_moved_byte(stages, stats.bytes_moved, None, stage_classes)
   stats = dataclasses.replace(stats, passes_per_moved_byte=passes)
-  return dataclasses.replace(first_stage, stats=stats, relay=relay)
+  plan = dataclasses.replace(first_stage, stats=stats, relay=relay)
+  return plan, stage_classes
 
 
 def pass_bytes(
@@ -324,65 +332,21 @@ def pass_bytes(
   the destination shard, which its first bucket fills with zeros. Zero source blocks
   (placeholders) are left out: small ones are made once and kept. ``as_is``: the leaves
   (indices into ``plan.layouts``) whose types travel as they are; ``None``: all. ``classes``:
-  the plan's :func:`bucket_classes` (any element kinds), if known: buckets of one program,
-  whose leaves also agree in everything else this count reads (:func:`_leaf_extras`), are
-  counted once.
+  the plan's :func:`bucket_classes` (any element kinds), if known: buckets of one program
+  that agree in everything else this count reads (:func:`count_keys`) are counted once.
   """
   out = dict.fromkeys(("pack", "transfer", "assemble", "zero_fill"), 0)
-  extras = _leaf_extras(plan, as_is) if classes is not None else []
+  keys = count_keys(plan, classes, as_is) if classes is not None else None
   done: dict[tuple[object, ...], dict[str, int]] = {}
   for b, bucket in enumerate(plan.schedule.buckets):
-    key = None
-    if classes is not None:
-      key = (
-        classes[b],
-        *(
-          _bucket_extra(plan, j, c, extras)
-          for j, c in zip(bucket.leaves, bucket.chunks, strict=True)
-        ),
-      )
-    part = done.get(key) if key is not None else None
+    part = done.get(keys[b]) if keys is not None else None
     if part is None:
       part = _bucket_pass_bytes(plan, bucket, as_is)
-      if key is not None:
-        done[key] = part
+      if keys is not None:
+        done[keys[b]] = part
     for step, k in part.items():
       out[step] += k
   return out
-
-
-def _leaf_extras(plan: LayoutPlan, as_is: Collection[int] | None) -> list[int]:
-  """Per scheduled leaf, a number equal for leaves that agree in what :func:`pass_bytes` reads
-  of them besides their bucket's program (:func:`bucket_classes`): its transfers' bytes, the
-  chunks of its rows, its slabs and windows, whether it spans several buckets, and whether it
-  travels as it is."""
-  sch = plan.schedule
-  ids: dict[tuple[object, ...], int] = {}
-  out = []
-  for j, i in enumerate(plan.scheduled):
-    key = (
-      plan.leaf_plans[i].nbytes.tobytes(),
-      sch.row_chunks[j].tobytes() if sch.row_chunks else None,
-      sch.leaf_slabs[j] if sch.leaf_slabs else None,
-      sch.leaf_dst_slabs[j] if sch.leaf_dst_slabs else None,
-      sch.leaf_windows[j] if sch.leaf_windows else None,
-      len(sch.leaf_buckets[j]) > 1 if sch.leaf_buckets else None,
-      as_is is None or i in as_is,
-    )
-    out.append(ids.setdefault(key, len(ids)))
-  return out
-
-
-def _bucket_extra(
-  plan: LayoutPlan, leaf: int, chunks: tuple[int, ...], extras: Sequence[int]
-) -> tuple[int, ...]:
-  """What :func:`pass_bytes` reads of ``leaf`` in a bucket moving ``chunks`` of it that its
-  bucket's program may not tell: :func:`_leaf_extras`, and for a destination slab, the slab's
-  width and whether it is the leaf's first (its chunks may share a program)."""
-  window = dst_slab_window(plan.schedule, leaf, chunks)
-  if window is None:
-    return (extras[leaf],)
-  return extras[leaf], window[2] - window[1], int(0 in chunks)
 
 
 def _bucket_pass_bytes(

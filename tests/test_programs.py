@@ -290,13 +290,16 @@ def test_passes_count_destination_slab_writes() -> None:
   assert steps["zero_fill"] == idle + 2 * 4096 + 4 * 4096  # zeros of idle devices in rounds
 
 
-def test_pass_bytes_per_program_equal_those_per_bucket() -> None:
-  """:func:`pass_bytes` given the bucket classes counts each program once; it gives what the
-  walk over every bucket gives, for leaves split into each kind of chunk (the chunks of a leaf
-  share a program but not its first bucket's zero fill), with relays, for any ``as_is``."""
+def test_counts_and_costs_per_program_equal_those_per_bucket() -> None:
+  """:func:`pass_bytes` and :func:`jr.estimate` count and cost each bucket program once (with
+  the bucket classes); they give what the walk over every bucket gives, for leaves split into
+  each kind of chunk (the chunks of a leaf share a program but not its first bucket's zero
+  fill), with relays, for any ``as_is``."""
   kinds = set()
-  for layouts, bound, topo in split_cases():
-    plan = jr.plan_layouts(layouts, [4] * len(layouts), max_bucket_bytes=bound, topology=topo)
+  topo = jr.Topology.h100_nodes(devices_per_node=2)
+  for layouts, bound, tree_topo in split_cases():
+    plan = jr.plan_layouts(layouts, [4] * len(layouts), max_bucket_bytes=bound, topology=tree_topo)
+    alone = []  # every bucket a class of its own
     for stage in plan.stages():
       sch = stage.schedule
       for kind, per_leaf in (("src slabs", sch.leaf_slabs), ("dst slabs", sch.leaf_dst_slabs),
@@ -310,8 +313,11 @@ def test_pass_bytes_per_program_equal_those_per_bucket() -> None:
         [4] * len(stage.scheduled),
       )
       assert len(set(classes)) < len(sch.buckets)
+      alone.append(tuple(range(len(sch.buckets))))
       for as_is in (None, set(), set(range(0, len(layouts), 2))):
         assert pass_bytes(stage, as_is, classes) == pass_bytes(stage, as_is)
+    for as_is in (None, set(range(0, len(layouts), 2))):
+      assert jr.estimate(plan, topo, as_is) == jr.estimate(plan, topo, as_is, alone)
   assert kinds == {"src slabs", "dst slabs", "windows", "relays"}
 
 
