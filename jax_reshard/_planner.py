@@ -292,12 +292,13 @@ def _relays(
   grp_bytes = need_bytes[grp_need]
   cluster = g.region_dst_box[g.need_region[grp_need]] * span + need_dom[grp_need]
   corder = np.lexsort((g.need_region[grp_need], -grp_bytes, cluster))
-  cuts = np.flatnonzero(np.diff(cluster[corder])) + 1
+  starts = np.flatnonzero(np.r_[True, np.diff(cluster[corder]) != 0])
+  # Per cluster, its needing devices: those of its first group.
+  k = multi[corder[starts]]
+  counts = sizes[k]
+  at = np.repeat(first[k] - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
   entry = np.zeros(len(multi), dtype=np.int64)
-  for members in np.split(corder, cuts):
-    k = multi[members[0]]
-    ids = g.need_dst[foreign[first[k] : first[k] + sizes[k]]]
-    _assign_lpt(members, ids, grp_bytes, entry_load, entry)
+  _choose_entries(corder, starts, g.need_dst[foreign[at]], counts, grp_bytes, entry_load, entry)
   # Every foreign need of a multi group: forwarded from the entry unless it is the entry.
   owner = np.repeat(np.arange(len(first)), sizes)
   rank_of = np.full(len(first), -1)
@@ -309,6 +310,41 @@ def _relays(
   hop[relayed[fwd]] = 1
   sender[relayed[fwd]] = their_entry[fwd]
   return hop, slow_bound
+
+
+def _choose_entries(
+  order: np.ndarray,
+  starts: np.ndarray,
+  ids: np.ndarray,
+  counts: np.ndarray,
+  nbytes: np.ndarray,
+  load: MutableMapping[int, int],
+  entry: np.ndarray,
+) -> None:
+  """Gives each group of relayed needs (``order``, cut into clusters at ``starts``) its entry
+  by :func:`_assign_lpt` over its cluster's devices (``ids``, ``counts`` per cluster), cluster
+  after cluster. A device holds one destination box, so clusters (a box in a domain) share no
+  device and do not wait on one another: every cluster of one group (most of them) takes its
+  least (load, id) device at once, with array operations."""
+  members = np.split(order, starts[1:])
+  owner = np.repeat(np.arange(len(starts)), counts)
+  single = np.diff(np.r_[starts, len(order)]) == 1
+  if len(np.unique(ids)) < len(ids):  # not disjoint: one by one, in order
+    single[:] = False
+  for c in np.flatnonzero(~single).tolist():
+    _assign_lpt(members[c], ids[owner == c], nbytes, load, entry)
+  if not single.any():
+    return
+  mine = single[owner]
+  dev_ids, dev_owner = ids[mine], owner[mine]
+  loads = np.fromiter((load.get(i, 0) for i in dev_ids.tolist()), np.int64, len(dev_ids))
+  best = np.lexsort((dev_ids, loads, dev_owner))  # per cluster, its least (load, id) first
+  best = best[np.r_[True, dev_owner[best][1:] != dev_owner[best][:-1]]]
+  groups = order[starts[single]]
+  entry[groups] = dev_ids[best]
+  for i in dev_ids.tolist():  # every device gets an entry, as in _assign_lpt
+    load.setdefault(i, 0)
+  load.update(zip(dev_ids[best].tolist(), (loads[best] + nbytes[groups]).tolist(), strict=True))
 
 
 def _sender_tasks(

@@ -95,6 +95,34 @@ def _lpt_heap(needs, ids, need_bytes, load, sender) -> None:
     load[dev] = load.get(dev, 0) + int(need_bytes[k])
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_relay_entries_at_once_are_those_chosen_cluster_by_cluster(seed: int) -> None:
+  """Relay entries chosen for all clusters together (one group each at once, with arrays)
+  are those :func:`_assign_lpt` chooses cluster after cluster, with clusters of disjoint
+  devices and (one by one then) of shared ones."""
+  from jax_reshard._planner import _assign_lpt, _choose_entries
+
+  rng = np.random.default_rng(seed)
+  n_clusters = int(rng.integers(1, 30))
+  sizes = rng.choice([1, 1, 1, 2, 5], size=n_clusters)
+  order = rng.permutation(int(sizes.sum()))
+  starts = np.r_[0, np.cumsum(sizes)[:-1]]
+  counts = rng.integers(1, 5, size=n_clusters)
+  shared = seed % 3 == 0
+  pool = rng.integers(0, 20, int(counts.sum())) if shared else rng.permutation(400)
+  ids = np.asarray(pool[: int(counts.sum())], dtype=np.int64)
+  nbytes = rng.choice([16, 64, 96], size=len(order)).astype(np.int64)
+  start = {int(i): int(rng.choice([0, 64, 128])) for i in rng.choice(ids, size=5)}
+  got, want = dict(start), dict(start)
+  got_entry, want_entry = np.full(len(order), -1), np.full(len(order), -1)
+  _choose_entries(order, starts, ids, counts, nbytes, got, got_entry)
+  cuts = np.cumsum(counts)[:-1]
+  for members, devs in zip(np.split(order, starts[1:]), np.split(ids, cuts), strict=True):
+    _assign_lpt(members, devs, nbytes, want, want_entry)
+  assert got_entry.tolist() == want_entry.tolist()
+  assert got == want
+
+
 @pytest.mark.parametrize("seed", range(25))
 def test_assign_lpt_gives_the_least_loaded_replica_in_every_form(seed: int) -> None:
   """One need, a few equal needs (a heap in Python), many equal needs (arrays) and unequal
