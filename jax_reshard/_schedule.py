@@ -447,8 +447,9 @@ def _make_rounds(
   pd: np.ndarray,
   fill: np.ndarray,
   colourings: dict[tuple[bytes, bytes, bool], np.ndarray] | None = None,
-) -> tuple[list[Round], np.ndarray]:
-  """Rounds for pairs ``(ps[i], pd[i])`` of ``fill[i]`` bytes, and each pair's round size.
+) -> tuple[list[Round], np.ndarray, np.ndarray]:
+  """Rounds for pairs ``(ps[i], pd[i])`` of ``fill[i]`` bytes, each pair's round size, and
+  each pair's round (its index in the rounds).
   ``colourings``: :func:`_color_dense`'s results by its arguments, read and filled (the
   buckets of a tree colour the same pairs again and again).
 
@@ -463,7 +464,7 @@ def _make_rounds(
   by :func:`_alternating`.
   """
   if not len(fill):
-    return [], np.zeros(0, dtype=np.int64)
+    return [], np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
   order = np.lexsort((pd, ps, -fill))
   ps, pd, fill = ps[order], pd[order], fill[order]
   s, d = _dense(ps), _dense(pd)
@@ -504,7 +505,9 @@ def _make_rounds(
   ]
   pair_round_bytes = np.empty(len(fill), dtype=np.int64)
   pair_round_bytes[order] = size[colour]
-  return rounds, pair_round_bytes
+  pair_round = np.empty(len(fill), dtype=np.int64)
+  pair_round[order] = colour
+  return rounds, pair_round_bytes, pair_round
 
 
 def _joint_time_bound(s: np.ndarray, d: np.ndarray, fill: np.ndarray) -> int:
@@ -676,7 +679,9 @@ class _Tree:
   plans: list[LeafPlan] = dataclasses.field(default_factory=list)
   chunks: list[np.ndarray] = dataclasses.field(default_factory=list)
   payloads: list[np.ndarray] = dataclasses.field(default_factory=list)  # (chunks, devices)
-  round_cache: dict[bytes, tuple[list[Round], np.ndarray]] = dataclasses.field(default_factory=dict)
+  round_cache: dict[bytes, tuple[list[Round], np.ndarray, np.ndarray]] = dataclasses.field(
+    default_factory=dict
+  )
   colourings: dict[tuple[bytes, bytes, bool], np.ndarray] = dataclasses.field(default_factory=dict)
   # per leaf, what its rows and chunks are: ("orig", its transfers' bytes) as planned,
   # ("split", i) the split numbered i of tree.splits (shared by leaves of one split key), else
@@ -803,14 +808,15 @@ WHOLE_OPERAND_BYTES = 1 << 18
 
 
 def _whole_first(
-  tree: _Tree, rounds: Sequence[Round], cols: tuple[np.ndarray, ...], first: np.ndarray
+  tree: _Tree, pair_round: np.ndarray, cols: tuple[np.ndarray, ...], first: np.ndarray
 ) -> tuple[np.ndarray, ...]:
   """The pieces ``cols`` (src, dst, leaf, transfer, nbytes; sorted by pair, then leaf and
-  transfer) reordered within each payload so that the whole source shards (of at least
-  ``WHOLE_OPERAND_BYTES``) of the leaves whose whole source shard every payload of the round
-  holds come first, in leaf order: they lie at
-  the same offsets of every payload of the round, and are sent as they are (an operand of the
-  round's ``ppermute`` each, see ``_cost.whole_segment_bytes``); then their offsets."""
+  transfer; each pair, of those starting at ``first``, in round ``pair_round``) reordered
+  within each payload so that the whole source shards (of at least ``WHOLE_OPERAND_BYTES``)
+  of the leaves whose whole source shard every payload of the round holds come first, in leaf
+  order: they lie at the same offsets of every payload of the round, and are sent as they are
+  (an operand of the round's ``ppermute`` each, see ``_cost.whole_segment_bytes``); then their
+  offsets."""
   src, dst, leaf_of, transfer, nbytes = cols
   used, inv = np.unique(leaf_of, return_inverse=True)
   shard = [
@@ -819,14 +825,11 @@ def _whole_first(
   ]
   whole = (nbytes == np.asarray(shard, dtype=np.int64)[inv]) & (nbytes >= WHOLE_OPERAND_BYTES)
   if whole.any():
-    pair_round = {p: r for r, rnd in enumerate(rounds) for p in rnd.pairs}
     pid = np.cumsum(np.r_[True, (src[1:] != src[:-1]) | (dst[1:] != dst[:-1])][: len(src)]) - 1
-    pairs = zip(src[first].tolist(), dst[first].tolist(), strict=True)
-    rid = np.array([pair_round[p] for p in pairs], dtype=np.int64)
-    piece_round = rid[pid]
+    piece_round = pair_round[pid]
     key = piece_round * (int(leaf_of.max()) + 1) + leaf_of
     keys, inv, counts = np.unique(key[whole], return_inverse=True, return_counts=True)
-    size = np.array([len(rnd.pairs) for rnd in rounds], dtype=np.int64)
+    size = np.bincount(pair_round)  # pairs per round
     common = np.zeros(len(src), dtype=bool)
     common[np.flatnonzero(whole)] = counts[inv] == size[keys[inv] // (int(leaf_of.max()) + 1)]
     if common.any():
@@ -875,9 +878,9 @@ def _build_new(tree: _Tree, leaves: list[int], chunks: dict[int, list[int]]) -> 
   key = ps.tobytes() + b"|" + pd.tobytes() + b"|" + fill.tobytes()
   if key not in tree.round_cache:
     tree.round_cache[key] = _make_rounds(ps, pd, fill, tree.colourings)
-  rounds, round_bytes = tree.round_cache[key]
+  rounds, round_bytes, pair_round = tree.round_cache[key]
   src, dst, leaf_of, transfer, nbytes, offset = _whole_first(
-    tree, rounds, (src, dst, leaf_of, transfer, nbytes), first
+    tree, pair_round, (src, dst, leaf_of, transfer, nbytes), first
   )
   n, union = len(tree.union), tree.union
   sent = np.bincount(np.searchsorted(union, ps), round_bytes, minlength=n).astype(np.int64)

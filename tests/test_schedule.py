@@ -93,7 +93,7 @@ def test_rounds_minimise_parallel_time_over_padding() -> None:
   ps = np.repeat(np.arange(4), 4)
   pd = np.tile(np.arange(4, 8), 4)
   fill = (100 * 1.05 ** np.arange(16)).astype(np.int64)
-  rounds, round_bytes = _make_rounds(ps, pd, fill)
+  rounds, round_bytes, _ = _make_rounds(ps, pd, fill)
   assert len(rounds) == 4
   assert sum(r.nbytes for r in rounds) < fill.sum()  # less time than 16 one-pair rounds
   assert (round_bytes >= fill).all() and (round_bytes > fill).any()  # some padding is the price
@@ -117,7 +117,7 @@ def test_rounds_from_colourings_kept_are_those_made_anew(seed: int) -> None:
     for order in (np.arange(n), rng.permutation(n)):
       got = _make_rounds(ps[order], pd[order], fill[order], kept)
       want = _make_rounds(ps[order], pd[order], fill[order])
-      assert got[0] == want[0] and (got[1] == want[1]).all()
+      assert got[0] == want[0] and (got[1] == want[1]).all() and (got[2] == want[2]).all()
   assert kept
 
 
@@ -305,7 +305,7 @@ def test_joint_colouring_is_skipped_only_where_it_cannot_win(seed: int) -> None:
   n = int(rng.integers(1, 40))
   ps, pd = (rng.integers(0, int(rng.integers(1, 7)), n) for _ in range(2))
   fill = rng.choice([64, 100, 101, 4096, 1 << 20][: 1 + seed % 5], size=n).astype(np.int64)
-  rounds, round_bytes = _make_rounds(ps, pd, fill)
+  rounds, round_bytes, _ = _make_rounds(ps, pd, fill)
   got = sorted((r.nbytes, s, d) for r in rounds for s, d in r.pairs)
   assert got == _rounds_comparing_both(ps, pd, fill)
   assert sorted(round_bytes.tolist()) == sorted(b for b, _, _ in got)
