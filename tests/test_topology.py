@@ -426,6 +426,31 @@ def test_estimate_follows_the_program_copies() -> None:
     assert cut.pack_s > 0.0 and cut.assemble_s > est.assemble_s
 
 
+def test_estimate_of_destination_slabs_costs_each_slab() -> None:
+  """A 2 MiB leaf replicated on 2 devices, cut into 8 destination slabs: each bucket assembles
+  its slab (and writes it into the shard: twice its bytes) and discards a slab-sized output
+  block on each source device, so over the buckets the destination shard is assembled twice and
+  discarded once per source device, not once per bucket."""
+
+  def lay(ids: range, spec: tuple[Any, ...]) -> jr.Layout:
+    return jr.Layout.from_description(
+      (1024, 512), mesh_shape=(len(ids),), axis_names=("t",), spec=spec, device_ids=ids
+    )
+
+  topo = Topology.cpu(cores=1)
+  plan = jr.plan_layouts(
+    [(lay(range(4, 8), (None, "t")), lay(range(2), ()))], [4], max_bucket_bytes=1 << 20
+  )
+  sched = plan.schedule
+  assert sched.leaf_dst_slabs[0] is not None and sched.leaf_slabs[0] is None
+  assert len(sched.buckets) == 8
+  full, src_block = 1024 * 512 * 4, 1024 * 128 * 4
+  zeros = 8 * 2 * src_block + 4 * full  # per bucket 2 zero source blocks; 4 discarded slabs
+  assembled = 2 * 2 * full  # 2 destination devices, each slab twice
+  expected = zeros / topo.fill_bandwidth + assembled / topo.memory_bandwidth
+  assert plan.estimate(topo).assemble_s == pytest.approx(expected)
+
+
 def _direct_steps_by_round(plan: jr.LayoutPlan, bucket: Any) -> tuple[set[int], set[int]]:
   """:func:`direct_steps` by a walk over the rounds: the rounds whose every payload is the
   whole source shards of the same distinct leaves in the same order (their sizes summing to
