@@ -9,10 +9,11 @@ rounds one after another. The model charges
 * per round, the packing: every sender writes the round's payload at ``memory_bandwidth``,
   except the whole source shards it sends as they are (:func:`whole_segment_bytes`);
 * per bucket, the assembly: every destination device writes its destination shards at
-  ``memory_bandwidth`` (a shard kept whole from one part costs nothing), and every device of
-  the bucket writes its placeholder blocks (a zero source block for each leaf it has no source
-  shard of, a discarded output block for each leaf it has no destination shard of) at
-  ``fill_bandwidth`` (zeros; ``memory_bandwidth`` where not given);
+  ``memory_bandwidth`` (a shard kept whole from one part costs nothing; of a leaf cut into
+  destination slabs, the bucket's slab, twice: assembled, then written into the shard), and
+  every device of the bucket writes its placeholder blocks (a zero source block for each leaf
+  it has no source shard of, a discarded output block, or slab, for each leaf it has no
+  destination shard of) at ``fill_bandwidth`` (zeros; ``memory_bandwidth`` where not given);
 * per bucket and leaf, the topology's ``leaf_latency`` (host work per leaf and call).
 
 Where devices share the host's cores (``max_parallel``, simulated CPU devices), each phase takes
@@ -40,6 +41,7 @@ from jax_reshard._schedule import (
   Bucket,
   Round,
   Schedule,
+  dst_slab_window,
   placeholder_mask,
   slab_window,
   staged_block_shape,
@@ -310,17 +312,23 @@ def _bucket_cost(
 def _assembled_bytes(stage: _Stage, b: int, direct: set[int]) -> np.ndarray:
   """Per device of bucket ``b``, the destination bytes it writes when assembling: every shard
   it holds, except one kept whole from a single resident part, or received whole (the leaves
-  ``direct``, positions in the schedule, see :func:`direct_steps`): no copy."""
+  ``direct``, positions in the schedule, see :func:`direct_steps`): no copy; for a leaf cut
+  into destination slabs, the bucket's slab twice (assembled, then written into the shard)."""
   bucket = stage.schedule.buckets[b]
   union = np.asarray(bucket.union_device_ids, dtype=np.int64)
   out = np.zeros(len(union), dtype=np.float64)
-  for j, i in zip(bucket.leaves, stage.bucket_leaves(b), strict=True):
+  for j, chunks, i in zip(bucket.leaves, bucket.chunks, stage.bucket_leaves(b), strict=True):
     if j in direct:
       continue
     _, dst = stage.layouts[i]
     lp = stage.leaf_plans[i]
     ids = np.asarray(dst.device_ids, dtype=np.int64)
     shard = float(np.prod(dst.shard_shape(), dtype=np.int64) * stage.itemsizes[i])
+    if (window := dst_slab_window(stage.schedule, j, chunks)) is not None:
+      # The slab is assembled, then written into the destination shard: twice its bytes.
+      slab = shard / dst.shard_shape()[window[0]] * (window[2] - window[1])
+      out[np.searchsorted(union, ids)] += 2 * slab
+      continue
     pos = np.searchsorted(ids, lp.dst_device)
     rows = np.bincount(pos, minlength=len(ids))
     whole = np.bincount(pos, lp.local & (lp.nbytes == shard), minlength=len(ids))
@@ -339,9 +347,10 @@ def _placeholder_bytes(stage: _Stage, b: int, direct: set[int]) -> tuple[np.ndar
 
   Zeros: a source block per leaf it has no source shard of (unless they total at most
   ``KEPT_ZERO_BYTES``, kept between calls), a discarded output block per leaf it has no
-  destination shard of (the rule of :func:`placeholder_mask`; none for the leaves ``direct``,
-  received whole). Slabs: for a leaf cut into slabs, the bucket's slab instead of the source
-  block, on every device (cut from its source shard, or zeros; counted as a copy)."""
+  destination shard of (the rule of :func:`placeholder_mask`; the bucket's slab for a leaf cut
+  into destination slabs; none for the leaves ``direct``, received whole). Slabs: for a leaf
+  cut into slabs, the bucket's slab instead of the source block, on every device (cut from its
+  source shard, or zeros; counted as a copy)."""
   bucket = stage.schedule.buckets[b]
   union = np.asarray(bucket.union_device_ids, dtype=np.int64)
   out = np.zeros(len(union), dtype=np.float64)
@@ -350,7 +359,11 @@ def _placeholder_bytes(stage: _Stage, b: int, direct: set[int]) -> tuple[np.ndar
   for j, chunks, i in zip(bucket.leaves, bucket.chunks, stage.bucket_leaves(b), strict=True):
     src, dst = stage.layouts[i]
     isz = stage.itemsizes[i]
-    dst_block = float(np.prod(staged_block_shape(dst.shard_shape())) * isz)
+    dst_shape = staged_block_shape(dst.shard_shape())
+    dst_block = float(np.prod(dst_shape) * isz)
+    if (dst_window := dst_slab_window(stage.schedule, j, chunks)) is not None:
+      dim, start, stop = dst_window  # a discarded block of the slab's size
+      dst_block = float(np.prod(dst_shape) // dst_shape[dim] * (stop - start) * isz)
     if j not in direct:
       out += placeholder_mask(dst, union) * dst_block
     src_shape = staged_block_shape(src.shard_shape())

@@ -115,7 +115,7 @@ def test_rounds_from_colourings_kept_are_those_made_anew(seed: int) -> None:
     ps, pd = rng.integers(0, 6, n), rng.integers(4, 12, n)
     fill = rng.choice([100, 101, 150, 400], n)
     for order in (np.arange(n), rng.permutation(n)):
-      got = _make_rounds(ps[order], pd[order], fill[order], kept)
+      got = _make_rounds(ps[order], pd[order], fill[order], colourings=kept)
       want = _make_rounds(ps[order], pd[order], fill[order])
       assert got[0] == want[0] and (got[1] == want[1]).all() and (got[2] == want[2]).all()
   assert kept
