@@ -321,12 +321,12 @@ def _assembled_seconds(stage: _Stage, b: int, direct: set[int], topo: Topology) 
     pos = np.searchsorted(ids, lp.dst_device)
     rows = np.bincount(pos, minlength=len(ids))
     whole = np.bincount(pos, lp.local & (lp.nbytes == shard), minlength=len(ids))
-    # The shard's bytes at the mean cost per byte of its parts.
+    # The shard's bytes at the mean cost per byte of its parts (of the strided rate without).
     runs = run_bytes(lp.hi - lp.lo, dst.shard_shape(), stage.itemsizes[i])
     parts = lp.nbytes.astype(np.float64)
-    per_byte = np.bincount(pos, copy_seconds(parts, runs, topo), minlength=len(ids)) / np.maximum(
-      np.bincount(pos, parts, minlength=len(ids)), 1.0
-    )
+    got = np.bincount(pos, parts, minlength=len(ids))
+    secs = np.bincount(pos, copy_seconds(parts, runs, topo), minlength=len(ids))
+    per_byte = np.where(got > 0, secs / np.maximum(got, 1.0), 1.0 / topo.memory_bandwidth)
     writes = np.where((rows == 1) & (whole == 1), 0.0, shard * per_byte)
     out[np.searchsorted(union, ids)] += writes
   return out
