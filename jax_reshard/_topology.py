@@ -238,8 +238,8 @@ CPU_LEAF_LATENCY = 56e-6
 CPU_FILL_BANDWIDTH = 4.7e9
 # Packing 8 slices of 64 KiB runs against 512-byte ones (benchmarks/calibrate_cpu.py; see
 # Topology.cpu), from CPU time (bytes per CPU second, CPU seconds per run; on an idle machine
-# the wall-time rates per core agree, as the packing rate's 1.83-2.11 GB/s per CPU second in
-# the same runs shows): medians of six runs on the same 2 cores, shared with other work
-# (3.47-4.01 GB/s, 97-143 ns). At 512-byte runs they give 1.9 GB/s, CPU_PACK_BANDWIDTH.
-CPU_CONTIGUOUS_BANDWIDTH = 3.6e9
-CPU_RUN_LATENCY = 125e-9
+# the wall-time rates per core agree, as the packing rate's 1.83-2.27 GB/s per CPU second in
+# the same runs shows): medians of eleven runs on the same 2 cores, shared with other work
+# (3.47-4.25 GB/s, 89-143 ns). At 512-byte runs they give 2.1 GB/s, as CPU_PACK_BANDWIDTH.
+CPU_CONTIGUOUS_BANDWIDTH = 3.7e9
+CPU_RUN_LATENCY = 110e-9
