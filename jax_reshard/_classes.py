@@ -6,7 +6,7 @@ by their position in the bucket. Buckets equal in all of that (the layers of a m
 the same devices) run one program and share one compiled executable, so the number of distinct
 programs, not of buckets, is what a plan compiles. The chunks of a leaf cut into windows of one
 width are equal too: their transfers are compared from the window's start (an argument of the
-program).
+program), as are the windows of one width of a leaf cut into windows of both sides.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 
 from jax_reshard._layout import Layout
 from jax_reshard._planner import LeafPlan
-from jax_reshard._schedule import Bucket, Schedule, chunk_shift
+from jax_reshard._schedule import Bucket, Schedule, both_window_start, chunk_shift
 
 
 def _leaf_key(plan: LeafPlan, layouts: tuple[Layout, Layout], kind: Any) -> tuple[Any, ...]:
@@ -53,8 +53,9 @@ def bucket_classes(
     position = np.zeros(max(bucket.leaves, default=0) + 1, dtype=np.int64)
     position[list(bucket.leaves)] = np.arange(len(bucket.leaves))
     rel = position[np.asarray(bucket.piece_leaf, dtype=np.int64)]
-    shifts = [
+    shifts = [  # where offsets start: a window's start (an argument, or a slab of both sides)
       chunk_shift(schedule, leaf, chunks, layouts[leaf])
+      or both_window_start(schedule, leaf, chunks)
       for leaf, chunks in zip(bucket.leaves, bucket.chunks, strict=True)
     ]
     transfer, chunks = _windowed(schedule, bucket, shifts)
@@ -123,7 +124,7 @@ def _modes(
     return ()
   spans = [schedule.leaf_buckets[leaf] for leaf in leaves]
   # A window takes a destination input in its leaf's first bucket too (see _program), and a
-  # destination slab takes none in any.
+  # destination slab (of windows of both sides too) takes none in any.
   return tuple(
     (span[0] == b and shift is None, len(span) > 1)
     for span, shift in zip(spans, shifts, strict=True)

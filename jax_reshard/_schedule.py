@@ -245,6 +245,19 @@ def window_start(schedule: Schedule, leaf: int, chunks: Sequence[int]) -> tuple[
   return dim, bounds[min(chunks)]
 
 
+def both_window_start(
+  schedule: Schedule, leaf: int, chunks: Sequence[int]
+) -> tuple[int, int] | None:
+  """``(dim, start)``: where the window of ``leaf`` that a bucket moving ``chunks`` of it stages
+  and outputs starts, for a leaf cut into windows of both sides (its source and destination
+  slabs are the same windows, see :func:`_split_both`); ``None`` otherwise. The program of such
+  a bucket takes every offset from the windows, so windows of one width run one program."""
+  src, dst = slab_window(schedule, leaf, chunks), dst_slab_window(schedule, leaf, chunks)
+  if src is None or src != dst:
+    return None
+  return src[0], src[1]
+
+
 def chunk_shift(
   schedule: Schedule, leaf: int, chunks: Sequence[int], layouts: tuple[Layout, Layout]
 ) -> tuple[int, int] | None:
@@ -256,7 +269,8 @@ def chunk_shift(
     return None
   shift = window_start(schedule, leaf, chunks)
   slab = dst_slab_window(schedule, leaf, chunks)
-  if shift is None and slab is not None:
+  src_slab = schedule.leaf_slabs[leaf] if schedule.leaf_slabs else None
+  if shift is None and slab is not None and src_slab is None:
     src = layouts[0]
     if src.shard_shape()[slab[0]] == src.shape[slab[0]]:
       shift = slab[0], slab[1]
@@ -694,6 +708,12 @@ class _Tree:
     slab = src_slab if src_slab is not None else dst_slab
     if slab is None:
       return self.placeholders[leaf]
+    if src_slab is not None and dst_slab is not None:  # windows of both (see _split_both)
+      dim, bounds = slab
+      width = bounds[last + 1] - bounds[first]
+      blocks = [staged_block_shape(lay.shard_shape()) for lay in self.layouts[leaf]]
+      nbytes = sum(math.prod(b) // b[dim] * width for b in blocks) * self.itemsizes[leaf]
+      return np.full(len(self.union), nbytes, dtype=np.int64)
     side = 0 if src_slab is not None else 1
     dim, bounds = slab
     block = staged_block_shape(self.layouts[leaf][side].shard_shape())
@@ -974,8 +994,9 @@ def _split_leaf(tree: _Tree, leaf: int, k: int) -> None:
   (only where the schedule allows it) slabs of its source shards, else slabs of its destination
   shards. A slab way is also tried where its placeholder (source, destination) alone takes more
   than half the bound, and kept if it needs fewer chunks (so fewer rounds) than the ways before
-  it. Slabs of both at once are not made: where both placeholders are the floor, the leaf does
-  not fit.
+  it. Where both placeholders are heavy and the leaf has a dimension neither side shards,
+  windows along it that are slabs of both sides at once (:func:`_split_both`) are tried last,
+  kept on the same terms: both placeholders shrink with them.
 
   Raises:
     BucketBoundError: if no way fits: the least bytes named are the smallest of the ways'
@@ -1005,10 +1026,12 @@ def _best_split(tree: _Tree, leaf: int, k: int) -> tuple[Any, ...]:
     2 * int((ph * members).max(initial=0)) > tree.bound
     for ph in (tree.src_placeholder(leaf), tree.dst_placeholder(leaf))
   ]
-  ways: list[Any] = [_split_windows, _split_rows, _split_slabs, _split_dst_slabs]
-  ways = ways[: 4 if tree.allow_slabs else 2]
+  ways: list[Any] = [_split_windows, _split_rows, _split_slabs, _split_dst_slabs, _split_both]
+  heavy.append(heavy[2] and heavy[3])
+  if not tree.allow_slabs:
+    ways, heavy = ways[:2], heavy[:2]
   if not tree.layouts or window_dim(*tree.layouts[leaf]) is None:
-    ways, heavy = ways[1:], heavy[1:]
+    ways, heavy = ways[1:4], heavy[1:4]
   best: tuple[Any, ...] | None = None
   failed = []
   for way, worth in zip(ways, heavy, strict=False):
@@ -1148,6 +1171,34 @@ def _split_slabs(
       return int(stage.max()), ""
     ratio = float(((stage - floor) / np.maximum(bound - floor, 1)).max())
     k = min(k_max, max(k + 1, math.ceil(k * ratio)))
+
+
+def _split_both(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
+  """Splits ``leaf`` into the fewest windows of one width along :func:`window_dim` that fit,
+  as slabs of its source shards and of its destination shards at once (the dimension is whole
+  in both, so a window is a slab of each): a bucket stages the window of every source shard
+  and outputs the window of every destination shard, so the placeholders of both sides shrink
+  with the windows (see :func:`_split_rows` for what it returns)."""
+  assert tree.bound is not None
+  src, dst = tree.layouts[leaf]
+  dim = window_dim(src, dst)
+  assert dim is not None
+  k_max = src.shape[dim]
+  k = max(2, min(k, k_max))
+  while True:
+    plan, chunk, slabs = split_slabs(tree.original[leaf], src, k, tree.itemsizes[leaf], dim=dim)
+    tree.slabs[leaf] = tree.dst_slabs[leaf] = slabs
+    tree.set_chunks(leaf, plan, chunk)
+    pay = tree.payloads[leaf]
+    items = tree.items(leaf)[: 1 if (pay <= pay[0]).all() else None]
+    stage = np.stack([_build(tree, [item]).stage for item in items])
+    if int(stage.max()) <= tree.bound:
+      return None
+    if k >= k_max:
+      tree.slabs.pop(leaf)
+      tree.dst_slabs.pop(leaf)
+      return int(stage.max()), ""
+    k = min(k_max, max(k + 1, math.ceil(k * float(stage.max()) / tree.bound)))
 
 
 def _split_dst_slabs(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:

@@ -4,6 +4,7 @@ and no leak over many refits."""
 from __future__ import annotations
 
 import gc
+import math
 import resource
 
 import jax
@@ -355,6 +356,43 @@ def test_replicated_destination_is_cut_into_destination_slabs(placement: str) ->
   assert old.is_deleted()
   assert_matches_oracle(y, host, dst)
   assert sorted(s.data.unsafe_buffer_pointer() for s in y.addressable_shards) == pointers
+  assert_matches_oracle(x, host, src)  # the source is untouched
+
+
+@pytest.mark.parametrize("placement", ["replicated", "experts"])
+def test_windows_of_both_sides_where_both_placeholders_are_the_floor(placement: str) -> None:
+  """A 2 MiB leaf whose source and destination each leave whole-shard placeholders on the
+  other side's devices (replicated on devices 0, 1 -> replicated on 4, 5; or experts over
+  devices 0, 1 -> columns over 4..7, where a sender's discarded output is a whole destination
+  shard): each bucket stages a window of every source shard and outputs that window of every
+  destination shard, under a bound below either whole shard, bit for bit."""
+  devs = np.array(jax.devices())
+  if placement == "replicated":
+    src = NamedSharding(Mesh(devs[:2], ("r",)), P())
+    dst = NamedSharding(Mesh(devs[4:6], ("r",)), P())
+    shape, bound = (1024, 512), MiB
+  else:
+    src = NamedSharding(Mesh(devs[:2], ("ep",)), P("ep"))
+    dst = NamedSharding(Mesh(devs[4:], ("tp",)), P(None, None, "tp"))
+    shape, bound = (8, 256, 256), MiB // 2
+  host = np.random.default_rng(6).standard_normal(shape).astype(np.float32)
+  x = jax.device_put(host, src)
+  plan = jr.make_plan(x, dst, max_bucket_bytes=bound)
+  st, sched = plan.stats, plan.schedule
+  assert st.peak_staging_bytes <= bound and st.num_buckets > 1
+  assert sched.leaf_slabs[0] is not None and sched.leaf_slabs[0] == sched.leaf_dst_slabs[0]
+  assert st.bytes_moved == st.lower_bound_bytes
+  for p in plan.programs():
+    (lf,) = p.leaves
+    assert lf.src_window is not None and lf.dst_window is not None and lf.shift is None
+  analyses = plan.memory_analysis()
+  whole = min(math.prod(src.shard_shape(shape)), math.prod(dst.shard_shape(shape))) * 4
+  assert max(m.argument_size_in_bytes + m.output_size_in_bytes for m in analyses) < whole
+  assert_matches_oracle(plan(x), host, dst)
+  old = jr.reshard(jax.device_put(-host, src), dst)
+  y = plan(x, donate=old)
+  assert old.is_deleted()
+  assert_matches_oracle(y, host, dst)
   assert_matches_oracle(x, host, src)  # the source is untouched
 
 

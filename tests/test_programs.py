@@ -176,18 +176,21 @@ def test_leaf_cap_cuts_buckets_at_layer_boundaries(monkeypatch: pytest.MonkeyPat
 
 
 @pytest.mark.parametrize(
-  ("where", "bound", "buckets", "cut"),
+  ("where", "shape", "buckets", "cut"),
   [
     # Colocated: every chunk stages the whole source shard, so the leaf is cut into windows
     # along the dimension neither side shards (64 rows: 4 of 16).
-    ("windows", 25000, 12, (1, (0, 16, 32, 48, 64))),
+    ("windows", (8, 64, 32), 12, (1, (0, 16, 32, 48, 64))),
     # Disjoint: the destination placeholders on the source devices are the floor, so the
     # leaf is cut into destination slabs, along the dimension the source does not shard.
-    ("destination slabs", 25000, 24, (1, (0, 4, 8, 12, 16, 20, 24, 28, 32))),
+    ("destination slabs", (8, 2048), 24, (1, tuple(range(0, 1025, 128)))),
+    # Disjoint, both placeholders heavy and a dimension neither side shards: windows of both
+    # sides along it (4 of 8), half the buckets destination slabs of it would take.
+    ("windows of both", (8, 64, 32), 12, (2, (0, 8, 16, 24, 32))),
   ],
 )
 def test_chunks_of_repeated_layers_share_one_program(
-  where: str, bound: int, buckets: int, cut: tuple[int, tuple[int, ...]]
+  where: str, shape: tuple[int, ...], buckets: int, cut: tuple[int, tuple[int, ...]]
 ) -> None:
   """Three layers of one leaf, each split over buckets into chunks of one width: every bucket
   runs one program, compiled once (the others hit the cache), and every leaf arrives bit for
@@ -199,13 +202,16 @@ def test_chunks_of_repeated_layers_share_one_program(
   else:
     sharding = NamedSharding(Mesh(devs[4:].reshape(2, 2), ("dp", "tp")), P(None, "tp"))
   rng = np.random.default_rng(7)
-  hosts = {f"l{i}": random_host_array(rng, (8, 64, 32), np.float32) for i in range(3)}
+  hosts = {f"l{i}": random_host_array(rng, shape, np.float32) for i in range(3)}
   x = {k: jax.device_put(h, src) for k, h in hosts.items()}
   dst = {k: sharding for k in x}
   jr.plan_cache_clear()
+  bound = 25000
   plan = jr.make_plan(x, dst, max_bucket_bytes=bound)
   cuts = plan.schedule.leaf_windows if where == "windows" else plan.schedule.leaf_dst_slabs
   assert list(cuts) == [cut] * 3
+  src_cuts = [cut] * 3 if where == "windows of both" else [None] * 3
+  assert list(plan.schedule.leaf_slabs) == src_cuts
   assert plan.stats.num_buckets == buckets and plan.stats.num_programs == 1
   assert plan.stats.bytes_moved == plan.stats.lower_bound_bytes
   assert plan.stats.peak_staging_bytes <= bound
@@ -222,7 +228,7 @@ def test_chunks_of_repeated_layers_share_one_program(
   y = plan({k: jax.device_put(h, src) for k, h in flipped.items()}, donate=y)
   for k, h in flipped.items():
     assert_matches_oracle(y[k], h, dst[k])
-  # 64 rows in 3 windows of 22 (or 32 in 4 slabs of 8 -> 3 of 11): the last is narrower.
+  # A cut into 3 chunks of one width and a narrower last one: two programs.
   uneven = jr.make_plan(x, dst, max_bucket_bytes=40000)
   assert uneven.stats.num_programs == 2 < uneven.stats.num_buckets == 9
   jr.plan_cache_clear()

@@ -167,9 +167,12 @@ def _add_blocks(
 ) -> None:
   """Adds a leaf's staged blocks per device: its placeholder blocks; for a leaf cut into slabs
   of its source (destination) shards, the slab on every device of the bucket (cut from the
-  source shard or a placeholder; output, written into the destination shard or discarded)."""
+  source shard or a placeholder; output, written into the destination shard or discarded);
+  for a leaf cut into windows of both sides, both slabs."""
   blocks = [math.prod(staged_block_shape(lay.shard_shape())) * itemsize for lay in (src, dst)]
-  assert None in windows  # never both
+  if None not in windows:  # windows of both sides: one window of each
+    assert windows[0] == windows[1]
+    event("cut into windows of both sides")
   for lay, block, window in zip((src, dst), blocks, windows, strict=True):
     if window is None:
       continue

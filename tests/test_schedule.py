@@ -154,16 +154,43 @@ def test_slabs_only_where_the_source_placeholder_keeps_sub_boxes_above_the_bound
     make_schedule(plans, layouts, [4, 4], max_bucket_bytes=bound, slabs=False)
 
 
-def test_destination_placeholder_floor_is_still_an_error() -> None:
-  """Source slabs do not shrink the destination placeholder: a source device without a
-  destination shard stages the whole destination block (1 KiB) in every bucket (destination
-  slabs would leave the 4 KiB source placeholder on the destination devices)."""
+def test_both_placeholders_at_the_floor_cut_windows_of_both_sides() -> None:
+  """Source slabs do not shrink the destination placeholder (a source device without a
+  destination shard stages the whole 1 KiB destination block) and destination slabs leave the
+  4 KiB source placeholder on the destination devices; along a dimension neither side shards,
+  a window is a slab of both, and both placeholders shrink with it."""
   layouts = [_replicated(dst_ids=range(4, 8))]
   plans = plan_leaves(layouts, [4])
+  sched = make_schedule(plans, layouts, [4], max_bucket_bytes=1024)
+  assert sched.peak_staging_bytes <= 1024 and len(sched.leaf_buckets[0]) > 1
+  assert sched.leaf_slabs[0] is not None and sched.leaf_slabs[0] == sched.leaf_dst_slabs[0]
+  dim, bounds = sched.leaf_slabs[0]
+  assert dim == 0 and bounds[0] == 0 and bounds[-1] == 64
+  cut, chunk = sched.leaf_plans[0], sched.row_chunks[0]
+  assert int(cut.nbytes.sum()) == int(plans[0].nbytes.sum())
+  for t, c in enumerate(chunk.tolist()):  # every row inside its chunk's window
+    assert bounds[c] <= cut.lo[t, 0] < cut.hi[t, 0] <= bounds[c + 1]
+  count = np.zeros((64, 16), np.int64)  # every destination element exactly once
+  for t in np.flatnonzero(cut.nbytes > 0):
+    count[cut.lo[t, 0] : cut.hi[t, 0], cut.lo[t, 1] : cut.hi[t, 1]] += 1
+  assert (count == 1).all()
+
+
+def test_both_placeholders_at_the_floor_without_a_window_dimension_is_an_error() -> None:
+  """Where each side shards a dimension the other does not, no window is a slab of both: the
+  error names the least bound one of the ways plans with, and that bound plans."""
+  src = Layout.from_description(
+    (64, 16), mesh_shape=(2,), axis_names=("r",), spec=("r", None), device_ids=range(2)
+  )
+  dst = Layout.from_description(
+    (64, 16), mesh_shape=(4,), axis_names=("t",), spec=(None, "t"), device_ids=range(4, 8)
+  )
+  layouts = [(src, dst)]
+  plans = plan_leaves(layouts, [4])
   with pytest.raises(BucketBoundError, match=r"max_bucket_bytes=\d+ or more") as e:
-    make_schedule(plans, layouts, [4], max_bucket_bytes=1024)
+    make_schedule(plans, layouts, [4], max_bucket_bytes=512)
   bound = e.value.minimum_bytes
-  assert bound > 1024 and "destination" in str(e.value)
+  assert bound > 512
   for _ in range(3):  # each refusal names more (a lower bound first), until one plans
     try:
       sched = make_schedule(plans, layouts, [4], max_bucket_bytes=bound)
@@ -171,7 +198,7 @@ def test_destination_placeholder_floor_is_still_an_error() -> None:
     except BucketBoundError as again:
       assert again.minimum_bytes > bound
       bound = again.minimum_bytes
-  assert sched.peak_staging_bytes <= bound < 2048 and sched.leaf_slabs[0] is not None
+  assert sched.peak_staging_bytes <= bound and len(sched.leaf_buckets[0]) > 1
 
 
 def _mirrored(shape=(64, 16), n_dst=2, src_ids=range(4, 8)):
@@ -224,24 +251,19 @@ def test_destination_slabs_only_where_the_destination_placeholder_is_the_floor()
     make_schedule(plans, layouts, [4, 4], max_bucket_bytes=bound, slabs=False)
 
 
-def test_both_placeholders_the_floor_is_an_error_naming_what_fits() -> None:
-  """Source replicated on devices 0 and 1, destination on 4 and 5: every way leaves a 4 KiB
-  placeholder on two devices (slabs of both at once are not made), so 4 KiB does not plan; the
-  error names a bound that does (after at most a few lower bounds)."""
+def test_replicated_to_replicated_is_cut_into_windows_of_both_sides() -> None:
+  """Source replicated on devices 0 and 1, destination on 4 and 5: sub-boxes and slabs of one
+  side each leave a 4 KiB placeholder on two devices; windows of both sides stage a window of
+  each, so a bound below the leaf's 4 KiB plans."""
   src, _ = _replicated()
   dst = Layout.from_description(
     (64, 16), mesh_shape=(2,), axis_names=("r",), spec=(None, None), device_ids=(4, 5)
   )
   plans = plan_leaves([(src, dst)], [4])
-  bound = 4096
-  for _ in range(4):
-    try:
-      sched = make_schedule(plans, [(src, dst)], [4], max_bucket_bytes=bound)
-      break
-    except BucketBoundError as e:
-      assert e.minimum_bytes > bound >= 4096
-      bound = e.minimum_bytes
-  assert 4096 < sched.peak_staging_bytes <= bound < 2 * 4096 and len(sched.buckets) > 1
+  sched = make_schedule(plans, [(src, dst)], [4], max_bucket_bytes=2048)
+  assert sched.peak_staging_bytes <= 2048 and len(sched.buckets) > 1
+  assert sched.leaf_slabs[0] is not None and sched.leaf_slabs[0] == sched.leaf_dst_slabs[0]
+  assert sched.leaf_windows[0] is None
 
 
 def _rounds_comparing_both(ps, pd, fill):
