@@ -453,6 +453,7 @@ def _stage_plan(
     [itemsizes[i] for i in scheduled],
     max_bucket_bytes=max_bucket_bytes,
     names=None if names is None else [names[i] for i in scheduled],
+    topology=topology,
   )
   chunked = list(leaf_plans)
   for j, i in enumerate(scheduled):  # the transfers as the buckets move them (chunks)

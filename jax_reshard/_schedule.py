@@ -42,6 +42,7 @@ import numpy as np
 from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
 from jax_reshard._planner import LeafPlan
+from jax_reshard._topology import Topology
 
 DEFAULT_MAX_BUCKET_BYTES = 1 << 30
 # The default bound where every device of a plan is a CPU: XLA:CPU allocates a program's
@@ -457,6 +458,62 @@ def _swap_path(
 
 
 def _make_rounds(
+  ps: np.ndarray, pd: np.ndarray, fill: np.ndarray, links: _Links | None = None
+) -> tuple[list[Round], np.ndarray]:
+  """Rounds for pairs ``(ps[i], pd[i])`` of ``fill[i]`` bytes, and each pair's round size
+  (:func:`_colour_rounds`). With ``links`` (the plan's topology) where the pairs cross domains
+  and stay inside them both, the pairs of each link class are also given rounds of their own,
+  and that is kept where the topology's link costs predict it faster: a round sends every pair
+  the round's size, so a slow pair in a round of large fast payloads sends that much over the
+  slow link."""
+  rounds, per_pair = _colour_rounds(ps, pd, fill)
+  if links is None:
+    return rounds, per_pair
+  slow = links.crosses(ps, pd)
+  if slow.all() or not slow.any():
+    return rounds, per_pair
+  mixed, time = links.time(rounds)
+  if not mixed:  # every round is of one link class already
+    return rounds, per_pair
+  apart = [_colour_rounds(ps[m], pd[m], fill[m]) for m in (slow, ~slow)]
+  if links.time(apart[0][0] + apart[1][0])[1] >= time:
+    return rounds, per_pair
+  per_pair = np.empty_like(per_pair)
+  per_pair[slow], per_pair[~slow] = apart[0][1], apart[1][1]
+  return apart[0][0] + apart[1][0], per_pair
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Links:
+  """The link costs rounds are compared by: each union device's domain, and the topology."""
+
+  union: np.ndarray
+  domain: np.ndarray  # per union device
+  topology: Topology
+
+  def crosses(self, ps: np.ndarray, pd: np.ndarray) -> np.ndarray:
+    """Per pair, whether it crosses domains."""
+    at = np.searchsorted(self.union, ps), np.searchsorted(self.union, pd)
+    return self.domain[at[0]] != self.domain[at[1]]
+
+  def time(self, rounds: Sequence[Round]) -> tuple[bool, float]:
+    """Whether a round mixes pairs across and inside domains, and the rounds' transfer time:
+    each round its slowest link's latency plus its size over that link's bandwidth."""
+    count = np.fromiter((len(r.pairs) for r in rounds), np.int64, len(rounds))
+    flat = itertools.chain.from_iterable(itertools.chain.from_iterable(r.pairs for r in rounds))
+    ends = np.fromiter(flat, np.int64, 2 * int(count.sum())).reshape(-1, 2)
+    rid = np.repeat(np.arange(len(rounds)), count)
+    crossing = np.bincount(rid, self.crosses(ends[:, 0], ends[:, 1]), minlength=len(rounds))
+    slow = crossing > 0
+    size = np.fromiter((r.nbytes for r in rounds), np.float64, len(rounds))
+    inter, intra = self.topology.inter, self.topology.intra
+    time = np.where(
+      slow, inter.latency + size / inter.bandwidth, intra.latency + size / intra.bandwidth
+    )
+    return bool((slow & (crossing < count)).any()), float(time.sum())
+
+
+def _colour_rounds(
   ps: np.ndarray, pd: np.ndarray, fill: np.ndarray
 ) -> tuple[list[Round], np.ndarray]:
   """Rounds for pairs ``(ps[i], pd[i])`` of ``fill[i]`` bytes, and each pair's round size.
@@ -668,6 +725,7 @@ class _Tree:
   bound: int | None
   max_leaves: int = MAX_BUCKET_LEAVES
   kinds: list[int] = dataclasses.field(default_factory=list)  # per leaf, its kind of transfers
+  links: _Links | None = None  # with a topology of several domains (see _make_rounds)
   layouts: Sequence[tuple[Layout, Layout]] = ()
   allow_slabs: bool = False
   slabs: dict[int, tuple[int, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
@@ -838,7 +896,7 @@ def _build(tree: _Tree, items: Sequence[tuple[int, int]]) -> _Built:
   ps, pd = src[first], dst[first]
   key = ps.tobytes() + b"|" + pd.tobytes() + b"|" + fill.tobytes()
   if key not in tree.round_cache:
-    tree.round_cache[key] = _make_rounds(ps, pd, fill)
+    tree.round_cache[key] = _make_rounds(ps, pd, fill, tree.links)
   rounds, round_bytes = tree.round_cache[key]
   src, dst, leaf_of, transfer, nbytes, offset = _whole_first(
     tree, rounds, (src, dst, leaf_of, transfer, nbytes), first
@@ -1254,6 +1312,7 @@ def make_schedule(
   names: Sequence[str] | None = None,
   max_bucket_leaves: int | None = None,
   slabs: bool = True,
+  topology: Topology | None = None,
 ) -> Schedule:
   """Packs the remote transfers of all leaves into buckets, payloads and rounds.
 
@@ -1270,6 +1329,9 @@ def make_schedule(
     slabs: whether a leaf whose placeholder blocks keep sub-boxes of its transfers above the
       bound may be cut into slabs of its source shards, or of its destination shards
       (:func:`split_slabs`).
+    topology: where its domains split the devices, a bucket's pairs that cross domains and
+      those inside one may take rounds of their own (see :func:`_make_rounds`); ``None``:
+      rounds are made from the pairs' bytes alone.
 
   Raises:
     BucketBoundError: if the bound is below what some leaf needs even in its smallest chunks.
@@ -1294,6 +1356,8 @@ def make_schedule(
     layouts=layouts,
     allow_slabs=slabs,
   )
+  if topology is not None and len(np.unique(domain := topology.domain_of(union))) > 1:
+    tree.links = _Links(union, domain, topology)
   for leaf, plan in enumerate(plans):
     tree.set_chunks(leaf, plan, np.zeros(len(plan.nbytes), dtype=np.int64))
   _presplit(tree)

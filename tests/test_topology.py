@@ -20,6 +20,7 @@ from test_properties import SETTINGS, itemsizes, trees
 
 import jax_reshard as jr
 from jax_reshard import Layout, Link, Topology
+from jax_reshard._schedule import make_schedule
 
 PAIRS = Topology.cpu(devices_per_domain=2)  # domains {0, 1}, {2, 3}, ...
 # The same domains with links between them 50x slower: the model prefers relays there.
@@ -544,3 +545,59 @@ def test_direct_steps_match_a_walk_over_rounds(bound: int | None) -> None:
         assert got == _direct_steps_by_round(plan, bucket)
         found = [found[0] + len(got[0]), found[1] + len(got[1])]
   assert found[0] > 0 and found[1] > 0  # both kinds occur
+
+
+def _one_device(shape: tuple[int, ...], device: int) -> Layout:
+  return Layout.from_description(
+    shape, mesh_shape=(1,), axis_names=("x",), spec=(None,) * len(shape), device_ids=[device]
+  )
+
+
+def test_rounds_give_slow_pairs_their_own_where_the_model_predicts_it_faster() -> None:
+  """A 64 KiB pair inside domain {2, 3} and a 256-byte pair from domain {4, 5} to {0, 1} share
+  no device: one round moves both, and a round sends every pair its size, so the small pair
+  sends 64 KiB over the slow link. Where links between domains are 50x slower, each link class
+  gets its own round; where they are as fast (the CPU preset), or with one domain, or without a
+  topology, one round."""
+  layouts = [
+    (_one_device((16, 1024), 3), _one_device((16, 1024), 2)),
+    (_one_device((64,), 5), _one_device((64,), 1)),
+  ]
+  plans = jr.plan_layouts(layouts, [4, 4], max_bucket_bytes=None).leaf_plans
+
+  def rounds(topology: Topology | None) -> list[tuple[int, tuple[tuple[int, int], ...]]]:
+    sched = make_schedule(plans, layouts, [4, 4], max_bucket_bytes=None, topology=topology)
+    return [(r.nbytes, r.pairs) for b in sched.buckets for r in b.rounds]
+
+  mixed = [(1 << 16, ((3, 2), (5, 1)))]
+  assert rounds(None) == rounds(PAIRS) == rounds(Topology.h200_nodes(8)) == mixed
+  assert sorted(rounds(SLOW_PAIRS)) == [(256, ((5, 1),)), (1 << 16, ((3, 2),))]
+  plan = jr.plan_layouts(layouts, [4, 4], topology=SLOW_PAIRS, relays=False)
+  mixed_plan = jr.plan_layouts(layouts, [4, 4], relays=False)
+  assert plan.estimate().seconds < mixed_plan.estimate(SLOW_PAIRS).seconds
+
+
+def test_slow_pairs_apart_run_bit_for_bit() -> None:
+  """Over all 8 devices: a leaf whose rows 2 and 3 trade places (inside a domain, 32 KiB each)
+  and one whose rows 1 and 5 do (across domains, 256 bytes each) move in one bucket; with slow
+  links between domains the crossing pairs get a round of their own, bit for bit (inside
+  ``jax.jit`` the same rounds lower the same way; meshes there list one device order)."""
+  devs = np.array(sorted(jax.devices(), key=lambda d: d.id)[:8])
+  rng = np.random.default_rng(3)
+  hosts = {
+    "big": rng.standard_normal((8, 8192)).astype(np.float32),
+    "small": rng.integers(-100, 100, (8, 256)).astype(np.int8),
+  }
+  order = {"big": [0, 1, 3, 2, 4, 5, 6, 7], "small": [0, 5, 2, 3, 4, 1, 6, 7]}
+  src = {k: NamedSharding(Mesh(devs, ("x",)), P("x")) for k in hosts}
+  dst = {k: NamedSharding(Mesh(devs[order[k]], ("x",)), P("x")) for k in hosts}
+  x = {k: jax.device_put(h, src[k]) for k, h in hosts.items()}
+  plan = jr.make_plan(x, dst, topology=SLOW_PAIRS, relays=False)
+  rounds = [r for b in plan.schedule.buckets for r in b.rounds]
+  crossing = {(1, 5), (5, 1)}
+  assert len(rounds) == 2 and {frozenset(r.pairs) for r in rounds} == {
+    frozenset(crossing),
+    frozenset({(2, 3), (3, 2)}),
+  }
+  for _ in range(2):
+    _run_bit_for_bit(plan, x, dst)
