@@ -12,8 +12,9 @@ rounds one after another. The model charges
 * per bucket, the assembly: every destination device copies the parts of its destination
   shards into them (a shard kept whole from one part costs nothing), and every device of
   the bucket writes its placeholder blocks (a zero source block for each leaf it has no source
-  shard of, a discarded output block for each leaf it has no destination shard of) at
-  ``fill_bandwidth`` (zeros; ``memory_bandwidth`` where not given);
+  shard of, a discarded output block, or slab, for each leaf it has no destination shard of)
+  at ``fill_bandwidth`` (zeros; ``memory_bandwidth`` where not given); of a leaf cut into
+  destination slabs, the bucket's slab is copied twice: assembled, then written into the shard;
 * per bucket and leaf, the topology's ``leaf_latency`` (host work per leaf and call).
 
 A copy of a piece costs its bytes at ``memory_bandwidth``; with a ``contiguous_bandwidth``
@@ -45,6 +46,7 @@ from jax_reshard._schedule import (
   Bucket,
   Round,
   Schedule,
+  dst_slab_window,
   placeholder_mask,
   slab_window,
   staged_block_shape,
@@ -307,11 +309,13 @@ def _assembled_seconds(stage: _Stage, b: int, direct: set[int], topo: Topology) 
   """Per device of bucket ``b``, the seconds it copies when assembling: every shard it holds,
   each part at its runs in the shard, except one kept whole from a single resident part, or
   received whole (the leaves ``direct``, positions in the schedule, see
-  :func:`direct_steps`): no copy."""
+  :func:`direct_steps`): no copy; for a leaf cut into destination slabs, the bucket's slab
+  (assembled at the mean cost per byte of the leaf's parts, then written into the shard at the
+  slab's runs)."""
   bucket = stage.schedule.buckets[b]
   union = np.asarray(bucket.union_device_ids, dtype=np.int64)
   out = np.zeros(len(union), dtype=np.float64)
-  for j, i in zip(bucket.leaves, stage.bucket_leaves(b), strict=True):
+  for j, chunks, i in zip(bucket.leaves, bucket.chunks, stage.bucket_leaves(b), strict=True):
     if j in direct:
       continue
     _, dst = stage.layouts[i]
@@ -327,7 +331,15 @@ def _assembled_seconds(stage: _Stage, b: int, direct: set[int], topo: Topology) 
     got = np.bincount(pos, parts, minlength=len(ids))
     secs = np.bincount(pos, copy_seconds(parts, runs, topo), minlength=len(ids))
     per_byte = np.where(got > 0, secs / np.maximum(got, 1.0), 1.0 / topo.memory_bandwidth)
-    writes = np.where((rows == 1) & (whole == 1), 0.0, shard * per_byte)
+    if (window := dst_slab_window(stage.schedule, j, chunks)) is None:
+      writes = np.where((rows == 1) & (whole == 1), 0.0, shard * per_byte)
+    else:  # the slab is assembled, then written into the destination shard
+      dim, start, stop = window
+      box = np.asarray(dst.shard_shape(), dtype=np.int64)
+      box[dim] = stop - start
+      slab = float(np.prod(box)) * stage.itemsizes[i]
+      run = run_bytes(box[None], dst.shard_shape(), stage.itemsizes[i])
+      writes = slab * per_byte + copy_seconds(np.array([slab]), run, topo)[0]
     out[np.searchsorted(union, ids)] += writes
   return out
 
@@ -342,9 +354,10 @@ def _placeholder_bytes(stage: _Stage, b: int, direct: set[int]) -> tuple[np.ndar
 
   Zeros: a source block per leaf it has no source shard of (unless they total at most
   ``KEPT_ZERO_BYTES``, kept between calls), a discarded output block per leaf it has no
-  destination shard of (the rule of :func:`placeholder_mask`; none for the leaves ``direct``,
-  received whole). Slabs: for a leaf cut into slabs, the bucket's slab instead of the source
-  block, on every device (cut from its source shard, or zeros; counted as a copy)."""
+  destination shard of (the rule of :func:`placeholder_mask`; the bucket's slab for a leaf cut
+  into destination slabs; none for the leaves ``direct``, received whole). Slabs: for a leaf
+  cut into slabs, the bucket's slab instead of the source block, on every device (cut from its
+  source shard, or zeros; counted as a copy)."""
   bucket = stage.schedule.buckets[b]
   union = np.asarray(bucket.union_device_ids, dtype=np.int64)
   out = np.zeros(len(union), dtype=np.float64)
@@ -353,7 +366,11 @@ def _placeholder_bytes(stage: _Stage, b: int, direct: set[int]) -> tuple[np.ndar
   for j, chunks, i in zip(bucket.leaves, bucket.chunks, stage.bucket_leaves(b), strict=True):
     src, dst = stage.layouts[i]
     isz = stage.itemsizes[i]
-    dst_block = float(np.prod(staged_block_shape(dst.shard_shape())) * isz)
+    dst_shape = staged_block_shape(dst.shard_shape())
+    dst_block = float(np.prod(dst_shape) * isz)
+    if (dst_window := dst_slab_window(stage.schedule, j, chunks)) is not None:
+      dim, start, stop = dst_window  # a discarded block of the slab's size
+      dst_block = float(np.prod(dst_shape) // dst_shape[dim] * (stop - start) * isz)
     if j not in direct:
       out += placeholder_mask(dst, union) * dst_block
     src_shape = staged_block_shape(src.shard_shape())

@@ -124,11 +124,13 @@ class Topology:
   def from_devices(cls, devices: Iterable[Any], preset: Topology | None = None) -> Topology:
     """The domains JAX reports for real devices.
 
-    Devices of one slice share a domain where JAX gives a ``slice_index`` (TPU slices, GPU
-    NVLink domains); otherwise, and always for CPU devices (whose ``slice_index`` is 0 in every
-    process of a ``jax.distributed`` job), devices of one process (host) do. Link costs come
-    from ``preset`` (default: :meth:`h100_nodes` for GPUs, :meth:`cpu` for CPUs,
-    :meth:`tpu_slices` for TPUs).
+    Devices of one slice share a domain where JAX gives a ``slice_index`` (TPU slices; on
+    GPUs, XLA's client numbers hosts by boot id unless every process sets a slice index, so a
+    host's GPUs share a domain: an 8-GPU NVLink node, but only part of a GB200 NVL72 rack, for
+    which pass :meth:`gb200_nvl72` or :meth:`with_domains`); otherwise, and always for CPU
+    devices (whose ``slice_index`` is 0 in every process of a ``jax.distributed`` job), devices
+    of one process (host) do. Link costs come from ``preset`` (default: :meth:`h100_nodes` for
+    GPUs, :meth:`cpu` for CPUs, :meth:`tpu_slices` for TPUs).
     """
     devices = list(devices)
     keys = {}

@@ -224,6 +224,50 @@ def case_relay() -> None:
   ok("case_relay_jit")
 
 
+def case_slabs() -> None:
+  """Leaves too large for the bucket bound, trainer on process 0 -> sampler on process 1: one
+  replicated on two trainer devices (cut into slabs of its source shards), one replicated on two
+  sampler devices (slabs of its destination shards), one replicated on two devices of each
+  (windows of both sides), and one sharded (sub-boxes); eagerly and into donated buffers, bit
+  for bit in both processes."""
+  rep0, rep1 = mesh(P0[:2], (2,), ("r",)), mesh(P1[:2], (2,), ("r",))
+  cols0, cols1 = mesh(P0, (4,), ("t",)), mesh(P1, (4,), ("t",))
+  specs = {k: ((256, 64), np.float32) for k in ("src_slabs", "dst_slabs", "both", "boxes")}
+  src_sh = {
+    "src_slabs": NamedSharding(rep0, P()),
+    "dst_slabs": NamedSharding(cols0, P(None, "t")),
+    "both": NamedSharding(rep0, P()),
+    "boxes": NamedSharding(cols0, P("t")),
+  }
+  dst_sh = {
+    "src_slabs": NamedSharding(cols1, P(None, "t")),
+    "dst_slabs": NamedSharding(rep1, P()),
+    "both": NamedSharding(rep1, P()),
+    "boxes": NamedSharding(cols1, P(None, "t")),
+  }
+  hosts = make_hosts(14, specs)
+  xs = {k: put(h, src_sh[k]) for k, h in hosts.items()}
+  plan = jr.make_plan(xs, dst_sh, max_bucket_bytes=40 << 10)  # each leaf is 64 KiB
+  sched, names = plan.schedule, [plan.leaves[i].name for i in plan.layout_plan.scheduled]
+  cuts = {
+    n: (sched.leaf_slabs[j] is not None, sched.leaf_dst_slabs[j] is not None)
+    for j, n in enumerate(names)
+  }
+  assert cuts == {
+    "['both']": (True, True),
+    "['boxes']": (False, False),
+    "['dst_slabs']": (False, True),
+    "['src_slabs']": (True, False),
+  }, cuts
+  assert plan.stats.peak_staging_bytes <= 40 << 10 and plan.stats.num_buckets > 4
+  ys = plan(xs)
+  check_tree(ys, hosts, dst_sh)
+  hosts2 = make_hosts(15, specs)
+  ys = plan({k: put(h, src_sh[k]) for k, h in hosts2.items()}, donate=ys)
+  check_tree(ys, hosts2, dst_sh)
+  ok("case_slabs")
+
+
 def _fuse(order: str) -> Any:
   def to_sampler(p: Any) -> Any:
     qkv = [jnp.concatenate([lay[c] for c in order], axis=1) for lay in p["layers"]]
@@ -389,8 +433,8 @@ def die_during(victim: int, *, freeze: bool = False) -> None:
 def main() -> None:
   if SCENARIO == "cases":
     steps = (
-      case_a, case_b, case_c, case_relay, case_transform, built_differently, mismatch,
-      missing_peer,
+      case_a, case_b, case_c, case_relay, case_slabs, case_transform, built_differently,
+      mismatch, missing_peer,
     )  # fmt: skip
     for step in steps:
       step()

@@ -36,6 +36,7 @@ CASE_STEPS = [
   "case_c",
   "case_relay",
   "case_relay_jit",
+  "case_slabs",
   "case_transform",
   "transform_mismatch",
   "built_differently",
@@ -161,6 +162,7 @@ def cases(pairs):
     "case_c",
     "case_relay",
     "case_relay_jit",
+    "case_slabs",
     "case_transform",
     "transform_mismatch",
     "built_differently",
@@ -171,8 +173,9 @@ def cases(pairs):
 def test_collective_cases(cases, step):
   """(a) trainer on process 0 -> sampler on process 1, (b) meshes spanning both processes,
   (c) a pytree of replicated and sharded leaves, equal plans built differently, and a plan
-  mismatch raised on both processes, and relay plans with the processes as domains (eager
-  and inside jax.jit): each process checks its own shards against NumPy."""
+  mismatch raised on both processes, relay plans with the processes as domains (eager
+  and inside jax.jit), and leaves cut into source slabs, destination slabs and windows of both
+  under a small bucket bound: each process checks its own shards against NumPy."""
   for i, p in enumerate(cases.procs):
     assert step in _steps(p.out), f"process {i} did not pass {step}\n{cases}"
 

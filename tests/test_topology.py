@@ -476,6 +476,40 @@ def test_estimate_prices_contiguous_runs() -> None:
   assert a.pack_s == pytest.approx(b.pack_s) and a.assemble_s == pytest.approx(b.assemble_s)
 
 
+def test_estimate_of_destination_slabs_costs_each_slab() -> None:
+  """A 2 MiB leaf replicated on 2 devices, cut into 8 destination slabs: each bucket assembles
+  its slab (and writes it into the shard: twice its bytes) and discards a slab-sized output
+  block on each source device, so over the buckets the destination shard is assembled twice and
+  discarded once per source device, not once per bucket."""
+
+  def lay(ids: range, spec: tuple[Any, ...]) -> jr.Layout:
+    return jr.Layout.from_description(
+      (1024, 512), mesh_shape=(len(ids),), axis_names=("t",), spec=spec, device_ids=ids
+    )
+
+  from jax_reshard._cost import copy_seconds
+
+  plan = jr.plan_layouts(
+    [(lay(range(4, 8), (None, "t")), lay(range(2), ()))], [4], max_bucket_bytes=1 << 20
+  )
+  sched = plan.schedule
+  assert sched.leaf_dst_slabs[0] is not None and sched.leaf_slabs[0] is None
+  assert len(sched.buckets) == 8
+  full, src_block = 1024 * 512 * 4, 1024 * 128 * 4
+  zeros = 8 * 2 * src_block + 4 * full  # per bucket 2 zero source blocks; 4 discarded slabs
+  cpu = Topology.cpu(cores=1)
+  strided = cpu.replace(contiguous_bandwidth=None)  # one rate for every copy, as on GPUs
+  assembled = 2 * 2 * full  # 2 destination devices, each slab twice
+  expected = zeros / cpu.fill_bandwidth + assembled / cpu.memory_bandwidth
+  assert plan.estimate(strided).assemble_s == pytest.approx(expected)
+  # With the contiguous rate the slab is assembled from parts in 512-byte runs (128 words of
+  # each source shard's rows), then written into the shard as one run (whole rows).
+  slab = np.array([full / 8])
+  per_slab = copy_seconds(slab, np.array([512.0]), cpu) + copy_seconds(slab, slab, cpu)
+  expected = zeros / cpu.fill_bandwidth + 2 * 8 * float(per_slab[0])
+  assert plan.estimate(cpu).assemble_s == pytest.approx(expected)
+
+
 def _direct_steps_by_round(plan: jr.LayoutPlan, bucket: Any) -> tuple[set[int], set[int]]:
   """:func:`direct_steps` by a walk over the rounds: the rounds whose every payload is the
   whole source shards of the same distinct leaves in the same order (their sizes summing to
