@@ -14,6 +14,10 @@ On 8 simulated CPU devices (``jax_num_cpu_devices``) sharing the host's cores, i
   beyond the latency;
 * ``CPU_PACK_BANDWIDTH``: packing: every device concatenates strided column slices of its shard
   into an N-byte payload, ``cores`` at a time;
+* ``CPU_CONTIGUOUS_BANDWIDTH`` and ``CPU_RUN_LATENCY``: the same packing from 8 slices of
+  64 KiB runs instead of 512-byte ones: a copy costs its bytes at the contiguous rate plus a
+  fixed cost per contiguous run, so the two packings of equal bytes give both (solved from
+  their times; at 512-byte runs the formula gives ``CPU_PACK_BANDWIDTH`` again);
 * ``CPU_FILL_BANDWIDTH``: every device writes an N-byte block of zeros, ``cores`` at a time;
 * ``CPU_LEAF_LATENCY``: the slope of a ``jr.make_plan`` call over trees of 1 and 65 tiny leaves
   (8x8 float32, 4 devices -> the other 4), one bucket: host work per leaf.
@@ -107,14 +111,17 @@ def calibrate(cores: int | None = None) -> dict[str, float]:
     return jnp.concatenate([p.reshape(-1) for p in parts])
 
   t_pack = _median_s(program(pack, (rows, cols)))
-  pack_bw = N_DEVICES * 4 * rows * cols // 2 / (cores * max(t_pack - call, 1e-9))
-  cpu_pack_bw = N_DEVICES * 4 * rows * cols // 2 / max(CPU_MEDIANS[-1] - cpu_call, 1e-9)
+  payload = N_DEVICES * 4 * rows * cols // 2
+  pack_bw = payload / (cores * max(t_pack - call, 1e-9))
+  cpu_pack_bw = payload / max(CPU_MEDIANS[-1] - cpu_call, 1e-9)
+  contiguous = _contiguous(program, cores, t_pack, call)
   # Zero fills: every device writes a fresh 4 MiB block of zeros (as its placeholders).
   t_fill = _median_s(program(lambda b: jnp.zeros_like(b) + 0 * b[:1], (n_words,)))
   fill_bw = N_DEVICES * 4 * n_words / (cores * max(t_fill - call, 1e-9))
   cpu_fill_bw = N_DEVICES * 4 * n_words / max(CPU_MEDIANS[-1] - cpu_call, 1e-9)
   leaf = _leaf_latency(mesh)
   return {
+    **contiguous,
     "CPU_FILL_BANDWIDTH": fill_bw,
     "CPU_LEAF_LATENCY": leaf,
     "CPU_CORE_BANDWIDTH": core_bw,
@@ -128,6 +135,37 @@ def calibrate(cores: int | None = None) -> dict[str, float]:
     "cpu_time:CPU_ROUND_LATENCY": cpu_round,
     "cpu_time:CPU_CALL_LATENCY": cpu_call,
   }
+
+
+def _contiguous(
+  program: Callable[..., Callable], cores: int, t_short: float, call: float
+) -> dict[str, float]:
+  """``CPU_CONTIGUOUS_BANDWIDTH`` and ``CPU_RUN_LATENCY``: the strided packing (``t_short``
+  wall seconds, its CPU seconds the last of ``CPU_MEDIANS``) against the same payload packed
+  from 64 KiB runs. Per device a packing costs ``B / contiguous + runs * run_latency``; solved
+  from wall time times ``cores`` and, as ``cpu_time:``, from CPU time."""
+  import jax
+  import jax.numpy as jnp
+
+  cpu_call, cpu_short = CPU_MEDIANS[0], CPU_MEDIANS[-1]
+  rows, words = 4, 1 << 14  # 8 slices of (4, 16384) words: 32 runs of 64 KiB per device
+  short_runs, long_runs = 8 * 512, 8 * rows  # per device (the strided packing: 512 rows)
+
+  def pack(b: jax.Array) -> jax.Array:
+    parts = [jax.lax.slice(b, (0, 2 * words * k), (rows, 2 * words * k + words)) for k in range(8)]
+    return jnp.concatenate([p.reshape(-1) for p in parts])
+
+  t_long = _median_s(program(pack, (rows, 16 * words)))
+  nbytes = N_DEVICES * 4 * 8 * rows * words  # all devices' payloads: 2 MiB each
+  out = {}
+  for key, short, long in (
+    ("", (t_short - call) * cores, (t_long - call) * cores),
+    ("cpu_time:", cpu_short - cpu_call, CPU_MEDIANS[-1] - cpu_call),
+  ):
+    run = max(short - long, 0.0) / (N_DEVICES * (short_runs - long_runs))
+    out[key + "CPU_RUN_LATENCY"] = run
+    out[key + "CPU_CONTIGUOUS_BANDWIDTH"] = nbytes / max(long - N_DEVICES * long_runs * run, 1e-9)
+  return out
 
 
 def _leaf_latency(mesh: Any) -> float:
@@ -159,6 +197,9 @@ def main() -> None:
   print(f"  CPU_CALL_LATENCY = {out['CPU_CALL_LATENCY']:.3g}  # s per program call")
   print(f"  CPU_LEAF_LATENCY = {out['CPU_LEAF_LATENCY']:.3g}  # s per leaf of a call")
   print(f"  CPU_FILL_BANDWIDTH = {out['CPU_FILL_BANDWIDTH']:.3g}  # bytes/s per core, zero fills")
+  contiguous = out["CPU_CONTIGUOUS_BANDWIDTH"]
+  print(f"  CPU_CONTIGUOUS_BANDWIDTH = {contiguous:.3g}  # bytes/s per core, long runs")
+  print(f"  CPU_RUN_LATENCY = {out['CPU_RUN_LATENCY']:.3g}  # s per contiguous run copied")
   print("from CPU time (bytes per CPU second; seconds of CPU per round and call):")
   for k, v in out.items():
     if k.startswith("cpu_time:"):

@@ -6,15 +6,21 @@ rounds one after another. The model charges
 * per bucket, the topology's ``call_latency``;
 * per round, the transfer: the slowest pair's ``latency + nbytes / bandwidth`` over its link
   (inside a domain or between domains; every pair of a round sends the round's padded size);
-* per round, the packing: every sender writes the round's payload at ``memory_bandwidth``,
-  except the whole source shards it sends as they are (:func:`whole_segment_bytes`);
-* per bucket, the assembly: every destination device writes its destination shards at
-  ``memory_bandwidth`` (a shard kept whole from one part costs nothing; of a leaf cut into
-  destination slabs, the bucket's slab, twice: assembled, then written into the shard), and
-  every device of the bucket writes its placeholder blocks (a zero source block for each leaf
-  it has no source shard of, a discarded output block, or slab, for each leaf it has no
-  destination shard of) at ``fill_bandwidth`` (zeros; ``memory_bandwidth`` where not given);
+* per round, the packing: every sender copies its payload's pieces out of its source shards,
+  except the whole source shards it sends as they are (:func:`whole_segment_bytes`), and
+  writes the padding at ``memory_bandwidth``;
+* per bucket, the assembly: every destination device copies the parts of its destination
+  shards into them (a shard kept whole from one part costs nothing), and every device of
+  the bucket writes its placeholder blocks (a zero source block for each leaf it has no source
+  shard of, a discarded output block, or slab, for each leaf it has no destination shard of)
+  at ``fill_bandwidth`` (zeros; ``memory_bandwidth`` where not given); of a leaf cut into
+  destination slabs, the bucket's slab is copied twice: assembled, then written into the shard;
 * per bucket and leaf, the topology's ``leaf_latency`` (host work per leaf and call).
+
+A copy of a piece costs its bytes at ``memory_bandwidth``; with a ``contiguous_bandwidth``
+(simulated CPU devices), its bytes at that rate plus ``run_latency`` per contiguous run (of
+the shard it is cut from when packing, written into when assembling; see :func:`run_bytes`),
+at most the former: a whole slab of rows copies about twice as fast as 512-byte columns.
 
 Where devices share the host's cores (``max_parallel``, simulated CPU devices), each phase takes
 at least the devices' summed copying divided by ``max_parallel`` (plus, for a round, its
@@ -298,22 +304,80 @@ def _bucket_cost(
     [r.nbytes if k in sent_whole else segments.get(k, 0) for k, r in enumerate(bucket.rounds)],
     dtype=np.float64,
   )
-  packed = 1.0 - kept / np.maximum(sizes, 1.0)
-  pack = _phase(sizes[rid] * packed[rid] / topo.memory_bandwidth, rid, n, topo.max_parallel)
+  pack = _phase(_pack_seconds(stage, bucket, pairs, kept, topo), rid, n, topo.max_parallel)
   fills, slabs = _placeholder_bytes(stage, b, received_whole)
   fill_bw = topo.fill_bandwidth or topo.memory_bandwidth
-  written = (_assembled_bytes(stage, b, received_whole) + slabs) / topo.memory_bandwidth
+  written = _assembled_seconds(stage, b, received_whole, topo) + slabs / topo.memory_bandwidth
   written = written + fills / fill_bw
   assemble = _phase(written, np.zeros(len(written), dtype=np.int64), 1, topo.max_parallel)
   slow = (slowest_cross > 0) & (slowest_cross >= transfer)
   return _BucketCost(transfer, slow, pack, float(assemble[0]))
 
 
-def _assembled_bytes(stage: _Stage, b: int, direct: set[int]) -> np.ndarray:
-  """Per device of bucket ``b``, the destination bytes it writes when assembling: every shard
-  it holds, except one kept whole from a single resident part, or received whole (the leaves
-  ``direct``, positions in the schedule, see :func:`direct_steps`): no copy; for a leaf cut
-  into destination slabs, the bucket's slab twice (assembled, then written into the shard)."""
+def run_bytes(extent: np.ndarray, shard: Sequence[int], itemsize: int) -> np.ndarray:
+  """Per box (rows of ``extent``, its size per dimension) inside a C-order shard of shape
+  ``shard``: its contiguous runs' bytes, the trailing dimensions it spans whole times its
+  extent in the first (from the last) it does not."""
+  run = np.full(len(extent), itemsize, dtype=np.float64)
+  done = np.zeros(len(extent), dtype=bool)
+  for d in reversed(range(len(shard))):
+    run = np.where(done, run, run * extent[:, d])
+    done |= extent[:, d] != shard[d]
+  return run
+
+
+def copy_seconds(nbytes: np.ndarray, run: np.ndarray, topo: Topology) -> np.ndarray:
+  """Seconds a device takes to copy ``nbytes`` in contiguous runs of ``run`` bytes: at
+  ``memory_bandwidth``, or with a ``contiguous_bandwidth`` at that rate plus ``run_latency``
+  per run, at most the former."""
+  strided = nbytes / topo.memory_bandwidth
+  if topo.contiguous_bandwidth is None:
+    return strided
+  runs = nbytes / np.maximum(run, 1.0)
+  return np.minimum(strided, nbytes / topo.contiguous_bandwidth + runs * topo.run_latency)
+
+
+def _source_runs(stage: _Stage, j: int) -> np.ndarray:
+  """Per transfer of leaf ``j`` (a position in ``stage.scheduled``) as its buckets move it
+  (the rows ``Bucket.piece_transfer`` indexes), its contiguous run in the source shard."""
+  i = stage.scheduled[j]
+  plans = stage.schedule.leaf_plans
+  lp = plans[j] if plans else stage.leaf_plans[i]
+  return run_bytes(lp.hi - lp.lo, stage.layouts[i][0].shard_shape(), stage.itemsizes[i])
+
+
+def _pack_seconds(
+  stage: _Stage, bucket: Bucket, pairs: tuple[np.ndarray, ...], kept: np.ndarray, topo: Topology
+) -> np.ndarray:
+  """Per pair of the bucket's rounds (in :func:`round_pairs` order), the sender's packing:
+  its pieces copied at their runs (less the ``kept`` bytes of the round, whole source shards
+  sent as they are, one run each) and the padding written; nothing for a round sent whole."""
+  rid, ps, pd, size = pairs
+  sizes = size.astype(np.float64)
+  nbytes = np.asarray(bucket.piece_nbytes, dtype=np.float64)
+  secs = np.zeros(len(nbytes))
+  leaf = np.asarray(bucket.piece_leaf, dtype=np.int64)
+  for j in np.unique(leaf).tolist():
+    run = _source_runs(stage, j)
+    at = leaf == j
+    secs[at] = copy_seconds(nbytes[at], run[bucket.piece_transfer[at]], topo)
+  keys, first, _ = pair_runs(bucket)
+  if not len(keys):
+    return np.zeros(len(rid))
+  at = np.searchsorted(keys, ps * (1 << 32) + pd)
+  copied = np.add.reduceat(secs, first)[at] - copy_seconds(kept, kept, topo)[rid]
+  padding = sizes[rid] - np.add.reduceat(nbytes, first)[at]
+  out = np.maximum(copied, 0.0) + np.maximum(padding, 0.0) / topo.memory_bandwidth
+  return np.where(kept[rid] >= sizes[rid], 0.0, out)
+
+
+def _assembled_seconds(stage: _Stage, b: int, direct: set[int], topo: Topology) -> np.ndarray:
+  """Per device of bucket ``b``, the seconds it copies when assembling: every shard it holds,
+  each part at its runs in the shard, except one kept whole from a single resident part, or
+  received whole (the leaves ``direct``, positions in the schedule, see
+  :func:`direct_steps`): no copy; for a leaf cut into destination slabs, the bucket's slab
+  (assembled at the mean cost per byte of the leaf's parts, then written into the shard at the
+  slab's runs)."""
   bucket = stage.schedule.buckets[b]
   union = np.asarray(bucket.union_device_ids, dtype=np.int64)
   out = np.zeros(len(union), dtype=np.float64)
@@ -324,15 +388,24 @@ def _assembled_bytes(stage: _Stage, b: int, direct: set[int]) -> np.ndarray:
     lp = stage.leaf_plans[i]
     ids = np.asarray(dst.device_ids, dtype=np.int64)
     shard = float(np.prod(dst.shard_shape(), dtype=np.int64) * stage.itemsizes[i])
-    if (window := dst_slab_window(stage.schedule, j, chunks)) is not None:
-      # The slab is assembled, then written into the destination shard: twice its bytes.
-      slab = shard / dst.shard_shape()[window[0]] * (window[2] - window[1])
-      out[np.searchsorted(union, ids)] += 2 * slab
-      continue
     pos = np.searchsorted(ids, lp.dst_device)
     rows = np.bincount(pos, minlength=len(ids))
     whole = np.bincount(pos, lp.local & (lp.nbytes == shard), minlength=len(ids))
-    writes = np.where((rows == 1) & (whole == 1), 0.0, shard)
+    # The shard's bytes at the mean cost per byte of its parts (of the strided rate without).
+    runs = run_bytes(lp.hi - lp.lo, dst.shard_shape(), stage.itemsizes[i])
+    parts = lp.nbytes.astype(np.float64)
+    got = np.bincount(pos, parts, minlength=len(ids))
+    secs = np.bincount(pos, copy_seconds(parts, runs, topo), minlength=len(ids))
+    per_byte = np.where(got > 0, secs / np.maximum(got, 1.0), 1.0 / topo.memory_bandwidth)
+    if (window := dst_slab_window(stage.schedule, j, chunks)) is None:
+      writes = np.where((rows == 1) & (whole == 1), 0.0, shard * per_byte)
+    else:  # the slab is assembled, then written into the destination shard
+      dim, start, stop = window
+      box = np.asarray(dst.shard_shape(), dtype=np.int64)
+      box[dim] = stop - start
+      slab = float(np.prod(box)) * stage.itemsizes[i]
+      run = run_bytes(box[None], dst.shard_shape(), stage.itemsizes[i])
+      writes = slab * per_byte + copy_seconds(np.array([slab]), run, topo)[0]
     out[np.searchsorted(union, ids)] += writes
   return out
 

@@ -56,6 +56,13 @@ class Topology:
       arrays); measured for the CPU preset, 0 in the GPU and TPU presets (not measured there).
     fill_bandwidth: bytes per second a device writes zeros (placeholder blocks, discarded
       outputs); ``None``: ``memory_bandwidth``. Measured for the CPU preset only.
+    contiguous_bandwidth: bytes per second a device copies long contiguous runs when packing
+      or assembling; a copy then costs its bytes at this rate plus ``run_latency`` per
+      contiguous run, at most its bytes at ``memory_bandwidth`` (the rate of short runs).
+      ``None``: every copy at ``memory_bandwidth``, whatever its runs (the GPU and TPU
+      presets, whose packing was measured at one rate for rows and strided columns). Measured
+      for the CPU preset only.
+    run_latency: seconds per contiguous run copied, with ``contiguous_bandwidth``.
 
   Example:
     >>> topo = Topology.h100_nodes()
@@ -75,6 +82,8 @@ class Topology:
   max_parallel: int | None = None
   leaf_latency: float = 0.0
   fill_bandwidth: float | None = None
+  contiguous_bandwidth: float | None = None
+  run_latency: float = 0.0
 
   def domain_of(self, device_ids: Sequence[int] | np.ndarray) -> np.ndarray:
     """The domain of each device id, as an ``int64`` array.
@@ -199,7 +208,9 @@ class Topology:
     (slices and concatenations) at ``CPU_PACK_BANDWIDTH``; ``cores`` devices work at once; a
     round costs ``CPU_ROUND_LATENCY`` s on top, a program call ``CPU_CALL_LATENCY`` s, and
     each leaf of a call ``CPU_LEAF_LATENCY`` s of host work; zero blocks are written at
-    ``CPU_FILL_BANDWIDTH``.
+    ``CPU_FILL_BANDWIDTH``. Copies of long contiguous runs go at ``CPU_CONTIGUOUS_BANDWIDTH``
+    plus ``CPU_RUN_LATENCY`` per run (``CPU_PACK_BANDWIDTH`` is their rate at 512-byte runs,
+    and the rate of shorter ones).
     ``devices_per_domain`` simulates domains (the "slow" links are then as fast as the others,
     so only the byte counts differ).
     """
@@ -213,6 +224,8 @@ class Topology:
       max_parallel=cores,
       leaf_latency=CPU_LEAF_LATENCY,
       fill_bandwidth=CPU_FILL_BANDWIDTH,
+      contiguous_bandwidth=CPU_CONTIGUOUS_BANDWIDTH,
+      run_latency=CPU_RUN_LATENCY,
     )
 
 
@@ -225,3 +238,10 @@ CPU_ROUND_LATENCY = 140e-6
 CPU_CALL_LATENCY = 165e-6
 CPU_LEAF_LATENCY = 56e-6
 CPU_FILL_BANDWIDTH = 4.7e9
+# Packing 8 slices of 64 KiB runs against 512-byte ones (benchmarks/calibrate_cpu.py; see
+# Topology.cpu), from CPU time (bytes per CPU second, CPU seconds per run; on an idle machine
+# the wall-time rates per core agree, as the packing rate's 1.83-2.27 GB/s per CPU second in
+# the same runs shows): medians of eleven runs on the same 2 cores, shared with other work
+# (3.47-4.25 GB/s, 89-143 ns). At 512-byte runs they give 2.1 GB/s, as CPU_PACK_BANDWIDTH.
+CPU_CONTIGUOUS_BANDWIDTH = 3.7e9
+CPU_RUN_LATENCY = 110e-9

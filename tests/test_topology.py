@@ -388,7 +388,8 @@ def test_the_model_chooses_relays_or_not() -> None:
 def test_estimate_counts_placeholders_and_leaves() -> None:
   """Disjoint devices: every sampler device stages a zero source block and every trainer
   device returns a discarded output block, zeros written at the fill bandwidth; the shards
-  assembled at memory bandwidth; host work per leaf."""
+  assembled from whole row blocks at the contiguous rate (at memory bandwidth without one);
+  host work per leaf."""
   tree, isz = _two_hosts(1024)
   topo = Topology.cpu(cores=1).replace(leaf_latency=1e-3)
   plan = jr.plan_layouts(tree * 3, isz * 3)
@@ -399,8 +400,16 @@ def test_estimate_counts_placeholders_and_leaves() -> None:
   placeholders = 3 * 4 * (src_block + dst_block)  # 3 leaves, 4 + 4 devices, one core
   assembled = 3 * 4 * dst_block  # every sampler shard assembled from parts
   assert topo.fill_bandwidth is not None and topo.fill_bandwidth != topo.memory_bandwidth
-  expected = placeholders / topo.fill_bandwidth + assembled / topo.memory_bandwidth
+  # Each shard (1024, 512) is 4 row blocks of the trainer's shards: 4 contiguous runs.
+  assert topo.contiguous_bandwidth is not None
+  copies = assembled / topo.contiguous_bandwidth + 3 * 4 * 4 * topo.run_latency
+  assert copies < assembled / topo.memory_bandwidth
+  expected = placeholders / topo.fill_bandwidth + copies
   assert est.assemble_s == pytest.approx(expected)
+  strided = plan.estimate(topo.replace(contiguous_bandwidth=None))
+  assert strided.assemble_s == pytest.approx(
+    placeholders / topo.fill_bandwidth + assembled / topo.memory_bandwidth
+  )
 
 
 def test_estimate_follows_the_program_copies() -> None:
@@ -426,6 +435,47 @@ def test_estimate_follows_the_program_copies() -> None:
     assert cut.pack_s > 0.0 and cut.assemble_s > est.assemble_s
 
 
+def test_estimate_prices_contiguous_runs() -> None:
+  """On the CPU preset a copy costs its bytes at the contiguous rate plus a fixed cost per
+  contiguous run (at most the strided rate): rows cut from a shard pack faster than columns
+  of the same bytes, and assemble faster into it; the GPU presets price both alike."""
+  from jax_reshard._cost import copy_seconds, run_bytes
+
+  ext = np.array([[256, 256], [256, 1024], [1, 1024], [3, 1]])
+  assert run_bytes(ext, (1024, 1024), 4).tolist() == [1024, 1 << 20, 4096, 4]
+  assert run_bytes(ext[:2], (256, 1024), 2).tolist() == [512, 1 << 19]
+  topo = Topology.cpu(cores=1)
+  assert topo.contiguous_bandwidth is not None and topo.run_latency > 0
+  nbytes = np.array([1 << 20, 1 << 20, 1 << 21, 1 << 20])
+  runs = np.array([1 << 20, 4096, 4096, 64])
+  secs = copy_seconds(nbytes.astype(float), runs.astype(float), topo)
+  assert secs[0] == pytest.approx((1 << 20) / topo.contiguous_bandwidth + topo.run_latency)
+  assert secs[0] < secs[1] < secs[2]  # more runs, more bytes
+  assert secs[3] == pytest.approx((1 << 20) / topo.memory_bandwidth)  # short runs: capped
+
+  def lay(ids: range, spec: tuple[Any, ...]) -> jr.Layout:
+    return jr.Layout.from_description(
+      (1024, 1024), mesh_shape=(4,), axis_names=("x",), spec=spec, device_ids=ids
+    )
+
+  rows, cols = ("x",), (None, "x")
+  # Columns cut from row shards, assembled whole into column shards; and the reverse.
+  to_cols = jr.plan_layouts([(lay(range(4), rows), lay(range(4, 8), cols))], [4])
+  to_rows = jr.plan_layouts([(lay(range(4), cols), lay(range(4, 8), rows))], [4])
+  assert to_cols.stats.bytes_moved == to_rows.stats.bytes_moved
+  a, b = to_cols.estimate(topo), to_rows.estimate(topo)
+  assert b.pack_s < a.pack_s and a.assemble_s < b.assemble_s
+  # 4 senders x 4 pieces of 256 x 256 words: 1 KiB runs when cut as columns, 1 run as rows.
+  piece = 256 * 256 * 4
+  assert a.pack_s == pytest.approx(
+    16 * (piece / topo.contiguous_bandwidth + 256 * topo.run_latency)
+  )
+  assert b.pack_s == pytest.approx(16 * (piece / topo.contiguous_bandwidth + topo.run_latency))
+  gpu = Topology.h100_nodes()
+  a, b = to_cols.estimate(gpu), to_rows.estimate(gpu)
+  assert a.pack_s == pytest.approx(b.pack_s) and a.assemble_s == pytest.approx(b.assemble_s)
+
+
 def test_estimate_of_destination_slabs_costs_each_slab() -> None:
   """A 2 MiB leaf replicated on 2 devices, cut into 8 destination slabs: each bucket assembles
   its slab (and writes it into the shard: twice its bytes) and discards a slab-sized output
@@ -437,7 +487,8 @@ def test_estimate_of_destination_slabs_costs_each_slab() -> None:
       (1024, 512), mesh_shape=(len(ids),), axis_names=("t",), spec=spec, device_ids=ids
     )
 
-  topo = Topology.cpu(cores=1)
+  from jax_reshard._cost import copy_seconds
+
   plan = jr.plan_layouts(
     [(lay(range(4, 8), (None, "t")), lay(range(2), ()))], [4], max_bucket_bytes=1 << 20
   )
@@ -446,9 +497,17 @@ def test_estimate_of_destination_slabs_costs_each_slab() -> None:
   assert len(sched.buckets) == 8
   full, src_block = 1024 * 512 * 4, 1024 * 128 * 4
   zeros = 8 * 2 * src_block + 4 * full  # per bucket 2 zero source blocks; 4 discarded slabs
+  cpu = Topology.cpu(cores=1)
+  strided = cpu.replace(contiguous_bandwidth=None)  # one rate for every copy, as on GPUs
   assembled = 2 * 2 * full  # 2 destination devices, each slab twice
-  expected = zeros / topo.fill_bandwidth + assembled / topo.memory_bandwidth
-  assert plan.estimate(topo).assemble_s == pytest.approx(expected)
+  expected = zeros / cpu.fill_bandwidth + assembled / cpu.memory_bandwidth
+  assert plan.estimate(strided).assemble_s == pytest.approx(expected)
+  # With the contiguous rate the slab is assembled from parts in 512-byte runs (128 words of
+  # each source shard's rows), then written into the shard as one run (whole rows).
+  slab = np.array([full / 8])
+  per_slab = copy_seconds(slab, np.array([512.0]), cpu) + copy_seconds(slab, slab, cpu)
+  expected = zeros / cpu.fill_bandwidth + 2 * 8 * float(per_slab[0])
+  assert plan.estimate(cpu).assemble_s == pytest.approx(expected)
 
 
 def _direct_steps_by_round(plan: jr.LayoutPlan, bucket: Any) -> tuple[set[int], set[int]]:
