@@ -519,6 +519,13 @@ class _Links:
     return bool((slow & (crossing < count)).any()), float(time.sum())
 
 
+def _links(union: np.ndarray, topology: Topology | None) -> _Links | None:
+  """The link costs of ``topology`` where its domains split ``union``, else ``None``."""
+  if topology is None or len(np.unique(domain := topology.domain_of(union))) <= 1:
+    return None
+  return _Links(union, domain, topology)
+
+
 def _colour_rounds(
   ps: np.ndarray,
   pd: np.ndarray,
@@ -1420,13 +1427,11 @@ def make_schedule(
     kinds=_kinds(plans, layouts, itemsizes),
     layouts=layouts,
     allow_slabs=slabs,
+    links=_links(union, topology),
   )
-  if topology is not None and len(np.unique(domain := topology.domain_of(union))) > 1:
-    tree.links = _Links(union, domain, topology)
   for leaf, plan in enumerate(plans):
-    tree.set_chunks(
-      leaf, plan, np.zeros(len(plan.nbytes), dtype=np.int64), ("orig", plan.nbytes.tobytes())
-    )
+    zeros = np.zeros(len(plan.nbytes), dtype=np.int64)
+    tree.set_chunks(leaf, plan, zeros, ("orig", plan.nbytes.tobytes()))
   _presplit(tree)
   built = _fill_buckets(tree)
   leaf_buckets: list[list[int]] = [[] for _ in plans]
