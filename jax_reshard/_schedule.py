@@ -1210,20 +1210,31 @@ def _split_windows(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
   k_max = src.shape[dim]
   k = max(2, min(k, k_max))
   while True:
-    plan, chunk, windows = split_slabs(tree.original[leaf], src, k, tree.itemsizes[leaf], dim=dim)
-    tree.windows[leaf] = windows
-    tree.set_chunks(leaf, plan, chunk)
-    # Windows of one width stage alike (the last, narrower one, less): the first is checked
-    # where no other moves more bytes on any device.
-    pay = tree.payloads[leaf]
-    items = tree.items(leaf)[: 1 if (pay <= pay[0]).all() else None]
-    stage = np.stack([_build(tree, [item]).stage for item in items])
+    stage = _staged_windows(tree, leaf, k, dim, (tree.windows,))
     if int(stage.max()) <= tree.bound:
       return None
     if k >= k_max:
       return int(stage.max()), ""
     ratio = float(((stage - ph) / np.maximum(tree.bound - ph, 1)).max())
     k = min(k_max, max(k + 1, math.ceil(k * ratio)))
+
+
+def _staged_windows(
+  tree: _Tree, leaf: int, k: int, dim: int, found: Sequence[dict[int, Any]]
+) -> np.ndarray:
+  """Cuts ``leaf`` into ``k`` windows of one width along ``dim`` (:func:`split_slabs` of its
+  source shards), records them in each of ``found`` (the tree's windows, or its source and
+  destination slabs), and returns per chunk checked and union device the staging of a bucket
+  of that chunk alone. Windows of one width stage alike (the last, narrower one, less): only
+  the first is checked where no other moves more bytes on any device."""
+  src = tree.layouts[leaf][0]
+  plan, chunk, windows = split_slabs(tree.original[leaf], src, k, tree.itemsizes[leaf], dim=dim)
+  for where in found:
+    where[leaf] = windows
+  tree.set_chunks(leaf, plan, chunk)
+  pay = tree.payloads[leaf]
+  items = tree.items(leaf)[: 1 if (pay <= pay[0]).all() else None]
+  return np.stack([_build(tree, [item]).stage for item in items])
 
 
 def _split_rows(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
@@ -1316,12 +1327,7 @@ def _split_both(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
   k_max = src.shape[dim]
   k = max(2, min(k, k_max))
   while True:
-    plan, chunk, slabs = split_slabs(tree.original[leaf], src, k, tree.itemsizes[leaf], dim=dim)
-    tree.slabs[leaf] = tree.dst_slabs[leaf] = slabs
-    tree.set_chunks(leaf, plan, chunk)
-    pay = tree.payloads[leaf]
-    items = tree.items(leaf)[: 1 if (pay <= pay[0]).all() else None]
-    stage = np.stack([_build(tree, [item]).stage for item in items])
+    stage = _staged_windows(tree, leaf, k, dim, (tree.slabs, tree.dst_slabs))
     if int(stage.max()) <= tree.bound:
       return None
     if k >= k_max:
