@@ -301,14 +301,6 @@ def program_signature(program: BucketProgram) -> BucketProgram:
   return dataclasses.replace(program, leaves=leaves, placeholders=(), dst_placeholders=())
 
 
-def with_leaf_indices(program: BucketProgram, indices: Sequence[int]) -> BucketProgram:
-  """``program`` carrying the plan's leaves ``indices`` instead (one per program leaf)."""
-  leaves = tuple(
-    dataclasses.replace(lf, index=int(i)) for lf, i in zip(program.leaves, indices, strict=True)
-  )
-  return dataclasses.replace(program, leaves=leaves)
-
-
 def role_table(num_positions: int, roles: Sequence[Pack | Assemble]) -> np.ndarray:
   """Per mesh position, ``1 + k`` for a device of ``roles[k]``, ``0`` for the others."""
   table = np.zeros(num_positions, dtype=np.int32)
@@ -440,13 +432,20 @@ def rebound_program(
 ) -> BucketProgram:
   """``program``, made for a bucket with the same :func:`program_signature`, as bucket
   ``bucket`` of ``plan`` runs it: with that bucket's leaves, and where their slabs and windows
-  lie and whether their outputs are carried (see :func:`make_bucket_program`)."""
+  lie, whether their outputs are carried and which zero blocks they stage (see
+  :func:`make_bucket_program`)."""
   leaf_ids = plan.bucket_leaves(bucket)
-  views = tuple(
-    _leaf_input(i, plan, dtypes[i], lf.word, mode).view
+  leaves = [
+    _leaf_input(i, plan, dtypes[i], lf.word, mode)
     for i, lf, mode in zip(leaf_ids, program.leaves, _leaf_modes(plan, bucket, donate), strict=True)
+  ]
+  union = plan.schedule.buckets[bucket].union_device_ids
+  return dataclasses.replace(
+    program,
+    leaves=tuple(lf.view for lf in leaves),
+    placeholders=_placeholder_groups(leaves, union),
+    dst_placeholders=_dst_placeholder_groups(leaves, union),
   )
-  return dataclasses.replace(program, leaves=views)
 
 
 def _leaf_modes(plan: LayoutPlan, bucket: int, donate: bool) -> list[_Mode]:

@@ -234,6 +234,40 @@ def test_chunks_of_repeated_layers_share_one_program(
   assert uneven.stats.num_programs == 2 < uneven.stats.num_buckets == 9
   jr.plan_cache_clear()
   _emit.clear_program_cache()
+  # Each bucket of a shared program stages its own zero blocks: a later window's bucket none
+  # on the destination devices (it writes into the shard its first window assembled).
+  if where == "windows":
+    later = [p for k, p in enumerate(plan.programs()) if k % 4]  # 4 windows per layer
+    assert len(later) == 9 and not any(p.dst_placeholders for p in later)
+
+
+def test_a_shared_window_program_stages_each_buckets_zero_blocks() -> None:
+  """A small leaf sorted before three windowed layers shares the first layer's first bucket,
+  so the program class of windows starts at a later window (no zero destination blocks); the
+  first windows of the other layers run that program with zero destination blocks of their
+  own (a bucket rebound to a shared program takes its own zero blocks, not the first's)."""
+  devs = np.array(jax.devices())
+  src = NamedSharding(Mesh(devs[:4], ("ep",)), P("ep"))
+  sharding = NamedSharding(Mesh(devs.reshape(4, 2), ("dp", "tp")), P(None, None, "tp"))
+  rng = np.random.default_rng(8)
+  hosts = {"a": random_host_array(rng, (8, 2), np.float32)}
+  hosts |= {f"l{i}": random_host_array(rng, (8, 64, 32), np.float32) for i in range(3)}
+  x = {k: jax.device_put(h, src) for k, h in hosts.items()}
+  dst = {k: sharding for k in x}
+  dst["a"] = NamedSharding(sharding.mesh, P(None, "tp"))
+  jr.plan_cache_clear()
+  plan = jr.make_plan(x, dst, max_bucket_bytes=25000)
+  assert plan.schedule.buckets[0].leaves == (0, 1)  # "a" with the first window of "l0"
+  assert plan.stats.num_programs < plan.stats.num_buckets
+  _emit.clear_program_cache()
+  y = plan(x)
+  for k, h in hosts.items():
+    assert_matches_oracle(y[k], h, dst[k])
+  y = plan(x, donate=y)
+  for k, h in hosts.items():
+    assert_matches_oracle(y[k], h, dst[k])
+  jr.plan_cache_clear()
+  _emit.clear_program_cache()
 
 
 def test_small_source_placeholders_are_made_once() -> None:
