@@ -10,7 +10,8 @@ rounds one after another. The model charges
   except the whole source shards it sends as they are (:func:`whole_segment_bytes`), and
   writes the padding at ``memory_bandwidth``;
 * per bucket, the assembly: every destination device copies the parts of its destination
-  shards into them (a shard kept whole from one part costs nothing), and every device of
+  shards into them (a shard kept whole from one part costs nothing; of a leaf split over
+  buckets, the parts the bucket moves, written in place), and every device of
   the bucket writes its placeholder blocks (a zero source block for each leaf it has no source
   shard of, a discarded output block, or slab, for each leaf it has no destination shard of)
   at ``fill_bandwidth`` (zeros; ``memory_bandwidth`` where not given); of a leaf cut into
@@ -375,9 +376,10 @@ def _assembled_seconds(stage: _Stage, b: int, direct: set[int], topo: Topology) 
   """Per device of bucket ``b``, the seconds it copies when assembling: every shard it holds,
   each part at its runs in the shard, except one kept whole from a single resident part, or
   received whole (the leaves ``direct``, positions in the schedule, see
-  :func:`direct_steps`): no copy; for a leaf cut into destination slabs, the bucket's slab
-  (assembled at the mean cost per byte of the leaf's parts, then written into the shard at the
-  slab's runs)."""
+  :func:`direct_steps`): no copy; for a leaf split over buckets, only the parts of the
+  bucket's chunks (written into the shard in place); for a leaf cut into destination slabs, the
+  bucket's slab (assembled at the mean cost per byte of the leaf's parts, then written into the
+  shard at the slab's runs)."""
   bucket = stage.schedule.buckets[b]
   union = np.asarray(bucket.union_device_ids, dtype=np.int64)
   out = np.zeros(len(union), dtype=np.float64)
@@ -394,10 +396,19 @@ def _assembled_seconds(stage: _Stage, b: int, direct: set[int], topo: Topology) 
     # The shard's bytes at the mean cost per byte of its parts (of the strided rate without).
     runs = run_bytes(lp.hi - lp.lo, dst.shard_shape(), stage.itemsizes[i])
     parts = lp.nbytes.astype(np.float64)
+    part_secs = copy_seconds(parts, runs, topo)
     got = np.bincount(pos, parts, minlength=len(ids))
-    secs = np.bincount(pos, copy_seconds(parts, runs, topo), minlength=len(ids))
+    secs = np.bincount(pos, part_secs, minlength=len(ids))
     per_byte = np.where(got > 0, secs / np.maximum(got, 1.0), 1.0 / topo.memory_bandwidth)
-    if (window := dst_slab_window(stage.schedule, j, chunks)) is None:
+    spans = stage.schedule.leaf_buckets
+    if (
+      (window := dst_slab_window(stage.schedule, j, chunks)) is None and spans and len(spans[j]) > 1
+    ):
+      # Split over buckets: each writes its chunks' parts into the shard, in place.
+      rc = stage.schedule.row_chunks[j]
+      at = (rc >= chunks[0]) & (rc <= chunks[-1])
+      writes = np.bincount(pos[at], part_secs[at], minlength=len(ids))
+    elif window is None:
       writes = np.where((rows == 1) & (whole == 1), 0.0, shard * per_byte)
     else:  # the slab is assembled, then written into the destination shard
       dim, start, stop = window

@@ -476,6 +476,28 @@ def test_estimate_prices_contiguous_runs() -> None:
   assert a.pack_s == pytest.approx(b.pack_s) and a.assemble_s == pytest.approx(b.assemble_s)
 
 
+def test_estimate_of_a_leaf_split_over_buckets_assembles_each_part_once() -> None:
+  """A leaf split over buckets is written into its destination shard in place, each bucket its
+  own parts: the assembly the model charges is that of the whole shard once, however many
+  buckets it takes (not the shard once per bucket)."""
+
+  def lay(spec: tuple[Any, ...]) -> jr.Layout:
+    return jr.Layout.from_description(
+      (2048, 2048), mesh_shape=(4,), axis_names=("x",), spec=spec, device_ids=range(4)
+    )
+
+  plans = [
+    jr.plan_layouts([(lay(("x",)), lay((None, "x")))], [4], max_bucket_bytes=bound)
+    for bound in (None, 3 << 20, 3 << 19)
+  ]
+  assert [len(p.schedule.buckets) for p in plans][:2] == [1, 2] and len(
+    plans[2].schedule.buckets
+  ) > 2
+  for topo in (Topology.h100_nodes(), Topology.cpu(cores=1)):
+    whole, *split = (p.estimate(topo).assemble_s for p in plans)
+    assert split == pytest.approx([whole] * 2, rel=1e-3)
+
+
 def test_estimate_of_destination_slabs_costs_each_slab() -> None:
   """A 2 MiB leaf replicated on 2 devices, cut into 8 destination slabs: each bucket assembles
   its slab (and writes it into the shard: twice its bytes) and discards a slab-sized output
