@@ -151,7 +151,8 @@ def _switch(
 
 
 # Per leaf of a program, ``None`` or ``(dim, start)``: the start of the window the bucket moves
-# (a traced int32 scalar, in elements), see LeafView.shift.
+# (a traced int32 scalar, or a constant where the start is not an input; in elements), see
+# LeafView.shift.
 Shifts = Sequence[tuple[int, Any] | None]
 
 
@@ -886,7 +887,8 @@ class InFlight:
 
 
 def clear_program_cache() -> None:
-  """Forgets the compiled programs shared between buckets and plans, and the zero blocks kept."""
+  """Forgets the compiled programs shared between buckets and plans, and the zero blocks kept
+  for them (an executable keeps the blocks it already holds)."""
   _compiled_program.cache_clear()
   _placeholder_program.cache_clear()
   _source_zeros.cache_clear()

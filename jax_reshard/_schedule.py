@@ -1120,13 +1120,15 @@ def _fill_buckets(tree: _Tree) -> list[_Built]:
 
 def _split_leaf(tree: _Tree, leaf: int, k: int) -> None:
   """Splits ``leaf`` into the fewest chunks (from ``k`` up) that each fit the bound alone,
-  padded rounds and the leaf's placeholder blocks included: sub-boxes of its transfers, else
-  (only where the schedule allows it) slabs of its source shards, else slabs of its destination
-  shards. A slab way is also tried where its placeholder (source, destination) alone takes more
-  than half the bound, and kept if it needs fewer chunks (so fewer rounds) than the ways before
-  it. Where both placeholders are heavy and the leaf has a dimension neither side shards,
-  windows along it that are slabs of both sides at once (:func:`_split_both`) are tried last,
-  kept on the same terms: both placeholders shrink with them.
+  padded rounds and the leaf's placeholder blocks included: windows of one width along a
+  dimension neither side shards, where it has one (their chunks share one program), else
+  sub-boxes of its transfers, else (only where the schedule allows it) slabs of its source
+  shards, else slabs of its destination shards. A slab way is also tried where its placeholder
+  (source, destination) alone takes more than half the bound, and kept if it needs fewer chunks
+  (so fewer rounds) than the ways before it. Where both placeholders are heavy and the leaf has
+  a dimension neither side shards, windows along it that are slabs of both sides at once
+  (:func:`_split_both`) are tried last, kept on the same terms: both placeholders shrink with
+  them.
 
   Raises:
     BucketBoundError: if no way fits: the least bytes named are the smallest of the ways'
