@@ -432,7 +432,9 @@ def _placeholder_bytes(stage: _Stage, b: int, direct: set[int]) -> tuple[np.ndar
   Zeros: a source block per leaf it has no source shard of (unless they total at most
   ``KEPT_ZERO_BYTES``, kept between calls), a discarded output block per leaf it has no
   destination shard of (the rule of :func:`placeholder_mask`; the bucket's slab for a leaf cut
-  into destination slabs; none for the leaves ``direct``, received whole). Slabs: for a leaf
+  into destination slabs, and in its first bucket, the destination shard on every device that
+  holds one, filled with zeros before the first slab is written into it; none for the leaves
+  ``direct``, received whole). Slabs: for a leaf
   cut into slabs, the bucket's slab instead of the source block, on every device (cut from its
   source shard, or zeros; counted as a copy)."""
   bucket = stage.schedule.buckets[b]
@@ -448,6 +450,8 @@ def _placeholder_bytes(stage: _Stage, b: int, direct: set[int]) -> tuple[np.ndar
     if (dst_window := dst_slab_window(stage.schedule, j, chunks)) is not None:
       dim, start, stop = dst_window  # a discarded block of the slab's size
       dst_block = float(np.prod(dst_shape) // dst_shape[dim] * (stop - start) * isz)
+      if 0 in chunks:  # the first slab is written into a zero-filled destination shard
+        out += ~placeholder_mask(dst, union) * float(np.prod(dst_shape) * isz)
     if j not in direct:
       out += placeholder_mask(dst, union) * dst_block
     src_shape = staged_block_shape(src.shard_shape())

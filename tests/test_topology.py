@@ -502,7 +502,8 @@ def test_estimate_of_destination_slabs_costs_each_slab() -> None:
   """A 2 MiB leaf replicated on 2 devices, cut into 8 destination slabs: each bucket assembles
   its slab (and writes it into the shard: twice its bytes) and discards a slab-sized output
   block on each source device, so over the buckets the destination shard is assembled twice and
-  discarded once per source device, not once per bucket."""
+  discarded once per source device, not once per bucket; the first bucket writes its slab into
+  a zero-filled shard."""
 
   def lay(ids: range, spec: tuple[Any, ...]) -> jr.Layout:
     return jr.Layout.from_description(
@@ -518,7 +519,8 @@ def test_estimate_of_destination_slabs_costs_each_slab() -> None:
   assert sched.leaf_dst_slabs[0] is not None and sched.leaf_slabs[0] is None
   assert len(sched.buckets) == 8
   full, src_block = 1024 * 512 * 4, 1024 * 128 * 4
-  zeros = 8 * 2 * src_block + 4 * full  # per bucket 2 zero source blocks; 4 discarded slabs
+  # Per bucket 2 zero source blocks and 4 discarded slabs; the first bucket's zero shards.
+  zeros = 8 * 2 * src_block + 4 * full + 2 * full
   cpu = Topology.cpu(cores=1)
   strided = cpu.replace(contiguous_bandwidth=None)  # one rate for every copy, as on GPUs
   assembled = 2 * 2 * full  # 2 destination devices, each slab twice
