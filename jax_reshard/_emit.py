@@ -1027,16 +1027,19 @@ class _LeafIO:
 
 def _stage_placeholders(
   groups: Sequence[PlaceholderGroup], devices: dict[int, Any]
-) -> dict[tuple[Any, ...], jax.Array]:
+) -> tuple[dict[tuple[Any, ...], jax.Array], bool]:
   """Zero blocks for one call, keyed by (device id, block shape, dtype), or by (device id,
-  leaf position) for groups of donated blocks (one per leaf)."""
+  leaf position) for groups of donated blocks (one per leaf); and whether every group was of
+  source blocks small enough to be made once (read only), so the dict may be kept."""
   out = {}
   fast = fast_path_available()
+  made_once = True
   for group in groups:
     mesh_devices = tuple(devices[i] for i in group.device_ids)
     if not group.leaves and _block_bytes(group) <= CACHED_PLACEHOLDER_BYTES:
       out.update(_source_zeros(group, mesh_devices, fast=fast))  # read only: made once
       continue
+    made_once = False
     fn = _placeholder_program(group, mesh_devices)
     keys: Sequence[Any] = [(k,) for k in group.leaves] if group.leaves else group.blocks
     # Ready before the transfer program is queued: on the CPU backend, a collective program
@@ -1046,7 +1049,7 @@ def _stage_placeholders(
       ids = addressable_order(arr.sharding, fast=fast)
       for dev_id, data in zip(ids, buffers(arr, fast=fast), strict=True):
         out[(dev_id, *key)] = data
-  return out
+  return out, made_once
 
 
 class BucketExecutable:
@@ -1106,31 +1109,15 @@ class BucketExecutable:
     self, which: int, groups: Sequence[PlaceholderGroup] | None = None
   ) -> dict[tuple[Any, ...], jax.Array]:
     """Zero blocks for this call (``which``: 0 source, 1 destination; ``groups``: those of
-    the program by default), keyed by (device id, block shape, dtype) for source blocks and
-    (device id, leaf position) for destination blocks (donated, so each belongs to one leaf)."""
-    if not which and groups is None and self._kept_placeholders is not None:
+    the program by default), keyed as :func:`_stage_placeholders` keys them; the program's
+    source blocks are kept where they are all made once."""
+    own = groups is None
+    if not which and own and self._kept_placeholders is not None:
       return self._kept_placeholders
-    out = {}
-    fast = fast_path_available()
-    kept = not which and groups is None  # only source blocks of cached groups: keep the dict
     if groups is None:
       groups = (self.program.placeholders, self.program.dst_placeholders)[which]
-    for group in groups:
-      devices = tuple(self.devices[i] for i in group.device_ids)
-      if not which and _block_bytes(group) <= CACHED_PLACEHOLDER_BYTES:
-        out.update(_source_zeros(group, devices, fast=fast))
-        continue
-      kept = False
-      fn = _placeholder_program(group, devices)
-      # Ready before the transfer program is queued: on the CPU backend, a collective program
-      # whose inputs come from another in-flight program can starve the thread pool it shares
-      # with that program (seen as a 40 s rendezvous abort on 2 cores).
-      keys: Sequence[Any] = group.leaves if which else group.blocks
-      for key, arr in zip(keys, jax.block_until_ready(fn()), strict=True):
-        ids = addressable_order(arr.sharding, fast=fast)
-        for dev_id, data in zip(ids, buffers(arr, fast=fast), strict=True):
-          out[(dev_id, key) if which else (dev_id, *key)] = data
-    if kept:
+    out, made_once = _stage_placeholders(groups, self.devices)
+    if not which and own and made_once:
       self._kept_placeholders = out
     return out
 
@@ -1466,6 +1453,8 @@ class TransformExecutable:
     self._fn = jax.jit(fn, donate_argnums=donated, keep_unused=True).lower(*avals)
     self._compiled: Any = None
     self._runner: Runner | None = None
+    # Source placeholders, when every group is small enough to be made once and kept.
+    self._kept_placeholders: dict[tuple[Any, ...], jax.Array] | None = None
     fast = fast_path_available()
     self._in_io = [
       _LeafIO(_view(i), s, s, self.staged, fast=fast)
@@ -1485,10 +1474,13 @@ class TransformExecutable:
     if self._runner is None:
       self._compiled = self._fn.compile()
       self._runner = Runner(self._compiled, self._num_args, fast=fast_path_available())
-    placeholders = _stage_placeholders(self.program.placeholders, self.devices)
+    placeholders = self._kept_placeholders
+    if placeholders is None:
+      placeholders, made_once = _stage_placeholders(self.program.placeholders, self.devices)
+      self._kept_placeholders = placeholders if made_once else None
     args = [io.stage(x, placeholders) for io, x in zip(self._in_io, xs, strict=True)]
     if self.donate:
-      zeros = _stage_placeholders(self.program.dst_placeholders, self.devices)
+      zeros, _ = _stage_placeholders(self.program.dst_placeholders, self.devices)
       for k, (io, old) in enumerate(zip(self._out_io, olds, strict=True)):
         args.append(io.stage_dst(buffers_by_device(old), zeros, k))
     if wait_for is not None:

@@ -405,3 +405,23 @@ def test_traced_nan_payloads_keep_their_bits(name: str) -> None:
   for k in specs:
     assert_matches_oracle(out[k], want[k], dst[k])
   assert_matches_oracle(out["cast"], finite.astype(dtype), dst["cast"])
+
+
+def test_small_zero_source_blocks_are_made_once(monkeypatch: pytest.MonkeyPatch) -> None:
+  """Disjoint devices: the sampler devices stage zero source blocks; small ones are made on
+  the first call and kept by each executable, so later calls make and look up none."""
+  from jax_reshard import _emit
+
+  devs = np.array(jax.devices())
+  src = NamedSharding(Mesh(devs[:4], ("x",)), P("x"))
+  dst = NamedSharding(Mesh(devs[4:], ("x",)), P(None, "x"))
+  host = np.random.default_rng(12).standard_normal((16, 8)).astype(np.float32)
+  x = jax.device_put(host, src)
+  plan = jr.make_plan(x, dst, transform=lambda a: a.astype(jnp.bfloat16))
+  assert_matches_oracle(plan(x), host.astype(jnp.bfloat16), dst)
+  executables = plan.executables()
+  assert all(e.program.placeholders for e in executables)
+  calls = []
+  monkeypatch.setattr(_emit, "_source_zeros", lambda *a, **k: calls.append(a) or {})
+  assert_matches_oracle(plan(x), host.astype(jnp.bfloat16), dst)
+  assert not calls
