@@ -11,7 +11,7 @@ from typing import Any, Literal, overload
 import jax
 
 from jax_reshard._buffers import buffers_by_device
-from jax_reshard._classes import bucket_classes
+from jax_reshard._classes import stage_classes
 from jax_reshard._cost import Estimate
 from jax_reshard._emit import BucketExecutable, InFlight, empty_like_sharded, max_word_bytes
 from jax_reshard._layout import Layout
@@ -79,9 +79,9 @@ class ReshardPlan:
     self._bucket_leaves = [stage.bucket_leaves(b) for stage, b in self._stage_buckets]
     self._programs: dict[bool, list[BucketProgram]] = {}
     self._executables: dict[bool, list[BucketExecutable]] = {}
-    stage_classes = self._stage_classes()
+    by_stage = self._stage_classes()
     classes: list[int] = []
-    for stage in stage_classes:  # numbered over the buckets of every stage
+    for stage in by_stage:  # numbered over the buckets of every stage
       classes += [len(classes) + c for c in stage]
     self._classes = tuple(classes)
     # Leaves whose whole shards travel as they are: only an array plan knows the types.
@@ -90,20 +90,16 @@ class ReshardPlan:
       self.layout_plan.stats,
       num_programs=len(set(self._classes)),
       passes_per_moved_byte=passes_per_moved_byte(
-        self.layout_plan.stages(), self.layout_plan.stats.bytes_moved, self._as_is, stage_classes
+        self.layout_plan.stages(), self.layout_plan.stats.bytes_moved, self._as_is, by_stage
       ),
     )
 
   def _stage_classes(self) -> list[tuple[int, ...]]:
     """Per stage, per bucket, the first bucket of the stage with the same program (element
     types told apart)."""
+    dtypes = [lf.dtype for lf in self.leaves]
     return [
-      bucket_classes(
-        stage.schedule,
-        [stage.leaf_plans[i] for i in stage.scheduled],
-        [stage.layouts[i] for i in stage.scheduled],
-        [self.leaves[i].dtype for i in stage.scheduled],
-      )
+      stage_classes(stage.leaf_plans, stage.layouts, stage.scheduled, stage.schedule, dtypes)
       for stage in self.layout_plan.stages()
     ]
 

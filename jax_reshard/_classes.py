@@ -156,3 +156,20 @@ def _modes(
     (span[0] == b and shift is None, len(span) > 1)
     for span, shift in zip(spans, shifts, strict=True)
   )
+
+
+def stage_classes(
+  leaf_plans: Sequence[LeafPlan],
+  layouts: Sequence[tuple[Layout, Layout]],
+  scheduled: Sequence[int],
+  schedule: Schedule,
+  kinds: Sequence[object],
+) -> tuple[int, ...]:
+  """The :func:`bucket_classes` of a stage: its ``leaf_plans``, ``layouts`` and ``kinds`` per
+  leaf of the plan, ``scheduled`` the leaves its ``schedule`` numbers."""
+  return bucket_classes(
+    schedule,
+    [leaf_plans[i] for i in scheduled],
+    [layouts[i] for i in scheduled],
+    [kinds[i] for i in scheduled],
+  )

@@ -40,7 +40,7 @@ from typing import Protocol
 
 import numpy as np
 
-from jax_reshard._classes import bucket_classes
+from jax_reshard._classes import stage_classes
 from jax_reshard._layout import Layout
 from jax_reshard._planner import LeafPlan
 from jax_reshard._schedule import (
@@ -152,7 +152,15 @@ def estimate(
     raise ValueError("estimate needs a topology: plan.estimate(jr.Topology.h100_nodes())")
   parts = []
   for k, stage in enumerate(plan.stages()):
-    keys = count_keys(stage, _classes(stage) if classes is None else classes[k], as_is)
+    keys = count_keys(
+      stage,
+      stage_classes(
+        stage.leaf_plans, stage.layouts, stage.scheduled, stage.schedule, stage.itemsizes
+      )
+      if classes is None
+      else classes[k],
+      as_is,
+    )
     done: dict[tuple[object, ...], _BucketCost] = {}
     for b, key in enumerate(keys):
       if key not in done:
@@ -227,16 +235,6 @@ def _bucket_extra(
   sch = plan.schedule
   slabs = [s[leaf] for s in (sch.leaf_slabs, sch.leaf_dst_slabs) if s]
   return (extras[leaf], chunks) if any(s is not None for s in slabs) else (extras[leaf],)
-
-
-def _classes(stage: _Stage) -> tuple[int, ...]:
-  """The :func:`bucket_classes` of a stage, item sizes as kinds."""
-  return bucket_classes(
-    stage.schedule,
-    [stage.leaf_plans[i] for i in stage.scheduled],
-    [stage.layouts[i] for i in stage.scheduled],
-    [stage.itemsizes[i] for i in stage.scheduled],
-  )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ from typing import Literal
 
 import numpy as np
 
-from jax_reshard._classes import bucket_classes
+from jax_reshard._classes import stage_classes
 from jax_reshard._cost import (
   Estimate,
   count_keys,
@@ -301,11 +301,11 @@ def _plan_tree(
   )
   stats = _stats(first_stage, relay, full, topology)
   stages = (first_stage,) if relay is None else (first_stage, relay)
-  stage_classes = [classes] if relay is None else [classes, relay_classes]
-  passes = passes_per_moved_byte(stages, stats.bytes_moved, None, stage_classes)
+  by_stage = [classes] if relay is None else [classes, relay_classes]
+  passes = passes_per_moved_byte(stages, stats.bytes_moved, None, by_stage)
   stats = dataclasses.replace(stats, passes_per_moved_byte=passes)
   plan = dataclasses.replace(first_stage, stats=stats, relay=relay)
-  return plan, stage_classes
+  return plan, by_stage
 
 
 def pass_bytes(
@@ -613,22 +613,6 @@ def _split_relays(lp: LeafPlan, dst: Layout, itemsize: int) -> tuple[LeafPlan, L
     gather_broadcast_bytes=0,
   )
   return stage0, stage1
-
-
-def stage_classes(
-  leaf_plans: Sequence[LeafPlan],
-  layouts: Sequence[tuple[Layout, Layout]],
-  scheduled: Sequence[int],
-  schedule: Schedule,
-  kinds: Sequence[object],
-) -> tuple[int, ...]:
-  """The :func:`bucket_classes` of a stage; ``kinds`` per leaf of the plan."""
-  return bucket_classes(
-    schedule,
-    [leaf_plans[i] for i in scheduled],
-    [layouts[i] for i in scheduled],
-    [kinds[i] for i in scheduled],
-  )
 
 
 def format_plan(plan: LayoutPlan, title: str, stats: PlanStats | None = None) -> str:

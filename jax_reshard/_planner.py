@@ -30,7 +30,7 @@ from jax_reshard._layout import Layout
 from jax_reshard._topology import Topology
 
 # Up to this many needs of one size, :func:`_assign_lpt` pops a heap in Python (faster than
-# its array form at this size; the same senders).
+# its array form at this size; the same senders); :func:`_member` takes the same cutoff.
 SMALL_LPT = 16
 
 
@@ -391,8 +391,9 @@ def _sender_tasks(
 
 
 def _member(values: np.ndarray, pool: np.ndarray) -> np.ndarray:
-  """``np.isin(values, pool)``: through a set where both are short, by comparing every pair
-  where the pool is (both faster there)."""
+  """``np.isin(values, pool)``: through a set where both are short (at most ``SMALL_LPT``), by
+  comparing every pair where only the pool is (up to 4x that); both are faster than
+  ``np.isin`` at those sizes."""
   if len(values) <= SMALL_LPT and len(pool) <= SMALL_LPT:
     found = set(pool.tolist())
     return np.fromiter((v in found for v in values.tolist()), dtype=bool, count=len(values))

@@ -869,8 +869,8 @@ def _bucket_pieces(
 ) -> tuple[np.ndarray, ...]:
   """The remote transfers ``rows`` (a mask per leaf) of a bucket's leaves as payload pieces,
   sorted by (source, destination, leaf, transfer): ``(src, dst, leaf, transfer, nbytes,
-  offset, first)``, where ``offset`` is each piece's byte offset in its pair's payload and
-  ``first`` the index of each pair's first piece."""
+  first)``, where ``first`` is the index of each pair's first piece (the offsets inside each
+  payload come from :func:`_whole_first`, which may reorder a payload's pieces)."""
   cols: list[list[np.ndarray]] = [[], [], [], [], []]
   for leaf, mask in zip(leaves, rows, strict=True):
     p = plans[leaf]
@@ -884,12 +884,8 @@ def _bucket_pieces(
   src, dst, leaf_of, transfer, nbytes = (np.concatenate(c) for c in cols)
   order = np.lexsort((transfer, leaf_of, dst, src))
   src, dst, leaf_of, transfer, nbytes = (a[order] for a in (src, dst, leaf_of, transfer, nbytes))
-  # Offsets inside each pair's payload: a cumulative sum restarted at every new pair.
   new_pair = np.r_[True, (src[1:] != src[:-1]) | (dst[1:] != dst[:-1])][: len(src)]
-  first = np.flatnonzero(new_pair)
-  ends = np.cumsum(nbytes)
-  offset = ends - nbytes - (ends[first] - nbytes[first])[np.cumsum(new_pair) - 1]
-  return src, dst, leaf_of, transfer, nbytes, offset, first
+  return src, dst, leaf_of, transfer, nbytes, np.flatnonzero(new_pair)
 
 
 # A whole source shard is an operand of its own in a packed round (see _whole_first) from this
@@ -943,7 +939,9 @@ def _build(tree: _Tree, items: Sequence[tuple[int, int]]) -> _Built:
   leaves = list(chunks)
   # Pieces sort by leaf number: renumbering keeps their order where both ascend.
   ascending = all(a < b for a, b in itertools.pairwise(leaves))
-  key = tuple((tree.state(leaf), tuple(chunks[leaf])) for leaf in leaves) if ascending else None
+  # A leaf of a trial split ("fresh") is never built again under that state: not kept.
+  kept = ascending and all(tree.states[leaf][0] != "fresh" for leaf in leaves)
+  key = tuple((tree.state(leaf), tuple(chunks[leaf])) for leaf in leaves) if kept else None
   if key is not None and key in tree.built:
     before, position = tree.built[key]
     piece_leaf = np.asarray(leaves, dtype=np.int64)[position]
@@ -963,7 +961,7 @@ def _build_new(tree: _Tree, leaves: list[int], chunks: dict[int, list[int]]) -> 
     (tree.chunks[leaf] >= chunks[leaf][0]) & (tree.chunks[leaf] <= chunks[leaf][-1])
     for leaf in leaves
   ]
-  src, dst, leaf_of, transfer, nbytes, offset, first = _bucket_pieces(tree.plans, leaves, rows)
+  src, dst, leaf_of, transfer, nbytes, first = _bucket_pieces(tree.plans, leaves, rows)
   fill = np.add.reduceat(nbytes, first) if len(src) else nbytes
   ps, pd = src[first], dst[first]
   key = ps.tobytes() + b"|" + pd.tobytes() + b"|" + fill.tobytes()
