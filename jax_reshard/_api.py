@@ -147,7 +147,7 @@ class ReshardPlan:
           b,
           dtypes,
           ids,
-          max_word_bytes=max_word_bytes(),
+          max_word_bytes=max_word_bytes(self.leaves[0].layouts()[0].platform),
           donate=donate and stage is first_stage,
         )
         programs.append(program)

@@ -58,8 +58,13 @@ AXIS = "u"
 Segment = tuple[int, int, int | None]  # unit words start, stop; the leaf sent whole, or None
 
 
-def max_word_bytes() -> int:
-  """The widest word data may move in: 8 bytes with ``jax_enable_x64``, else 4."""
+def max_word_bytes(platform: str) -> int:
+  """The widest word data of ``platform``'s devices may move in: on CPU each leaf's own
+  element width (XLA:CPU builds wider words with shifts, a pass of its own: the ``make bench``
+  cases, all bfloat16, ran 1.25-1.7x faster in 16-bit words than in 32-bit ones); elsewhere
+  8 bytes with ``jax_enable_x64``, else 4."""
+  if platform == "cpu":
+    return 1
   return 8 if jax.config.read("jax_enable_x64") else 4
 
 
@@ -284,7 +289,7 @@ def _packed_fn(
 def whole_block_leaf(program: BucketProgram, rnd: SendRound) -> int | None:
   """The leaf whose whole source shard every sender of ``rnd`` sends, alone and unpadded, or
   ``None``. Such a round needs no packing: every device (idle ones too, from their placeholder
-  block) sends its block of that leaf, viewed in the unit, without a copy or a branch."""
+  block) sends its block of that leaf (see :func:`_operand`), without packing or a branch."""
   leaves = whole_block_leaves(program, rnd)
   return leaves[0] if leaves is not None and len(leaves) == 1 else None
 
@@ -293,8 +298,8 @@ def whole_block_leaves(program: BucketProgram, rnd: SendRound) -> tuple[int, ...
   """The leaves whose whole source shards every sender of ``rnd`` sends, in payload order and
   unpadded (the same leaves for every sender), or ``None``. Such a round needs no packing:
   every device (idle ones too, from their placeholder blocks) sends its blocks of those
-  leaves, each viewed in the unit, as one ``ppermute`` of several operands, without a copy,
-  a concatenation or a branch; receivers read each leaf's block as it came."""
+  leaves (see :func:`_operand`) as one ``ppermute`` of several operands, without packing, a
+  concatenation or a branch; receivers read each leaf's block as it came."""
   if not rnd.packs or any(p.pad_words for p in rnd.packs):
     return None
   leaves = tuple(c.leaf for c in rnd.packs[0].cuts)
@@ -374,9 +379,9 @@ def _direct_value(program: BucketProgram, li: int, r: int, recv: Sequence[jax.Ar
   reshaped (no copy), anything else is viewed from unit words."""
   lf, p = program.leaves[li], _direct_part(program, li)
   for (a, b, src), v in zip(operand_layout(program, program.rounds[r]), recv, strict=True):
-    same = v.dtype == lf.dtype and v.size == math.prod(lf.dst_block)
+    same = v.dtype in (lf.dtype, uint_dtype(lf.dtype)) and v.size == math.prod(lf.dst_block)
     if (a, b) == (p.start, p.stop) and src is not None and same:
-      return v.reshape(lf.dst_block)
+      return (v if v.dtype == lf.dtype else _from_uint(v, lf.dtype)).reshape(lf.dst_block)
   words = _from_units(_payload_words(program, r, recv, p.start, p.stop), lf.word, lf.dst_words)
   return _from_uint(_narrow(words, lf.dtype), lf.dtype).reshape(lf.dst_block)
 
@@ -396,12 +401,7 @@ def _emit_round(
   unit = program.unit
   whole = whole_block_leaves(program, rnd)
   if whole is not None:
-    operands = [
-      blocks[li]
-      if li_ is not None
-      else _to_units(_local_view([program.leaves[li]], [blocks[li]])[0], unit)
-      for li, (_, _, li_) in zip(whole, operand_layout(program, rnd), strict=True)
-    ]
+    operands = [_operand(program.leaves[li], blocks[li]) for li in whole]
     return tuple(jax.lax.ppermute(operands, axis, list(rnd.pairs)))
   segments = whole_segments(program, rnd)
   if segments is not None:
@@ -412,12 +412,19 @@ def _emit_round(
   return (jax.lax.ppermute(payload, axis, list(rnd.pairs)),)
 
 
+def _operand(lf: LeafView, block: jax.Array) -> jax.Array:
+  """A staged block as a ``ppermute`` operand of its own: as it is where its type travels as
+  it is (:func:`travels_as_is`), else as unsigned integers of its width (bfloat16 as
+  ``uint16``, same shape: XLA's CPU collectives would widen bfloat16 to float32, and wider
+  words would cost shifts)."""
+  return block if travels_as_is(lf.dtype) else _to_uint(block)
+
+
 def operand_layout(program: BucketProgram, rnd: SendRound) -> tuple[Segment, ...]:
   """How a round's payload travels: per operand of its ``ppermute``, ``(start, stop, leaf)``
   in unit words of the payload, ``leaf`` the position of the leaf whose staged block the
-  operand is, sent and received as it is (in its own type and shape: no copy on either side),
-  or ``None`` for unit words (packed, or a whole shard of a type that does not travel as it
-  is, see :func:`travels_as_is`)."""
+  operand is (see :func:`_operand`: in its own shape, no packing), or ``None`` for unit
+  words (packed)."""
   whole = whole_block_leaves(program, rnd)
   if whole is None:
     return whole_segments(program, rnd) or ((0, rnd.words, None),)
@@ -425,7 +432,7 @@ def operand_layout(program: BucketProgram, rnd: SendRound) -> tuple[Segment, ...
   for li in whole:
     lf = program.leaves[li]
     size = math.prod(_words(lf.src_shard, lf)) * lf.word.itemsize // program.unit.itemsize
-    out.append((at, at + size, li if travels_as_is(lf.dtype) else None))
+    out.append((at, at + size, li))
     at += size
   return tuple(out)
 

@@ -134,8 +134,9 @@ def _group_fn(
   )
   device_ids = [d.id for d in src_mesh.devices.flat]
   dtypes = [lf.dtype for lf in leaves]
+  words = max_word_bytes(src_mesh.devices.flat[0].platform)
   programs = [
-    make_bucket_program(stage, 0, dtypes, device_ids, max_word_bytes=max_word_bytes())
+    make_bucket_program(stage, 0, dtypes, device_ids, max_word_bytes=words)
     for stage in plan.stages()
     if stage.schedule.buckets
   ]

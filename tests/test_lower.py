@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -39,7 +40,8 @@ def test_widen_is_a_view_of_the_same_bytes() -> None:
 
 
 def test_x64_words_in_own_process() -> None:
-  """With jax_enable_x64, 8-byte words and float64 leaves move bit for bit."""
+  """With jax_enable_x64, float64 leaves move bit for bit: on CPU devices every leaf in its
+  own width, and in the 8-byte words other platforms use (forced here), bfloat16 widened."""
   code = textwrap.dedent(
     """
     import jax
@@ -55,12 +57,16 @@ def test_x64_words_in_own_process() -> None:
     hosts = [rng.integers(0, 2**16, (8, 32), dtype=np.uint16).view(jnp.bfloat16),
              rng.standard_normal((8, 16))]
     xs = [jax.device_put(h, src) for h in hosts]
-    plan = jr.make_plan(xs, dst)
-    words = [lf.word for lf in plan.programs()[0].leaves]
-    assert words == [np.dtype(np.uint64)] * 2, words
-    for y, h in zip(plan(xs), hosts):
-      for s in y.addressable_shards:
-        assert np.array_equal(np.asarray(s.data).view(np.uint8), h[s.index].view(np.uint8))
+    import jax_reshard._api as api
+    expected = {1: [np.dtype(np.uint16), np.dtype(np.uint64)], 8: [np.dtype(np.uint64)] * 2}
+    for width, words in expected.items():
+      api.max_word_bytes = lambda platform: width
+      api.plan_cache_clear()
+      plan = jr.make_plan(xs, dst)
+      assert [lf.word for lf in plan.programs()[0].leaves] == words, width
+      for y, h in zip(plan(xs), hosts):
+        for s in y.addressable_shards:
+          assert np.array_equal(np.asarray(s.data).view(np.uint8), h[s.index].view(np.uint8))
     print("ok")
     """
   )
@@ -135,3 +141,40 @@ def test_program_prints_and_needs_no_devices() -> None:
   assert sum(len(r.pairs) for r in program.rounds) == len(plan.schedule.buckets[0].piece_src)
   text = str(program)
   assert "round 0" in text and "assemble" in text and "uint32" in text
+
+
+def test_wider_words_move_bit_for_bit(monkeypatch: Any) -> None:
+  """On CPU devices every leaf moves in its own element width; the 4-byte words GPUs and TPUs
+  use (narrow leaves widened, see ``_emit.max_word_bytes``) are forced here on random trees
+  and stay bit for bit, eagerly and inside ``jax.jit``."""
+  import jax
+  from helpers import DTYPES, assert_matches_oracle, random_case, random_host_array
+
+  import jax_reshard as jr
+  import jax_reshard._api as api
+  import jax_reshard._traced as traced
+  from jax_reshard._emit import max_word_bytes
+
+  assert max_word_bytes("cpu") == 1 and max_word_bytes("gpu") == max_word_bytes("tpu") == 4
+  assert any(np.dtype(d).itemsize < 4 for d in DTYPES)
+  monkeypatch.setattr(api, "max_word_bytes", lambda platform: 4)
+  monkeypatch.setattr(traced, "max_word_bytes", lambda platform: 4)
+  api.plan_cache_clear()
+  rng = np.random.default_rng(77)
+  widened = 0
+  for _ in range(6):
+    cases = [random_case(rng, "colocated") for _ in range(4)]
+    hosts = [random_host_array(rng, c.shape, c.dtype) for c in cases]
+    xs = [jax.device_put(h, c.src) for c, h in zip(cases, hosts, strict=True)]
+    dst = [c.dst for c in cases]
+    plan = jr.make_plan(xs, dst)
+    words = [lf.word.itemsize for p in plan.programs() for lf in p.leaves]
+    sizes = [max(lf.dtype.itemsize, 1) for p in plan.programs() for lf in p.leaves]
+    widened += sum(w > s for w, s in zip(words, sizes, strict=True))
+    src = [c.src for c in cases]
+    f = jax.jit(lambda xs, dst=dst, src=src: jr.reshard(xs, dst, src=src), out_shardings=dst)
+    for ys in (plan(xs), f(xs)):
+      for y, c, h in zip(ys, cases, hosts, strict=True):
+        assert_matches_oracle(y, h, c.dst)
+  api.plan_cache_clear()
+  assert widened > 0

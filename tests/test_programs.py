@@ -57,7 +57,8 @@ def test_identical_buckets_share_one_program() -> None:
   dtypes = [lf.dtype for lf in plan.leaves]
   for b, p in enumerate(programs):
     ids = plan.schedule.buckets[b].union_device_ids
-    assert p == make_bucket_program(plan.layout_plan, b, dtypes, ids, max_word_bytes=4)
+    words = _emit.max_word_bytes("cpu")
+    assert p == make_bucket_program(plan.layout_plan, b, dtypes, ids, max_word_bytes=words)
 
   _emit.clear_program_cache()
   exes = plan.executables()
@@ -475,7 +476,8 @@ def test_whole_source_shards_inside_packed_payloads_are_sent_as_they_are() -> No
 def test_whole_shards_travel_in_their_own_type() -> None:
   """A round of whole float32 shards received whole compiles to the ``collective-permute`` of
   the parameter alone (no conversion copy on either side); bfloat16, which XLA's CPU
-  collectives would widen to float32, travels in unsigned words as packed payloads do."""
+  collectives would widen to float32, travels as ``uint16`` of its own shape (a bitcast, not
+  wider words built by shifts)."""
   devs = np.array(jax.devices())
   src = NamedSharding(Mesh(devs[:4], ("x",)), P("x"))
   dst = NamedSharding(Mesh(devs[4:], ("x",)), P("x"))
@@ -485,7 +487,9 @@ def test_whole_shards_travel_in_their_own_type() -> None:
   assert "ROOT %ppermute" in entry and "fusion(" not in entry
   plan = jr.make_plan(jax.device_put(jnp.zeros((8, 16), jnp.bfloat16), src), dst)
   hlo = plan.executables()[0].compile().as_text()
-  assert "u32[16]{0} collective-permute(" in hlo and "f32" not in hlo
+  entry = hlo[hlo.index("ENTRY") :]
+  assert "u16[2,16]{1,0} collective-permute(" in entry and "f32" not in hlo
+  assert "u32" not in hlo and "shift" not in hlo
 
 
 def _peak(m: Any) -> int:
