@@ -12,8 +12,9 @@ position, so the program grows with the number of roles rather than devices.
 
 Data moves as unsigned-integer *words*: a bucket's payloads are in its *unit*, the narrowest of
 the widest words that every shard and transfer boundary on the last dimension of each of its
-leaves allows (up to 4 bytes, 8 with 64-bit types), so every piece is whole words. Each leaf
-is sliced and assembled in the unit, or in its own element width where that is wider.
+leaves allows (up to ``max_word_bytes``: 4 bytes, 8 with 64-bit types, on GPUs and TPUs; each
+leaf's own width on CPU devices, see ``_emit.max_word_bytes``), so every piece is whole words.
+Each leaf is sliced and assembled in the unit, or in its own element width where that is wider.
 """
 
 from __future__ import annotations
@@ -396,7 +397,8 @@ def make_bucket_program(
     bucket: index into ``plan.schedule.buckets``.
     dtypes: per leaf of the plan, its element type.
     device_ids: device id at each mesh position; every device of the bucket appears.
-    max_word_bytes: widest word to move data in (4, or 8 where 64-bit types exist).
+    max_word_bytes: widest word to move data in (``_emit.max_word_bytes``: 4, or 8 where
+      64-bit types exist; 1 on CPU devices, each leaf in its own width).
     donate: the destination buffers are given (donated) for every leaf: each leaf takes its
       destination block as an input, aliased to its output (a leaf whose bucket writes its
       whole shard is assembled as without it, into that buffer).
