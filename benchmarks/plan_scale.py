@@ -198,7 +198,8 @@ def refit_rows(
     out.append([
       f"{model} {sc.label or sc.name}", name, _gb(st.bytes_moved), _gb(slow),
       _gb(st.slow_link_lower_bound_bytes) if plan.topology else "",
-      str(st.num_rounds), _gb(st.peak_staging_bytes), f"{est.seconds * 1e3:,.0f}",
+      str(st.num_rounds), str(st.num_programs), _gb(st.peak_staging_bytes),
+      f"{est.seconds * 1e3:,.0f}",
       f"{est.slow_transfer_s * 1e3:,.0f}", f"{dt:.2f}",
     ])  # fmt: skip
   return out
@@ -243,8 +244,8 @@ def refit_table(quick: bool) -> None:
   # racks of their own. The NVIDIA cases are planned on both.
   racks_of_64 = jr.Topology.gb200_nvl72(64).replace(name="racks of 64")
   head = ["case", "plan", "bytes moved", "over slow links", "slow-link bound", "rounds",
-          "peak staging", "predicted ms", "of which slow-link rounds", "planning s",
-          "NVIDIA measured ms"]  # fmt: skip
+          "distinct programs", "peak staging", "predicted ms", "of which slow-link rounds",
+          "planning s", "NVIDIA measured ms"]  # fmt: skip
   print(f"\nrefit on {topo.name} (predicted by the cost model; NVIDIA's column is measured)")
   print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
   for model, sc, nvidia in REFIT_CASES:

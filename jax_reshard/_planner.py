@@ -469,15 +469,28 @@ def plan_leaves(
   topology: Topology | None = None,
   relays: bool = True,
 ) -> list[LeafPlan]:
-  """Plans every leaf of a tree, balancing send (and relay entry) load across all of them."""
+  """Plans every leaf of a tree, balancing send (and relay entry) load across all of them; with
+  a topology of several domains, each leaf balances its own.
+
+  Across domains a bucket's time is that of its busiest device over the slow links, and a
+  bucket holds a few leaves: balancing each leaf balances each bucket, and equal leaves (the
+  layers of a model) get equal plans, hence equal buckets that share one program and one
+  schedule. Balanced over the whole tree, the relay entries of every layer differed, so every
+  bucket was a program of its own (DeepSeek-V3 128 -> 128 on GB200 racks, 4 GiB buckets: 296
+  distinct programs, against 50).
+  """
+  one_domain = _one_domain(layouts, topology)
   load: dict[int, int] = {}
   entry: dict[int, int] = {}
   tasks: dict[tuple[object, ...], list[tuple[np.ndarray, np.ndarray]]] = {}
-  plans = [
-    plan_leaf(s, d, isz, load, topology=topology, entry_load=entry, relays=relays, tasks=tasks)
-    for (s, d), isz in zip(layouts, itemsizes, strict=True)
-  ]
-  if _one_domain(layouts, topology):  # with several domains, senders follow the domains
+  plans = []
+  for (s, d), isz in zip(layouts, itemsizes, strict=True):
+    if not one_domain:
+      load, entry = {}, {}
+    plans.append(
+      plan_leaf(s, d, isz, load, topology=topology, entry_load=entry, relays=relays, tasks=tasks)
+    )
+  if one_domain:  # with several domains, senders follow the domains
     plans = _join_pairs(plans, layouts, load)
   return plans
 

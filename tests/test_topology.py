@@ -659,3 +659,38 @@ def test_slow_pairs_apart_run_bit_for_bit() -> None:
   }
   for _ in range(2):
     _run_bit_for_bit(plan, x, dst)
+
+
+def test_equal_layers_get_equal_relay_plans_and_share_programs() -> None:
+  """With several domains each leaf balances its own sends and relay entries: the layers of a
+  model get equal leaf plans, so their buckets are equal and share one program, and every
+  layer spreads its entries over the devices of each domain that need its regions."""
+  trainer = Layout.from_description(
+    (48, 32), mesh_shape=(3,), axis_names=("fsdp",), spec=("fsdp",), device_ids=range(3)
+  )
+  sampler = Layout.from_description(
+    (48, 32), mesh_shape=(2, 2), axis_names=("tp", "dp"), spec=(None, "tp"), device_ids=range(4, 8)
+  )  # the two dp replicas of a tp shard share a domain: {4, 5} tp 0, {6, 7} tp 1
+  layers = 6
+  one = jr.plan_layouts([(trainer, sampler)], [4], topology=SLOW_PAIRS)
+  assert one.stats.relay_bytes > 0
+  plan = jr.plan_layouts(
+    [(trainer, sampler)] * layers,
+    [4] * layers,
+    topology=SLOW_PAIRS,
+    max_bucket_bytes=one.stats.peak_staging_bytes,
+  )
+  assert plan.relay is not None and plan.stats.relay_bytes > 0
+  for lp in plan.leaf_plans[1:]:  # equal plans, stage by stage
+    for field in ("src_device", "dst_device", "lo", "hi", "nbytes", "local"):
+      assert np.array_equal(getattr(lp, field), getattr(plan.leaf_plans[0], field))
+  for stage in plan.stages():
+    assert len(stage.schedule.buckets) == layers
+  assert plan.stats.num_programs == len(plan.stages()) == 2  # one per stage
+  # Per layer, each region (3 row blocks of a tp shard) crosses into its domain once, and the
+  # domain's two devices (dp replicas of that shard) are entries of 2 and 1 of them.
+  first = plan.leaf_plans[0]
+  slow = SLOW_PAIRS.domain_of(first.src_device) != SLOW_PAIRS.domain_of(first.dst_device)
+  entries = np.bincount(first.dst_device[~first.local & slow], minlength=8)
+  assert entries.tolist() == [0, 0, 0, 0, 2, 1, 2, 1]
+  assert plan.stats.slow_link_bytes == plan.stats.slow_link_lower_bound_bytes
