@@ -298,7 +298,10 @@ def _relays(
   counts = sizes[k]
   at = np.repeat(first[k] - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
   entry = np.zeros(len(multi), dtype=np.int64)
-  _choose_entries(corder, starts, g.need_dst[foreign[at]], counts, grp_bytes, entry_load, entry)
+  shift = min((int(ids.min()) for ids in g.replica_ids if len(ids)), default=0)
+  _choose_entries(
+    corder, starts, g.need_dst[foreign[at]], counts, grp_bytes, entry_load, entry, shift
+  )
   # Every foreign need of a multi group: forwarded from the entry unless it is the entry.
   owner = np.repeat(np.arange(len(first)), sizes)
   rank_of = np.full(len(first), -1)
@@ -320,31 +323,63 @@ def _choose_entries(
   nbytes: np.ndarray,
   load: MutableMapping[int, int],
   entry: np.ndarray,
+  shift: int = 0,
 ) -> None:
   """Gives each group of relayed needs (``order``, cut into clusters at ``starts``) its entry
   by :func:`_assign_lpt` over its cluster's devices (``ids``, ``counts`` per cluster), cluster
   after cluster. A device holds one destination box, so clusters (a box in a domain) share no
   device and do not wait on one another: every cluster of one group (most of them) takes its
-  least (load, id) device at once, with array operations."""
+  least loaded device at once, with array operations, ties going to the device whose place in
+  the cluster (by id) is next from ``shift`` (the leaf's lowest source device id) modulo the
+  cluster's size: balanced per leaf, leaves of different source devices (pipeline stages)
+  enter their domains through different devices, and equal leaves through the same."""
   members = np.split(order, starts[1:])
   owner = np.repeat(np.arange(len(starts)), counts)
   single = np.diff(np.r_[starts, len(order)]) == 1
   if len(np.unique(ids)) < len(ids):  # not disjoint: one by one, in order
     single[:] = False
   for c in np.flatnonzero(~single).tolist():
-    _assign_lpt(members[c], ids[owner == c], nbytes, load, entry)
+    _assign_rotated(members[c], ids[owner == c], nbytes, load, entry, shift)
   if not single.any():
     return
   mine = single[owner]
   dev_ids, dev_owner = ids[mine], owner[mine]
   loads = np.fromiter((load.get(i, 0) for i in dev_ids.tolist()), np.int64, len(dev_ids))
-  best = np.lexsort((dev_ids, loads, dev_owner))  # per cluster, its least (load, id) first
+  size = np.bincount(dev_owner)
+  place = np.empty(len(dev_ids), np.int64)  # each device's place in its cluster, by id
+  place[np.lexsort((dev_ids, dev_owner))] = np.arange(len(dev_ids))
+  place -= (np.cumsum(size) - size)[dev_owner]
+  tie = (place - shift) % size[dev_owner]
+  best = np.lexsort((tie, loads, dev_owner))  # per cluster, its least (load, tie) first
   best = best[np.r_[True, dev_owner[best][1:] != dev_owner[best][:-1]]]
   groups = order[starts[single]]
   entry[groups] = dev_ids[best]
   for i in dev_ids.tolist():  # every device gets an entry, as in _assign_lpt
     load.setdefault(i, 0)
   load.update(zip(dev_ids[best].tolist(), (loads[best] + nbytes[groups]).tolist(), strict=True))
+
+
+def _assign_rotated(
+  needs: np.ndarray,
+  ids: np.ndarray,
+  nbytes: np.ndarray,
+  load: MutableMapping[int, int],
+  entry: np.ndarray,
+  shift: int,
+) -> None:
+  """:func:`_assign_lpt` with ties going to the device whose place among ``ids`` (by id) is
+  next from ``shift`` modulo their number, rather than to the lowest id (``ids`` distinct)."""
+  if shift % len(ids) == 0 or len(np.unique(ids)) < len(ids):
+    _assign_lpt(needs, ids, nbytes, load, entry)
+    return
+  place = np.empty(len(ids), np.int64)
+  place[np.argsort(ids)] = np.arange(len(ids))
+  rotated = (place - shift) % len(ids)
+  real = dict(zip(rotated.tolist(), ids.tolist(), strict=True))
+  loads = {r: load[i] for r, i in real.items() if i in load}
+  _assign_lpt(needs, rotated, nbytes, loads, entry)
+  entry[needs] = [real[r] for r in entry[needs].tolist()]
+  load.update({real[r]: v for r, v in loads.items()})
 
 
 def _sender_tasks(

@@ -96,11 +96,12 @@ def _lpt_heap(needs, ids, need_bytes, load, sender) -> None:
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_relay_entries_at_once_are_those_chosen_cluster_by_cluster(seed: int) -> None:
+@pytest.mark.parametrize("shift", [0, 3])
+def test_relay_entries_at_once_are_those_chosen_cluster_by_cluster(seed: int, shift: int) -> None:
   """Relay entries chosen for all clusters together (one group each at once, with arrays)
-  are those :func:`_assign_lpt` chooses cluster after cluster, with clusters of disjoint
-  devices and (one by one then) of shared ones."""
-  from jax_reshard._planner import _assign_lpt, _choose_entries
+  are those :func:`_assign_lpt` chooses cluster after cluster (ties rotated by ``shift``),
+  with clusters of disjoint devices and (one by one then) of shared ones."""
+  from jax_reshard._planner import _assign_rotated, _choose_entries
 
   rng = np.random.default_rng(seed)
   n_clusters = int(rng.integers(1, 30))
@@ -115,10 +116,10 @@ def test_relay_entries_at_once_are_those_chosen_cluster_by_cluster(seed: int) ->
   start = {int(i): int(rng.choice([0, 64, 128])) for i in rng.choice(ids, size=5)}
   got, want = dict(start), dict(start)
   got_entry, want_entry = np.full(len(order), -1), np.full(len(order), -1)
-  _choose_entries(order, starts, ids, counts, nbytes, got, got_entry)
+  _choose_entries(order, starts, ids, counts, nbytes, got, got_entry, shift)
   cuts = np.cumsum(counts)[:-1]
   for members, devs in zip(np.split(order, starts[1:]), np.split(ids, cuts), strict=True):
-    _assign_lpt(members, devs, nbytes, want, want_entry)
+    _assign_rotated(members, devs, nbytes, want, want_entry, shift)
   assert got_entry.tolist() == want_entry.tolist()
   assert got == want
 

@@ -693,4 +693,11 @@ def test_equal_layers_get_equal_relay_plans_and_share_programs() -> None:
   slow = SLOW_PAIRS.domain_of(first.src_device) != SLOW_PAIRS.domain_of(first.dst_device)
   entries = np.bincount(first.dst_device[~first.local & slow], minlength=8)
   assert entries.tolist() == [0, 0, 0, 0, 2, 1, 2, 1]
+  # A leaf on other source devices (another pipeline stage) breaks ties from its lowest source
+  # device id on: its surplus region enters through the other device of each domain.
+  stage = dataclasses.replace(trainer, device_ids=(1, 2, 3))
+  other = jr.plan_layouts([(stage, sampler)], [4], topology=SLOW_PAIRS).leaf_plans[0]
+  slow = SLOW_PAIRS.domain_of(other.src_device) != SLOW_PAIRS.domain_of(other.dst_device)
+  entries = np.bincount(other.dst_device[~other.local & slow], minlength=8)
+  assert entries.tolist() == [0, 0, 0, 0, 1, 2, 1, 2]
   assert plan.stats.slow_link_bytes == plan.stats.slow_link_lower_bound_bytes
