@@ -134,6 +134,8 @@ class ReshardPlan:
     if donate not in self._programs:
       dtypes = [lf.dtype for lf in self.leaves]
       first_stage = self.layout_plan.stages()[0]
+      layouts = self.layout_plan.layouts
+      words = max_word_bytes(layouts[0][0].platform) if layouts else 1
       programs: list[BucketProgram] = []
       for k, (stage, b) in enumerate(self._stage_buckets):
         first = self._classes[k]
@@ -147,7 +149,7 @@ class ReshardPlan:
           b,
           dtypes,
           ids,
-          max_word_bytes=max_word_bytes(self.leaves[0].layouts()[0].platform),
+          max_word_bytes=words,
           donate=donate and stage is first_stage,
         )
         programs.append(program)
