@@ -13,7 +13,7 @@ import jax
 from jax_reshard._buffers import buffers_by_device
 from jax_reshard._classes import stage_classes
 from jax_reshard._cost import Estimate
-from jax_reshard._emit import BucketExecutable, InFlight, empty_like_sharded, max_word_bytes
+from jax_reshard._emit import BucketExecutable, InFlight, empty_like_sharded, plan_word_bytes
 from jax_reshard._layout import Layout
 from jax_reshard._plan import (
   LayoutPlan,
@@ -134,8 +134,7 @@ class ReshardPlan:
     if donate not in self._programs:
       dtypes = [lf.dtype for lf in self.leaves]
       first_stage = self.layout_plan.stages()[0]
-      layouts = self.layout_plan.layouts
-      words = max_word_bytes(layouts[0][0].platform) if layouts else 1
+      words = plan_word_bytes(self.layout_plan)
       programs: list[BucketProgram] = []
       for k, (stage, b) in enumerate(self._stage_buckets):
         first = self._classes[k]

@@ -32,6 +32,7 @@ from jax_reshard._buffers import (
   buffers_by_device,
   fast_path_available,
 )
+from jax_reshard._plan import LayoutPlan
 from jax_reshard._program import (
   BucketProgram,
   ChunkWrites,
@@ -61,11 +62,16 @@ Segment = tuple[int, int, int | None]  # unit words start, stop; the leaf sent w
 def max_word_bytes(platform: str) -> int:
   """The widest word data of ``platform``'s devices may move in: on CPU each leaf's own
   element width (XLA:CPU builds wider words with shifts, a pass of its own: the ``make bench``
-  cases, all bfloat16, ran 1.25-1.7x faster in 16-bit words than in 32-bit ones); elsewhere
-  8 bytes with ``jax_enable_x64``, else 4."""
+  cases, all bfloat16, ran 1.26-1.64x faster in 16-bit words than in 32-bit ones, medians of
+  alternating runs); elsewhere 8 bytes with ``jax_enable_x64``, else 4."""
   if platform == "cpu":
     return 1
   return 8 if jax.config.read("jax_enable_x64") else 4
+
+
+def plan_word_bytes(plan: LayoutPlan) -> int:
+  """:func:`max_word_bytes` of the devices of ``plan`` (the eager and the traced path alike)."""
+  return max_word_bytes(plan.layouts[0][0].platform) if plan.layouts else 1
 
 
 def _to_uint(x: jax.Array) -> jax.Array:
@@ -376,7 +382,8 @@ def _direct_part(program: BucketProgram, li: int) -> Received:
 def _direct_value(program: BucketProgram, li: int, r: int, recv: Sequence[jax.Array]) -> jax.Array:
   """The destination block of leaf ``li``, received whole in round ``r`` (see
   :func:`received_whole`): an operand that is a staged block of the same size is that block
-  reshaped (no copy), anything else is viewed from unit words."""
+  reshaped (no copy), or bitcast back where it travelled as unsigned integers of its width
+  (see :func:`_operand`); anything else is viewed from unit words."""
   lf, p = program.leaves[li], _direct_part(program, li)
   for (a, b, src), v in zip(operand_layout(program, program.rounds[r]), recv, strict=True):
     same = v.dtype in (lf.dtype, uint_dtype(lf.dtype)) and v.size == math.prod(lf.dst_block)

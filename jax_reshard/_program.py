@@ -318,7 +318,8 @@ def uint_dtype(dtype: np.dtype) -> np.dtype:
 def travels_as_is(dtype: np.dtype) -> bool:
   """Whether a whole source shard of this type is sent as it is (an operand of its own, no
   copy): every type but those outside NumPy's (bfloat16, float8), which XLA's CPU collectives
-  widen to float32; those travel in unsigned words like packed payloads."""
+  widen to float32; in a round of whole shards those travel as unsigned integers of their width
+  (``_emit._operand``), inside packed payloads as packed words."""
   return np.dtype(dtype).kind != "V"
 
 

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, Sharding
 
-from jax_reshard._emit import emit_traced_move, emit_traced_transform, max_word_bytes
+from jax_reshard._emit import emit_traced_move, emit_traced_transform, plan_word_bytes
 from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
 from jax_reshard._plan import plan_layouts, resolve_relays
@@ -134,7 +134,7 @@ def _group_fn(
   )
   device_ids = [d.id for d in src_mesh.devices.flat]
   dtypes = [lf.dtype for lf in leaves]
-  words = max_word_bytes(src_mesh.devices.flat[0].platform)
+  words = plan_word_bytes(plan)
   programs = [
     make_bucket_program(stage, 0, dtypes, device_ids, max_word_bytes=words)
     for stage in plan.stages()

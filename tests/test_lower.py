@@ -57,11 +57,11 @@ def test_x64_words_in_own_process() -> None:
     hosts = [rng.integers(0, 2**16, (8, 32), dtype=np.uint16).view(jnp.bfloat16),
              rng.standard_normal((8, 16))]
     xs = [jax.device_put(h, src) for h in hosts]
-    import jax_reshard._api as api
+    import jax_reshard._emit as emit
     expected = {1: [np.dtype(np.uint16), np.dtype(np.uint64)], 8: [np.dtype(np.uint64)] * 2}
     for width, words in expected.items():
-      api.max_word_bytes = lambda platform: width
-      api.plan_cache_clear()
+      emit.max_word_bytes = lambda platform: width
+      jr.plan_cache_clear()
       plan = jr.make_plan(xs, dst)
       assert [lf.word for lf in plan.programs()[0].leaves] == words, width
       for y, h in zip(plan(xs), hosts):
@@ -151,15 +151,13 @@ def test_wider_words_move_bit_for_bit(monkeypatch: Any) -> None:
   from helpers import DTYPES, assert_matches_oracle, random_case, random_host_array
 
   import jax_reshard as jr
-  import jax_reshard._api as api
-  import jax_reshard._traced as traced
-  from jax_reshard._emit import max_word_bytes
+  import jax_reshard._emit as emit
 
-  assert max_word_bytes("cpu") == 1 and max_word_bytes("gpu") == max_word_bytes("tpu") == 4
+  assert emit.max_word_bytes("cpu") == 1
+  assert emit.max_word_bytes("gpu") == emit.max_word_bytes("tpu") == 4
   assert any(np.dtype(d).itemsize < 4 for d in DTYPES)
-  monkeypatch.setattr(api, "max_word_bytes", lambda platform: 4)
-  monkeypatch.setattr(traced, "max_word_bytes", lambda platform: 4)
-  api.plan_cache_clear()
+  monkeypatch.setattr(emit, "max_word_bytes", lambda platform: 4)
+  jr.plan_cache_clear()
   rng = np.random.default_rng(77)
   widened = 0
   for _ in range(6):
@@ -176,5 +174,5 @@ def test_wider_words_move_bit_for_bit(monkeypatch: Any) -> None:
     for ys in (plan(xs), f(xs)):
       for y, c, h in zip(ys, cases, hosts, strict=True):
         assert_matches_oracle(y, h, c.dst)
-  api.plan_cache_clear()
+  jr.plan_cache_clear()
   assert widened > 0

@@ -57,7 +57,7 @@ def test_identical_buckets_share_one_program() -> None:
   dtypes = [lf.dtype for lf in plan.leaves]
   for b, p in enumerate(programs):
     ids = plan.schedule.buckets[b].union_device_ids
-    words = _emit.max_word_bytes("cpu")
+    words = _emit.plan_word_bytes(plan.layout_plan)
     assert p == make_bucket_program(plan.layout_plan, b, dtypes, ids, max_word_bytes=words)
 
   _emit.clear_program_cache()

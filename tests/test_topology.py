@@ -681,7 +681,7 @@ def test_equal_layers_get_equal_relay_plans_and_share_programs() -> None:
     max_bucket_bytes=one.stats.peak_staging_bytes,
   )
   assert plan.relay is not None and plan.stats.relay_bytes > 0
-  for lp in plan.leaf_plans[1:]:  # equal plans, stage by stage
+  for lp in plan.leaf_plans[1:]:  # equal first-stage plans (the relay stage: see programs)
     for field in ("src_device", "dst_device", "lo", "hi", "nbytes", "local"):
       assert np.array_equal(getattr(lp, field), getattr(plan.leaf_plans[0], field))
   for stage in plan.stages():
