@@ -287,9 +287,12 @@ def _plan_tree(
   stage."""
   full = tuple(plan_leaves(layouts, itemsizes, topology=topology, relays=relays))
   interleave = interleave and _domains(layouts, topology) > 1
-  split = [
-    _split_relays(lp, d, isz) for lp, (_, d), isz in zip(full, layouts, itemsizes, strict=True)
-  ]
+  split_of: dict[int, tuple[LeafPlan, LeafPlan | None]] = {}  # equal leaves share a plan
+  split = []
+  for lp, (_, d), isz in zip(full, layouts, itemsizes, strict=True):
+    if id(lp) not in split_of:
+      split_of[id(lp)] = _split_relays(lp, d, isz)
+    split.append(split_of[id(lp)])
   leaf_plans = tuple(first for first, _ in split)
   relay, relay_classes = _relay_stage(
     [second for _, second in split], layouts, itemsizes, max_bucket_bytes, topology, interleave

@@ -518,13 +518,22 @@ def plan_leaves(
   load: dict[int, int] = {}
   entry: dict[int, int] = {}
   tasks: dict[tuple[object, ...], list[tuple[np.ndarray, np.ndarray]]] = {}
+  # Balanced leaf by leaf, a leaf's plan depends on its layouts and itemsize alone: equal
+  # leaves share one plan, made once (the layers of one pipeline stage).
+  made: dict[tuple[Layout, Layout, int], LeafPlan] = {}
   plans = []
   for (s, d), isz in zip(layouts, itemsizes, strict=True):
-    if not one_domain:
-      load, entry = {}, {}
-    plans.append(
-      plan_leaf(s, d, isz, load, topology=topology, entry_load=entry, relays=relays, tasks=tasks)
-    )
+    if one_domain:
+      plans.append(
+        plan_leaf(s, d, isz, load, topology=topology, entry_load=entry, relays=relays, tasks=tasks)
+      )
+      continue
+    lp = made.get((s, d, isz))
+    if lp is None:
+      lp = made[s, d, isz] = plan_leaf(
+        s, d, isz, {}, topology=topology, entry_load={}, relays=relays, tasks=tasks
+      )
+    plans.append(lp)
   if one_domain:  # with several domains, senders follow the domains
     plans = _join_pairs(plans, layouts, load)
   return plans
