@@ -180,7 +180,8 @@ def plan_leaf(
   topology: Topology | None = None,
   entry_load: MutableMapping[int, int] | None = None,
   relays: bool = True,
-  tasks: MutableMapping[tuple[object, ...], list[tuple[np.ndarray, np.ndarray]]] | None = None,
+  tasks: MutableMapping[tuple[object, ...], list[tuple[np.ndarray, np.ndarray, bool]]]
+  | None = None,
 ) -> LeafPlan:
   """Plans the transfers of one leaf.
 
@@ -226,8 +227,14 @@ def plan_leaf(
       todo = _sender_tasks(remote, g, dst, need_u, need_bytes, need_dom, rep_doms)
       if tasks is not None:
         tasks[key] = todo
-    for needs, ids in todo:
-      _assign_lpt(needs, ids, need_bytes, load, sender)
+    slow_load: dict[int, int] = {}  # with domains: sends over slow links, balanced apart
+    for needs, ids, slow in todo:
+      if slow:
+        _assign_tied(needs, ids, need_bytes, slow_load, load, sender)
+      elif slow_load:
+        _assign_tied(needs, ids, need_bytes, load, slow_load, sender)
+      else:
+        _assign_lpt(needs, ids, need_bytes, load, sender)
   return LeafPlan(
     src_device=sender,
     dst_device=g.need_dst,
@@ -390,13 +397,16 @@ def _sender_tasks(
   need_bytes: np.ndarray,
   need_dom: np.ndarray | None,
   rep_doms: tuple[np.ndarray, ...] | None,
-) -> list[tuple[np.ndarray, np.ndarray]]:
+) -> list[tuple[np.ndarray, np.ndarray, bool]]:
   """The calls of :func:`_assign_lpt` that give the ``remote`` needs their senders, in order:
-  per source box (largest needs first; ties by destination id), its needs and replicas.
+  per source box (largest needs first; ties by destination id), its needs, replicas and
+  whether they cross domains.
 
   Needs of a receiver go to the least-loaded replica in the receiver's process (and domain,
   with a topology; ties: lowest device id); then, with domains, to one in the receiver's
-  domain; needs without such a replica are balanced over all replicas afterwards.
+  domain; needs without such a replica are balanced over all replicas afterwards. With
+  domains, those cross them: a device's sends over slow links and inside its domain take
+  different links (NICs and NVLink), so they are balanced apart (the third element).
   """
   d_ids = np.asarray(dst.device_ids, dtype=np.int64)
   need_proc = np.asarray(dst.process_indices, dtype=np.int64)[np.searchsorted(d_ids, g.need_dst)]
@@ -413,15 +423,15 @@ def _sender_tasks(
       need_procs = need_procs * (1 << 32) + need_dom[group]
     matched = _member(need_procs, procs)
     for p in np.unique(need_procs[matched]).tolist():
-      out.append((group[need_procs == p], ids[procs == p]))
+      out.append((group[need_procs == p], ids[procs == p], False))
     if need_dom is not None and rep_doms is not None and not matched.all():
       doms, nd = rep_doms[u], need_dom[group]
       in_dom = ~matched & _member(nd, doms)
       for dom in np.unique(nd[in_dom]).tolist():
-        out.append((group[in_dom & (nd == dom)], ids[doms == dom]))
+        out.append((group[in_dom & (nd == dom)], ids[doms == dom], False))
       matched |= in_dom
     if not matched.all():  # no replica in the receiver's process: balance over all replicas
-      out.append((group[~matched], ids))
+      out.append((group[~matched], ids, need_dom is not None))
   return out
 
 
@@ -497,6 +507,29 @@ def _assign_lpt(
     heapq.heappush(heap, (cur + nb, dev))
 
 
+def _assign_tied(
+  needs: np.ndarray,
+  ids: np.ndarray,
+  need_bytes: np.ndarray,
+  load: MutableMapping[int, int],
+  tie: MutableMapping[int, int],
+  sender: np.ndarray,
+) -> None:
+  """:func:`_assign_lpt` with ties in ``load`` going to the replica of least ``tie`` (the load
+  on the other link class), then least id."""
+  id_list = ids.tolist()
+  if len(id_list) == 1 or not any(tie.get(i, 0) for i in id_list):
+    _assign_lpt(needs, ids, need_bytes, load, sender)
+    return
+  ranked = ids[np.lexsort((ids, np.fromiter((tie.get(i, 0) for i in id_list), np.int64)))]
+  ranked_list = ranked.tolist()
+  virtual = {k: load[i] for k, i in enumerate(ranked_list) if i in load}
+  _assign_lpt(needs, np.arange(len(ranked)), need_bytes, virtual, sender)
+  sender[needs] = ranked[sender[needs]]
+  for k, v in virtual.items():
+    load[ranked_list[k]] = v
+
+
 def plan_leaves(
   layouts: Sequence[tuple[Layout, Layout]],
   itemsizes: Sequence[int],
@@ -517,7 +550,7 @@ def plan_leaves(
   one_domain = _one_domain(layouts, topology)
   load: dict[int, int] = {}
   entry: dict[int, int] = {}
-  tasks: dict[tuple[object, ...], list[tuple[np.ndarray, np.ndarray]]] = {}
+  tasks: dict[tuple[object, ...], list[tuple[np.ndarray, np.ndarray, bool]]] = {}
   # Balanced leaf by leaf, a leaf's plan depends on its layouts and itemsize alone: equal
   # leaves share one plan, made once (the layers of one pipeline stage).
   made: dict[tuple[Layout, Layout, int], LeafPlan] = {}

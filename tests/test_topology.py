@@ -701,3 +701,41 @@ def test_equal_layers_get_equal_relay_plans_and_share_programs() -> None:
   entries = np.bincount(other.dst_device[~other.local & slow], minlength=8)
   assert entries.tolist() == [0, 0, 0, 0, 1, 2, 1, 2]
   assert plan.stats.slow_link_bytes == plan.stats.slow_link_lower_bound_bytes
+
+
+def test_slow_sends_are_balanced_apart_from_sends_inside_a_domain() -> None:
+  """A device's sends over slow links and inside its domain take different links (NICs and
+  NVLink): a replica that also serves its own domain still takes its share of the slow sends.
+  Replicas 0 (domain 0) and 2 (domain 1); device 3 (domain 1) gets the array from 2 inside its
+  domain, devices 4 and 6 (domains 2 and 3) over slow links, one from each replica. Balanced
+  by all bytes sent, both slow sends went to 0."""
+  src = Layout.from_description(
+    (64, 8), mesh_shape=(2,), axis_names=("dp",), spec=(None,), device_ids=(0, 2)
+  )
+  dst = Layout.from_description(
+    (64, 8), mesh_shape=(3,), axis_names=("dp",), spec=(None,), device_ids=(3, 4, 6)
+  )
+  for relays in (True, False):
+    lp = jr.plan_layouts([(src, dst)], [4], topology=PAIRS, relays=relays).leaf_plans[0]
+    senders = dict(zip(lp.dst_device.tolist(), lp.src_device.tolist(), strict=True))
+    assert senders[3] == 2  # inside domain 1
+    assert sorted([senders[4], senders[6]]) == [0, 2]
+  # Ties on the slow links go to the replica with fewer sends inside its domain: devices 4 and
+  # 5 share domain 2, so the array crosses into it once (then is forwarded), from 0.
+  pair = dataclasses.replace(dst, device_ids=(3, 4, 5))
+  lp = jr.plan_layouts([(src, pair)], [4], topology=PAIRS).leaf_plans[0]
+  slow = PAIRS.domain_of(lp.src_device) != PAIRS.domain_of(lp.dst_device)  # first stage
+  assert lp.src_device[slow].tolist() == [0]
+  assert lp.src_device[lp.dst_device == 3].tolist() == [2]
+  devs = np.array(sorted(jax.devices(), key=lambda d: d.id))
+  x = {
+    "w": jax.device_put(
+      np.arange(64 * 8, dtype=np.float32).reshape(64, 8),
+      NamedSharding(Mesh(devs[[0, 2]], ("dp",)), P()),
+    )
+  }
+  out = {"w": NamedSharding(Mesh(devs[[3, 4, 6]], ("dp",)), P())}
+  plan = jr.make_plan(x, out, topology=PAIRS)
+  lp = plan.leaf_plans[0]
+  assert sorted(lp.src_device[np.isin(lp.dst_device, [4, 6])].tolist()) == [0, 2]
+  _run_bit_for_bit(plan, x, out)
