@@ -48,6 +48,7 @@ def bucket_classes(
   # the first bucket with them (bytes compared only where all else is equal: faster than
   # hashing them).
   first: dict[tuple[Any, ...], list[tuple[bytes, int]]] = {}
+  windows: dict[tuple[Any, ...], tuple[np.ndarray, tuple[Any, ...]]] = {}  # see _windowed
   out = []
   for b, bucket in enumerate(schedule.buckets):
     for leaf in bucket.leaves:
@@ -62,7 +63,7 @@ def bucket_classes(
       or both_window_start(schedule, leaf, chunks)
       for leaf, chunks in zip(bucket.leaves, bucket.chunks, strict=True)
     ]
-    transfer, chunks = _windowed(schedule, bucket, shifts)
+    transfer, chunks = _windowed(schedule, bucket, shifts, leaf_class, windows)
     pieces = np.stack(
       [
         rel,
@@ -110,28 +111,38 @@ class _Numbers:
 
 
 def _windowed(
-  schedule: Schedule, bucket: Bucket, shifts: Sequence[tuple[int, int] | None]
+  schedule: Schedule,
+  bucket: Bucket,
+  shifts: Sequence[tuple[int, int] | None],
+  leaf_class: dict[int, int],
+  seen: dict[tuple[Any, ...], tuple[np.ndarray, tuple[Any, ...]]],
 ) -> tuple[np.ndarray, tuple[Any, ...]]:
   """The pieces' transfers, and per leaf what the bucket moves of it: its chunks, or for a
   leaf whose offsets start at a shift (``chunk_shift``), the rows it moves with offsets from
-  there (its transfers then numbered among those rows)."""
+  there (its transfers then numbered among those rows). ``seen``: those rows and what they
+  give by (leaf class, chunks, shift), read and filled (leaves of one class have equal
+  transfers: the layers of a model)."""
   transfer = np.asarray(bucket.piece_transfer, dtype=np.int64).copy()
   out: list[Any] = []
   for leaf, chunks, shift in zip(bucket.leaves, bucket.chunks, shifts, strict=True):
     if shift is None:
       out.append(chunks)
       continue
-    lp = schedule.leaf_plans[leaf]
     rc = schedule.row_chunks[leaf]
-    if chunks[-1] - chunks[0] == len(chunks) - 1:  # consecutive, as buckets take them
-      rows = np.flatnonzero((rc >= chunks[0]) & (rc <= chunks[-1]))
-    else:
-      rows = np.flatnonzero(np.isin(rc, chunks))
-    lo, hi = lp.lo[rows].copy(), lp.hi[rows].copy()
-    lo[:, shift[0]] -= shift[1]
-    hi[:, shift[0]] -= shift[1]
-    arrays = (lp.src_device[rows], lp.dst_device[rows], lo, hi, lp.local[rows])
-    out.append((shift[0], *(np.ascontiguousarray(a).tobytes() for a in arrays)))
+    key = (leaf_class[leaf], rc.tobytes(), chunks, shift)
+    if key not in seen:
+      lp = schedule.leaf_plans[leaf]
+      if chunks[-1] - chunks[0] == len(chunks) - 1:  # consecutive, as buckets take them
+        rows = np.flatnonzero((rc >= chunks[0]) & (rc <= chunks[-1]))
+      else:
+        rows = np.flatnonzero(np.isin(rc, chunks))
+      lo, hi = lp.lo[rows].copy(), lp.hi[rows].copy()
+      lo[:, shift[0]] -= shift[1]
+      hi[:, shift[0]] -= shift[1]
+      arrays = (lp.src_device[rows], lp.dst_device[rows], lo, hi, lp.local[rows])
+      seen[key] = rows, (shift[0], *(np.ascontiguousarray(a).tobytes() for a in arrays))
+    rows, moved = seen[key]
+    out.append(moved)
     mine = np.asarray(bucket.piece_leaf) == leaf
     transfer[mine] = np.searchsorted(rows, transfer[mine])
   return transfer, tuple(out)
