@@ -9,6 +9,7 @@ call it. NumPy only.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Collection, Sequence
 from typing import Literal
@@ -426,11 +427,14 @@ def _domains(layouts: Sequence[tuple[Layout, Layout]], topology: Topology | None
 def interleave_by_source(
   leaves: Sequence[int], layouts: Sequence[tuple[Layout, Layout]]
 ) -> tuple[int, ...]:
-  """``leaves`` reordered round-robin over their source device sets (tree order within each).
+  """``leaves`` reordered round-robin over their source device sets (tree order within each),
+  the sets in the order of their first leaves with the first and second half alternating.
 
   Buckets take consecutive leaves; in tree order, a pipeline-parallel trainer's consecutive
   leaves live on one stage, so a bucket's senders are one stage's devices while every
-  destination device receives. Interleaved, every bucket draws on every stage's senders.
+  destination device receives. Interleaved, every bucket draws on every stage's senders, and
+  a bucket of few large leaves on stages of both halves of the cluster (on GB200 racks, DSV3
+  128 colocated: predicted 2,322 ms with the sets in order, 2,180 ms alternating).
 
   Example:
     >>> import jax_reshard as jr
@@ -438,11 +442,19 @@ def interleave_by_source(
     ...                                    device_ids=[i]) for i in (0, 1))
     >>> interleave_by_source([0, 1, 2, 3], [(a, b), (a, b), (b, a), (b, a)])
     (0, 2, 1, 3)
+    >>> c, d = (dataclasses.replace(a, device_ids=(i,)) for i in (2, 3))  # four stages
+    >>> interleave_by_source(range(8), [(x, a) for x in (a, b, c, d)] * 2)
+    (0, 2, 1, 3, 4, 6, 5, 7)
   """
   groups: dict[tuple[int, ...], list[int]] = {}
   for i in leaves:
     groups.setdefault(layouts[i][0].device_ids, []).append(i)
   queues = list(groups.values())
+  # The first and the second half of the groups alternate (stages 0, 2, 1, 3 of four): with
+  # pipeline stages placed along the domains, consecutive leaves leave through both halves'
+  # links.
+  half = (len(queues) + 1) // 2
+  queues = [q for pair in itertools.zip_longest(queues[:half], queues[half:]) for q in pair if q]
   out: list[int] = []
   for k in range(max((len(q) for q in queues), default=0)):
     out += [q[k] for q in queues if k < len(q)]
