@@ -120,8 +120,8 @@ def _windowed(
   """The pieces' transfers, and per leaf what the bucket moves of it: its chunks, or for a
   leaf whose offsets start at a shift (``chunk_shift``), the rows it moves with offsets from
   there (its transfers then numbered among those rows). ``seen``: those rows and what they
-  give by (leaf class, chunks, shift), read and filled (leaves of one class have equal
-  transfers: the layers of a model)."""
+  give by (leaf class, the chunk of each of its rows, chunks, shift), read and filled (leaves
+  of one class have equal transfers: the layers of a model)."""
   transfer = np.asarray(bucket.piece_transfer, dtype=np.int64).copy()
   out: list[Any] = []
   for leaf, chunks, shift in zip(bucket.leaves, bucket.chunks, shifts, strict=True):

@@ -433,8 +433,9 @@ def interleave_by_source(
   Buckets take consecutive leaves; in tree order, a pipeline-parallel trainer's consecutive
   leaves live on one stage, so a bucket's senders are one stage's devices while every
   destination device receives. Interleaved, every bucket draws on every stage's senders, and
-  a bucket of few large leaves on stages of both halves of the cluster (on GB200 racks, DSV3
-  128 colocated: predicted 2,322 ms with the sets in order, 2,180 ms alternating).
+  alternating, a bucket of few large leaves draws on stages of both halves of the cluster (on
+  GB200 racks, DSV3 128 colocated: predicted 2,322 ms with the sets in order, 2,180 ms
+  alternating).
 
   Example:
     >>> import jax_reshard as jr
