@@ -13,7 +13,11 @@ geometry is cached per layout pair.
 of a domain that holds no source replica of it, one of them (the *entry*, chosen to balance
 what devices receive over slow links) receives it from a source replica, and the others get it
 from the entry afterwards (transfers of ``hop`` 1, whose sender holds the region in its
-destination shard). So each region crosses into each domain once.
+destination shard). So each region crosses into each domain once. *Fan-out* works the same
+way inside a domain: where more devices of a domain need a region than twice its replicas
+there (:data:`FANOUT_NEEDS`), one of them receives it and forwards it to the others, so that a
+replica that is the only one of its domain (a pipeline stage split over two racks) does not
+send every region it holds to every device of its domain that needs it.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ from jax_reshard._topology import Topology
 # Up to this many needs of one size, :func:`_assign_lpt` pops a heap in Python (faster than
 # its array form at this size; the same senders); :func:`_member` takes the same cutoff.
 SMALL_LPT = 16
+# With a topology of several domains, a region that more than this many devices of a domain
+# need per replica it has there is fanned out: one of them receives it, then forwards it.
+FANOUT_NEEDS = 2
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -182,6 +189,7 @@ def plan_leaf(
   relays: bool = True,
   tasks: MutableMapping[tuple[object, ...], list[tuple[np.ndarray, np.ndarray, bool]]]
   | None = None,
+  fanout: bool = False,
 ) -> LeafPlan:
   """Plans the transfers of one leaf.
 
@@ -199,6 +207,9 @@ def plan_leaf(
       lower bound is computed all the same).
     tasks: which needs go to which replicas, kept across leaves (the layers of a model have
       equal layouts, so they balance the same groups of needs over the same replicas).
+    fanout: with ``relays``, also forward the regions a domain holds too few replicas of
+      (:data:`FANOUT_NEEDS`); :func:`plan_leaves` sets it where the devices span several
+      domains.
 
   Returns:
     A :class:`LeafPlan` in which every element a destination device lacks arrives exactly once.
@@ -218,7 +229,7 @@ def plan_leaf(
     need_dom = topology.domain_of(g.need_dst)
     rep_doms = _replica_domains(g, topology)
     entry: MutableMapping[int, int] = {} if entry_load is None else entry_load
-    hop, slow_bound = _relays(g, need_dom, rep_doms, need_bytes, entry, sender, relays)
+    hop, slow_bound = _relays(g, need_dom, rep_doms, need_bytes, entry, sender, relays, fanout)
   remote = np.nonzero(~g.need_local & (hop != 1 if hop is not None else True))[0]
   if len(remote):
     key = (src, dst, topology, itemsize > 0, remote.tobytes())
@@ -267,6 +278,7 @@ def _relays(
   entry_load: MutableMapping[int, int],
   sender: np.ndarray,
   relays: bool,
+  fanout: bool = False,
 ) -> tuple[np.ndarray | None, int]:
   """Chooses relay entries; returns the hop of every need and the slow-link lower bound (in
   elements). Forwards get their entry as sender in ``sender``; entries keep theirs unset.
@@ -274,13 +286,29 @@ def _relays(
   A need is *foreign* when its domain holds no replica of its source box. Per (region,
   domain) of foreign needs, the region must cross into the domain once (the lower bound); with
   two or more such needs one of them is the entry, chosen by least ``entry_load`` among the
-  needing devices (largest regions first), and the others are forwarded from it.
+  needing devices (largest regions first), and the others are forwarded from it. With
+  ``fanout``, so are the needs of a (region, domain) whose remote needs outnumber
+  :data:`FANOUT_NEEDS` times the replicas of the region's source box in the domain (the entry
+  then gets it from one of them).
   """
   span = int(max(need_dom.max(), *(int(d.max()) for d in rep_doms if len(d)))) + 1
   rep_u = np.repeat(np.arange(len(rep_doms)), [len(d) for d in rep_doms])
-  held = np.unique(rep_u * span + np.concatenate([*rep_doms, np.zeros(0, np.int64)]))
+  held, held_count = np.unique(
+    rep_u * span + np.concatenate([*rep_doms, np.zeros(0, np.int64)]), return_counts=True
+  )
   need_u = g.region_src_box[g.need_region]
-  foreign = np.nonzero(~g.need_local & ~np.isin(need_u * span + need_dom, held))[0]
+  at_dom = need_u * span + need_dom
+  pos = np.minimum(np.searchsorted(held, at_dom), len(held) - 1)
+  reps = np.where(held[pos] == at_dom, held_count[pos], 0)  # replicas in the need's domain
+  remote = ~g.need_local
+  relayed = remote & (reps == 0)
+  if fanout and relays:
+    grouped = g.need_region[remote] * span + need_dom[remote]
+    _, inverse, count = np.unique(grouped, return_inverse=True, return_counts=True)
+    needs_there = np.zeros(len(reps), dtype=np.int64)
+    needs_there[remote] = count[inverse.reshape(-1)]
+    relayed |= remote & (needs_there > FANOUT_NEEDS * reps)
+  foreign = np.nonzero(relayed)[0]  # foreign needs, and those fanned out
   if not len(foreign):
     return None, 0
   key = g.need_region[foreign] * span + need_dom[foreign]
@@ -288,7 +316,8 @@ def _relays(
   foreign, key = foreign[order], key[order]
   first = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
   sizes = np.diff(np.r_[first, len(key)])
-  slow_bound = int(g.region_elems[g.need_region[foreign[first]]].sum())
+  lacking = first[reps[foreign[first]] == 0]  # groups of foreign needs
+  slow_bound = int(g.region_elems[g.need_region[foreign[lacking]]].sum())
   multi = np.nonzero(sizes > 1)[0]
   if not relays or not len(multi):
     return None, slow_bound
@@ -564,7 +593,7 @@ def plan_leaves(
     lp = made.get((s, d, isz))
     if lp is None:
       lp = made[s, d, isz] = plan_leaf(
-        s, d, isz, {}, topology=topology, entry_load={}, relays=relays, tasks=tasks
+        s, d, isz, {}, topology=topology, entry_load={}, relays=relays, tasks=tasks, fanout=True
       )
     plans.append(lp)
   if one_domain:  # with several domains, senders follow the domains

@@ -739,3 +739,49 @@ def test_slow_sends_are_balanced_apart_from_sends_inside_a_domain() -> None:
   lp = plan.leaf_plans[0]
   assert sorted(lp.src_device[np.isin(lp.dst_device, [4, 6])].tolist()) == [0, 2]
   _run_bit_for_bit(plan, x, out)
+
+
+def test_regions_fan_out_where_a_domain_has_too_few_replicas() -> None:
+  """Devices 1-3 (domain {0-3}) and 5-7 (domain {4-7}) need the whole array; each domain holds
+  one replica (devices 0 and 4). More than FANOUT_NEEDS devices per replica: the replica sends
+  it once, to an entry, which forwards it to the other two, instead of sending it three times.
+  Nothing crosses domains. With relays off, or within one domain, the replicas send it all."""
+  quads = Topology.cpu(devices_per_domain=4)
+  shape = (32, 16)
+  src = Layout.from_description(
+    shape, mesh_shape=(2,), axis_names=("dp",), spec=(None,), device_ids=(0, 4)
+  )
+  dst = Layout.from_description(
+    shape, mesh_shape=(6,), axis_names=("dp",), spec=(None,), device_ids=(1, 2, 3, 5, 6, 7)
+  )
+  plan = jr.plan_layouts([(src, dst)], [4], topology=quads)
+  first = plan.leaf_plans[0]
+  assert sorted(first.src_device.tolist()) == [0, 4]  # one send per replica
+  assert plan.relay is not None
+  fwd = plan.relay.leaf_plans[0]
+  fwd_src, fwd_dst = fwd.src_device[~fwd.local], fwd.dst_device[~fwd.local]
+  assert sorted(fwd_dst.tolist() + first.dst_device.tolist()) == [1, 2, 3, 5, 6, 7]
+  assert (quads.domain_of(fwd_src) == quads.domain_of(fwd_dst)).all()
+  assert set(fwd_src.tolist()) == set(first.dst_device.tolist())  # from the entries
+  st_ = plan.stats
+  assert st_.bytes_moved == st_.lower_bound_bytes == 6 * 32 * 16 * 4
+  assert st_.slow_link_bytes == st_.slow_link_lower_bound_bytes == 0
+  assert st_.relay_bytes == 4 * 32 * 16 * 4
+  for direct in (
+    jr.plan_layouts([(src, dst)], [4], topology=quads, relays=False),
+    jr.plan_layouts([(src, dst)], [4], topology=Topology.cpu()),  # one domain
+  ):
+    assert direct.relay is None
+    assert sorted(direct.leaf_plans[0].src_device.tolist()) == [0, 0, 0, 4, 4, 4]
+  devs = np.array(sorted(jax.devices(), key=lambda d: d.id))
+  x = {
+    "w": jax.device_put(
+      np.arange(32 * 16, dtype=np.float32).reshape(shape),
+      NamedSharding(Mesh(devs[[0, 4]], ("dp",)), P()),
+    )
+  }
+  out = {"w": NamedSharding(Mesh(devs[[1, 2, 3, 5, 6, 7]], ("dp",)), P())}
+  made = jr.make_plan(x, out, topology=quads)
+  assert made.layout_plan.relay is not None
+  for _ in range(2):
+    _run_bit_for_bit(made, x, out)
