@@ -408,14 +408,24 @@ def _assign_rotated(
   if shift % len(ids) == 0 or len(np.unique(ids)) < len(ids):
     _assign_lpt(needs, ids, nbytes, load, entry)
     return
-  place = np.empty(len(ids), np.int64)
-  place[np.argsort(ids)] = np.arange(len(ids))
-  rotated = (place - shift) % len(ids)
-  real = dict(zip(rotated.tolist(), ids.tolist(), strict=True))
-  loads = {r: load[i] for r, i in real.items() if i in load}
-  _assign_lpt(needs, rotated, nbytes, loads, entry)
-  entry[needs] = [real[r] for r in entry[needs].tolist()]
-  load.update({real[r]: v for r, v in loads.items()})
+  _assign_in_order(needs, np.roll(np.sort(ids), -(shift % len(ids))), nbytes, load, entry)
+
+
+def _assign_in_order(
+  needs: np.ndarray,
+  ordered: np.ndarray,
+  nbytes: np.ndarray,
+  load: MutableMapping[int, int],
+  out: np.ndarray,
+) -> None:
+  """:func:`_assign_lpt` over the distinct device ids ``ordered``, ties going to the one
+  first in that order rather than to the lowest id (run on their positions, then mapped
+  back)."""
+  ids = ordered.tolist()
+  at = {k: load[i] for k, i in enumerate(ids) if i in load}
+  _assign_lpt(needs, np.arange(len(ids)), nbytes, at, out)
+  out[needs] = ordered[out[needs]]
+  load.update({ids[k]: v for k, v in at.items()})
 
 
 def _sender_tasks(
@@ -546,17 +556,11 @@ def _assign_tied(
 ) -> None:
   """:func:`_assign_lpt` with ties in ``load`` going to the replica of least ``tie`` (the load
   on the other link class), then least id."""
-  id_list = ids.tolist()
-  if len(id_list) == 1 or not any(tie.get(i, 0) for i in id_list):
+  ties = np.fromiter((tie.get(i, 0) for i in ids.tolist()), np.int64, len(ids))
+  if len(ids) == 1 or not ties.any():
     _assign_lpt(needs, ids, need_bytes, load, sender)
     return
-  ranked = ids[np.lexsort((ids, np.fromiter((tie.get(i, 0) for i in id_list), np.int64)))]
-  ranked_list = ranked.tolist()
-  virtual = {k: load[i] for k, i in enumerate(ranked_list) if i in load}
-  _assign_lpt(needs, np.arange(len(ranked)), need_bytes, virtual, sender)
-  sender[needs] = ranked[sender[needs]]
-  for k, v in virtual.items():
-    load[ranked_list[k]] = v
+  _assign_in_order(needs, ids[np.lexsort((ids, ties))], need_bytes, load, sender)
 
 
 def plan_leaves(
