@@ -455,7 +455,9 @@ def interleave_by_source(
   # pipeline stages placed along the domains, consecutive leaves leave through both halves'
   # links.
   half = (len(queues) + 1) // 2
-  queues = [q for pair in itertools.zip_longest(queues[:half], queues[half:]) for q in pair if q]
+  queues = [
+    q for pair in itertools.zip_longest(queues[:half], queues[half:]) for q in pair if q is not None
+  ]
   out: list[int] = []
   for k in range(max((len(q) for q in queues), default=0)):
     out += [q[k] for q in queues if k < len(q)]

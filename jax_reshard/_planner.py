@@ -301,30 +301,30 @@ def _relays(
   pos = np.minimum(np.searchsorted(held, at_dom), len(held) - 1)
   reps = np.where(held[pos] == at_dom, held_count[pos], 0)  # replicas in the need's domain
   remote = ~g.need_local
-  relayed = remote & (reps == 0)
+  is_cand = remote & (reps == 0)
   if fanout and relays:
     grouped = g.need_region[remote] * span + need_dom[remote]
     _, inverse, count = np.unique(grouped, return_inverse=True, return_counts=True)
     needs_there = np.zeros(len(reps), dtype=np.int64)
     needs_there[remote] = count[inverse.reshape(-1)]
-    relayed |= remote & (needs_there > FANOUT_NEEDS * reps)
-  foreign = np.nonzero(relayed)[0]  # foreign needs, and those fanned out
-  if not len(foreign):
+    is_cand |= remote & (needs_there > FANOUT_NEEDS * reps)
+  cand = np.nonzero(is_cand)[0]  # candidates: the foreign needs, and those fanned out
+  if not len(cand):
     return None, 0
-  key = g.need_region[foreign] * span + need_dom[foreign]
-  order = np.lexsort((g.need_dst[foreign], key))
-  foreign, key = foreign[order], key[order]
+  key = g.need_region[cand] * span + need_dom[cand]
+  order = np.lexsort((g.need_dst[cand], key))
+  cand, key = cand[order], key[order]
   first = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
   sizes = np.diff(np.r_[first, len(key)])
-  lacking = first[reps[foreign[first]] == 0]  # groups of foreign needs
-  slow_bound = int(g.region_elems[g.need_region[foreign[lacking]]].sum())
+  lacking = first[reps[cand[first]] == 0]  # groups of foreign needs
+  slow_bound = int(g.region_elems[g.need_region[cand[lacking]]].sum())
   multi = np.nonzero(sizes > 1)[0]
   if not relays or not len(multi):
     return None, slow_bound
   hop = np.zeros(len(g.need_dst), dtype=np.int8)
   # Groups of one destination box in one domain share their members: choose entries per such
   # cluster, largest regions first, by least load.
-  grp_need = foreign[first[multi]]
+  grp_need = cand[first[multi]]
   grp_bytes = need_bytes[grp_need]
   cluster = g.region_dst_box[g.need_region[grp_need]] * span + need_dom[grp_need]
   corder = np.lexsort((g.need_region[grp_need], -grp_bytes, cluster))
@@ -335,15 +335,13 @@ def _relays(
   at = np.repeat(first[k] - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
   entry = np.zeros(len(multi), dtype=np.int64)
   shift = min((int(ids.min()) for ids in g.replica_ids if len(ids)), default=0)
-  _choose_entries(
-    corder, starts, g.need_dst[foreign[at]], counts, grp_bytes, entry_load, entry, shift
-  )
-  # Every foreign need of a multi group: forwarded from the entry unless it is the entry.
+  _choose_entries(corder, starts, g.need_dst[cand[at]], counts, grp_bytes, entry_load, entry, shift)
+  # Every candidate of a multi group: forwarded from the entry unless it is the entry.
   owner = np.repeat(np.arange(len(first)), sizes)
   rank_of = np.full(len(first), -1)
   rank_of[multi] = np.arange(len(multi))
   in_multi = rank_of[owner] >= 0
-  relayed = foreign[in_multi]
+  relayed = cand[in_multi]
   their_entry = entry[rank_of[owner[in_multi]]]
   fwd = g.need_dst[relayed] != their_entry
   hop[relayed[fwd]] = 1
