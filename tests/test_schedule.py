@@ -101,6 +101,28 @@ def test_rounds_minimise_parallel_time_over_padding() -> None:
     assert len({s for s, _ in r.pairs}) == len({d for _, d in r.pairs}) == len(r.pairs) == 4
 
 
+def test_heavy_pairs_are_coloured_apart_from_a_star_of_small_ones(monkeypatch) -> None:
+  """Four large payloads need two rounds (devices 0 and 1 send two each), but a star of tiny
+  payloads from device 6 raises the colours first fit may use, so coloured with it, one large
+  payload lands in a third round; size classes apart take four rounds of large payloads.
+  Coloured apart from the star, the large ones take two rounds."""
+  from jax_reshard import _schedule
+  from jax_reshard._schedule import _make_rounds
+
+  ps = np.array([0, 0, 1, 1, 6, 6, 6, 6, 6])
+  pd = np.array([3, 5, 5, 4, 3, 4, 5, 7, 8])
+  fill = np.array([80, 80, 100, 100, 1, 1, 1, 1, 1])
+  rounds, round_bytes, _ = _make_rounds(ps, pd, fill)
+  assert sorted(r.nbytes for r in rounds if r.nbytes > 1) == [100, 100]
+  assert sum(r.nbytes for r in rounds) == 205  # 2 large rounds, 5 of the star
+  assert sorted((s, d) for r in rounds for s, d in r.pairs) == sorted(zip(ps, pd, strict=True))
+  for r in rounds:
+    assert len({s for s, _ in r.pairs}) == len({d for _, d in r.pairs}) == len(r.pairs)
+  assert (round_bytes >= fill).all()
+  monkeypatch.setattr(_schedule, "HEAVY_RATIOS", ())
+  assert sum(r.nbytes for r in _make_rounds(ps, pd, fill)[0]) == 282  # 100 + 100 + 80 + ...
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_rounds_from_colourings_kept_are_those_made_anew(seed: int) -> None:
   """Rounds made with the colourings of earlier pairs at hand (a tree's buckets colour the same
@@ -291,8 +313,9 @@ def test_replicated_to_replicated_is_cut_into_windows_of_both_sides() -> None:
 
 
 def _rounds_comparing_both(ps, pd, fill):
-  """The rounds of :func:`_make_rounds` with both colourings always computed and compared."""
-  from jax_reshard._schedule import SIZE_TOLERANCE, _color_dense, _dense
+  """The rounds of :func:`_make_rounds` with every colouring always computed and compared: the
+  size classes apart, all pairs together, and the heavy pairs apart from the rest."""
+  from jax_reshard._schedule import HEAVY_RATIOS, SIZE_TOLERANCE, _color_dense, _dense
 
   order = np.lexsort((pd, ps, -fill))
   ps, pd, fill = ps[order], pd[order], fill[order]
@@ -300,8 +323,13 @@ def _rounds_comparing_both(ps, pd, fill):
   while bounds[-1] < len(fill):
     floor = (1 - SIZE_TOLERANCE) * fill[bounds[-1]]
     bounds.append(int(np.searchsorted(-fill, -floor, side="right")))
+  cands = [list(itertools.pairwise(bounds)), [(0, len(fill))]]
+  for r in HEAVY_RATIOS:
+    heavy = int(np.searchsorted(-fill, -fill[0] / r, side="right"))
+    if 0 < heavy < len(fill) and [(0, heavy), (heavy, len(fill))] not in cands:
+      cands.append([(0, heavy), (heavy, len(fill))])
   best = None
-  for classes in (list(itertools.pairwise(bounds)), [(0, len(fill))]):
+  for classes in cands:
     colour, base = np.empty(len(fill), dtype=np.int64), 0
     for a, b in classes:
       s, d = _dense(ps)[a:b], _dense(pd)[a:b]
