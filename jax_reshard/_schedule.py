@@ -8,8 +8,8 @@ recolouring: for a size class, only of the pairs first fit cannot colour). Every
 round sends the round's largest payload size, so colouring size classes apart pads little but
 can leave devices idle; that, one colouring of all pairs, and colourings of the largest pairs
 together apart from the rest (:data:`HEAVY_RATIOS`) are compared and the one with the smaller
-sum of round maxima (the time when devices run in parallel) is kept; the colouring of all pairs
-is skipped where a lower bound of its sum shows it cannot be smaller.
+sum of round maxima (the time when devices run in parallel) is kept; the others are skipped
+where a lower bound of the sum shows they cannot be smaller.
 
 Buckets keep the staging memory of every device under ``max_bucket_bytes``, padding included:
 consecutive leaves share a bucket while their unpadded staging fits, and every bucket is then
@@ -548,8 +548,9 @@ def _colour_rounds(
   SIZE_TOLERANCE of each other) separately, which pads little but may leave devices idle; one
   that colours all pairs together, largest first; and, per ratio of :data:`HEAVY_RATIOS`, one
   that colours the pairs of at least that fraction of the largest payload together, then the
-  rest together. Ties go to less padding, then to the earlier. The second is not computed
-  where a lower bound of its time (:func:`_joint_time_bound`) shows it cannot win. The third
+  rest together. Ties go to less padding, then to the earlier. None after the first is
+  computed where a lower bound of any colouring's time (:func:`_joint_time_bound`) shows it
+  cannot win. The third
   matters where a few small payloads reach many devices (a norm its relay entry forwards to
   every other device of its domain): the colours they need let first fit spread the large
   payloads over more rounds than their own degree, which, coloured alone, they fill exactly
@@ -575,9 +576,12 @@ def _colour_rounds(
     heavy = int(np.searchsorted(-fill, -fill[0] / r, side="right"))
     if 0 < heavy < len(fill) and [(0, heavy), (heavy, len(fill))] not in cands:
       cands.append([(0, heavy), (heavy, len(fill))])
+  bound = None
   for classes in cands:
-    if len(classes) == 1 and best is not None and best[0] <= (_joint_time_bound(s, d, fill), 0):
-      continue  # all pairs coloured together take no less time, and pad no less where equal
+    if best is not None:
+      bound = _joint_time_bound(s, d, fill) if bound is None else bound
+      if best[0] <= (bound, 0):
+        break  # no colouring takes less time, nor pads less where equal
     colour = np.empty(len(fill), dtype=np.int64)
     base = 0
     for a, b in classes:
