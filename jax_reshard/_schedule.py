@@ -548,36 +548,25 @@ def _colour_rounds(
   SIZE_TOLERANCE of each other) separately, which pads little but may leave devices idle; one
   that colours all pairs together, largest first; and, per ratio of :data:`HEAVY_RATIOS`, one
   that colours the pairs of at least that fraction of the largest payload together, then the
-  rest together. Ties go to less padding, then to the earlier. None after the first is
-  computed where a lower bound of any colouring's time (:func:`_joint_time_bound`) shows it
-  cannot win. The third
-  matters where a few small payloads reach many devices (a norm its relay entry forwards to
-  every other device of its domain): the colours they need let first fit spread the large
-  payloads over more rounds than their own degree, which, coloured alone, they fill exactly
-  (on GB200 racks, 4 GiB buckets: Qwen3-235B 64 -> 64 predicted 701 -> 629 ms, DeepSeek-V3
-  128 colocated 1,609 -> 1,525 ms).
-  Both use max-degree colours; where first fit needs more, a size class (payloads alike, so
-  which pairs share a round barely matters) is finished by :func:`_first_fit_swapping`, which
-  walks alternating paths only for the edges first fit cannot colour, and the joint colouring
-  by :func:`_alternating`.
+  rest together (:func:`_candidate_classes`). Ties go to less padding, then to the earlier.
+  None after the first is computed where a lower bound of any colouring's time
+  (:func:`_joint_time_bound`) shows it cannot win. The heavy ones matter where a few small
+  payloads reach many devices (a norm its relay entry forwards to every other device of its
+  domain): the colours they need let first fit spread the large payloads over more rounds
+  than their own degree, which, coloured alone, they fill exactly (on GB200 racks, 4 GiB
+  buckets: Qwen3-235B 64 -> 64 predicted 701 -> 629 ms, DeepSeek-V3 128 colocated 1,609 ->
+  1,525 ms). All use max-degree colours; where first fit needs more, a run of several (a size
+  class, or the heavy pairs) is finished by :func:`_first_fit_swapping`, which walks
+  alternating paths only for the edges first fit cannot colour, and the joint colouring by
+  :func:`_alternating`.
   """
   if not len(fill):
     return [], np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
   order = np.lexsort((pd, ps, -fill))
   ps, pd, fill = ps[order], pd[order], fill[order]
   s, d = _dense(ps), _dense(pd)
-  bounds = [0]
-  while bounds[-1] < len(fill):  # fill is descending: classes are runs above a threshold
-    floor = (1 - SIZE_TOLERANCE) * fill[bounds[-1]]
-    bounds.append(int(np.searchsorted(-fill, -floor, side="right")))
-  best = None
-  cands = [list(itertools.pairwise(bounds)), [(0, len(fill))]]
-  for r in HEAVY_RATIOS:
-    heavy = int(np.searchsorted(-fill, -fill[0] / r, side="right"))
-    if 0 < heavy < len(fill) and [(0, heavy), (heavy, len(fill))] not in cands:
-      cands.append([(0, heavy), (heavy, len(fill))])
-  bound = None
-  for classes in cands:
+  best, bound = None, None
+  for classes in _candidate_classes(fill):
     if best is not None:
       bound = _joint_time_bound(s, d, fill) if bound is None else bound
       if best[0] <= (bound, 0):
@@ -612,6 +601,23 @@ def _colour_rounds(
   pair_round = np.empty(len(fill), dtype=np.int64)
   pair_round[order] = colour
   return rounds, pair_round_bytes, pair_round
+
+
+def _candidate_classes(fill: np.ndarray) -> list[list[tuple[int, int]]]:
+  """The colourings :func:`_colour_rounds` compares, in order, each as the runs of pairs
+  (``fill`` descending) coloured together: the size classes, all pairs, and per ratio of
+  :data:`HEAVY_RATIOS` the pairs of at least that fraction of the largest payload and the
+  rest."""
+  bounds = [0]
+  while bounds[-1] < len(fill):  # fill is descending: classes are runs above a threshold
+    floor = (1 - SIZE_TOLERANCE) * fill[bounds[-1]]
+    bounds.append(int(np.searchsorted(-fill, -floor, side="right")))
+  out = [list(itertools.pairwise(bounds)), [(0, len(fill))]]
+  for r in HEAVY_RATIOS:
+    heavy = int(np.searchsorted(-fill, -fill[0] / r, side="right"))
+    if 0 < heavy < len(fill) and [(0, heavy), (heavy, len(fill))] not in out:
+      out.append([(0, heavy), (heavy, len(fill))])
+  return out
 
 
 def _joint_time_bound(s: np.ndarray, d: np.ndarray, fill: np.ndarray) -> int:

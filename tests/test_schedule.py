@@ -315,21 +315,12 @@ def test_replicated_to_replicated_is_cut_into_windows_of_both_sides() -> None:
 def _rounds_comparing_both(ps, pd, fill):
   """The rounds of :func:`_make_rounds` with every colouring always computed and compared: the
   size classes apart, all pairs together, and the heavy pairs apart from the rest."""
-  from jax_reshard._schedule import HEAVY_RATIOS, SIZE_TOLERANCE, _color_dense, _dense
+  from jax_reshard._schedule import _candidate_classes, _color_dense, _dense
 
   order = np.lexsort((pd, ps, -fill))
   ps, pd, fill = ps[order], pd[order], fill[order]
-  bounds = [0]
-  while bounds[-1] < len(fill):
-    floor = (1 - SIZE_TOLERANCE) * fill[bounds[-1]]
-    bounds.append(int(np.searchsorted(-fill, -floor, side="right")))
-  cands = [list(itertools.pairwise(bounds)), [(0, len(fill))]]
-  for r in HEAVY_RATIOS:
-    heavy = int(np.searchsorted(-fill, -fill[0] / r, side="right"))
-    if 0 < heavy < len(fill) and [(0, heavy), (heavy, len(fill))] not in cands:
-      cands.append([(0, heavy), (heavy, len(fill))])
   best = None
-  for classes in cands:
+  for classes in _candidate_classes(fill):
     colour, base = np.empty(len(fill), dtype=np.int64), 0
     for a, b in classes:
       s, d = _dense(ps)[a:b], _dense(pd)[a:b]
