@@ -25,7 +25,9 @@ at most the former: a whole slab of rows copies about twice as fast as 512-byte 
 
 Where devices share the host's cores (``max_parallel``, simulated CPU devices), each phase takes
 at least the devices' summed copying divided by ``max_parallel`` (plus, for a round, its
-latency). Nothing overlaps: XLA may overlap
+latency), counting the devices a round leaves idle: each of them receives a zero payload of the
+round's size (written by the collective) and, unless the round sends whole shards as they are,
+packs one, at ``fill_bandwidth``. Nothing overlaps: XLA may overlap
 a round's transfer with the next round's packing, so the model errs long. The time is monotone
 in every round's size and in the number of rounds and buckets.
 """
@@ -246,26 +248,37 @@ class _BucketCost:
 
 
 def _phase(
-  per_device: np.ndarray, groups: np.ndarray, num: int, parallel: int | None
+  per_device: np.ndarray,
+  groups: np.ndarray,
+  num: int,
+  parallel: int | None,
+  idle: np.ndarray | float = 0.0,
 ) -> np.ndarray:
   """Per group (round), the slowest device's seconds, or their sum over ``parallel`` when
-  devices share that many cores, whichever is longer."""
+  devices share that many cores, whichever is longer; ``idle``: per group, the seconds of the
+  devices not in ``per_device`` (zeros they write), counted in the sum only."""
   out = np.zeros(num)
   np.maximum.at(out, groups, per_device)
   if parallel:
-    out = np.maximum(out, np.bincount(groups, per_device, minlength=num) / parallel)
+    out = np.maximum(out, (np.bincount(groups, per_device, minlength=num) + idle) / parallel)
   return out
 
 
 def _transfer(
-  lat: np.ndarray, data: np.ndarray, rid: np.ndarray, n: int, parallel: int | None
+  lat: np.ndarray,
+  data: np.ndarray,
+  rid: np.ndarray,
+  n: int,
+  parallel: int | None,
+  idle: np.ndarray | float = 0.0,
 ) -> np.ndarray:
   """Per round, the slowest pair's latency plus bytes over bandwidth; with shared cores, at
-  least the round's longest latency plus the pairs' summed copy time over ``parallel``."""
+  least the round's longest latency plus the pairs' summed copy time (and the ``idle``
+  devices' seconds, see :func:`_phase`) over ``parallel``."""
   out = _phase(lat + data, rid, n, None)
   if parallel:
     worst_lat = _phase(lat, rid, n, None)
-    out = np.maximum(out, worst_lat + np.bincount(rid, data, minlength=n) / parallel)
+    out = np.maximum(out, worst_lat + (np.bincount(rid, data, minlength=n) + idle) / parallel)
   return out
 
 
@@ -294,7 +307,12 @@ def _bucket_cost(
   lat = np.where(cross, topo.inter.latency, topo.intra.latency)
   bw = np.where(cross, topo.inter.bandwidth, topo.intra.bandwidth)
   cost = lat + sizes[rid] / bw
-  transfer = _transfer(lat, sizes[rid] / bw, rid, n, topo.max_parallel)
+  fill_bw = topo.fill_bandwidth or topo.memory_bandwidth
+  # Devices of the bucket a round leaves idle still run it: each receives a zero payload
+  # (written by the collective), and each that does not send packs one, unless the round
+  # sends whole shards as they are.
+  idle = (len(bucket.union_device_ids) - np.bincount(rid, minlength=n)) * sizes / fill_bw
+  transfer = _transfer(lat, sizes[rid] / bw, rid, n, topo.max_parallel, idle)
   slowest_cross = np.zeros(n)
   np.maximum.at(slowest_cross, rid, np.where(cross, cost, 0.0))
   sent_whole, received_whole = direct_steps(stage, bucket, pairs)
@@ -303,9 +321,10 @@ def _bucket_cost(
     [r.nbytes if k in sent_whole else segments.get(k, 0) for k, r in enumerate(bucket.rounds)],
     dtype=np.float64,
   )
-  pack = _phase(_pack_seconds(stage, bucket, pairs, kept, topo), rid, n, topo.max_parallel)
+  idle_pack = np.where(kept < sizes, idle * (sizes - kept) / np.maximum(sizes, 1.0), 0.0)
+  pack_s = _pack_seconds(stage, bucket, pairs, kept, topo)
+  pack = _phase(pack_s, rid, n, topo.max_parallel, idle_pack)
   fills, slabs = _placeholder_bytes(stage, b, received_whole)
-  fill_bw = topo.fill_bandwidth or topo.memory_bandwidth
   written = _assembled_seconds(stage, b, received_whole, topo) + slabs / topo.memory_bandwidth
   written = written + fills / fill_bw
   assemble = _phase(written, np.zeros(len(written), dtype=np.int64), 1, topo.max_parallel)

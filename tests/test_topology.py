@@ -412,6 +412,30 @@ def test_estimate_counts_placeholders_and_leaves() -> None:
   )
 
 
+def test_estimate_counts_the_zero_payloads_of_devices_a_round_leaves_idle() -> None:
+  """Disjoint devices: in every round the devices that neither send nor receive still run the
+  collective (a zero payload of the round's size received) and pack a zero payload; on one
+  core the transfer is the pairs' copies plus those zeros at the fill bandwidth."""
+  tree, isz = _two_hosts(1024)
+  plan = jr.plan_layouts(tree, isz)
+  topo = Topology.cpu(cores=1)
+  assert topo.fill_bandwidth is not None
+  rounds = [(len(b.union_device_ids), r) for b in plan.schedule.buckets for r in b.rounds]
+  assert any(n > len(r.pairs) for n, r in rounds)  # a round leaves devices idle
+  expected = sum(
+    topo.intra.latency
+    + len(r.pairs) * r.nbytes / topo.intra.bandwidth
+    + (n - len(r.pairs)) * r.nbytes / topo.fill_bandwidth
+    for n, r in rounds
+  )
+  est = plan.estimate(topo)
+  assert est.transfer_s == pytest.approx(expected)
+  slower = plan.estimate(topo.replace(fill_bandwidth=topo.fill_bandwidth / 2))
+  zeros = sum((n - len(r.pairs)) * r.nbytes for n, r in rounds) / topo.fill_bandwidth
+  assert slower.transfer_s == pytest.approx(expected + zeros)
+  assert slower.pack_s == pytest.approx(est.pack_s + zeros)  # every round packed: zeros again
+
+
 def test_estimate_follows_the_program_copies() -> None:
   """Whole source shards sent as they are cost no packing and, arriving whole, no assembly nor
   discarded blocks; zero source blocks small enough to be kept between calls cost nothing."""
@@ -465,12 +489,17 @@ def test_estimate_prices_contiguous_runs() -> None:
   assert to_cols.stats.bytes_moved == to_rows.stats.bytes_moved
   a, b = to_cols.estimate(topo), to_rows.estimate(topo)
   assert b.pack_s < a.pack_s and a.assemble_s < b.assemble_s
-  # 4 senders x 4 pieces of 256 x 256 words: 1 KiB runs when cut as columns, 1 run as rows.
+  # 4 senders x 4 pieces of 256 x 256 words: 1 KiB runs when cut as columns, 1 run as rows;
+  # in each of the 4 rounds the 4 idle devices pack a zero payload (one core: summed).
   piece = 256 * 256 * 4
+  assert topo.fill_bandwidth is not None
+  zeros = 16 * piece / topo.fill_bandwidth
   assert a.pack_s == pytest.approx(
-    16 * (piece / topo.contiguous_bandwidth + 256 * topo.run_latency)
+    16 * (piece / topo.contiguous_bandwidth + 256 * topo.run_latency) + zeros
   )
-  assert b.pack_s == pytest.approx(16 * (piece / topo.contiguous_bandwidth + topo.run_latency))
+  assert b.pack_s == pytest.approx(
+    16 * (piece / topo.contiguous_bandwidth + topo.run_latency) + zeros
+  )
   gpu = Topology.h100_nodes()
   a, b = to_cols.estimate(gpu), to_rows.estimate(gpu)
   assert a.pack_s == pytest.approx(b.pack_s) and a.assemble_s == pytest.approx(b.assemble_s)
