@@ -308,28 +308,37 @@ def _bucket_cost(
   bw = np.where(cross, topo.inter.bandwidth, topo.intra.bandwidth)
   cost = lat + sizes[rid] / bw
   fill_bw = topo.fill_bandwidth or topo.memory_bandwidth
-  # Devices of the bucket a round leaves idle still run it: each receives a zero payload
-  # (written by the collective), and each that does not send packs one, unless the round
-  # sends whole shards as they are.
-  idle = (len(bucket.union_device_ids) - np.bincount(rid, minlength=n)) * sizes / fill_bw
-  transfer = _transfer(lat, sizes[rid] / bw, rid, n, topo.max_parallel, idle)
   slowest_cross = np.zeros(n)
   np.maximum.at(slowest_cross, rid, np.where(cross, cost, 0.0))
   sent_whole, received_whole = direct_steps(stage, bucket, pairs)
   segments = whole_segment_bytes(stage, bucket, as_is)
   kept = np.asarray(
     [r.nbytes if k in sent_whole else segments.get(k, 0) for k, r in enumerate(bucket.rounds)],
-    dtype=np.float64,
+    dtype=np.int64,
   )
-  idle_pack = np.where(kept < sizes, idle * (sizes - kept) / np.maximum(sizes, 1.0), 0.0)
-  pack_s = _pack_seconds(stage, bucket, pairs, kept, topo)
-  pack = _phase(pack_s, rid, n, topo.max_parallel, idle_pack)
+  received_zeros, packed_zeros = idle_zero_bytes(bucket, pairs, kept)
+  transfer = _transfer(lat, sizes[rid] / bw, rid, n, topo.max_parallel, received_zeros / fill_bw)
+  pack_s = _pack_seconds(stage, bucket, pairs, kept.astype(np.float64), topo)
+  pack = _phase(pack_s, rid, n, topo.max_parallel, packed_zeros / fill_bw)
   fills, slabs = _placeholder_bytes(stage, b, received_whole)
   written = _assembled_seconds(stage, b, received_whole, topo) + slabs / topo.memory_bandwidth
   written = written + fills / fill_bw
   assemble = _phase(written, np.zeros(len(written), dtype=np.int64), 1, topo.max_parallel)
   slow = (slowest_cross > 0) & (slowest_cross >= transfer)
   return _BucketCost(transfer, slow, pack, float(assemble[0]))
+
+
+def idle_zero_bytes(
+  bucket: Bucket, pairs: tuple[np.ndarray, ...], kept: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+  """Per round of ``bucket`` (its :func:`round_pairs` ``pairs``), the zeros written by the
+  devices of the bucket the round leaves idle: each receives a zero payload of the round's
+  size (written by the collective), and each that does not send packs one, less the ``kept``
+  bytes of the round (whole source shards sent as they are; all of it for a round sent
+  whole, which packs nothing)."""
+  rid, _, _, size = pairs
+  idle = len(bucket.union_device_ids) - np.bincount(rid, minlength=len(size))
+  return idle * size, np.where(kept < size, idle * (size - kept), 0)
 
 
 def run_bytes(extent: np.ndarray, shard: Sequence[int], itemsize: int) -> np.ndarray:

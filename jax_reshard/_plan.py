@@ -22,6 +22,7 @@ from jax_reshard._cost import (
   count_keys,
   direct_steps,
   estimate,
+  idle_zero_bytes,
   pair_runs,
   round_pairs,
   whole_segment_bytes,
@@ -365,8 +366,7 @@ def _bucket_pass_bytes(
   fill = np.add.reduceat(nbytes, first) if len(nbytes) else nbytes
   rid, ps, pd, size = arrays = round_pairs(bucket.rounds)
   sent_whole, received_whole = direct_steps(plan, bucket, arrays)
-  pairs = np.bincount(rid, minlength=len(size))
-  senders = receivers = pairs  # a round is a matching: each device sends, receives once
+  pairs = np.bincount(rid, minlength=len(size))  # a matching: each device sends, receives once
   kept = np.zeros(len(size), dtype=np.int64)  # bytes of each payload sent as they are
   for r, k in whole_segment_bytes(plan, bucket, as_is).items():
     kept[r] = k
@@ -374,9 +374,8 @@ def _bucket_pass_bytes(
   packed = kept < size
   read = (fill[np.searchsorted(keys, ps * (1 << 32) + pd)] - kept[rid])[packed[rid]]
   out["transfer"] += int((2 * pairs * size).sum())
-  out["zero_fill"] += int(((n - receivers) * size).sum())
-  out["pack"] += int(read.sum()) + int((senders * (size - kept))[packed].sum())
-  out["zero_fill"] += int(((n - senders) * (size - kept))[packed].sum())
+  out["pack"] += int(read.sum()) + int((pairs * (size - kept))[packed].sum())
+  out["zero_fill"] += int(sum(z.sum() for z in idle_zero_bytes(bucket, arrays, kept)))
   for j, chunks in zip(bucket.leaves, bucket.chunks, strict=True):
     if j in received_whole:
       continue
