@@ -33,6 +33,7 @@ demo: $(STAMP)
 bench: $(BENCH_STAMP)
 	$(PY) -m benchmarks.refit --quick
 	$(PY) -m benchmarks.dispatch
+	$(PY) -m benchmarks.dispatch --placement colocated --leaves 1,100,1000
 	$(PY) -m benchmarks.dispatch --layers 1,60
 
 bench-full: $(BENCH_STAMP)

@@ -6,9 +6,14 @@ Usage::
   python -m benchmarks.dispatch                   # 1, 100, 1,000 and 10,000 leaves (make bench)
   python -m benchmarks.dispatch --leaves 1,100    # other sizes
   python -m benchmarks.dispatch --layers 1,60     # first call of transformer-shaped trees
+  python -m benchmarks.dispatch --placement colocated --leaves 100,1000
 
 Every leaf is an 8x8 float32 array moved 4 -> 4 disjoint (devices 0-3, rows sharded, to devices
-4-7, columns sharded), so the bytes are negligible and the time is host work. Per tree size,
+4-7, columns sharded), so the bytes are negligible and the time is host work. With
+``--placement colocated`` it is moved from rows to columns sharded over one mesh of all 8
+devices, and a second plan that stages every bucket's buffers (``_emit.DIRECT_CALLS = False``,
+the way disjoint buckets run) is timed beside the plan, whose buckets run as one call on the
+source arrays. Per tree size,
 ``plan(x)`` and ``jax.device_put(x, dst)`` run interleaved on the same tree; *dispatch* is the
 time until the call returns, *total* until ``jax.block_until_ready`` of its result (dispatch
 plus transfer), *host CPU* the calling thread's CPU time until the call returns (the host work
@@ -37,7 +42,7 @@ from typing import Any
 NUM_DEVICES = 8
 
 
-def worker(num_leaves: int, iters: int) -> dict[str, Any]:
+def worker(num_leaves: int, iters: int, placement: str = "disjoint") -> dict[str, Any]:
   import jax
 
   jax.config.update("jax_num_cpu_devices", NUM_DEVICES)
@@ -45,10 +50,16 @@ def worker(num_leaves: int, iters: int) -> dict[str, Any]:
   from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
   import jax_reshard as jr
+  from jax_reshard import _emit
 
   devs = sorted(jax.devices(), key=lambda d: d.id)
-  src = NamedSharding(Mesh(np.array(devs[:4]), ("x",)), PartitionSpec("x"))
-  dst = NamedSharding(Mesh(np.array(devs[4:]), ("x",)), PartitionSpec(None, "x"))
+  if placement == "colocated":
+    mesh = Mesh(np.array(devs), ("x",))
+    src = NamedSharding(mesh, PartitionSpec("x"))
+    dst = NamedSharding(mesh, PartitionSpec(None, "x"))
+  else:
+    src = NamedSharding(Mesh(np.array(devs[:4]), ("x",)), PartitionSpec("x"))
+    dst = NamedSharding(Mesh(np.array(devs[4:]), ("x",)), PartitionSpec(None, "x"))
   host = np.arange(64, dtype=np.float32).reshape(8, 8)
   x = [jax.device_put(host + i, src) for i in range(num_leaves)]
   jax.block_until_ready(x)
@@ -59,6 +70,14 @@ def worker(num_leaves: int, iters: int) -> dict[str, Any]:
   jax.block_until_ready(plan(x))
   first_s = time.perf_counter() - t0
   methods = {"plan": plan, "device_put": lambda t: jax.device_put(t, dst)}
+  if placement == "colocated":
+    # A second plan whose executables stage their buffers: the flag is read when an executable
+    # first runs, so each plan keeps its way.
+    jr.plan_cache_clear()
+    _emit.DIRECT_CALLS = False
+    methods["staged"] = jr.make_plan(x, dst)
+    jax.block_until_ready(methods["staged"](x))
+    _emit.DIRECT_CALLS = True
   times: dict[str, dict[str, list[float]]] = {
     m: {"dispatch": [], "total": [], "dispatch_cpu": []} for m in methods
   }
@@ -67,7 +86,7 @@ def worker(num_leaves: int, iters: int) -> dict[str, Any]:
       jax.block_until_ready(fn(x))
   names = list(methods)
   for it in range(iters):
-    for name in names[it % 2 :] + names[: it % 2]:
+    for name in names[it % len(names) :] + names[: it % len(names)]:
       c0, t0 = time.thread_time(), time.perf_counter()
       y = methods[name](x)
       c1, t1 = time.thread_time(), time.perf_counter()
@@ -77,8 +96,9 @@ def worker(num_leaves: int, iters: int) -> dict[str, Any]:
       times[name]["dispatch"].append(t1 - t0)
       times[name]["total"].append(t2 - t0)
       del y
-  y = plan(x)
-  assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(x, y, strict=True))
+  for fn in (plan, methods.get("staged", plan)):
+    y = fn(x)
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(x, y, strict=True))
   return {
     "leaves": num_leaves,
     "plan_s": plan_s,
@@ -159,41 +179,55 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--leaves", default="1,100,1000,10000", help="comma-separated tree sizes")
   p.add_argument("--layers", help="comma-separated layer counts: first call of layered trees")
   p.add_argument("--iters", type=int, default=9, help="timed calls per method (medians)")
+  p.add_argument(
+    "--placement",
+    choices=("disjoint", "colocated"),
+    default="disjoint",
+    help="4 -> 4 disjoint devices, or one mesh of all 8 (beside a plan staging its buffers)",
+  )
   p.add_argument("--worker", type=int, help=argparse.SUPPRESS)
   p.add_argument("--layers-worker", type=int, help=argparse.SUPPRESS)
   a = p.parse_args(argv)
   if a.worker is not None:
-    print(json.dumps(worker(a.worker, a.iters)))
+    print(json.dumps(worker(a.worker, a.iters, a.placement)))
     return 0
   if a.layers_worker is not None:
     print(json.dumps(layers_worker(a.layers_worker)))
     return 0
   if a.layers:
     return _layers_table(a.layers)
+  colocated = a.placement == "colocated"
+  where = "8 -> the same 8 (one mesh)" if colocated else "4 -> 4 disjoint"
   print(
-    "dispatch: plan(x) vs jax.device_put(x, dst), 8x8 float32 leaves, 4 -> 4 disjoint, "
+    f"dispatch: plan(x) vs jax.device_put(x, dst), 8x8 float32 leaves, {where}, "
     f"{NUM_DEVICES} CPU devices; medians of {a.iters} interleaved calls"
   )
   head = (
     "| leaves | plan dispatch ms | per leaf us | plan total ms | device_put dispatch ms | "
     "device_put total ms | plan / device_put (total) | plan host CPU per leaf us | "
-    "first call s | buckets |"
   )
-  print(head)
-  print("|" + "---|" * 10)
+  if colocated:
+    head += "staged total ms | staged / device_put (total) | staged host CPU per leaf us | "
+  print(head + "first call s | buckets |")
+  print("|" + "---|" * (13 if colocated else 10))
   for n in (int(v) for v in a.leaves.split(",")):
-    r = _run_worker(n, "--worker", str(n), "--iters", str(a.iters))
+    r = _run_worker(n, "--worker", str(n), "--iters", str(a.iters), "--placement", a.placement)
     if r is None:
       return 1
-    print(
+    row = (
       f"| {n} | {1e3 * r['plan_dispatch_s']:.2f} | {1e6 * r['plan_dispatch_s'] / n:.1f} | "
       f"{1e3 * r['plan_total_s']:.2f} | {1e3 * r['device_put_dispatch_s']:.2f} | "
       f"{1e3 * r['device_put_total_s']:.2f} | "
       f"{r['plan_total_s'] / r['device_put_total_s']:.2f} | "
-      f"{1e6 * r['plan_dispatch_cpu_s'] / n:.1f} | {r['first_call_s']:.2f} | "
-      f"{r['num_buckets']} |",
-      flush=True,
+      f"{1e6 * r['plan_dispatch_cpu_s'] / n:.1f} | "
     )
+    if colocated:
+      row += (
+        f"{1e3 * r['staged_total_s']:.2f} | "
+        f"{r['staged_total_s'] / r['device_put_total_s']:.2f} | "
+        f"{1e6 * r['staged_dispatch_cpu_s'] / n:.1f} | "
+      )
+    print(row + f"{r['first_call_s']:.2f} | {r['num_buckets']} |", flush=True)
   return 0
 
 

@@ -695,6 +695,10 @@ def _staged_shape(block: tuple[int, ...], n: int) -> tuple[int, ...]:
 
 PROGRAM_CACHE_SIZE = 256  # compiled bucket programs kept per process
 
+DIRECT_CALLS = True
+"""Whether a bucket that allows it runs as one ``jax.jit`` call on the source arrays as they
+are (:meth:`BucketExecutable.direct`); ``False`` stages every bucket's buffers."""
+
 
 @functools.lru_cache(maxsize=PROGRAM_CACHE_SIZE)
 def _compiled_program(signature: BucketProgram, devices: tuple[Any, ...]) -> tuple[Any, Any]:
@@ -724,6 +728,27 @@ def _compiled_program(signature: BucketProgram, devices: tuple[Any, ...]) -> tup
   # stay an argument for its output to alias it.
   jitted = jax.jit(fn, donate_argnums=donate, keep_unused=True)
   return jitted.lower(*avals).compile(), staged
+
+
+@functools.lru_cache(maxsize=PROGRAM_CACHE_SIZE)
+def _direct_program(
+  signature: BucketProgram, src_shardings: tuple[Any, ...], dst_shardings: tuple[Any, ...]
+) -> Any:
+  """The compiled program of a bucket whose source arrays it takes as they are and whose
+  results are the destination arrays (:meth:`BucketExecutable.direct`): the traced move over
+  the source mesh, its blocks re-read over the destination mesh."""
+  src_mesh, dst_mesh = src_shardings[0].mesh, dst_shardings[0].mesh
+  src_specs = [s.spec for s in src_shardings]
+  dst_specs = [s.spec for s in dst_shardings]
+
+  def move(*xs: jax.Array) -> list[jax.Array]:
+    return emit_traced_move(xs, signature, src_mesh, src_specs, dst_mesh, dst_specs)
+
+  avals = [
+    jax.ShapeDtypeStruct(lf.shape, lf.dtype, sharding=s)
+    for lf, s in zip(signature.leaves, src_shardings, strict=True)
+  ]
+  return jax.jit(move, out_shardings=list(dst_shardings)).lower(*avals).compile()
 
 
 @functools.lru_cache(maxsize=PROGRAM_CACHE_SIZE)
@@ -904,6 +929,7 @@ def clear_program_cache() -> None:
   """Forgets the compiled programs shared between buckets and plans, and the zero blocks kept
   for them (an executable keeps the blocks it already holds)."""
   _compiled_program.cache_clear()
+  _direct_program.cache_clear()
   _placeholder_program.cache_clear()
   _source_zeros.cache_clear()
   _slab_program.cache_clear()
@@ -1075,7 +1101,9 @@ class BucketExecutable:
   A leaf with a destination input (split over buckets, or refit into donated buffers) also
   enters with its destination blocks, donated, and is written in place. What to pick and wrap
   is worked out once; the compiled executable is shared by every bucket with the same
-  :func:`program_signature` on the same devices.
+  :func:`program_signature` on the same devices. A bucket whose source and destination meshes
+  both list exactly its devices (colocated) skips the staging: it runs as one ``jax.jit`` call
+  on the source arrays as they are (:meth:`direct`).
   """
 
   def __init__(
@@ -1102,6 +1130,7 @@ class BucketExecutable:
     # Source placeholders, when every group is small enough to be made once and kept.
     self._kept_placeholders: dict[tuple[Any, ...], jax.Array] | None = None
     self._shift_args: list[jax.Array] | None = None
+    self._direct: Any = None  # False, or the compiled direct program (see direct())
 
   @property
   def staged_sharding(self) -> NamedSharding:
@@ -1109,15 +1138,49 @@ class BucketExecutable:
     return self.compile_with_sharding()[1]
 
   def compile(self) -> Any:
-    """The compiled XLA executable (compiled on first use, or shared with an identical
-    bucket's)."""
-    return self.compile_with_sharding()[0]
+    """The compiled XLA executable a call runs (compiled on first use, or shared with an
+    identical bucket's): :meth:`direct` where the bucket allows it, else the program over
+    staged blocks."""
+    return self.direct() or self.compile_with_sharding()[0]
 
   def compile_with_sharding(self) -> tuple[Any, NamedSharding]:
     """The compiled executable and the staged sharding it takes."""
     if self._compiled is None:
       self._compiled = _compiled_program(program_signature(self.program), self._mesh_devices)
     return self._compiled
+
+  def direct(self) -> Any:
+    """The compiled program that takes the source arrays as they are and returns the
+    destination arrays, where the bucket allows it, else ``False``: every leaf's source and
+    destination are on one mesh each, both listing the bucket's devices in its mesh
+    positions' order (the same devices, as a colocated trainer and sampler), every device holds
+    a source shard (no zero blocks), and no leaf is cut into slabs or windows, split over
+    buckets or written into a donated buffer. Then no buffer is taken apart or wrapped per
+    leaf: the call is one ``jax.jit`` call of the traced move."""
+    if self._direct is None:
+      self._direct = self._direct_allowed() and _direct_program(
+        program_signature(self.program), tuple(self.src_shardings), tuple(self.dst_shardings)
+      )
+    return self._direct
+
+  def _direct_allowed(self) -> bool:
+    p = self.program
+    if not DIRECT_CALLS or p.dst_inputs or p.shifted or p.placeholders or p.dst_placeholders:
+      return False
+    if any(
+      lf.carry_out or lf.dst_input or lf.src_window is not None or lf.dst_window is not None
+      for lf in p.leaves
+    ):
+      return False
+    order = list(p.device_ids)
+    for shardings in (self.src_shardings, self.dst_shardings):
+      if not all(isinstance(s, NamedSharding) and isinstance(s.mesh, Mesh) for s in shardings):
+        return False
+      if len({s.mesh for s in shardings}) != 1 or not shardings[0].is_fully_addressable:
+        return False
+      if [d.id for d in shardings[0].mesh.devices.flat] != order:
+        return False
+    return True
 
   def _placeholders(
     self, which: int, groups: Sequence[PlaceholderGroup] | None = None
@@ -1140,7 +1203,7 @@ class BucketExecutable:
     if self._runner is None:
       program = self.program
       num_args = len(program.leaves) + len(program.dst_inputs) + len(program.shifted)
-      self._runner = Runner(self.compile(), num_args, fast=fast_path_available())
+      self._runner = Runner(self.compile_with_sharding()[0], num_args, fast=fast_path_available())
     return self._runner
 
   def _shifts(self) -> list[jax.Array]:
@@ -1195,7 +1258,9 @@ class BucketExecutable:
     spares: dict[Any, list[jax.Array]] | None = None,
     wait_for: Any = None,
   ) -> list[Any]:
-    """Moves the bucket's leaves.
+    """Moves the bucket's leaves: by the :meth:`direct` program where the bucket has one and
+    every source array has the source sharding it was planned for (not weakly typed), else over
+    staged blocks.
 
     Args:
       xs: per leaf of the program, its source array.
@@ -1210,6 +1275,14 @@ class BucketExecutable:
     Returns:
       Per leaf, the destination array, or (``carry_out``) its blocks by device id.
     """
+    direct = self.direct()
+    if direct and all(
+      (x.sharding is s or x.sharding == s) and not x.weak_type
+      for x, s in zip(xs, self.src_shardings, strict=True)
+    ):
+      if wait_for is not None:
+        jax.block_until_ready(wait_for)
+      return list(direct(*xs))
     run = self.runner()
     io = self.leaf_io()
     placeholders = self._placeholders(0)

@@ -3,13 +3,14 @@ fast buffer path (JAX private members) and its public fallback give the same bit
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_matches_oracle, compile_events, random_host_array, split_cases
+from helpers import assert_matches_oracle, bits, compile_events, random_host_array, split_cases
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -574,10 +575,15 @@ def test_runner_splits_outputs_in_addressable_order(fast: bool) -> None:
       np.testing.assert_array_equal(np.asarray(b), expected[i])
 
 
-def test_cpu_buckets_are_queued_a_few_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("direct", [True, False])
+def test_cpu_buckets_are_queued_a_few_at_a_time(
+  monkeypatch: pytest.MonkeyPatch, direct: bool
+) -> None:
   """On CPU devices a bucket's program is queued only once the results of the bucket
   ``IN_FLIGHT_BUCKETS`` before it are ready (collective programs queued at once can starve the
-  CPU backend's shared thread pool), and not later: the bucket right before may still run."""
+  CPU backend's shared thread pool), and not later: the bucket right before may still run.
+  Both ways a bucket runs: one call on the source arrays (``direct``), and staged buffers."""
+  monkeypatch.setattr(_emit, "DIRECT_CALLS", direct)
   monkeypatch.setattr(_schedule, "MAX_BUCKET_LEAVES", 2)
   monkeypatch.setattr(_schedule, "MIN_PERIOD_LEAVES", 1)
   jr.plan_cache_clear()
@@ -594,23 +600,193 @@ def test_cpu_buckets_are_queued_a_few_at_a_time(monkeypatch: pytest.MonkeyPatch)
   waited: list[Any] = []
   real_run, real_wait = _buffers.Runner.__call__, _emit.InFlight.wait_for
 
-  def spy_run(self: Any, args: Any) -> list[list[Any]]:
+  real_direct = _emit.BucketExecutable.direct
+
+  def ready_before_queueing() -> None:
     k = _emit.IN_FLIGHT_BUCKETS
     assert all(b.is_ready() for b in (firsts[-k] if len(firsts) >= k else []))
+
+  def spy_run(self: Any, args: Any) -> list[list[Any]]:
+    ready_before_queueing()
     outs = real_run(self, args)
     firsts.append(outs[0])  # the buffers of the bucket's first result
     return outs
+
+  def spy_direct(self: Any) -> Any:
+    compiled = real_direct(self)
+
+    def call(*xs: Any) -> Any:
+      ready_before_queueing()
+      outs = compiled(*xs)
+      firsts.append([outs[0]])
+      return outs
+
+    return compiled and call
 
   def spy_wait(self: Any, exe: Any) -> Any:
     waited.append(real_wait(self, exe))
     return waited[-1]
 
   monkeypatch.setattr(_buffers.Runner, "__call__", spy_run)
+  monkeypatch.setattr(_emit.BucketExecutable, "direct", spy_direct)
   monkeypatch.setattr(_emit.InFlight, "wait_for", spy_wait)
   y = plan(x)
   assert len(firsts) == plan.stats.num_buckets
+  assert all(bool(real_direct(exe)) == direct for exe in plan.executables())
   k = _emit.IN_FLIGHT_BUCKETS
   assert [w is None for w in waited] == [i < k for i in range(len(waited))]
   for a, h in zip(y, hosts, strict=True):
     assert_matches_oracle(a, h, dst)
+  jr.plan_cache_clear()
+
+
+def _colocated(seed: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], Any]:
+  """A small tree on all 8 devices, trainer (fsdp, tp) and sampler (dp, tp) meshes listing the
+  devices in one order (a colocated trainer and sampler), and the trainer mesh."""
+  devs = np.array(jax.devices())
+  trainer = Mesh(devs.reshape(4, 2), ("fsdp", "tp"))
+  sampler = Mesh(devs.reshape(2, 4), ("dp", "tp"))
+  rng = np.random.default_rng(seed)
+  hosts, x, dst = {}, {}, {}
+  for name, shape, dtype, src_spec, dst_spec in (
+    ("norm", (16,), np.float32, P(), P()),
+    ("step", (), np.int32, P(), P()),
+    ("w", (16, 32), jnp.bfloat16, P("fsdp", "tp"), P(None, "tp")),
+    ("wo", (32, 16), np.float32, P("tp", "fsdp"), P("tp", None)),
+    ("experts", (4, 16, 8), jnp.bfloat16, P("fsdp", None, "tp"), P(None, "tp", None)),
+  ):
+    hosts[name] = random_host_array(rng, shape, dtype)
+    x[name] = jax.device_put(hosts[name], NamedSharding(trainer, src_spec))
+    dst[name] = NamedSharding(sampler, dst_spec)
+  return hosts, x, dst, trainer
+
+
+def _collective_permutes(hlo: str) -> list[str]:
+  """The shapes of the ``collective-permute`` instructions of an HLO text, sorted."""
+  return sorted(re.findall(r"= (\S+) collective-permute(?:-start)?\(", hlo))
+
+
+def test_colocated_buckets_run_on_the_source_arrays_as_they_are(
+  monkeypatch: pytest.MonkeyPatch,
+) -> None:
+  """Where a bucket's source and destination meshes list its devices in its mesh positions'
+  order (a colocated trainer and sampler), each bucket is one call of its compiled program on
+  the source arrays, which returns the destination arrays: no buffer is staged, taken apart or
+  wrapped per leaf (those paths fail here). Bit for bit, and as the staged path: the same
+  collective-permutes, no more device memory (but 64 bytes per scalar leaf), and identical
+  buckets still share one program."""
+  hosts, x, dst, _ = _colocated(seed=11)
+  jr.plan_cache_clear()
+  plan = jr.make_plan(x, dst, max_bucket_bytes=1200)
+  assert plan.stats.num_buckets >= 2
+  exes = plan.executables()
+  assert all(exe.direct() for exe in exes)
+
+  def staged(*_: Any, **__: Any) -> Any:
+    raise AssertionError("a bucket staged its buffers")
+
+  with monkeypatch.context() as m:
+    m.setattr(_buffers.Runner, "__call__", staged)
+    m.setattr(_buffers.Wrapper, "__call__", staged)
+    m.setattr(_buffers, "buffers", staged)
+    m.setattr(_emit, "buffers", staged)
+    y = plan(x)
+    y = plan(x)  # and again, on kept executables
+  for k, h in hosts.items():
+    assert_matches_oracle(y[k], h, dst[k])
+
+  monkeypatch.setattr(_emit, "DIRECT_CALLS", False)
+  jr.plan_cache_clear()
+  staged_plan = jr.make_plan(x, dst, max_bucket_bytes=1200)
+  assert not any(exe.direct() for exe in staged_plan.executables())
+  z = staged_plan(x)
+  for k in hosts:
+    np.testing.assert_array_equal(bits(y[k]), bits(z[k]))
+  for a, b in zip(exes, staged_plan.executables(), strict=True):
+    assert a.compile() is a.direct() and b.compile() is not a.compile()
+    assert _collective_permutes(a.compile().as_text()) == _collective_permutes(
+      b.compile().as_text()
+    )
+    # A scalar leaf's reshape costs the direct program one aligned 64-byte temporary.
+    scalars = sum(lf.shape == () for lf in a.program.leaves)
+    assert (
+      _peak(a.compile().memory_analysis()) <= _peak(b.compile().memory_analysis()) + 64 * scalars
+    )
+  jr.plan_cache_clear()
+
+
+def test_identical_colocated_buckets_compile_one_direct_program() -> None:
+  """The layers of a colocated tree: equal buckets share one direct program (one compile)."""
+  devs = np.array(jax.devices())
+  trainer = Mesh(devs.reshape(4, 2), ("fsdp", "tp"))
+  sampler = Mesh(devs.reshape(2, 4), ("dp", "tp"))
+  rng = np.random.default_rng(12)
+  hosts = {f"layer{i}": random_host_array(rng, (16, 32), np.float32) for i in range(3)}
+  x = {k: jax.device_put(h, NamedSharding(trainer, P("fsdp", "tp"))) for k, h in hosts.items()}
+  dst = NamedSharding(sampler, P(None, "tp"))
+  jr.plan_cache_clear()
+  one = jr.make_plan({"layer0": x["layer0"]}, dst).stats.peak_staging_bytes
+  plan = jr.make_plan(x, dst, max_bucket_bytes=one)
+  assert plan.stats.num_buckets == 3
+  exes = plan.executables()
+  assert all(exe.direct() for exe in exes)
+  assert exes[1].direct() is exes[0].direct() and exes[2].direct() is exes[0].direct()
+  y = plan(x)
+  for k, h in hosts.items():
+    assert_matches_oracle(y[k], h, dst)
+  jr.plan_cache_clear()
+
+
+def test_buckets_stage_buffers_where_they_cannot_run_the_arrays_as_they_are() -> None:
+  """No direct call where the source and destination meshes hold other devices than the
+  bucket (disjoint), list them in another order, with ``donate=`` (written into the donated
+  buffers), or for a call whose arrays are laid out equivalently but not equally to the plan's
+  sources (that call stages, the next equal one runs direct). Bit for bit in every case."""
+  hosts, x, dst, trainer = _colocated(seed=13)
+  jr.plan_cache_clear()
+  # Disjoint: the bucket's mesh spans both device sets.
+  _, xd, dd = _layers(1, seed=13)
+  disjoint = jr.make_plan(xd, dd)
+  assert not any(exe.direct() for exe in disjoint.executables())
+  # Another device order for the sampler.
+  devs = np.array(jax.devices())
+  other = Mesh(devs[::-1].reshape(2, 4), ("dp", "tp"))
+  dst_other = {k: NamedSharding(other, s.spec) for k, s in dst.items()}
+  reordered = jr.make_plan(x, dst_other)
+  assert not any(exe.direct() for exe in reordered.executables())
+  y = reordered(x)
+  for k, h in hosts.items():
+    assert_matches_oracle(y[k], h, dst_other[k])
+  # donate=: the programs write into the donated destination buffers.
+  plan = jr.make_plan(x, dst)
+  assert all(exe.direct() for exe in plan.executables())
+  assert not any(exe.direct() for exe in plan.executables(donate=True))
+  y = plan(x)
+  y = plan(x, donate=y)
+  for k, h in hosts.items():
+    assert_matches_oracle(y[k], h, dst[k])
+  # The same devices and layout under other axis names: equivalent, not equal.
+  renamed = Mesh(trainer.devices, ("a", "b"))
+  xr = {
+    k: jax.device_put(
+      h, NamedSharding(renamed, P(*[{"fsdp": "a", "tp": "b"}.get(e) for e in x[k].sharding.spec]))
+    )
+    for k, h in hosts.items()
+  }
+  calls = []
+  real = _buffers.Runner.__call__
+
+  def spy(self: Any, args: Any) -> Any:
+    calls.append(1)
+    return real(self, args)
+
+  with pytest.MonkeyPatch.context() as m:
+    m.setattr(_buffers.Runner, "__call__", spy)
+    y = plan(xr)
+    assert len(calls) == plan.stats.num_buckets
+    z = plan(x)
+    assert len(calls) == plan.stats.num_buckets
+  for k, h in hosts.items():
+    assert_matches_oracle(y[k], h, dst[k])
+    assert_matches_oracle(z[k], h, dst[k])
   jr.plan_cache_clear()
