@@ -9,12 +9,14 @@ Usage::
   python -m benchmarks.dispatch --placement colocated --leaves 100,1000
 
 Every leaf is an 8x8 float32 array moved 4 -> 4 disjoint (devices 0-3, rows sharded, to devices
-4-7, columns sharded), so the bytes are negligible and the time is host work. With
-``--placement colocated`` it is moved from rows to columns sharded over one mesh of all 8
-devices, and a second plan that stages every bucket's buffers (``_emit.DIRECT_CALLS = False``,
-the way disjoint buckets run) is timed beside the plan, whose buckets run as one call on the
-source arrays. Per tree size,
-``plan(x)`` and ``jax.device_put(x, dst)`` run interleaved on the same tree; *dispatch* is the
+4-7, columns sharded), so the bytes are negligible and the time is host work; there the plan's
+buckets take their leaves bundled (``BucketExecutable.bundle``). With ``--placement colocated``
+it is moved from rows to columns sharded over one mesh of all 8 devices, where the plan's
+buckets run as one call on the source arrays (``BucketExecutable.direct``). Beside the plan, a
+second plan that stages every leaf on its own (``_emit.DIRECT_CALLS = False`` and
+``_emit.BUNDLED_CALLS = False``, the way every bucket ran before either) is timed. Per tree size,
+``plan(x)``, the staged plan and ``jax.device_put(x, dst)`` run interleaved on the same tree;
+*dispatch* is the
 time until the call returns, *total* until ``jax.block_until_ready`` of its result (dispatch
 plus transfer), *host CPU* the calling thread's CPU time until the call returns (the host work
 alone: other processes and the devices' threads sharing the cores do not count; on CPU devices
@@ -70,14 +72,13 @@ def worker(num_leaves: int, iters: int, placement: str = "disjoint") -> dict[str
   jax.block_until_ready(plan(x))
   first_s = time.perf_counter() - t0
   methods = {"plan": plan, "device_put": lambda t: jax.device_put(t, dst)}
-  if placement == "colocated":
-    # A second plan whose executables stage their buffers: the flag is read when an executable
-    # first runs, so each plan keeps its way.
-    jr.plan_cache_clear()
-    _emit.DIRECT_CALLS = False
-    methods["staged"] = jr.make_plan(x, dst)
-    jax.block_until_ready(methods["staged"](x))
-    _emit.DIRECT_CALLS = True
+  # A second plan whose executables stage every leaf: the flags are read when an executable
+  # first runs, so each plan keeps its way.
+  jr.plan_cache_clear()
+  _emit.DIRECT_CALLS = _emit.BUNDLED_CALLS = False
+  methods["staged"] = jr.make_plan(x, dst)
+  jax.block_until_ready(methods["staged"](x))
+  _emit.DIRECT_CALLS = _emit.BUNDLED_CALLS = True
   times: dict[str, dict[str, list[float]]] = {
     m: {"dispatch": [], "total": [], "dispatch_cpu": []} for m in methods
   }
@@ -96,7 +97,7 @@ def worker(num_leaves: int, iters: int, placement: str = "disjoint") -> dict[str
       times[name]["dispatch"].append(t1 - t0)
       times[name]["total"].append(t2 - t0)
       del y
-  for fn in (plan, methods.get("staged", plan)):
+  for fn in (plan, methods["staged"]):
     y = fn(x)
     assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(x, y, strict=True))
   return {
@@ -206,10 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     "| leaves | plan dispatch ms | per leaf us | plan total ms | device_put dispatch ms | "
     "device_put total ms | plan / device_put (total) | plan host CPU per leaf us | "
   )
-  if colocated:
-    head += "staged total ms | staged / device_put (total) | staged host CPU per leaf us | "
+  head += "staged total ms | staged / device_put (total) | staged host CPU per leaf us | "
   print(head + "first call s | buckets |")
-  print("|" + "---|" * (13 if colocated else 10))
+  print("|" + "---|" * 13)
   for n in (int(v) for v in a.leaves.split(",")):
     r = _run_worker(n, "--worker", str(n), "--iters", str(a.iters), "--placement", a.placement)
     if r is None:
@@ -221,12 +221,11 @@ def main(argv: list[str] | None = None) -> int:
       f"{r['plan_total_s'] / r['device_put_total_s']:.2f} | "
       f"{1e6 * r['plan_dispatch_cpu_s'] / n:.1f} | "
     )
-    if colocated:
-      row += (
-        f"{1e3 * r['staged_total_s']:.2f} | "
-        f"{r['staged_total_s'] / r['device_put_total_s']:.2f} | "
-        f"{1e6 * r['staged_dispatch_cpu_s'] / n:.1f} | "
-      )
+    row += (
+      f"{1e3 * r['staged_total_s']:.2f} | "
+      f"{r['staged_total_s'] / r['device_put_total_s']:.2f} | "
+      f"{1e6 * r['staged_dispatch_cpu_s'] / n:.1f} | "
+    )
     print(row + f"{r['first_call_s']:.2f} | {r['num_buckets']} |", flush=True)
   return 0
 

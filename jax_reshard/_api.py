@@ -86,6 +86,7 @@ class ReshardPlan:
     self._classes = tuple(classes)
     # Leaves whose whole shards travel as they are: only an array plan knows the types.
     self._as_is = frozenset(i for i, lf in enumerate(leaves) if travels_as_is(lf.dtype))
+    self._bundled_stats: PlanStats | None = None  # made by the stats property
     self._stats = dataclasses.replace(
       self.layout_plan.stats,
       num_programs=len(set(self._classes)),
@@ -105,7 +106,14 @@ class ReshardPlan:
 
   @property
   def stats(self) -> PlanStats:
-    return self._stats
+    """The plan's :class:`PlanStats`; ``passes_per_moved_byte`` includes the copies of the
+    leaves that buckets take bundled (``BucketExecutable.bundle``)."""
+    if self._bundled_stats is None:
+      extra = sum(exe.bundle_pass_bytes() for exe in self.executables())
+      moved = self._stats.bytes_moved
+      passes = self._stats.passes_per_moved_byte + (extra / (2 * moved) if moved else 0.0)
+      self._bundled_stats = dataclasses.replace(self._stats, passes_per_moved_byte=passes)
+    return self._bundled_stats
 
   @property
   def schedule(self) -> Schedule:
@@ -248,7 +256,7 @@ class ReshardPlan:
     return out
 
   def __repr__(self) -> str:
-    return format_plan(self.layout_plan, "ReshardPlan", self._stats)
+    return format_plan(self.layout_plan, "ReshardPlan", self.stats)
 
   def _repr_html_(self) -> str:
     """Jupyter's rich display: the stats table and one row per layout group."""

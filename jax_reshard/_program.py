@@ -812,6 +812,67 @@ def _common_sources(leaf: int, held: Sequence[Sequence[Part]]) -> tuple[Received
   return tuple(out)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Bundle:
+  """Leaves of a bucket that enter and leave its program as one byte vector per device
+  (eager calls over a union mesh, see ``_emit.BucketExecutable``), instead of one staged
+  array per leaf: on each source device one compiled call concatenates the bytes of its
+  source blocks, and on each destination device one compiled call cuts its destination
+  shards out of the bytes the program returns.
+
+  Attributes:
+    leaves: positions of the bundled leaves in the program's leaves, ascending.
+    src_spans: per bundled leaf, ``(start, stop)`` of its source block in a device's bytes.
+    dst_spans: per bundled leaf, ``(start, stop)`` of its destination block.
+  """
+
+  leaves: tuple[int, ...]
+  src_spans: tuple[tuple[int, int], ...]
+  dst_spans: tuple[tuple[int, int], ...]
+
+  @property
+  def src_bytes(self) -> int:
+    """Bytes of one device's bundle of source blocks."""
+    return self.src_spans[-1][1] if self.src_spans else 0
+
+  @property
+  def dst_bytes(self) -> int:
+    """Bytes of one device's bundle of destination blocks."""
+    return self.dst_spans[-1][1] if self.dst_spans else 0
+
+
+def block_bytes(shape: Box, dtype: np.dtype) -> int:
+  """Bytes of a block of ``shape`` and ``dtype``."""
+  return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+
+
+def make_bundle(program: BucketProgram, leaves: Sequence[int]) -> Bundle:
+  """The :class:`Bundle` of ``program``'s leaves at positions ``leaves``, blocks laid out one
+  after another in that order."""
+  spans: list[list[tuple[int, int]]] = [[], []]
+  for k, side in enumerate(("src_block", "dst_block")):
+    at = 0
+    for li in leaves:
+      lf = program.leaves[li]
+      size = block_bytes(getattr(lf, side), lf.dtype)
+      spans[k].append((at, at + size))
+      at += size
+  return Bundle(tuple(leaves), tuple(spans[0]), tuple(spans[1]))
+
+
+def bundles_as_is(lf: LeafView) -> bool:
+  """Whether a leaf may be bundled at all: it enters and leaves its bucket whole (not cut
+  into slabs or windows, not split over buckets, not written into a destination input)."""
+  return not (
+    lf.in_place
+    or lf.dst_input
+    or lf.carry_out
+    or lf.src_window is not None
+    or lf.dst_window is not None
+    or lf.shift is not None
+  )
+
+
 def format_program(program: BucketProgram) -> str:
   """Readable text: the leaves, then per round who packs what, then who assembles what."""
   lines = [
