@@ -845,18 +845,20 @@ def _bundle_in_program(leaves: tuple[BundleLeaf, ...]) -> tuple[Any, NamedShardi
 
 @functools.lru_cache(maxsize=PROGRAM_CACHE_SIZE)
 def _bundle_out_program(
-  leaves: tuple[BundleLeaf, ...], shards: tuple[tuple[int, ...], ...], bundle: Bundle
+  leaves: tuple[BundleLeaf, ...],
+  shards: tuple[tuple[int, ...], ...],
+  spans: tuple[tuple[int, int], ...],
 ) -> tuple[Any, NamedSharding]:
   """``(compiled function, its input's sharding)``: one byte vector per device of the
-  destination mesh of ``leaves`` in (``bundle``'s destination blocks), the destination arrays
-  out (``shards``: their shard shapes)."""
+  destination mesh of ``leaves`` in (their destination blocks at ``spans``, see
+  :attr:`Bundle.dst_spans`), the destination arrays out (``shards``: their shard shapes)."""
   mesh = leaves[0][2].mesh
   sharding = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
 
   def cut(b: jax.Array) -> tuple[jax.Array, ...]:
     return tuple(
       _from_bytes(b[a:z], dtype, shard)
-      for (_, dtype, _), shard, (a, z) in zip(leaves, shards, bundle.dst_spans, strict=True)
+      for (_, dtype, _), shard, (a, z) in zip(leaves, shards, spans, strict=True)
     )
 
   def unpack(b: jax.Array) -> tuple[jax.Array, ...]:
@@ -869,7 +871,8 @@ def _bundle_out_program(
         check_vma=False,
       )(b)
 
-  aval = jax.ShapeDtypeStruct((mesh.size * bundle.dst_bytes,), np.uint8, sharding=sharding)
+  size = mesh.size * spans[-1][1]
+  aval = jax.ShapeDtypeStruct((size,), np.uint8, sharding=sharding)
   out_shardings = tuple(s for _, _, s in leaves)
   return jax.jit(unpack, out_shardings=out_shardings).lower(aval).compile(), sharding
 
@@ -1238,7 +1241,7 @@ class _BundleIO:
     pack, packed = _bundle_in_program(leaves(src_shardings))
     self.pack = Runner(pack, len(self.leaves), fast=fast)
     self.unpack, unpacked = _bundle_out_program(
-      leaves(dst_shardings), tuple(lf.dst_shard for lf in views), bundle
+      leaves(dst_shardings), tuple(lf.dst_shard for lf in views), bundle.dst_spans
     )
     staged_ids = addressable_order(staged, fast=fast)
     at = {d: j for j, d in enumerate(addressable_order(packed, fast=fast))}
