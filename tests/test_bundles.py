@@ -45,6 +45,16 @@ def _tree(placement: str, seed: int) -> tuple[dict[str, Any], dict[str, Any], di
   return hosts, x, dst
 
 
+def _bundled(plan: Any, names: list[str]) -> tuple[Any, list[str], list[str]]:
+  """The executable of a one-bucket plan of the tree with leaf names ``names``, its leaves'
+  names in program order, and the names of the leaves its bundle holds."""
+  (exe,) = plan.executables()
+  order = [names[lf.index] for lf in exe.program.leaves]
+  bundle = exe.bundle()
+  assert bundle is not None
+  return exe, order, [order[li] for li in bundle.leaves]
+
+
 def _staged_plan(x: Any, dst: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
   """A plan of ``x`` whose buckets stage every leaf on its own (executables made and run
   while bundles are off: the choice is made once per executable)."""
@@ -69,11 +79,10 @@ def test_small_leaves_enter_and_leave_bundled(
   staged_plan = _staged_plan(x, dst, monkeypatch)
   jr.plan_cache_clear()
   plan = jr.make_plan(x, dst)
-  (exe,) = plan.executables()
-  names = [list(hosts)[lf.index] for lf in exe.program.leaves]
+  exe, order, bundled = _bundled(plan, list(hosts))
+  assert bundled == [k for k in order if k != "e_big"]
   bundle = exe.bundle()
   assert bundle is not None
-  assert [names[li] for li in bundle.leaves] == [k for k in names if k != "e_big"]
   # Each block's bytes, one after another.
   sizes = [b - a for a, b in bundle.src_spans]
   views = [exe.program.leaves[li] for li in bundle.leaves]
@@ -217,11 +226,8 @@ def test_leaves_stage_on_their_own_where_a_bundle_cannot_take_them(
     x2[k] = jax.device_put(hosts[k], NamedSharding(other, x[k].sharding.spec))
   jr.plan_cache_clear()
   plan = jr.make_plan(x2, dst)
-  (exe,) = plan.executables()
-  names = [list(hosts)[lf.index] for lf in exe.program.leaves]
-  bundle = exe.bundle()
-  assert bundle is not None
-  bundled = {names[li] for li in bundle.leaves}
+  _, _, names = _bundled(plan, list(hosts))
+  bundled = set(names)
   assert bundled and "e_big" not in bundled
   assert bundled.isdisjoint({"a_f32", "f_i8"}) or bundled <= {"a_f32", "f_i8"}
   y = plan(x2)
