@@ -1202,6 +1202,12 @@ def _on_one_mesh(sharding: Any) -> bool:
   )
 
 
+def _as_planned(x: jax.Array, sharding: Any) -> bool:
+  """Whether ``x`` is laid out exactly as planned (``sharding``, not weakly typed): a compiled
+  call that takes the source arrays as they are accepts it."""
+  return (x.sharding is sharding or x.sharding == sharding) and not x.weak_type
+
+
 class _BundleIO:
   """How a :class:`Bundle` enters and leaves a bucket's program, worked out once: the compiled
   calls that pack the source shards into bytes and cut the destination shards out of them,
@@ -1469,9 +1475,7 @@ class BucketExecutable:
       return False
     order = list(p.device_ids)
     for shardings in (self.src_shardings, self.dst_shardings):
-      if not all(isinstance(s, NamedSharding) and isinstance(s.mesh, Mesh) for s in shardings):
-        return False
-      if len({s.mesh for s in shardings}) != 1 or not shardings[0].is_fully_addressable:
+      if not all(_on_one_mesh(s) for s in shardings) or len({s.mesh for s in shardings}) != 1:
         return False
       if [d.id for d in shardings[0].mesh.devices.flat] != order:
         return False
@@ -1577,17 +1581,13 @@ class BucketExecutable:
       Per leaf, the destination array, or (``carry_out``) its blocks by device id.
     """
     direct = self.direct()
-    if direct and all(
-      (x.sharding is s or x.sharding == s) and not x.weak_type
-      for x, s in zip(xs, self.src_shardings, strict=True)
-    ):
+    if direct and all(_as_planned(x, s) for x, s in zip(xs, self.src_shardings, strict=True)):
       if wait_for is not None:
         jax.block_until_ready(wait_for)
       return list(direct(*xs))
     bundle = self.bundle()
     if bundle is not None and not all(
-      (xs[li].sharding is s or xs[li].sharding == s) and not xs[li].weak_type
-      for li, s in ((li, self.src_shardings[li]) for li in bundle.leaves)
+      _as_planned(xs[li], self.src_shardings[li]) for li in bundle.leaves
     ):
       bundle = None  # arrays laid out equivalently, not equally: every leaf stages
     run = self.runner(bundled=bundle is not None)
