@@ -46,8 +46,8 @@ from jax_reshard._program import (
   SendRound,
   SourceWindow,
   block_bytes,
-  bundles_as_is,
   chunk_writes,
+  enters_whole,
   make_bundle,
   program_signature,
   role_table,
@@ -1217,6 +1217,7 @@ class _BundleIO:
   __slots__ = (
     "dst_pick",
     "leaves",
+    "others",
     "pack",
     "src_pick",
     "stage_wrap",
@@ -1237,12 +1238,13 @@ class _BundleIO:
     fast: bool,
   ) -> None:
     self.leaves = bundle.leaves
+    # The program's other leaves, which stage on their own, in the order it takes them.
+    self.others = tuple(li for li in range(len(program.leaves)) if li not in set(bundle.leaves))
     views = [program.leaves[li] for li in bundle.leaves]
 
     def leaves(shardings: Sequence[Any]) -> tuple[BundleLeaf, ...]:
-      return tuple(
-        (program.leaves[li].shape, program.leaves[li].dtype, shardings[li]) for li in self.leaves
-      )
+      pairs = zip(self.leaves, views, strict=True)
+      return tuple((lf.shape, lf.dtype, shardings[li]) for li, lf in pairs)
 
     pack, packed = _bundle_in_program(leaves(src_shardings))
     self.pack = Runner(pack, len(self.leaves), fast=fast)
@@ -1409,7 +1411,7 @@ class BucketExecutable:
     totals = np.zeros(2, dtype=np.int64)
     for li, lf in enumerate(self.program.leaves):
       src, dst = self.src_shardings[li], self.dst_shardings[li]
-      if not (bundles_as_is(lf) and _on_one_mesh(src) and _on_one_mesh(dst)):
+      if not (enters_whole(lf) and _on_one_mesh(src) and _on_one_mesh(dst)):
         continue
       sizes = np.array([block_bytes(lf.src_block, lf.dtype), block_bytes(lf.dst_block, lf.dtype)])
       if sizes.max() > BUNDLE_LEAF_BYTES or (totals + sizes).max() > BUNDLE_BYTES:
@@ -1466,12 +1468,7 @@ class BucketExecutable:
 
   def _direct_allowed(self) -> bool:
     p = self.program
-    if not DIRECT_CALLS or p.dst_inputs or p.shifted or p.placeholders or p.dst_placeholders:
-      return False
-    if any(
-      lf.carry_out or lf.dst_input or lf.src_window is not None or lf.dst_window is not None
-      for lf in p.leaves
-    ):
+    if not DIRECT_CALLS or p.placeholders or not all(enters_whole(lf) for lf in p.leaves):
       return False
     order = list(p.device_ids)
     for shardings in (self.src_shardings, self.dst_shardings):
@@ -1593,14 +1590,10 @@ class BucketExecutable:
     run = self.runner(bundled=bundle is not None)
     io = self.leaf_io()
     placeholders = self._placeholders(0)
-    bundled = frozenset(bundle.leaves if bundle is not None else ())
     wait = self.one_at_a_time
     staged = [] if bundle is None else [self.bundle_io().stage(xs, wait=wait)]
-    staged += [
-      leaf.stage(x, placeholders)
-      for li, (leaf, x) in enumerate(zip(io, xs, strict=True))
-      if li not in bundled
-    ]
+    own = range(len(io)) if bundle is None else self.bundle_io().others  # staged on their own
+    staged += [io[li].stage(xs[li], placeholders) for li in own]
     if self.program.dst_inputs:
       dst_ph = self._placeholders(1) if spares is None else self._spare_blocks(spares)
       for li in self.program.dst_inputs:
@@ -1613,8 +1606,7 @@ class BucketExecutable:
       for li, y in zip(bundle.leaves, self.bundle_io().unstage(outs[0], wait=wait), strict=True):
         ys[li] = y
       outs = outs[1:]
-    staged_leaves = [li for li in range(len(io)) if li not in bundled]
-    for li, held in zip(staged_leaves, outs, strict=True):
+    for li, held in zip(own, outs, strict=True):
       carried = dsts[li] if dsts and io[li].writer is not None else None
       ys[li] = io[li].unstage(held, spares, carried)
     return ys

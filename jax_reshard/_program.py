@@ -860,9 +860,10 @@ def make_bundle(program: BucketProgram, leaves: Sequence[int]) -> Bundle:
   return Bundle(tuple(leaves), tuple(spans[0]), tuple(spans[1]))
 
 
-def bundles_as_is(lf: LeafView) -> bool:
-  """Whether a leaf may be bundled at all: it enters and leaves its bucket whole (not cut
-  into slabs or windows, not split over buckets, not written into a destination input)."""
+def enters_whole(lf: LeafView) -> bool:
+  """Whether a leaf enters and leaves its bucket whole: not cut into slabs or windows, not
+  split over buckets, not written into a destination input. Only such leaves may be bundled
+  or moved by a direct call (``_emit.BucketExecutable``)."""
   return not (
     lf.in_place
     or lf.dst_input
