@@ -337,9 +337,10 @@ def _color_dense(s: np.ndarray, d: np.ndarray, swap_late: bool = False) -> np.nd
   if k == 1:  # a matching: first fit gives every edge colour 0
     return np.zeros(len(s), dtype=np.int64)
   sl, dl = s.tolist(), d.tolist()
-  colour = _first_fit(sl, dl, k)
-  if colour is None:
-    colour = (_first_fit_swapping if swap_late else _alternating)(sl, dl, k)
+  prefix = _first_fit_prefix(sl, dl, k)
+  colour = prefix[0]
+  if len(colour) < len(sl):
+    colour = _first_fit_swapping(sl, dl, k, prefix) if swap_late else _alternating(sl, dl, k)
   return np.asarray(colour, dtype=np.int64)
 
 
@@ -354,17 +355,25 @@ def _color_first_fit(edges: Sequence[tuple[int, int]], k: int) -> list[int] | No
 
 def _first_fit(s: list[int], d: list[int], k: int) -> list[int] | None:
   """:func:`_color_first_fit` of the edges ``zip(s, d)``, vertices numbered from 0."""
+  out = _first_fit_prefix(s, d, k)[0]
+  return out if len(out) == len(s) else None
+
+
+def _first_fit_prefix(s: list[int], d: list[int], k: int) -> tuple[list[int], list[int], list[int]]:
+  """First fit of the edges ``zip(s, d)`` up to the first that needs more than ``k`` colours:
+  the colours of the edges before it, and per sender and receiver the bitmask of the colours
+  they took."""
   used_s, used_d = [0] * (max(s) + 1), [0] * (max(d) + 1)
   out = []
   for u, v in zip(s, d, strict=True):
     m = used_s[u] | used_d[v]
     c = (~m & (m + 1)).bit_length() - 1
     if c >= k:
-      return None
+      break
     used_s[u] |= 1 << c
     used_d[v] |= 1 << c
     out.append(c)
-  return out
+  return out, used_s, used_d
 
 
 def _alternating(s: list[int], d: list[int], k: int) -> list[int]:
@@ -399,18 +408,30 @@ def _alternating(s: list[int], d: list[int], k: int) -> list[int]:
   return colour
 
 
-def _first_fit_swapping(s: list[int], d: list[int], k: int) -> list[int]:
+def _first_fit_swapping(
+  s: list[int],
+  d: list[int],
+  k: int,
+  prefix: tuple[list[int], list[int], list[int]] | None = None,
+) -> list[int]:
   """Another Konig colouring of the edges ``zip(s, d)`` (vertices numbered from 0) with exactly
   ``k`` (the maximum degree) colours, faster than :func:`_alternating` where first fit fails
   late: each edge takes the lowest colour free at both ends (first
   fit) where one is below ``k``; else, with ``a`` free at its sender and ``b`` at its receiver,
   ``a`` and ``b`` are swapped along the alternating path from the receiver, which frees ``a``
-  there. Paths are walked only for the edges first fit cannot colour."""
-  used_s, used_d = [0] * (max(s) + 1), [0] * (max(d) + 1)  # per vertex, a bitmask of colours
-  at_s = [[-1] * k for _ in used_s]  # per vertex, colour -> edge index
-  at_d = [[-1] * k for _ in used_d]
-  colour = [-1] * len(s)
-  for e, (u, v) in enumerate(zip(s, d, strict=True)):
+  there. Paths are walked only for the edges first fit cannot colour. ``prefix``: what
+  :func:`_first_fit_prefix` returned for these edges (first fit up to its first failure,
+  which is this colouring's too), continued from there."""
+  done, used_s, used_d = prefix or ([], [0] * (max(s) + 1), [0] * (max(d) + 1))
+  used_s, used_d = list(used_s), list(used_d)  # per vertex, a bitmask of colours
+  at = []  # per side, per vertex, colour -> edge index
+  for ends, n in ((s, len(used_s)), (d, len(used_d))):
+    table = np.full((n, k), -1, dtype=np.int64)
+    table[ends[: len(done)], done] = np.arange(len(done))
+    at.append(table.tolist())
+  at_s, at_d = at
+  colour = done + [-1] * (len(s) - len(done))
+  for e, (u, v) in enumerate(zip(s[len(done) :], d[len(done) :], strict=True), len(done)):
     m = used_s[u] | used_d[v]
     c = (~m & (m + 1)).bit_length() - 1
     if c >= k:
@@ -550,7 +571,8 @@ def _colour_rounds(
   that colours the pairs of at least that fraction of the largest payload together, then the
   rest together (:func:`_candidate_classes`). Ties go to less padding, then to the earlier.
   None after the first is computed where a lower bound of any colouring's time
-  (:func:`_joint_time_bound`) shows it cannot win. The heavy ones matter where a few small
+  (:func:`_joint_time_bound`) shows it cannot win, nor one whose runs' bounds add up to more
+  than the best time so far. The heavy ones matter where a few small
   payloads reach many devices (a norm its relay entry forwards to every other device of its
   domain): the colours they need let first fit spread the large payloads over more rounds
   than their own degree, which, coloured alone, they fill exactly (on GB200 racks, 4 GiB
@@ -571,6 +593,9 @@ def _colour_rounds(
       bound = _joint_time_bound(s, d, fill) if bound is None else bound
       if best[0] <= (bound, 0):
         break  # no colouring takes less time, nor pads less where equal
+      # Runs coloured apart take rounds of their own: their bounds add up.
+      if sum(_joint_time_bound(s[a:b], d[a:b], fill[a:b]) for a, b in classes) > best[0][0]:
+        continue
     colour = np.empty(len(fill), dtype=np.int64)
     base = 0
     for a, b in classes:
@@ -625,7 +650,8 @@ def _joint_time_bound(s: np.ndarray, d: np.ndarray, fill: np.ndarray) -> int:
   ``fill`` bytes (descending): a device's pairs are in distinct rounds, so the sum is at least
   its bytes; and a round holds at most ``m`` pairs (the fewer of senders and receivers), so the
   ``j m + 1`` largest pairs span ``j + 1`` rounds and the ``(j + 1)``-th largest round maximum
-  is at least the ``(j m + 1)``-th largest payload."""
+  is at least the ``(j m + 1)``-th largest payload. Vertices need not be numbered densely
+  (``m`` is then at least the fewer, and the bound still holds)."""
   m = min(int(s.max()), int(d.max())) + 1
   load = max(int(np.bincount(s, fill).max()), int(np.bincount(d, fill).max()))
   return max(load, int(fill[::m].sum()))
@@ -1021,24 +1047,30 @@ def _build_new(tree: _Tree, leaves: list[int], chunks: dict[int, list[int]]) -> 
   return _Built(bucket, stage, sent, received, int((round_bytes - fill).sum()))
 
 
-def _greedy_end(tree: _Tree, items: Sequence[tuple[int, int]], start: int) -> int:
-  """One past the last item that joins ``items[start]``'s bucket while the unpadded staging
-  (payloads plus each leaf's placeholders once, on the bucket's devices) stays in bound."""
-  if tree.bound is None:
-    return len(items)
+def _unpadded_peaks(tree: _Tree, items: Sequence[tuple[int, int]], start: int) -> Iterator[int]:
+  """For ``e = start + 1, start + 2, ...``, the most bytes one device stages, unpadded, in a
+  bucket of ``items[start:e]``: payloads plus each leaf's placeholders once, on the bucket's
+  devices."""
   n = len(tree.union)
   acc_ph, acc_pay, mask = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, bool)
   first: dict[int, tuple[int, np.ndarray]] = {}  # leaf: its first chunk here, its staging so far
-  for i in range(start, len(items)):
-    leaf, c = items[i]
+  for leaf, c in items[start:]:
     c0, before = first.get(leaf, (c, 0))
     ph = tree.staged(leaf, c0, c)
-    pay = tree.payloads[leaf][c]
-    staged = (acc_ph - before + ph) * (mask | tree.members[leaf]) + acc_pay + pay
-    if i > start and int(staged.max()) > tree.bound:
-      return i
-    acc_ph, acc_pay, mask = acc_ph - before + ph, acc_pay + pay, mask | tree.members[leaf]
+    acc_ph, acc_pay = acc_ph - before + ph, acc_pay + tree.payloads[leaf][c]
+    mask = mask | tree.members[leaf]
     first[leaf] = (c0, ph)
+    yield int((acc_ph * mask + acc_pay).max())
+
+
+def _greedy_end(tree: _Tree, items: Sequence[tuple[int, int]], start: int) -> int:
+  """One past the last item that joins ``items[start]``'s bucket while the unpadded staging
+  (:func:`_unpadded_peaks`) stays in bound."""
+  if tree.bound is None:
+    return len(items)
+  for e, peak in enumerate(_unpadded_peaks(tree, items, start), start + 1):
+    if e > start + 1 and peak > tree.bound:
+      return e - 1
   return len(items)
 
 
@@ -1095,20 +1127,57 @@ def _repeat_end(
 
 
 def _largest_fitting(
-  tree: _Tree, items: Sequence[tuple[int, int]], start: int, end: int
+  tree: _Tree, items: Sequence[tuple[int, int]], start: int, end: int, peak: int
 ) -> tuple[_Built, int] | None:
-  """The longest ``items[start:e]`` (``e < end``) whose padded staging is in bound (bisection
-  on the length), with ``e``; ``None`` when not even ``items[start]`` alone fits."""
+  """A longest ``items[start:e]`` (``e < end``) whose padded staging is in bound, with ``e``;
+  ``None`` when not even ``items[start]`` alone fits. ``peak``: the padded staging of
+  ``items[start:end]``, which is over the bound.
+
+  Each probe builds and colours a bucket. The first is where the unpadded staging
+  (:func:`_unpadded_peaks`), scaled by ``peak`` over that of ``items[start:end]``, reaches
+  the bound. If it fits, the next longer and then the longest below ``end`` are tried; if
+  not, the search gallops down. Then it bisects the bracket it has. With padding in
+  proportion to the bytes, that is two builds. The ``e`` found fits and ``e + 1`` does not
+  (or is ``end``). Padded staging need not grow with the length (a longer bucket's rounds
+  may pad less), so a longer bucket may fit too."""
   assert tree.bound is not None
-  lo, hi, best = start + 1, end - 1, None
-  while lo <= hi:
-    mid = (lo + hi) // 2
-    built = _build(tree, items[start:mid])
-    if built.peak <= tree.bound:
-      best, lo = (built, mid), mid + 1
+  bound = tree.bound
+  unpadded = list(itertools.islice(_unpadded_peaks(tree, items, start), end - start))
+  scale = peak / max(unpadded[-1], 1)
+  guess = start + 1
+  for e in range(end - 1, start, -1):
+    if unpadded[e - start - 1] * scale <= bound:
+      guess = e
+      break
+  tried: dict[int, _Built] = {}
+
+  def fits(e: int) -> bool:
+    tried[e] = _build(tree, items[start:e])
+    return tried[e].peak <= bound
+
+  ok, bad, step = start, end, 1  # items[start:ok] fits (or ok == start), items[start:bad] not
+  if fits(guess):
+    ok = guess
+    for e in (guess + 1, end - 1):  # the next, then the longest below end
+      if ok < e < bad:
+        if not fits(e):
+          bad = e
+          break
+        ok = e
+  else:
+    bad = guess
+    while bad - step > start:
+      if fits(bad - step):
+        ok = bad - step
+        break
+      bad, step = bad - step, 2 * step
+  while bad - ok > 1:
+    mid = (ok + bad) // 2
+    if fits(mid):
+      ok = mid
     else:
-      hi = mid - 1
-  return best
+      bad = mid
+  return (tried[ok], ok) if ok > start else None
 
 
 def _fill_buckets(tree: _Tree) -> list[_Built]:
@@ -1128,7 +1197,7 @@ def _fill_buckets(tree: _Tree) -> list[_Built]:
       out.append(built)
       i = end
       continue
-    fitting = _largest_fitting(tree, items, i, end) if end - i > 1 else None
+    fitting = _largest_fitting(tree, items, i, end, built.peak) if end - i > 1 else None
     if fitting is not None:
       out.append(fitting[0])
       i = fitting[1]

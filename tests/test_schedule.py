@@ -356,8 +356,9 @@ def test_joint_colouring_is_skipped_only_where_it_cannot_win(seed: int) -> None:
 
 
 def test_first_fit_swapping_is_proper_and_optimal() -> None:
-  """Dense random multigraphs, some on which first fit needs more than max-degree colours."""
-  from jax_reshard._schedule import _first_fit, _first_fit_swapping
+  """Dense random multigraphs, some on which first fit needs more than max-degree colours;
+  continued from first fit's prefix (as the schedule does) or from scratch, the same."""
+  from jax_reshard._schedule import _first_fit, _first_fit_prefix, _first_fit_swapping
 
   swapped = 0
   for seed in range(60):
@@ -372,6 +373,7 @@ def test_first_fit_swapping_is_proper_and_optimal() -> None:
     fit = _first_fit(s, d, k)
     swapped += fit is None
     assert fit is None or colours == fit  # where first fit suffices, its colouring is kept
+    assert _first_fit_swapping(s, d, k, _first_fit_prefix(s, d, k)) == colours
   assert swapped >= 5
 
 
@@ -458,3 +460,59 @@ def test_buckets_like_ones_built_before_are_those_renumbered(
       assert _values(a.schedule) == _values(b.schedule)
       assert _values(a.leaf_plans) == _values(b.leaf_plans) and a.stats == b.stats
   assert shared < 0.7 * (len(made) - shared)  # many buckets were renumbered, not built
+
+
+def test_largest_fitting_bucket_is_found_in_fewer_builds_than_bisection(
+  monkeypatch: pytest.MonkeyPatch,
+) -> None:
+  """Where padded staging takes a bucket over the bound, it is cut where it fits and one more
+  item would not; where fitting grows monotone with the length (it does in these trees), that
+  is the longest bucket that fits, and the search builds fewer trial buckets than bisection."""
+  calls: list[tuple[Any, ...]] = []
+  builds = [0]
+  build, largest = _schedule._build, _schedule._largest_fitting
+
+  def counted(*args: Any) -> Any:
+    builds[0] += 1
+    return build(*args)
+
+  def recorded(tree: Any, items: Any, start: int, end: int, peak: int) -> Any:
+    before = builds[0]
+    found = largest(tree, items, start, end, peak)
+    calls.append((tree, list(items), start, end, found, builds[0] - before))
+    return found
+
+  monkeypatch.setattr(_schedule, "_build", counted)
+  monkeypatch.setattr(_schedule, "_largest_fitting", recorded)
+  for seed in range(12):
+    rng = np.random.default_rng(seed)
+    layouts = []
+    for _ in range(24):
+      rows = int(rng.choice([4, 8, 12, 16, 24])) * 4
+      src_spec = [("x", None), (None, "x"), (None, None)][int(rng.integers(3))]
+      dst_spec = [("a", "b"), ("b", None), (None, "a"), (None, None)][int(rng.integers(4))]
+      src = Layout.from_description((rows, 8), mesh_shape=(4,), axis_names=("x",), spec=src_spec)
+      dst = Layout.from_description(
+        (rows, 8), mesh_shape=(2, 2), axis_names=("a", "b"), spec=dst_spec, device_ids=range(2, 6)
+      )
+      layouts.append((src, dst))
+    plans = plan_leaves(layouts, [4] * len(layouts))
+    whole = make_schedule(plans, layouts, [4] * len(layouts)).peak_staging_bytes
+    cut = make_schedule(plans, layouts, [4] * len(layouts), max_bucket_bytes=whole // 5)
+    assert cut.peak_staging_bytes <= whole // 5
+  assert len(calls) >= 10
+  searched = bisected = 0
+  for tree, items, start, end, found, n in calls:
+    fits = {e: build(tree, items[start:e]).peak <= tree.bound for e in range(start + 1, end)}
+    fits[end] = False
+    assert found is not None and fits[found[1]] and not fits[found[1] + 1]
+    assert found[0].peak <= tree.bound
+    if all(fits[e] or not fits[e + 1] for e in range(start + 1, end)):  # monotone
+      assert found[1] == max(e for e, ok in fits.items() if ok)
+    lo, hi = start + 1, end - 1
+    while lo <= hi:  # the probes of bisection
+      mid = (lo + hi) // 2
+      bisected += 1
+      lo, hi = (mid + 1, hi) if fits[mid] else (lo, mid - 1)
+    searched += n
+  assert searched < bisected
