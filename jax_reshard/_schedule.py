@@ -1129,17 +1129,19 @@ def _repeat_end(
 def _largest_fitting(
   tree: _Tree, items: Sequence[tuple[int, int]], start: int, end: int, peak: int
 ) -> tuple[_Built, int] | None:
-  """A longest ``items[start:e]`` (``e < end``) whose padded staging is in bound, with ``e``;
-  ``None`` when not even ``items[start]`` alone fits. ``peak``: the padded staging of
-  ``items[start:end]``, which is over the bound.
+  """An ``items[start:e]`` (``e < end``) whose padded staging is in bound while that of
+  ``items[start:e + 1]`` is not (or ``e + 1 == end``), with ``e``: the longest that fits
+  where no prefix fits once a shorter one does not; ``None`` when not even ``items[start]``
+  alone fits.
+  ``peak``: the padded staging of ``items[start:end]``, which is over the bound.
 
   Each probe builds and colours a bucket. The first is where the unpadded staging
   (:func:`_unpadded_peaks`), scaled by ``peak`` over that of ``items[start:end]``, reaches
   the bound. If it fits, the next longer and then the longest below ``end`` are tried; if
   not, the search gallops down. Then it bisects the bracket it has. With padding in
-  proportion to the bytes, that is two builds. The ``e`` found fits and ``e + 1`` does not
-  (or is ``end``). Padded staging need not grow with the length (a longer bucket's rounds
-  may pad less), so a longer bucket may fit too."""
+  proportion to the bytes, that is two builds. Padded staging need not grow with the length
+  (a longer bucket's rounds may pad less), so a longer bucket than the one found may fit
+  too."""
   assert tree.bound is not None
   bound = tree.bound
   unpadded = list(itertools.islice(_unpadded_peaks(tree, items, start), end - start))
