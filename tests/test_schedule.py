@@ -516,3 +516,51 @@ def test_largest_fitting_bucket_is_found_in_fewer_builds_than_bisection(
       lo, hi = (mid + 1, hi) if fits[mid] else (lo, mid - 1)
     searched += n
   assert searched < bisected
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_largest_fitting_cuts_where_a_bucket_fits_and_one_more_leaf_does_not(
+  seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+  """The search's contract on made-up staging (any pattern of prefixes that fit, monotone or
+  not, any padding): the prefix it returns fits and one more leaf does not (or is the bucket
+  that did not fit), it is the longest that fits where fitting is monotone, ``None`` comes
+  only once the first leaf alone did not fit, and the tries grow with the log of the length."""
+  rng = np.random.default_rng(seed)
+  n = int(rng.integers(2, 30))  # items[0:n] is the bucket over the bound
+  bound = 1000
+  unpadded = np.sort(rng.integers(1, bound + 1, n))  # grows with the length, in bound
+  monotone = np.arange(1, n + 1) <= int(rng.integers(0, n))  # the first few fit
+  fit = monotone if seed % 2 else rng.random(n) < 0.5
+  fit[-1] = False
+  padded = np.where(fit, bound - rng.integers(0, 50, n), bound + rng.integers(1, 500, n))
+  built = []
+
+  def build(tree: Any, items: Any) -> Any:
+    built.append(len(items))
+    return dataclasses.replace(_FakeBuilt(), peak=int(padded[len(items) - 1]))
+
+  monkeypatch.setattr(_schedule, "_build", build)
+  monkeypatch.setattr(_schedule, "_unpadded_peaks", lambda tree, items, start: iter(unpadded))
+  tree = _FakeTree(bound=bound)
+  found = _schedule._largest_fitting(tree, list(range(n)), 0, n, int(padded[-1]))
+  if found is None:
+    assert 1 in built and not fit[0]  # the search reached items[0:1] and it did not fit
+  else:
+    e = found[1]
+    assert found[0].peak == padded[e - 1] <= bound and fit[e - 1]
+    assert e == n - 1 or not fit[e]
+  if seed % 2:  # monotone
+    longest = int(fit.sum())
+    assert (found is None and longest == 0) or (found is not None and found[1] == longest)
+  assert len(built) <= 2 * max(1, int(np.ceil(np.log2(n)))) + 2
+
+
+@dataclasses.dataclass
+class _FakeBuilt:
+  peak: int = 0
+
+
+@dataclasses.dataclass
+class _FakeTree:
+  bound: int
