@@ -1054,7 +1054,7 @@ def _unpadded_peaks(tree: _Tree, items: Sequence[tuple[int, int]], start: int) -
   n = len(tree.union)
   acc_ph, acc_pay, mask = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, bool)
   first: dict[int, tuple[int, np.ndarray]] = {}  # leaf: its first chunk here, its staging so far
-  for leaf, c in items[start:]:
+  for leaf, c in itertools.islice(items, start, None):
     c0, before = first.get(leaf, (c, 0))
     ph = tree.staged(leaf, c0, c)
     acc_ph, acc_pay = acc_ph - before + ph, acc_pay + tree.payloads[leaf][c]

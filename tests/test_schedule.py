@@ -523,13 +523,17 @@ def test_largest_fitting_cuts_where_a_bucket_fits_and_one_more_leaf_does_not(
   seed: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
   """The search's contract on made-up staging (any pattern of prefixes that fit, monotone or
-  not, any padding): the prefix it returns fits and one more leaf does not (or is the bucket
-  that did not fit), it is the longest that fits where fitting is monotone, ``None`` comes
-  only once the first leaf alone did not fit, and the tries grow with the log of the length."""
+  not, any padding, a bucket starting anywhere): the prefix it returns fits and one more leaf
+  does not (or is the bucket that did not fit), it is the longest that fits where fitting is
+  monotone, ``None`` comes only once the first leaf alone did not fit, and the tries grow
+  with the log of the length."""
   rng = np.random.default_rng(seed)
-  n = int(rng.integers(2, 30))  # items[0:n] is the bucket over the bound
+  n = int(rng.integers(2, 30))  # items[start:start + n] is the bucket over the bound
+  start = int(rng.integers(0, 5))
   bound = 1000
   unpadded = np.sort(rng.integers(1, bound + 1, n))  # grows with the length, in bound
+  if seed % 5 == 0:
+    unpadded[:] = 0  # nothing but placeholders known: the guess is the longest
   monotone = np.arange(1, n + 1) <= int(rng.integers(0, n))  # the first few fit
   fit = monotone if seed % 2 else rng.random(n) < 0.5
   fit[-1] = False
@@ -537,23 +541,29 @@ def test_largest_fitting_cuts_where_a_bucket_fits_and_one_more_leaf_does_not(
   built = []
 
   def build(tree: Any, items: Any) -> Any:
+    assert items[0] == start
     built.append(len(items))
     return dataclasses.replace(_FakeBuilt(), peak=int(padded[len(items) - 1]))
 
+  def unpadded_peaks(tree: Any, items: Any, at: int) -> Any:
+    assert at == start
+    return iter(unpadded.tolist())
+
   monkeypatch.setattr(_schedule, "_build", build)
-  monkeypatch.setattr(_schedule, "_unpadded_peaks", lambda tree, items, start: iter(unpadded))
+  monkeypatch.setattr(_schedule, "_unpadded_peaks", unpadded_peaks)
   tree = _FakeTree(bound=bound)
-  found = _schedule._largest_fitting(tree, list(range(n)), 0, n, int(padded[-1]))
+  items = list(range(start + n))
+  found = _schedule._largest_fitting(tree, items, start, start + n, int(padded[-1]))
   if found is None:
-    assert 1 in built and not fit[0]  # the search reached items[0:1] and it did not fit
+    assert 1 in built and not fit[0]  # the search reached items[start:start + 1], no fit
   else:
-    e = found[1]
+    e = found[1] - start
     assert found[0].peak == padded[e - 1] <= bound and fit[e - 1]
     assert e == n - 1 or not fit[e]
   if seed % 2:  # monotone
     longest = int(fit.sum())
-    assert (found is None and longest == 0) or (found is not None and found[1] == longest)
-  assert len(built) <= 2 * max(1, int(np.ceil(np.log2(n)))) + 2
+    assert (found is None and longest == 0) or (found is not None and found[1] - start == longest)
+  assert len(built) == len(set(built)) <= 2 * max(1, int(np.ceil(np.log2(n)))) + 2
 
 
 @dataclasses.dataclass
