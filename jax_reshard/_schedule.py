@@ -593,8 +593,12 @@ def _colour_rounds(
       bound = _joint_time_bound(s, d, fill) if bound is None else bound
       if best[0] <= (bound, 0):
         break  # no colouring takes less time, nor pads less where equal
-      # Runs coloured apart take rounds of their own: their bounds add up.
-      if sum(_joint_time_bound(s[a:b], d[a:b], fill[a:b]) for a, b in classes) > best[0][0]:
+      # Runs coloured apart take rounds of their own: their bounds add up (one run's is the
+      # bound above).
+      apart = len(classes) > 1
+      if (
+        apart and sum(_joint_time_bound(s[a:b], d[a:b], fill[a:b]) for a, b in classes) > best[0][0]
+      ):
         continue
     colour = np.empty(len(fill), dtype=np.int64)
     base = 0

@@ -58,6 +58,20 @@ def assert_matches_oracle(y: jax.Array, host: np.ndarray, dst_sharding: Any) -> 
     np.testing.assert_array_equal(bits(have), bits(want), err_msg=f"device {dev}")
 
 
+def assert_donate_takes_another_path(
+  plan: Any, x: Any, hosts: dict[str, np.ndarray], dst: dict[str, Any], path: Any
+) -> None:
+  """``path(executable)`` (a bucket's fast path, e.g. ``exe.direct()``) holds for every bucket
+  of ``plan``'s plain call and for none of its ``donate=`` call, and both calls match the
+  oracle bit for bit."""
+  assert all(path(exe) for exe in plan.executables())
+  assert not any(path(exe) for exe in plan.executables(donate=True))
+  y = plan(x)
+  y = plan(x, donate=y)
+  for k, h in hosts.items():
+    assert_matches_oracle(y[k], h, dst[k])
+
+
 def independent_lower_bound(src: Any, dst: Any, shape: tuple[int, ...], itemsize: int) -> int:
   """Bytes each destination device lacks, from ``devices_indices_map`` alone."""
   src_map = src.devices_indices_map(shape)

@@ -9,7 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_matches_oracle, bits, compile_events, random_host_array
+from helpers import (
+  assert_donate_takes_another_path,
+  assert_matches_oracle,
+  bits,
+  compile_events,
+  random_host_array,
+)
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -190,12 +196,7 @@ def test_leaves_stage_on_their_own_where_a_bundle_cannot_take_them(
   monkeypatch.setattr(_emit, "MIN_BUNDLED_LEAVES", 2)
   jr.plan_cache_clear()
   plan = jr.make_plan(x, dst)
-  assert all(exe.bundle() for exe in plan.executables())
-  assert not any(exe.bundle() for exe in plan.executables(donate=True))
-  y = plan(x)
-  y = plan(x, donate=y)
-  for k, h in hosts.items():
-    assert_matches_oracle(y[k], h, dst[k])
+  assert_donate_takes_another_path(plan, x, hosts, dst, lambda exe: exe.bundle())
   # The same devices and layout under another axis name: equivalent, not equal.
   src_mesh, _ = _meshes("disjoint")
   renamed = Mesh(src_mesh.devices, ("r",))
