@@ -192,6 +192,55 @@ def estimate(
   )
 
 
+def time_lower_bound(leaf_plans: Sequence[LeafPlan], topology: Topology) -> float:
+  """A lower bound of :func:`estimate` on ``topology`` for every one-stage plan of these leaf
+  plans (no relay stage), whatever its buckets and rounds: found before any schedule is made.
+
+  A round sends one payload per sender and receives one per receiver, and takes at least each
+  of its pairs' latency plus the round's size over that pair's link. So a device's rounds take
+  at least, per device it sends to (or receives from), that link's latency plus their bytes
+  over its bandwidth; where devices share ``max_parallel`` cores, the rounds take at least all
+  pairs' bytes over their bandwidth over ``max_parallel``. A plan that moves anything runs at
+  least one bucket (``call_latency``). Packing, assembly and padding only add.
+
+  Example:
+    >>> import jax_reshard as jr
+    >>> from jax_reshard._planner import plan_leaves
+    >>> lay = lambda ids, spec: jr.Layout.from_description(
+    ...   (4096, 4096), mesh_shape=(4,), axis_names=("x",), spec=spec, device_ids=ids)
+    >>> layouts = [(lay(range(4), ("x",)), lay(range(8, 12), (None, "x")))]
+    >>> topo = jr.Topology.h100_nodes()
+    >>> plan = jr.plan_layouts(layouts, [2], topology=topo, relays=False)
+    >>> bound = time_lower_bound(plan_leaves(layouts, [2], topology=topo, relays=False), topo)
+    >>> round(bound * 1e6)  # us: a receiver's 4 senders (20 us + 2 MiB at 50 GB/s each), a call
+    308
+    >>> round(plan.estimate().seconds * 1e6)  # plus packing, assembly and placeholders
+    353
+  """
+  remote = [lp for lp in leaf_plans if (~lp.local).any()]
+  if not remote:
+    return 0.0
+  src = np.concatenate([lp.src_device[~lp.local] for lp in remote])
+  dst = np.concatenate([lp.dst_device[~lp.local] for lp in remote])
+  nbytes = np.concatenate([lp.nbytes[~lp.local] for lp in remote]).astype(np.float64)
+  ids, at = np.unique(np.concatenate([src, dst]), return_inverse=True)
+  s, d = at[: len(src)], at[len(src) :]
+  pair, inv = np.unique(s * len(ids) + d, return_inverse=True)
+  pair_bytes = np.bincount(inv.reshape(-1), nbytes, minlength=len(pair))
+  ps, pd = ids[pair // len(ids)], ids[pair % len(ids)]
+  cross = topology.domain_of(ps) != topology.domain_of(pd)
+  lat = np.where(cross, topology.inter.latency, topology.intra.latency)
+  data = pair_bytes / np.where(cross, topology.inter.bandwidth, topology.intra.bandwidth)
+  per_device = np.maximum(
+    np.bincount(pair // len(ids), lat + data, minlength=len(ids)),
+    np.bincount(pair % len(ids), lat + data, minlength=len(ids)),
+  )
+  transfer = float(per_device.max())
+  if topology.max_parallel:
+    transfer = max(transfer, float(data.sum()) / topology.max_parallel)
+  return topology.call_latency + transfer
+
+
 def count_keys(
   plan: _Stage, classes: Sequence[int], as_is: Collection[int] | None = None
 ) -> list[tuple[object, ...]]:

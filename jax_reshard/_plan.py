@@ -25,6 +25,7 @@ from jax_reshard._cost import (
   idle_zero_bytes,
   pair_runs,
   round_pairs,
+  time_lower_bound,
   whole_segment_bytes,
 )
 from jax_reshard._errors import ReshardError
@@ -264,16 +265,21 @@ def _plan_relays_or_not(
   interleave: bool,
   names: tuple[str, ...],
 ) -> LayoutPlan:
-  """The plan with ``relays``; for ``"auto"``, the faster predicted of with and without."""
+  """The plan with ``relays``; for ``"auto"``, the faster predicted of with and without.
+  The plan without relays is not scheduled where a lower bound of its time, from its leaf
+  plans (:func:`time_lower_bound`), is already no less than the relay plan's predicted time
+  (relays win ties)."""
   relayed, relayed_classes = _plan_tree(*args, relays is not False, interleave, names)
   if relays != "auto" or relayed.relay is None:
     return relayed
-  direct, direct_classes = _plan_tree(*args, False, interleave, names)
-  faster = (
-    estimate(direct, classes=direct_classes).seconds
-    < estimate(relayed, classes=relayed_classes).seconds
-  )
-  return direct if faster else relayed
+  layouts, itemsizes, _, topology = args
+  assert topology is not None  # relays need one
+  relayed_s = estimate(relayed, classes=relayed_classes).seconds
+  full = tuple(plan_leaves(layouts, itemsizes, topology=topology, relays=False))
+  if time_lower_bound(full, topology) >= relayed_s:
+    return relayed
+  direct, direct_classes = _plan_tree(*args, False, interleave, names, full)
+  return direct if estimate(direct, classes=direct_classes).seconds < relayed_s else relayed
 
 
 def _plan_tree(
@@ -284,10 +290,12 @@ def _plan_tree(
   relays: bool,
   interleave: bool,
   names: tuple[str, ...],
+  full: tuple[LeafPlan, ...] | None = None,
 ) -> tuple[LayoutPlan, list[tuple[int, ...]]]:
   """:func:`plan_layouts` on normalised arguments, with the :func:`bucket_classes` of each
-  stage."""
-  full = tuple(plan_leaves(layouts, itemsizes, topology=topology, relays=relays))
+  stage; ``full``: the leaf plans (:func:`plan_leaves` with ``relays``), if made already."""
+  if full is None:
+    full = tuple(plan_leaves(layouts, itemsizes, topology=topology, relays=relays))
   interleave = interleave and _domains(layouts, topology) > 1
   split_of: dict[int, tuple[LeafPlan, LeafPlan | None]] = {}  # equal leaves share a plan
   split = []

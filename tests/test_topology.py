@@ -19,7 +19,9 @@ from jax.sharding import PartitionSpec as P
 from test_properties import SETTINGS, itemsizes, trees
 
 import jax_reshard as jr
-from jax_reshard import Layout, Link, Topology
+from jax_reshard import Layout, Link, Topology, _plan
+from jax_reshard._cost import time_lower_bound
+from jax_reshard._planner import plan_leaves
 from jax_reshard._schedule import make_schedule
 
 PAIRS = Topology.cpu(devices_per_domain=2)  # domains {0, 1}, {2, 3}, ...
@@ -383,6 +385,49 @@ def test_the_model_chooses_relays_or_not() -> None:
     assert (auto.relay is not None) == relayed_wins
     assert auto.estimate().seconds == min(times.values())
     assert auto.stats == plans[relayed_wins].stats
+
+
+@SETTINGS
+@given(trees, itemsizes, st.sampled_from([None, 1 << 12, 1 << 16]))
+def test_time_lower_bound_is_below_every_direct_plans_estimate(tree, itemsize, bound) -> None:
+  """:func:`time_lower_bound` (from the leaf plans alone) is at most the estimate of the
+  scheduled plan without relays, on GPU presets, the CPU preset (shared cores) and slow links,
+  whatever the bucket bound."""
+  isz = [itemsize] * len(tree)
+  for topo in (Topology.h100_nodes(2), PAIRS, SLOW_PAIRS, Topology.gb200_nvl72(4)):
+    full = plan_leaves(tree, isz, topology=topo, relays=False)
+    plan = jr.plan_layouts(tree, isz, max_bucket_bytes=bound, topology=topo, relays=False)
+    assert time_lower_bound(full, topo) <= plan.estimate().seconds
+
+
+def test_auto_schedules_the_direct_plan_only_where_it_may_be_faster(
+  monkeypatch: pytest.MonkeyPatch,
+) -> None:
+  """``relays="auto"`` schedules the plan without relays only where the lower bound of its
+  time is below the relay plan's predicted time, and keeps the faster of the two either way:
+  the whole tensor to two hosts of 2 over 400 Gb/s links, 4096^2 bfloat16 (relays win by more
+  than the bound's margin: one plan scheduled) and 1024^2 (direct wins: both scheduled)."""
+  made: list[bool] = []
+  plan_tree = _plan._plan_tree
+
+  def counted(*args: Any) -> Any:
+    made.append(args[4])  # relays
+    return plan_tree(*args)
+
+  monkeypatch.setattr(_plan, "_plan_tree", counted)
+  topo = Topology.h100_nodes(2)
+  for size, scheduled, relayed_wins in ((4096, [True], True), (1024, [True, False], False)):
+    tree, isz = _two_hosts(size)
+    made.clear()
+    auto = jr.plan_layouts(tree, isz, topology=topo, relays="auto")
+    assert made == scheduled
+    plans = {r: jr.plan_layouts(tree, isz, topology=topo, relays=r) for r in (True, False)}
+    times = {r: p.estimate().seconds for r, p in plans.items()}
+    bound = time_lower_bound(plan_leaves(tree, isz, topology=topo, relays=False), topo)
+    assert (bound >= times[True]) == (len(scheduled) == 1)
+    assert (times[True] <= times[False]) == relayed_wins
+    assert auto.stats == plans[relayed_wins].stats
+    assert auto.estimate().seconds == min(times.values())
 
 
 def test_estimate_counts_placeholders_and_leaves() -> None:
