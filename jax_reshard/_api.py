@@ -5,19 +5,22 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, overload
 
 import jax
+import numpy as np
 
 from jax_reshard._buffers import buffers_by_device
 from jax_reshard._classes import stage_classes
 from jax_reshard._cost import Estimate
 from jax_reshard._emit import BucketExecutable, InFlight, empty_like_sharded, plan_word_bytes
+from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
 from jax_reshard._plan import (
   LayoutPlan,
   PlanStats,
+  bucket_candidates,
   format_plan,
   passes_per_moved_byte,
   plan_layouts,
@@ -56,7 +59,7 @@ class ReshardPlan:
     treedef: Any,
     leaves: list[Leaf],
     *,
-    max_bucket_bytes: int | None,
+    max_bucket_bytes: int | tuple[int, ...] | None,
     topology: Topology | None = None,
     relays: bool | Literal["auto"] | None = None,
   ) -> None:
@@ -268,7 +271,7 @@ def make_plan(
   src: Any,
   dst: Any,
   *,
-  max_bucket_bytes: int | None = ...,
+  max_bucket_bytes: int | Sequence[int] | None = ...,
   topology: Topology | None = ...,
   relays: bool | Literal["auto"] | None = ...,
   transform: None = ...,
@@ -280,7 +283,7 @@ def make_plan(
   src: Any,
   dst: Any,
   *,
-  max_bucket_bytes: int | None = ...,
+  max_bucket_bytes: int | Sequence[int] | None = ...,
   topology: Topology | None = ...,
   relays: bool | Literal["auto"] | None = ...,
   transform: Callable[[Any], Any],
@@ -291,7 +294,7 @@ def make_plan(
   src: Any,
   dst: Any,
   *,
-  max_bucket_bytes: int | None = None,
+  max_bucket_bytes: int | Sequence[int] | None = None,
   topology: Topology | None = None,
   relays: bool | Literal["auto"] | None = None,
   transform: Callable[[Any], Any] | None = None,
@@ -305,7 +308,9 @@ def make_plan(
       ``transform``, a prefix of the transform's output tree instead.
     max_bucket_bytes: bound on transient staging bytes per device per compiled program.
       ``None`` (the default) means 1 GiB, or 16 MiB where every device is a CPU (larger
-      programs there map fresh host pages on every call); with ``transform``, 1 GiB.
+      programs there map fresh host pages on every call); with ``transform``, 1 GiB. A
+      sequence of bounds: the plan of whichever the cost model predicts fastest on
+      ``topology`` (needed then; see ``jr.plan_layouts``); not with ``transform``.
     topology: device domains and link costs (``jr.Topology``); with several domains, regions a
       domain lacks cross into it once and are forwarded inside it (see ``jr.plan_layouts``).
     relays: with ``topology``: ``True`` (what ``None``, the default, means) relays,
@@ -324,7 +329,8 @@ def make_plan(
     out like ``src``.
 
   Raises:
-    ReshardError: invalid trees, shapes, dtypes, devices or shardings, or an invalid
+    ReshardError: invalid trees, shapes, dtypes, devices or shardings, an invalid
+      ``max_bucket_bytes`` (candidates without a topology or with ``transform``), or an invalid
       ``relays`` (nothing is moved).
 
   Example:
@@ -356,13 +362,30 @@ def make_plan(
   """
   resolved = resolve_relays(relays, topology)
   if transform is not None:
-    bound = DEFAULT_MAX_BUCKET_BYTES if max_bucket_bytes is None else max_bucket_bytes
+    bound = _transform_bound(max_bucket_bytes)
     return make_transform_plan(src, dst, transform, max_bucket_bytes=bound)
+  candidates = bucket_candidates(max_bucket_bytes, topology)
   treedef, leaves = flatten_tree(src, dst)
+  bounds = candidates if candidates is not None else _one_bound(max_bucket_bytes, leaves)
+  return _cached_plan(treedef, tuple(leaves), bounds, topology, resolved)
+
+
+def _transform_bound(max_bucket_bytes: int | Sequence[int] | None) -> int:
+  """``make_plan``'s bound of a transformed plan: one, 1 GiB by default."""
+  if max_bucket_bytes is not None and not isinstance(max_bucket_bytes, (int, np.integer)):
+    raise ReshardError(
+      "a transformed plan takes one max_bucket_bytes (an int or None), not candidates: "
+      f"got {max_bucket_bytes!r}"
+    )
+  return DEFAULT_MAX_BUCKET_BYTES if max_bucket_bytes is None else int(max_bucket_bytes)
+
+
+def _one_bound(max_bucket_bytes: int | Sequence[int] | None, leaves: list[Leaf]) -> int:
+  """``make_plan``'s bound where it is given as one (``None``: the default of the devices)."""
   if max_bucket_bytes is None:
-    cpu = _all_cpu(leaves)
-    max_bucket_bytes = CPU_MAX_BUCKET_BYTES if cpu else DEFAULT_MAX_BUCKET_BYTES
-  return _cached_plan(treedef, tuple(leaves), max_bucket_bytes, topology, resolved)
+    return CPU_MAX_BUCKET_BYTES if _all_cpu(leaves) else DEFAULT_MAX_BUCKET_BYTES
+  assert not isinstance(max_bucket_bytes, Sequence)
+  return int(max_bucket_bytes)
 
 
 def _all_cpu(leaves: list[Leaf]) -> bool:
@@ -378,7 +401,7 @@ def _all_cpu(leaves: list[Leaf]) -> bool:
 def _cached_plan(
   treedef: Any,
   leaves: tuple[Leaf, ...],
-  max_bucket_bytes: int,
+  max_bucket_bytes: int | tuple[int, ...],
   topology: Topology | None,
   relays: bool | Literal["auto"],
 ) -> ReshardPlan:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Literal
 
 import numpy as np
@@ -34,6 +34,7 @@ from jax_reshard._planner import LeafPlan, plan_leaves
 from jax_reshard._schedule import (
   DEFAULT_MAX_BUCKET_BYTES,
   Bucket,
+  BucketBoundError,
   Schedule,
   dst_slab_window,
   make_schedule,
@@ -146,7 +147,7 @@ def plan_layouts(
   layouts: Sequence[tuple[Layout, Layout]],
   itemsizes: Sequence[int],
   *,
-  max_bucket_bytes: int | None = DEFAULT_MAX_BUCKET_BYTES,
+  max_bucket_bytes: int | Sequence[int] | None = DEFAULT_MAX_BUCKET_BYTES,
   topology: Topology | None = None,
   relays: bool | Literal["auto"] | None = None,
   interleave: bool = True,
@@ -164,7 +165,9 @@ def plan_layouts(
     itemsizes: per leaf, bytes per element.
     max_bucket_bytes: bound on transient staging bytes per device per bucket (compiled
       program), round padding included. A leaf that does not fit alone is split into chunks
-      that run in consecutive buckets. ``None`` puts every leaf in one bucket.
+      that run in consecutive buckets. ``None`` puts every leaf in one bucket. Candidates (a
+      sequence, e.g. ``(1 << 30, 4 << 30)``): the plan the cost model predicts fastest on
+      ``topology`` (:func:`choose_bucket_bytes`; its bound is its ``max_bucket_bytes``).
     topology: which devices share a fast domain (:class:`Topology`). With several domains,
       senders in the receiver's domain are preferred, the stats count bytes over slow links,
       and (with ``relays``) a region that several devices of a domain need but no device there
@@ -184,7 +187,8 @@ def plan_layouts(
     ReshardError: if ``relays`` is invalid (:func:`resolve_relays`); if a source and a
       destination layout differ in shape, or if
       ``max_bucket_bytes`` is below what a leaf needs even split into its smallest chunks
-      (the message names the leaf and the least bound that works).
+      (the message names the leaf and the least bound that works; for candidates, if every
+      one is); if candidates are given without a topology, or are not positive integers.
 
   Example:
     >>> import jax_reshard as jr
@@ -214,13 +218,104 @@ def plan_layouts(
     >>> st.slow_link_bytes == st.slow_link_lower_bound_bytes, st.bytes_moved == st.lower_bound_bytes
     (True, True)
   """
-  layouts = tuple((s, d) for s, d in layouts)
-  itemsizes = tuple(int(i) for i in itemsizes)
-  names = (
-    tuple(leaf_names) if leaf_names is not None else tuple(f"#{i}" for i in range(len(layouts)))
+  return _plan_layouts(
+    layouts, itemsizes, max_bucket_bytes, topology, relays, interleave, leaf_names
   )
-  args = (layouts, itemsizes, max_bucket_bytes, topology)
-  return _plan_relays_or_not(args, resolve_relays(relays, topology), interleave, names)
+
+
+def _plan_layouts(
+  layouts: Sequence[tuple[Layout, Layout]],
+  itemsizes: Sequence[int],
+  max_bucket_bytes: int | Sequence[int] | None,
+  topology: Topology | None,
+  relays: bool | Literal["auto"] | None,
+  interleave: bool,
+  leaf_names: Sequence[str] | None,
+) -> LayoutPlan:
+  """:func:`plan_layouts`, its arguments checked and normalised here."""
+  lays = tuple((s, d) for s, d in layouts)
+  sizes = tuple(int(i) for i in itemsizes)
+  names = tuple(leaf_names) if leaf_names is not None else tuple(f"#{i}" for i in range(len(lays)))
+  resolved = resolve_relays(relays, topology)
+  candidates = bucket_candidates(max_bucket_bytes, topology)
+
+  def plan_for(bound: int | None, timed: bool = True) -> tuple[LayoutPlan, float | None]:
+    return _plan_relays_or_not((lays, sizes, bound, topology), resolved, interleave, names, timed)
+
+  if candidates is None:
+    assert not isinstance(max_bucket_bytes, Sequence)
+    return plan_for(max_bucket_bytes, timed=False)[0]
+  return choose_bucket_bytes(plan_for, candidates)
+
+
+def bucket_candidates(
+  max_bucket_bytes: int | Sequence[int] | None, topology: Topology | None
+) -> tuple[int, ...] | None:
+  """The candidate bounds of a ``max_bucket_bytes`` that is a sequence, checked, ascending and
+  without repeats; ``None`` for one bound (an int or ``None``).
+
+  Raises:
+    ReshardError: an empty sequence, an entry that is not a positive integer, or candidates
+      without a topology (the cost model that chooses needs one).
+
+  Example:
+    >>> import jax_reshard as jr
+    >>> bucket_candidates([4 << 30, 1 << 30, 4 << 30], jr.Topology.h100_nodes())
+    (1073741824, 4294967296)
+    >>> bucket_candidates(1 << 30, None) is None
+    True
+    >>> bucket_candidates([1 << 30, 4 << 30], None)
+    Traceback (most recent call last):
+    ...
+    jax_reshard._errors.ReshardError: choosing among bucket bounds needs a topology...
+  """
+  if max_bucket_bytes is None or isinstance(max_bucket_bytes, (int, np.integer)):
+    return None
+  if isinstance(max_bucket_bytes, (str, bytes)) or not isinstance(max_bucket_bytes, Sequence):
+    raise ReshardError(
+      "max_bucket_bytes must be a positive int, None, or a sequence of positive ints "
+      f"(candidates), got {max_bucket_bytes!r}"
+    )
+  bad = [
+    b
+    for b in max_bucket_bytes
+    if isinstance(b, (bool, np.bool_)) or not isinstance(b, (int, np.integer)) or b <= 0
+  ]
+  if not max_bucket_bytes or bad:
+    raise ReshardError(
+      "max_bucket_bytes candidates must be a non-empty sequence of positive ints (bytes), got "
+      f"{max_bucket_bytes!r}"
+    )
+  if topology is None:
+    raise ReshardError(
+      "choosing among bucket bounds needs a topology: the cost model predicts each plan's time "
+      "on it, e.g. topology=jr.Topology.from_devices(jax.devices()) or jr.Topology.h100_nodes()"
+    )
+  return tuple(sorted({int(b) for b in max_bucket_bytes}))
+
+
+def choose_bucket_bytes(
+  plan_for: Callable[[int], tuple[LayoutPlan, float | None]], candidates: Sequence[int]
+) -> LayoutPlan:
+  """The plan ``plan_for`` makes for each bound of ``candidates`` (ascending) that the cost
+  model predicts fastest, the smaller bound on a tie; a bound below what some leaf needs is
+  passed over (:class:`BucketBoundError`), and if every one is, the largest's error is
+  raised. ``plan_for`` returns the plan and its predicted seconds (``None``: not known)."""
+  best: tuple[float, LayoutPlan] | None = None
+  error: BucketBoundError | None = None
+  for bound in candidates:
+    try:
+      plan, seconds = plan_for(bound)
+    except BucketBoundError as e:
+      error = e
+      continue
+    seconds = plan.estimate().seconds if seconds is None else seconds
+    if best is None or seconds < best[0]:
+      best = (seconds, plan)
+  if best is None:
+    assert error is not None
+    raise error
+  return best[1]
 
 
 def resolve_relays(
@@ -264,22 +359,26 @@ def _plan_relays_or_not(
   relays: bool | Literal["auto"],
   interleave: bool,
   names: tuple[str, ...],
-) -> LayoutPlan:
+  timed: bool = False,
+) -> tuple[LayoutPlan, float | None]:
   """The plan with ``relays``; for ``"auto"``, the faster predicted of with and without.
   The plan without relays is not scheduled where a lower bound of its time, from its leaf
   plans (:func:`time_lower_bound`), is already no less than the relay plan's predicted time
-  (relays win ties)."""
+  (relays win ties). With the plan, its predicted seconds on its topology where they were
+  computed, or with ``timed`` (else ``None``)."""
   relayed, relayed_classes = _plan_tree(*args, relays is not False, interleave, names)
   if relays != "auto" or relayed.relay is None:
-    return relayed
+    seconds = estimate(relayed, classes=relayed_classes).seconds if timed else None
+    return relayed, seconds
   layouts, itemsizes, _, topology = args
   assert topology is not None  # relays need one
   relayed_s = estimate(relayed, classes=relayed_classes).seconds
   full = tuple(plan_leaves(layouts, itemsizes, topology=topology, relays=False))
   if time_lower_bound(full, topology) >= relayed_s:
-    return relayed
+    return relayed, relayed_s
   direct, direct_classes = _plan_tree(*args, False, interleave, names, full)
-  return direct if estimate(direct, classes=direct_classes).seconds < relayed_s else relayed
+  direct_s = estimate(direct, classes=direct_classes).seconds
+  return (direct, direct_s) if direct_s < relayed_s else (relayed, relayed_s)
 
 
 def _plan_tree(
@@ -304,14 +403,26 @@ def _plan_tree(
       split_of[id(lp)] = _split_relays(lp, d, isz)
     split.append(split_of[id(lp)])
   leaf_plans = tuple(first for first, _ in split)
-  relay, relay_classes = _relay_stage(
-    [second for _, second in split], layouts, itemsizes, max_bucket_bytes, topology, interleave
-  )
   scheduled = tuple(i for i, (s, _) in enumerate(layouts) if math.prod(s.shape) > 0)
   scheduled = interleave_by_source(scheduled, layouts) if interleave else scheduled
-  first_stage, classes = _stage_plan(
-    layouts, itemsizes, leaf_plans, scheduled, max_bucket_bytes, topology, names
-  )
+  # Each stage needs its own least bound: where both are above max_bucket_bytes, the error
+  # names the larger (the least bound of the whole plan).
+  errors: list[BucketBoundError] = []
+  try:
+    first_stage, classes = _stage_plan(
+      layouts, itemsizes, leaf_plans, scheduled, max_bucket_bytes, topology, names
+    )
+  except BucketBoundError as e:
+    errors.append(e)
+  try:
+    relay, relay_classes = _relay_stage(
+      [second for _, second in split], layouts, itemsizes, max_bucket_bytes, topology,
+      interleave, names,
+    )  # fmt: skip
+  except BucketBoundError as e:
+    errors.append(e)
+  if errors:
+    raise max(errors, key=lambda e: e.minimum_bytes)
   stats = _stats(first_stage, relay, full, topology)
   stages = (first_stage,) if relay is None else (first_stage, relay)
   by_stage = [classes] if relay is None else [classes, relay_classes]
@@ -478,9 +589,10 @@ def _relay_stage(
   max_bucket_bytes: int | None,
   topology: Topology | None,
   interleave: bool,
+  names: Sequence[str] | None = None,
 ) -> tuple[LayoutPlan | None, tuple[int, ...]]:
   """The relay stage of the leaves with a second-stage plan, or ``None`` if none has one, with
-  its :func:`bucket_classes`."""
+  its :func:`bucket_classes`; ``names``: per leaf, for error messages."""
   relayed = tuple(i for i, second in enumerate(seconds) if second is not None)
   if not relayed:
     return None, ()
@@ -496,6 +608,7 @@ def _relay_stage(
     relayed,
     max_bucket_bytes,
     topology,
+    names,
   )
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from jax_reshard import _traced
@@ -18,7 +18,7 @@ def reshard(
   *,
   src: Any = None,
   donate: Any = None,
-  max_bucket_bytes: int | None = None,
+  max_bucket_bytes: int | Sequence[int] | None = None,
   transform: Callable[[Any], Any] | None = None,
   topology: Topology | None = None,
   relays: bool | Literal["auto"] | None = None,
@@ -39,7 +39,8 @@ def reshard(
       Inside ``jax.jit``, donate the old tree with ``jax.jit(..., donate_argnums=...)``
       instead: XLA then reuses its buffers for the outputs.
     max_bucket_bytes: bound on transient staging bytes per device per compiled program
-      (eager calls; ``None``: as ``make_plan``; inside ``jax.jit`` XLA schedules the memory
+      (eager calls; ``None``: as ``make_plan``; a sequence: the bound the cost model predicts
+      fastest on ``topology``, as ``make_plan``; inside ``jax.jit`` XLA schedules the memory
       of the whole computation).
     transform: convert while resharding (casts, slices, concatenate, stack, reshape,
       transpose, renames; see ``make_plan``); ``dst`` then matches the transform's output.

@@ -1326,16 +1326,37 @@ def _staged_windows(
   """Cuts ``leaf`` into ``k`` windows of one width along ``dim`` (:func:`split_slabs` of its
   source shards), records them in each of ``found`` (the tree's windows, or its source and
   destination slabs), and returns per chunk checked and union device the staging of a bucket
-  of that chunk alone. Windows of one width stage alike (the last, narrower one, less): only
-  the first is checked where no other moves more bytes on any device."""
+  of that chunk alone. Only one chunk of each kind is checked (:func:`_distinct_chunks`): most
+  windows of one width move the same pairs' bytes, but one across the boundary of two
+  shards has more pairs, whose rounds may pad more."""
   src = tree.layouts[leaf][0]
   plan, chunk, windows = split_slabs(tree.original[leaf], src, k, tree.itemsizes[leaf], dim=dim)
   for where in found:
     where[leaf] = windows
   tree.set_chunks(leaf, plan, chunk)
-  pay = tree.payloads[leaf]
-  items = tree.items(leaf)[: 1 if (pay <= pay[0]).all() else None]
-  return np.stack([_build(tree, [item]).stage for item in items])
+  return np.stack([_build(tree, [(leaf, c)]).stage for c in _distinct_chunks(tree, leaf)])
+
+
+def _distinct_chunks(tree: _Tree, leaf: int) -> list[int]:
+  """The first chunk of ``leaf`` of each kind: chunks alike in what a bucket of one of them
+  alone stages (the bytes per sender and receiver pair, which give its rounds, and the
+  placeholder or slab bytes) stage alike."""
+  p, n = tree.plans[leaf], len(tree.payloads[leaf])
+  rows = ~p.local & (p.nbytes != 0)
+  c, s, d, nb = (a[rows] for a in (tree.chunks[leaf], p.src_device, p.dst_device, p.nbytes))
+  order = np.lexsort((d, s, c))
+  c, s, d, nb = c[order], s[order], d[order], nb[order]
+  starts = np.flatnonzero(np.r_[True, (c[1:] != c[:-1]) | (s[1:] != s[:-1]) | (d[1:] != d[:-1])])
+  starts = starts[starts < len(c)]
+  fill = np.add.reduceat(nb, starts) if len(c) else nb
+  pc, ps, pd = c[starts], s[starts], d[starts]
+  cuts = np.searchsorted(pc, np.arange(n + 1))
+  kinds: dict[tuple[bytes, ...], int] = {}
+  for j in range(n):
+    a, b = cuts[j], cuts[j + 1]
+    key = (ps[a:b].tobytes(), pd[a:b].tobytes(), fill[a:b].tobytes())
+    kinds.setdefault((*key, tree.staged(leaf, j, j).tobytes()), j)
+  return list(kinds.values())
 
 
 def _split_rows(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:

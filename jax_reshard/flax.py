@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import jax
@@ -33,7 +34,7 @@ def refit(
   sampler: Any,
   *,
   filter: Any = nnx.Param,
-  max_bucket_bytes: int | None = None,
+  max_bucket_bytes: int | Sequence[int] | None = None,
   topology: Topology | None = None,
   relays: bool | Literal["auto"] | None = None,
 ) -> ReshardPlan:
@@ -53,7 +54,8 @@ def refit(
       shardings on an ``AbstractMesh`` resolve inside ``with jax.set_mesh(sampler_mesh):``).
     filter: which variables to move (an ``nnx`` filter), ``nnx.Param`` by default.
     max_bucket_bytes: bound on transient staging bytes per device per compiled program
-      (``None``: as ``make_plan``, 1 GiB or 16 MiB where every device is a CPU).
+      (``None``: as ``make_plan``, 1 GiB or 16 MiB where every device is a CPU; a sequence:
+      the bound the cost model predicts fastest on ``topology``, as ``make_plan``).
     topology: device domains (``jr.Topology``), as in ``make_plan``: with several, a region
       that several sampler devices of a domain need crosses into the domain once (relays).
     relays: as in ``make_plan``: ``True`` (what ``None``, the default, means with a

@@ -430,6 +430,127 @@ def test_auto_schedules_the_direct_plan_only_where_it_may_be_faster(
     assert auto.estimate().seconds == min(times.values())
 
 
+def test_bucket_bound_candidates_keep_the_plan_predicted_fastest() -> None:
+  """``max_bucket_bytes`` as a sequence plans each bound and keeps the plan the model predicts
+  fastest (the smaller bound on a tie), with relays on, off and ``"auto"``; bounds below what
+  the leaf needs are passed over, and if all are, the error names the least bound that works."""
+  tree, isz = _two_hosts(4096)  # 32 MiB of bfloat16; a sampler device needs 8 MiB of sources
+  topo = Topology.h100_nodes(2)
+  bounds = [64 << 20, 12 << 20, 16 << 20]
+  for relays in (True, False, "auto"):
+    plans = {
+      b: jr.plan_layouts(tree, isz, max_bucket_bytes=b, topology=topo, relays=relays)
+      for b in bounds
+    }
+    times = {b: p.estimate().seconds for b, p in plans.items()}
+    assert len(set(times.values())) > 1  # the bounds give plans of different predicted times
+    best = min(sorted(times), key=lambda b: times[b])
+    chosen = jr.plan_layouts(tree, isz, max_bucket_bytes=bounds, topology=topo, relays=relays)
+    assert chosen.max_bucket_bytes == best
+    assert chosen.stats == plans[best].stats
+    assert chosen.estimate().seconds == min(times.values())
+  # A tie (both bounds hold the whole tree in one bucket): the smaller bound.
+  tie = jr.plan_layouts(tree, isz, max_bucket_bytes=(1 << 30, 64 << 20), topology=topo)
+  assert tie.max_bucket_bytes == 64 << 20
+  # Too small a candidate is passed over; all too small: the error of the largest, which
+  # names a larger bound (a lower bound first, as for one bound) until one plans.
+  small = jr.plan_layouts(tree, isz, max_bucket_bytes=[1 << 20, 64 << 20], topology=topo)
+  assert small.max_bucket_bytes == 64 << 20
+  with pytest.raises(jr.BucketBoundError, match="max_bucket_bytes=2097152 is below") as err:
+    jr.plan_layouts(tree, isz, max_bucket_bytes=[1 << 20, 2 << 20], topology=topo)
+  least = err.value.minimum_bytes
+  for _ in range(3):
+    try:
+      plan = jr.plan_layouts(tree, isz, max_bucket_bytes=[1 << 20, least], topology=topo)
+      break
+    except jr.BucketBoundError as again:
+      assert again.minimum_bytes > least
+      least = again.minimum_bytes
+  assert plan.max_bucket_bytes == least and plan.stats.peak_staging_bytes <= least
+
+
+@pytest.mark.parametrize(
+  "bad", [[], [0], [-1], [True], ["1"], [1.5], "1024", {"a": 1}], ids=lambda b: repr(b)
+)
+def test_bucket_bound_candidates_are_checked(bad: Any) -> None:
+  tree, isz = _two_hosts(64)
+  with pytest.raises(jr.ReshardError, match="max_bucket_bytes"):
+    jr.plan_layouts(tree, isz, max_bucket_bytes=bad, topology=Topology.h100_nodes(2))
+
+
+def test_bucket_bound_candidates_need_a_topology() -> None:
+  tree, isz = _two_hosts(64)
+  with pytest.raises(jr.ReshardError, match="needs a topology"):
+    jr.plan_layouts(tree, isz, max_bucket_bytes=[1 << 20, 1 << 30])
+
+
+def test_make_plan_takes_bucket_bound_candidates() -> None:
+  """On 8 CPU devices as 4 domains of 2: ``make_plan`` with candidates keeps the bound the CPU
+  preset predicts fastest, runs bit for bit, and is cached like a plan of one bound; candidates
+  without a topology or with ``transform=`` raise."""
+  devs = np.array(sorted(jax.devices(), key=lambda d: d.id)[:8])
+  trainer = NamedSharding(Mesh(devs[:4], ("fsdp",)), P("fsdp"))
+  sampler = NamedSharding(Mesh(devs[4:].reshape(2, 2), ("tp", "dp")), P(None, "tp"))
+  w = np.random.default_rng(3).standard_normal((256, 512)).astype(np.float32)
+  x = {"w": jax.device_put(w, trainer), "b": jax.device_put(w[0], NamedSharding(trainer.mesh, P()))}
+  dst = {"w": sampler, "b": NamedSharding(sampler.mesh, P())}
+  bounds = (192 << 10, 384 << 10, 1 << 20)
+  plans = {b: jr.make_plan(x, dst, max_bucket_bytes=b, topology=PAIRS) for b in bounds}
+  times = {b: p.estimate().seconds for b, p in plans.items()}
+  assert len(set(times.values())) == len(bounds)
+  best = min(times, key=lambda b: times[b])
+  plan = jr.make_plan(x, dst, max_bucket_bytes=list(bounds), topology=PAIRS)
+  assert plan.layout_plan.max_bucket_bytes == best
+  assert plan.stats.num_buckets == plans[best].stats.num_buckets
+  assert plan.estimate().seconds == times[best]
+  assert jr.make_plan(x, dst, max_bucket_bytes=bounds[::-1], topology=PAIRS) is plan  # cached
+  _run_bit_for_bit(plan, x, dst)
+  y = jr.reshard(x, dst, max_bucket_bytes=bounds, topology=PAIRS)
+  for k in x:
+    assert np.array_equal(np.asarray(y[k]), np.asarray(x[k]))
+  with pytest.raises(jr.ReshardError, match="needs a topology"):
+    jr.make_plan(x, dst, max_bucket_bytes=bounds)
+  with pytest.raises(jr.ReshardError, match="not candidates"):
+    jr.make_plan(x, {"w": sampler}, max_bucket_bytes=bounds, transform=lambda t: {"w": t["w"]})
+
+
+def test_a_relay_plan_too_large_for_the_bound_names_the_least_bound_of_both_stages() -> None:
+  """A bound below what the first stage needs (a sampler device stages a 512 KiB zero block of
+  the trainer's shard) raises ``BucketBoundError`` naming the leaf and the first stage's least
+  bound, as without relays, though the forwarding stage alone fits (its windows across the
+  trainer's shard boundaries included)."""
+  tree, isz = _two_hosts(1024)  # 2 MiB of bfloat16; trainer shards of 512 KiB
+  topo = Topology.h100_nodes(2)
+  bound = 2 * 1024 * 1024 // 48
+  with pytest.raises(jr.ReshardError, match="leaf w needs") as err:
+    jr.plan_layouts(tree, isz, max_bucket_bytes=bound, topology=topo, leaf_names=["w"])
+  least = err.value.minimum_bytes  # type: ignore[attr-defined]
+  with pytest.raises(jr.ReshardError) as direct:
+    jr.plan_layouts(tree, isz, max_bucket_bytes=bound)
+  assert least == direct.value.minimum_bytes  # type: ignore[attr-defined]
+  for _ in range(3):  # a lower bound first, as without relays
+    try:
+      plan = jr.plan_layouts(tree, isz, max_bucket_bytes=least, topology=topo)
+      break
+    except jr.BucketBoundError as again:
+      assert again.minimum_bytes > least
+      least = again.minimum_bytes
+  assert plan.relay is not None and plan.stats.peak_staging_bytes <= least
+  # The forwarding stage alone at that bound: windows of rows, some across two trainer
+  # shards (more pairs, whose rounds may pad more); every one is checked and fits.
+  relay = jr.plan_layouts(tree, isz, max_bucket_bytes=None, topology=topo).relay
+  assert relay is not None
+  d = tree[0][1]
+  for b in (bound, 2 * 1024 * 1024 // 24):
+    sch = make_schedule(list(relay.leaf_plans), [(d, d)], isz, max_bucket_bytes=b, topology=topo)
+    assert sch.leaf_windows[0] is not None and len(sch.buckets) > 2
+    assert sch.peak_staging_bytes <= b
+    pairs = [len({p for r in bk.rounds for p in r.pairs}) for bk in sch.buckets]
+    assert max(pairs) > min(pairs)  # a window across a shard boundary: more pairs
+    moved = sum(int(np.sum(bk.piece_nbytes)) for bk in sch.buckets)
+    assert moved == int(relay.leaf_plans[0].nbytes[~relay.leaf_plans[0].local].sum())
+
+
 def test_estimate_counts_placeholders_and_leaves() -> None:
   """Disjoint devices: every sampler device stages a zero source block and every trainer
   device returns a discarded output block, zeros written at the fill bandwidth; the shards
