@@ -16,10 +16,10 @@ The refit table plans NVIDIA's two published NeMo RL refit cases, DeepSeek-V3 10
 colocated case on GB200 NVL72 racks (72 GPUs per NVLink domain, devices numbered rack by rack,
 trainer first), twice: our direct plan (no topology: every destination device receives what it
 lacks from a source replica) and our topology-aware plan (relays or not, and the bucket bound
-of 1 or 4 GiB, chosen by the cost model: ``relays="auto"`` with ``max_bucket_bytes`` candidates;
-its planning time is that call's, every candidate included). NVIDIA's two cases get a third row: the topology-aware plan on racks that each hold 64
-GPUs of the job, trainer and sampler on racks of their own (where NVIDIA's GPUs sat is not
-published). Times are the cost model's predictions (``plan.estimate``), not GPU measurements;
+of 1 or 4 GiB, chosen by the cost model: ``relays="auto"`` with ``max_bucket_bytes``
+candidates; its planning time is that call's, every candidate included). NVIDIA's two cases
+get a third row: the topology-aware plan on racks that each hold 64 GPUs of the job, trainer
+and sampler on racks of their own (where NVIDIA's GPUs sat is not published). Times are the cost model's predictions (``plan.estimate``), not GPU measurements;
 NVIDIA's columns are their measured times.
 """
 
