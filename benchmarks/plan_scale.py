@@ -19,8 +19,9 @@ lacks from a source replica) and our topology-aware plan (relays or not, and the
 of 1 or 4 GiB, chosen by the cost model: ``relays="auto"`` with ``max_bucket_bytes``
 candidates; its planning time is that call's, every candidate included). NVIDIA's two cases
 get a third row: the topology-aware plan on racks that each hold 64 GPUs of the job, trainer
-and sampler on racks of their own (where NVIDIA's GPUs sat is not published). Times are the cost model's predictions (``plan.estimate``), not GPU measurements;
-NVIDIA's columns are their measured times.
+and sampler on racks of their own (where NVIDIA's GPUs sat is not published). Times are the
+cost model's predictions (``plan.estimate``), not GPU measurements; NVIDIA's columns are their
+measured times.
 """
 
 from __future__ import annotations
