@@ -239,13 +239,29 @@ def _plan_layouts(
   resolved = resolve_relays(relays, topology)
   candidates = bucket_candidates(max_bucket_bytes, topology)
 
-  def plan_for(bound: int | None, timed: bool = True) -> tuple[LayoutPlan, float | None]:
+  def plan_for(bound: int | None, timed: bool = True) -> _Made:
     return _plan_relays_or_not((lays, sizes, bound, topology), resolved, interleave, names, timed)
 
   if candidates is None:
     assert not isinstance(max_bucket_bytes, Sequence)
-    return plan_for(max_bucket_bytes, timed=False)[0]
-  return choose_bucket_bytes(plan_for, candidates)
+    made = plan_for(max_bucket_bytes, timed=False)
+  else:
+    made = choose_bucket_bytes(plan_for, candidates)
+  # Counted for the plan kept only (the others' passes are never read).
+  plan = made.plan
+  passes = passes_per_moved_byte(plan.stages(), plan.stats.bytes_moved, None, made.classes)
+  stats = dataclasses.replace(plan.stats, passes_per_moved_byte=passes)
+  return dataclasses.replace(plan, stats=stats)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Made:
+  """A plan being made: the plan (its ``passes_per_moved_byte`` not counted yet), per stage its
+  :func:`bucket_classes`, and its predicted seconds on its topology if computed."""
+
+  plan: LayoutPlan
+  classes: list[tuple[int, ...]]
+  seconds: float | None = None
 
 
 def bucket_candidates(
@@ -294,24 +310,24 @@ def bucket_candidates(
   return tuple(sorted({int(b) for b in max_bucket_bytes}))
 
 
-def choose_bucket_bytes(
-  plan_for: Callable[[int], tuple[LayoutPlan, float | None]], candidates: Sequence[int]
-) -> LayoutPlan:
+def choose_bucket_bytes(plan_for: Callable[[int], _Made], candidates: Sequence[int]) -> _Made:
   """The plan ``plan_for`` makes for each bound of ``candidates`` (ascending) that the cost
   model predicts fastest, the smaller bound on a tie; a bound below what some leaf needs is
   passed over (:class:`BucketBoundError`), and if every one is, the largest's error is
-  raised. ``plan_for`` returns the plan and its predicted seconds (``None``: not known)."""
-  best: tuple[float, LayoutPlan] | None = None
+  raised. ``plan_for`` returns the plan made (:class:`_Made`)."""
+  best: tuple[float, _Made] | None = None
   error: BucketBoundError | None = None
   for bound in candidates:
     try:
-      plan, seconds = plan_for(bound)
+      made = plan_for(bound)
     except BucketBoundError as e:
       error = e
       continue
-    seconds = plan.estimate().seconds if seconds is None else seconds
+    seconds = made.seconds
+    if seconds is None:
+      seconds = estimate(made.plan, classes=made.classes).seconds
     if best is None or seconds < best[0]:
-      best = (seconds, plan)
+      best = (seconds, made)
   if best is None:
     assert error is not None
     raise error
@@ -360,25 +376,27 @@ def _plan_relays_or_not(
   interleave: bool,
   names: tuple[str, ...],
   timed: bool = False,
-) -> tuple[LayoutPlan, float | None]:
+) -> _Made:
   """The plan with ``relays``; for ``"auto"``, the faster predicted of with and without.
   The plan without relays is not scheduled where a lower bound of its time, from its leaf
   plans (:func:`time_lower_bound`), is already no less than the relay plan's predicted time
-  (relays win ties). With the plan, its predicted seconds on its topology where they were
-  computed, or with ``timed`` (else ``None``)."""
+  (relays win ties). Its predicted seconds come with it where they were computed, or with
+  ``timed``."""
   relayed, relayed_classes = _plan_tree(*args, relays is not False, interleave, names)
   if relays != "auto" or relayed.relay is None:
     seconds = estimate(relayed, classes=relayed_classes).seconds if timed else None
-    return relayed, seconds
+    return _Made(relayed, relayed_classes, seconds)
   layouts, itemsizes, _, topology = args
   assert topology is not None  # relays need one
   relayed_s = estimate(relayed, classes=relayed_classes).seconds
   full = tuple(plan_leaves(layouts, itemsizes, topology=topology, relays=False))
   if time_lower_bound(full, topology) >= relayed_s:
-    return relayed, relayed_s
+    return _Made(relayed, relayed_classes, relayed_s)
   direct, direct_classes = _plan_tree(*args, False, interleave, names, full)
   direct_s = estimate(direct, classes=direct_classes).seconds
-  return (direct, direct_s) if direct_s < relayed_s else (relayed, relayed_s)
+  if direct_s < relayed_s:
+    return _Made(direct, direct_classes, direct_s)
+  return _Made(relayed, relayed_classes, relayed_s)
 
 
 def _plan_tree(
@@ -392,7 +410,8 @@ def _plan_tree(
   full: tuple[LeafPlan, ...] | None = None,
 ) -> tuple[LayoutPlan, list[tuple[int, ...]]]:
   """:func:`plan_layouts` on normalised arguments, with the :func:`bucket_classes` of each
-  stage; ``full``: the leaf plans (:func:`plan_leaves` with ``relays``), if made already."""
+  stage (its ``passes_per_moved_byte`` left at 0: see :func:`_plan_layouts`); ``full``: the
+  leaf plans (:func:`plan_leaves` with ``relays``), if made already."""
   if full is None:
     full = tuple(plan_leaves(layouts, itemsizes, topology=topology, relays=relays))
   interleave = interleave and _domains(layouts, topology) > 1
@@ -424,10 +443,7 @@ def _plan_tree(
   if errors:
     raise max(errors, key=lambda e: e.minimum_bytes)
   stats = _stats(first_stage, relay, full, topology)
-  stages = (first_stage,) if relay is None else (first_stage, relay)
   by_stage = [classes] if relay is None else [classes, relay_classes]
-  passes = passes_per_moved_byte(stages, stats.bytes_moved, None, by_stage)
-  stats = dataclasses.replace(stats, passes_per_moved_byte=passes)
   plan = dataclasses.replace(first_stage, stats=stats, relay=relay)
   return plan, by_stage
 
