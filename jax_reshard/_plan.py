@@ -112,6 +112,9 @@ class LayoutPlan:
       from its destination layout to itself, whose remote transfers are the forwards (sent by
       devices that received the region in the first stage) and whose local transfers keep what
       each device already assembled. ``None`` without relays.
+    bucket_classes: per bucket of this stage, the first bucket of the stage that runs the same
+      program (item sizes as element kinds; ``_classes.stage_classes``), or ``None`` where not
+      known; :meth:`estimate` reads it.
   """
 
   layouts: tuple[tuple[Layout, Layout], ...]
@@ -123,6 +126,7 @@ class LayoutPlan:
   max_bucket_bytes: int | None
   topology: Topology | None = None
   relay: LayoutPlan | None = None
+  bucket_classes: tuple[int, ...] | None = None
 
   def stages(self) -> tuple[LayoutPlan, ...]:
     """The plans run one after the other: this one, then the relay stage if any."""
@@ -133,7 +137,9 @@ class LayoutPlan:
   ) -> Estimate:
     """The predicted time of this plan on ``topology`` (default: the plan's own); see
     :func:`jax_reshard.estimate`."""
-    return estimate(self, topology, as_is)
+    known = [st.bucket_classes for st in self.stages() if st.bucket_classes is not None]
+    classes = known if len(known) == len(self.stages()) else None
+    return estimate(self, topology, as_is, classes)
 
   def bucket_leaves(self, bucket: int) -> tuple[int, ...]:
     """The leaves (indices into ``layouts``) that bucket ``bucket`` moves."""
@@ -655,8 +661,9 @@ def _stage_plan(
   classes = stage_classes(leaf_plans, layouts, scheduled, schedule, itemsizes)
   stats = schedule_stats(leaf_plans, schedule, len(set(classes)))
   plan = LayoutPlan(
-    layouts, itemsizes, leaf_plans, scheduled, schedule, stats, max_bucket_bytes, topology
-  )
+    layouts, itemsizes, leaf_plans, scheduled, schedule, stats, max_bucket_bytes, topology,
+    bucket_classes=classes,
+  )  # fmt: skip
   return plan, classes
 
 

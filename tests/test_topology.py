@@ -20,6 +20,7 @@ from test_properties import SETTINGS, itemsizes, trees
 
 import jax_reshard as jr
 from jax_reshard import Layout, Link, Topology, _plan
+from jax_reshard._classes import stage_classes
 from jax_reshard._cost import time_lower_bound
 from jax_reshard._planner import plan_leaves
 from jax_reshard._schedule import make_schedule
@@ -147,6 +148,14 @@ def test_estimates_are_monotone_in_bytes_and_rounds(tree, itemsize) -> None:
   est = small.estimate()
   assert est.seconds == pytest.approx(est.call_s + est.transfer_s + est.pack_s + est.assemble_s)
   assert est.num_rounds == small.stats.num_rounds
+  # The plan's stored bucket classes are the ones the estimate would find.
+  for stage in small.stages():
+    assert stage.bucket_classes == stage_classes(
+      stage.leaf_plans, stage.layouts, stage.scheduled, stage.schedule, stage.itemsizes
+    )
+  relay = small.relay and dataclasses.replace(small.relay, bucket_classes=None)
+  unknown = dataclasses.replace(small, bucket_classes=None, relay=relay)
+  assert unknown.estimate() == est
 
 
 def test_estimate_monotone_in_a_round() -> None:
