@@ -136,6 +136,18 @@ def test_refit_with_a_topology_relays_or_not() -> None:
     assert (plan.stats.relay_bytes > 0) == relayed
     got, want = _values(nnx.state(sampler, nnx.Param)), _values(nnx.state(new, nnx.Param))
     assert all(np.array_equal(got[k], want[k]) for k in want)
+  # Bucket bound candidates: the plan of the bound the CPU preset predicts fastest.
+  new = _trainer(10)
+  bounds = (1 << 12, 1 << 20)
+  plan = jr_flax.refit(new, sampler, topology=pairs, relays="auto", max_bucket_bytes=bounds)
+  src, dst = nnx.state(new, nnx.Param), nnx.state(sampler, nnx.Param)
+  times = {
+    b: jr.make_plan(src, dst, topology=pairs, relays="auto", max_bucket_bytes=b).estimate().seconds
+    for b in bounds
+  }
+  assert plan.layout_plan.max_bucket_bytes == min(bounds, key=lambda b: times[b])
+  got, want = _values(nnx.state(sampler, nnx.Param)), _values(nnx.state(new, nnx.Param))
+  assert all(np.array_equal(got[k], want[k]) for k in want)
 
 
 def test_refit_other_variable_types_with_a_filter() -> None:
