@@ -560,6 +560,44 @@ def test_a_relay_plan_too_large_for_the_bound_names_the_least_bound_of_both_stag
     assert moved == int(relay.leaf_plans[0].nbytes[~relay.leaf_plans[0].local].sum())
 
 
+def _stage_leaf(shape: tuple[int, ...], stage: int) -> tuple[Layout, Layout]:
+  """A leaf of ``shape`` on pipeline stage ``stage`` (4 devices each) to 4 sampler devices."""
+  src = Layout.from_description(
+    shape, mesh_shape=(4,), axis_names=("ep",), spec=("ep",),
+    device_ids=range(4 * stage, 4 * stage + 4),
+  )  # fmt: skip
+  dst = Layout.from_description(
+    shape, mesh_shape=(4,), axis_names=("tp",), spec=(None, "tp"), device_ids=range(16, 20)
+  )
+  return src, dst
+
+
+def test_stages_are_interleaved_weight_by_weight() -> None:
+  """Four stages of layers of 3 weights (kinds A, B, C), the first stage led by an embedding
+  and a dense layer of other kinds (E, D, D): those go first, then the round-robin takes the
+  same weight from every stage, in the stages' alternating order (0, 2, 1, 3). A stage whose
+  leaves match the others only over a short tail keeps its place."""
+  a, b, c, e, dense = (64, 32), (32, 64), (64, 64), (128, 32), (96, 32)
+  layer = [a, b, c]
+  stages = [[e, dense, dense, *layer * 2], layer * 3, layer * 3, [*layer * 3, e]]
+  layouts = [_stage_leaf(shape, k) for k, shapes in enumerate(stages) for shape in shapes]
+  order = _plan.interleave_by_source(range(len(layouts)), layouts)
+  assert sorted(order) == list(range(len(layouts)))
+  shapes = [layouts[i][0].shape for i in order]
+  stage_of = [layouts[i][0].device_ids[0] // 4 for i in order]
+  assert shapes[:3] == [e, dense, dense] and stage_of[:3] == [0, 0, 0]
+  body = list(zip(shapes[3:], stage_of[3:], strict=True))
+  # Weight by weight: four of one kind (one per stage), while the first stage lasts.
+  for k in range(6):
+    assert {shp for shp, _ in body[4 * k : 4 * k + 4]} == {layer[k % 3]}
+    assert [st for _, st in body[4 * k : 4 * k + 4]] == [0, 2, 1, 3]
+  assert body[-1] == (e, 3)  # the last stage's extra leaf last
+  # Without an aligned body (kinds match only over the last leaf): plain round-robin.
+  odd = [[a, b, c, a], [c, c, c, a]]
+  lay = [_stage_leaf(shape, k) for k, shapes in enumerate(odd) for shape in shapes]
+  assert _plan.interleave_by_source(range(8), lay) == (0, 4, 1, 5, 2, 6, 3, 7)
+
+
 def test_estimate_counts_placeholders_and_leaves() -> None:
   """Disjoint devices: every sampler device stages a zero source block and every trainer
   device returns a discarded output block, zeros written at the fill bandwidth; the shards
