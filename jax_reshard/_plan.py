@@ -658,11 +658,18 @@ def _align_queues(
   ]
 
 
+# The most offsets :func:`_body_start` tries (where the reference's first kind is): heads are
+# short (an embedding and a few dense layers), and each try compares up to a whole queue.
+MAX_BODY_STARTS = 64
+
+
 def _body_start(kinds: np.ndarray, ref: np.ndarray) -> tuple[int, int]:
-  """The first offset from which ``kinds`` equal ``ref`` for as long as both last, over at
-  least half of ``ref``, and that length; ``(0, 0)`` if none."""
+  """The first offset (of the first :data:`MAX_BODY_STARTS` where ``ref``'s first kind is)
+  from which ``kinds`` equal ``ref`` for as long as both last, over at least half of ``ref``,
+  and that length; ``(0, 0)`` if none."""
   least = (len(ref) + 1) // 2
-  for o in np.flatnonzero(kinds[: max(len(kinds) - least + 1, 0)] == ref[0]).tolist():
+  starts = np.flatnonzero(kinds[: max(len(kinds) - least + 1, 0)] == ref[0])
+  for o in starts[:MAX_BODY_STARTS].tolist():
     n = min(len(kinds) - o, len(ref))
     if np.array_equal(kinds[o : o + n], ref[:n]):
       return o, n
