@@ -598,6 +598,24 @@ def test_stages_are_interleaved_weight_by_weight() -> None:
   assert _plan.interleave_by_source(range(8), lay) == (0, 4, 1, 5, 2, 6, 3, 7)
 
 
+@SETTINGS
+@given(
+  st.lists(
+    st.tuples(st.integers(0, 3), st.sampled_from([(64, 32), (32, 64), (64, 64), (128, 32)])),
+    min_size=1,
+    max_size=40,
+  )
+)
+def test_interleaving_is_a_permutation_in_tree_order_per_stage(leaves) -> None:
+  """Whatever the stages and kinds: every leaf once, each stage's leaves in tree order."""
+  layouts = [_stage_leaf(shape, stage) for stage, shape in leaves]
+  order = _plan.interleave_by_source(range(len(layouts)), layouts)
+  assert sorted(order) == list(range(len(layouts)))
+  for stage in range(4):
+    mine = [i for i in order if leaves[i][0] == stage]
+    assert mine == sorted(mine)
+
+
 def test_estimate_counts_placeholders_and_leaves() -> None:
   """Disjoint devices: every sampler device stages a zero source block and every trainer
   device returns a discarded output block, zeros written at the fill bandwidth; the shards
