@@ -320,7 +320,7 @@ def choose_bucket_bytes(plan_for: Callable[[int], _Made], candidates: Sequence[i
   """The plan ``plan_for`` makes for each bound of ``candidates`` (ascending) that the cost
   model predicts fastest, the smaller bound on a tie; a bound below what some leaf needs is
   passed over (:class:`BucketBoundError`), and if every one is, the largest's error is
-  raised. ``plan_for`` returns the plan made (:class:`_Made`)."""
+  raised. ``plan_for`` returns the plan made with its predicted seconds (:class:`_Made`)."""
   best: tuple[float, _Made] | None = None
   error: BucketBoundError | None = None
   for bound in candidates:
@@ -329,11 +329,9 @@ def choose_bucket_bytes(plan_for: Callable[[int], _Made], candidates: Sequence[i
     except BucketBoundError as e:
       error = e
       continue
-    seconds = made.seconds
-    if seconds is None:
-      seconds = estimate(made.plan, classes=made.classes).seconds
-    if best is None or seconds < best[0]:
-      best = (seconds, made)
+    assert made.seconds is not None
+    if best is None or made.seconds < best[0]:
+      best = (made.seconds, made)
   if best is None:
     assert error is not None
     raise error
