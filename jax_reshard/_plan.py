@@ -245,29 +245,20 @@ def _plan_layouts(
   resolved = resolve_relays(relays, topology)
   candidates = bucket_candidates(max_bucket_bytes, topology)
 
-  def plan_for(bound: int | None, timed: bool = True) -> _Made:
-    return _plan_relays_or_not((lays, sizes, bound, topology), resolved, interleave, names, timed)
+  def plan_for(bound: int | None) -> tuple[LayoutPlan, float | None]:
+    return _plan_relays_or_not((lays, sizes, bound, topology), resolved, interleave, names)
 
   if candidates is None:
     assert not isinstance(max_bucket_bytes, Sequence)
-    made = plan_for(max_bucket_bytes, timed=False)
+    args = (lays, sizes, max_bucket_bytes, topology)
+    plan = _plan_relays_or_not(args, resolved, interleave, names, timed=False)[0]
   else:
-    made = choose_bucket_bytes(plan_for, candidates)
+    plan = choose_bucket_bytes(plan_for, candidates)
   # Counted for the plan kept only (the others' passes are never read).
-  plan = made.plan
-  passes = passes_per_moved_byte(plan.stages(), plan.stats.bytes_moved, None, made.classes)
+  classes = [st.bucket_classes for st in plan.stages()]
+  passes = passes_per_moved_byte(plan.stages(), plan.stats.bytes_moved, None, classes)
   stats = dataclasses.replace(plan.stats, passes_per_moved_byte=passes)
   return dataclasses.replace(plan, stats=stats)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Made:
-  """A plan being made: the plan (its ``passes_per_moved_byte`` not counted yet), per stage its
-  :func:`bucket_classes`, and its predicted seconds on its topology if computed."""
-
-  plan: LayoutPlan
-  classes: list[tuple[int, ...]]
-  seconds: float | None = None
 
 
 def bucket_candidates(
@@ -316,22 +307,24 @@ def bucket_candidates(
   return tuple(sorted({int(b) for b in max_bucket_bytes}))
 
 
-def choose_bucket_bytes(plan_for: Callable[[int], _Made], candidates: Sequence[int]) -> _Made:
+def choose_bucket_bytes(
+  plan_for: Callable[[int], tuple[LayoutPlan, float | None]], candidates: Sequence[int]
+) -> LayoutPlan:
   """The plan ``plan_for`` makes for each bound of ``candidates`` (ascending) that the cost
   model predicts fastest, the smaller bound on a tie; a bound below what some leaf needs is
   passed over (:class:`BucketBoundError`), and if every one is, the largest's error is
-  raised. ``plan_for`` returns the plan made with its predicted seconds (:class:`_Made`)."""
-  best: tuple[float, _Made] | None = None
+  raised. ``plan_for`` returns the plan and its predicted seconds."""
+  best: tuple[float, LayoutPlan] | None = None
   error: BucketBoundError | None = None
   for bound in candidates:
     try:
-      made = plan_for(bound)
+      plan, seconds = plan_for(bound)
     except BucketBoundError as e:
       error = e
       continue
-    assert made.seconds is not None
-    if best is None or made.seconds < best[0]:
-      best = (made.seconds, made)
+    assert seconds is not None
+    if best is None or seconds < best[0]:
+      best = (seconds, plan)
   if best is None:
     assert error is not None
     raise error
@@ -379,28 +372,25 @@ def _plan_relays_or_not(
   relays: bool | Literal["auto"],
   interleave: bool,
   names: tuple[str, ...],
-  timed: bool = False,
-) -> _Made:
+  timed: bool = True,
+) -> tuple[LayoutPlan, float | None]:
   """The plan with ``relays``; for ``"auto"``, the faster predicted of with and without.
   The plan without relays is not scheduled where a lower bound of its time, from its leaf
   plans (:func:`time_lower_bound`), is already no less than the relay plan's predicted time
-  (relays win ties). Its predicted seconds come with it where they were computed, or with
-  ``timed``."""
-  relayed, relayed_classes = _plan_tree(*args, relays is not False, interleave, names)
+  (relays win ties). With the plan, its predicted seconds on its topology where ``timed`` or
+  computed for the choice, else ``None``."""
+  relayed = _plan_tree(*args, relays is not False, interleave, names)
   if relays != "auto" or relayed.relay is None:
-    seconds = estimate(relayed, classes=relayed_classes).seconds if timed else None
-    return _Made(relayed, relayed_classes, seconds)
+    return relayed, relayed.estimate().seconds if timed else None
   layouts, itemsizes, _, topology = args
   assert topology is not None  # relays need one
-  relayed_s = estimate(relayed, classes=relayed_classes).seconds
+  relayed_s = relayed.estimate().seconds
   full = tuple(plan_leaves(layouts, itemsizes, topology=topology, relays=False))
   if time_lower_bound(full, topology) >= relayed_s:
-    return _Made(relayed, relayed_classes, relayed_s)
-  direct, direct_classes = _plan_tree(*args, False, interleave, names, full)
-  direct_s = estimate(direct, classes=direct_classes).seconds
-  if direct_s < relayed_s:
-    return _Made(direct, direct_classes, direct_s)
-  return _Made(relayed, relayed_classes, relayed_s)
+    return relayed, relayed_s
+  direct = _plan_tree(*args, False, interleave, names, full)
+  direct_s = direct.estimate().seconds
+  return (direct, direct_s) if direct_s < relayed_s else (relayed, relayed_s)
 
 
 def _plan_tree(
@@ -412,10 +402,10 @@ def _plan_tree(
   interleave: bool,
   names: tuple[str, ...],
   full: tuple[LeafPlan, ...] | None = None,
-) -> tuple[LayoutPlan, list[tuple[int, ...]]]:
-  """:func:`plan_layouts` on normalised arguments, with the :func:`bucket_classes` of each
-  stage (its ``passes_per_moved_byte`` left at 0: see :func:`_plan_layouts`); ``full``: the
-  leaf plans (:func:`plan_leaves` with ``relays``), if made already."""
+) -> LayoutPlan:
+  """:func:`plan_layouts` on normalised arguments (its ``passes_per_moved_byte`` left at 0:
+  see :func:`_plan_layouts`); ``full``: the leaf plans (:func:`plan_leaves` with ``relays``),
+  if made already."""
   if full is None:
     full = tuple(plan_leaves(layouts, itemsizes, topology=topology, relays=relays))
   interleave = interleave and _domains(layouts, topology) > 1
@@ -432,13 +422,13 @@ def _plan_tree(
   # names the larger (the least bound of the whole plan).
   errors: list[BucketBoundError] = []
   try:
-    first_stage, classes = _stage_plan(
+    first_stage = _stage_plan(
       layouts, itemsizes, leaf_plans, scheduled, max_bucket_bytes, topology, names
     )
   except BucketBoundError as e:
     errors.append(e)
   try:
-    relay, relay_classes = _relay_stage(
+    relay = _relay_stage(
       [second for _, second in split], layouts, itemsizes, max_bucket_bytes, topology,
       interleave, names,
     )  # fmt: skip
@@ -447,9 +437,7 @@ def _plan_tree(
   if errors:
     raise max(errors, key=lambda e: e.minimum_bytes)
   stats = _stats(first_stage, relay, full, topology)
-  by_stage = [classes] if relay is None else [classes, relay_classes]
-  plan = dataclasses.replace(first_stage, stats=stats, relay=relay)
-  return plan, by_stage
+  return dataclasses.replace(first_stage, stats=stats, relay=relay)
 
 
 def pass_bytes(
@@ -682,12 +670,12 @@ def _relay_stage(
   topology: Topology | None,
   interleave: bool,
   names: Sequence[str] | None = None,
-) -> tuple[LayoutPlan | None, tuple[int, ...]]:
-  """The relay stage of the leaves with a second-stage plan, or ``None`` if none has one, with
-  its :func:`bucket_classes`; ``names``: per leaf, for error messages."""
+) -> LayoutPlan | None:
+  """The relay stage of the leaves with a second-stage plan, or ``None`` if none has one;
+  ``names``: per leaf, for error messages."""
   relayed = tuple(i for i, second in enumerate(seconds) if second is not None)
   if not relayed:
-    return None, ()
+    return None
   if interleave:
     relayed = interleave_by_source(relayed, layouts)
   return _stage_plan(
@@ -712,10 +700,10 @@ def _stage_plan(
   max_bucket_bytes: int | None,
   topology: Topology | None,
   names: Sequence[str] | None = None,
-) -> tuple[LayoutPlan, tuple[int, ...]]:
-  """One stage: its leaf plans scheduled, with the stats of this stage alone, and its
-  :func:`bucket_classes` (itemsizes as kinds). Leaves split over several buckets come back with
-  their remote transfers cut into chunks."""
+) -> LayoutPlan:
+  """One stage: its leaf plans scheduled, with the stats of this stage alone and its
+  :func:`bucket_classes` (itemsizes as kinds; ``LayoutPlan.bucket_classes``). Leaves split over
+  several buckets come back with their remote transfers cut into chunks."""
   schedule = make_schedule(
     [leaf_plans[i] for i in scheduled],
     [layouts[i] for i in scheduled],
@@ -734,7 +722,7 @@ def _stage_plan(
     layouts, itemsizes, leaf_plans, scheduled, schedule, stats, max_bucket_bytes, topology,
     bucket_classes=classes,
   )  # fmt: skip
-  return plan, classes
+  return plan
 
 
 def schedule_stats(
