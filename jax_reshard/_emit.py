@@ -486,6 +486,29 @@ def _emit_segments(
   return tuple(jax.lax.ppermute(operands, axis, list(rnd.pairs)))
 
 
+def _written_raw(dtype: np.dtype) -> bool:
+  """Whether parts are written into a block of ``dtype`` in place through its unsigned view:
+  XLA:CPU converts bfloat16 and float8 blocks to float32 and back around a
+  ``dynamic_update_slice``, two passes over the block that also quiet NaN payloads."""
+  return not travels_as_is(dtype)
+
+
+def _writable(block: jax.Array, dtype: np.dtype) -> jax.Array:
+  """``block`` as parts are written into it: its unsigned view where :func:`_written_raw`."""
+  return _to_uint(block) if _written_raw(dtype) else block
+
+
+def _part_to_write(words: jax.Array, dtype: np.dtype) -> jax.Array:
+  """A part in words, as :func:`_writable` blocks take it."""
+  part = _narrow(words, dtype)
+  return part if _written_raw(dtype) else _from_uint(part, dtype)
+
+
+def _written(block: jax.Array, dtype: np.dtype) -> jax.Array:
+  """A block parts were written into (see :func:`_writable`), in ``dtype``."""
+  return _from_uint(block, dtype) if _written_raw(dtype) else block
+
+
 def _in_place(
   lf: LeafView,
   base: jax.Array,
@@ -493,11 +516,11 @@ def _in_place(
   shift: tuple[int, Any] | None = None,
 ) -> jax.Array:
   """``base`` (a destination block) with every part (offset in words, value in words) written
-  into it by ``dynamic_update_slice``, in the leaf's element type; with ``shift``, offsets are
-  from that window start (see :attr:`LeafView.shift`)."""
-  out = base.reshape(lf.dst_shard)
+  into it by ``dynamic_update_slice``, in the leaf's element type (see :func:`_writable`); with
+  ``shift``, offsets are from that window start (see :attr:`LeafView.shift`)."""
+  out = _writable(base.reshape(lf.dst_shard), lf.dtype)
   for offset, value in values:
-    part = _from_uint(_narrow(value, lf.dtype), lf.dtype)
+    part = _part_to_write(value, lf.dtype)
     if not lf.dst_shard:
       out = part.reshape(())
       continue
@@ -505,7 +528,7 @@ def _in_place(
     if shift is not None:
       at[shift[0]] = at[shift[0]] + shift[1]
     out = jax.lax.dynamic_update_slice(out, part, at)
-  return out.reshape(lf.dst_block)
+  return _written(out, lf.dtype).reshape(lf.dst_block)
 
 
 def _base(lf: LeafView, dst: jax.Array | None) -> jax.Array:
@@ -614,9 +637,9 @@ def _write_chunks(
   position, from the window start ``shift`` where the leaf has one): outside any switch, XLA
   updates the donated block where it is."""
   lf, n = program.leaves[li], len(program.device_ids)
-  out = base.reshape(lf.dst_shard)
+  out = _writable(base.reshape(lf.dst_shard), lf.dtype)
   for j, value in enumerate(values):
-    part = _from_uint(_narrow(value, lf.dtype), lf.dtype)
+    part = _part_to_write(value, lf.dtype)
     table = w.offset_table(j, n)
     table[:, -1] *= lf.word_ratio  # words to elements
     if len({tuple(r) for r in table.tolist()}) == 1:
@@ -627,7 +650,7 @@ def _write_chunks(
     if shift is not None:
       at[shift[0]] = at[shift[0]] + shift[1]
     out = jax.lax.dynamic_update_slice(out, part, at)
-  return out.reshape(lf.dst_block)
+  return _written(out, lf.dtype).reshape(lf.dst_block)
 
 
 def emit_body(
@@ -959,41 +982,45 @@ class _Slicer:
 
 @functools.lru_cache(maxsize=PROGRAM_CACHE_SIZE)
 def _write_slab_program(
-  window: DestinationWindow, dtype: np.dtype, devices: tuple[Any, ...], carried: bool
+  window: DestinationWindow, dtype: np.dtype, devices: tuple[Any, ...]
 ) -> Any:
   """A compiled function writing a bucket's slab of every destination shard into the shard
-  (``carried``: the shard filled so far, or a donated buffer, taken first and donated; else
-  zeros), one block per device of ``devices`` (the destination's devices): one pass over the
-  slab, the shard updated where it is."""
+  (the shard filled so far, zeros, or a donated buffer; taken first and donated), one block per
+  device of ``devices`` (the destination's devices): one pass over the slab, the shard updated
+  where it is."""
   staged = NamedSharding(Mesh(np.array(devices), (AXIS,)), PartitionSpec(AXIS))
   at = tuple(window.start if d == window.dim else 0 for d in range(len(window.shard)))
 
-  def write(*blocks: jax.Array) -> jax.Array:
-    base = blocks[0] if carried else jnp.zeros(window.shard, dtype)
-    return jax.lax.dynamic_update_slice(base, blocks[-1], at)
+  def write(shard: jax.Array, slab: jax.Array) -> jax.Array:
+    out = jax.lax.dynamic_update_slice(_writable(shard, dtype), _writable(slab, dtype), at)
+    return _written(out, dtype)
 
   n = len(devices)
-  avals = [jax.ShapeDtypeStruct(_staged_shape(window.shape(), n), dtype, sharding=staged)]
-  if carried:
-    avals.insert(0, jax.ShapeDtypeStruct(_staged_shape(window.shard, n), dtype, sharding=staged))
+  avals = [
+    jax.ShapeDtypeStruct(_staged_shape(shape, n), dtype, sharding=staged)
+    for shape in (window.shard, window.shape())
+  ]
   fn = jax.shard_map(
-    write, mesh=staged.mesh, in_specs=(PartitionSpec(AXIS),) * len(avals),
-    out_specs=PartitionSpec(AXIS),
-  )  # fmt: skip
-  return jax.jit(fn, donate_argnums=(0,) if carried else ()).lower(*avals).compile()
+    write, mesh=staged.mesh, in_specs=(PartitionSpec(AXIS),) * 2, out_specs=PartitionSpec(AXIS)
+  )
+  return jax.jit(fn, donate_argnums=(0,)).lower(*avals).compile()
 
 
 class _SlabWriter:
   """Writes a bucket's slab of a leaf's destination shards into them (see
-  :class:`DestinationWindow`), on the destination's devices alone."""
+  :class:`DestinationWindow`), on the destination's devices alone. The first slab goes into
+  zero shards made first: written into zeros in one program, XLA:CPU pads the slab, which
+  quiets the NaN payloads of bfloat16 and float8 elements."""
 
-  __slots__ = ("compiled", "ids", "shard_wrap", "slab_wrap")
+  __slots__ = ("compiled", "ids", "shard_wrap", "slab_wrap", "zeros")
 
   def __init__(self, lf: LeafView, dst_sharding: Any, *, fast: bool) -> None:
     window = lf.dst_window
     assert window is not None
     devices = tuple(sorted(dst_sharding.device_set, key=lambda d: d.id))
-    self.compiled = [_write_slab_program(window, lf.dtype, devices, c) for c in (False, True)]
+    self.compiled = _write_slab_program(window, lf.dtype, devices)
+    ids = tuple(d.id for d in devices)
+    self.zeros = _placeholder_program(PlaceholderGroup(ids, ((window.shard, lf.dtype),)), devices)
     staged = NamedSharding(Mesh(np.array(devices), (AXIS,)), PartitionSpec(AXIS))
     self.ids = addressable_order(staged, fast=fast)
     n = len(devices)
@@ -1005,10 +1032,11 @@ class _SlabWriter:
   ) -> dict[int, jax.Array]:
     """The destination shards by device id: ``carried`` (donated) or zeros with ``slabs``
     (by device id) written in."""
-    args = [self.slab_wrap([slabs[i] for i in self.ids])]
-    if carried is not None:
-      args.insert(0, self.shard_wrap([carried[i] for i in self.ids]))
-    return buffers_by_device(self.compiled[carried is not None](*args))
+    if carried is None:
+      [zeros] = self.zeros()
+      carried = buffers_by_device(zeros)
+    shards = self.shard_wrap([carried[i] for i in self.ids])
+    return buffers_by_device(self.compiled(shards, self.slab_wrap([slabs[i] for i in self.ids])))
 
 
 IN_FLIGHT_BUCKETS = 2

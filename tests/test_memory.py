@@ -10,7 +10,7 @@ import resource
 import jax
 import numpy as np
 import pytest
-from helpers import assert_matches_oracle
+from helpers import assert_matches_oracle, random_host_array
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -41,6 +41,44 @@ def _placements() -> dict[str, tuple[NamedSharding, NamedSharding, int]]:
       3 * MiB,
     ),
   }
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_parts_written_in_place_keep_every_bit(dtype: str) -> None:
+  """Leaves whose parts are written into their shard where they go (split over buckets into
+  sub-boxes, windows or destination slabs, and refits into donated buffers) keep every bit of
+  the float types XLA:CPU converts to float32 and back around an in-place update, which quiets
+  NaN payloads: random bits, NaNs with payloads among them, eagerly and with ``donate=``."""
+  dt = np.dtype(getattr(jax.numpy, dtype))
+  wide = 4 // dt.itemsize  # the shapes of a float32 leaf cut the same way
+  devs = np.array(jax.devices())
+  ep = NamedSharding(Mesh(devs[:4], ("ep",)), P("ep"))
+  disjoint_src, disjoint_dst, _ = _placements()["disjoint"]
+  cases = [  # (source, destination, shape, bound, what the leaf is cut into)
+    (disjoint_src, disjoint_dst, (2048, 1024 * wide), 3 * MiB, "sub-boxes"),
+    (ep, NamedSharding(Mesh(devs.reshape(4, 2), ("dp", "tp")), P(None, None, "tp")),
+     (8, 64, 32 * wide), 25000, "windows"),
+    (ep, NamedSharding(Mesh(devs[4:].reshape(2, 2), ("dp", "tp")), P(None, "tp")),
+     (8, 2048 * wide), 25000, "destination slabs"),
+  ]  # fmt: skip
+  rng = np.random.default_rng(11)
+  for src, dst, shape, bound, cut in cases:
+    host = random_host_array(rng, shape, dt)
+    assert np.isnan(host.astype(np.float32)).any()
+    x = jax.device_put(host, src)
+    plan = jr.make_plan(x, dst, max_bucket_bytes=bound)
+    sch = plan.schedule
+    assert plan.stats.num_buckets > 1
+    if cut == "windows":
+      assert sch.leaf_windows[0] is not None
+    elif cut == "destination slabs":
+      assert sch.leaf_dst_slabs[0] is not None
+    else:
+      assert all(lf.in_place for p in plan.programs() for lf in p.leaves)
+    y = plan(x)
+    assert_matches_oracle(y, host, dst)
+    flipped = np.ascontiguousarray(host[::-1])
+    assert_matches_oracle(plan(jax.device_put(flipped, src), donate=y), flipped, dst)
 
 
 @pytest.mark.parametrize("placement", ["disjoint", "colocated", "overlapping"])
