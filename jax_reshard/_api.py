@@ -13,7 +13,7 @@ import numpy as np
 
 from jax_reshard._buffers import buffers_by_device
 from jax_reshard._classes import stage_classes
-from jax_reshard._cost import Estimate
+from jax_reshard._cost import Estimate, estimate
 from jax_reshard._emit import BucketExecutable, InFlight, empty_like_sharded, plan_word_bytes
 from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
@@ -83,6 +83,7 @@ class ReshardPlan:
     self._programs: dict[bool, list[BucketProgram]] = {}
     self._executables: dict[bool, list[BucketExecutable]] = {}
     by_stage = self._stage_classes()
+    self._by_stage = by_stage
     classes: list[int] = []
     for stage in by_stage:  # numbered over the buckets of every stage
       classes += [len(classes) + c for c in stage]
@@ -166,9 +167,13 @@ class ReshardPlan:
       self._programs[donate] = programs
     return self._programs[donate]
 
-  def estimate(self, topology: Topology | None = None) -> Estimate:
-    """The predicted time on ``topology`` (default: the plan's); see ``jr.estimate``."""
-    return self.layout_plan.estimate(topology, self._as_is)
+  def estimate(self, topology: Topology | None = None, *, donate: bool = False) -> Estimate:
+    """The predicted time on ``topology`` (default: the plan's), of a call with ``donate=``
+    where ``donate``; see ``jr.estimate``."""
+    dtypes = [lf.dtype for lf in self.leaves]
+    return estimate(
+      self.layout_plan, topology, self._as_is, self._by_stage, kinds=dtypes, donate=donate
+    )
 
   def executables(self, *, donate: bool = False) -> list[BucketExecutable]:
     """Per bucket, its program emitted for its union mesh (compiled on the first call)."""

@@ -11,9 +11,10 @@ rounds one after another. The model charges
   writes the padding at ``memory_bandwidth``;
 * per bucket, the assembly: every destination device copies the parts of its destination
   shards into them (a shard kept whole from one part costs nothing; of a leaf split over
-  buckets, the parts the bucket moves, written in place), and every device of
-  the bucket writes its placeholder blocks (a zero source block for each leaf it has no source
-  shard of, a discarded output block, or slab, for each leaf it has no destination shard of)
+  buckets, the parts the bucket moves, written in place), and every device of the bucket
+  writes its placeholder blocks (a zero source block for each distinct block shape and
+  element kind among the leaves it has no source shard of, a discarded output block, or slab,
+  for each leaf it has no destination shard of)
   at ``fill_bandwidth`` (zeros; ``memory_bandwidth`` where not given); of a leaf cut into
   destination slabs, the bucket's slab is copied twice: assembled, then written into the shard;
 * per bucket and leaf, the topology's ``leaf_latency`` (host work per leaf and call).
@@ -37,7 +38,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Collection, Sequence
+from collections import Counter, defaultdict
+from collections.abc import Collection, Iterator, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -48,9 +50,11 @@ from jax_reshard._planner import LeafPlan
 from jax_reshard._schedule import (
   WHOLE_OPERAND_BYTES,
   Bucket,
+  LeafMode,
   Round,
   Schedule,
   dst_slab_window,
+  leaf_modes,
   placeholder_mask,
   slab_window,
   staged_block_shape,
@@ -76,6 +80,7 @@ class _Stage(Protocol):
 
 class _Plan(_Stage, Protocol):
   def stages(self) -> Sequence[_Stage]: ...
+  def relayed_leaves(self) -> frozenset[int]: ...
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -121,6 +126,9 @@ def estimate(
   topology: Topology | None = None,
   as_is: Collection[int] | None = None,
   classes: Sequence[Sequence[int]] | None = None,
+  kinds: Sequence[object] | None = None,
+  *,
+  donate: bool = False,
 ) -> Estimate:
   """Predicts the time ``plan`` takes on ``topology`` (default: the topology it was made for).
 
@@ -129,8 +137,13 @@ def estimate(
     topology: link and memory costs; a plan made without a topology needs one here.
     as_is: the leaves whose whole source shards travel as they are (see
       :func:`whole_segment_bytes`); ``None``: all.
-    classes: per stage, its :func:`bucket_classes` (any element kinds), if known; else they
-      are found (item sizes as kinds). Buckets equal in :func:`count_keys` are costed once.
+    classes: per stage, its :func:`bucket_classes` (of ``kinds``), if known; else they are
+      found. Buckets equal in :func:`count_keys` are costed once.
+    kinds: per leaf, its element kind (a plan of arrays: its dtype), which tells apart the
+      zero source blocks a device stages; item sizes where ``None``.
+    donate: the time of a call with ``donate=`` (the result written into the sampler's
+      buffers): the first stage writes each relayed leaf's parts into the donated shard where
+      they go, not the whole shard (the relay stage completes it).
 
   Returns:
     An :class:`Estimate`: a prediction from the model in this module's docstring.
@@ -152,29 +165,14 @@ def estimate(
   topo = topology or plan.topology
   if topo is None:
     raise ValueError("estimate needs a topology: plan.estimate(jr.Topology.h100_nodes())")
-  parts = []
-  for k, stage in enumerate(plan.stages()):
-    keys = count_keys(
-      stage,
-      stage_classes(
-        stage.leaf_plans, stage.layouts, stage.scheduled, stage.schedule, stage.itemsizes
-      )
-      if classes is None
-      else classes[k],
-      as_is,
-    )
-    done: dict[tuple[object, ...], _BucketCost] = {}
-    for b, key in enumerate(keys):
-      if key not in done:
-        done[key] = _bucket_cost(stage, b, topo, as_is)
-      parts.append(done[key])
+  parts, assembles = _bucket_costs(plan, topo, as_is, classes, kinds, donate)
   leaves = [len(stage.schedule.buckets[b].leaves) for stage in plan.stages() for b in
             range(len(stage.schedule.buckets))]  # fmt: skip
   calls = [topo.call_latency + topo.leaf_latency * n for n in leaves]
   call = sum(calls)
   transfer = sum(float(c.transfer.sum()) for c in parts)
   pack = sum(float(c.pack.sum()) for c in parts)
-  assemble = sum(c.assemble for c in parts)
+  assemble = sum(assembles)
   return Estimate(
     seconds=call + transfer + pack + assemble,
     call_s=call,
@@ -184,12 +182,85 @@ def estimate(
     slow_transfer_s=sum(float(c.transfer[c.slow].sum()) for c in parts),
     num_rounds=sum(len(c.transfer) for c in parts),
     bucket_seconds=tuple(
-      t + float(c.transfer.sum() + c.pack.sum()) + c.assemble
-      for t, c in zip(calls, parts, strict=True)
+      t + float(c.transfer.sum() + c.pack.sum()) + a
+      for t, c, a in zip(calls, parts, assembles, strict=True)
     ),
     round_seconds=tuple(tuple((c.transfer + c.pack).tolist()) for c in parts),
     topology=topo.name,
   )
+
+
+def _bucket_costs(
+  plan: _Plan,
+  topo: Topology,
+  as_is: Collection[int] | None,
+  classes: Sequence[Sequence[int]] | None,
+  kinds: Sequence[object] | None,
+  donate: bool,
+) -> tuple[list[_BucketCost], list[float]]:
+  """Per bucket of every stage, in the order they run, its costs (buckets equal in
+  :func:`count_keys` and in what :func:`_walk` says of them costed once) and its assembly
+  seconds (with the destination blocks it makes)."""
+  parts = []
+  assembles: list[float] = []
+  fill_bw = topo.fill_bandwidth or topo.memory_bandwidth
+  walk = _walk(plan, donate, kinds)
+  for k, stage in enumerate(plan.stages()):
+    if classes is None:
+      kinds_of = stage.itemsizes if kinds is None else kinds
+      found = stage_classes(
+        stage.leaf_plans, stage.layouts, stage.scheduled, stage.schedule, kinds_of
+      )
+    keys = count_keys(stage, found if classes is None else classes[k], as_is)
+    done: dict[tuple[object, ...], _BucketCost] = {}
+    for b, key in enumerate(keys):
+      relayed, through, made = next(walk)
+      if relayed or through:
+        key = (*key, through, tuple(i in relayed for i in stage.bucket_leaves(b)))
+      if key not in done:
+        done[key] = _bucket_cost(stage, b, topo, as_is, kinds, relayed, through)
+      cost = done[key]
+      parts.append(cost)
+      per_device = cost.assemble if made is None else cost.assemble + made / fill_bw
+      at_once = np.zeros(len(per_device), dtype=np.int64)
+      assembles.append(float(_phase(per_device, at_once, 1, topo.max_parallel)[0]))
+  return parts, assembles
+
+
+def _walk(
+  plan: _Plan, donate: bool, kinds: Sequence[object] | None
+) -> Iterator[tuple[frozenset[int], frozenset[int], np.ndarray | None]]:
+  """Per bucket of every stage, in the order they run: the leaves (of the plan) whose parts
+  it writes into their donated shards (``donate``: relayed leaves in the first stage), the
+  leaves (positions in the stage's schedule) whose discarded blocks pass through unchanged
+  (written in place into a destination input), and per device the bytes of zero destination
+  blocks the eager path makes for it (:func:`_made_blocks`; ``None`` where it takes no
+  destination inputs)."""
+  spares: Counter[tuple[object, ...]] = Counter()
+  for k, stage in enumerate(plan.stages()):
+    stage_donate = donate and k == 0
+    relayed = plan.relayed_leaves() if stage_donate else frozenset()
+    spans = stage.schedule.leaf_buckets
+    for b, bucket in enumerate(stage.schedule.buckets):
+      if not stage_donate and not (spans and any(len(spans[j]) > 1 for j in bucket.leaves)):
+        yield relayed, frozenset(), None  # no destination inputs
+        continue
+      modes = leaf_modes(
+        stage.schedule, stage.layouts, stage.scheduled, b, donate=stage_donate, relayed=relayed
+      )
+      through = frozenset(
+        j for j, m in zip(bucket.leaves, modes, strict=True) if m.in_place and m.dst_input
+      )
+      yield relayed, through, _made_blocks(stage, b, modes, spares, kinds)
+
+
+def made_blocks(
+  plan: _Plan, *, donate: bool = False, kinds: Sequence[object] | None = None
+) -> list[np.ndarray | None]:
+  """Per bucket of every stage, in the order they run, per device of its union (ascending
+  ids) the bytes of zero destination blocks a call makes for it (``None`` where it takes no
+  destination inputs): what :func:`estimate` charges, and what ``_emit`` makes."""
+  return [made for _, _, made in _walk(plan, donate, kinds)]
 
 
 def time_lower_bound(leaf_plans: Sequence[LeafPlan], topology: Topology) -> float:
@@ -293,7 +364,7 @@ class _BucketCost:
   transfer: np.ndarray  # per round, seconds
   slow: np.ndarray  # per round, whether its slowest pair crosses domains
   pack: np.ndarray  # per round, seconds
-  assemble: float
+  assemble: np.ndarray  # per device of the bucket, seconds assembling and writing placeholders
 
 
 def _phase(
@@ -345,8 +416,18 @@ def round_pairs(rounds: Sequence[Round]) -> tuple[np.ndarray, ...]:
 
 
 def _bucket_cost(
-  stage: _Stage, b: int, topo: Topology, as_is: Collection[int] | None = None
+  stage: _Stage,
+  b: int,
+  topo: Topology,
+  as_is: Collection[int] | None = None,
+  kinds: Sequence[object] | None = None,
+  in_place: Collection[int] = frozenset(),
+  through: Collection[int] = frozenset(),
 ) -> _BucketCost:
+  """The costs of bucket ``b`` but for the destination placeholders it makes (see
+  :func:`_made_blocks`); ``in_place``: leaves (of the plan) whose parts are written into their
+  donated shards; ``through``: leaves (positions in the schedule) whose discarded blocks pass
+  through unchanged (donated, written in place: no zeros written)."""
   bucket = stage.schedule.buckets[b]
   n = len(bucket.rounds)
   pairs = round_pairs(bucket.rounds)
@@ -369,12 +450,54 @@ def _bucket_cost(
   transfer = _transfer(lat, sizes[rid] / bw, rid, n, topo.max_parallel, received_zeros / fill_bw)
   pack_s = _pack_seconds(stage, bucket, pairs, kept.astype(np.float64), topo)
   pack = _phase(pack_s, rid, n, topo.max_parallel, packed_zeros / fill_bw)
-  fills, slabs = _placeholder_bytes(stage, b, received_whole)
-  written = _assembled_seconds(stage, b, received_whole, topo) + slabs / topo.memory_bandwidth
-  written = written + fills / fill_bw
-  assemble = _phase(written, np.zeros(len(written), dtype=np.int64), 1, topo.max_parallel)
+  fills, slabs = _placeholder_bytes(stage, b, received_whole | set(through), kinds)
+  written = _assembled_seconds(stage, b, received_whole, topo, in_place)
+  written = written + slabs / topo.memory_bandwidth + fills / fill_bw
   slow = (slowest_cross > 0) & (slowest_cross >= transfer)
-  return _BucketCost(transfer, slow, pack, float(assemble[0]))
+  return _BucketCost(transfer, slow, pack, written)
+
+
+def _made_blocks(
+  stage: _Stage,
+  b: int,
+  modes: Sequence[LeafMode],
+  spares: Counter[tuple[object, ...]],
+  kinds: Sequence[object] | None,
+) -> np.ndarray:
+  """Per device of bucket ``b``, the bytes of zero destination blocks it makes: the eager path
+  donates a block to every leaf with a destination input (``modes``) on each device without a
+  destination shard of it (on every device for a ``fresh`` one), taken from the blocks the last
+  bucket that took destination inputs left on those devices (``spares``, by device, block shape
+  and kind) where every device of the leaf's group has one, else made (``_emit``'s
+  ``BucketExecutable._spare_blocks``). Updates ``spares`` with the blocks this bucket leaves."""
+  bucket = stage.schedule.buckets[b]
+  union = np.asarray(bucket.union_device_ids, dtype=np.int64)
+  made = np.zeros(len(union), dtype=np.float64)
+  inputs = []
+  for m, i in zip(modes, stage.bucket_leaves(b), strict=True):
+    if m.dst_input:
+      dst = stage.layouts[i][1]
+      kind = stage.itemsizes[i] if kinds is None else kinds[i]
+      block = staged_block_shape(dst.shard_shape())
+      inputs.append((dst, (block, kind), float(math.prod(block) * stage.itemsizes[i]), m.fresh))
+  if not inputs:
+    return made
+  groups: dict[tuple[int, ...], list[tuple[tuple[object, ...], float]]] = defaultdict(list)
+  for dst, key, nbytes, fresh in inputs:
+    where = np.arange(len(union)) if fresh else np.flatnonzero(placeholder_mask(dst, union))
+    if len(where):
+      groups[tuple(where.tolist())].append((key, nbytes))
+  for at, blocks in groups.items():
+    for block_key, block_bytes in blocks:
+      wanted = [(int(union[p]), *block_key) for p in at]
+      if all(spares[w] > 0 for w in wanted):
+        spares.subtract(wanted)
+      else:
+        made[list(at)] += block_bytes
+  spares.clear()
+  for dst, key, _, _ in inputs:
+    spares.update((int(d), *key) for d in union[placeholder_mask(dst, union)].tolist())
+  return made
 
 
 def idle_zero_bytes(
@@ -447,14 +570,17 @@ def _pack_seconds(
   return np.where(kept[rid] >= sizes[rid], 0.0, out)
 
 
-def _assembled_seconds(stage: _Stage, b: int, direct: set[int], topo: Topology) -> np.ndarray:
+def _assembled_seconds(
+  stage: _Stage, b: int, direct: set[int], topo: Topology, in_place: Collection[int] = ()
+) -> np.ndarray:
   """Per device of bucket ``b``, the seconds it copies when assembling: every shard it holds,
   each part at its runs in the shard, except one kept whole from a single resident part, or
   received whole (the leaves ``direct``, positions in the schedule, see
   :func:`direct_steps`): no copy; for a leaf split over buckets, only the parts of the
-  bucket's chunks (written into the shard in place); for a leaf cut into destination slabs, the
-  bucket's slab (assembled at the mean cost per byte of the leaf's parts, then written into the
-  shard at the slab's runs)."""
+  bucket's chunks (written into the shard in place); for a leaf of ``in_place`` (indices into
+  the plan's leaves), its parts (written into its donated shard); for a leaf cut into
+  destination slabs, the bucket's slab (assembled at the mean cost per byte of the leaf's
+  parts, then written into the shard at the slab's runs)."""
   bucket = stage.schedule.buckets[b]
   union = np.asarray(bucket.union_device_ids, dtype=np.int64)
   out = np.zeros(len(union), dtype=np.float64)
@@ -483,6 +609,8 @@ def _assembled_seconds(stage: _Stage, b: int, direct: set[int], topo: Topology) 
       rc = stage.schedule.row_chunks[j]
       at = (rc >= chunks[0]) & (rc <= chunks[-1])
       writes = np.bincount(pos[at], part_secs[at], minlength=len(ids))
+    elif window is None and i in in_place:
+      writes = secs
     elif window is None:
       writes = np.where((rows == 1) & (whole == 1), 0.0, shard * per_byte)
     else:  # the slab is assembled, then written into the destination shard
@@ -501,22 +629,27 @@ def _assembled_seconds(stage: _Stage, b: int, direct: set[int], topo: Topology) 
 KEPT_ZERO_BYTES = 1 << 18
 
 
-def _placeholder_bytes(stage: _Stage, b: int, direct: set[int]) -> tuple[np.ndarray, np.ndarray]:
+def _placeholder_bytes(
+  stage: _Stage, b: int, direct: set[int], kinds: Sequence[object] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
   """Per device of bucket ``b``, the zero bytes and the slab bytes it writes.
 
-  Zeros: a source block per leaf it has no source shard of (unless they total at most
-  ``KEPT_ZERO_BYTES``, kept between calls), a discarded output block per leaf it has no
-  destination shard of (the rule of :func:`placeholder_mask`; the bucket's slab for a leaf cut
-  into destination slabs, and in its first bucket, the destination shard on every device that
-  holds one, filled with zeros before the first slab is written into it; none for the leaves
-  ``direct``, received whole). Slabs: for a leaf
-  cut into slabs, the bucket's slab instead of the source block, on every device (cut from its
+  Zeros: a source block per distinct (block shape, element kind) among the leaves it has no
+  source shard of (``kinds``: per leaf, e.g. its dtype; item sizes where ``None``), unless
+  they total at most ``KEPT_ZERO_BYTES`` (kept between calls), a discarded output block per
+  leaf it has no destination shard of (the rule of :func:`placeholder_mask`; the bucket's slab
+  for a leaf cut into destination slabs, and in its first bucket, the destination shard on
+  every device that holds one, filled with zeros before the first slab is written into it;
+  none for the leaves ``direct``, received whole or passed through). Slabs: for a leaf cut
+  into slabs, the bucket's slab instead of the source block, on every device (cut from its
   source shard, or zeros; counted as a copy)."""
   bucket = stage.schedule.buckets[b]
   union = np.asarray(bucket.union_device_ids, dtype=np.int64)
   out = np.zeros(len(union), dtype=np.float64)
-  zeros = np.zeros(len(union), dtype=np.float64)
   slabs = np.zeros(len(union), dtype=np.float64)
+  # Zero source blocks by (block shape, element kind): a device stages one of each that any
+  # leaf of the bucket needs there (see _program._placeholder_groups), whatever the leaves.
+  blocks: dict[tuple[object, ...], tuple[np.ndarray, float]] = {}
   for j, chunks, i in zip(bucket.leaves, bucket.chunks, stage.bucket_leaves(b), strict=True):
     src, dst = stage.layouts[i]
     isz = stage.itemsizes[i]
@@ -532,10 +665,15 @@ def _placeholder_bytes(stage: _Stage, b: int, direct: set[int]) -> tuple[np.ndar
     src_shape = staged_block_shape(src.shard_shape())
     window = slab_window(stage.schedule, j, chunks)
     if window is None:
-      zeros += placeholder_mask(src, union) * float(np.prod(src_shape) * isz)
+      key = (src_shape, isz if kinds is None else kinds[i])
+      mask = placeholder_mask(src, union)
+      if key in blocks:
+        mask = mask | blocks[key][0]
+      blocks[key] = (mask, float(np.prod(src_shape) * isz))
     else:
       dim, start, stop = window
       slabs += float(np.prod(src_shape) // src_shape[dim] * (stop - start) * isz)
+  zeros = sum((mask * nbytes for mask, nbytes in blocks.values()), np.zeros(len(union)))
   return out + np.where(zeros > KEPT_ZERO_BYTES, zeros, 0.0), slabs
 
 

@@ -133,13 +133,22 @@ class LayoutPlan:
     return (self,) if self.relay is None else (self, self.relay)
 
   def estimate(
-    self, topology: Topology | None = None, as_is: Collection[int] | None = None
+    self,
+    topology: Topology | None = None,
+    as_is: Collection[int] | None = None,
+    *,
+    donate: bool = False,
   ) -> Estimate:
-    """The predicted time of this plan on ``topology`` (default: the plan's own); see
-    :func:`jax_reshard.estimate`."""
+    """The predicted time of this plan on ``topology`` (default: the plan's own), of a call
+    with ``donate=`` where ``donate``; see :func:`jax_reshard.estimate`."""
     known = [st.bucket_classes for st in self.stages() if st.bucket_classes is not None]
     classes = known if len(known) == len(self.stages()) else None
-    return estimate(self, topology, as_is, classes)
+    return estimate(self, topology, as_is, classes, donate=donate)
+
+  def relayed_leaves(self) -> frozenset[int]:
+    """The leaves the relay stage completes (none without one): after this stage their
+    destination shards hold only what this stage moved there."""
+    return frozenset() if self.relay is None else frozenset(self.relay.scheduled)
 
   def bucket_leaves(self, bucket: int) -> tuple[int, ...]:
     """The leaves (indices into ``layouts``) that bucket ``bucket`` moves."""

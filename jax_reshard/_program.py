@@ -31,11 +31,10 @@ from jax_reshard._plan import LayoutPlan
 from jax_reshard._planner import LeafPlan
 from jax_reshard._schedule import (
   Bucket,
+  LeafMode,
   Piece,
-  chunk_shift,
-  dst_slab_window,
+  leaf_modes,
   placeholder_mask,
-  slab_window,
   staged_block_shape,
 )
 
@@ -350,7 +349,7 @@ class _LeafInput:
   dst: Layout
   view: LeafView
   copies: np.ndarray | bool = True  # which rows' local copies the bucket makes
-  fresh: bool = False  # see _Mode
+  fresh: bool = False  # see LeafMode
 
   def in_words(self, v: np.ndarray) -> Box:
     """Element coordinates (or a shape) in word units."""
@@ -451,50 +450,19 @@ def rebound_program(
   )
 
 
-def _leaf_modes(plan: LayoutPlan, bucket: int, donate: bool) -> list[_Mode]:
-  """Per leaf of bucket ``bucket``, how the bucket treats it."""
-  sched_bucket = plan.schedule.buckets[bucket]
-  out = []
-  for j, chunks in zip(sched_bucket.leaves, sched_bucket.chunks, strict=True):
-    spans = plan.schedule.leaf_buckets[j] if plan.schedule.leaf_buckets else (bucket,)
-    row_chunks = plan.schedule.row_chunks
-    dst_window = dst_slab_window(plan.schedule, j, chunks)
-    whole = dst_window is None  # a destination slab is assembled whole, written in afterwards
-    shift = chunk_shift(plan.schedule, j, chunks, plan.layouts[plan.scheduled[j]])
-    # A leaf cut into windows takes a destination input in its first bucket too (zero blocks on
-    # every device), so that its first window runs the program of the others.
-    fresh = shift is not None and whole and spans[0] == bucket and not donate
-    out.append(
-      _Mode(
-        in_place=whole and len(spans) > 1,
-        dst_input=whole and (donate or spans[0] != bucket or fresh),
-        carry_out=spans[-1] != bucket,
-        copies=np.isin(row_chunks[j], chunks) if row_chunks else True,
-        window=slab_window(plan.schedule, j, chunks),
-        dst_window=dst_window,
-        shift=shift,
-        fresh=fresh,
-      )
-    )
-  return out
+def _leaf_modes(plan: LayoutPlan, bucket: int, donate: bool) -> list[LeafMode]:
+  """Per leaf of bucket ``bucket``, how the bucket treats it (:func:`leaf_modes`)."""
+  relayed = plan.relayed_leaves() if donate else frozenset()
+  return leaf_modes(
+    plan.schedule, plan.layouts, plan.scheduled, bucket, donate=donate, relayed=relayed
+  )
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Mode:
-  """How a bucket treats one leaf (see :class:`LeafView`)."""
-
-  in_place: bool = False
-  dst_input: bool = False
-  carry_out: bool = False
-  copies: np.ndarray | bool = True
-  window: tuple[int, int, int] | None = None
-  dst_window: tuple[int, int, int] | None = None
-  shift: tuple[int, int] | None = None
-  fresh: bool = False  # a destination input on every device, nothing carried into it yet
+_PLAIN = LeafMode()  # a leaf moved whole by one bucket
 
 
 def _leaf_input(
-  index: int, plan: LayoutPlan, dtype: np.dtype, word: np.dtype, mode: _Mode = _Mode()
+  index: int, plan: LayoutPlan, dtype: np.dtype, word: np.dtype, mode: LeafMode = _PLAIN
 ) -> _LeafInput:
   src, dst = plan.layouts[index]
   dst_window = None

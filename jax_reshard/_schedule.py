@@ -35,7 +35,7 @@ import dataclasses
 import itertools
 import math
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -282,6 +282,62 @@ def chunk_shift(
     if src.shard_shape()[slab[0]] == src.shape[slab[0]]:
       shift = slab[0], slab[1]
   return shift
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LeafMode:
+  """How a bucket treats one leaf (see ``_program.LeafView``, whose fields of these names they
+  set): the program and the cost model read it alike."""
+
+  in_place: bool = False
+  dst_input: bool = False
+  carry_out: bool = False
+  copies: np.ndarray | bool = True  # which rows' local copies the bucket makes
+  window: tuple[int, int, int] | None = None
+  dst_window: tuple[int, int, int] | None = None
+  shift: tuple[int, int] | None = None
+  fresh: bool = False  # a destination input on every device, nothing carried into it yet
+
+
+def leaf_modes(
+  schedule: Schedule,
+  layouts: Sequence[tuple[Layout, Layout]],
+  scheduled: Sequence[int],
+  bucket: int,
+  *,
+  donate: bool = False,
+  relayed: Collection[int] = frozenset(),
+) -> list[LeafMode]:
+  """Per leaf of bucket ``bucket``, how the bucket treats it. ``layouts``: per leaf of the
+  plan; ``scheduled``: the leaves the schedule numbers; ``donate``: the call writes into
+  donated destination buffers; ``relayed``: leaves (of the plan) a relay stage completes, whose
+  parts a donated call writes in place."""
+  sched_bucket = schedule.buckets[bucket]
+  out = []
+  for j, chunks in zip(sched_bucket.leaves, sched_bucket.chunks, strict=True):
+    spans = schedule.leaf_buckets[j] if schedule.leaf_buckets else (bucket,)
+    row_chunks = schedule.row_chunks
+    dst_window = dst_slab_window(schedule, j, chunks)
+    whole = dst_window is None  # a destination slab is assembled whole, written in afterwards
+    shift = chunk_shift(schedule, j, chunks, layouts[scheduled[j]])
+    # A leaf cut into windows takes a destination input in its first bucket too (zero blocks on
+    # every device), so that its first window runs the program of the others.
+    fresh = shift is not None and whole and spans[0] == bucket and not donate
+    out.append(
+      LeafMode(
+        # A relayed leaf refit into its donated buffer gets only its first-stage parts here,
+        # written where they go; the relay stage writes the rest.
+        in_place=whole and (len(spans) > 1 or (donate and scheduled[j] in relayed)),
+        dst_input=whole and (donate or spans[0] != bucket or fresh),
+        carry_out=spans[-1] != bucket,
+        copies=np.isin(row_chunks[j], chunks) if row_chunks else True,
+        window=slab_window(schedule, j, chunks),
+        dst_window=dst_window,
+        shift=shift,
+        fresh=fresh,
+      )
+    )
+  return out
 
 
 def window_dim(src: Layout, dst: Layout) -> int | None:

@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 import jax_reshard as jr
 from jax_reshard import _buffers, _emit, _schedule
 from jax_reshard._classes import bucket_classes
+from jax_reshard._cost import made_blocks
 from jax_reshard._plan import pass_bytes
 from jax_reshard._program import make_bucket_program, program_signature
 
@@ -277,6 +278,89 @@ def test_a_shared_window_program_stages_each_buckets_zero_blocks() -> None:
     assert_matches_oracle(y[k], h, dst[k])
   jr.plan_cache_clear()
   _emit.clear_program_cache()
+
+
+def _made_by_the_eager_path(
+  monkeypatch: pytest.MonkeyPatch, call: Any
+) -> tuple[dict[int, int], Any]:
+  """Bytes of zero destination blocks (donated placeholders) ``call()`` makes, by device id,
+  and what it returns."""
+  made: dict[int, int] = {}
+  real = _emit._stage_placeholders
+
+  def spy(groups: Any, devices: Any) -> Any:
+    for g in groups:
+      if g.leaves:  # destination placeholders: one block per leaf, donated
+        for d in g.device_ids:
+          made[d] = made.get(d, 0) + sum(
+            int(np.prod(b)) * np.dtype(t).itemsize for b, t in g.blocks
+          )
+    return real(groups, devices)
+
+  monkeypatch.setattr(_emit, "_stage_placeholders", spy)
+  out = call()
+  monkeypatch.setattr(_emit, "_stage_placeholders", real)
+  return made, out
+
+
+def _made_by_the_model(plan: Any, donate: bool) -> dict[int, int]:
+  """:func:`_cost.made_blocks` of an array plan summed over its buckets, by device id."""
+  kinds = [lf.dtype for lf in plan.leaves]
+  runs = [(st, b) for st in plan.layout_plan.stages() for b in range(len(st.schedule.buckets))]
+  made: dict[int, int] = {}
+  for (st, b), per_device in zip(
+    runs, made_blocks(plan.layout_plan, donate=donate, kinds=kinds), strict=True
+  ):
+    if per_device is None:
+      continue
+    for d, v in zip(st.schedule.buckets[b].union_device_ids, per_device.tolist(), strict=True):
+      if v:
+        made[d] = made.get(d, 0) + int(v)
+  return made
+
+
+def test_the_model_makes_the_destination_placeholders_the_eager_path_makes(
+  monkeypatch: pytest.MonkeyPatch,
+) -> None:
+  """The zero destination blocks a call makes (donated to leaves written in place, or refit
+  into ``donate=`` buffers, on devices without a destination shard) are those the cost model
+  charges: made where the last bucket that took destination inputs left none of the block's
+  shape and type on the device, recycled otherwise. A leaf split over buckets (disjoint,
+  colocated), a layered tree refit into donated buffers (one layer per bucket: the first
+  layer's blocks serve the others), and a relay plan refit into donated buffers."""
+  devs = np.array(jax.devices())
+  cases = []
+  host = np.random.default_rng(1).standard_normal((2048, 1024)).astype(np.float32)  # 8 MiB
+  for src, dst, bound in (
+    (
+      NamedSharding(Mesh(devs[:4].reshape(2, 2), ("a", "b")), P("a", "b")),
+      NamedSharding(Mesh(devs[4:], ("t",)), P(None, "t")),
+      3 << 20,
+    ),
+    (
+      NamedSharding(Mesh(devs[:4], ("a",)), P("a")),
+      NamedSharding(Mesh(devs[2:6], ("t",)), P(None, "t")),
+      3 << 20,
+    ),
+  ):
+    x = jax.device_put(host, src)
+    cases.append((jr.make_plan(x, dst, max_bucket_bytes=bound), x, False))
+  _, x, dst = _layers(3, seed=2)
+  cases.append((jr.make_plan(x, dst, max_bucket_bytes=_layer_bound(x, dst)), x, True))
+  pairs = jr.Topology.cpu(devices_per_domain=2)
+  sampler = Mesh(devs[4:].reshape(2, 2), ("tp", "dp"))  # 4, 5 in one domain: same shard
+  relayed = {k: NamedSharding(sampler, s.spec if k.endswith("norm") else P("tp")) for k, s in
+             dst.items()}  # fmt: skip
+  cases.append((jr.make_plan(x, relayed, topology=pairs), x, True))
+  assert cases[-1][0].layout_plan.relay is not None
+  assert all(p.stats.num_buckets > 1 for p, _, _ in cases)
+  for plan, xs, donate in cases:
+    old = plan(xs) if donate else None
+    made, y = _made_by_the_eager_path(monkeypatch, lambda p=plan, a=xs, o=old: p(a, donate=o))
+    assert made  # every case makes some, and recycles others
+    assert made == _made_by_the_model(plan, donate)
+    for a, b in zip(jax.tree.leaves(y), jax.tree.leaves(xs), strict=True):
+      assert np.array_equal(bits(a), bits(b))
 
 
 def test_small_source_placeholders_are_made_once() -> None:

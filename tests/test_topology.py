@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 from types import SimpleNamespace
 from typing import Any
 
 import jax
 import numpy as np
 import pytest
+from helpers import assert_matches_oracle, random_host_array
 from hypothesis import given
 from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
@@ -212,6 +214,49 @@ def test_relay_plans_run_bit_for_bit_on_4_domains_of_2() -> None:
         assert y[k].sharding == dst[k]
         assert np.array_equal(np.asarray(y[k]).view(np.uint8), np.asarray(x[k]).view(np.uint8))
     assert plan.estimate().seconds > 0
+
+
+def test_relay_plans_refit_into_donated_buffers_in_place() -> None:
+  """With ``donate=``, the first stage writes each relayed leaf's parts where they go in the
+  donated shard (in place: no zero block of a destination shard to start from, as the plain
+  call needs for the relay stage's holes) and the relay stage completes it; bit for bit over
+  two refits, the donated arrays deleted. The model charges the donated call's sampler
+  devices only the parts they write."""
+  devs = np.array(sorted(jax.devices(), key=lambda d: d.id)[:8])
+  rng = np.random.default_rng(5)
+  trainer = Mesh(devs[:4].reshape(2, 2), ("fsdp", "tp"))
+  sampler = Mesh(devs[4:].reshape(2, 2), ("tp", "dp"))  # 4, 5 in one domain: same shard
+  hosts = {"w": random_host_array(rng, (256, 128), np.float32),  # NaN payloads among them
+           "v": random_host_array(rng, (128, 256), jax.numpy.bfloat16)}  # fmt: skip
+  x = {k: jax.device_put(h, NamedSharding(trainer, P("fsdp", "tp"))) for k, h in hosts.items()}
+  dst = {"w": NamedSharding(sampler, P(None, "tp")), "v": NamedSharding(sampler, P("tp"))}
+  plan = jr.make_plan(x, dst, topology=PAIRS)
+  assert plan.layout_plan.relayed_leaves() == {0, 1}
+  first = plan.programs(donate=True)[: len(plan.layout_plan.schedule.buckets)]
+  assert all(lf.in_place and lf.dst_input for p in first for lf in p.leaves)
+  assert not any(lf.in_place for p in plan.programs()[: len(first)] for lf in p.leaves)
+
+  def zero_blocks(donate: bool) -> list[str]:
+    text = plan.executables(donate=donate)[0].compile().as_text()
+    shards = {f"[{','.join(map(str, s.shard_shape(h.shape)))}]" for h, s in
+              zip(hosts.values(), dst.values(), strict=True)}  # fmt: skip
+    found = re.findall(r"= \w+(\[[\d,]*\])\S* broadcast\(", text)
+    return [z for z in found if z in shards]
+
+  assert zero_blocks(False) and not zero_blocks(True)
+  old = plan(x)
+  for _ in range(2):
+    y = plan(x, donate=old)
+    assert all(a.is_deleted() for a in old.values())
+    for k, h in hosts.items():
+      assert_matches_oracle(y[k], h, dst[k])
+    old = y
+  # On one core the devices' work adds up: the trainer devices' discarded blocks cost the same
+  # (zeros written, or blocks made to donate), the sampler devices write less.
+  topo = Topology.cpu(cores=1)
+  plain, donated = plan.estimate(topo), plan.estimate(topo, donate=True)
+  assert donated.assemble_s < plain.assemble_s
+  assert (donated.transfer_s, donated.pack_s) == (plain.transfer_s, plain.pack_s)
 
 
 def _run_bit_for_bit(plan: Any, x: dict, dst: dict) -> None:
@@ -617,8 +662,9 @@ def test_interleaving_is_a_permutation_in_tree_order_per_stage(leaves) -> None:
 
 
 def test_estimate_counts_placeholders_and_leaves() -> None:
-  """Disjoint devices: every sampler device stages a zero source block and every trainer
-  device returns a discarded output block, zeros written at the fill bandwidth; the shards
+  """Disjoint devices: every sampler device stages a zero source block (one for the three
+  leaves of one shape and type) and every trainer device returns a discarded output block per
+  leaf, zeros written at the fill bandwidth; the shards
   assembled from whole row blocks at the contiguous rate (at memory bandwidth without one);
   host work per leaf."""
   tree, isz = _two_hosts(1024)
@@ -628,7 +674,7 @@ def test_estimate_counts_placeholders_and_leaves() -> None:
   assert est.call_s == pytest.approx(topo.call_latency + 3 * 1e-3)  # one bucket of 3 leaves
   src_block = 1024 * 1024 // 4 * 2
   dst_block = 1024 * 1024 // 2 * 2
-  placeholders = 3 * 4 * (src_block + dst_block)  # 3 leaves, 4 + 4 devices, one core
+  placeholders = 4 * src_block + 3 * 4 * dst_block  # 3 leaves, 4 + 4 devices, one core
   assembled = 3 * 4 * dst_block  # every sampler shard assembled from parts
   assert topo.fill_bandwidth is not None and topo.fill_bandwidth != topo.memory_bandwidth
   # Each shard (1024, 512) is 4 row blocks of the trainer's shards: 4 contiguous runs.
@@ -641,6 +687,53 @@ def test_estimate_counts_placeholders_and_leaves() -> None:
   assert strided.assemble_s == pytest.approx(
     placeholders / topo.fill_bandwidth + assembled / topo.memory_bandwidth
   )
+
+
+def test_estimate_counts_the_zero_source_blocks_the_program_stages() -> None:
+  """A device stages one zero source block per distinct block shape and element type among
+  the leaves it holds no source shard of: two float32 leaves of one shape share one, a
+  float16 and a bfloat16 leaf of that shape have one each. The estimate of a plan of arrays
+  counts the bytes its programs stage; a plan of layouts knows item sizes alone, so it counts
+  the two 2-byte types as one kind."""
+  from jax_reshard._cost import _placeholder_bytes, direct_steps, round_pairs
+
+  devs = np.array(jax.devices())
+  src = NamedSharding(Mesh(devs[:4], ("x",)), P("x"))
+  dst = NamedSharding(Mesh(devs[4:], ("x",)), P(None, "x"))
+  rng = np.random.default_rng(3)
+  dtypes = {"a": np.float32, "b": np.float32, "c": np.float16, "d": jax.numpy.bfloat16}
+  hosts = {k: random_host_array(rng, (1024, 512), dt) for k, dt in dtypes.items()}
+  x = {k: jax.device_put(h, src) for k, h in hosts.items()}
+  plan = jr.make_plan(x, dst)
+  [program] = plan.programs()
+  staged: dict[int, int] = {}  # device id -> bytes of its zero source blocks
+  for group in program.placeholders:
+    for d in group.device_ids:
+      staged[d] = sum(int(np.prod(sh)) * np.dtype(dt).itemsize for sh, dt in group.blocks)
+  shard = 256 * 512
+  assert staged == {d.id: shard * (4 + 2 + 2) for d in devs[4:]}
+  stage = plan.layout_plan
+  bucket = stage.schedule.buckets[0]
+  _, whole = direct_steps(stage, bucket, round_pairs(bucket.rounds))
+  kinds = [np.dtype(dt) for dt in dtypes.values()]  # tree order: a, b, c, d
+  assert list(bucket.union_device_ids) == [d.id for d in devs]
+  dst_blocks = 4 * (1024 * 128) * np.array([4, 4, 2, 2]).sum()  # discarded, on devices 0-3
+  for k, per_device in ((kinds, 8), (None, 6)):  # per sampler device, in units of a shard
+    zeros, _ = _placeholder_bytes(stage, 0, whole, k)
+    assert zeros[:4].sum() == dst_blocks
+    assert zeros[4:].tolist() == [shard * per_device] * 4
+  topo = Topology.cpu(cores=1)
+  assert topo.fill_bandwidth is not None
+  as_is = plan._as_is
+  by_size = jr.estimate(plan.layout_plan, topo, as_is).assemble_s
+  assert plan.estimate(topo).assemble_s == pytest.approx(
+    jr.estimate(plan.layout_plan, topo, as_is, kinds=kinds).assemble_s
+  )
+  gap = plan.estimate(topo).assemble_s - by_size  # one 2-byte block more per sampler device
+  assert gap == pytest.approx(4 * shard * 2 / topo.fill_bandwidth)
+  out = plan(x)
+  for k, h in hosts.items():
+    assert_matches_oracle(out[k], h, dst)
 
 
 def test_estimate_counts_the_zero_payloads_of_devices_a_round_leaves_idle() -> None:
