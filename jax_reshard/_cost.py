@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Collection, Iterator, Sequence
 from typing import Protocol
 
@@ -216,7 +216,12 @@ def _bucket_costs(
     for b, key in enumerate(keys):
       relayed, through, made = next(walk)
       if relayed or through:
-        key = (*key, through, tuple(i in relayed for i in stage.bucket_leaves(b)))
+        bucket = stage.schedule.buckets[b]
+        key = (
+          *key,
+          tuple(j in through for j in bucket.leaves),
+          tuple(i in relayed for i in stage.bucket_leaves(b)),
+        )
       if key not in done:
         done[key] = _bucket_cost(stage, b, topo, as_is, kinds, relayed, through)
       cost = done[key]
@@ -236,7 +241,7 @@ def _walk(
   (written in place into a destination input), and per device the bytes of zero destination
   blocks the eager path makes for it (:func:`_made_blocks`; ``None`` where it takes no
   destination inputs)."""
-  spares: Counter[tuple[object, ...]] = Counter()
+  spares: dict[tuple[object, ...], np.ndarray] = {}
   for k, stage in enumerate(plan.stages()):
     stage_donate = donate and k == 0
     relayed = plan.relayed_leaves() if stage_donate else frozenset()
@@ -246,7 +251,13 @@ def _walk(
         yield relayed, frozenset(), None  # no destination inputs
         continue
       modes = leaf_modes(
-        stage.schedule, stage.layouts, stage.scheduled, b, donate=stage_donate, relayed=relayed
+        stage.schedule,
+        stage.layouts,
+        stage.scheduled,
+        b,
+        donate=stage_donate,
+        relayed=relayed,
+        copies=False,
       )
       through = frozenset(
         j for j, m in zip(bucket.leaves, modes, strict=True) if m.in_place and m.dst_input
@@ -461,42 +472,52 @@ def _made_blocks(
   stage: _Stage,
   b: int,
   modes: Sequence[LeafMode],
-  spares: Counter[tuple[object, ...]],
+  spares: dict[tuple[object, ...], np.ndarray],
   kinds: Sequence[object] | None,
 ) -> np.ndarray:
   """Per device of bucket ``b``, the bytes of zero destination blocks it makes: the eager path
   donates a block to every leaf with a destination input (``modes``) on each device without a
   destination shard of it (on every device for a ``fresh`` one), taken from the blocks the last
-  bucket that took destination inputs left on those devices (``spares``, by device, block shape
-  and kind) where every device of the leaf's group has one, else made (``_emit``'s
-  ``BucketExecutable._spare_blocks``). Updates ``spares`` with the blocks this bucket leaves."""
+  bucket that took destination inputs left on those devices (``spares``: per block shape and
+  kind, a count per device id) where every device of the leaf's group has one, else made
+  (``_emit``'s ``BucketExecutable._spare_blocks``). Updates ``spares`` with the blocks this
+  bucket leaves."""
   bucket = stage.schedule.buckets[b]
   union = np.asarray(bucket.union_device_ids, dtype=np.int64)
   made = np.zeros(len(union), dtype=np.float64)
-  inputs = []
+  inputs: list[tuple[np.ndarray, np.ndarray, tuple[object, ...], float]] = []
   for m, i in zip(modes, stage.bucket_leaves(b), strict=True):
     if m.dst_input:
       dst = stage.layouts[i][1]
       kind = stage.itemsizes[i] if kinds is None else kinds[i]
       block = staged_block_shape(dst.shard_shape())
-      inputs.append((dst, (block, kind), float(math.prod(block) * stage.itemsizes[i]), m.fresh))
+      without = placeholder_mask(dst, union)
+      at = np.flatnonzero(np.ones(len(union), dtype=bool) if m.fresh else without)
+      inputs.append((at, without, (block, kind), float(math.prod(block) * stage.itemsizes[i])))
   if not inputs:
     return made
-  groups: dict[tuple[int, ...], list[tuple[tuple[object, ...], float]]] = defaultdict(list)
-  for dst, key, nbytes, fresh in inputs:
-    where = np.arange(len(union)) if fresh else np.flatnonzero(placeholder_mask(dst, union))
-    if len(where):
-      groups[tuple(where.tolist())].append((key, nbytes))
-  for at, blocks in groups.items():
-    for block_key, block_bytes in blocks:
-      wanted = [(int(union[p]), *block_key) for p in at]
-      if all(spares[w] > 0 for w in wanted):
-        spares.subtract(wanted)
+  size = int(union.max()) + 1
+  groups: dict[bytes, list[tuple[np.ndarray, tuple[object, ...], float]]] = defaultdict(list)
+  for at, _, key, nbytes in inputs:
+    if len(at):
+      groups[at.tobytes()].append((at, key, nbytes))
+  for blocks in groups.values():  # the eager path's groups, in its order
+    for at, key, nbytes in blocks:
+      have = spares.get(key)
+      ids = union[at]
+      if have is not None and int(ids.max()) < len(have) and (have[ids] > 0).all():
+        have[ids] -= 1
       else:
-        made[list(at)] += block_bytes
+        made[at] += nbytes
   spares.clear()
-  for dst, key, _, _ in inputs:
-    spares.update((int(d), *key) for d in union[placeholder_mask(dst, union)].tolist())
+  for _, without, key, _ in inputs:
+    left = spares.get(key)
+    if left is None or len(left) < size:
+      grown = np.zeros(size, dtype=np.int64)
+      if left is not None:
+        grown[: len(left)] = left
+      spares[key] = left = grown
+    left[union[without]] += 1
   return made
 
 

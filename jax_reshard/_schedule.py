@@ -307,11 +307,13 @@ def leaf_modes(
   *,
   donate: bool = False,
   relayed: Collection[int] = frozenset(),
+  copies: bool = True,
 ) -> list[LeafMode]:
   """Per leaf of bucket ``bucket``, how the bucket treats it. ``layouts``: per leaf of the
   plan; ``scheduled``: the leaves the schedule numbers; ``donate``: the call writes into
   donated destination buffers; ``relayed``: leaves (of the plan) a relay stage completes, whose
-  parts a donated call writes in place."""
+  parts a donated call writes in place; ``copies``: find which rows' local copies the bucket
+  makes (else ``True``, for a caller that does not read them)."""
   sched_bucket = schedule.buckets[bucket]
   out = []
   for j, chunks in zip(sched_bucket.leaves, sched_bucket.chunks, strict=True):
@@ -330,7 +332,7 @@ def leaf_modes(
         in_place=whole and (len(spans) > 1 or (donate and scheduled[j] in relayed)),
         dst_input=whole and (donate or spans[0] != bucket or fresh),
         carry_out=spans[-1] != bucket,
-        copies=np.isin(row_chunks[j], chunks) if row_chunks else True,
+        copies=np.isin(row_chunks[j], chunks) if row_chunks and copies else True,
         window=slab_window(schedule, j, chunks),
         dst_window=dst_window,
         shift=shift,
