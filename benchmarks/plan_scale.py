@@ -20,8 +20,9 @@ of 1 or 4 GiB, chosen by the cost model: ``relays="auto"`` with ``max_bucket_byt
 candidates; its planning time is that call's, every candidate included). NVIDIA's two cases
 get a third row: the topology-aware plan on racks that each hold 64 GPUs of the job, trainer
 and sampler on racks of their own (where NVIDIA's GPUs sat is not published). Times are the
-cost model's predictions (``plan.estimate``), not GPU measurements; NVIDIA's columns are their
-measured times.
+cost model's predictions (``plan.estimate``), not GPU measurements, of a plain call and of a
+call with ``donate=`` (the refit written into the sampler's buffers, as an RL loop calls it);
+NVIDIA's columns are their measured times.
 """
 
 from __future__ import annotations
@@ -195,12 +196,13 @@ def refit_rows(
   out = []
   for name, plan, dt, on in rows:
     st, est = plan.stats, plan.estimate(on)
+    donated = plan.estimate(on, donate=True)
     slow = st.slow_link_bytes if plan.topology else _slow_bytes(plan, on)
     out.append([
       f"{model} {sc.label or sc.name}", name, _gb(st.bytes_moved), _gb(slow),
       _gb(st.slow_link_lower_bound_bytes) if plan.topology else "",
       str(st.num_rounds), str(st.num_programs), _gb(st.peak_staging_bytes),
-      f"{est.seconds * 1e3:,.0f}",
+      f"{est.seconds * 1e3:,.0f}", f"{donated.seconds * 1e3:,.0f}",
       f"{est.slow_transfer_s * 1e3:,.0f}", f"{dt:.2f}",
     ])  # fmt: skip
   return out
@@ -244,7 +246,8 @@ def refit_table(quick: bool) -> None:
   # racks of their own. The NVIDIA cases are planned on both.
   racks_of_64 = jr.Topology.gb200_nvl72(64).replace(name="racks of 64")
   head = ["case", "plan", "bytes moved", "over slow links", "slow-link bound", "rounds",
-          "distinct programs", "peak staging", "predicted ms", "of which slow-link rounds",
+          "distinct programs", "peak staging", "predicted ms", "with donate=",
+          "of which slow-link rounds",
           "planning s", "NVIDIA measured ms"]  # fmt: skip
   print(f"\nrefit on {topo.name} (predicted by the cost model; NVIDIA's column is measured)")
   print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
