@@ -206,12 +206,11 @@ def _bucket_costs(
   fill_bw = topo.fill_bandwidth or topo.memory_bandwidth
   walk = _walk(plan, donate, kinds)
   for k, stage in enumerate(plan.stages()):
-    if classes is None:
-      kinds_of = stage.itemsizes if kinds is None else kinds
-      found = stage_classes(
-        stage.leaf_plans, stage.layouts, stage.scheduled, stage.schedule, kinds_of
-      )
-    keys = count_keys(stage, found if classes is None else classes[k], as_is)
+    known = None if classes is None else classes[k]
+    if known is None:
+      of = stage.itemsizes if kinds is None else kinds
+      known = stage_classes(stage.leaf_plans, stage.layouts, stage.scheduled, stage.schedule, of)
+    keys = count_keys(stage, known, as_is)
     done: dict[tuple[object, ...], _BucketCost] = {}
     for b, key in enumerate(keys):
       relayed, through, made = next(walk)

@@ -83,7 +83,8 @@ class LeafView:
     dst_words: destination shard shape in words (last dimension divided).
     in_place: the destination shard is written part by part with ``dynamic_update_slice``
       into a base block (the leaf's destination input, or zeros), not concatenated: a leaf
-      split over several buckets, whose chunks fill one shard.
+      split over several buckets, whose chunks fill one shard, or a relayed leaf refit into
+      its donated buffer, whose relay stage writes the rest.
     dst_input: the program takes the leaf's destination block as an input after all source
       blocks, donated and aliased to its output: the shard filled so far (``in_place``), or,
       for a whole leaf refit with ``donate=``, a buffer whose contents are never read (the
