@@ -181,8 +181,8 @@ def _relay_stats(plan: Any, direct: Any) -> None:
 def case_relay() -> None:
   """Domains = processes (Topology.from_devices): a region that two sampler devices of one
   process need and that process lacks crosses between the processes once and is forwarded
-  inside; eagerly (trainer on process 0 -> sampler on process 1, and meshes over both) and
-  inside jax.jit, bit for bit."""
+  inside; eagerly (trainer on process 0 -> sampler on process 1, also into donated buffers,
+  and meshes over both) and inside jax.jit, bit for bit."""
   topo = jr.Topology.from_devices(jax.devices())
   assert topo.domain_of([d.id for d in DEVS]).tolist() == [d.process_index for d in DEVS]
   trainer = mesh(P0, (4,), ("fsdp",))
@@ -194,7 +194,10 @@ def case_relay() -> None:
   xs = {k: put(h, src_sh[k]) for k, h in hosts.items()}
   plan = jr.make_plan(xs, dst_sh, topology=topo)
   _relay_stats(plan.layout_plan, jr.make_plan(xs, dst_sh, topology=topo, relays=False).layout_plan)
-  check_tree(plan(xs), hosts, dst_sh)
+  ys = plan(xs)
+  check_tree(ys, hosts, dst_sh)
+  # Into the sampler's buffers: the relayed leaves' parts written where they go, then forwarded.
+  check_tree(plan(xs, donate=ys), hosts, dst_sh)
   # Both meshes over both processes in one device order: columns 8 ways -> row blocks 4 ways,
   # replicated over the two devices of a pair in one process, which holds half the columns.
   cols = NamedSharding(mesh(DEVS, (8,), ("x",)), P(None, "x"))
