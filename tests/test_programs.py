@@ -327,7 +327,8 @@ def test_the_model_makes_the_destination_placeholders_the_eager_path_makes(
   charges: made where the last bucket that took destination inputs left none of the block's
   shape and type on the device, recycled otherwise. A leaf split over buckets (disjoint,
   colocated), a layered tree refit into donated buffers (one layer per bucket: the first
-  layer's blocks serve the others), and a relay plan refit into donated buffers."""
+  layer's blocks serve the others), a refit into donated buffers whose second bucket wants two
+  blocks of a shape the first left one of, and a relay plan refit into donated buffers."""
   devs = np.array(jax.devices())
   cases = []
   host = np.random.default_rng(1).standard_normal((2048, 1024)).astype(np.float32)  # 8 MiB
@@ -345,6 +346,20 @@ def test_the_model_makes_the_destination_placeholders_the_eager_path_makes(
   ):
     x = jax.device_put(host, src)
     cases.append((jr.make_plan(x, dst, max_bucket_bytes=bound), x, False))
+  # One leaf of a shape, then two: the second of them finds no block the first bucket left.
+  disjoint = (
+    NamedSharding(Mesh(devs[:4], ("x",)), P("x")),
+    NamedSharding(Mesh(devs[4:], ("x",)), P(None, "x")),
+  )
+  shapes = {"a0": (512, 512), "a1": (1024, 1024), "b0": (512, 512), "b1": (512, 512)}
+  rng = np.random.default_rng(3)
+  xs = {
+    k: jax.device_put(random_host_array(rng, sh, np.float32), disjoint[0])
+    for k, sh in shapes.items()
+  }
+  twice = jr.make_plan(xs, disjoint[1], max_bucket_bytes=5 << 19)
+  assert [twice.layout_plan.bucket_leaves(b) for b in range(2)] == [(0, 1), (2, 3)]
+  cases.append((twice, xs, True))
   _, x, dst = _layers(3, seed=2)
   cases.append((jr.make_plan(x, dst, max_bucket_bytes=_layer_bound(x, dst)), x, True))
   pairs = jr.Topology.cpu(devices_per_domain=2)
