@@ -53,6 +53,7 @@ from jax_reshard._schedule import (
   LeafMode,
   Round,
   Schedule,
+  donated_mask,
   dst_slab_window,
   leaf_modes,
   placeholder_mask,
@@ -491,7 +492,7 @@ def _made_blocks(
       kind = stage.itemsizes[i] if kinds is None else kinds[i]
       block = staged_block_shape(dst.shard_shape())
       without = placeholder_mask(dst, union)
-      at = np.flatnonzero(np.ones(len(union), dtype=bool) if m.fresh else without)
+      at = np.flatnonzero(donated_mask(dst, union, m.fresh))
       inputs.append((at, without, (block, kind), float(math.prod(block) * stage.itemsizes[i])))
   if not inputs:
     return made

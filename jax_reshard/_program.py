@@ -33,6 +33,7 @@ from jax_reshard._schedule import (
   Bucket,
   LeafMode,
   Piece,
+  donated_mask,
   leaf_modes,
   placeholder_mask,
   staged_block_shape,
@@ -317,10 +318,11 @@ def uint_dtype(dtype: np.dtype) -> np.dtype:
 
 def travels_as_is(dtype: np.dtype) -> bool:
   """Whether a whole source shard of this type is sent as it is (an operand of its own, no
-  copy): every type but those outside NumPy's (bfloat16, float8), which XLA's CPU collectives
-  widen to float32; in a round of whole shards those travel as unsigned integers of their width
+  copy): every type but those outside NumPy's (``ml_dtypes``' bfloat16 and float8 types, whose
+  NumPy kind is ``V``, or ``f`` for float8_e5m2), which XLA's CPU collectives widen to float32;
+  in a round of whole shards those travel as unsigned integers of their width
   (``_emit._operand``), inside packed payloads as packed words."""
-  return np.dtype(dtype).kind != "V"
+  return np.dtype(dtype).type.__module__ == "numpy"
 
 
 def widest_word(
@@ -641,7 +643,7 @@ def _dst_placeholder_groups(
   union = np.asarray(union_device_ids, dtype=np.int64)
   by_devices: dict[tuple[int, ...], list[int]] = defaultdict(list)
   for li, leaf in enumerate(leaves):
-    devs = union if leaf.fresh else union[placeholder_mask(leaf.dst, union)]
+    devs = union[donated_mask(leaf.dst, union, leaf.fresh)]
     if leaf.view.dst_input and len(devs):
       by_devices[tuple(devs.tolist())].append(li)
   return tuple(

@@ -207,6 +207,13 @@ def placeholder_mask(layout: Layout, device_ids: np.ndarray) -> np.ndarray:
   return ids[at] != device_ids
 
 
+def donated_mask(dst: Layout, device_ids: np.ndarray, fresh: bool) -> np.ndarray:
+  """Which of ``device_ids`` (a bucket's mesh) are given a zero destination block to donate for
+  a leaf with a destination input: those without a destination shard (:func:`placeholder_mask`),
+  or every device for a ``fresh`` leaf (see :class:`LeafMode`)."""
+  return np.ones(len(device_ids), dtype=bool) if fresh else placeholder_mask(dst, device_ids)
+
+
 def _placeholder_bytes(src: Layout, dst: Layout, itemsize: int, union: np.ndarray) -> np.ndarray:
   """Per device of ``union``: the placeholder input and discarded output bytes a leaf costs
   there if that device is on the leaf's mesh (see :func:`placeholder_mask`)."""

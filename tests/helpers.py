@@ -21,6 +21,7 @@ DTYPES = [
   np.dtype(jnp.bfloat16),
   np.dtype(np.float16),
   np.dtype(jnp.float8_e4m3fn),
+  np.dtype(jnp.float8_e5m2),  # NumPy kind 'f', yet not NumPy's own
   np.dtype(np.int8),
   np.dtype(np.int32),
   np.dtype(np.uint32),

@@ -43,7 +43,7 @@ def _placements() -> dict[str, tuple[NamedSharding, NamedSharding, int]]:
   }
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e5m2"])  # float8_e4m3fn has no NaN payloads
 def test_parts_written_in_place_keep_every_bit(dtype: str) -> None:
   """Leaves whose parts are written into their shard where they go (split over buckets into
   sub-boxes, windows or destination slabs, and refits into donated buffers) keep every bit of
