@@ -195,12 +195,17 @@ class ReshardPlan:
     return self._executables[donate]
 
   def memory_analysis(self, *, donate: bool = False) -> list[Any]:
-    """Per bucket, in the order they run, XLA's ``memory_analysis()`` of its compiled program:
-    per device, ``argument_size_in_bytes`` (staged source and destination blocks),
+    """Per compiled program, in the order they run (one per bucket, two for a bucket whose
+    assembly runs on its own), XLA's ``memory_analysis()``: per device,
+    ``argument_size_in_bytes`` (staged source and destination blocks, or received payloads),
     ``output_size_in_bytes``, ``alias_size_in_bytes`` (outputs written into donated inputs)
     and ``temp_size_in_bytes`` (payloads and other scratch). Compiles the programs if needed.
     """
-    return [exe.compile().memory_analysis() for exe in self.executables(donate=donate)]
+    return [
+      c.memory_analysis()
+      for exe in self.executables(donate=donate)
+      for c in exe.compiled_programs()
+    ]
 
   def __call__(self, x: Any, *, donate: Any = None) -> Any:
     """Reshards ``x`` (a pytree matching the plan's source) into the destination layouts.

@@ -588,7 +588,9 @@ def _assemble_fn(
   def branch(
     me: jax.Array, blocks: Sequence[jax.Array], dsts: Sequence[Any], recvs: Sequence[jax.Array]
   ) -> tuple[jax.Array, ...]:
-    shards = _local_view(program.leaves, blocks)
+    # None: the assembly program of destination devices (every part received, see
+    # emit_assembly_body).
+    shards = [None] * len(program.leaves) if blocks is None else _local_view(program.leaves, blocks)
     outs = []
     for li in switched:
       lf, parts = program.leaves[li], role.parts[li]
@@ -730,6 +732,72 @@ def emit_body(
   return body
 
 
+def split_outputs(
+  program: BucketProgram,
+) -> tuple[dict[int, int], tuple[int, ...], tuple[int, ...]]:
+  """How a bucket whose assembly runs in a program of its own (:attr:`BucketProgram.assemblers`)
+  splits its work: the leaves received whole (leaf position -> round, see
+  :func:`received_whole`), which the transfer program returns as they arrive; the leaves the
+  assembly program returns; and the rounds whose received payloads it takes."""
+  direct = received_whole(program)
+  assembled = tuple(li for li in range(len(program.leaves)) if li not in direct)
+  rounds = {
+    p.round
+    for role in program.assembles
+    for li in assembled
+    for p in role.parts[li] or ()
+    if isinstance(p, Received)
+  }
+  return direct, assembled, tuple(sorted(rounds))
+
+
+def emit_transfer_body(program: BucketProgram, axis: Any) -> Callable[..., tuple[jax.Array, ...]]:
+  """The per-device body of the transfer program of a bucket whose assembly runs on its own
+  (see :func:`split_outputs`): it takes one staged source block per leaf, runs the rounds and
+  returns the blocks of the leaves received whole, then the received operands (see
+  :func:`operand_layout`) of the rounds the assembly takes, in round order. Devices without a
+  destination shard return only what the collectives wrote there: no discarded blocks."""
+  direct, _, rounds = split_outputs(program)
+
+  def body(*blocks: jax.Array) -> tuple[jax.Array, ...]:
+    me = jax.lax.axis_index(axis)
+    recvs = [_emit_round(program, rnd, axis, me, blocks) for rnd in program.rounds]
+    outs = [_direct_value(program, li, r, recvs[r]) for li, r in direct.items()]
+    for r in rounds:
+      outs.extend(recvs[r])
+    return tuple(outs)
+
+  return body
+
+
+def emit_assembly_body(program: BucketProgram, axis: Any) -> Callable[..., tuple[jax.Array, ...]]:
+  """The per-device body of the assembly program of a bucket (see :func:`split_outputs`), for
+  a ``shard_map`` over the devices at :attr:`BucketProgram.assemblers`: it takes the received
+  operands the transfer program returns and returns the destination blocks of the leaves it
+  assembles, each device by its role (offsets read at its position in the bucket's mesh)."""
+  _, assembled, rounds = split_outputs(program)
+  assert program.assemblers is not None
+  positions = np.asarray(program.assemblers, dtype=np.int32)
+  local = role_table(len(program.device_ids), program.assembles)[positions]
+  operands = [len(operand_layout(program, program.rounds[r])) for r in rounds]
+
+  def idle(me: jax.Array, blocks: Any, dsts: Any, recvs: Any) -> tuple[jax.Array, ...]:
+    return tuple(_base(program.leaves[li], None) for li in assembled)
+
+  def body(*inputs: jax.Array) -> tuple[jax.Array, ...]:
+    q = jax.lax.axis_index(axis)
+    me = jnp.asarray(positions)[q]
+    recvs: list[Any] = [()] * len(program.rounds)
+    at = 0
+    for r, k in zip(rounds, operands, strict=True):
+      recvs[r], at = tuple(inputs[at : at + k]), at + k
+    fns = [_assemble_fn(program, k, assembled, {}) for k in range(len(program.assembles))]
+    dsts = [None] * len(program.leaves)
+    return tuple(_switch(q, local, [idle, *fns], me, None, dsts, recvs))
+
+  return body
+
+
 def _staged_shape(block: tuple[int, ...], n: int) -> tuple[int, ...]:
   return (n * block[0], *block[1:])
 
@@ -839,6 +907,56 @@ def _direct_program(
     for lf, s in zip(signature.leaves, src_shardings, strict=True)
   ]
   return jax.jit(move, out_shardings=list(dst_shardings)).lower(*avals).compile()
+
+
+@functools.lru_cache(maxsize=PROGRAM_CACHE_SIZE)
+def _transfer_program(signature: BucketProgram, devices: tuple[Any, ...]) -> Any:
+  """The compiled transfer program (:func:`emit_transfer_body`) of a bucket whose assembly runs
+  on its own, on ``devices`` (one per mesh position)."""
+  mesh = Mesh(np.array(devices), (AXIS,))
+  staged = NamedSharding(mesh, PartitionSpec(AXIS))
+  direct, _, rounds = split_outputs(signature)
+  num_out = len(direct) + sum(len(operand_layout(signature, signature.rounds[r])) for r in rounds)
+  fn = jax.shard_map(
+    emit_transfer_body(signature, AXIS),
+    mesh=mesh,
+    in_specs=tuple(PartitionSpec(AXIS) for _ in signature.leaves),
+    out_specs=tuple(PartitionSpec(AXIS) for _ in range(num_out)),
+    check_vma=False,
+  )
+  n = len(devices)
+  avals = [
+    jax.ShapeDtypeStruct(_staged_shape(lf.src_block, n), lf.dtype, sharding=staged)
+    for lf in signature.leaves
+  ]
+  return jax.jit(fn).lower(*avals).compile()
+
+
+@functools.lru_cache(maxsize=PROGRAM_CACHE_SIZE)
+def _assembly_program(
+  signature: BucketProgram,
+  devices: tuple[Any, ...],
+  operands: tuple[tuple[tuple[int, ...], np.dtype], ...],
+) -> Any:
+  """The compiled assembly program (:func:`emit_assembly_body`) on ``devices`` (those at
+  :attr:`BucketProgram.assemblers`, in that order), taking the received ``operands`` (block
+  shape and dtype of each, one block per device)."""
+  mesh = Mesh(np.array(devices), (AXIS,))
+  staged = NamedSharding(mesh, PartitionSpec(AXIS))
+  _, assembled, _ = split_outputs(signature)
+  fn = jax.shard_map(
+    emit_assembly_body(signature, AXIS),
+    mesh=mesh,
+    in_specs=tuple(PartitionSpec(AXIS) for _ in operands),
+    out_specs=tuple(PartitionSpec(AXIS) for _ in assembled),
+    check_vma=False,
+  )
+  n = len(devices)
+  avals = [
+    jax.ShapeDtypeStruct(_staged_shape(shape, n), dtype, sharding=staged)
+    for shape, dtype in operands
+  ]
+  return jax.jit(fn).lower(*avals).compile()
 
 
 BundleLeaf = tuple[tuple[int, ...], np.dtype, NamedSharding]  # global shape, dtype, sharding
@@ -1084,6 +1202,8 @@ def clear_program_cache() -> None:
   for them (an executable keeps the blocks it already holds)."""
   _compiled_program.cache_clear()
   _direct_program.cache_clear()
+  _transfer_program.cache_clear()
+  _assembly_program.cache_clear()
   _bundle_in_program.cache_clear()
   _bundle_out_program.cache_clear()
   _placeholder_program.cache_clear()
@@ -1216,9 +1336,14 @@ class _LeafIO:
       held = [shards.get(i) for i in self.staged_ids]
     if self.carry_out:
       return {self.staged_ids[j]: held[j] for j in self.dst_pick}
+    return self.unstage_picked([held[j] for j in self.dst_pick])
+
+  def unstage_picked(self, blocks: list[Any]) -> jax.Array:
+    """The destination array made of this process's destination blocks (in the destination
+    sharding's :func:`addressable_order`), zero-copy."""
     if self.scalar_dst:
-      return self.unstage_wrap([held[j].reshape(()) for j in self.dst_pick])
-    return self.unstage_wrap([held[j] for j in self.dst_pick])
+      return self.unstage_wrap([b.reshape(()) for b in blocks])
+    return self.unstage_wrap(blocks)
 
 
 def _on_one_mesh(sharding: Any) -> bool:
@@ -1346,6 +1471,73 @@ def _stage_placeholders(
   return out, made_once
 
 
+class _SplitIO:
+  """How a bucket whose assembly runs on its own (:attr:`BucketProgram.assemblers`) runs its two
+  programs, worked out once: the transfer program over the union mesh, which of its outputs'
+  blocks (on the destination devices) the assembly program takes, and which of the assembly
+  program's blocks each destination device keeps. A process without a destination device of
+  the bucket runs the transfer program only (the assembly has no collectives)."""
+
+  __slots__ = ("assembled", "assembly", "direct", "in_pick", "in_wraps", "out_pick", "transfer")
+
+  def __init__(self, exe: BucketExecutable, *, fast: bool) -> None:
+    program = exe.program
+    assert program.assemblers is not None
+    direct, self.assembled, _ = split_outputs(program)
+    self.direct = tuple(direct)
+    signature = program_signature(program)
+    compiled = _transfer_program(signature, exe.mesh_devices)
+    self.transfer = Runner(compiled, len(program.leaves), fast=fast)
+    n = len(program.device_ids)
+    operands = tuple(
+      ((o.shape[0] // n, *o.shape[1:]), np.dtype(o.dtype))
+      for o in compiled.out_info[len(self.direct) :]
+    )
+    devices = tuple(exe.mesh_devices[q] for q in program.assemblers)
+    staged = NamedSharding(Mesh(np.array(devices), (AXIS,)), PartitionSpec(AXIS))
+    ids = addressable_order(staged, fast=fast)
+    union = {d: j for j, d in enumerate(addressable_order(exe.staged_sharding, fast=fast))}
+    self.in_pick = [union[d] for d in ids]
+    k = len(devices)
+    self.in_wraps = [
+      Wrapper(_staged_shape(shape, k), dtype, staged, fast=fast) for shape, dtype in operands
+    ]
+    self.assembly: Runner | None = None
+    if ids and self.assembled:
+      self.assembly = Runner(
+        _assembly_program(signature, devices, operands), len(operands), fast=fast
+      )
+    at = {d: j for j, d in enumerate(ids)}
+    self.out_pick = {
+      li: [at[d] for d in addressable_order(exe.dst_shardings[li], fast=fast)]
+      for li in self.assembled
+    }
+
+  def compiled(self) -> list[Any]:
+    """The compiled programs a call runs, in order."""
+    return [r.compiled for r in (self.transfer, self.assembly) if r is not None]
+
+  def __call__(self, staged: Sequence[jax.Array], io: Sequence[_LeafIO]) -> list[Any]:
+    """Per leaf, its destination array, from the leaves' ``staged`` source arrays."""
+    outs = self.transfer(staged)
+    ys: list[Any] = [None] * len(io)
+    for li, held in zip(self.direct, outs, strict=False):
+      ys[li] = io[li].unstage(held)
+    received = outs[len(self.direct) :]
+    if self.assembly is not None:
+      args = [
+        wrap([held[j] for j in self.in_pick])
+        for wrap, held in zip(self.in_wraps, received, strict=True)
+      ]
+      del received, outs  # the payloads of devices without a destination shard are freed
+      for li, held in zip(self.assembled, self.assembly(args), strict=True):
+        ys[li] = io[li].unstage_picked([held[j] for j in self.out_pick[li]])
+    else:
+      for li in self.assembled:  # no destination device here
+        ys[li] = io[li].unstage_picked([])
+    return ys
+
+
 class BucketExecutable:
   """A bucket's program compiled over its union mesh; calling it moves the bucket's leaves.
 
@@ -1389,7 +1581,13 @@ class BucketExecutable:
     self._bundle_io: _BundleIO | None = None
     self._bundled: Any = None  # the compiled program taking the bundle
     self._bundled_runner: Runner | None = None
+    self._split: _SplitIO | bool | None = None  # False: one program (see split())
     self._staged = NamedSharding(Mesh(np.array(self._mesh_devices), (AXIS,)), PartitionSpec(AXIS))
+
+  @property
+  def mesh_devices(self) -> tuple[Any, ...]:
+    """The device at each position of the bucket's union mesh."""
+    return self._mesh_devices
 
   @property
   def staged_sharding(self) -> NamedSharding:
@@ -1400,9 +1598,28 @@ class BucketExecutable:
     """The compiled XLA executable a call runs (compiled on first use, or shared with an
     identical bucket's): :meth:`direct` where the bucket allows it, else the program over
     staged blocks (with the :meth:`bundle`, where the bucket has one)."""
+    return self.compiled_programs()[0]
+
+  def compiled_programs(self) -> list[Any]:
+    """The compiled XLA executables a call runs, in order: the one of :meth:`compile`, then
+    where the bucket's assembly runs on its own (:meth:`split`), its assembly program (on the
+    destination devices of this process; none where it has none)."""
     if direct := self.direct():
-      return direct
-    return self.compile_bundled() if self.bundle() is not None else self.compile_with_sharding()[0]
+      return [direct]
+    if split := self.split():
+      return split.compiled()
+    if self.bundle() is not None:
+      return [self.compile_bundled()]
+    return [self.compile_with_sharding()[0]]
+
+  def split(self) -> _SplitIO | None:
+    """How the bucket runs its rounds and its assembly as two programs, where its program says
+    so (:attr:`BucketProgram.assemblers`) and it runs neither as a :meth:`direct` call nor with
+    a :meth:`bundle` (worked out and compiled once), else ``None``."""
+    if self._split is None:
+      allowed = self.program.assemblers is not None and not self.direct() and not self.bundle()
+      self._split = _SplitIO(self, fast=fast_path_available()) if allowed else False
+    return self._split if isinstance(self._split, _SplitIO) else None
 
   def compile_with_sharding(self) -> tuple[Any, NamedSharding]:
     """The compiled executable that stages every leaf on its own, and the staged sharding it
@@ -1455,14 +1672,25 @@ class BucketExecutable:
     staged program's count (:func:`_plan.pass_bytes`) holds: the pack (source shards read,
     bytes written, on every device of the source mesh), the cut (the same on the destination
     mesh), and inside the program, counted as copies, the bundled blocks read out of the input
-    bytes and written into the output bytes on every mesh position."""
+    bytes and written into the output bytes on every mesh position; and where the bucket would
+    otherwise assemble on its own (:attr:`BucketProgram.assemblers`, which that count assumes),
+    the discarded blocks its one program writes on devices without a destination shard."""
     bundle = self.bundle()
     if bundle is None:
       return 0
     first = bundle.leaves[0]
     n_src, n_dst = self.src_shardings[first].mesh.size, self.dst_shardings[first].mesh.size
     n = len(self.program.device_ids)
-    return 2 * (bundle.src_bytes * (n_src + n) + bundle.dst_bytes * (n + n_dst))
+    out = 2 * (bundle.src_bytes * (n_src + n) + bundle.dst_bytes * (n + n_dst))
+    if self.program.assemblers is not None:
+      direct = received_whole(self.program)
+      idle = n - len(self.program.assemblers)
+      out += idle * sum(
+        block_bytes(lf.dst_block, lf.dtype)
+        for li, lf in enumerate(self.program.leaves)
+        if li not in direct
+      )
+    return out
 
   def bundle_io(self) -> _BundleIO:
     """How the :meth:`bundle` enters and leaves the program (worked out once)."""
@@ -1610,6 +1838,12 @@ class BucketExecutable:
       if wait_for is not None:
         jax.block_until_ready(wait_for)
       return list(direct(*xs))
+    if split := self.split():
+      io, placeholders = self.leaf_io(), self._placeholders(0)
+      staged = [io[li].stage(x, placeholders) for li, x in enumerate(xs)]
+      if wait_for is not None:
+        jax.block_until_ready(wait_for)
+      return split(staged, io)
     bundle = self.bundle()
     if bundle is not None and not all(
       _as_planned(xs[li], self.src_shardings[li]) for li in bundle.leaves

@@ -19,6 +19,7 @@ import numpy as np
 from jax_reshard._classes import stage_classes
 from jax_reshard._cost import (
   Estimate,
+  assembles_apart,
   count_keys,
   direct_steps,
   estimate,
@@ -69,6 +70,7 @@ class PlanStats:
     num_programs: distinct bucket programs, each compiled once: buckets that differ only in
       which leaves they carry (same devices, shapes, element types, payloads and roles) share
       one. :func:`plan_layouts` knows itemsizes only; a plan of arrays also tells types apart.
+      A bucket that assembles apart (``_cost.assembles_apart``) compiles two executables.
     passes_per_moved_byte: bytes all devices read and write in the bucket programs, over twice
       ``bytes_moved`` (a copy of every moved byte is one pass): packing payloads, the
       ``ppermute`` transfer, assembling destination shards, and the zeros written for idle
@@ -462,11 +464,12 @@ def pass_bytes(
   ``assemble``: received and resident parts read plus destination shards written (for a leaf
   split over buckets, written in place, only its parts); ``zero_fill``: the payload-sized zeros
   of devices that send or receive nothing in a round, and the discarded output blocks of
-  devices without a destination shard of a leaf. A round whose every payload is the whole
-  source shards of the same leaves is sent as it is (no pack, no zeros for idle senders; one
-  ``ppermute`` of several operands); in other rounds, a leaf's whole source shard at the same
-  offset of every payload is an operand of its own, and only the rest is packed (see
-  :func:`whole_segment_bytes`). A leaf whose every destination shard arrives whole in
+  devices without a destination shard of a leaf (none where the bucket's assembly runs in a
+  program of the destination devices, see :func:`_cost.assembles_apart`). A round whose every
+  payload is the whole source shards of the same leaves is sent as it is (no pack, no zeros
+  for idle senders; one ``ppermute`` of several operands); in other rounds, a leaf's whole
+  source shard at the same offset of every payload is an operand of its own, and only the rest
+  is packed (see :func:`whole_segment_bytes`). A leaf whose every destination shard arrives whole in
   one round (the payload, or its leaf's operand) is that array (no assembly, no discarded
   block), see :func:`direct_steps`. A leaf cut into destination slabs assembles each
   bucket's slab whole (discarded slab-sized blocks elsewhere), then reads it and writes it into
@@ -480,20 +483,22 @@ def pass_bytes(
   keys = count_keys(plan, classes, as_is) if classes is not None else None
   done: dict[tuple[object, ...], dict[str, int]] = {}
   for b, bucket in enumerate(plan.schedule.buckets):
-    part = done.get(keys[b]) if keys is not None else None
+    split = assembles_apart(plan, b) is not None
+    key = None if keys is None else (*keys[b], split)
+    part = done.get(key) if key is not None else None
     if part is None:
-      part = _bucket_pass_bytes(plan, bucket, as_is)
-      if keys is not None:
-        done[keys[b]] = part
+      part = _bucket_pass_bytes(plan, bucket, as_is, split)
+      if key is not None:
+        done[key] = part
     for step, k in part.items():
       out[step] += k
   return out
 
 
 def _bucket_pass_bytes(
-  plan: LayoutPlan, bucket: Bucket, as_is: Collection[int] | None
+  plan: LayoutPlan, bucket: Bucket, as_is: Collection[int] | None, split: bool
 ) -> dict[str, int]:
-  """:func:`pass_bytes` of one bucket."""
+  """:func:`pass_bytes` of one bucket (``split``: its assembly runs on its own)."""
   out = dict.fromkeys(("pack", "transfer", "assemble", "zero_fill"), 0)
   spans = plan.schedule.leaf_buckets
   n = len(bucket.union_device_ids)
@@ -526,7 +531,7 @@ def _bucket_pass_bytes(
     shard = math.prod(dst.shard_shape()) * isz
     whole = not spans or len(spans[j]) == 1
     out["assemble"] += remote + local + (shard * len(dst.device_ids) if whole else remote + local)
-    if whole:
+    if whole and not split:
       out["zero_fill"] += (n - len(dst.device_ids)) * shard
     if (window := dst_slab_window(plan.schedule, j, chunks)) is not None:
       slab = shard // dst.shard_shape()[window[0]] * (window[2] - window[1])

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from jax_reshard._cost import assembles_apart
 from jax_reshard._layout import Layout
 from jax_reshard._plan import LayoutPlan
 from jax_reshard._planner import LeafPlan
@@ -256,6 +257,9 @@ class BucketProgram:
     placeholders: the zero source blocks to stage (eager execution on a union mesh).
     dst_placeholders: the zero destination blocks to stage for leaves with a destination input
       on devices without a destination shard of them.
+    assemblers: mesh positions (ascending) of the devices that assemble the destination shards
+      in a program of their own, after the program over the whole mesh returns the received
+      payloads (``_cost.assembles_apart``), or ``None`` where that program assembles them.
   """
 
   device_ids: tuple[int, ...]
@@ -265,6 +269,7 @@ class BucketProgram:
   assembles: tuple[Assemble, ...]
   placeholders: tuple[PlaceholderGroup, ...]
   dst_placeholders: tuple[PlaceholderGroup, ...] = ()
+  assemblers: tuple[int, ...] | None = None
 
   @property
   def dst_inputs(self) -> tuple[int, ...]:
@@ -421,6 +426,7 @@ def make_bucket_program(
     leaves.append(_leaf_input(i, plan, dtypes[i], word, mode))
   positions = {d: k for k, d in enumerate(device_ids)}
   rounds, incoming = _send_rounds(sched_bucket, leaves, unit, positions)
+  assembling = assembles_apart(plan, bucket, donate=donate)
   return BucketProgram(
     device_ids=tuple(int(d) for d in device_ids),
     leaves=tuple(lf.view for lf in leaves),
@@ -429,6 +435,7 @@ def make_bucket_program(
     assembles=_assembles(leaves, incoming, unit, positions),
     placeholders=_placeholder_groups(leaves, sched_bucket.union_device_ids),
     dst_placeholders=_dst_placeholder_groups(leaves, sched_bucket.union_device_ids),
+    assemblers=None if assembling is None else tuple(sorted(positions[d] for d in assembling)),
   )
 
 
@@ -874,6 +881,11 @@ def format_program(program: BucketProgram) -> str:
       cuts = ", ".join(_format_cut(c) for c in pack.cuts)
       pad = f" + {pack.pad_words} zero words" if pack.pad_words else ""
       lines.append(f"    senders {list(pack.positions)} pack {cuts}{pad}")
+  if program.assemblers is not None:
+    lines.append(
+      f"  positions {list(program.assemblers)} assemble in a program of their own, "
+      "taking the received payloads"
+    )
   for a in program.assembles:
     lines.append(f"  devices {list(a.positions)} assemble")
     for li, parts in enumerate(a.parts):

@@ -349,6 +349,52 @@ def leaf_modes(
   return out
 
 
+SPLIT_ASSEMBLY = True
+"""Whether a bucket that allows it (:func:`assembly_devices`) assembles its destination shards
+in a program of their devices alone, after the program over its union mesh moves the data."""
+
+
+def assembly_devices(
+  schedule: Schedule,
+  layouts: Sequence[tuple[Layout, Layout]],
+  scheduled: Sequence[int],
+  bucket: int,
+  *,
+  donate: bool = False,
+) -> tuple[int, ...] | None:
+  """The devices (ids, ascending) that assemble bucket ``bucket``'s destination shards in a
+  program of their own, or ``None`` where the bucket's one program over its union mesh does.
+
+  One program over the union mesh returns a block per leaf on every device, so each device
+  without a destination shard writes a discarded zero block of each leaf's destination shard
+  (a trainer device of a disjoint refit: as many bytes as a sampler device receives). A bucket
+  instead runs its rounds in a program over the union mesh that returns the received payloads,
+  and its assembly in a second program over the destination devices, where every leaf enters
+  and leaves the bucket whole (not split over buckets, cut into slabs or written into donated
+  buffers: no ``donate``), all its leaves have one destination device set, and no device of
+  that set holds a source shard of the bucket (every destination part is received).
+  """
+  if not SPLIT_ASSEMBLY or donate:
+    return None
+  spans, slabs, dst_slabs = schedule.leaf_buckets, schedule.leaf_slabs, schedule.leaf_dst_slabs
+  dst_ids: tuple[int, ...] | None = None
+  src_ids: set[int] = set()
+  for j in schedule.buckets[bucket].leaves:
+    if (spans and len(spans[j]) > 1) or (slabs and slabs[j] is not None):
+      return None
+    if dst_slabs and dst_slabs[j] is not None:
+      return None
+    src, dst = layouts[scheduled[j]]
+    if dst_ids is None:
+      dst_ids = dst.device_ids
+    elif dst.device_ids != dst_ids:
+      return None
+    src_ids.update(src.device_ids)
+  if not dst_ids or not src_ids.isdisjoint(dst_ids):
+    return None
+  return dst_ids
+
+
 def window_dim(src: Layout, dst: Layout) -> int | None:
   """The longest dimension (of extent 2 or more) that neither ``src`` nor ``dst`` shards, where
   a leaf can be cut into windows, or ``None``."""

@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from helpers import assert_matches_oracle, random_host_array  # noqa: E402
 
 import jax_reshard as jr  # noqa: E402
-from jax_reshard import _distributed  # noqa: E402
+from jax_reshard import _cost, _distributed  # noqa: E402
 
 DEVS = sorted(jax.devices(), key=lambda d: d.id)
 P0 = [d for d in DEVS if d.process_index == 0]
@@ -76,7 +76,9 @@ def make_hosts(seed: int, specs: dict[str, tuple[tuple[int, ...], Any]]) -> dict
 
 
 def case_a() -> None:
-  """Trainer mesh only on process 0, sampler mesh only on process 1, different layouts."""
+  """Trainer mesh only on process 0, sampler mesh only on process 1, different layouts; one
+  program per bucket, then assembled apart (process 1 runs the assembly program, process 0,
+  without a destination device, the transfer program only)."""
   trainer = mesh(P0, (2, 2), ("fsdp", "tp"))
   sampler = mesh(P1[::-1], (2, 2), ("dp", "tp"))
   specs = {"w": ((16, 12), np.float32), "e": ((8, 6, 4), jnp.bfloat16), "b": ((8,), np.int8)}
@@ -84,18 +86,29 @@ def case_a() -> None:
   dst = {"w": P(None, "tp"), "e": P("tp", "dp"), "b": P()}
   src_sh = {k: NamedSharding(trainer, s) for k, s in src.items()}
   dst_sh = {k: NamedSharding(sampler, s) for k, s in dst.items()}
-  plan = None
-  for seed in (1, 2):  # the second call reuses the compiled plan
-    hosts = make_hosts(seed, specs)
-    xs = {k: put(h, src_sh[k]) for k, h in hosts.items()}
-    if PID == 1:
-      assert all(not x.addressable_shards for x in xs.values())
-    plan = plan or jr.make_plan(xs, dst_sh)
-    ys = plan(xs)
-    check_tree(ys, hosts, dst_sh)
-    for k in hosts:  # the source is left untouched
-      assert_matches_oracle(xs[k], hosts[k], src_sh[k])
-  assert plan is not None and plan.stats.bytes_moved == plan.stats.lower_bound_bytes
+  kept = _cost.APART_MIN_BYTES
+  for apart in (False, True):
+    _cost.APART_MIN_BYTES = 0 if apart else kept  # tiny leaves: apart only when forced
+    jr.plan_cache_clear()
+    plan = None
+    for seed in (1, 2):  # the second call reuses the compiled plan
+      hosts = make_hosts(seed, specs)
+      xs = {k: put(h, src_sh[k]) for k, h in hosts.items()}
+      if PID == 1:
+        assert all(not x.addressable_shards for x in xs.values())
+      plan = plan or jr.make_plan(xs, dst_sh)
+      ys = plan(xs)
+      check_tree(ys, hosts, dst_sh)
+      for k in hosts:  # the source is left untouched
+        assert_matches_oracle(xs[k], hosts[k], src_sh[k])
+    assert plan is not None and plan.stats.bytes_moved == plan.stats.lower_bound_bytes
+    exes = plan.executables()
+    assert all((exe.split() is not None) == apart for exe in exes)
+    if apart:  # the assembly program runs where the destination devices are
+      assert all(exe.split().assembled for exe in exes)
+      assert all(len(exe.compiled_programs()) == 1 + PID for exe in exes)
+  _cost.APART_MIN_BYTES = kept
+  jr.plan_cache_clear()
   ok("case_a")
 
 

@@ -22,9 +22,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_reshard as jr
-from jax_reshard import _buffers, _emit, _schedule
+from jax_reshard import _buffers, _cost, _emit, _schedule
 from jax_reshard._classes import bucket_classes
-from jax_reshard._cost import made_blocks
+from jax_reshard._cost import _bucket_cost, made_blocks
 from jax_reshard._plan import pass_bytes
 from jax_reshard._program import make_bucket_program, program_signature
 
@@ -180,7 +180,11 @@ def test_leaf_cap_cuts_buckets_at_layer_boundaries(monkeypatch: pytest.MonkeyPat
   with compile_events() as events:
     y = plan(x)
   assert len([e for e in events if "backend_compile" in e]) >= 3
-  assert _emit._compiled_program.cache_info().currsize == 3
+  # One bucket program per distinct bucket (disjoint: each a transfer program, with an
+  # assembly program where a leaf is not received whole).
+  bucket_programs = _emit._compiled_program, _emit._transfer_program
+  assert sum(c.cache_info().currsize for c in bucket_programs) == 3
+  assert _emit._assembly_program.cache_info().currsize <= 3
   for k, h in hosts.items():
     assert_matches_oracle(y[k], h, dst[k])
   jr.plan_cache_clear()
@@ -610,11 +614,15 @@ def _peak(m: Any) -> int:
   )
 
 
-def test_donated_programs_need_no_more_device_memory_than_plain() -> None:
+def test_donated_programs_need_no_more_device_memory_than_plain(
+  monkeypatch: pytest.MonkeyPatch,
+) -> None:
   """Disjoint MoE-like trees refit with ``donate=``: every bucket program's device memory
   (beyond the plain call's destination arrays, which donation replaces) is at most the plain
   program's, where devices without a destination shard return zeros for their discarded blocks
-  (returning their donated blocks there instead cost XLA more scratch). Bit for bit."""
+  (returning their donated blocks there instead cost XLA more scratch). Assembled apart (on
+  the destination devices, after a transfer program), each of the two programs needs no more
+  than the plain one. Bit for bit."""
   devs = np.array(jax.devices())
   src = NamedSharding(Mesh(devs[:4].reshape(2, 2), ("pp", "ep")), P("ep", None, "pp"))
   dst = NamedSharding(Mesh(devs[4:], ("tp",)), P(None, "tp"))
@@ -623,9 +631,17 @@ def test_donated_programs_need_no_more_device_memory_than_plain() -> None:
   x = [jax.device_put(h, src) for h in hosts]
   plan = jr.make_plan(x, dst, max_bucket_bytes=64 << 10)
   assert plan.stats.num_buckets > 1
+  assert all(exe.split() is None for exe in plan.executables())  # 32 KiB leaves: not apart
   plain, donated = plan.memory_analysis(), plan.memory_analysis(donate=True)
-  for p, d in zip(plain, donated, strict=True):
+  monkeypatch.setattr(_cost, "APART_MIN_BYTES", 0)
+  jr.plan_cache_clear()
+  apart = jr.make_plan(x, dst, max_bucket_bytes=64 << 10).memory_analysis()
+  assert len(apart) == 2 * len(plain)
+  for k, (p, d) in enumerate(zip(plain, donated, strict=True)):
     assert _peak(d) <= _peak(p), (_peak(d), _peak(p))
+    assert max(_peak(s) for s in apart[2 * k : 2 * k + 2]) <= _peak(p)
+  jr.plan_cache_clear()
+  monkeypatch.undo()
   y = plan(x)
   for a, h in zip(plan(x, donate=y), hosts, strict=True):
     assert_matches_oracle(a, h, dst)
@@ -895,3 +911,183 @@ def test_buckets_stage_buffers_where_they_cannot_run_the_arrays_as_they_are() ->
     assert_matches_oracle(y[k], h, dst[k])
     assert_matches_oracle(z[k], h, dst[k])
   jr.plan_cache_clear()
+
+
+def _disjoint_trees(seed: int) -> list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]:
+  """Trees from a trainer on devices 0-3 to a sampler on devices 4-7: leaves of several types,
+  each assembled from its parts; and a leaf assembled from two parts beside one received whole
+  (in rounds of its own: its sampler mesh lists the devices in reverse, so its pairs are not
+  those of the other leaf)."""
+  devs = np.array(jax.devices())
+  trainer = Mesh(devs[:4].reshape(2, 2), ("fsdp", "tp"))
+  sampler = Mesh(devs[4:].reshape(2, 2), ("tp", "dp"))
+  reverse = Mesh(devs[4:][::-1].reshape(2, 2), ("tp", "dp"))
+  rng = np.random.default_rng(seed)
+  out = []
+  for leaves in (
+    (
+      ("w", (64, 48), np.float32, P("fsdp", "tp"), P(None, "tp"), sampler),
+      ("h", (40, 16), jnp.bfloat16, P(None, "tp"), P("tp", "dp"), sampler),
+      ("e", (32, 8), jnp.float8_e5m2, P("fsdp"), P(None, "dp"), sampler),
+      ("i", (64, 8), np.int32, P(("fsdp", "tp")), P(("tp", "dp")), sampler),
+      ("s", (), np.float32, P(), P(), sampler),
+    ),
+    (
+      ("a", (64, 32), jnp.bfloat16, P(("fsdp", "tp")), P("tp"), sampler),
+      ("r", (64, 32), np.float32, P(("fsdp", "tp")), P(("tp", "dp")), reverse),
+    ),
+  ):
+    hosts, x, dst = {}, {}, {}
+    for name, shape, dtype, src_spec, dst_spec, mesh in leaves:
+      hosts[name] = random_host_array(rng, shape, dtype)
+      x[name] = jax.device_put(hosts[name], NamedSharding(trainer, src_spec))
+      dst[name] = NamedSharding(mesh, dst_spec)
+    out.append((hosts, x, dst))
+  return out
+
+
+@pytest.mark.parametrize("case", [0, 1])
+def test_disjoint_buckets_assemble_on_the_destination_devices(
+  case: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+  """A bucket whose destination devices hold no source shard runs its rounds over the union
+  mesh, returning the received payloads and the leaves received whole, then assembles the
+  other leaves in a program of the destination devices alone: the trainer devices return no
+  discarded blocks. Bit for bit (random bits, NaN payloads included), twice, as the one
+  program does it; the transfer program outputs exactly the received payloads the assembly
+  reads and the leaves received whole; the assembly runs on devices 4-7 only."""
+  hosts, x, dst = _disjoint_trees(seed=21)[case]
+  monkeypatch.setattr(_cost, "APART_MIN_BYTES", 0)  # small leaves, assembled apart all the same
+  jr.plan_cache_clear()
+  plan = jr.make_plan(x, dst)
+  [exe] = plan.executables()
+  split = exe.split()
+  assert split is not None and exe.program.assemblers == (4, 5, 6, 7)
+  names = sorted(hosts)
+  whole = [names[exe.program.leaves[li].index] for li in split.direct]
+  assert whole == ([] if case == 0 else ["r"])
+  transfer, assembly = exe.compiled_programs()
+  assert {d.id for d in assembly.input_shardings[0][0].device_set} == {4, 5, 6, 7}
+  for _ in range(2):
+    y = plan(x)
+    for k, h in hosts.items():
+      assert_matches_oracle(y[k], h, dst[k])
+
+  # Per device: the transfer program returns the payloads of the rounds the assembly reads,
+  # then the leaves received whole; the assembly the other leaves' blocks.
+  def block(li: int) -> int:
+    lf = exe.program.leaves[li]
+    return int(np.prod(lf.dst_block)) * lf.dtype.itemsize
+
+  _, assembled, rounds = _emit.split_outputs(exe.program)
+  payloads = sum(exe.program.rounds[r].words for r in rounds) * exe.program.unit.itemsize
+  direct = sum(block(li) for li in split.direct)
+  # XLA's tuple of several outputs: 8 bytes an output.
+  tuples = [8 * len(c.out_info) if len(c.out_info) > 1 else 0 for c in (transfer, assembly)]
+  assert transfer.memory_analysis().output_size_in_bytes == payloads + direct + tuples[0]
+  assembled_bytes = sum(block(li) for li in assembled)
+  assert assembly.memory_analysis().output_size_in_bytes == assembled_bytes + tuples[1]
+
+  monkeypatch.setattr(_schedule, "SPLIT_ASSEMBLY", False)
+  jr.plan_cache_clear()
+  one = jr.make_plan(x, dst)
+  [single] = one.executables()
+  assert single.program.assemblers is None and single.split() is None
+  assert len(single.compiled_programs()) == 1
+  z = one(x)
+  for k in hosts:
+    np.testing.assert_array_equal(bits(y[k]), bits(z[k]))
+  jr.plan_cache_clear()
+
+
+def test_a_bucket_received_whole_runs_one_program() -> None:
+  """A bucket whose leaves all arrive whole (rows -> rows) has nothing to assemble: its
+  transfer program returns the destination blocks and no second program runs."""
+  devs = np.array(jax.devices())
+  host = random_host_array(np.random.default_rng(5), (64, 16), jnp.bfloat16)
+  x = jax.device_put(host, NamedSharding(Mesh(devs[:4], ("x",)), P("x")))
+  dst = NamedSharding(Mesh(devs[4:], ("x",)), P("x"))
+  plan = jr.make_plan(x, dst)
+  [exe] = plan.executables()
+  split = exe.split()
+  assert split is not None and split.direct == (0,) and split.assembled == ()
+  assert len(exe.compiled_programs()) == 1
+  assert jr.estimate(plan.layout_plan, jr.Topology.cpu()).call_s == pytest.approx(
+    jr.Topology.cpu().call_latency + jr.Topology.cpu().leaf_latency
+  )
+  assert_matches_oracle(plan(x), host, dst)
+
+
+def test_which_buckets_assemble_on_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
+  """Only buckets of leaves moved whole to one destination device set that holds no source
+  shard assemble on their own: not colocated or overlapping device sets, not destinations on
+  different devices, not a ``donate=`` call, not a leaf split over buckets; the cost model and
+  the pass count drop exactly the discarded blocks and charge a second call."""
+
+  def lay(ids: range, spec: Any, shape: tuple[int, int] = (64, 64)) -> jr.Layout:
+    return jr.Layout.from_description(
+      shape, mesh_shape=(4,), axis_names=("x",), spec=spec, device_ids=ids
+    )
+
+  def devices(pairs: list[tuple[jr.Layout, jr.Layout]], donate: bool = False, **kw: Any) -> Any:
+    plan = jr.plan_layouts(pairs, [4] * len(pairs), **kw)
+    return [
+      _schedule.assembly_devices(plan.schedule, plan.layouts, plan.scheduled, b, donate=donate)
+      for b in range(len(plan.schedule.buckets))
+    ]
+
+  rows, cols = ("x",), (None, "x")
+  assert devices([(lay(range(4), rows), lay(range(4, 8), cols))]) == [(4, 5, 6, 7)]
+  assert devices([(lay(range(4), rows), lay(range(4, 8), cols))], donate=True) == [None]
+  assert devices([(lay(range(4), rows), lay(range(4), cols))]) == [None]  # colocated
+  assert devices([(lay(range(4), rows), lay(range(2, 6), cols))]) == [None]  # overlapping
+  disjoint = (lay(range(4), rows), lay(range(4, 8), cols))
+  overlapping = (lay(range(4), rows), lay(range(2, 6), cols))
+  two = [disjoint, overlapping]
+  assert devices(two) == [None]  # destinations on different devices
+  split = devices(
+    [
+      (
+        lay(range(4), rows),
+        lay(range(4, 8), cols),
+      )
+    ],
+    max_bucket_bytes=6 << 10,
+  )
+  assert len(split) > 1 and split == [None] * len(split)  # one leaf over several buckets
+
+  # Where it pays: on the plan's topology where the model predicts it faster (2 CPU cores add
+  # up the devices' zeros: 1 MiB discarded per trainer device outweighs a call, 256 KiB does
+  # not; H100s work in parallel, and the sampler devices' assembly outlasts the trainer
+  # devices' zeros), without one from APART_MIN_BYTES (1 MiB) discarded on a device.
+  for size, on_cpu in ((512, False), (1024, True)):
+    pair = (lay(range(4), rows, (size, size)), lay(range(4, 8), cols, (size, size)))
+    for topo, apart in ((jr.Topology.cpu(), on_cpu), (jr.Topology.h100_nodes(), False)):
+      plan = jr.plan_layouts([pair], [4], topology=topo)
+      assert (_cost.assembles_apart(plan, 0) is not None) == apart, (size, topo.name)
+    assert (_cost.assembles_apart(jr.plan_layouts([pair], [4]), 0) is not None) == on_cpu
+  monkeypatch.setattr(_cost, "APART_MIN_BYTES", 0)
+
+  # The model: a second call, no discarded blocks (4 trainer devices x a 4 KiB shard each).
+  topo = jr.Topology.h100_nodes()
+  plan = jr.plan_layouts([(lay(range(4), rows), lay(range(4, 8), cols))], [4])
+  fill = topo.fill_bandwidth or topo.memory_bandwidth
+  split_cost = _bucket_cost(plan, 0, topo, split=True)
+  one_cost = _bucket_cost(plan, 0, topo, split=False)
+  assert (split_cost.calls, one_cost.calls) == (2, 1)
+  np.testing.assert_array_equal(split_cost.transfer, one_cost.transfer)
+  np.testing.assert_array_equal(split_cost.pack, one_cost.pack)
+  np.testing.assert_allclose(one_cost.assemble - split_cost.assemble, [4096 / fill] * 4 + [0] * 4)
+  est = jr.estimate(plan, topo)
+  passes = pass_bytes(plan)
+  old_split = _schedule.SPLIT_ASSEMBLY
+  try:
+    _schedule.SPLIT_ASSEMBLY = False
+    one, one_passes = jr.estimate(plan, topo), pass_bytes(plan)
+  finally:
+    _schedule.SPLIT_ASSEMBLY = old_split
+  assert est.call_s == pytest.approx(one.call_s + topo.call_latency)
+  assert one_passes["zero_fill"] - passes["zero_fill"] == 4 * 4096
+  assert {k: v for k, v in passes.items() if k != "zero_fill"} == {
+    k: v for k, v in one_passes.items() if k != "zero_fill"
+  }
