@@ -213,7 +213,6 @@ def _bucket_costs(
   fill_bw = topo.fill_bandwidth or topo.memory_bandwidth
   walk = _walk(plan, donate, kinds)
   for k, stage in enumerate(plan.stages()):
-    stage_donate = donate and k == 0
     known = None if classes is None else classes[k]
     if known is None:
       of = stage.itemsizes if kinds is None else kinds
@@ -221,8 +220,7 @@ def _bucket_costs(
     keys = count_keys(stage, known, as_is)
     done: dict[tuple[object, ...], _BucketCost] = {}
     for b, key in enumerate(keys):
-      relayed, through, made = next(walk)
-      split = assembles_apart(stage, b, donate=stage_donate)
+      relayed, through, made, split = next(walk)
       key = (*key, split is not None)
       if relayed or through:
         bucket = stage.schedule.buckets[b]
@@ -245,21 +243,27 @@ def _bucket_costs(
 
 def _walk(
   plan: _Plan, donate: bool, kinds: Sequence[object] | None
-) -> Iterator[tuple[frozenset[int], frozenset[int], np.ndarray | None]]:
+) -> Iterator[tuple[frozenset[int], frozenset[int], np.ndarray | None, tuple[int, ...] | None]]:
   """Per bucket of every stage, in the order they run: the leaves (of the plan) whose parts
   it writes into their donated shards (``donate``: relayed leaves in the first stage), the
   leaves (positions in the stage's schedule) whose discarded blocks pass through unchanged
-  (written in place into a destination input), and per device the bytes of zero destination
+  (written in place into a destination input), per device the bytes of zero destination
   blocks the eager path makes for it (:func:`_made_blocks`; ``None`` where it takes no
-  destination inputs)."""
+  destination inputs; none where it assembles apart, which also frees the blocks the last
+  bucket left), and the devices that assemble apart (:func:`assembles_apart`)."""
   spares: dict[tuple[object, ...], np.ndarray] = {}
   for k, stage in enumerate(plan.stages()):
     stage_donate = donate and k == 0
     relayed = plan.relayed_leaves() if stage_donate else frozenset()
     spans = stage.schedule.leaf_buckets
     for b, bucket in enumerate(stage.schedule.buckets):
+      apart = assembles_apart(stage, b, donate=stage_donate, relayed=relayed)
+      if apart is not None and stage_donate:  # no blocks donated where no shard is
+        spares.clear()
+        yield relayed, frozenset(), np.zeros(len(bucket.union_device_ids)), apart
+        continue
       if not stage_donate and not (spans and any(len(spans[j]) > 1 for j in bucket.leaves)):
-        yield relayed, frozenset(), None  # no destination inputs
+        yield relayed, frozenset(), None, apart  # no destination inputs
         continue
       modes = leaf_modes(
         stage.schedule,
@@ -273,7 +277,7 @@ def _walk(
       through = frozenset(
         j for j, m in zip(bucket.leaves, modes, strict=True) if m.in_place and m.dst_input
       )
-      yield relayed, through, _made_blocks(stage, b, modes, spares, kinds)
+      yield relayed, through, _made_blocks(stage, b, modes, spares, kinds), apart
 
 
 APART_MIN_BYTES = 1 << 20
@@ -284,15 +288,22 @@ a destination shard would discard at least this many bytes. Simulated CPU device
 512^2 (1 MiB) 1.09x, 2 of 1024^2 (2 MiB) 1.05x."""
 
 
-def assembles_apart(stage: _Stage, b: int, *, donate: bool = False) -> tuple[int, ...] | None:
+def assembles_apart(
+  stage: _Stage, b: int, *, donate: bool = False, relayed: Collection[int] = frozenset()
+) -> tuple[int, ...] | None:
   """The devices (ids, ascending) that assemble bucket ``b`` of ``stage`` in a program of their
   own, after the program over its union mesh returns the received payloads, or ``None`` where
   that one program assembles: where the bucket allows it (``_schedule.assembly_devices``) and
   it pays (:func:`_apart_pays`): on the stage's own topology where the model predicts it
-  faster, without one where a device would discard at least :data:`APART_MIN_BYTES`. The
-  program (``_program.make_bucket_program``), the model and the pass count
-  (``_plan.pass_bytes``) all ask this, so the model predicts what runs."""
-  ids = assembly_devices(stage.schedule, stage.layouts, stage.scheduled, b, donate=donate)
+  faster, without one where a device would discard at least :data:`APART_MIN_BYTES` (with
+  ``donate``, the one program would also have such devices donate zero blocks made or
+  recycled for them; the choice leaves those out). ``relayed``: with ``donate``, the relayed
+  leaves of the plan (written in place: see ``_schedule.assembly_devices``). The program
+  (``_program.make_bucket_program``), the model and the pass count (``_plan.pass_bytes``) all
+  ask this, so the model predicts what runs."""
+  ids = assembly_devices(
+    stage.schedule, stage.layouts, stage.scheduled, b, donate=donate, relayed=relayed
+  )
   return ids if ids is not None and _apart_pays(stage, b, stage.topology) else None
 
 
@@ -326,7 +337,7 @@ def made_blocks(
   """Per bucket of every stage, in the order they run, per device of its union (ascending
   ids) the bytes of zero destination blocks a call makes for it (``None`` where it takes no
   destination inputs): what :func:`estimate` charges, and what ``_emit`` makes."""
-  return [made for _, _, made in _walk(plan, donate, kinds)]
+  return [made for _, _, made, _ in _walk(plan, donate, kinds)]
 
 
 def time_lower_bound(leaf_plans: Sequence[LeafPlan], topology: Topology) -> float:

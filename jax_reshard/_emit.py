@@ -773,7 +773,9 @@ def emit_transfer_body(program: BucketProgram, axis: Any) -> Callable[..., tuple
 def emit_assembly_body(program: BucketProgram, axis: Any) -> Callable[..., tuple[jax.Array, ...]]:
   """The per-device body of the assembly program of a bucket (see :func:`split_outputs`), for
   a ``shard_map`` over the devices at :attr:`BucketProgram.assemblers`: it takes the received
-  operands the transfer program returns and returns the destination blocks of the leaves it
+  operands the transfer program returns, then the destination blocks of the leaves it
+  assembles that have a destination input (``donate=``: never read, donated so that each
+  output is written into its block), and returns the destination blocks of the leaves it
   assembles, each device by its role (offsets read at its position in the bucket's mesh)."""
   _, assembled, rounds = split_outputs(program)
   assert program.assemblers is not None
@@ -792,7 +794,7 @@ def emit_assembly_body(program: BucketProgram, axis: Any) -> Callable[..., tuple
     for r, k in zip(rounds, operands, strict=True):
       recvs[r], at = tuple(inputs[at : at + k]), at + k
     fns = [_assemble_fn(program, k, assembled, {}) for k in range(len(program.assembles))]
-    dsts = [None] * len(program.leaves)
+    dsts = [None] * len(program.leaves)  # the donated blocks only lend their buffers
     return tuple(_switch(q, local, [idle, *fns], me, None, dsts, recvs))
 
   return body
@@ -944,19 +946,30 @@ def _assembly_program(
   mesh = Mesh(np.array(devices), (AXIS,))
   staged = NamedSharding(mesh, PartitionSpec(AXIS))
   _, assembled, _ = split_outputs(signature)
+  blocks = [(lf.dst_block, lf.dtype) for lf in donated_blocks(signature)]
   fn = jax.shard_map(
     emit_assembly_body(signature, AXIS),
     mesh=mesh,
-    in_specs=tuple(PartitionSpec(AXIS) for _ in operands),
+    in_specs=tuple(PartitionSpec(AXIS) for _ in (*operands, *blocks)),
     out_specs=tuple(PartitionSpec(AXIS) for _ in assembled),
     check_vma=False,
   )
   n = len(devices)
   avals = [
     jax.ShapeDtypeStruct(_staged_shape(shape, n), dtype, sharding=staged)
-    for shape, dtype in operands
+    for shape, dtype in (*operands, *blocks)
   ]
-  return jax.jit(fn).lower(*avals).compile()
+  donate = tuple(range(len(operands), len(operands) + len(blocks)))
+  # keep_unused: a donated block is never read, yet must stay an argument to be aliased.
+  jitted = jax.jit(fn, donate_argnums=donate, keep_unused=True)
+  return jitted.lower(*avals).compile()
+
+
+def donated_blocks(program: BucketProgram) -> list[LeafView]:
+  """The leaves an assembly program (:func:`emit_assembly_body`) takes a donated destination
+  block of, in the order it takes them: those it assembles that have a destination input."""
+  _, assembled, _ = split_outputs(program)
+  return [program.leaves[li] for li in assembled if program.leaves[li].dst_input]
 
 
 BundleLeaf = tuple[tuple[int, ...], np.dtype, NamedSharding]  # global shape, dtype, sharding
@@ -1478,7 +1491,18 @@ class _SplitIO:
   program's blocks each destination device keeps. A process without a destination device of
   the bucket runs the transfer program only (the assembly has no collectives)."""
 
-  __slots__ = ("assembled", "assembly", "direct", "in_pick", "in_wraps", "out_pick", "transfer")
+  __slots__ = (
+    "assembled",
+    "assembly",
+    "direct",
+    "dst_ids",
+    "dst_leaves",
+    "dst_wraps",
+    "in_pick",
+    "in_wraps",
+    "out_pick",
+    "transfer",
+  )
 
   def __init__(self, exe: BucketExecutable, *, fast: bool) -> None:
     program = exe.program
@@ -1502,11 +1526,17 @@ class _SplitIO:
     self.in_wraps = [
       Wrapper(_staged_shape(shape, k), dtype, staged, fast=fast) for shape, dtype in operands
     ]
+    # Leaves refit into donated buffers: their destination blocks, staged on these devices.
+    self.dst_ids = ids
+    self.dst_leaves = [li for li in self.assembled if program.leaves[li].dst_input]
+    self.dst_wraps = [
+      Wrapper(_staged_shape(lf.dst_block, k), lf.dtype, staged, fast=fast)
+      for lf in donated_blocks(program)
+    ]
     self.assembly: Runner | None = None
     if ids and self.assembled:
-      self.assembly = Runner(
-        _assembly_program(signature, devices, operands), len(operands), fast=fast
-      )
+      num_args = len(operands) + len(self.dst_leaves)
+      self.assembly = Runner(_assembly_program(signature, devices, operands), num_args, fast=fast)
     at = {d: j for j, d in enumerate(ids)}
     self.out_pick = {
       li: [at[d] for d in addressable_order(exe.dst_shardings[li], fast=fast)]
@@ -1517,8 +1547,19 @@ class _SplitIO:
     """The compiled programs a call runs, in order."""
     return [r.compiled for r in (self.transfer, self.assembly) if r is not None]
 
-  def __call__(self, staged: Sequence[jax.Array], io: Sequence[_LeafIO]) -> list[Any]:
-    """Per leaf, its destination array, from the leaves' ``staged`` source arrays."""
+  def _stage_dst(self, li: int, held: dict[int, jax.Array], wrap: Wrapper, block: Any) -> Any:
+    """Leaf ``li``'s donated destination blocks (``held``, by device id) as a staged array."""
+    blocks = [held[d] for d in self.dst_ids]
+    return wrap([b if b.shape == block else b.reshape(block) for b in blocks])
+
+  def __call__(
+    self,
+    staged: Sequence[jax.Array],
+    io: Sequence[_LeafIO],
+    dsts: Sequence[dict[int, jax.Array] | None] = (),
+  ) -> list[Any]:
+    """Per leaf, its destination array, from the leaves' ``staged`` source arrays (and, per
+    leaf with a destination input, its donated destination blocks by device id, ``dsts``)."""
     outs = self.transfer(staged)
     ys: list[Any] = [None] * len(io)
     for li, held in zip(self.direct, outs, strict=False):
@@ -1530,6 +1571,8 @@ class _SplitIO:
         for wrap, held in zip(self.in_wraps, received, strict=True)
       ]
       del received, outs  # the payloads of devices without a destination shard are freed
+      for li, wrap in zip(self.dst_leaves, self.dst_wraps, strict=True):
+        args.append(self._stage_dst(li, dsts[li] or {}, wrap, io[li].dst_block))
       for li, held in zip(self.assembled, self.assembly(args), strict=True):
         ys[li] = io[li].unstage_picked([held[j] for j in self.out_pick[li]])
     else:
@@ -1841,9 +1884,11 @@ class BucketExecutable:
     if split := self.split():
       io, placeholders = self.leaf_io(), self._placeholders(0)
       staged = [io[li].stage(x, placeholders) for li, x in enumerate(xs)]
+      if spares is not None:
+        spares.clear()  # nothing donated where no destination shard is: free them
       if wait_for is not None:
         jax.block_until_ready(wait_for)
-      return split(staged, io)
+      return split(staged, io, dsts)
     bundle = self.bundle()
     if bundle is not None and not all(
       _as_planned(xs[li], self.src_shardings[li]) for li in bundle.leaves

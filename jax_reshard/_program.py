@@ -426,7 +426,8 @@ def make_bucket_program(
     leaves.append(_leaf_input(i, plan, dtypes[i], word, mode))
   positions = {d: k for k, d in enumerate(device_ids)}
   rounds, incoming = _send_rounds(sched_bucket, leaves, unit, positions)
-  assembling = assembles_apart(plan, bucket, donate=donate)
+  relayed = plan.relayed_leaves() if donate else frozenset()
+  assembling = assembles_apart(plan, bucket, donate=donate, relayed=relayed)
   return BucketProgram(
     device_ids=tuple(int(d) for d in device_ids),
     leaves=tuple(lf.view for lf in leaves),
@@ -434,7 +435,10 @@ def make_bucket_program(
     rounds=rounds,
     assembles=_assembles(leaves, incoming, unit, positions),
     placeholders=_placeholder_groups(leaves, sched_bucket.union_device_ids),
-    dst_placeholders=_dst_placeholder_groups(leaves, sched_bucket.union_device_ids),
+    # Assembling apart, devices without a destination shard are given no blocks to donate.
+    dst_placeholders=()
+    if assembling is not None
+    else _dst_placeholder_groups(leaves, sched_bucket.union_device_ids),
     assemblers=None if assembling is None else tuple(sorted(positions[d] for d in assembling)),
   )
 
@@ -456,7 +460,9 @@ def rebound_program(
     program,
     leaves=tuple(lf.view for lf in leaves),
     placeholders=_placeholder_groups(leaves, union),
-    dst_placeholders=_dst_placeholder_groups(leaves, union),
+    dst_placeholders=()
+    if program.assemblers is not None
+    else _dst_placeholder_groups(leaves, union),
   )
 
 

@@ -361,8 +361,9 @@ def assembly_devices(
   bucket: int,
   *,
   donate: bool = False,
+  relayed: Collection[int] = frozenset(),
 ) -> tuple[int, ...] | None:
-  """The devices (ids, ascending) that assemble bucket ``bucket``'s destination shards in a
+  """The devices (ids, ascending) that may assemble bucket ``bucket``'s destination shards in a
   program of their own, or ``None`` where the bucket's one program over its union mesh does.
 
   One program over the union mesh returns a block per leaf on every device, so each device
@@ -370,17 +371,22 @@ def assembly_devices(
   (a trainer device of a disjoint refit: as many bytes as a sampler device receives). A bucket
   instead runs its rounds in a program over the union mesh that returns the received payloads,
   and its assembly in a second program over the destination devices, where every leaf enters
-  and leaves the bucket whole (not split over buckets, cut into slabs or written into donated
-  buffers: no ``donate``), all its leaves have one destination device set, and no device of
-  that set holds a source shard of the bucket (every destination part is received).
+  and leaves the bucket whole (not split over buckets or cut into slabs; with ``donate``, not
+  among the ``relayed`` leaves, of the plan, whose first-stage parts are written in place),
+  all its leaves have one destination device set, and no device of that set holds a source
+  shard of the bucket (every destination part is received). With ``donate``, the assembly
+  program takes the donated destination shards and writes the leaves into them; the devices
+  without a destination shard are given no blocks to donate.
   """
-  if not SPLIT_ASSEMBLY or donate:
+  if not SPLIT_ASSEMBLY:
     return None
   spans, slabs, dst_slabs = schedule.leaf_buckets, schedule.leaf_slabs, schedule.leaf_dst_slabs
   dst_ids: tuple[int, ...] | None = None
   src_ids: set[int] = set()
   for j in schedule.buckets[bucket].leaves:
     if (spans and len(spans[j]) > 1) or (slabs and slabs[j] is not None):
+      return None
+    if donate and scheduled[j] in relayed:
       return None
     if dst_slabs and dst_slabs[j] is not None:
       return None

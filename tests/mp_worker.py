@@ -78,7 +78,7 @@ def make_hosts(seed: int, specs: dict[str, tuple[tuple[int, ...], Any]]) -> dict
 def case_a() -> None:
   """Trainer mesh only on process 0, sampler mesh only on process 1, different layouts; one
   program per bucket, then assembled apart (process 1 runs the assembly program, process 0,
-  without a destination device, the transfer program only)."""
+  without a destination device, the transfer program only); each also into donated buffers."""
   trainer = mesh(P0, (2, 2), ("fsdp", "tp"))
   sampler = mesh(P1[::-1], (2, 2), ("dp", "tp"))
   specs = {"w": ((16, 12), np.float32), "e": ((8, 6, 4), jnp.bfloat16), "b": ((8,), np.int8)}
@@ -102,6 +102,7 @@ def case_a() -> None:
       for k in hosts:  # the source is left untouched
         assert_matches_oracle(xs[k], hosts[k], src_sh[k])
     assert plan is not None and plan.stats.bytes_moved == plan.stats.lower_bound_bytes
+    check_tree(plan(xs, donate=ys), hosts, dst_sh)  # into the last result's buffers
     exes = plan.executables()
     assert all((exe.split() is not None) == apart for exe in exes)
     if apart:  # the assembly program runs where the destination devices are

@@ -955,7 +955,10 @@ def test_disjoint_buckets_assemble_on_the_destination_devices(
   other leaves in a program of the destination devices alone: the trainer devices return no
   discarded blocks. Bit for bit (random bits, NaN payloads included), twice, as the one
   program does it; the transfer program outputs exactly the received payloads the assembly
-  reads and the leaves received whole; the assembly runs on devices 4-7 only."""
+  reads and the leaves received whole; the assembly runs on devices 4-7 only. Refit into
+  donated buffers the same way: the assembly program writes every leaf into its donated block
+  (all outputs aliased), and the trainer devices are given no blocks (none made, as the model
+  says; the one program has them donate zero blocks made for them)."""
   hosts, x, dst = _disjoint_trees(seed=21)[case]
   monkeypatch.setattr(_cost, "APART_MIN_BYTES", 0)  # small leaves, assembled apart all the same
   jr.plan_cache_clear()
@@ -987,6 +990,21 @@ def test_disjoint_buckets_assemble_on_the_destination_devices(
   assert transfer.memory_analysis().output_size_in_bytes == payloads + direct + tuples[0]
   assembled_bytes = sum(block(li) for li in assembled)
   assert assembly.memory_analysis().output_size_in_bytes == assembled_bytes + tuples[1]
+
+  # Into donated buffers: every leaf of the call is assembled (none is its payload as it is).
+  [donated] = plan.executables(donate=True)
+  assert donated.split() is not None and donated.program.dst_placeholders == ()
+  assert _made_by_the_model(plan, donate=True) == {}
+  old = plan(x)
+  for _ in range(2):
+    made, new = _made_by_the_eager_path(monkeypatch, lambda o=old: plan(x, donate=o))
+    assert made == {} and all(a.is_deleted() for a in old.values())
+    for k, h in hosts.items():
+      assert_matches_oracle(new[k], h, dst[k])
+    old = new
+  _, into = donated.compiled_programs()
+  every = sum(int(np.prod(lf.dst_block)) * lf.dtype.itemsize for lf in donated.program.leaves)
+  assert into.memory_analysis().alias_size_in_bytes == every
 
   monkeypatch.setattr(_schedule, "SPLIT_ASSEMBLY", False)
   jr.plan_cache_clear()
@@ -1021,24 +1039,30 @@ def test_a_bucket_received_whole_runs_one_program() -> None:
 def test_which_buckets_assemble_on_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
   """Only buckets of leaves moved whole to one destination device set that holds no source
   shard assemble on their own: not colocated or overlapping device sets, not destinations on
-  different devices, not a ``donate=`` call, not a leaf split over buckets; the cost model and
-  the pass count drop exactly the discarded blocks and charge a second call."""
+  different devices, not a leaf split over buckets, not a relayed leaf written in place by a
+  ``donate=`` call (other leaves of such a call may); the cost model and the pass count drop
+  exactly the discarded blocks and charge a second call."""
 
   def lay(ids: range, spec: Any, shape: tuple[int, int] = (64, 64)) -> jr.Layout:
     return jr.Layout.from_description(
       shape, mesh_shape=(4,), axis_names=("x",), spec=spec, device_ids=ids
     )
 
-  def devices(pairs: list[tuple[jr.Layout, jr.Layout]], donate: bool = False, **kw: Any) -> Any:
+  def devices(
+    pairs: list[tuple[jr.Layout, jr.Layout]], donate: bool = False, relayed: Any = (), **kw: Any
+  ) -> Any:
     plan = jr.plan_layouts(pairs, [4] * len(pairs), **kw)
     return [
-      _schedule.assembly_devices(plan.schedule, plan.layouts, plan.scheduled, b, donate=donate)
+      _schedule.assembly_devices(
+        plan.schedule, plan.layouts, plan.scheduled, b, donate=donate, relayed=relayed
+      )
       for b in range(len(plan.schedule.buckets))
     ]
 
   rows, cols = ("x",), (None, "x")
   assert devices([(lay(range(4), rows), lay(range(4, 8), cols))]) == [(4, 5, 6, 7)]
-  assert devices([(lay(range(4), rows), lay(range(4, 8), cols))], donate=True) == [None]
+  assert devices([(lay(range(4), rows), lay(range(4, 8), cols))], donate=True) == [(4, 5, 6, 7)]
+  assert devices([(lay(range(4), rows), lay(range(4, 8), cols))], True, {0}) == [None]
   assert devices([(lay(range(4), rows), lay(range(4), cols))]) == [None]  # colocated
   assert devices([(lay(range(4), rows), lay(range(2, 6), cols))]) == [None]  # overlapping
   disjoint = (lay(range(4), rows), lay(range(4, 8), cols))
