@@ -15,7 +15,6 @@ calls interleaved (order alternating) and the ratio, and each plan's largest pro
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from typing import Any
@@ -79,18 +78,8 @@ def run_case(case: refit.Case, scale: float, iters: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  p.add_argument(
-    "--cases",
-    default="llama:fsdp_tp->tp_dp@disjoint,dsv3:ep_pp->tp@disjoint",
-    help="comma-separated ids",
-  )
-  p.add_argument("--scale", type=float, default=1 / 32)
-  p.add_argument("--iters", type=int, default=21)
-  a = p.parse_args(argv)
-  for text in a.cases.split(","):
-    print(run_case(refit.Case.parse(text), a.scale, a.iters), flush=True)
-  return 0
+  disjoint = "llama:fsdp_tp->tp_dp@disjoint,dsv3:ep_pp->tp@disjoint"
+  return refit.cases_main(argv, __doc__, run_case, disjoint)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ each, next to the destination shards a plain call leaves the previous result hol
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -59,14 +58,7 @@ def run_case(case: refit.Case, scale: float, iters: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  p.add_argument("--cases", default="llama:fsdp_tp->tp@colocated", help="comma-separated ids")
-  p.add_argument("--scale", type=float, default=1 / 32)
-  p.add_argument("--iters", type=int, default=21)
-  a = p.parse_args(argv)
-  for text in a.cases.split(","):
-    print(run_case(refit.Case.parse(text), a.scale, a.iters), flush=True)
-  return 0
+  return refit.cases_main(argv, __doc__, run_case, "llama:fsdp_tp->tp@colocated")
 
 
 if __name__ == "__main__":

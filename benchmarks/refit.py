@@ -119,6 +119,19 @@ def build_case(case: Case, scale: float) -> tuple[Any, Any, dict[str, Any]]:
   return x, dst, info
 
 
+def cases_main(argv: list[str] | None, doc: str | None, run_case: Any, default_cases: str) -> int:
+  """The command line of a side-by-side benchmark: ``--cases`` (comma-separated ids),
+  ``--scale``, ``--iters``; prints ``run_case(case, scale, iters)`` per case."""
+  p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+  p.add_argument("--cases", default=default_cases, help="comma-separated ids")
+  p.add_argument("--scale", type=float, default=1 / 32)
+  p.add_argument("--iters", type=int, default=21)
+  a = p.parse_args(argv)
+  for text in a.cases.split(","):
+    print(run_case(Case.parse(text), a.scale, a.iters), flush=True)
+  return 0
+
+
 def _check(jax: Any, x: Any, y: Any, dst: Any) -> bool:
   import numpy as np
 
