@@ -211,13 +211,15 @@ def _bucket_costs(
   parts = []
   assembles: list[float] = []
   fill_bw = topo.fill_bandwidth or topo.memory_bandwidth
-  walk = _walk(plan, donate, kinds)
+  classes_of: list[Sequence[tuple[object, ...]]] = []  # per stage, its buckets' keys
+  walk = _walk(plan, donate, kinds, classes_of)
   for k, stage in enumerate(plan.stages()):
     known = None if classes is None else classes[k]
     if known is None:
       of = stage.itemsizes if kinds is None else kinds
       known = stage_classes(stage.leaf_plans, stage.layouts, stage.scheduled, stage.schedule, of)
     keys = count_keys(stage, known, as_is)
+    classes_of.append(keys)  # read by the walk as it reaches the stage's buckets
     done: dict[tuple[object, ...], _BucketCost] = {}
     for b, key in enumerate(keys):
       relayed, through, made, split = next(walk)
@@ -242,7 +244,10 @@ def _bucket_costs(
 
 
 def _walk(
-  plan: _Plan, donate: bool, kinds: Sequence[object] | None
+  plan: _Plan,
+  donate: bool,
+  kinds: Sequence[object] | None,
+  classes_of: Sequence[Sequence[tuple[object, ...]]] = (),
 ) -> Iterator[tuple[frozenset[int], frozenset[int], np.ndarray | None, tuple[int, ...] | None]]:
   """Per bucket of every stage, in the order they run: the leaves (of the plan) whose parts
   it writes into their donated shards (``donate``: relayed leaves in the first stage), the
@@ -250,14 +255,21 @@ def _walk(
   (written in place into a destination input), per device the bytes of zero destination
   blocks the eager path makes for it (:func:`_made_blocks`; ``None`` where it takes no
   destination inputs; none where it assembles apart, which also frees the blocks the last
-  bucket left), and the devices that assemble apart (:func:`assembles_apart`)."""
+  bucket left), and the devices that assemble apart (:func:`assembles_apart`). With
+  ``classes_of`` (per stage, its buckets' :func:`count_keys`, filled before the walk reaches
+  the stage), whether assembling apart pays is worked out once per key."""
+  pays: dict[object, bool] = {}
   spares: dict[tuple[object, ...], np.ndarray] = {}
   for k, stage in enumerate(plan.stages()):
     stage_donate = donate and k == 0
     relayed = plan.relayed_leaves() if stage_donate else frozenset()
     spans = stage.schedule.leaf_buckets
     for b, bucket in enumerate(stage.schedule.buckets):
-      apart = assembles_apart(stage, b, donate=stage_donate, relayed=relayed)
+      key = (k, *classes_of[k][b]) if k < len(classes_of) else None
+      apart = assembles_apart(
+        stage, b, donate=stage_donate, relayed=relayed, memo=None if key is None else pays,
+        key=key,
+      )  # fmt: skip
       if apart is not None and stage_donate:  # no blocks donated where no shard is
         spares.clear()
         yield relayed, frozenset(), np.zeros(len(bucket.union_device_ids)), apart
@@ -289,7 +301,13 @@ a destination shard would discard at least this many bytes. Simulated CPU device
 
 
 def assembles_apart(
-  stage: _Stage, b: int, *, donate: bool = False, relayed: Collection[int] = frozenset()
+  stage: _Stage,
+  b: int,
+  *,
+  donate: bool = False,
+  relayed: Collection[int] = frozenset(),
+  memo: dict[object, bool] | None = None,
+  key: object = None,
 ) -> tuple[int, ...] | None:
   """The devices (ids, ascending) that assemble bucket ``b`` of ``stage`` in a program of their
   own, after the program over its union mesh returns the received payloads, or ``None`` where
@@ -300,11 +318,38 @@ def assembles_apart(
   recycled for them; the choice leaves those out). ``relayed``: with ``donate``, the relayed
   leaves of the plan (written in place: see ``_schedule.assembly_devices``). The program
   (``_program.make_bucket_program``), the model and the pass count (``_plan.pass_bytes``) all
-  ask this, so the model predicts what runs."""
+  ask this, so the model predicts what runs. With ``memo``, whether it pays is worked out
+  once per ``key`` (buckets equal in :func:`count_keys` cost alike)."""
   ids = assembly_devices(
     stage.schedule, stage.layouts, stage.scheduled, b, donate=donate, relayed=relayed
   )
-  return ids if ids is not None and _apart_pays(stage, b, stage.topology) else None
+  if ids is None:
+    return None
+  if memo is None:
+    return ids if _apart_pays_once(stage, b) else None
+  if key not in memo:
+    memo[key] = _apart_pays_once(stage, b)
+  return ids if memo[key] else None
+
+
+# Per stage (plans are immutable; the stage is kept so that its id is not reused), per bucket
+# and APART_MIN_BYTES, whether assembling apart pays: the program, each estimate and the pass
+# count ask for every bucket.
+_PAYS: dict[int, tuple[_Stage, dict[tuple[int, int], bool]]] = {}
+_PAYS_STAGES = 32
+
+
+def _apart_pays_once(stage: _Stage, b: int) -> bool:
+  """:func:`_apart_pays` on the stage's own topology, worked out once per stage and bucket."""
+  held = _PAYS.get(id(stage))
+  if held is None or held[0] is not stage:
+    while len(_PAYS) >= _PAYS_STAGES:
+      del _PAYS[next(iter(_PAYS))]
+    held = _PAYS[id(stage)] = (stage, {})
+  key = (b, APART_MIN_BYTES)
+  if key not in held[1]:
+    held[1][key] = _apart_pays(stage, b, stage.topology)
+  return held[1][key]
 
 
 def _apart_pays(stage: _Stage, b: int, topo: Topology | None) -> bool:

@@ -482,8 +482,10 @@ def pass_bytes(
   out = dict.fromkeys(("pack", "transfer", "assemble", "zero_fill"), 0)
   keys = count_keys(plan, classes, as_is) if classes is not None else None
   done: dict[tuple[object, ...], dict[str, int]] = {}
+  pays: dict[object, bool] = {}
   for b, bucket in enumerate(plan.schedule.buckets):
-    split = assembles_apart(plan, b) is not None
+    memo = None if keys is None else pays
+    split = assembles_apart(plan, b, memo=memo, key=None if keys is None else keys[b]) is not None
     key = None if keys is None else (*keys[b], split)
     part = done.get(key) if key is not None else None
     if part is None:
