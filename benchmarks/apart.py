@@ -15,7 +15,6 @@ calls interleaved (order alternating) and the ratio, and each plan's largest pro
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Any
 
@@ -52,14 +51,7 @@ def run_case(case: refit.Case, scale: float, iters: int) -> str:
   plans = {name: plan for name, (plan, _) in built.items()}
   for plan in plans.values():
     assert refit._check(jax, x, jax.block_until_ready(plan(x)), dst)
-  times: dict[str, list[float]] = {n: [] for n in plans}
-  names = list(plans)
-  for it in range(iters):
-    for n in names if it % 2 else names[::-1]:
-      t0 = time.perf_counter()
-      jax.block_until_ready(plans[n](x))
-      times[n].append(time.perf_counter() - t0)
-  med = {n: statistics.median(ts) for n, ts in times.items()}
+  med = refit.alternating_medians(x, plans, iters)
   mib = 2.0**-20
   lines = [
     f"{case.id}: apart {med['apart'] * 1e3:.1f} ms, one program {med['one'] * 1e3:.1f} ms, "

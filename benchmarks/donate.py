@@ -11,9 +11,6 @@ each, next to the destination shards a plain call leaves the previous result hol
 
 from __future__ import annotations
 
-import statistics
-import time
-
 from benchmarks import refit
 
 
@@ -27,14 +24,7 @@ def run_case(case: refit.Case, scale: float, iters: int) -> str:
   for run in runners.values():  # compile, and check both bit for bit
     for _ in range(2):
       assert refit._check(jax, x, jax.block_until_ready(run(x)), dst)
-  times: dict[str, list[float]] = {n: [] for n in runners}
-  names = list(runners)
-  for it in range(iters):
-    for n in names if it % 2 else names[::-1]:
-      t0 = time.perf_counter()
-      jax.block_until_ready(runners[n](x))
-      times[n].append(time.perf_counter() - t0)
-  med = {n: statistics.median(ts) for n, ts in times.items()}
+  med = refit.alternating_medians(x, runners, iters)
   mem = {n: _methods.device_memory(m.memory()) for n, m in (("plain", plain), ("donate", donate))}
   shards = max(
     sum(

@@ -119,6 +119,21 @@ def build_case(case: Case, scale: float) -> tuple[Any, Any, dict[str, Any]]:
   return x, dst, info
 
 
+def alternating_medians(x: Any, runners: dict[str, Any], iters: int) -> dict[str, float]:
+  """Median seconds of each ``runners[name](x)`` (waited for), timed ``iters`` times each,
+  alternating (the order reversed every other iteration)."""
+  import jax
+
+  times: dict[str, list[float]] = {n: [] for n in runners}
+  names = list(runners)
+  for it in range(iters):
+    for n in names if it % 2 else names[::-1]:
+      t0 = time.perf_counter()
+      jax.block_until_ready(runners[n](x))
+      times[n].append(time.perf_counter() - t0)
+  return {n: statistics.median(ts) for n, ts in times.items()}
+
+
 def cases_main(argv: list[str] | None, doc: str | None, run_case: Any, default_cases: str) -> int:
   """The command line of a side-by-side benchmark: ``--cases`` (comma-separated ids),
   ``--scale``, ``--iters``; prints ``run_case(case, scale, iters)`` per case."""

@@ -257,26 +257,13 @@ def _walk(
   destination inputs; none where it assembles apart, which also frees the blocks the last
   bucket left), and the devices that assemble apart (:func:`assembles_apart`). With
   ``classes_of`` (per stage, its buckets' :func:`count_keys`, filled before the walk reaches
-  the stage), whether assembling apart pays is worked out once per key."""
+  the stage), whether assembling apart pays is worked out once per key, else per bucket."""
   pays: dict[object, bool] = {}
   spares: dict[tuple[object, ...], np.ndarray] = {}
   for k, stage in enumerate(plan.stages()):
     stage_donate = donate and k == 0
     relayed = plan.relayed_leaves() if stage_donate else frozenset()
-    spans = stage.schedule.leaf_buckets
     for b, bucket in enumerate(stage.schedule.buckets):
-      key = (k, *classes_of[k][b]) if k < len(classes_of) else None
-      apart = assembles_apart(
-        stage, b, donate=stage_donate, relayed=relayed, memo=None if key is None else pays,
-        key=key,
-      )  # fmt: skip
-      if apart is not None and stage_donate:  # no blocks donated where no shard is
-        spares.clear()
-        yield relayed, frozenset(), np.zeros(len(bucket.union_device_ids)), apart
-        continue
-      if not stage_donate and not (spans and any(len(spans[j]) > 1 for j in bucket.leaves)):
-        yield relayed, frozenset(), None, apart  # no destination inputs
-        continue
       modes = leaf_modes(
         stage.schedule,
         stage.layouts,
@@ -286,6 +273,15 @@ def _walk(
         relayed=relayed,
         copies=False,
       )
+      key = (k, *classes_of[k][b]) if k < len(classes_of) else (k, b)
+      apart = assembles_apart(stage, b, modes, pays, key)
+      if apart is not None and stage_donate:  # no blocks donated where no shard is
+        spares.clear()
+        yield relayed, frozenset(), np.zeros(len(bucket.union_device_ids)), apart
+        continue
+      if not any(m.dst_input for m in modes):
+        yield relayed, frozenset(), None, apart
+        continue
       through = frozenset(
         j for j, m in zip(bucket.leaves, modes, strict=True) if m.in_place and m.dst_input
       )
@@ -303,53 +299,31 @@ a destination shard would discard at least this many bytes. Simulated CPU device
 def assembles_apart(
   stage: _Stage,
   b: int,
-  *,
-  donate: bool = False,
-  relayed: Collection[int] = frozenset(),
+  modes: Sequence[LeafMode] | None = None,
   memo: dict[object, bool] | None = None,
   key: object = None,
 ) -> tuple[int, ...] | None:
   """The devices (ids, ascending) that assemble bucket ``b`` of ``stage`` in a program of their
   own, after the program over its union mesh returns the received payloads, or ``None`` where
-  that one program assembles: where the bucket allows it (``_schedule.assembly_devices``) and
-  it pays (:func:`_apart_pays`): on the stage's own topology where the model predicts it
-  faster, without one where a device would discard at least :data:`APART_MIN_BYTES` (with
-  ``donate``, the one program would also have such devices donate zero blocks made or
-  recycled for them; the choice leaves those out). ``relayed``: with ``donate``, the relayed
-  leaves of the plan (written in place: see ``_schedule.assembly_devices``). The program
+  that one program assembles: where the bucket allows it (``_schedule.assembly_devices``, of
+  its ``modes``; those of a call without ``donate=`` where ``None``) and it pays
+  (:func:`_apart_pays`): on the stage's own topology where the model predicts it faster,
+  without one where a device would discard at least :data:`APART_MIN_BYTES` (with
+  ``donate=``, the one program would also have such devices donate zero blocks made or
+  recycled for them; the choice leaves those out). With ``memo``, whether it pays is worked
+  out once per ``key`` (buckets equal in :func:`count_keys` cost alike). The program
   (``_program.make_bucket_program``), the model and the pass count (``_plan.pass_bytes``) all
-  ask this, so the model predicts what runs. With ``memo``, whether it pays is worked out
-  once per ``key`` (buckets equal in :func:`count_keys` cost alike)."""
-  ids = assembly_devices(
-    stage.schedule, stage.layouts, stage.scheduled, b, donate=donate, relayed=relayed
-  )
+  ask this, so the model predicts what runs."""
+  if modes is None:
+    modes = leaf_modes(stage.schedule, stage.layouts, stage.scheduled, b, copies=False)
+  ids = assembly_devices(stage.schedule, stage.layouts, stage.scheduled, b, modes)
   if ids is None:
     return None
   if memo is None:
-    return ids if _apart_pays_once(stage, b) else None
+    return ids if _apart_pays(stage, b, stage.topology) else None
   if key not in memo:
-    memo[key] = _apart_pays_once(stage, b)
+    memo[key] = _apart_pays(stage, b, stage.topology)
   return ids if memo[key] else None
-
-
-# Per stage (plans are immutable; the stage is kept so that its id is not reused), per bucket
-# and APART_MIN_BYTES, whether assembling apart pays: the program, each estimate and the pass
-# count ask for every bucket.
-_PAYS: dict[int, tuple[_Stage, dict[tuple[int, int], bool]]] = {}
-_PAYS_STAGES = 32
-
-
-def _apart_pays_once(stage: _Stage, b: int) -> bool:
-  """:func:`_apart_pays` on the stage's own topology, worked out once per stage and bucket."""
-  held = _PAYS.get(id(stage))
-  if held is None or held[0] is not stage:
-    while len(_PAYS) >= _PAYS_STAGES:
-      del _PAYS[next(iter(_PAYS))]
-    held = _PAYS[id(stage)] = (stage, {})
-  key = (b, APART_MIN_BYTES)
-  if key not in held[1]:
-    held[1][key] = _apart_pays(stage, b, stage.topology)
-  return held[1][key]
 
 
 def _apart_pays(stage: _Stage, b: int, topo: Topology | None) -> bool:

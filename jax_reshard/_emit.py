@@ -946,7 +946,9 @@ def _assembly_program(
   mesh = Mesh(np.array(devices), (AXIS,))
   staged = NamedSharding(mesh, PartitionSpec(AXIS))
   _, assembled, _ = split_outputs(signature)
-  blocks = [(lf.dst_block, lf.dtype) for lf in donated_blocks(signature)]
+  blocks = [
+    (signature.leaves[li].dst_block, signature.leaves[li].dtype) for li in donated(signature)
+  ]
   fn = jax.shard_map(
     emit_assembly_body(signature, AXIS),
     mesh=mesh,
@@ -965,11 +967,12 @@ def _assembly_program(
   return jitted.lower(*avals).compile()
 
 
-def donated_blocks(program: BucketProgram) -> list[LeafView]:
-  """The leaves an assembly program (:func:`emit_assembly_body`) takes a donated destination
-  block of, in the order it takes them: those it assembles that have a destination input."""
+def donated(program: BucketProgram) -> list[int]:
+  """The leaves (positions) an assembly program (:func:`emit_assembly_body`) takes a donated
+  destination block of, in the order it takes them: those it assembles that have a
+  destination input."""
   _, assembled, _ = split_outputs(program)
-  return [program.leaves[li] for li in assembled if program.leaves[li].dst_input]
+  return [li for li in assembled if program.leaves[li].dst_input]
 
 
 BundleLeaf = tuple[tuple[int, ...], np.dtype, NamedSharding]  # global shape, dtype, sharding
@@ -1528,10 +1531,10 @@ class _SplitIO:
     ]
     # Leaves refit into donated buffers: their destination blocks, staged on these devices.
     self.dst_ids = ids
-    self.dst_leaves = [li for li in self.assembled if program.leaves[li].dst_input]
+    self.dst_leaves = donated(program)
     self.dst_wraps = [
       Wrapper(_staged_shape(lf.dst_block, k), lf.dtype, staged, fast=fast)
-      for lf in donated_blocks(program)
+      for lf in (program.leaves[li] for li in self.dst_leaves)
     ]
     self.assembly: Runner | None = None
     if ids and self.assembled:
@@ -1547,8 +1550,8 @@ class _SplitIO:
     """The compiled programs a call runs, in order."""
     return [r.compiled for r in (self.transfer, self.assembly) if r is not None]
 
-  def _stage_dst(self, li: int, held: dict[int, jax.Array], wrap: Wrapper, block: Any) -> Any:
-    """Leaf ``li``'s donated destination blocks (``held``, by device id) as a staged array."""
+  def _stage_dst(self, held: dict[int, jax.Array], wrap: Wrapper, block: Any) -> Any:
+    """A leaf's donated destination blocks (``held``, by device id) as a staged array."""
     blocks = [held[d] for d in self.dst_ids]
     return wrap([b if b.shape == block else b.reshape(block) for b in blocks])
 
@@ -1572,7 +1575,7 @@ class _SplitIO:
       ]
       del received, outs  # the payloads of devices without a destination shard are freed
       for li, wrap in zip(self.dst_leaves, self.dst_wraps, strict=True):
-        args.append(self._stage_dst(li, dsts[li] or {}, wrap, io[li].dst_block))
+        args.append(self._stage_dst(dsts[li] or {}, wrap, io[li].dst_block))
       for li, held in zip(self.assembled, self.assembly(args), strict=True):
         ys[li] = io[li].unstage_picked([held[j] for j in self.out_pick[li]])
     else:

@@ -484,8 +484,7 @@ def pass_bytes(
   done: dict[tuple[object, ...], dict[str, int]] = {}
   pays: dict[object, bool] = {}
   for b, bucket in enumerate(plan.schedule.buckets):
-    memo = None if keys is None else pays
-    split = assembles_apart(plan, b, memo=memo, key=None if keys is None else keys[b]) is not None
+    split = assembles_apart(plan, b, None, pays, b if keys is None else keys[b]) is not None
     key = None if keys is None else (*keys[b], split)
     part = done.get(key) if key is not None else None
     if part is None:

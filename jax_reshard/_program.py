@@ -421,13 +421,13 @@ def make_bucket_program(
   # Each leaf works in the unit, or in its own element width where that is wider (widening and
   # then narrowing below the element width trips XLA's bitcast folding).
   leaves = []
-  for i, mode in zip(leaf_ids, _leaf_modes(plan, bucket, donate), strict=True):
+  modes = _leaf_modes(plan, bucket, donate)
+  for i, mode in zip(leaf_ids, modes, strict=True):
     word = max(uint_dtype(dtypes[i]), unit, key=lambda d: d.itemsize)
     leaves.append(_leaf_input(i, plan, dtypes[i], word, mode))
   positions = {d: k for k, d in enumerate(device_ids)}
   rounds, incoming = _send_rounds(sched_bucket, leaves, unit, positions)
-  relayed = plan.relayed_leaves() if donate else frozenset()
-  assembling = assembles_apart(plan, bucket, donate=donate, relayed=relayed)
+  assembling = assembles_apart(plan, bucket, modes)
   return BucketProgram(
     device_ids=tuple(int(d) for d in device_ids),
     leaves=tuple(lf.view for lf in leaves),
@@ -474,11 +474,8 @@ def _leaf_modes(plan: LayoutPlan, bucket: int, donate: bool) -> list[LeafMode]:
   )
 
 
-_PLAIN = LeafMode()  # a leaf moved whole by one bucket
-
-
 def _leaf_input(
-  index: int, plan: LayoutPlan, dtype: np.dtype, word: np.dtype, mode: LeafMode = _PLAIN
+  index: int, plan: LayoutPlan, dtype: np.dtype, word: np.dtype, mode: LeafMode
 ) -> _LeafInput:
   src, dst = plan.layouts[index]
   dst_window = None

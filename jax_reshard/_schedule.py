@@ -306,6 +306,9 @@ class LeafMode:
   fresh: bool = False  # a destination input on every device, nothing carried into it yet
 
 
+_PLAIN = LeafMode()
+
+
 def leaf_modes(
   schedule: Schedule,
   layouts: Sequence[tuple[Layout, Layout]],
@@ -325,6 +328,10 @@ def leaf_modes(
   out = []
   for j, chunks in zip(sched_bucket.leaves, sched_bucket.chunks, strict=True):
     spans = schedule.leaf_buckets[j] if schedule.leaf_buckets else (bucket,)
+    cut = any(s and s[j] is not None for s in (schedule.leaf_slabs, schedule.leaf_dst_slabs))
+    if len(spans) == 1 and not (cut or donate or copies):
+      out.append(_PLAIN)  # moved whole by this bucket alone
+      continue
     row_chunks = schedule.row_chunks
     dst_window = dst_slab_window(schedule, j, chunks)
     whole = dst_window is None  # a destination slab is assembled whole, written in afterwards
@@ -359,9 +366,7 @@ def assembly_devices(
   layouts: Sequence[tuple[Layout, Layout]],
   scheduled: Sequence[int],
   bucket: int,
-  *,
-  donate: bool = False,
-  relayed: Collection[int] = frozenset(),
+  modes: Sequence[LeafMode],
 ) -> tuple[int, ...] | None:
   """The devices (ids, ascending) that may assemble bucket ``bucket``'s destination shards in a
   program of their own, or ``None`` where the bucket's one program over its union mesh does.
@@ -371,24 +376,21 @@ def assembly_devices(
   (a trainer device of a disjoint refit: as many bytes as a sampler device receives). A bucket
   instead runs its rounds in a program over the union mesh that returns the received payloads,
   and its assembly in a second program over the destination devices, where every leaf enters
-  and leaves the bucket whole (not split over buckets or cut into slabs; with ``donate``, not
-  among the ``relayed`` leaves, of the plan, whose first-stage parts are written in place),
-  all its leaves have one destination device set, and no device of that set holds a source
-  shard of the bucket (every destination part is received). With ``donate``, the assembly
-  program takes the donated destination shards and writes the leaves into them; the devices
-  without a destination shard are given no blocks to donate.
+  and leaves the bucket whole (``modes``, the bucket's :func:`leaf_modes`: nothing written in
+  place, carried, cut into slabs or windows; a destination input only as the buffer of a whole
+  leaf refit with ``donate=``, which the assembly program takes), all its leaves have one
+  destination device set, and no device of that set holds a source shard of the bucket (every
+  destination part is received). The devices without a destination shard are then given no
+  blocks to donate.
   """
   if not SPLIT_ASSEMBLY:
     return None
-  spans, slabs, dst_slabs = schedule.leaf_buckets, schedule.leaf_slabs, schedule.leaf_dst_slabs
   dst_ids: tuple[int, ...] | None = None
   src_ids: set[int] = set()
-  for j in schedule.buckets[bucket].leaves:
-    if (spans and len(spans[j]) > 1) or (slabs and slabs[j] is not None):
+  for j, m in zip(schedule.buckets[bucket].leaves, modes, strict=True):
+    if m.in_place or m.carry_out or m.fresh or m.shift is not None:
       return None
-    if donate and scheduled[j] in relayed:
-      return None
-    if dst_slabs and dst_slabs[j] is not None:
+    if m.window is not None or m.dst_window is not None:
       return None
     src, dst = layouts[scheduled[j]]
     if dst_ids is None:

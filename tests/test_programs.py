@@ -1052,12 +1052,13 @@ def test_which_buckets_assemble_on_their_own(monkeypatch: pytest.MonkeyPatch) ->
     pairs: list[tuple[jr.Layout, jr.Layout]], donate: bool = False, relayed: Any = (), **kw: Any
   ) -> Any:
     plan = jr.plan_layouts(pairs, [4] * len(pairs), **kw)
-    return [
-      _schedule.assembly_devices(
+    out = []
+    for b in range(len(plan.schedule.buckets)):
+      modes = _schedule.leaf_modes(
         plan.schedule, plan.layouts, plan.scheduled, b, donate=donate, relayed=relayed
       )
-      for b in range(len(plan.schedule.buckets))
-    ]
+      out.append(_schedule.assembly_devices(plan.schedule, plan.layouts, plan.scheduled, b, modes))
+    return out
 
   rows, cols = ("x",), (None, "x")
   assert devices([(lay(range(4), rows), lay(range(4, 8), cols))]) == [(4, 5, 6, 7)]
