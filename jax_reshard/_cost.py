@@ -306,9 +306,10 @@ def assembles_apart(
   """The devices (ids, ascending) that assemble bucket ``b`` of ``stage`` in a program of their
   own, after the program over its union mesh returns the received payloads, or ``None`` where
   that one program assembles: where the bucket allows it (``_schedule.assembly_devices``, of
-  its ``modes``; those of a call without ``donate=`` where ``None``) and it pays
-  (:func:`_apart_pays`): on the stage's own topology where the model predicts it faster,
-  without one where a device would discard at least :data:`APART_MIN_BYTES` (with
+  its ``modes``; those of a call without ``donate=`` where ``None``) and its staging is in
+  the bucket bound only that way (``Bucket.must_apart``) or it pays (:func:`_apart_pays`): on
+  the stage's own topology where the model predicts it faster, without one where a device
+  would discard at least :data:`APART_MIN_BYTES` (with
   ``donate=``, the one program would also have such devices donate zero blocks made or
   recycled for them; the choice leaves those out). With ``memo``, whether it pays is worked
   out once per ``key`` (buckets equal in :func:`count_keys` cost alike). The program
@@ -317,8 +318,8 @@ def assembles_apart(
   if modes is None:
     modes = leaf_modes(stage.schedule, stage.layouts, stage.scheduled, b, copies=False)
   ids = assembly_devices(stage.schedule, stage.layouts, stage.scheduled, b, modes)
-  if ids is None:
-    return None
+  if ids is None or stage.schedule.buckets[b].must_apart:
+    return ids
   if memo is None:
     return ids if _apart_pays(stage, b, stage.topology) else None
   if key not in memo:

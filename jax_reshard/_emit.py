@@ -774,9 +774,10 @@ def emit_assembly_body(program: BucketProgram, axis: Any) -> Callable[..., tuple
   """The per-device body of the assembly program of a bucket (see :func:`split_outputs`), for
   a ``shard_map`` over the devices at :attr:`BucketProgram.assemblers`: it takes the received
   operands the transfer program returns, then the destination blocks of the leaves it
-  assembles that have a destination input (``donate=``: never read, donated so that each
-  output is written into its block), and returns the destination blocks of the leaves it
-  assembles, each device by its role (offsets read at its position in the bucket's mesh)."""
+  assembles that have a destination input (``donate=``: donated so that each output is
+  written into its block; read only for a leaf written in place, whose parts a relay stage
+  completes), and returns the destination blocks of the leaves it assembles, each device by
+  its role (offsets read at its position in the bucket's mesh)."""
   _, assembled, rounds = split_outputs(program)
   assert program.assemblers is not None
   positions = np.asarray(program.assemblers, dtype=np.int32)
@@ -784,7 +785,7 @@ def emit_assembly_body(program: BucketProgram, axis: Any) -> Callable[..., tuple
   operands = [len(operand_layout(program, program.rounds[r])) for r in rounds]
 
   def idle(me: jax.Array, blocks: Any, dsts: Any, recvs: Any) -> tuple[jax.Array, ...]:
-    return tuple(_base(program.leaves[li], None) for li in assembled)
+    return tuple(_base(program.leaves[li], dsts[li]) for li in assembled)
 
   def body(*inputs: jax.Array) -> tuple[jax.Array, ...]:
     q = jax.lax.axis_index(axis)
@@ -794,7 +795,10 @@ def emit_assembly_body(program: BucketProgram, axis: Any) -> Callable[..., tuple
     for r, k in zip(rounds, operands, strict=True):
       recvs[r], at = tuple(inputs[at : at + k]), at + k
     fns = [_assemble_fn(program, k, assembled, {}) for k in range(len(program.assembles))]
-    dsts = [None] * len(program.leaves)  # the donated blocks only lend their buffers
+    # The other donated blocks only lend their buffers.
+    dsts: list[Any] = [None] * len(program.leaves)
+    for li, block in zip(donated(program), inputs[at:], strict=True):
+      dsts[li] = block if program.leaves[li].in_place else None
     return tuple(_switch(q, local, [idle, *fns], me, None, dsts, recvs))
 
   return body
@@ -1686,7 +1690,8 @@ class BucketExecutable:
     byte vector per device (a :class:`Bundle`), or ``None``: leaves of at most
     :data:`BUNDLE_LEAF_BYTES` per block that enter and leave the bucket whole, on one source
     mesh and one destination mesh of this process, up to :data:`BUNDLE_BYTES` per device and
-    side, where at least :data:`MIN_BUNDLED_LEAVES` are. A call then packs their source shards
+    side, where at least :data:`MIN_BUNDLED_LEAVES` are (never in a bucket that must assemble
+    apart: its one program would stage more than the bound). A call then packs their source shards
     with one compiled call on the source mesh and cuts their destination shards with one on
     the destination mesh, instead of taking apart and wrapping buffers per leaf: each bundled
     byte is copied once more on each side."""
@@ -1695,7 +1700,7 @@ class BucketExecutable:
     return self._bundle if isinstance(self._bundle, Bundle) else None
 
   def _choose_bundle(self) -> Bundle | None:
-    if not BUNDLED_CALLS or self._direct_allowed():
+    if not BUNDLED_CALLS or self.program.must_apart or self._direct_allowed():
       return None
     chosen: list[int] = []
     meshes = None

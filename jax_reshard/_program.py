@@ -260,6 +260,8 @@ class BucketProgram:
     assemblers: mesh positions (ascending) of the devices that assemble the destination shards
       in a program of their own, after the program over the whole mesh returns the received
       payloads (``_cost.assembles_apart``), or ``None`` where that program assembles them.
+    must_apart: the bucket's staging is in bound only so (``Bucket.must_apart``): its leaves
+      are never bundled into one program (``_emit.BucketExecutable.bundle``).
   """
 
   device_ids: tuple[int, ...]
@@ -270,6 +272,7 @@ class BucketProgram:
   placeholders: tuple[PlaceholderGroup, ...]
   dst_placeholders: tuple[PlaceholderGroup, ...] = ()
   assemblers: tuple[int, ...] | None = None
+  must_apart: bool = False
 
   @property
   def dst_inputs(self) -> tuple[int, ...]:
@@ -440,6 +443,7 @@ def make_bucket_program(
     if assembling is not None
     else _dst_placeholder_groups(leaves, sched_bucket.union_device_ids),
     assemblers=None if assembling is None else tuple(sorted(positions[d] for d in assembling)),
+    must_apart=assembling is not None and sched_bucket.must_apart,
   )
 
 

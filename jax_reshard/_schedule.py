@@ -100,6 +100,9 @@ class Bucket:
     leaves: the leaves the bucket moves (a part of), in order.
     chunks: per leaf of ``leaves``, the chunks of it the bucket moves. Chunk 0 of a leaf also
       makes its device-local copies.
+    must_apart: the bucket's staging is in bound only where its assembly runs apart
+      (:func:`assembly_devices`: the devices without a destination shard write no discarded
+      blocks), which it then always does.
   """
 
   leaves: tuple[int, ...]
@@ -112,6 +115,7 @@ class Bucket:
   piece_transfer: np.ndarray
   piece_offset: np.ndarray
   piece_nbytes: np.ndarray
+  must_apart: bool = False
 
   def pieces(self) -> dict[tuple[int, int], list[Piece]]:
     """Per (source, destination) pair, its payload's pieces in order."""
@@ -376,9 +380,10 @@ def assembly_devices(
   (a trainer device of a disjoint refit: as many bytes as a sampler device receives). A bucket
   instead runs its rounds in a program over the union mesh that returns the received payloads,
   and its assembly in a second program over the destination devices, where every leaf enters
-  and leaves the bucket whole (``modes``, the bucket's :func:`leaf_modes`: nothing written in
-  place, carried, cut into slabs or windows; a destination input only as the buffer of a whole
-  leaf refit with ``donate=``, which the assembly program takes), all its leaves have one
+  and leaves the bucket whole (``modes``, the bucket's :func:`leaf_modes`: nothing split over
+  buckets, carried, cut into slabs or windows; a destination input only as the buffer of a
+  whole leaf refit with ``donate=``, which the assembly program takes, and writes the parts
+  into where a relay stage completes the leaf), all its leaves have one
   destination device set, and no device of that set holds a source shard of the bucket (every
   destination part is received). The devices without a destination shard are then given no
   blocks to donate.
@@ -388,7 +393,8 @@ def assembly_devices(
   dst_ids: tuple[int, ...] | None = None
   src_ids: set[int] = set()
   for j, m in zip(schedule.buckets[bucket].leaves, modes, strict=True):
-    if m.in_place or m.carry_out or m.fresh or m.shift is not None:
+    spans = schedule.leaf_buckets[j] if schedule.leaf_buckets else (bucket,)
+    if m.carry_out or m.fresh or m.shift is not None or len(spans) > 1:
       return None
     if m.window is not None or m.dst_window is not None:
       return None
@@ -925,6 +931,9 @@ class _Tree:
   placeholders: list[np.ndarray]  # per leaf, per union device (see _placeholder_bytes)
   members: list[np.ndarray]  # per leaf, which union devices it uses
   bound: int | None
+  # per leaf, per union device, the discarded destination blocks among its placeholders that
+  # a bucket assembling apart does not write (all zero where no bucket of the tree can)
+  discards: list[np.ndarray] = dataclasses.field(default_factory=list)
   max_leaves: int = MAX_BUCKET_LEAVES
   kinds: list[int] = dataclasses.field(default_factory=list)  # per leaf, its kind of transfers
   links: _Links | None = None  # with a topology of several domains (see _make_rounds)
@@ -1008,6 +1017,18 @@ class _Tree:
     nbytes = math.prod(block) // block[dim] * (bounds[last + 1] - bounds[first])
     rest = self.dst_placeholder(leaf) if side == 0 else self.src_placeholder(leaf)
     return rest + nbytes * self.itemsizes[leaf]
+
+  def apart(self, leaves: Collection[int]) -> bool:
+    """Whether a bucket of ``leaves`` may assemble apart (:func:`assembly_devices`): the tree
+    allows it (:attr:`discards`) and every one of them moves whole, not cut into chunks, slabs
+    or windows."""
+    return bool(self.discards) and all(
+      len(self.payloads[leaf]) == 1
+      and leaf not in self.slabs
+      and leaf not in self.dst_slabs
+      and leaf not in self.windows
+      for leaf in leaves
+    )
 
   def src_placeholder(self, leaf: int) -> np.ndarray:
     """Per union device, the source placeholder bytes of ``leaf`` (0 where it holds a source
@@ -1154,6 +1175,12 @@ def _build_new(tree: _Tree, leaves: list[int], chunks: dict[int, list[int]]) -> 
     (tree.staged(leaf, min(chunks[leaf]), max(chunks[leaf])) for leaf in leaves),
     np.zeros(n, dtype=np.int64),
   )
+  stage = placeholders * in_bucket + sent + received
+  must_apart = False
+  if tree.bound is not None and int(stage.max(initial=0)) > tree.bound and tree.apart(leaves):
+    # In bound only without the discarded blocks: the bucket assembles apart.
+    discards = sum((tree.discards[leaf] for leaf in leaves), np.zeros(n, dtype=np.int64))
+    stage, must_apart = stage - discards * in_bucket, True
   bucket = Bucket(
     leaves=tuple(leaves),
     chunks=tuple(tuple(chunks[leaf]) for leaf in leaves),
@@ -1165,8 +1192,8 @@ def _build_new(tree: _Tree, leaves: list[int], chunks: dict[int, list[int]]) -> 
     piece_transfer=transfer,
     piece_offset=offset,
     piece_nbytes=nbytes,
+    must_apart=must_apart,
   )
-  stage = placeholders * in_bucket + sent + received
   return _Built(bucket, stage, sent, received, int((round_bytes - fill).sum()))
 
 
@@ -1176,14 +1203,22 @@ def _unpadded_peaks(tree: _Tree, items: Sequence[tuple[int, int]], start: int) -
   devices."""
   n = len(tree.union)
   acc_ph, acc_pay, mask = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, bool)
+  acc_discards, apart = np.zeros(n, np.int64), bool(tree.discards)
   first: dict[int, tuple[int, np.ndarray]] = {}  # leaf: its first chunk here, its staging so far
   for leaf, c in itertools.islice(items, start, None):
     c0, before = first.get(leaf, (c, 0))
     ph = tree.staged(leaf, c0, c)
     acc_ph, acc_pay = acc_ph - before + ph, acc_pay + tree.payloads[leaf][c]
     mask = mask | tree.members[leaf]
+    if leaf not in first:
+      apart = apart and tree.apart((leaf,))
+      acc_discards = acc_discards + tree.discards[leaf] if apart else acc_discards
     first[leaf] = (c0, ph)
-    yield int((acc_ph * mask + acc_pay).max())
+    one = acc_ph * mask + acc_pay
+    peak = int(one.max())
+    if apart and tree.bound is not None and peak > tree.bound:  # see _build_new
+      peak = int((one - acc_discards * mask).max())
+    yield peak
 
 
 def _greedy_end(tree: _Tree, items: Sequence[tuple[int, int]], start: int) -> int:
@@ -1604,6 +1639,8 @@ def _presplit(tree: _Tree) -> None:
     pay = tree.payloads[leaf][0]
     if int((pay + ph).max(initial=0)) <= tree.bound:
       continue
+    if tree.apart((leaf,)) and int((pay + ph - tree.discards[leaf]).max(initial=0)) <= tree.bound:
+      continue  # fits assembled apart
     room = tree.bound - ph
     k = math.ceil(float((pay / np.maximum(room, 1)).max())) if (room > 0).all() else 2
     _split_leaf(tree, leaf, k)
@@ -1622,6 +1659,25 @@ def _kinds(
   return out
 
 
+def _discards(
+  layouts: Sequence[tuple[Layout, Layout]], itemsizes: Sequence[int], union: np.ndarray
+) -> list[np.ndarray]:
+  """Per leaf, per device of ``union``, the discarded destination blocks a bucket that
+  assembles apart does not write (:attr:`_Tree.discards`), where every bucket of the leaves
+  may (:func:`assembly_devices`: one destination device set, holding none of their source
+  shards), else ``[]``."""
+  dst_sets = {dst.device_ids for _, dst in layouts}
+  if not SPLIT_ASSEMBLY or len(dst_sets) != 1:
+    return []
+  (dst_ids,) = dst_sets
+  if not dst_ids or any(not set(dst_ids).isdisjoint(src.device_ids) for src, _ in layouts):
+    return []
+  return [
+    placeholder_mask(dst, union) * (math.prod(staged_block_shape(dst.shard_shape())) * isz)
+    for (_, dst), isz in zip(layouts, itemsizes, strict=True)
+  ]
+
+
 def make_schedule(
   plans: Sequence[LeafPlan],
   layouts: Sequence[tuple[Layout, Layout]],
@@ -1632,6 +1688,7 @@ def make_schedule(
   max_bucket_leaves: int | None = None,
   slabs: bool = True,
   topology: Topology | None = None,
+  apart: bool = True,
 ) -> Schedule:
   """Packs the remote transfers of all leaves into buckets, payloads and rounds.
 
@@ -1639,9 +1696,9 @@ def make_schedule(
     plans: one :class:`LeafPlan` per leaf.
     layouts: ``(src, dst)`` layouts per leaf.
     itemsizes: bytes per element per leaf.
-    max_bucket_bytes: bound on staging bytes per device per bucket, padding included; a leaf
-      that does not fit alone is split into chunks over consecutive buckets. ``None``: no
-      bound (one bucket).
+    max_bucket_bytes: bound on staging bytes per device per bucket, padding included (no
+      discarded blocks where a bucket must assemble apart, see ``apart``); a leaf that does
+      not fit alone is split into chunks over consecutive buckets. ``None``: no bound.
     names: per leaf, a name for error messages (default ``#i``).
     max_bucket_leaves: most leaves (chunks counted apart) per bucket, cut where the tree
       repeats (:func:`_repeat_end`); ``None``: :data:`MAX_BUCKET_LEAVES`.
@@ -1651,6 +1708,7 @@ def make_schedule(
     topology: where its domains split the devices, a bucket's pairs that cross domains and
       those inside one may take rounds of their own (see :func:`_make_rounds`); ``None``:
       rounds are made from the pairs' bytes alone.
+    apart: whether a bucket may assemble apart where the bound needs it (its programs can).
 
   Raises:
     BucketBoundError: if the bound is below what some leaf needs even in its smallest chunks.
@@ -1666,19 +1724,17 @@ def make_schedule(
     placeholders=[
       _placeholder_bytes(s, d, isz, union) for (s, d), isz in zip(layouts, itemsizes, strict=True)
     ],
-    members=[
-      np.isin(union, np.asarray((*s.device_ids, *d.device_ids), dtype=np.int64)) for s, d in layouts
-    ],
+    members=[np.isin(union, (*s.device_ids, *d.device_ids)) for s, d in layouts],
     bound=max_bucket_bytes,
     max_leaves=MAX_BUCKET_LEAVES if max_bucket_leaves is None else max_bucket_leaves,
     kinds=_kinds(plans, layouts, itemsizes),
     layouts=layouts,
     allow_slabs=slabs,
     links=_links(union, topology),
+    discards=_discards(layouts, itemsizes, union) if apart and max_bucket_bytes else [],
   )
   for leaf, plan in enumerate(plans):
-    zeros = np.zeros(len(plan.nbytes), dtype=np.int64)
-    tree.set_chunks(leaf, plan, zeros, ("orig", plan.nbytes.tobytes()))
+    tree.set_chunks(leaf, plan, np.zeros_like(plan.nbytes), ("orig", plan.nbytes.tobytes()))
   _presplit(tree)
   built = _fill_buckets(tree)
   leaf_buckets: list[list[int]] = [[] for _ in plans]

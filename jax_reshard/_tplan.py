@@ -215,6 +215,7 @@ def plan_transform_layouts(
     max_bucket_bytes=max_bucket_bytes,
     names=[leaves[i].path or "<root>" for i in scheduled],
     slabs=False,
+    apart=False,  # a transform's bucket runs one program
   )
   split = [
     leaves[i].path

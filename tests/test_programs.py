@@ -1039,8 +1039,8 @@ def test_a_bucket_received_whole_runs_one_program() -> None:
 def test_which_buckets_assemble_on_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
   """Only buckets of leaves moved whole to one destination device set that holds no source
   shard assemble on their own: not colocated or overlapping device sets, not destinations on
-  different devices, not a leaf split over buckets, not a relayed leaf written in place by a
-  ``donate=`` call (other leaves of such a call may); the cost model and the pass count drop
+  different devices, not a leaf split over buckets (a relayed leaf a ``donate=`` call writes
+  in place may, moved whole by the bucket); the cost model and the pass count drop
   exactly the discarded blocks and charge a second call."""
 
   def lay(ids: range, spec: Any, shape: tuple[int, int] = (64, 64)) -> jr.Layout:
@@ -1063,7 +1063,8 @@ def test_which_buckets_assemble_on_their_own(monkeypatch: pytest.MonkeyPatch) ->
   rows, cols = ("x",), (None, "x")
   assert devices([(lay(range(4), rows), lay(range(4, 8), cols))]) == [(4, 5, 6, 7)]
   assert devices([(lay(range(4), rows), lay(range(4, 8), cols))], donate=True) == [(4, 5, 6, 7)]
-  assert devices([(lay(range(4), rows), lay(range(4, 8), cols))], True, {0}) == [None]
+  # A relayed leaf a donate= call writes in place: the assembly program writes it.
+  assert devices([(lay(range(4), rows), lay(range(4, 8), cols))], True, {0}) == [(4, 5, 6, 7)]
   assert devices([(lay(range(4), rows), lay(range(4), cols))]) == [None]  # colocated
   assert devices([(lay(range(4), rows), lay(range(2, 6), cols))]) == [None]  # overlapping
   disjoint = (lay(range(4), rows), lay(range(4, 8), cols))
@@ -1116,3 +1117,55 @@ def test_which_buckets_assemble_on_their_own(monkeypatch: pytest.MonkeyPatch) ->
   assert {k: v for k, v in passes.items() if k != "zero_fill"} == {
     k: v for k, v in one_passes.items() if k != "zero_fill"
   }
+
+
+def test_buckets_in_bound_only_apart_assemble_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+  """Where every leaf goes to one destination device set that holds none of their sources,
+  the bucket bound counts a bucket's staging without the discarded blocks its one program
+  would write where that alone keeps it in bound, and the bucket then always assembles apart
+  (whatever the cost rule says), never bundled. Eight 64x64 float32 leaves, rows on 0-3 to
+  columns replicated twice on 4-7: a trainer device stages 8 KiB sent and would discard 8 KiB
+  per leaf, a sampler device 4 KiB of zero source block and 8 KiB received. Under a 48 KiB
+  bound: 2 buckets of 4 (48 KiB on the sampler devices; 64 KiB on the trainer devices in one
+  program), against 3 counted as one program. Bit for bit, plain and into donated buffers."""
+  monkeypatch.setattr(_cost, "APART_MIN_BYTES", 1 << 40)  # the cost rule says no
+  monkeypatch.setattr(_emit, "MIN_BUNDLED_LEAVES", 2)
+  devs = np.array(jax.devices())
+  src = NamedSharding(Mesh(devs[:4], ("x",)), P("x"))
+  dst_mesh = Mesh(devs[4:].reshape(2, 2), ("dp", "tp"))
+  rng = np.random.default_rng(8)
+  hosts = {f"w{i}": random_host_array(rng, (64, 64), np.float32) for i in range(8)}
+  x = {k: jax.device_put(h, src) for k, h in hosts.items()}
+  dst = {k: NamedSharding(dst_mesh, P(None, "tp")) for k in hosts}
+  bound = 48 << 10
+  jr.plan_cache_clear()
+  plan = jr.make_plan(x, dst, max_bucket_bytes=bound)
+  buckets = plan.layout_plan.schedule.buckets
+  assert [len(b.leaves) for b in buckets] == [4, 4] and all(b.must_apart for b in buckets)
+  assert plan.stats.peak_staging_bytes == bound
+  for donate in (False, True):
+    for exe in plan.executables(donate=donate):
+      assert exe.program.assemblers == (4, 5, 6, 7) and exe.program.must_apart
+      assert exe.split() is not None and exe.bundle() is None
+      assert len(exe.compiled_programs()) == 2
+  y = plan(x)
+  for k, h in hosts.items():
+    assert_matches_oracle(y[k], h, dst[k])
+  for _ in range(2):
+    new = plan(x, donate=y)
+    assert all(a.is_deleted() for a in y.values())
+    for k, h in hosts.items():
+      assert_matches_oracle(new[k], h, dst[k])
+    y = new
+
+  # Counted as one program (no bucket may assemble apart): three buckets, each in bound.
+  monkeypatch.setattr(_schedule, "SPLIT_ASSEMBLY", False)
+  jr.plan_cache_clear()
+  one = jr.make_plan(x, dst, max_bucket_bytes=bound)
+  buckets = one.layout_plan.schedule.buckets
+  assert len(buckets) == 3 and not any(b.must_apart for b in buckets)
+  assert one.stats.peak_staging_bytes <= bound
+  z = one(x)
+  for k in hosts:
+    np.testing.assert_array_equal(bits(y[k]), bits(z[k]))
+  jr.plan_cache_clear()

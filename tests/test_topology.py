@@ -261,6 +261,28 @@ def test_relay_plans_refit_into_donated_buffers_in_place() -> None:
   assert donated.assemble_s < plain.assemble_s
   assert (donated.transfer_s, donated.pack_s) == (plain.transfer_s, plain.pack_s)
 
+  # Under a bound the first stage's bucket meets only without its trainer devices' discarded
+  # blocks, it assembles apart, and the donate= call's assembly program writes the relayed
+  # leaves' parts into their donated shards.
+  jr.plan_cache_clear()
+  tight = jr.make_plan(x, dst, topology=PAIRS, max_bucket_bytes=128 << 10)
+  first_stage = tight.layout_plan.stages()[0].schedule.buckets
+  assert [b.must_apart for b in first_stage] == [True]
+  [first] = tight.programs(donate=True)[:1]
+  assert first.assemblers == (4, 5, 6, 7) and first.dst_placeholders == ()
+  assert all(lf.in_place and lf.dst_input for lf in first.leaves)
+  assert tight.executables(donate=True)[0].split() is not None
+  old = tight(x)
+  for k, h in hosts.items():
+    assert_matches_oracle(old[k], h, dst[k])
+  for _ in range(2):
+    y = tight(x, donate=old)
+    assert all(a.is_deleted() for a in old.values())
+    for k, h in hosts.items():
+      assert_matches_oracle(y[k], h, dst[k])
+    old = y
+  jr.plan_cache_clear()
+
 
 def _run_bit_for_bit(plan: Any, x: dict, dst: dict) -> None:
   y = plan(x)
