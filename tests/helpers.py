@@ -59,6 +59,22 @@ def assert_matches_oracle(y: jax.Array, host: np.ndarray, dst_sharding: Any) -> 
     np.testing.assert_array_equal(bits(have), bits(want), err_msg=f"device {dev}")
 
 
+def refit_into_donated(plan: Any, x: Any, hosts: dict[str, np.ndarray], dst: Any) -> Any:
+  """Calls ``plan(x)``, then twice ``plan(x, donate=...)`` into the last result: each time the
+  donated arrays are deleted and every leaf matches the oracle (``hosts``) bit for bit.
+  Returns the last result."""
+  old = plan(x)
+  for k, h in hosts.items():
+    assert_matches_oracle(old[k], h, dst[k])
+  for _ in range(2):
+    y = plan(x, donate=old)
+    assert all(a.is_deleted() for a in old.values())
+    for k, h in hosts.items():
+      assert_matches_oracle(y[k], h, dst[k])
+    old = y
+  return old
+
+
 def assert_donate_takes_another_path(
   plan: Any, x: Any, hosts: dict[str, np.ndarray], dst: dict[str, Any], path: Any
 ) -> None:

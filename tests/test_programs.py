@@ -16,6 +16,7 @@ from helpers import (
   bits,
   compile_events,
   random_host_array,
+  refit_into_donated,
   split_cases,
 )
 from jax.sharding import Mesh, NamedSharding
@@ -1148,15 +1149,7 @@ def test_buckets_in_bound_only_apart_assemble_apart(monkeypatch: pytest.MonkeyPa
       assert exe.program.assemblers == (4, 5, 6, 7) and exe.program.must_apart
       assert exe.split() is not None and exe.bundle() is None
       assert len(exe.compiled_programs()) == 2
-  y = plan(x)
-  for k, h in hosts.items():
-    assert_matches_oracle(y[k], h, dst[k])
-  for _ in range(2):
-    new = plan(x, donate=y)
-    assert all(a.is_deleted() for a in y.values())
-    for k, h in hosts.items():
-      assert_matches_oracle(new[k], h, dst[k])
-    y = new
+  y = refit_into_donated(plan, x, hosts, dst)
 
   # Counted as one program (no bucket may assemble apart): three buckets, each in bound.
   monkeypatch.setattr(_schedule, "SPLIT_ASSEMBLY", False)

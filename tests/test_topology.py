@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
-from helpers import assert_matches_oracle, random_host_array
+from helpers import assert_matches_oracle, random_host_array, refit_into_donated
 from hypothesis import given
 from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
@@ -245,13 +245,7 @@ def test_relay_plans_refit_into_donated_buffers_in_place() -> None:
     return [z for z in found if z in shards]
 
   assert zero_blocks(False) and not zero_blocks(True)
-  old = plan(x)
-  for _ in range(2):
-    y = plan(x, donate=old)
-    assert all(a.is_deleted() for a in old.values())
-    for k, h in hosts.items():
-      assert_matches_oracle(y[k], h, dst[k])
-    old = y
+  refit_into_donated(plan, x, hosts, dst)
   # On one core the devices' work adds up: the trainer devices' discarded blocks cost the same
   # (zeros written, or blocks made to donate), the sampler devices write less. (Assembling
   # apart does not pay for these 128 KiB leaves on the plan's CPU topology.)
@@ -272,15 +266,7 @@ def test_relay_plans_refit_into_donated_buffers_in_place() -> None:
   assert first.assemblers == (4, 5, 6, 7) and first.dst_placeholders == ()
   assert all(lf.in_place and lf.dst_input for lf in first.leaves)
   assert tight.executables(donate=True)[0].split() is not None
-  old = tight(x)
-  for k, h in hosts.items():
-    assert_matches_oracle(old[k], h, dst[k])
-  for _ in range(2):
-    y = tight(x, donate=old)
-    assert all(a.is_deleted() for a in old.values())
-    for k, h in hosts.items():
-      assert_matches_oracle(y[k], h, dst[k])
-    old = y
+  refit_into_donated(tight, x, hosts, dst)
   jr.plan_cache_clear()
 
 
