@@ -548,9 +548,13 @@ def _bucket_cost(
     [r.nbytes if k in sent_whole else segments.get(k, 0) for k, r in enumerate(bucket.rounds)],
     dtype=np.int64,
   )
-  received_zeros, packed_zeros = idle_zero_bytes(bucket, pairs, kept)
+  # A repeated payload is packed once (no packing, no idle zeros packed): as if kept.
+  packed_as = kept.copy()
+  repeats = repeated_rounds(stage, bucket, kept)
+  packed_as[repeats] = nbytes[repeats]
+  received_zeros, packed_zeros = idle_zero_bytes(bucket, pairs, packed_as)
   transfer = _transfer(lat, sizes[rid] / bw, rid, n, topo.max_parallel, received_zeros / fill_bw)
-  pack_s = _pack_seconds(stage, bucket, pairs, kept.astype(np.float64), topo)
+  pack_s = _pack_seconds(stage, bucket, pairs, packed_as.astype(np.float64), topo)
   pack = _phase(pack_s, rid, n, topo.max_parallel, packed_zeros / fill_bw)
   no_discards = set(bucket.leaves) if split else received_whole | set(through)
   fills, slabs = _placeholder_bytes(stage, b, no_discards, kinds)
@@ -801,6 +805,46 @@ def pair_runs(bucket: Bucket) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   count = np.diff(first, prepend=0, append=len(pair))
   first = np.concatenate(([0], first))
   return pair[first], first, count
+
+
+def repeated_rounds(stage: _Stage, bucket: Bucket, kept: np.ndarray) -> list[int]:
+  """The rounds of ``bucket`` whose payloads are packed whole (``kept``, per round, the bytes
+  sent as they are: none) and equal, sender by sender, those of an earlier such round (the
+  same senders, each with the same pieces of the same leaves, and the same size): a sender
+  that forwards one region to several devices in turn. The program packs such payloads once
+  and sends them again (``_emit._emit_round``): no packing, no zeros packed by idle devices."""
+  groups: dict[tuple[object, ...], list[int]] = defaultdict(list)
+  for r, rnd in enumerate(bucket.rounds):
+    if kept[r] == 0:
+      groups[(rnd.nbytes, tuple(sorted(u for u, _ in rnd.pairs)))].append(r)
+  candidates = [rs for rs in groups.values() if len(rs) > 1]
+  if not candidates:
+    return []
+  keys, first, count = pair_runs(bucket)
+  plans = stage.schedule.leaf_plans
+  leaf, transfer = np.asarray(bucket.piece_leaf), np.asarray(bucket.piece_transfer)
+
+  def content(rnd: Round) -> tuple[object, ...]:
+    out = []
+    for u, v in sorted(rnd.pairs):
+      at = int(np.searchsorted(keys, u * (1 << 32) + v))
+      rows = slice(int(first[at]), int(first[at] + count[at]))
+      boxes = []
+      for j, t in zip(leaf[rows].tolist(), transfer[rows].tolist(), strict=True):
+        lp = plans[j] if plans else stage.leaf_plans[stage.scheduled[j]]
+        boxes.append((j, lp.lo[t].tobytes(), lp.hi[t].tobytes()))
+      out.append((u, tuple(boxes)))
+    return tuple(out)
+
+  repeated = []
+  for rs in candidates:
+    seen = set()
+    for r in rs:
+      c = content(bucket.rounds[r])
+      if c in seen:
+        repeated.append(r)
+      seen.add(c)
+  return sorted(repeated)
 
 
 def direct_steps(

@@ -418,11 +418,14 @@ def _emit_round(
   me: jax.Array,
   blocks: Sequence[jax.Array],
   shifts: Shifts = (),
+  packed: dict[tuple[object, ...], jax.Array] | None = None,
 ) -> Any:
   """Packs the round's payload on every device and moves it; returns what this device got: one
   vector of unit words, or a tuple of them (the leaves of a round of whole source shards, see
   :func:`whole_block_leaves`, or the segments of :func:`whole_segments`), which concatenated
-  would be that payload."""
+  would be that payload. ``packed``: the payloads packed by earlier rounds of the program, by
+  their size and packs; a round that repeats one sends it again, packed once
+  (``_cost.repeated_rounds``)."""
   unit = program.unit
   whole = whole_block_leaves(program, rnd)
   if whole is not None:
@@ -431,9 +434,14 @@ def _emit_round(
   segments = whole_segments(program, rnd)
   if segments is not None:
     return _emit_segments(program, rnd, segments, axis, me, blocks, shifts)
-  idle: Callable[..., jax.Array] = lambda me, *_: jnp.zeros((rnd.words,), unit)
-  branches = [idle, *(_pack_fn(program, p, shifts) for p in rnd.packs)]
-  payload = _switch(me, role_table(len(program.device_ids), rnd.packs), branches, me, *blocks)
+  key = (rnd.words, rnd.packs)
+  payload = None if packed is None else packed.get(key)
+  if payload is None:
+    idle: Callable[..., jax.Array] = lambda me, *_: jnp.zeros((rnd.words,), unit)
+    branches = [idle, *(_pack_fn(program, p, shifts) for p in rnd.packs)]
+    payload = _switch(me, role_table(len(program.device_ids), rnd.packs), branches, me, *blocks)
+    if packed is not None:
+      packed[key] = payload
   return (jax.lax.ppermute(payload, axis, list(rnd.pairs)),)
 
 
@@ -705,7 +713,8 @@ def emit_body(
       dim, start = program.leaves[li].shift  # type: ignore[misc]
       shifts[li] = (dim, inputs[num_src + num_dst + k] if shift_inputs else start)
     me = jax.lax.axis_index(axis)
-    recvs = [_emit_round(program, rnd, axis, me, blocks, shifts) for rnd in program.rounds]
+    packed: dict[tuple[object, ...], jax.Array] = {}
+    recvs = [_emit_round(program, rnd, axis, me, blocks, shifts, packed) for rnd in program.rounds]
     outs: list[Any] = [None] * num_src
     for li, r in direct.items():
       outs[li] = _direct_value(program, li, r, recvs[r])
@@ -761,7 +770,8 @@ def emit_transfer_body(program: BucketProgram, axis: Any) -> Callable[..., tuple
 
   def body(*blocks: jax.Array) -> tuple[jax.Array, ...]:
     me = jax.lax.axis_index(axis)
-    recvs = [_emit_round(program, rnd, axis, me, blocks) for rnd in program.rounds]
+    packed: dict[tuple[object, ...], jax.Array] = {}
+    recvs = [_emit_round(program, rnd, axis, me, blocks, (), packed) for rnd in program.rounds]
     outs = [_direct_value(program, li, r, recvs[r]) for li, r in direct.items()]
     for r in rounds:
       outs.extend(recvs[r])

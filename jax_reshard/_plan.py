@@ -25,6 +25,7 @@ from jax_reshard._cost import (
   estimate,
   idle_zero_bytes,
   pair_runs,
+  repeated_rounds,
   round_pairs,
   time_lower_bound,
   whole_segment_bytes,
@@ -469,9 +470,11 @@ def pass_bytes(
   payload is the whole source shards of the same leaves is sent as it is (no pack, no zeros
   for idle senders; one ``ppermute`` of several operands); in other rounds, a leaf's whole
   source shard at the same offset of every payload is an operand of its own, and only the rest
-  is packed (see :func:`whole_segment_bytes`). A leaf whose every destination shard arrives whole in
-  one round (the payload, or its leaf's operand) is that array (no assembly, no discarded
-  block), see :func:`direct_steps`. A leaf cut into destination slabs assembles each
+  is packed (see :func:`whole_segment_bytes`); a round whose payloads repeat an earlier
+  round's is packed once (:func:`repeated_rounds`). A leaf whose every destination shard
+  arrives whole in one round (the payload, or its leaf's operand) is that array (no
+  assembly, no discarded block), see :func:`direct_steps`. A leaf cut into destination slabs
+  assembles each
   bucket's slab whole (discarded slab-sized blocks elsewhere), then reads it and writes it into
   the destination shard, which its first bucket fills with zeros. Zero source blocks
   (placeholders) are left out: small ones are made once and kept. ``as_is``: the leaves
@@ -513,6 +516,8 @@ def _bucket_pass_bytes(
   for r, k in whole_segment_bytes(plan, bucket, as_is).items():
     kept[r] = k
   kept[sorted(sent_whole)] = size[sorted(sent_whole)]
+  repeats = repeated_rounds(plan, bucket, kept)  # packed once, sent again
+  kept[repeats] = size[repeats]
   packed = kept < size
   read = (fill[np.searchsorted(keys, ps * (1 << 32) + pd)] - kept[rid])[packed[rid]]
   out["transfer"] += int((2 * pairs * size).sum())
