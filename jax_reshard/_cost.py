@@ -550,7 +550,7 @@ def _bucket_cost(
   )
   # A repeated payload is packed once (no packing, no idle zeros packed): as if kept.
   packed_as = kept.copy()
-  repeats = repeated_rounds(stage, bucket, kept)
+  repeats = repeated_rounds(stage, bucket, kept, pairs)
   packed_as[repeats] = nbytes[repeats]
   received_zeros, packed_zeros = idle_zero_bytes(bucket, pairs, packed_as)
   transfer = _transfer(lat, sizes[rid] / bw, rid, n, topo.max_parallel, received_zeros / fill_bw)
@@ -807,44 +807,59 @@ def pair_runs(bucket: Bucket) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   return pair[first], first, count
 
 
-def repeated_rounds(stage: _Stage, bucket: Bucket, kept: np.ndarray) -> list[int]:
+def repeated_rounds(
+  stage: _Stage, bucket: Bucket, kept: np.ndarray, pairs: tuple[np.ndarray, ...] | None = None
+) -> list[int]:
   """The rounds of ``bucket`` whose payloads are packed whole (``kept``, per round, the bytes
   sent as they are: none) and equal, sender by sender, those of an earlier such round (the
   same senders, each with the same pieces of the same leaves, and the same size): a sender
   that forwards one region to several devices in turn. The program packs such payloads once
-  and sends them again (``_emit._emit_round``): no packing, no zeros packed by idle devices."""
+  and sends them again (``_emit._emit_round``): no packing, no zeros packed by idle devices.
+  ``pairs``: the bucket's :func:`round_pairs`, if known."""
+  rid, ps, pd, size = round_pairs(bucket.rounds) if pairs is None else pairs
+  order = np.lexsort((pd, ps, rid))  # each round's pairs by sender
+  rid, ps, pd = rid[order], ps[order], pd[order]
+  cuts = np.searchsorted(rid, np.arange(len(size) + 1)).tolist()
   groups: dict[tuple[object, ...], list[int]] = defaultdict(list)
-  for r, rnd in enumerate(bucket.rounds):
-    if kept[r] == 0:
-      groups[(rnd.nbytes, tuple(sorted(u for u, _ in rnd.pairs)))].append(r)
+  for r in np.flatnonzero(np.asarray(kept) == 0).tolist():
+    groups[(int(size[r]), ps[cuts[r] : cuts[r + 1]].tobytes())].append(r)
   candidates = [rs for rs in groups.values() if len(rs) > 1]
   if not candidates:
     return []
   keys, first, count = pair_runs(bucket)
-  plans = stage.schedule.leaf_plans
-  leaf, transfer = np.asarray(bucket.piece_leaf), np.asarray(bucket.piece_transfer)
-
-  def content(rnd: Round) -> tuple[object, ...]:
-    out = []
-    for u, v in sorted(rnd.pairs):
-      at = int(np.searchsorted(keys, u * (1 << 32) + v))
-      rows = slice(int(first[at]), int(first[at] + count[at]))
-      boxes = []
-      for j, t in zip(leaf[rows].tolist(), transfer[rows].tolist(), strict=True):
-        lp = plans[j] if plans else stage.leaf_plans[stage.scheduled[j]]
-        boxes.append((j, lp.lo[t].tobytes(), lp.hi[t].tobytes()))
-      out.append((u, tuple(boxes)))
-    return tuple(out)
-
+  boxes = _piece_boxes(stage, bucket)
+  at = np.searchsorted(keys, ps * (1 << 32) + pd)  # each pair's payload
+  starts, ends = first[at].tolist(), (first + count)[at].tolist()
   repeated = []
   for rs in candidates:
     seen = set()
     for r in rs:
-      c = content(bucket.rounds[r])
-      if c in seen:
+      rows = zip(starts[cuts[r] : cuts[r + 1]], ends[cuts[r] : cuts[r + 1]], strict=True)
+      content = tuple(boxes[a:b].tobytes() for a, b in rows)
+      if content in seen:
         repeated.append(r)
-      seen.add(c)
+      seen.add(content)
   return sorted(repeated)
+
+
+def _piece_boxes(stage: _Stage, bucket: Bucket) -> np.ndarray:
+  """Per piece of ``bucket`` (a row each), its leaf and its transfer's box (``lo`` then ``hi``,
+  padded with -1 to the bucket's largest rank): equal rows for the pieces of one region sent
+  to several receivers."""
+  leaf = np.asarray(bucket.piece_leaf, dtype=np.int64)
+  transfer = np.asarray(bucket.piece_transfer, dtype=np.int64)
+  plans = stage.schedule.leaf_plans
+  used = np.unique(leaf).tolist()
+  ndim = max((len(stage.layouts[stage.scheduled[j]][0].shape) for j in used), default=0)
+  rows = np.full((len(leaf), 1 + 2 * ndim), -1, dtype=np.int64)
+  rows[:, 0] = leaf
+  for j in used:
+    lp = plans[j] if plans else stage.leaf_plans[stage.scheduled[j]]
+    at = leaf == j
+    d = lp.lo.shape[1]
+    rows[at, 1 : 1 + d] = lp.lo[transfer[at]]
+    rows[at, 1 + ndim : 1 + ndim + d] = lp.hi[transfer[at]]
+  return rows
 
 
 def direct_steps(

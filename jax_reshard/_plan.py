@@ -516,7 +516,7 @@ def _bucket_pass_bytes(
   for r, k in whole_segment_bytes(plan, bucket, as_is).items():
     kept[r] = k
   kept[sorted(sent_whole)] = size[sorted(sent_whole)]
-  repeats = repeated_rounds(plan, bucket, kept)  # packed once, sent again
+  repeats = repeated_rounds(plan, bucket, kept, arrays)  # packed once, sent again
   kept[repeats] = size[repeats]
   packed = kept < size
   read = (fill[np.searchsorted(keys, ps * (1 << 32) + pd)] - kept[rid])[packed[rid]]
