@@ -829,13 +829,14 @@ def repeated_rounds(
   keys, first, count = pair_runs(bucket)
   boxes = _piece_boxes(stage, bucket)
   at = np.searchsorted(keys, ps * (1 << 32) + pd)  # each pair's payload
-  starts, ends = first[at].tolist(), (first + count)[at].tolist()
+  starts, counts = first[at], count[at]
   repeated = []
   for rs in candidates:
     seen = set()
     for r in rs:
-      rows = zip(starts[cuts[r] : cuts[r + 1]], ends[cuts[r] : cuts[r + 1]], strict=True)
-      content = tuple(boxes[a:b].tobytes() for a, b in rows)
+      n = counts[cuts[r] : cuts[r + 1]]  # the round's payloads' pieces, sender by sender
+      piece = np.repeat(starts[cuts[r] : cuts[r + 1]] - np.cumsum(n) + n, n) + np.arange(n.sum())
+      content = (n.tobytes(), boxes[piece].tobytes())
       if content in seen:
         repeated.append(r)
       seen.add(content)
