@@ -1211,3 +1211,50 @@ def test_a_payload_sent_again_is_packed_once(monkeypatch: pytest.MonkeyPatch) ->
   assert pass_bytes(lp)["pack"] - counted["pack"] == 2 * 4 * (2048 + 2048)
   assert_matches_oracle(plan(x), host, dst)
   jr.plan_cache_clear()
+
+
+def test_the_rounds_the_model_finds_repeated_are_those_the_program_packs_once() -> None:
+  """Over trees cut into every kind of chunk, with and without relays, and a tree whose
+  destinations are replicated: the rounds :func:`_cost.repeated_rounds` finds are exactly the
+  packed rounds (neither sent as they are nor cut into whole-shard segments) whose size and
+  packs equal an earlier packed round's, which the program sends again (``_emit._emit_round``)."""
+
+  def lay(ids: range, mesh: tuple[int, ...], spec: Any) -> jr.Layout:
+    return jr.Layout.from_description(
+      (64, 64), mesh_shape=mesh, axis_names=("a", "b")[: len(mesh)], spec=spec, device_ids=ids
+    )
+
+  replicated = [(lay(range(4), (4,), ("a",)), lay(range(4, 8), (2, 2), (None, "b")))] * 3
+  # Replicated on 4-7, a domain of its own: each region enters once, its entry forwards it.
+  relayed = [(lay(range(4), (4,), ("a",)), lay(range(4, 8), (4,), (None,)))] * 3
+  cases = [
+    *split_cases(),
+    (replicated, 1 << 20, None),
+    (relayed, 1 << 20, jr.Topology.cpu(devices_per_domain=4)),
+  ]
+  found = found_before = 0
+  for layouts, bound, topo in cases:
+    plan = jr.plan_layouts(layouts, [4] * len(layouts), max_bucket_bytes=bound, topology=topo)
+    for stage in plan.stages():
+      for b, bucket in enumerate(stage.schedule.buckets):
+        dtypes = [np.dtype(np.float32)] * len(stage.layouts)
+        program = make_bucket_program(stage, b, dtypes, bucket.union_device_ids, max_word_bytes=1)
+        sent_whole, _ = _cost.direct_steps(stage, bucket)
+        segments = _cost.whole_segment_bytes(stage, bucket)
+        kept = np.asarray(
+          [r.nbytes if k in sent_whole else segments.get(k, 0) for k, r in enumerate(bucket.rounds)]
+        )
+        model = _cost.repeated_rounds(stage, bucket, kept)
+        seen, emitted = set(), []
+        for r, rnd in enumerate(program.rounds):
+          if _emit.whole_block_leaves(program, rnd) or _emit.whole_segments(program, rnd):
+            continue
+          if (rnd.words, rnd.packs) in seen:
+            emitted.append(r)
+          seen.add((rnd.words, rnd.packs))
+        assert model == emitted, (b, model, emitted)
+        found += len(model)
+    if layouts is relayed:
+      assert plan.relay is not None and found_before < found  # in the forwarding stage
+    found_before = found
+  assert found
