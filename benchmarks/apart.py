@@ -6,8 +6,10 @@ Usage::
 
 Per case, two plans of the same tree: as ``make_plan`` makes it (a bucket whose destination
 devices hold none of its source shards may run its rounds over the union mesh and assemble in
-a second program over the destination devices, see ``_cost.assembles_apart``), and with every
-bucket in one program over the union mesh (``_schedule.SPLIT_ASSEMBLY = False``). Prints the
+a second program over the destination devices, see ``_cost.assembles_apart``, and a bucket
+in its bound only so always does), and with every bucket in one program over the union mesh
+(``_schedule.SPLIT_ASSEMBLY = False``, which also counts every bucket's staging with its
+discarded blocks, so its buckets may hold fewer leaves). Prints the
 buckets that assemble apart, passes per moved byte, first-call time, the median time of both
 calls interleaved (order alternating) and the ratio, and each plan's largest program's
 ``memory_analysis()`` per device.
