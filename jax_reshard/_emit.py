@@ -43,6 +43,7 @@ from jax_reshard._program import (
   Pack,
   PlaceholderGroup,
   Received,
+  Resident,
   SendRound,
   SourceWindow,
   block_bytes,
@@ -596,9 +597,12 @@ def _assemble_fn(
   def branch(
     me: jax.Array, blocks: Sequence[jax.Array], dsts: Sequence[Any], recvs: Sequence[jax.Array]
   ) -> tuple[jax.Array, ...]:
-    # None: the assembly program of destination devices (every part received, see
-    # emit_assembly_body).
-    shards = [None] * len(program.leaves) if blocks is None else _local_view(program.leaves, blocks)
+    # The assembly program of destination devices (emit_assembly_body) has the source blocks
+    # of the leaves with resident parts only (None for the others).
+    shards = [
+      None if b is None else _local_view([lf], [b])[0]
+      for lf, b in zip(program.leaves, blocks, strict=True)
+    ]
     outs = []
     for li in switched:
       lf, parts = program.leaves[li], role.parts[li]
@@ -760,6 +764,18 @@ def split_outputs(
   return direct, assembled, tuple(sorted(rounds))
 
 
+def resident_sources(program: BucketProgram) -> tuple[int, ...]:
+  """The leaves (positions) an assembly program (:func:`emit_assembly_body`) takes the staged
+  source blocks of: those it assembles with a part copied from a device's own source shard
+  (a destination device that also holds a source shard)."""
+  _, assembled, _ = split_outputs(program)
+  return tuple(
+    li
+    for li in assembled
+    if any(isinstance(p, Resident) for role in program.assembles for p in role.parts[li] or ())
+  )
+
+
 def emit_transfer_body(program: BucketProgram, axis: Any) -> Callable[..., tuple[jax.Array, ...]]:
   """The per-device body of the transfer program of a bucket whose assembly runs on its own
   (see :func:`split_outputs`): it takes one staged source block per leaf, runs the rounds and
@@ -783,16 +799,19 @@ def emit_transfer_body(program: BucketProgram, axis: Any) -> Callable[..., tuple
 def emit_assembly_body(program: BucketProgram, axis: Any) -> Callable[..., tuple[jax.Array, ...]]:
   """The per-device body of the assembly program of a bucket (see :func:`split_outputs`), for
   a ``shard_map`` over the devices at :attr:`BucketProgram.assemblers`: it takes the received
-  operands the transfer program returns, then the destination blocks of the leaves it
-  assembles that have a destination input (``donate=``: donated so that each output is
-  written into its block; read only for a leaf written in place, whose parts a relay stage
-  completes), and returns the destination blocks of the leaves it assembles, each device by
-  its role (offsets read at its position in the bucket's mesh)."""
+  operands the transfer program returns, then the staged source blocks of the leaves with
+  parts copied from a device's own source shard (:func:`resident_sources`), then the
+  destination blocks of the leaves it assembles that have a destination input (``donate=``:
+  donated so that each output is written into its block; read only for a leaf written in
+  place, whose parts a relay stage completes), and returns the destination blocks of the
+  leaves it assembles, each device by its role (offsets read at its position in the bucket's
+  mesh)."""
   _, assembled, rounds = split_outputs(program)
   assert program.assemblers is not None
   positions = np.asarray(program.assemblers, dtype=np.int32)
   local = role_table(len(program.device_ids), program.assembles)[positions]
   operands = [len(operand_layout(program, program.rounds[r])) for r in rounds]
+  sources = resident_sources(program)
 
   def idle(me: jax.Array, blocks: Any, dsts: Any, recvs: Any) -> tuple[jax.Array, ...]:
     return tuple(_base(program.leaves[li], dsts[li]) for li in assembled)
@@ -805,11 +824,14 @@ def emit_assembly_body(program: BucketProgram, axis: Any) -> Callable[..., tuple
     for r, k in zip(rounds, operands, strict=True):
       recvs[r], at = tuple(inputs[at : at + k]), at + k
     fns = [_assemble_fn(program, k, assembled, {}) for k in range(len(program.assembles))]
+    blocks: list[Any] = [None] * len(program.leaves)
+    for li in sources:
+      blocks[li], at = inputs[at], at + 1
     # The other donated blocks only lend their buffers.
     dsts: list[Any] = [None] * len(program.leaves)
     for li, block in zip(donated(program), inputs[at:], strict=True):
       dsts[li] = block if program.leaves[li].in_place else None
-    return tuple(_switch(q, local, [idle, *fns], me, None, dsts, recvs))
+    return tuple(_switch(q, local, [idle, *fns], me, blocks, dsts, recvs))
 
   return body
 
@@ -960,22 +982,27 @@ def _assembly_program(
   mesh = Mesh(np.array(devices), (AXIS,))
   staged = NamedSharding(mesh, PartitionSpec(AXIS))
   _, assembled, _ = split_outputs(signature)
+  sources = [
+    (signature.leaves[li].src_block, signature.leaves[li].dtype)
+    for li in resident_sources(signature)
+  ]
   blocks = [
     (signature.leaves[li].dst_block, signature.leaves[li].dtype) for li in donated(signature)
   ]
   fn = jax.shard_map(
     emit_assembly_body(signature, AXIS),
     mesh=mesh,
-    in_specs=tuple(PartitionSpec(AXIS) for _ in (*operands, *blocks)),
+    in_specs=tuple(PartitionSpec(AXIS) for _ in (*operands, *sources, *blocks)),
     out_specs=tuple(PartitionSpec(AXIS) for _ in assembled),
     check_vma=False,
   )
   n = len(devices)
   avals = [
     jax.ShapeDtypeStruct(_staged_shape(shape, n), dtype, sharding=staged)
-    for shape, dtype in (*operands, *blocks)
+    for shape, dtype in (*operands, *sources, *blocks)
   ]
-  donate = tuple(range(len(operands), len(operands) + len(blocks)))
+  first = len(operands) + len(sources)
+  donate = tuple(range(first, first + len(blocks)))
   # keep_unused: a donated block is never read, yet must stay an argument to be aliased.
   jitted = jax.jit(fn, donate_argnums=donate, keep_unused=True)
   return jitted.lower(*avals).compile()
@@ -1518,6 +1545,8 @@ class _SplitIO:
     "in_pick",
     "in_wraps",
     "out_pick",
+    "src_leaves",
+    "src_wraps",
     "transfer",
   )
 
@@ -1550,9 +1579,16 @@ class _SplitIO:
       Wrapper(_staged_shape(lf.dst_block, k), lf.dtype, staged, fast=fast)
       for lf in (program.leaves[li] for li in self.dst_leaves)
     ]
+    # Leaves with parts copied from a destination device's own source shard: their staged
+    # source blocks on these devices.
+    self.src_leaves = resident_sources(program)
+    self.src_wraps = [
+      Wrapper(_staged_shape(lf.src_block, k), lf.dtype, staged, fast=fast)
+      for lf in (program.leaves[li] for li in self.src_leaves)
+    ]
     self.assembly: Runner | None = None
     if ids and self.assembled:
-      num_args = len(operands) + len(self.dst_leaves)
+      num_args = len(operands) + len(self.src_leaves) + len(self.dst_leaves)
       self.assembly = Runner(_assembly_program(signature, devices, operands), num_args, fast=fast)
     at = {d: j for j, d in enumerate(ids)}
     self.out_pick = {
@@ -1588,6 +1624,10 @@ class _SplitIO:
         for wrap, held in zip(self.in_wraps, received, strict=True)
       ]
       del received, outs  # the payloads of devices without a destination shard are freed
+      fast = self.transfer.fast
+      for li, wrap in zip(self.src_leaves, self.src_wraps, strict=True):
+        held = buffers(staged[li], fast=fast)
+        args.append(wrap([held[j] for j in self.in_pick]))
       for li, wrap in zip(self.dst_leaves, self.dst_wraps, strict=True):
         args.append(self._stage_dst(dsts[li] or {}, wrap, io[li].dst_block))
       for li, held in zip(self.assembled, self.assembly(args), strict=True):

@@ -384,27 +384,27 @@ def assembly_devices(
   buckets, carried, cut into slabs or windows; a destination input only as the buffer of a
   whole leaf refit with ``donate=``, which the assembly program takes, and writes the parts
   into where a relay stage completes the leaf), all its leaves have one
-  destination device set, and no device of that set holds a source shard of the bucket (every
-  destination part is received). The devices without a destination shard are then given no
-  blocks to donate.
+  destination device set, and some device of the bucket holds no destination shard (a
+  destination device that holds a source shard too copies its resident parts in the assembly
+  program, which takes its source blocks). The devices without a destination shard are then
+  given no blocks to donate.
   """
   if not SPLIT_ASSEMBLY:
     return None
   dst_ids: tuple[int, ...] | None = None
-  src_ids: set[int] = set()
   for j, m in zip(schedule.buckets[bucket].leaves, modes, strict=True):
     spans = schedule.leaf_buckets[j] if schedule.leaf_buckets else (bucket,)
     if m.carry_out or m.fresh or m.shift is not None or len(spans) > 1:
       return None
     if m.window is not None or m.dst_window is not None:
       return None
-    src, dst = layouts[scheduled[j]]
+    dst = layouts[scheduled[j]][1]
     if dst_ids is None:
       dst_ids = dst.device_ids
     elif dst.device_ids != dst_ids:
       return None
-    src_ids.update(src.device_ids)
-  if not dst_ids or not src_ids.isdisjoint(dst_ids):
+  # Some device of the bucket must hold no destination shard (else there is nothing to spare).
+  if not dst_ids or set(schedule.buckets[bucket].union_device_ids) <= set(dst_ids):
     return None
   return dst_ids
 

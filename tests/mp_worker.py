@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from helpers import assert_matches_oracle, random_host_array  # noqa: E402
 
 import jax_reshard as jr  # noqa: E402
-from jax_reshard import _cost, _distributed  # noqa: E402
+from jax_reshard import _cost, _distributed, _emit  # noqa: E402
 
 DEVS = sorted(jax.devices(), key=lambda d: d.id)
 P0 = [d for d in DEVS if d.process_index == 0]
@@ -78,7 +78,8 @@ def make_hosts(seed: int, specs: dict[str, tuple[tuple[int, ...], Any]]) -> dict
 def case_a() -> None:
   """Trainer mesh only on process 0, sampler mesh only on process 1, different layouts; one
   program per bucket, then assembled apart (process 1 runs the assembly program, process 0,
-  without a destination device, the transfer program only); each also into donated buffers."""
+  without a destination device, the transfer program only); each also into donated buffers.
+  Then a trainer overlapping the sampler on two devices, assembled apart the same way."""
   trainer = mesh(P0, (2, 2), ("fsdp", "tp"))
   sampler = mesh(P1[::-1], (2, 2), ("dp", "tp"))
   specs = {"w": ((16, 12), np.float32), "e": ((8, 6, 4), jnp.bfloat16), "b": ((8,), np.int8)}
@@ -108,6 +109,21 @@ def case_a() -> None:
     if apart:  # the assembly program runs where the destination devices are
       assert all(exe.split().assembled for exe in exes)
       assert all(len(exe.compiled_programs()) == 1 + PID for exe in exes)
+  # Overlapping: the trainer on two devices of each process, the sampler on process 1's four;
+  # its two shared devices copy resident parts in the assembly program (process 1 only).
+  _cost.APART_MIN_BYTES = 0
+  jr.plan_cache_clear()
+  src_sh = {k: NamedSharding(mesh(P0[2:] + P1[:2], (4,), ("x",)), P("x")) for k in ("w", "v")}
+  dst_sh = {k: NamedSharding(mesh(P1, (4,), ("y",)), P(None, "y")) for k in ("w", "v")}
+  hosts = make_hosts(3, {"w": ((16, 8), np.float32), "v": ((8, 16), jnp.bfloat16)})
+  xs = {k: put(h, src_sh[k]) for k, h in hosts.items()}
+  plan = jr.make_plan(xs, dst_sh)
+  [exe] = plan.executables()
+  assert exe.split() is not None and _emit.resident_sources(exe.program)
+  assert len(exe.compiled_programs()) == 1 + PID
+  ys = plan(xs)
+  check_tree(ys, hosts, dst_sh)
+  check_tree(plan(xs, donate=ys), hosts, dst_sh)
   _cost.APART_MIN_BYTES = kept
   jr.plan_cache_clear()
   ok("case_a")

@@ -1042,8 +1042,9 @@ def test_a_bucket_received_whole_runs_one_program() -> None:
 
 
 def test_which_buckets_assemble_on_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
-  """Only buckets of leaves moved whole to one destination device set that holds no source
-  shard assemble on their own: not colocated or overlapping device sets, not destinations on
+  """Only buckets of leaves moved whole to one destination device set that leaves some device
+  of the bucket without a destination shard assemble on their own: not colocated sets, not
+  destinations on
   different devices, not a leaf split over buckets (a relayed leaf a ``donate=`` call writes
   in place may, moved whole by the bucket); the cost model and the pass count drop
   exactly the discarded blocks and charge a second call."""
@@ -1071,7 +1072,8 @@ def test_which_buckets_assemble_on_their_own(monkeypatch: pytest.MonkeyPatch) ->
   # A relayed leaf a donate= call writes in place: the assembly program writes it.
   assert devices([(lay(range(4), rows), lay(range(4, 8), cols))], True, {0}) == [(4, 5, 6, 7)]
   assert devices([(lay(range(4), rows), lay(range(4), cols))]) == [None]  # colocated
-  assert devices([(lay(range(4), rows), lay(range(2, 6), cols))]) == [None]  # overlapping
+  # Overlapping: devices 2 and 3 copy resident parts in the assembly program.
+  assert devices([(lay(range(4), rows), lay(range(2, 6), cols))]) == [(2, 3, 4, 5)]
   disjoint = (lay(range(4), rows), lay(range(4, 8), cols))
   overlapping = (lay(range(4), rows), lay(range(2, 6), cols))
   two = [disjoint, overlapping]
@@ -1258,3 +1260,40 @@ def test_the_rounds_the_model_finds_repeated_are_those_the_program_packs_once() 
       assert plan.relay is not None and found_before < found  # in the forwarding stage
     found_before = found
   assert found
+
+
+def test_overlapping_buckets_assemble_apart_with_resident_parts(
+  monkeypatch: pytest.MonkeyPatch,
+) -> None:
+  """Rows on devices 0-3 to columns on 2-5: devices 2 and 3 copy parts of their own source
+  shards, devices 0 and 1 hold no destination shard. The bucket assembles apart: its assembly
+  program, on devices 2-5, takes the received payloads and the staged source blocks of the
+  leaves with such resident parts. Bit for bit (random bits, NaN payloads among them), plain
+  and twice into donated buffers, and equal to the one program's result."""
+  monkeypatch.setattr(_cost, "APART_MIN_BYTES", 0)  # small leaves, assembled apart all the same
+  devs = np.array(jax.devices())
+  src = NamedSharding(Mesh(devs[:4], ("x",)), P("x"))
+  dst = NamedSharding(Mesh(devs[2:6], ("y",)), P(None, "y"))
+  rng = np.random.default_rng(9)
+  hosts = {
+    "w": random_host_array(rng, (32, 64), np.float32),
+    "v": random_host_array(rng, (64, 32), jnp.bfloat16),
+  }
+  x = {k: jax.device_put(h, src) for k, h in hosts.items()}
+  dsts = dict.fromkeys(hosts, dst)
+  jr.plan_cache_clear()
+  plan = jr.make_plan(x, dsts)
+  [exe] = plan.executables()
+  assert exe.split() is not None and exe.program.assemblers == (2, 3, 4, 5)
+  assert _emit.resident_sources(exe.program) == (0, 1)
+  _, assembly = exe.compiled_programs()
+  assert {d.id for d in assembly.input_shardings[0][0].device_set} == {2, 3, 4, 5}
+  y = refit_into_donated(plan, x, hosts, dsts)
+  monkeypatch.setattr(_schedule, "SPLIT_ASSEMBLY", False)
+  jr.plan_cache_clear()
+  one = jr.make_plan(x, dsts)
+  assert one.executables()[0].split() is None
+  z = one(x)
+  for k in hosts:
+    np.testing.assert_array_equal(bits(y[k]), bits(z[k]))
+  jr.plan_cache_clear()
