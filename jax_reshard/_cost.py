@@ -9,7 +9,8 @@ rounds one after another. The model charges
   (inside a domain or between domains; every pair of a round sends the round's padded size);
 * per round, the packing: every sender copies its payload's pieces out of its source shards,
   except the whole source shards it sends as they are (:func:`whole_segment_bytes`), and
-  writes the padding at ``memory_bandwidth``;
+  writes the padding at ``memory_bandwidth``; nothing in a round that sends the payloads of
+  an earlier one again (:func:`repeated_rounds`);
 * per bucket, the assembly: every destination device copies the parts of its destination
   shards into them (a shard kept whole from one part costs nothing; of a leaf split over
   buckets, the parts the bucket moves, written in place), and every device of the bucket
@@ -874,10 +875,13 @@ def direct_steps(
   sizes = np.asarray(bucket.piece_nbytes, dtype=np.int64)
   piece_leaf = np.asarray(bucket.piece_leaf, dtype=np.int64)
   shards = np.zeros((2, max(bucket.leaves, default=-1) + 1), dtype=np.int64)
-  for j in bucket.leaves:
+  for j, chunks in zip(bucket.leaves, bucket.chunks, strict=True):
     i = plan.scheduled[j]
     for k in (0, 1):
       shards[k, j] = math.prod(plan.layouts[i][k].shard_shape()) * plan.itemsizes[i]
+    if (window := slab_window(plan.schedule, j, chunks)) is not None:  # stages its slab
+      dim, start, stop = window
+      shards[0, j] = shards[0, j] // plan.layouts[i][0].shard_shape()[dim] * (stop - start)
   src_whole = sizes == shards[0, piece_leaf]
   dst_whole = sizes == shards[1, piece_leaf]
   # Both kinds need a piece that is a whole source or destination shard: most buckets of split

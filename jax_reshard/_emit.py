@@ -1003,7 +1003,8 @@ def _assembly_program(
   ]
   first = len(operands) + len(sources)
   donate = tuple(range(first, first + len(blocks)))
-  # keep_unused: a donated block is never read, yet must stay an argument to be aliased.
+  # keep_unused: a donated block is not read (but for a leaf written in place), yet must stay
+  # an argument to be aliased.
   jitted = jax.jit(fn, donate_argnums=donate, keep_unused=True)
   return jitted.lower(*avals).compile()
 

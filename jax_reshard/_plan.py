@@ -62,7 +62,9 @@ class PlanStats:
     max_send_bytes: most bytes one device sends (padding included).
     max_recv_bytes: most bytes one device receives (padding included).
     peak_staging_bytes: most transient bytes one device holds in a bucket: send and receive
-      payloads plus placeholder blocks for leaves it has no source or destination shard of.
+      payloads plus placeholder blocks for leaves it has no source or destination shard of
+      (in a bucket that must assemble apart, no discarded destination blocks and every
+      round's received payload on every device, as its transfer program returns them).
     slow_link_bytes: bytes received over links between domains of the plan's topology
       (without padding); 0 without a topology.
     slow_link_lower_bound_bytes: what must cross: per region and destination domain that

@@ -202,7 +202,8 @@ def placeholder_mask(layout: Layout, device_ids: np.ndarray) -> np.ndarray:
   A bucket's program runs on every device of its mesh with one block per leaf in and one out.
   A device without a source shard of a leaf stages a zero *placeholder* block of the source
   block's shape; a device without a destination shard returns a block of the destination
-  block's shape that is discarded. Both count as staging.
+  block's shape that is discarded. Both count as staging (the discarded block not where the
+  bucket must assemble apart, see :attr:`Bucket.must_apart`).
   """
   ids = np.asarray(layout.device_ids, dtype=np.int64)  # ascending
   if not len(ids):
@@ -362,7 +363,9 @@ def leaf_modes(
 
 SPLIT_ASSEMBLY = True
 """Whether a bucket that allows it (:func:`assembly_devices`) assembles its destination shards
-in a program of their devices alone, after the program over its union mesh moves the data."""
+in a program of their devices alone, after the program over its union mesh moves the data.
+Read when scheduling too: off, no bucket is counted as assembling apart; a bucket scheduled so
+while it was on (``Bucket.must_apart``) still does."""
 
 
 def assembly_devices(
@@ -389,7 +392,7 @@ def assembly_devices(
   program, which takes its source blocks). The devices without a destination shard are then
   given no blocks to donate.
   """
-  if not SPLIT_ASSEMBLY:
+  if not SPLIT_ASSEMBLY and not schedule.buckets[bucket].must_apart:
     return None
   dst_ids: tuple[int, ...] | None = None
   for j, m in zip(schedule.buckets[bucket].leaves, modes, strict=True):
@@ -1178,9 +1181,13 @@ def _build_new(tree: _Tree, leaves: list[int], chunks: dict[int, list[int]]) -> 
   stage = placeholders * in_bucket + sent + received
   must_apart = False
   if tree.bound is not None and int(stage.max(initial=0)) > tree.bound and tree.apart(leaves):
-    # In bound only without the discarded blocks: the bucket assembles apart.
+    # In bound only without the discarded blocks: the bucket assembles apart. Its transfer
+    # program returns every round's received payload on every device (zeros where a device
+    # receives nothing in the round): all of them count.
     discards = sum((tree.discards[leaf] for leaf in leaves), np.zeros(n, dtype=np.int64))
-    stage, must_apart = stage - discards * in_bucket, True
+    returned = sum(r.nbytes for r in rounds)
+    stage = (placeholders - discards + returned) * in_bucket + sent
+    must_apart = True
   bucket = Bucket(
     leaves=tuple(leaves),
     chunks=tuple(tuple(chunks[leaf]) for leaf in leaves),
@@ -1663,9 +1670,9 @@ def _discards(
   layouts: Sequence[tuple[Layout, Layout]], itemsizes: Sequence[int], union: np.ndarray
 ) -> list[np.ndarray]:
   """Per leaf, per device of ``union``, the discarded destination blocks a bucket that
-  assembles apart does not write (:attr:`_Tree.discards`), where every bucket of the leaves
-  may (:func:`assembly_devices`: one destination device set, holding none of their source
-  shards), else ``[]``."""
+  assembles apart does not write (:attr:`_Tree.discards`), where the leaves go to one
+  destination device set holding none of their source shards (so that every bucket of whole
+  leaves may assemble apart, :func:`assembly_devices`), else ``[]``."""
   dst_sets = {dst.device_ids for _, dst in layouts}
   if not SPLIT_ASSEMBLY or len(dst_sets) != 1:
     return []

@@ -1129,40 +1129,48 @@ def test_which_buckets_assemble_on_their_own(monkeypatch: pytest.MonkeyPatch) ->
 def test_buckets_in_bound_only_apart_assemble_apart(monkeypatch: pytest.MonkeyPatch) -> None:
   """Where every leaf goes to one destination device set that holds none of their sources,
   the bucket bound counts a bucket's staging without the discarded blocks its one program
-  would write where that alone keeps it in bound, and the bucket then always assembles apart
-  (whatever the cost rule says), never bundled. Eight 64x64 float32 leaves, rows on 0-3 to
-  columns replicated twice on 4-7: a trainer device stages 8 KiB sent and would discard 8 KiB
-  per leaf, a sampler device 4 KiB of zero source block and 8 KiB received. Under a 48 KiB
-  bound: 2 buckets of 4 (48 KiB on the sampler devices; 64 KiB on the trainer devices in one
-  program), against 3 counted as one program. Bit for bit, plain and into donated buffers."""
-  monkeypatch.setattr(_cost, "APART_MIN_BYTES", 1 << 40)  # the cost rule says no
+  would write where that alone keeps it in bound (and with every round's received payload on
+  every device, which its transfer program returns), and the bucket then always assembles
+  apart (whatever the cost rule says), never bundled. Six 128x64 float32 leaves, (2, 2) on
+  devices 0-3 to columns on a (2, 2) mesh of 4-7, domains of 2: the first stage sends each
+  region into a domain once, so a sampler device receives an eighth of its shard there, while
+  a trainer device would discard a whole shard per leaf. Under a 48 KiB bound: 2 first-stage
+  buckets of 3 (at the bound), against 3 of 2 counted as one program (bundled there). Bit
+  for bit, plain and twice into donated buffers, as the one-program plan."""
+  monkeypatch.setattr(_cost, "_apart_pays", lambda *a: False)  # the cost rule says no
   monkeypatch.setattr(_emit, "MIN_BUNDLED_LEAVES", 2)
   devs = np.array(jax.devices())
-  src = NamedSharding(Mesh(devs[:4], ("x",)), P("x"))
-  dst_mesh = Mesh(devs[4:].reshape(2, 2), ("dp", "tp"))
+  src = NamedSharding(Mesh(devs[:4].reshape(2, 2), ("fsdp", "tp")), P("fsdp", "tp"))
+  dst = NamedSharding(Mesh(devs[4:].reshape(2, 2), ("tp", "dp")), P(None, "tp"))
   rng = np.random.default_rng(8)
-  hosts = {f"w{i}": random_host_array(rng, (64, 64), np.float32) for i in range(8)}
+  hosts = {f"w{i}": random_host_array(rng, (128, 64), np.float32) for i in range(6)}
   x = {k: jax.device_put(h, src) for k, h in hosts.items()}
-  dst = {k: NamedSharding(dst_mesh, P(None, "tp")) for k in hosts}
-  bound = 48 << 10
+  dsts = dict.fromkeys(hosts, dst)
+  pairs, bound = jr.Topology.cpu(devices_per_domain=2), 48 << 10
+
+  def first_stage(plan: Any) -> tuple[list[Any], list[Any], list[Any]]:
+    buckets = plan.layout_plan.stages()[0].schedule.buckets
+    n = len(buckets)
+    return buckets, plan.executables()[:n], plan.executables(donate=True)[:n]
+
   jr.plan_cache_clear()
-  plan = jr.make_plan(x, dst, max_bucket_bytes=bound)
-  buckets = plan.layout_plan.schedule.buckets
-  assert [len(b.leaves) for b in buckets] == [4, 4] and all(b.must_apart for b in buckets)
+  plan = jr.make_plan(x, dsts, topology=pairs, max_bucket_bytes=bound)
+  buckets, plain, donated = first_stage(plan)
+  assert [len(b.leaves) for b in buckets] == [3, 3] and all(b.must_apart for b in buckets)
   assert plan.stats.peak_staging_bytes == bound
-  for donate in (False, True):
-    for exe in plan.executables(donate=donate):
-      assert exe.program.assemblers == (4, 5, 6, 7) and exe.program.must_apart
-      assert exe.split() is not None and exe.bundle() is None
-      assert len(exe.compiled_programs()) == 2
-  y = refit_into_donated(plan, x, hosts, dst)
+  for exe in plain + donated:
+    assert exe.program.assemblers == (4, 5, 6, 7) and exe.program.must_apart
+    assert exe.split() is not None and exe.bundle() is None
+    assert len(exe.compiled_programs()) == 2
+  y = refit_into_donated(plan, x, hosts, dsts)
 
   # Counted as one program (no bucket may assemble apart): three buckets, each in bound.
   monkeypatch.setattr(_schedule, "SPLIT_ASSEMBLY", False)
   jr.plan_cache_clear()
-  one = jr.make_plan(x, dst, max_bucket_bytes=bound)
-  buckets = one.layout_plan.schedule.buckets
-  assert len(buckets) == 3 and not any(b.must_apart for b in buckets)
+  one = jr.make_plan(x, dsts, topology=pairs, max_bucket_bytes=bound)
+  buckets, plain, _ = first_stage(one)
+  assert [len(b.leaves) for b in buckets] == [2, 2, 2] and not any(b.must_apart for b in buckets)
+  assert all(exe.bundle() is not None for exe in plain)
   assert one.stats.peak_staging_bytes <= bound
   z = one(x)
   for k in hosts:
@@ -1216,10 +1224,13 @@ def test_a_payload_sent_again_is_packed_once(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_the_rounds_the_model_finds_repeated_are_those_the_program_packs_once() -> None:
-  """Over trees cut into every kind of chunk, with and without relays, and a tree whose
-  destinations are replicated: the rounds :func:`_cost.repeated_rounds` finds are exactly the
-  packed rounds (neither sent as they are nor cut into whole-shard segments) whose size and
-  packs equal an earlier packed round's, which the program sends again (``_emit._emit_round``)."""
+  """Over trees cut into every kind of chunk, with and without relays, a tree whose
+  destinations are replicated and one whose source slabs go whole to two devices in turn: the
+  rounds :func:`_cost.repeated_rounds` finds are exactly the packed rounds (neither sent as
+  they are nor cut into whole-shard segments) whose size and packs equal an earlier packed
+  round's, which the program sends again (``_emit._emit_round``); and the rounds the model
+  sends as they are (:func:`_cost.direct_steps`, a source slab's staged block counted whole)
+  are those the program does."""
 
   def lay(ids: range, mesh: tuple[int, ...], spec: Any) -> jr.Layout:
     return jr.Layout.from_description(
@@ -1229,10 +1240,22 @@ def test_the_rounds_the_model_finds_repeated_are_those_the_program_packs_once() 
   replicated = [(lay(range(4), (4,), ("a",)), lay(range(4, 8), (2, 2), (None, "b")))] * 3
   # Replicated on 4-7, a domain of its own: each region enters once, its entry forwards it.
   relayed = [(lay(range(4), (4,), ("a",)), lay(range(4, 8), (4,), (None,)))] * 3
+  # Cut into source slabs, each a whole staged block sent to both devices of 6-7 in turn.
+  slabbed = [
+    (
+      jr.Layout.from_description(
+        (64, 8), mesh_shape=(2, 2), axis_names=("a", "b"), spec=("b",), device_ids=range(2, 6)
+      ),
+      jr.Layout.from_description(
+        (64, 8), mesh_shape=(2,), axis_names=("a",), spec=(), device_ids=range(6, 8)
+      ),
+    )
+  ] * 3
   cases = [
     *split_cases(),
     (replicated, 1 << 20, None),
     (relayed, 1 << 20, jr.Topology.cpu(devices_per_domain=4)),
+    (slabbed, 1500, jr.Topology.cpu(devices_per_domain=4)),
   ]
   found = found_before = 0
   for layouts, bound, topo in cases:
@@ -1247,14 +1270,18 @@ def test_the_rounds_the_model_finds_repeated_are_those_the_program_packs_once() 
           [r.nbytes if k in sent_whole else segments.get(k, 0) for k, r in enumerate(bucket.rounds)]
         )
         model = _cost.repeated_rounds(stage, bucket, kept)
-        seen, emitted = set(), []
+        seen, emitted, whole = set(), [], set()
         for r, rnd in enumerate(program.rounds):
-          if _emit.whole_block_leaves(program, rnd) or _emit.whole_segments(program, rnd):
+          if _emit.whole_block_leaves(program, rnd) is not None:
+            whole.add(r)  # sent as they are, in the model too
+            continue
+          if _emit.whole_segments(program, rnd):
             continue
           if (rnd.words, rnd.packs) in seen:
             emitted.append(r)
           seen.add((rnd.words, rnd.packs))
         assert model == emitted, (b, model, emitted)
+        assert whole == sent_whole, (b, whole, sent_whole)
         found += len(model)
     if layouts is relayed:
       assert plan.relay is not None and found_before < found  # in the forwarding stage
