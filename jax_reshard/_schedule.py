@@ -1021,6 +1021,13 @@ class _Tree:
     rest = self.dst_placeholder(leaf) if side == 0 else self.src_placeholder(leaf)
     return rest + nbytes * self.itemsizes[leaf]
 
+  def received(self, leaf: int) -> np.ndarray:
+    """Per union device, the bytes it receives of ``leaf`` (all its chunks)."""
+    plan = self.plans[leaf]
+    remote = ~plan.local
+    at = np.searchsorted(self.union, plan.dst_device[remote])
+    return np.bincount(at, plan.nbytes[remote], minlength=len(self.union)).astype(np.int64)
+
   def apart(self, leaves: Collection[int]) -> bool:
     """Whether a bucket of ``leaves`` may assemble apart (:func:`assembly_devices`): the tree
     allows it (:attr:`discards`) and every one of them moves whole, not cut into chunks, slabs
@@ -1210,7 +1217,7 @@ def _unpadded_peaks(tree: _Tree, items: Sequence[tuple[int, int]], start: int) -
   devices."""
   n = len(tree.union)
   acc_ph, acc_pay, mask = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, bool)
-  acc_discards, apart = np.zeros(n, np.int64), bool(tree.discards)
+  acc_discards, acc_recv, apart = np.zeros(n, np.int64), np.zeros(n, np.int64), bool(tree.discards)
   first: dict[int, tuple[int, np.ndarray]] = {}  # leaf: its first chunk here, its staging so far
   for leaf, c in itertools.islice(items, start, None):
     c0, before = first.get(leaf, (c, 0))
@@ -1219,12 +1226,14 @@ def _unpadded_peaks(tree: _Tree, items: Sequence[tuple[int, int]], start: int) -
     mask = mask | tree.members[leaf]
     if leaf not in first:
       apart = apart and tree.apart((leaf,))
-      acc_discards = acc_discards + tree.discards[leaf] if apart else acc_discards
+      if apart:
+        acc_discards, acc_recv = acc_discards + tree.discards[leaf], acc_recv + tree.received(leaf)
     first[leaf] = (c0, ph)
-    one = acc_ph * mask + acc_pay
-    peak = int(one.max())
+    peak = int((acc_ph * mask + acc_pay).max())
     if apart and tree.bound is not None and peak > tree.bound:  # see _build_new
-      peak = int((one - acc_discards * mask).max())
+      # Every device returns the rounds' payloads: at least the most one device receives.
+      returned = int(acc_recv.max())
+      peak = int(((acc_ph - acc_discards + returned) * mask + acc_pay - acc_recv).max())
     yield peak
 
 
