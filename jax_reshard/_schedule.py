@@ -935,8 +935,10 @@ class _Tree:
   members: list[np.ndarray]  # per leaf, which union devices it uses
   bound: int | None
   # per leaf, per union device, the discarded destination blocks among its placeholders that
-  # a bucket assembling apart does not write (all zero where no bucket of the tree can)
+  # a bucket assembling apart does not write, and the bytes it receives (empty where no bucket
+  # of the tree can assemble apart)
   discards: list[np.ndarray] = dataclasses.field(default_factory=list)
+  receives: list[np.ndarray] = dataclasses.field(default_factory=list)
   max_leaves: int = MAX_BUCKET_LEAVES
   kinds: list[int] = dataclasses.field(default_factory=list)  # per leaf, its kind of transfers
   links: _Links | None = None  # with a topology of several domains (see _make_rounds)
@@ -1020,13 +1022,6 @@ class _Tree:
     nbytes = math.prod(block) // block[dim] * (bounds[last + 1] - bounds[first])
     rest = self.dst_placeholder(leaf) if side == 0 else self.src_placeholder(leaf)
     return rest + nbytes * self.itemsizes[leaf]
-
-  def received(self, leaf: int) -> np.ndarray:
-    """Per union device, the bytes it receives of ``leaf`` (all its chunks)."""
-    plan = self.plans[leaf]
-    remote = ~plan.local
-    at = np.searchsorted(self.union, plan.dst_device[remote])
-    return np.bincount(at, plan.nbytes[remote], minlength=len(self.union)).astype(np.int64)
 
   def apart(self, leaves: Collection[int]) -> bool:
     """Whether a bucket of ``leaves`` may assemble apart (:func:`assembly_devices`): the tree
@@ -1227,14 +1222,27 @@ def _unpadded_peaks(tree: _Tree, items: Sequence[tuple[int, int]], start: int) -
     if leaf not in first:
       apart = apart and tree.apart((leaf,))
       if apart:
-        acc_discards, acc_recv = acc_discards + tree.discards[leaf], acc_recv + tree.received(leaf)
+        acc_discards, acc_recv = acc_discards + tree.discards[leaf], acc_recv + tree.receives[leaf]
     first[leaf] = (c0, ph)
     peak = int((acc_ph * mask + acc_pay).max())
     if apart and tree.bound is not None and peak > tree.bound:  # see _build_new
-      # Every device returns the rounds' payloads: at least the most one device receives.
-      returned = int(acc_recv.max())
-      peak = int(((acc_ph - acc_discards + returned) * mask + acc_pay - acc_recv).max())
+      peak = _apart_peak(acc_ph, acc_pay, acc_discards, acc_recv, mask)
     yield peak
+
+
+def _apart_peak(
+  placeholders: np.ndarray,
+  payloads: np.ndarray,
+  discards: np.ndarray,
+  received: np.ndarray,
+  mask: np.ndarray,
+) -> int:
+  """The most bytes one device (of ``mask``) stages, unpadded, in a bucket that assembles
+  apart (see :func:`_build_new`): its placeholders but the ``discards``, the payloads it sends,
+  and the rounds' payloads its transfer program returns, at least the most one device
+  receives."""
+  returned = int(received.max(initial=0))
+  return int(((placeholders - discards + returned) * mask + payloads - received).max(initial=0))
 
 
 def _greedy_end(tree: _Tree, items: Sequence[tuple[int, int]], start: int) -> int:
@@ -1656,7 +1664,9 @@ def _presplit(tree: _Tree) -> None:
     if int((pay + ph).max(initial=0)) <= tree.bound:
       continue
     if tree.apart((leaf,)) and int((pay + ph - tree.discards[leaf]).max(initial=0)) <= tree.bound:
-      continue  # fits assembled apart
+      # It may fit assembled apart: if not, the bucket filling splits it into the fewest
+      # chunks that fit (this split, sized by the staging with discards, would cut it finer).
+      continue
     room = tree.bound - ph
     k = math.ceil(float((pay / np.maximum(room, 1)).max())) if (room > 0).all() else 2
     _split_leaf(tree, leaf, k)
@@ -1675,23 +1685,29 @@ def _kinds(
   return out
 
 
-def _discards(
-  layouts: Sequence[tuple[Layout, Layout]], itemsizes: Sequence[int], union: np.ndarray
-) -> list[np.ndarray]:
-  """Per leaf, per device of ``union``, the discarded destination blocks a bucket that
-  assembles apart does not write (:attr:`_Tree.discards`), where the leaves go to one
-  destination device set holding none of their source shards (so that every bucket of whole
-  leaves may assemble apart, :func:`assembly_devices`), else ``[]``."""
+def _apart_counts(tree: _Tree, apart: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
+  """Per leaf of ``tree``, per union device: the discarded destination blocks a bucket that
+  assembles apart does not write, and the bytes the device receives (:attr:`_Tree.discards`,
+  :attr:`_Tree.receives`), where ``apart`` (its programs can), the tree has a bound and its
+  leaves go to one destination device set holding none of their source shards (so that every
+  bucket of whole leaves may assemble apart, :func:`assembly_devices`), else empty lists."""
+  layouts, union = tree.layouts, tree.union
   dst_sets = {dst.device_ids for _, dst in layouts}
-  if not SPLIT_ASSEMBLY or len(dst_sets) != 1:
-    return []
+  if not (apart and SPLIT_ASSEMBLY and tree.bound) or len(dst_sets) != 1:
+    return [], []
   (dst_ids,) = dst_sets
   if not dst_ids or any(not set(dst_ids).isdisjoint(src.device_ids) for src, _ in layouts):
-    return []
-  return [
+    return [], []
+  discards = [
     placeholder_mask(dst, union) * (math.prod(staged_block_shape(dst.shard_shape())) * isz)
-    for (_, dst), isz in zip(layouts, itemsizes, strict=True)
+    for (_, dst), isz in zip(layouts, tree.itemsizes, strict=True)
   ]
+  receives = []
+  for plan in tree.original:
+    remote = ~plan.local
+    at = np.searchsorted(union, plan.dst_device[remote])
+    receives.append(np.bincount(at, plan.nbytes[remote], minlength=len(union)).astype(np.int64))
+  return discards, receives
 
 
 def make_schedule(
@@ -1747,8 +1763,8 @@ def make_schedule(
     layouts=layouts,
     allow_slabs=slabs,
     links=_links(union, topology),
-    discards=_discards(layouts, itemsizes, union) if apart and max_bucket_bytes else [],
   )
+  tree.discards, tree.receives = _apart_counts(tree, apart)
   for leaf, plan in enumerate(plans):
     tree.set_chunks(leaf, plan, np.zeros_like(plan.nbytes), ("orig", plan.nbytes.tobytes()))
   _presplit(tree)
