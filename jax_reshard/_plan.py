@@ -259,13 +259,15 @@ def _plan_layouts(
   resolved = resolve_relays(relays, topology)
   candidates = bucket_candidates(max_bucket_bytes, topology)
 
+  leaves = _LeafPlans(lays, sizes, topology)  # one set per call, whatever the bound
+
   def plan_for(bound: int | None) -> tuple[LayoutPlan, float | None]:
-    return _plan_relays_or_not((lays, sizes, bound, topology), resolved, interleave, names)
+    return _plan_relays_or_not((lays, sizes, bound, topology), resolved, interleave, names, leaves)
 
   if candidates is None:
     assert not isinstance(max_bucket_bytes, Sequence)
     args = (lays, sizes, max_bucket_bytes, topology)
-    plan = _plan_relays_or_not(args, resolved, interleave, names, timed=False)[0]
+    plan = _plan_relays_or_not(args, resolved, interleave, names, leaves, timed=False)[0]
   else:
     plan = choose_bucket_bytes(plan_for, candidates)
   # Counted for the plan kept only (the others' passes are never read).
@@ -381,28 +383,56 @@ def resolve_relays(
   return True if relays is None else relays
 
 
+@dataclasses.dataclass
+class _LeafPlans:
+  """The leaf plans of one planning call (:func:`plan_leaves`), with and without relays, and
+  the lower bound of the plans without relays (:func:`time_lower_bound`), each made once: they
+  do not depend on the bucket bound, so every candidate bound of :func:`choose_bucket_bytes`
+  reads the same ones."""
+
+  layouts: tuple[tuple[Layout, Layout], ...]
+  itemsizes: tuple[int, ...]
+  topology: Topology | None
+  made: dict[bool, tuple[LeafPlan, ...]] = dataclasses.field(default_factory=dict)
+  direct_bound: float | None = None
+
+  def plans(self, relays: bool) -> tuple[LeafPlan, ...]:
+    """:func:`plan_leaves` of the call's leaves with ``relays``."""
+    if relays not in self.made:
+      made = plan_leaves(self.layouts, self.itemsizes, topology=self.topology, relays=relays)
+      self.made[relays] = tuple(made)
+    return self.made[relays]
+
+  def direct_lower_bound(self) -> float:
+    """:func:`time_lower_bound` of the leaf plans without relays (needs a topology)."""
+    assert self.topology is not None
+    if self.direct_bound is None:
+      self.direct_bound = time_lower_bound(self.plans(False), self.topology)
+    return self.direct_bound
+
+
 def _plan_relays_or_not(
   args: tuple[tuple[tuple[Layout, Layout], ...], tuple[int, ...], int | None, Topology | None],
   relays: bool | Literal["auto"],
   interleave: bool,
   names: tuple[str, ...],
+  leaves: _LeafPlans,
   timed: bool = True,
 ) -> tuple[LayoutPlan, float | None]:
   """The plan with ``relays``; for ``"auto"``, the faster predicted of with and without.
   The plan without relays is not scheduled where a lower bound of its time, from its leaf
   plans (:func:`time_lower_bound`), is already no less than the relay plan's predicted time
   (relays win ties). With the plan, its predicted seconds on its topology where ``timed`` or
-  computed for the choice, else ``None``."""
-  relayed = _plan_tree(*args, relays is not False, interleave, names)
+  computed for the choice, else ``None``. ``leaves``: the call's leaf plans (made there once)."""
+  relayed = _plan_tree(
+    *args, relays is not False, interleave, names, leaves.plans(relays is not False)
+  )
   if relays != "auto" or relayed.relay is None:
     return relayed, relayed.estimate().seconds if timed else None
-  layouts, itemsizes, _, topology = args
-  assert topology is not None  # relays need one
   relayed_s = relayed.estimate().seconds
-  full = tuple(plan_leaves(layouts, itemsizes, topology=topology, relays=False))
-  if time_lower_bound(full, topology) >= relayed_s:
+  if leaves.direct_lower_bound() >= relayed_s:
     return relayed, relayed_s
-  direct = _plan_tree(*args, False, interleave, names, full)
+  direct = _plan_tree(*args, False, interleave, names, leaves.plans(False))
   direct_s = direct.estimate().seconds
   return (direct, direct_s) if direct_s < relayed_s else (relayed, relayed_s)
 
