@@ -700,6 +700,54 @@ def test_estimate_counts_placeholders_and_leaves() -> None:
   )
 
 
+def test_calibrated_cpu_constants_replace_every_constant_of_the_preset() -> None:
+  """``benchmarks.cost_check --calibrate`` predicts with the constants ``calibrate_cpu``
+  measured on the machine: given the preset's own constants the model is the preset's, and each
+  measured constant reaches the part of the estimate it prices."""
+  from benchmarks.calibrate_cpu import calibrated_topology
+  from jax_reshard import _topology
+
+  names = ["CPU_CORE_BANDWIDTH", "CPU_PACK_BANDWIDTH", "CPU_ROUND_LATENCY", "CPU_CALL_LATENCY",
+           "CPU_LEAF_LATENCY", "CPU_FILL_BANDWIDTH", "CPU_CONTIGUOUS_BANDWIDTH",
+           "CPU_RUN_LATENCY"]  # fmt: skip
+  preset = {k: float(getattr(_topology, k)) for k in names}
+  tree, isz = _two_hosts(1024)
+  plan = jr.plan_layouts(tree * 3, isz * 3)
+  same = calibrated_topology(preset, 2)
+  assert same.name == "CPU (2 cores, calibrated)" and same.max_parallel == 2
+  base = plan.estimate(same)
+  assert base == dataclasses.replace(plan.estimate(Topology.cpu(cores=2)), topology=same.name)
+  parts = {  # the constant, and the parts of the estimate it prices on this plan (row blocks)
+    "CPU_CORE_BANDWIDTH": ("transfer_s",),
+    "CPU_ROUND_LATENCY": ("transfer_s",),
+    "CPU_CALL_LATENCY": ("call_s",),
+    "CPU_LEAF_LATENCY": ("call_s",),
+    # zeros: outputs of devices receiving nothing, idle senders' payloads, placeholders
+    "CPU_FILL_BANDWIDTH": ("transfer_s", "pack_s", "assemble_s"),
+    "CPU_CONTIGUOUS_BANDWIDTH": ("pack_s", "assemble_s"),
+    "CPU_RUN_LATENCY": ("pack_s", "assemble_s"),
+  }
+  for name, changed in parts.items():
+    slower = dict(preset)
+    slower[name] = preset[name] * (0.5 if "BANDWIDTH" in name else 2.0)
+    est = plan.estimate(calibrated_topology(slower, 2))
+    for part in ("transfer_s", "pack_s", "call_s", "assemble_s"):
+      grew = getattr(est, part) > getattr(base, part)
+      assert grew == (part in changed), (name, part)
+    assert est.seconds > base.seconds, name
+  # Packing runs shorter than 512 bytes (64-byte rows of column blocks) goes at the packing
+  # bandwidth.
+  rows, cols = (
+    Layout.from_description(
+      (1024, 64), mesh_shape=(4,), axis_names=("x",), spec=spec, device_ids=ids
+    )
+    for ids, spec in ((range(4), ("x",)), (range(8, 12), (None, "x")))
+  )
+  packed = jr.plan_layouts([(rows, cols)], [4])
+  slow_pack = dict(preset, CPU_PACK_BANDWIDTH=preset["CPU_PACK_BANDWIDTH"] / 2)
+  assert packed.estimate(calibrated_topology(slow_pack, 2)).pack_s > packed.estimate(same).pack_s
+
+
 def test_estimate_counts_the_zero_source_blocks_the_program_stages() -> None:
   """A device stages one zero source block per distinct block shape and element type among
   the leaves it holds no source shard of: two float32 leaves of one shape share one, a
