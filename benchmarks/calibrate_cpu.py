@@ -188,25 +188,6 @@ def _leaf_latency(mesh: Any) -> float:
   return (times[65] - times[1]) / 64
 
 
-def calibrated_topology(constants: dict[str, float], cores: int) -> Any:
-  """``jr.Topology.cpu(cores=cores)`` with the constants of :func:`calibrate` (wall-time ones)
-  in place of the preset's: the cost model of the machine the constants were measured on."""
-  import jax_reshard as jr
-
-  link = jr.Link(constants["CPU_CORE_BANDWIDTH"], constants["CPU_ROUND_LATENCY"])
-  return jr.Topology.cpu(cores=cores).replace(
-    name=f"CPU ({cores} cores, calibrated)",
-    intra=link,
-    inter=link,
-    memory_bandwidth=constants["CPU_PACK_BANDWIDTH"],
-    call_latency=constants["CPU_CALL_LATENCY"],
-    leaf_latency=constants["CPU_LEAF_LATENCY"],
-    fill_bandwidth=constants["CPU_FILL_BANDWIDTH"],
-    contiguous_bandwidth=constants["CPU_CONTIGUOUS_BANDWIDTH"],
-    run_latency=constants["CPU_RUN_LATENCY"],
-  )
-
-
 def main(argv: list[str] | None = None) -> None:
   import argparse
   import json

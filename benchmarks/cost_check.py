@@ -47,7 +47,6 @@ def worker(
 ) -> dict[str, float | str]:
   """One case measured and predicted; with ``constants`` (from ``calibrate_cpu``), also
   predicted with them."""
-  from benchmarks.calibrate_cpu import calibrated_topology
   from benchmarks.refit import _init_jax, build_case
 
   jax = _init_jax()
@@ -66,7 +65,8 @@ def worker(
   est = plan.estimate(jr.Topology.cpu(cores=cores))
   calibrated = {}
   if constants is not None:
-    calibrated["calibrated_s"] = plan.estimate(calibrated_topology(constants, cores)).seconds
+    calibrated_topology = jr.Topology.cpu(cores=cores, constants=constants)
+    calibrated["calibrated_s"] = plan.estimate(calibrated_topology).seconds
   return {
     **calibrated,
     "case": case_id,
@@ -100,11 +100,14 @@ def _run_case(
 
 def _calibrate() -> dict[str, float]:
   """The CPU constants measured now on this machine (``benchmarks.calibrate_cpu``, a fresh
-  process), printed before the table."""
+  process; from wall times, as the preset's), printed before the table."""
+  from jax_reshard._topology import CPU_CONSTANTS
+
   cmd = [sys.executable, "-m", "benchmarks.calibrate_cpu", "--json"]
   text = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-  constants: dict[str, float] = json.loads(text.strip().splitlines()[-1])
-  shown = ", ".join(f"{k} {v:.3g}" for k, v in constants.items() if k.startswith("CPU_"))
+  measured = json.loads(text.strip().splitlines()[-1])
+  constants = {k: float(measured[k]) for k in CPU_CONSTANTS}
+  shown = ", ".join(f"{k} {v:.3g}" for k, v in constants.items())
   print(f"calibrated on this machine: {shown}\n")
   return constants
 

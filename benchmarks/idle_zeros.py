@@ -20,9 +20,9 @@ shows why that is no shortcut: XLA copies the block into the branch's output.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from typing import Any
+
+from benchmarks.refit import alternating_medians
 
 ROWS, COLS = 1024, 2048
 
@@ -48,15 +48,15 @@ def main(argv: list[str] | None = None) -> None:
     cols = [jax.lax.slice(b, (0, 256 * k), (ROWS, 256 * k + 128)) for k in range(8)]
     return jnp.concatenate([c.reshape(-1) for c in cols])
 
-  def one_program(b: Any) -> Any:
+  def send(pack_or_idle: list[Any], *args: Any) -> Any:  # devices 4-7 take the idle branch
     idle = jnp.where(jax.lax.axis_index("u") < 4, 0, 1)
-    payload = jax.lax.switch(idle, [pack, lambda b: jnp.zeros((n,), b.dtype)], b)
-    return jax.lax.ppermute(payload, "u", perm)
+    return jax.lax.ppermute(jax.lax.switch(idle, pack_or_idle, *args), "u", perm)
+
+  def one_program(b: Any) -> Any:
+    return send([pack, lambda b: jnp.zeros((n,), b.dtype)], b)
 
   def lent(b: Any, block: Any) -> Any:  # the idle branch returns a block it is given
-    idle = jnp.where(jax.lax.axis_index("u") < 4, 0, 1)
-    payload = jax.lax.switch(idle, [lambda b, _: pack(b), lambda _, block: block], b, block)
-    return jax.lax.ppermute(payload, "u", perm)
+    return send([lambda b, _: pack(b), lambda _, block: block], b, block)
 
   spec = P("u")
   smap = lambda f, mesh: jax.jit(
@@ -88,14 +88,9 @@ def main(argv: list[str] | None = None) -> None:
   received = [np.asarray(way())[4 * n :] for way in ways.values()]
   assert all(np.array_equal(received[0], r) for r in received[1:]), "the ways differ"
   copies = f_lent.lower(x, blocks).compile().as_text().count(" copy(")
-  times: dict[str, list[float]] = {name: [] for name in ways}
-  order = list(ways.items())
-  for i in range(a.iters):  # forward, then backward: no way always runs after the same one
-    for name, way in order if i % 2 == 0 else order[::-1]:
-      t = time.perf_counter()
-      jax.block_until_ready(way())
-      times[name].append(time.perf_counter() - t)
-  medians = {name: statistics.median(v) for name, v in times.items()}
+  # In turn forward and backward, so that no way always runs after the same one.
+  runners = {name: lambda _, way=way: way() for name, way in ways.items()}
+  medians = alternating_medians(None, runners, a.iters)
   print(f"4 -> 4 disjoint, {4 * n // 2**20} MiB payloads, medians of {a.iters} alternating calls")
   for name, m in medians.items():
     print(f"  {name}: {m * 1e3:.2f} ms")

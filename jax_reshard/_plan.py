@@ -424,15 +424,13 @@ def _plan_relays_or_not(
   plans (:func:`time_lower_bound`), is already no less than the relay plan's predicted time
   (relays win ties). With the plan, its predicted seconds on its topology where ``timed`` or
   computed for the choice, else ``None``. ``leaves``: the call's leaf plans (made there once)."""
-  relayed = _plan_tree(
-    *args, relays is not False, interleave, names, leaves.plans(relays is not False)
-  )
+  relayed = _plan_tree(*args, interleave, names, leaves.plans(relays is not False))
   if relays != "auto" or relayed.relay is None:
     return relayed, relayed.estimate().seconds if timed else None
   relayed_s = relayed.estimate().seconds
   if leaves.direct_lower_bound() >= relayed_s:
     return relayed, relayed_s
-  direct = _plan_tree(*args, False, interleave, names, leaves.plans(False))
+  direct = _plan_tree(*args, interleave, names, leaves.plans(False))
   direct_s = direct.estimate().seconds
   return (direct, direct_s) if direct_s < relayed_s else (relayed, relayed_s)
 
@@ -442,16 +440,13 @@ def _plan_tree(
   itemsizes: tuple[int, ...],
   max_bucket_bytes: int | None,
   topology: Topology | None,
-  relays: bool,
   interleave: bool,
   names: tuple[str, ...],
-  full: tuple[LeafPlan, ...] | None = None,
+  full: tuple[LeafPlan, ...],
 ) -> LayoutPlan:
   """:func:`plan_layouts` on normalised arguments (its ``passes_per_moved_byte`` left at 0:
-  see :func:`_plan_layouts`); ``full``: the leaf plans (:func:`plan_leaves` with ``relays``),
-  if made already."""
-  if full is None:
-    full = tuple(plan_leaves(layouts, itemsizes, topology=topology, relays=relays))
+  see :func:`_plan_layouts`) of the leaf plans ``full`` (:func:`plan_leaves`, with relays or
+  not: :class:`_LeafPlans`)."""
   interleave = interleave and _domains(layouts, topology) > 1
   split_of: dict[int, tuple[LeafPlan, LeafPlan | None]] = {}  # equal leaves share a plan
   split = []

@@ -200,7 +200,13 @@ class Topology:
     )
 
   @classmethod
-  def cpu(cls, devices_per_domain: int | None = None, *, cores: int = 2) -> Topology:
+  def cpu(
+    cls,
+    devices_per_domain: int | None = None,
+    *,
+    cores: int = 2,
+    constants: Mapping[str, float] | None = None,
+  ) -> Topology:
     """Simulated CPU devices of one host (``jax_num_cpu_devices``), sharing ``cores`` cores.
 
     Constants measured by ``benchmarks/calibrate_cpu.py`` (AMD EPYC, 2 cores, jax 0.10.2):
@@ -212,20 +218,32 @@ class Topology:
     plus ``CPU_RUN_LATENCY`` per run (``CPU_PACK_BANDWIDTH`` is their rate at 512-byte runs,
     and the rate of shorter ones).
     ``devices_per_domain`` simulates domains (the "slow" links are then as fast as the others,
-    so only the byte counts differ).
+    so only the byte counts differ). ``constants``: values of those constants measured on
+    another machine, by name (what ``benchmarks/calibrate_cpu.py`` prints), in place of the
+    preset's; a name not given keeps the preset's value.
+
+    Raises:
+      ValueError: a name in ``constants`` that is none of the constants above.
     """
+    c = {name: float(globals()[name]) for name in CPU_CONSTANTS}
+    if constants is not None:
+      unknown = sorted(set(constants) - set(CPU_CONSTANTS))
+      if unknown:
+        raise ValueError(f"unknown CPU constants {unknown}; known: {', '.join(CPU_CONSTANTS)}")
+      c.update({k: float(v) for k, v in constants.items()})
+    link = Link(c["CPU_CORE_BANDWIDTH"], c["CPU_ROUND_LATENCY"])
     return cls(
-      name=f"CPU ({cores} cores)",
-      intra=Link(CPU_CORE_BANDWIDTH, CPU_ROUND_LATENCY),
-      inter=Link(CPU_CORE_BANDWIDTH, CPU_ROUND_LATENCY),
-      memory_bandwidth=CPU_PACK_BANDWIDTH,
+      name=f"CPU ({cores} cores{', calibrated' if constants else ''})",
+      intra=link,
+      inter=link,
+      memory_bandwidth=c["CPU_PACK_BANDWIDTH"],
       devices_per_domain=devices_per_domain,
-      call_latency=CPU_CALL_LATENCY,
+      call_latency=c["CPU_CALL_LATENCY"],
       max_parallel=cores,
-      leaf_latency=CPU_LEAF_LATENCY,
-      fill_bandwidth=CPU_FILL_BANDWIDTH,
-      contiguous_bandwidth=CPU_CONTIGUOUS_BANDWIDTH,
-      run_latency=CPU_RUN_LATENCY,
+      leaf_latency=c["CPU_LEAF_LATENCY"],
+      fill_bandwidth=c["CPU_FILL_BANDWIDTH"],
+      contiguous_bandwidth=c["CPU_CONTIGUOUS_BANDWIDTH"],
+      run_latency=c["CPU_RUN_LATENCY"],
     )
 
 
@@ -245,3 +263,14 @@ CPU_FILL_BANDWIDTH = 4.7e9
 # (3.47-4.25 GB/s, 89-143 ns). At 512-byte runs they give 2.1 GB/s, as CPU_PACK_BANDWIDTH.
 CPU_CONTIGUOUS_BANDWIDTH = 3.7e9
 CPU_RUN_LATENCY = 110e-9
+CPU_CONSTANTS = (
+  "CPU_CORE_BANDWIDTH",
+  "CPU_PACK_BANDWIDTH",
+  "CPU_ROUND_LATENCY",
+  "CPU_CALL_LATENCY",
+  "CPU_LEAF_LATENCY",
+  "CPU_FILL_BANDWIDTH",
+  "CPU_CONTIGUOUS_BANDWIDTH",
+  "CPU_RUN_LATENCY",
+)
+"""The names :meth:`Topology.cpu` takes as ``constants``."""
