@@ -20,10 +20,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import jax_reshard as jr
 
-METHODS = ("ours", "ours_donate", "device_put", "xla_jit", "gather_bcast", "naive_p2p")
+METHODS = ("ours", "ours_out", "device_put", "xla_jit", "gather_bcast", "naive_p2p")
 LABELS = {
   "ours": "jr plan",
-  "ours_donate": "jr plan, donate=",
+  "ours_out": "jr plan, out=",
   "device_put": "jax.device_put",
   "xla_jit": "jit(identity)",
   "gather_bcast": "gather+broadcast",
@@ -91,19 +91,19 @@ def build_ours(x: Any, dst: Any) -> Method:
   )
 
 
-def build_ours_donate(x: Any, dst: Any) -> Method:
-  """``plan(x, donate=previous)``: every refit writes into the previous result's buffers."""
+def build_ours_out(x: Any, dst: Any) -> Method:
+  """``plan(x, out=previous)``: every refit writes into the previous result's buffers."""
   m = build_ours(x, dst)
   plan = m.run
   last: list[Any] = []
 
   def run(x: Any) -> Any:
-    y = plan(x, donate=last.pop()) if last else plan(x)
+    y = plan(x, out=last.pop()) if last else plan(x)
     last.append(y)
     return y
 
-  m.name, m.run = "ours_donate", run
-  m.memory = lambda: plan.memory_analysis(donate=True)
+  m.name, m.run = "ours_out", run
+  m.memory = lambda: plan.memory_analysis(out=True)
   return m
 
 
@@ -313,7 +313,7 @@ def build_gather_bcast(x: Any, dst: Any) -> Method:
 
 BUILDERS: dict[str, Callable[[Any, Any], Method | None]] = {
   "ours": build_ours,
-  "ours_donate": build_ours_donate,
+  "ours_out": build_ours_out,
   "device_put": build_device_put,
   "xla_jit": build_xla_jit,
   "gather_bcast": build_gather_bcast,

@@ -21,7 +21,7 @@ candidates; its planning time is that call's, every candidate included). NVIDIA'
 get a third row: the topology-aware plan on racks that each hold 64 GPUs of the job, trainer
 and sampler on racks of their own (where NVIDIA's GPUs sat is not published). Times are the
 cost model's predictions (``plan.estimate``), not GPU measurements, of a plain call and of a
-call with ``donate=`` (the refit written into the sampler's buffers, as an RL loop calls it);
+call with ``out=`` (the refit written into the sampler's buffers, as an RL loop calls it);
 NVIDIA's columns are their measured times.
 """
 
@@ -196,7 +196,7 @@ def refit_rows(
   out = []
   for name, plan, dt, on in rows:
     st, est = plan.stats, plan.estimate(on)
-    donated = plan.estimate(on, donate=True)
+    donated = plan.estimate(on, out=True)
     slow = st.slow_link_bytes if plan.topology else _slow_bytes(plan, on)
     out.append([
       f"{model} {sc.label or sc.name}", name, _gb(st.bytes_moved), _gb(slow),
@@ -246,7 +246,7 @@ def refit_table(quick: bool) -> None:
   # racks of their own. The NVIDIA cases are planned on both.
   racks_of_64 = jr.Topology.gb200_nvl72(64).replace(name="racks of 64")
   head = ["case", "plan", "bytes moved", "over slow links", "slow-link bound", "rounds",
-          "distinct programs", "peak staging", "predicted ms", "with donate=",
+          "distinct programs", "peak staging", "predicted ms", "with out=",
           "of which slow-link rounds",
           "planning s", "NVIDIA measured ms"]  # fmt: skip
   print(f"\nrefit on {topo.name} (predicted by the cost model; NVIDIA's column is measured)")

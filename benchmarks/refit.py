@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 NUM_DEVICES = 8
-METHODS = ("ours", "ours_donate", "device_put", "xla_jit", "gather_bcast", "naive_p2p")
+METHODS = ("ours", "ours_out", "device_put", "xla_jit", "gather_bcast", "naive_p2p")
 PLACEMENTS = {  # trainer device ids, sampler device ids
   "colocated": (range(8), range(8)),
   "disjoint": (range(4), range(4, 8)),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
@@ -14,6 +15,15 @@ import numpy as np
 from jax_reshard._buffers import buffers_by_device
 from jax_reshard._classes import stage_classes
 from jax_reshard._cost import Estimate, estimate
+from jax_reshard._edge import (
+  Edges,
+  delete_donated,
+  donated_leaves,
+  has_default_layout,
+  make_edges,
+  needs_edges,
+  to_default_layout,
+)
 from jax_reshard._emit import BucketExecutable, InFlight, empty_like_sharded, plan_word_bytes
 from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
@@ -36,7 +46,13 @@ from jax_reshard._program import (
 from jax_reshard._schedule import CPU_MAX_BUCKET_BYTES, DEFAULT_MAX_BUCKET_BYTES, Schedule
 from jax_reshard._tapi import TransformPlan, make_transform_plan, transform_cache_clear
 from jax_reshard._topology import Topology
-from jax_reshard._tree import Leaf, check_arrays, check_donated, flatten_tree
+from jax_reshard._tree import (
+  Leaf,
+  broadcast_shardings,
+  check_arrays,
+  check_donated,
+  flatten_tree,
+)
 from jax_reshard._viz import plan_html
 
 
@@ -52,7 +68,14 @@ class ReshardPlan:
     layouts: per leaf, the ``(source, destination)`` :class:`Layout`.
     leaves: per leaf, its path, shape, dtype and both shardings.
     layout_plan: the plan of the layouts alone (what :func:`plan_layouts` returns).
+
+  A tree with leaves the engine does not move as they are (host data, PRNG keys, sub-byte or
+  complex types, other memory kinds, a destination ``Format``) is planned as the tree of what
+  moves (key data, 8-bit words, device memory): ``leaves``, ``stats`` and the programs describe
+  that tree, and a call converts on the way in and out, on the same devices.
   """
+
+  _edges: Edges | None = None  # set on a copy of the plan by make_plan, see _edge
 
   def __init__(
     self,
@@ -136,13 +159,14 @@ class ReshardPlan:
     """The destination shardings, in the structure of the source tree."""
     return jax.tree_util.tree_unflatten(self._treedef, [lf.dst_sharding for lf in self.leaves])
 
-  def programs(self, *, donate: bool = False) -> list[BucketProgram]:
+  def programs(self, *, out: bool = False) -> list[BucketProgram]:
     """Per bucket (of every stage), what every device does (NumPy data; ``print`` one).
 
     Args:
-      donate: the programs of calls with ``donate=`` (every leaf of the first stage written in
-        place into its donated destination buffer).
+      out: the programs of calls with ``out=`` (every leaf of the first stage written in place
+        into the buffer of the previous result).
     """
+    donate = out
     if donate not in self._programs:
       dtypes = [lf.dtype for lf in self.leaves]
       first_stage = self.layout_plan.stages()[0]
@@ -167,16 +191,15 @@ class ReshardPlan:
       self._programs[donate] = programs
     return self._programs[donate]
 
-  def estimate(self, topology: Topology | None = None, *, donate: bool = False) -> Estimate:
-    """The predicted time on ``topology`` (default: the plan's), of a call with ``donate=``
-    where ``donate``; see ``jr.estimate``."""
+  def estimate(self, topology: Topology | None = None, *, out: bool = False) -> Estimate:
+    """The predicted time on ``topology`` (default: the plan's), of a call with ``out=``
+    where ``out``; see ``jr.estimate``."""
     dtypes = [lf.dtype for lf in self.leaves]
-    return estimate(
-      self.layout_plan, topology, self._as_is, self._by_stage, kinds=dtypes, donate=donate
-    )
+    return estimate(self.layout_plan, topology, self._as_is, self._by_stage, kinds=dtypes, out=out)
 
-  def executables(self, *, donate: bool = False) -> list[BucketExecutable]:
+  def executables(self, *, out: bool = False) -> list[BucketExecutable]:
     """Per bucket, its program emitted for its union mesh (compiled on the first call)."""
+    donate = out
     if donate not in self._executables:
       devices = {}
       for lf in self.leaves:
@@ -184,7 +207,7 @@ class ReshardPlan:
           devices[d.id] = d
       first_stage = self.layout_plan.stages()[0]
       executables = []
-      for (stage, _), p in zip(self._stage_buckets, self.programs(donate=donate), strict=True):
+      for (stage, _), p in zip(self._stage_buckets, self.programs(out=donate), strict=True):
         dst = [self.leaves[lf.index].dst_sharding for lf in p.leaves]
         # A relay stage takes the first stage's results, laid out as the destination.
         src = (
@@ -194,7 +217,7 @@ class ReshardPlan:
       self._executables[donate] = executables
     return self._executables[donate]
 
-  def memory_analysis(self, *, donate: bool = False) -> list[Any]:
+  def memory_analysis(self, *, out: bool = False) -> list[Any]:
     """Per compiled program, in the order they run (one per bucket, two for a bucket whose
     assembly runs on its own), XLA's ``memory_analysis()``: per device,
     ``argument_size_in_bytes`` (staged source and destination blocks, or received payloads),
@@ -202,22 +225,37 @@ class ReshardPlan:
     and ``temp_size_in_bytes`` (payloads and other scratch). Compiles the programs if needed.
     """
     return [
-      c.memory_analysis()
-      for exe in self.executables(donate=donate)
-      for c in exe.compiled_programs()
+      c.memory_analysis() for exe in self.executables(out=out) for c in exe.compiled_programs()
     ]
 
-  def __call__(self, x: Any, *, donate: Any = None) -> Any:
+  def __call__(self, x: Any, *, donate: Any = False, out: Any = None) -> Any:
     """Reshards ``x`` (a pytree matching the plan's source) into the destination layouts.
 
     Args:
-      x: the source tree; never modified or donated.
-      donate: optional, the sampler's current tree in the destination layouts (the result of
-        the previous refit): its buffers are donated, the result is written into them, and its
-        arrays are deleted after the call. Checked before any device work.
+      x: the source tree. Left untouched unless donated.
+      donate: as in ``jax.device_put``: ``True`` (or a pytree prefix of ``x`` of bools)
+        deletes the donated source arrays after the call (``is_deleted()`` is then true on
+        every backend), so their memory is free for the result.
+      out: optional, the sampler's current tree in the destination layouts (the result of the
+        previous refit): its buffers are donated, the result is written into them, and its
+        arrays are deleted after the call.
+
+    Every argument is checked before any device work: a call that raises deletes nothing.
     """
+    if self._edges is not None:
+      return self._call_edged(x, donate, out)
+    flags = None if donate is False else donated_leaves(donate, x, [lf.path for lf in self.leaves])
     arrays = check_arrays(self._treedef, self.leaves, x)
-    old = None if donate is None else check_donated(self._treedef, self.leaves, donate, arrays)
+    old = None if out is None else check_donated(self._treedef, self.leaves, out, arrays)
+    if old is not None:
+      _check_out_layouts(self.leaves, old)
+    result = self._move([to_default_layout(a) for a in arrays], old)
+    if flags is not None:
+      delete_donated(arrays, flags, result)
+    return jax.tree_util.tree_unflatten(self._treedef, result)
+
+  def _move(self, arrays: list[Any], old: list[Any] | None) -> list[Any]:
+    """Runs the buckets on checked arrays (default layouts), deletes ``old``'s arrays."""
     if jax.process_count() > 1:  # all processes must hold this plan before any collective
       from jax_reshard import _distributed
 
@@ -225,15 +263,44 @@ class ReshardPlan:
     # The bucket programs run on meshes of their own: a mesh the caller entered with
     # jax.set_mesh (e.g. to resolve abstract destinations) must not constrain them.
     with contextlib.nullcontext() if jax.sharding.get_mesh().empty else jax.set_mesh(None):
-      out = self._run(arrays, old)
+      result = self._run(arrays, old)
     for a in old or ():
       if not a.is_deleted():  # zero-element leaves, and any buffer XLA did not take
         a.delete()
-    return jax.tree_util.tree_unflatten(self._treedef, out)
+    return result
+
+  def _call_edged(self, x: Any, donate: Any, out: Any) -> Any:
+    """A call of a plan whose leaves go through :mod:`_edge` steps: every check first, then
+    the steps in, the move (of the carrier tree), the steps out."""
+    edges = self._edges
+    assert edges is not None
+    values, treedef = jax.tree_util.tree_flatten(x)
+    edges.check(values, treedef)
+    flags = donated_leaves(donate, x, edges.paths)
+    old = None if out is None else edges.check_out(out)
+    with contextlib.nullcontext() if jax.sharding.get_mesh().empty else jax.set_mesh(None):
+      carriers = jax.tree_util.tree_leaves(edges.carriers(values))
+      moved = self._move(check_arrays(self._treedef, self.leaves, self._unflatten(carriers)), None)
+      result = edges.results(values, moved)
+    delete_donated(values, flags, result)
+    for a in old or ():
+      if not a.is_deleted():  # written fresh: the old buffers are freed as out= promises
+        a.delete()
+    return jax.tree_util.tree_unflatten(edges.treedef, result)
+
+  def with_edges(self, edges: Edges) -> ReshardPlan:
+    """This plan (of the carrier tree) taking the tree ``edges`` describes: a copy sharing the
+    programs and executables."""
+    plan = copy.copy(self)
+    plan.__dict__.update(_edges=edges)
+    return plan
+
+  def _unflatten(self, leaves: list[Any]) -> Any:
+    return jax.tree_util.tree_unflatten(self._treedef, leaves)
 
   def _run(self, arrays: list[Any], old: list[Any] | None) -> list[Any]:
     """Runs the buckets in order; a leaf's destination blocks go from bucket to bucket."""
-    executables = self.executables(donate=old is not None)
+    executables = self.executables(out=old is not None)
     out: list[Any] = [None] * len(arrays)
     for i in self._unscheduled:
       lf = self.leaves[i]
@@ -372,12 +439,74 @@ def make_plan(
   """
   resolved = resolve_relays(relays, topology)
   if transform is not None:
+    _refuse_edges_with_transform(src, dst)
     bound = _transform_bound(max_bucket_bytes)
     return make_transform_plan(src, dst, transform, max_bucket_bytes=bound)
+  if needs_edges(src, dst):
+    return _edged_plan(src, dst, max_bucket_bytes, topology, relays)
   candidates = bucket_candidates(max_bucket_bytes, topology)
   treedef, leaves = flatten_tree(src, dst)
   bounds = candidates if candidates is not None else _one_bound(max_bucket_bytes, leaves)
   return _cached_plan(treedef, tuple(leaves), bounds, topology, resolved)
+
+
+def _edged_plan(
+  src: Any,
+  dst: Any,
+  max_bucket_bytes: int | Sequence[int] | None,
+  topology: Topology | None,
+  relays: bool | Literal["auto"] | None,
+) -> ReshardPlan:
+  """The plan of the carrier tree (see :mod:`_edge`), converting on the way in and out."""
+  flat, treedef = jax.tree_util.tree_flatten(src)
+  dst_leaves = broadcast_shardings(dst, src, treedef, len(flat), "destination")
+  edges, c_src, c_dst = make_edges(src, dst_leaves)
+  core = make_plan(
+    c_src, c_dst, max_bucket_bytes=max_bucket_bytes, topology=topology, relays=relays
+  )
+  return core.with_edges(edges)
+
+
+def _refuse_edges_with_transform(src: Any, dst: Any) -> None:
+  """``transform=`` moves device arrays of byte-wide types in device memory; anything else
+  raises before any work."""
+  if not needs_edges(src, dst):
+    return
+  for path, v in jax.tree_util.tree_flatten_with_path(src)[0]:
+    name = jax.tree_util.keystr(path) or "<root>"
+    if not isinstance(v, (jax.Array, jax.ShapeDtypeStruct)) or (
+      isinstance(v, jax.Array) and not v.committed
+    ):
+      what = f"host data ({type(v).__name__})"
+    elif jax.dtypes.issubdtype(v.dtype, jax.dtypes.extended) or np.dtype(v.dtype).kind == "c":
+      what = f"of dtype {v.dtype}"
+    elif np.dtype(v.dtype).name in ("int2", "uint2", "int4", "uint4", "float4_e2m1fn"):
+      what = f"of the sub-byte dtype {v.dtype}"
+    elif getattr(v, "weak_type", False):
+      what = "weakly typed"
+    else:
+      what = f"in memory kind {getattr(v.sharding, 'memory_kind', None)!r}"
+    raise ReshardError(
+      f"source leaf {name} is {what}, which transform= does not take yet (it moves committed "
+      "device arrays of byte-wide, non-complex types in device memory). Reshard such leaves "
+      "without transform= (jr.reshard places host data, keys, sub-byte and complex types, "
+      "weak types and every memory kind), or put them on devices with jax.device_put first."
+    )
+  raise ReshardError(
+    "transform= takes destinations in device memory and the default device-local layout; "
+    "reshard, then jax.device_put(y, Format(layout, sharding)) or into another memory kind."
+  )
+
+
+def _check_out_layouts(leaves: Sequence[Leaf], old: Sequence[Any]) -> None:
+  """The previous result must be in the default layout: the programs write it so."""
+  bad = [lf.name for lf, a in zip(leaves, old, strict=True) if not has_default_layout(a)]
+  if bad:
+    raise ReshardError(
+      f"out= leaves {bad[:8]} are in a non-default device-local layout; the result is written "
+      "into out= buffers in the default layout. Pass out= arrays in the default layout, or "
+      "leave out= out and relayout the result with jax.device_put(y, Format(...))."
+    )
 
 
 def _transform_bound(max_bucket_bytes: int | Sequence[int] | None) -> int:

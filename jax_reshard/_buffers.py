@@ -144,3 +144,27 @@ class Runner:
     if self.loaded is not None and not _dispatch.needs_check_special():
       return self.loaded.execute_sharded(args).disassemble_into_single_device_arrays()
     return [buffers(y, fast=self.fast) for y in self.compiled(*args)]
+
+
+def key_impl_name(dtype: Any) -> str:
+  """The PRNG implementation of a typed key element type (``jax.random.key_impl`` takes key
+  arrays only; a ``ShapeDtypeStruct`` of keys has just this type)."""
+  return str(dtype._impl.name)
+
+
+def weakly_typed(y: jax.Array) -> jax.Array:
+  """``y`` weakly typed, as ``jax.device_put`` keeps a weakly typed source (concrete or
+  traced; the concrete case compiles a copy, which weakly typed values, scalars from Python
+  numbers, can afford)."""
+  from jax._src.lax import lax as lax_internal
+
+  if isinstance(y, jax.core.Tracer):
+    return lax_internal._convert_element_type(y, weak_type=True)
+  return _weaken(y)
+
+
+@jax.jit
+def _weaken(y: jax.Array) -> jax.Array:
+  from jax._src.lax import lax as lax_internal
+
+  return lax_internal._convert_element_type(y, weak_type=True)

@@ -132,7 +132,7 @@ def estimate(
   classes: Sequence[Sequence[int]] | None = None,
   kinds: Sequence[object] | None = None,
   *,
-  donate: bool = False,
+  out: bool = False,
 ) -> Estimate:
   """Predicts the time ``plan`` takes on ``topology`` (default: the topology it was made for).
 
@@ -145,9 +145,9 @@ def estimate(
       found. Buckets equal in :func:`count_keys` are costed once.
     kinds: per leaf, its element kind (a plan of arrays: its dtype), which tells apart the
       zero source blocks a device stages; item sizes where ``None``.
-    donate: the time of a call with ``donate=`` (the result written into the sampler's
-      buffers): the first stage writes each relayed leaf's parts into the donated shard where
-      they go, not the whole shard (the relay stage completes it).
+    out: the time of a call with ``out=`` (the result written into the sampler's buffers):
+      the first stage writes each relayed leaf's parts into the shard of ``out=`` where they
+      go, not the whole shard (the relay stage completes it).
 
   Returns:
     An :class:`Estimate`: a prediction from the model in this module's docstring.
@@ -171,7 +171,7 @@ def estimate(
   topo = topology or plan.topology
   if topo is None:
     raise ValueError("estimate needs a topology: plan.estimate(jr.Topology.h100_nodes())")
-  parts, assembles = _bucket_costs(plan, topo, as_is, classes, kinds, donate)
+  parts, assembles = _bucket_costs(plan, topo, as_is, classes, kinds, out)
   leaves = [len(stage.schedule.buckets[b].leaves) for stage in plan.stages() for b in
             range(len(stage.schedule.buckets))]  # fmt: skip
   calls = [

@@ -142,13 +142,13 @@ class LayoutPlan:
     topology: Topology | None = None,
     as_is: Collection[int] | None = None,
     *,
-    donate: bool = False,
+    out: bool = False,
   ) -> Estimate:
     """The predicted time of this plan on ``topology`` (default: the plan's own), of a call
-    with ``donate=`` where ``donate``; see :func:`jax_reshard.estimate`."""
+    with ``out=`` where ``out``; see :func:`jax_reshard.estimate`."""
     known = [st.bucket_classes for st in self.stages() if st.bucket_classes is not None]
     classes = known if len(known) == len(self.stages()) else None
-    return estimate(self, topology, as_is, classes, donate=donate)
+    return estimate(self, topology, as_is, classes, out=out)
 
   def relayed_leaves(self) -> frozenset[int]:
     """The leaves the relay stage completes (none without one): after this stage their

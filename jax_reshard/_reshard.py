@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from jax_reshard import _traced
 from jax_reshard._api import make_plan
+from jax_reshard._edge import needs_edges, reshard_traced_edged
 from jax_reshard._errors import ReshardError
 from jax_reshard._topology import Topology
 from jax_reshard._tree import is_traced
@@ -17,7 +18,8 @@ def reshard(
   dst: Any,
   *,
   src: Any = None,
-  donate: Any = None,
+  donate: Any = False,
+  out: Any = None,
   max_bucket_bytes: int | Sequence[int] | None = None,
   transform: Callable[[Any], Any] | None = None,
   topology: Topology | None = None,
@@ -26,18 +28,25 @@ def reshard(
   """Moves ``x`` into the destination layout(s), sending each device only what it lacks.
 
   Args:
-    x: a ``jax.Array`` or pytree of them.
+    x: a ``jax.Array`` or pytree of them. NumPy arrays, Python scalars and uncommitted
+      arrays are placed as ``jax.device_put`` places them; PRNG key arrays, sub-byte, complex
+      and weak types, other memory kinds and device-local layouts move bit for bit.
     dst: one Sharding for every leaf, or a pytree prefix of ``x`` with Sharding leaves (or
-      arrays / ShapeDtypeStructs carrying ``.sharding``).
+      arrays / ShapeDtypeStructs carrying ``.sharding``, or ``Format(layout, sharding)`` for a
+      device-local layout; a sharding's ``memory_kind`` is honoured).
     src: only for traced ``x`` (inside ``jax.jit``): the source Sharding(s), one or a pytree
       prefix of ``x``. Needed when JAX does not know the layout of the traced value (meshes
       whose axes are not ``Explicit``).
-    donate: only for concrete ``x``: the sampler's current tree in the destination layouts
-      (same structure, shapes and dtypes). Its buffers are donated and reused for the result,
-      and its arrays are deleted after the call; peak extra device memory is then the staging
-      alone. A tree that does not match raises before any device work and deletes nothing.
-      Inside ``jax.jit``, donate the old tree with ``jax.jit(..., donate_argnums=...)``
-      instead: XLA then reuses its buffers for the outputs.
+    donate: as in ``jax.device_put``, the SOURCE: ``True`` (or a pytree prefix of ``x`` of
+      bools) deletes the donated source arrays after the call (``is_deleted()`` is then true
+      on every backend). Only for concrete ``x``; inside ``jax.jit`` use
+      ``jax.jit(..., donate_argnums=...)``.
+    out: only for concrete ``x``: the sampler's current tree in the destination layouts (same
+      structure, shapes and dtypes). Its buffers are donated and reused for the result, and its
+      arrays are deleted after the call; peak extra device memory is then the staging alone. A
+      tree that does not match raises before any device work and deletes nothing. Inside
+      ``jax.jit``, donate the old tree with ``jax.jit(..., donate_argnums=...)`` instead: XLA
+      then reuses its buffers for the outputs.
     max_bucket_bytes: bound on transient staging bytes per device per compiled program
       (eager calls; ``None``: as ``make_plan``; a sequence: the bound the cost model predicts
       fastest on ``topology``, as ``make_plan``; inside ``jax.jit`` XLA schedules the memory
@@ -69,13 +78,17 @@ def reshard(
     (True, [(8,), (8,), (8,), (8,)])
   """
   if is_traced(x):
-    if donate is not None:
+    if out is not None or donate is not False:
       raise ReshardError(
-        "donate= is for concrete arrays; inside jax.jit donate the sampler's old tree to the "
-        "jitted function instead:\n  >>> step = jax.jit(refit, donate_argnums=(1,))"
+        f"{'out' if out is not None else 'donate'}= is for concrete arrays; inside jax.jit "
+        "donate the arrays to the jitted function instead:\n"
+        "  >>> step = jax.jit(refit, donate_argnums=(0, 1))"
       )
     if transform is not None:
       return _traced.reshard_traced_transform(x, dst, src, transform)
+    if needs_edges(x, dst):
+      move = lambda c_x, c_dst, c_src: _traced.reshard_traced(c_x, c_dst, c_src, topology, relays)
+      return reshard_traced_edged(x, dst, src, move)
     return _traced.reshard_traced(x, dst, src, topology, relays)
   if src is not None:
     raise ReshardError("src= is only for traced values; concrete arrays carry their sharding")
@@ -84,6 +97,6 @@ def reshard(
       x, dst, max_bucket_bytes=max_bucket_bytes, topology=topology, relays=relays,
       transform=transform,
     )  # fmt: skip
-    return plan_t(x, donate=donate)
+    return plan_t(x, donate=donate, out=out)
   plan = make_plan(x, dst, max_bucket_bytes=max_bucket_bytes, topology=topology, relays=relays)
-  return plan(x, donate=donate)
+  return plan(x, donate=donate, out=out)

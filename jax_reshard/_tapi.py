@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 
+from jax_reshard._edge import delete_donated, donated_leaves, to_default_layout
 from jax_reshard._emit import InFlight, TransformExecutable, empty_like_sharded
 from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
@@ -92,9 +93,10 @@ class TransformPlan:
       ]
     return self._programs
 
-  def executables(self, *, donate: bool = False) -> list[TransformExecutable]:
+  def executables(self, *, out: bool = False) -> list[TransformExecutable]:
     """Per bucket, its program emitted for its union mesh (compiled on the first call);
-    ``donate``: the executables of calls with ``donate=``."""
+    ``out``: the executables of calls with ``out=``."""
+    donate = out
     if donate not in self._executables:
       devices = {}
       for lf in (*self.src_leaves, *self.leaves):
@@ -112,39 +114,48 @@ class TransformPlan:
       ]
     return self._executables[donate]
 
-  def __call__(self, x: Any, *, donate: Any = None) -> Any:
+  def __call__(self, x: Any, *, donate: Any = False, out: Any = None) -> Any:
     """``transform(x)`` in the destination layouts.
 
     Args:
-      x: the source tree (matching the plan's source); never modified or donated.
-      donate: optional, the sampler's current tree (the transform's output structure, in the
+      x: the source tree (matching the plan's source); left untouched unless donated.
+      donate: as in ``jax.device_put``: ``True`` (or a pytree prefix of ``x`` of bools)
+        deletes the donated source arrays after the call.
+      out: optional, the sampler's current tree (the transform's output structure, in the
         destination layouts): its buffers are donated, the result is written into them, and its
-        arrays are deleted after the call. Checked before any device work.
+        arrays are deleted after the call.
+
+    Every argument is checked before any device work: a call that raises deletes nothing.
     """
-    arrays = check_arrays(self._src_treedef, self.src_leaves, x)
+    paths = [lf.path for lf in self.src_leaves]
+    flags = None if donate is False else donated_leaves(donate, x, paths)
+    sources = check_arrays(self._src_treedef, self.src_leaves, x)
     treedef = self.analysis.out_treedef
-    old = None if donate is None else check_donated(treedef, self.leaves, donate, arrays)
+    old = None if out is None else check_donated(treedef, self.leaves, out, sources)
+    arrays = [to_default_layout(a) for a in sources]
     if jax.process_count() > 1:
       from jax_reshard import _distributed
 
       _distributed.check_plan(self)
     with contextlib.nullcontext() if jax.sharding.get_mesh().empty else jax.set_mesh(None):
-      out: list[Any] = [
+      result: list[Any] = [
         empty_like_sharded(lf.shape, lf.dtype, lf.dst_sharding) if not lf_plan.leaf.pieces else None
         for lf, lf_plan in zip(self.leaves, self.layout_plan.leaf_plans, strict=True)
       ]
       in_flight = InFlight()
-      for exe in self.executables(donate=old is not None):
+      for exe in self.executables(out=old is not None):
         p = exe.program
         olds = [old[i] for i in p.output_leaves] if old is not None else []
         ys = exe([arrays[i] for i in p.input_leaves], olds, in_flight.wait_for(exe))
         in_flight.add(ys)
         for i, y in zip(p.output_leaves, ys, strict=True):
-          out[i] = y
+          result[i] = y
     for a in old or ():
       if not a.is_deleted():  # zero-element leaves, and any buffer XLA did not take
         a.delete()
-    return jax.tree_util.tree_unflatten(treedef, out)
+    if flags is not None:
+      delete_donated(sources, flags, result)
+    return jax.tree_util.tree_unflatten(treedef, result)
 
   def __repr__(self) -> str:
     st = self.stats

@@ -60,14 +60,14 @@ def assert_matches_oracle(y: jax.Array, host: np.ndarray, dst_sharding: Any) -> 
 
 
 def refit_into_donated(plan: Any, x: Any, hosts: dict[str, np.ndarray], dst: Any) -> Any:
-  """Calls ``plan(x)``, then twice ``plan(x, donate=...)`` into the last result: each time the
+  """Calls ``plan(x)``, then twice ``plan(x, out=...)`` into the last result: each time the
   donated arrays are deleted and every leaf matches the oracle (``hosts``) bit for bit.
   Returns the last result."""
   old = plan(x)
   for k, h in hosts.items():
     assert_matches_oracle(old[k], h, dst[k])
   for _ in range(2):
-    y = plan(x, donate=old)
+    y = plan(x, out=old)
     assert all(a.is_deleted() for a in old.values())
     for k, h in hosts.items():
       assert_matches_oracle(y[k], h, dst[k])
@@ -79,12 +79,12 @@ def assert_donate_takes_another_path(
   plan: Any, x: Any, hosts: dict[str, np.ndarray], dst: dict[str, Any], path: Any
 ) -> None:
   """``path(executable)`` (a bucket's fast path, e.g. ``exe.direct()``) holds for every bucket
-  of ``plan``'s plain call and for none of its ``donate=`` call, and both calls match the
+  of ``plan``'s plain call and for none of its ``out=`` call, and both calls match the
   oracle bit for bit."""
   assert all(path(exe) for exe in plan.executables())
-  assert not any(path(exe) for exe in plan.executables(donate=True))
+  assert not any(path(exe) for exe in plan.executables(out=True))
   y = plan(x)
-  y = plan(x, donate=y)
+  y = plan(x, out=y)
   for k, h in hosts.items():
     assert_matches_oracle(y[k], h, dst[k])
 

@@ -103,7 +103,7 @@ def case_a() -> None:
       for k in hosts:  # the source is left untouched
         assert_matches_oracle(xs[k], hosts[k], src_sh[k])
     assert plan is not None and plan.stats.bytes_moved == plan.stats.lower_bound_bytes
-    check_tree(plan(xs, donate=ys), hosts, dst_sh)  # into the last result's buffers
+    check_tree(plan(xs, out=ys), hosts, dst_sh)  # into the last result's buffers
     exes = plan.executables()
     assert all((exe.split() is not None) == apart for exe in exes)
     if apart:  # the assembly program runs where the destination devices are
@@ -123,7 +123,7 @@ def case_a() -> None:
   assert len(exe.compiled_programs()) == 1 + PID
   ys = plan(xs)
   check_tree(ys, hosts, dst_sh)
-  check_tree(plan(xs, donate=ys), hosts, dst_sh)
+  check_tree(plan(xs, out=ys), hosts, dst_sh)
   _cost.APART_MIN_BYTES = kept
   jr.plan_cache_clear()
   ok("case_a")
@@ -227,7 +227,7 @@ def case_relay() -> None:
   ys = plan(xs)
   check_tree(ys, hosts, dst_sh)
   # Into the sampler's buffers: the relayed leaves' parts written where they go, then forwarded.
-  check_tree(plan(xs, donate=ys), hosts, dst_sh)
+  check_tree(plan(xs, out=ys), hosts, dst_sh)
   # Both meshes over both processes in one device order: columns 8 ways -> row blocks 4 ways,
   # replicated over the two devices of a pair in one process, which holds half the columns.
   cols = NamedSharding(mesh(DEVS, (8,), ("x",)), P(None, "x"))
@@ -296,7 +296,7 @@ def case_slabs() -> None:
   ys = plan(xs)
   check_tree(ys, hosts, dst_sh)
   hosts2 = make_hosts(15, specs)
-  ys = plan({k: put(h, src_sh[k]) for k, h in hosts2.items()}, donate=ys)
+  ys = plan({k: put(h, src_sh[k]) for k, h in hosts2.items()}, out=ys)
   check_tree(ys, hosts2, dst_sh)
   ok("case_slabs")
 

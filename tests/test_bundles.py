@@ -189,7 +189,7 @@ def test_identical_buckets_share_their_pack_cut_and_program(
 def test_leaves_stage_on_their_own_where_a_bundle_cannot_take_them(
   monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-  """No bundle for fewer small leaves than ``MIN_BUNDLED_LEAVES``, with ``donate=`` (leaves
+  """No bundle for fewer small leaves than ``MIN_BUNDLED_LEAVES``, with ``out=`` (leaves
   written into donated buffers), or for a call whose arrays are laid out equivalently but not
   equally to the plan's sources (that call stages every leaf; the next equal one bundles).
   Leaves on another source mesh than the bundle's stage on their own. Bit for bit."""

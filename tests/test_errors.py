@@ -77,7 +77,10 @@ def test_shape_and_dtype_of_template() -> None:
 
 
 def test_source_not_an_array() -> None:
-  with pytest.raises(jr.ReshardTypeError, match=r"\['x'\] is ndarray"):
+  with pytest.raises(jr.ReshardTypeError, match=r"\['x'\] is str"):
+    jr.reshard({"x": "weights"}, DST)
+  # Host data is placed as jax.device_put places it, once its destination fits it.
+  with pytest.raises(jr.ReshardError, match=r"\['x'\].*rank"):
     jr.reshard({"x": np.zeros(4)}, DST)
 
 

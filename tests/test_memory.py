@@ -48,7 +48,7 @@ def test_parts_written_in_place_keep_every_bit(dtype: str) -> None:
   """Leaves whose parts are written into their shard where they go (split over buckets into
   sub-boxes, windows or destination slabs, and refits into donated buffers) keep every bit of
   the float types XLA:CPU converts to float32 and back around an in-place update, which quiets
-  NaN payloads: random bits, NaNs with payloads among them, eagerly and with ``donate=``."""
+  NaN payloads: random bits, NaNs with payloads among them, eagerly and with ``out=``."""
   dt = np.dtype(getattr(jax.numpy, dtype))
   wide = 4 // dt.itemsize  # the shapes of a float32 leaf cut the same way
   devs = np.array(jax.devices())
@@ -78,7 +78,7 @@ def test_parts_written_in_place_keep_every_bit(dtype: str) -> None:
     y = plan(x)
     assert_matches_oracle(y, host, dst)
     flipped = np.ascontiguousarray(host[::-1])
-    assert_matches_oracle(plan(jax.device_put(flipped, src), donate=y), flipped, dst)
+    assert_matches_oracle(plan(jax.device_put(flipped, src), out=y), flipped, dst)
 
 
 @pytest.mark.parametrize("placement", ["disjoint", "colocated", "overlapping"])
@@ -103,7 +103,7 @@ def test_huge_leaf_is_split_under_the_bound(placement: str) -> None:
   assert_matches_oracle(plan(x), host, dst)
   # Refit into a donated shard holding other data: every element is written.
   old = jr.reshard(jax.device_put(-host, src), dst)
-  assert_matches_oracle(plan(x, donate=old), host, dst)
+  assert_matches_oracle(plan(x, out=old), host, dst)
   assert_matches_oracle(x, host, src)  # the source is untouched
 
 
@@ -160,7 +160,7 @@ def test_donate_reuses_and_deletes_exactly_the_donated_buffers(bound: int) -> No
   pointers = {
     k: sorted(s.data.unsafe_buffer_pointer() for s in a.addressable_shards) for k, a in old.items()
   }
-  new = plan(x, donate=old)
+  new = plan(x, out=old)
   for k, h in hosts.items():
     assert old[k].is_deleted()
     assert not x[k].is_deleted() and not other[k].is_deleted()
@@ -170,7 +170,7 @@ def test_donate_reuses_and_deletes_exactly_the_donated_buffers(bound: int) -> No
   assert (
     sorted(s.data.unsafe_buffer_pointer() for s in new["w"].addressable_shards) == pointers["w"]
   )
-  again = jr.reshard(x, dst, donate=new, max_bucket_bytes=bound)
+  again = jr.reshard(x, dst, out=new, max_bucket_bytes=bound)
   assert new["w"].is_deleted() and not x["w"].is_deleted()
   assert_matches_oracle(again["w"], hosts["w"], dst["w"])
 
@@ -190,14 +190,14 @@ def test_mismatched_donate_is_an_error_and_deletes_nothing() -> None:
   ]
   for donate, message in cases:
     with pytest.raises(jr.ReshardError, match=message):
-      plan(x, donate=donate)
+      plan(x, out=donate)
     for a in jax.tree.leaves(donate):
       assert not a.is_deleted()
   # The source is never donated: passing it (laid out as the destination here) is refused.
   same = {k: jax.device_put(h, dst[k]) for k, h in hosts.items()}
   plan_same = jr.make_plan(same, dst)
   with pytest.raises(jr.ReshardError, match="shares its buffers with the source"):
-    plan_same(same, donate=same)
+    plan_same(same, out=same)
   assert not any(a.is_deleted() for a in same.values())
   for a in jax.tree.leaves(old):
     assert not a.is_deleted()
@@ -217,7 +217,7 @@ def test_no_leak_over_300_refits(donate: bool) -> None:
   y = plan(x)
 
   def refit(y: dict) -> dict:
-    return plan(x, donate=y) if donate else plan(x)
+    return plan(x, out=y) if donate else plan(x)
 
   for _ in range(30):  # warm-up: compiled programs, placeholders, allocator pools
     y = jax.block_until_ready(refit(y))
@@ -250,14 +250,14 @@ def _disjoint_tree() -> tuple[dict, dict, dict]:
 @pytest.mark.parametrize("make", [_tree, _disjoint_tree], ids=["colocated", "disjoint"])
 @pytest.mark.usefixtures("one_program")
 def test_donated_whole_leaves_compile_without_an_extra_copy(make) -> None:
-  """A bucket that writes whole shards assembles them as without donate= into the donated
+  """A bucket that writes whole shards assembles them as without out= into the donated
   buffers: every output aliases an argument, and XLA needs no more scratch than without (than
   the plain call's one program, assembling on the union mesh too)."""
   x, dst, _ = make()
   plan = jr.make_plan(x, dst)
   assert plan.stats.num_buckets == 1
-  [plain], [donated] = plan.memory_analysis(), plan.memory_analysis(donate=True)
-  [program] = plan.programs(donate=True)
+  [plain], [donated] = plan.memory_analysis(), plan.memory_analysis(out=True)
+  [program] = plan.programs(out=True)
   assert not any(lf.in_place for lf in program.leaves)
   assert all(lf.dst_input for lf in program.leaves)
   assert donated.temp_size_in_bytes <= plain.temp_size_in_bytes
@@ -279,8 +279,8 @@ def test_split_leaf_chunks_are_written_in_place_without_a_copy(placement: str) -
   plan = jr.make_plan(x, dst, max_bucket_bytes=bound)
   block = 2048 * 256 * 4  # the destination block of one device
   for donate in (False, True):
-    analyses = plan.memory_analysis(donate=donate)
-    programs = plan.programs(donate=donate)
+    analyses = plan.memory_analysis(out=donate)
+    programs = plan.programs(out=donate)
     assert len(analyses) > 1
     for m, p in zip(analyses, programs, strict=True):
       received = sum(r.words for r in p.rounds) * p.unit.itemsize
@@ -296,7 +296,7 @@ def test_split_leaf_chunks_are_written_in_place_without_a_copy(placement: str) -
   ids=["colocated-whole", "colocated-chunks", "disjoint-whole", "disjoint-chunks"],
 )
 def test_donate_and_plain_calls_alternate_on_plans_sharing_programs(make, bound: int) -> None:
-  """Calls with and without donate=, alternating on one plan and on a second plan of the same
+  """Calls with and without out=, alternating on one plan and on a second plan of the same
   layouts (the same compiled programs), stay bit for bit; each call donates only its own
   buffers (placeholder blocks recycled between buckets never outlive their call)."""
   x, dst, hosts = make()
@@ -306,18 +306,18 @@ def test_donate_and_plain_calls_alternate_on_plans_sharing_programs(make, bound:
   ya, yb = a(x), b(x)
   kept = []
   for step in range(6):
-    ya = a(x, donate=ya) if step % 2 == 0 else a(x)
-    yb = b(x, donate=yb) if step % 3 else b(x)
+    ya = a(x, out=ya) if step % 2 == 0 else a(x)
+    yb = b(x, out=yb) if step % 3 else b(x)
     kept.append(a(x))  # plain results stay valid whatever the other calls donate
     for y in (ya, yb, *kept):
       for k, h in hosts.items():
         assert_matches_oracle(y[k], h, dst[k])
   for k in hosts:
     assert not x[k].is_deleted()
-  ya = jax.block_until_ready(a(x, donate=ya))
+  ya = jax.block_until_ready(a(x, out=ya))
   gc.collect()
   live = len(jax.live_arrays())
-  ya = jax.block_until_ready(a(x, donate=ya))
+  ya = jax.block_until_ready(a(x, out=ya))
   gc.collect()
   assert len(jax.live_arrays()) == live  # the new tree replaced the donated one; nothing stayed
 
@@ -353,7 +353,7 @@ def test_replicated_leaf_is_cut_into_slabs_under_the_bound(placement: str) -> No
   assert max(m.argument_size_in_bytes for m in analyses) < 2 * MiB
   assert_matches_oracle(plan(x), host, dst)
   old = plan(x)
-  y = plan(x, donate=old)
+  y = plan(x, out=old)
   assert old.is_deleted()
   assert_matches_oracle(y, host, dst)
   assert_matches_oracle(x, host, src)  # the source is untouched
@@ -392,7 +392,7 @@ def test_replicated_destination_is_cut_into_destination_slabs(placement: str) ->
   # Refit into a donated destination holding other data: the slabs are written into it.
   old = jr.reshard(jax.device_put(-host, src), dst)
   pointers = sorted(s.data.unsafe_buffer_pointer() for s in old.addressable_shards)
-  y = plan(x, donate=old)
+  y = plan(x, out=old)
   assert old.is_deleted()
   assert_matches_oracle(y, host, dst)
   assert sorted(s.data.unsafe_buffer_pointer() for s in y.addressable_shards) == pointers
@@ -430,7 +430,7 @@ def test_windows_of_both_sides_where_both_placeholders_are_the_floor(placement: 
   assert max(m.argument_size_in_bytes + m.output_size_in_bytes for m in analyses) < whole
   assert_matches_oracle(plan(x), host, dst)
   old = jr.reshard(jax.device_put(-host, src), dst)
-  y = plan(x, donate=old)
+  y = plan(x, out=old)
   assert old.is_deleted()
   assert_matches_oracle(y, host, dst)
   assert_matches_oracle(x, host, src)  # the source is untouched
@@ -484,7 +484,7 @@ def test_tree_mixing_slabs_sub_boxes_and_whole_leaves() -> None:
   assert kinds["['b']"] == (False, False, 1) and kinds["['s']"] == (False, False, 1)
   assert plan.stats.peak_staging_bytes <= MiB
   for donate in (None, plan(x)):
-    y = plan(x, donate=donate)
+    y = plan(x, out=donate)
     for k, h in hosts.items():
       assert_matches_oracle(y[k], h, dsts[k])
 

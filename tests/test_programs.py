@@ -241,7 +241,7 @@ def test_chunks_of_repeated_layers_share_one_program(
   assert (info.misses, info.hits) == (1, buckets - 1)
   # Into the sampler's current tree (donated): the first chunk writes into that buffer.
   flipped = {k: np.ascontiguousarray(h[::-1]) for k, h in hosts.items()}
-  y = plan({k: jax.device_put(h, src) for k, h in flipped.items()}, donate=y)
+  y = plan({k: jax.device_put(h, src) for k, h in flipped.items()}, out=y)
   for k, h in flipped.items():
     assert_matches_oracle(y[k], h, dst[k])
   # A cut into 3 chunks of one width and a narrower last one: two programs.
@@ -278,7 +278,7 @@ def test_a_shared_window_program_stages_each_buckets_zero_blocks() -> None:
   y = plan(x)
   for k, h in hosts.items():
     assert_matches_oracle(y[k], h, dst[k])
-  y = plan(x, donate=y)
+  y = plan(x, out=y)
   for k, h in hosts.items():
     assert_matches_oracle(y[k], h, dst[k])
   jr.plan_cache_clear()
@@ -328,7 +328,7 @@ def test_the_model_makes_the_destination_placeholders_the_eager_path_makes(
   monkeypatch: pytest.MonkeyPatch,
 ) -> None:
   """The zero destination blocks a call makes (donated to leaves written in place, or refit
-  into ``donate=`` buffers, on devices without a destination shard) are those the cost model
+  into ``out=`` buffers, on devices without a destination shard) are those the cost model
   charges: made where the last bucket that took destination inputs left none of the block's
   shape and type on the device, recycled otherwise. A leaf split over buckets (disjoint,
   colocated), a layered tree refit into donated buffers (one layer per bucket: the first
@@ -376,7 +376,7 @@ def test_the_model_makes_the_destination_placeholders_the_eager_path_makes(
   assert all(p.stats.num_buckets > 1 for p, _, _ in cases)
   for plan, xs, donate in cases:
     old = plan(xs) if donate else None
-    made, y = _made_by_the_eager_path(monkeypatch, lambda p=plan, a=xs, o=old: p(a, donate=o))
+    made, y = _made_by_the_eager_path(monkeypatch, lambda p=plan, a=xs, o=old: p(a, out=o))
     assert made  # every case makes some
     assert made == _made_by_the_model(plan, donate)
     for a, b in zip(jax.tree.leaves(y), jax.tree.leaves(xs), strict=True):
@@ -622,7 +622,7 @@ def _peak(m: Any) -> int:
 def test_donated_programs_need_no_more_device_memory_than_plain(
   monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-  """Disjoint MoE-like trees refit with ``donate=``: every bucket program's device memory
+  """Disjoint MoE-like trees refit with ``out=``: every bucket program's device memory
   (beyond the plain call's destination arrays, which donation replaces) is at most the plain
   program's, where devices without a destination shard return zeros for their discarded blocks
   (returning their donated blocks there instead cost XLA more scratch). Assembled apart (on
@@ -637,7 +637,7 @@ def test_donated_programs_need_no_more_device_memory_than_plain(
   plan = jr.make_plan(x, dst, max_bucket_bytes=64 << 10)
   assert plan.stats.num_buckets > 1
   assert all(exe.split() is None for exe in plan.executables())  # 32 KiB leaves: not apart
-  plain, donated = plan.memory_analysis(), plan.memory_analysis(donate=True)
+  plain, donated = plan.memory_analysis(), plan.memory_analysis(out=True)
   monkeypatch.setattr(_cost, "APART_MIN_BYTES", 0)
   jr.plan_cache_clear()
   apart = jr.make_plan(x, dst, max_bucket_bytes=64 << 10).memory_analysis()
@@ -648,7 +648,7 @@ def test_donated_programs_need_no_more_device_memory_than_plain(
   jr.plan_cache_clear()
   monkeypatch.undo()
   y = plan(x)
-  for a, h in zip(plan(x, donate=y), hosts, strict=True):
+  for a, h in zip(plan(x, out=y), hosts, strict=True):
     assert_matches_oracle(a, h, dst)
 
 
@@ -870,7 +870,7 @@ def test_identical_colocated_buckets_compile_one_direct_program() -> None:
 
 def test_buckets_stage_buffers_where_they_cannot_run_the_arrays_as_they_are() -> None:
   """No direct call where the source and destination meshes hold other devices than the
-  bucket (disjoint), list them in another order, with ``donate=`` (written into the donated
+  bucket (disjoint), list them in another order, with ``out=`` (written into the donated
   buffers), or for a call whose arrays are laid out equivalently but not equally to the plan's
   sources (that call stages, the next equal one runs direct). Bit for bit in every case."""
   hosts, x, dst, trainer = _colocated(seed=13)
@@ -888,7 +888,7 @@ def test_buckets_stage_buffers_where_they_cannot_run_the_arrays_as_they_are() ->
   y = reordered(x)
   for k, h in hosts.items():
     assert_matches_oracle(y[k], h, dst_other[k])
-  # donate=: the programs write into the donated destination buffers.
+  # out=: the programs write into the donated destination buffers.
   plan = jr.make_plan(x, dst)
   assert_donate_takes_another_path(plan, x, hosts, dst, lambda exe: exe.direct())
   # The same devices and layout under other axis names: equivalent, not equal.
@@ -997,12 +997,12 @@ def test_disjoint_buckets_assemble_on_the_destination_devices(
   assert assembly.memory_analysis().output_size_in_bytes == assembled_bytes + tuples[1]
 
   # Into donated buffers: every leaf of the call is assembled (none is its payload as it is).
-  [donated] = plan.executables(donate=True)
+  [donated] = plan.executables(out=True)
   assert donated.split() is not None and donated.program.dst_placeholders == ()
   assert _made_by_the_model(plan, donate=True) == {}
   old = plan(x)
   for _ in range(2):
-    made, new = _made_by_the_eager_path(monkeypatch, lambda o=old: plan(x, donate=o))
+    made, new = _made_by_the_eager_path(monkeypatch, lambda o=old: plan(x, out=o))
     assert made == {} and all(a.is_deleted() for a in old.values())
     for k, h in hosts.items():
       assert_matches_oracle(new[k], h, dst[k])
@@ -1045,7 +1045,7 @@ def test_which_buckets_assemble_on_their_own(monkeypatch: pytest.MonkeyPatch) ->
   """Only buckets of leaves moved whole to one destination device set that leaves some device
   of the bucket without a destination shard assemble on their own: not colocated sets, not
   destinations on
-  different devices, not a leaf split over buckets (a relayed leaf a ``donate=`` call writes
+  different devices, not a leaf split over buckets (a relayed leaf a ``out=`` call writes
   in place may, moved whole by the bucket); the cost model and the pass count drop
   exactly the discarded blocks and charge a second call."""
 
@@ -1069,7 +1069,7 @@ def test_which_buckets_assemble_on_their_own(monkeypatch: pytest.MonkeyPatch) ->
   rows, cols = ("x",), (None, "x")
   assert devices([(lay(range(4), rows), lay(range(4, 8), cols))]) == [(4, 5, 6, 7)]
   assert devices([(lay(range(4), rows), lay(range(4, 8), cols))], donate=True) == [(4, 5, 6, 7)]
-  # A relayed leaf a donate= call writes in place: the assembly program writes it.
+  # A relayed leaf a out= call writes in place: the assembly program writes it.
   assert devices([(lay(range(4), rows), lay(range(4, 8), cols))], True, {0}) == [(4, 5, 6, 7)]
   assert devices([(lay(range(4), rows), lay(range(4), cols))]) == [None]  # colocated
   # Overlapping: devices 2 and 3 copy resident parts in the assembly program.
@@ -1151,7 +1151,7 @@ def test_buckets_in_bound_only_apart_assemble_apart(monkeypatch: pytest.MonkeyPa
   def first_stage(plan: Any) -> tuple[list[Any], list[Any], list[Any]]:
     buckets = plan.layout_plan.stages()[0].schedule.buckets
     n = len(buckets)
-    return buckets, plan.executables()[:n], plan.executables(donate=True)[:n]
+    return buckets, plan.executables()[:n], plan.executables(out=True)[:n]
 
   jr.plan_cache_clear()
   plan = jr.make_plan(x, dsts, topology=pairs, max_bucket_bytes=bound)

@@ -52,7 +52,7 @@ def test_systematic_tree(seed: int) -> None:
   for i, (c, h) in enumerate(zip(cases, hosts, strict=True)):
     assert_matches_oracle(out[f"leaf{i}"], h, c.dst)
   if bucket == 64 and seed % 2:  # leaves split into chunks, refit into donated buffers
-    again = plan(src, donate=out)
+    again = plan(src, out=out)
     for i, (c, h) in enumerate(zip(cases, hosts, strict=True)):
       assert out[f"leaf{i}"].is_deleted()
       assert_matches_oracle(again[f"leaf{i}"], h, c.dst)

@@ -27,6 +27,7 @@ LAYERS = [
   "_buffers",
   "_emit",
   "_tree",
+  "_edge",
   "_transform",
   "_distributed",
   "_tapi",

@@ -217,7 +217,7 @@ def test_relay_plans_run_bit_for_bit_on_4_domains_of_2() -> None:
 
 
 def test_relay_plans_refit_into_donated_buffers_in_place() -> None:
-  """With ``donate=``, the first stage writes each relayed leaf's parts where they go in the
+  """With ``out=``, the first stage writes each relayed leaf's parts where they go in the
   donated shard (in place: no zero block of a destination shard to start from, as the plain
   call needs for the relay stage's holes) and the relay stage completes it; bit for bit over
   two refits, the donated arrays deleted. The model charges the donated call's sampler
@@ -232,12 +232,12 @@ def test_relay_plans_refit_into_donated_buffers_in_place() -> None:
   dst = {"w": NamedSharding(sampler, P(None, "tp")), "v": NamedSharding(sampler, P("tp"))}
   plan = jr.make_plan(x, dst, topology=PAIRS)
   assert plan.layout_plan.relayed_leaves() == {0, 1}
-  first = plan.programs(donate=True)[: len(plan.layout_plan.schedule.buckets)]
+  first = plan.programs(out=True)[: len(plan.layout_plan.schedule.buckets)]
   assert all(lf.in_place and lf.dst_input for p in first for lf in p.leaves)
   assert not any(lf.in_place for p in plan.programs()[: len(first)] for lf in p.leaves)
 
   def zero_blocks(donate: bool) -> list[str]:
-    exe = plan.executables(donate=donate)[0]
+    exe = plan.executables(out=donate)[0]
     text = "".join(c.as_text() for c in exe.compiled_programs())
     shards = {f"[{','.join(map(str, s.shard_shape(h.shape)))}]" for h, s in
               zip(hosts.values(), dst.values(), strict=True)}  # fmt: skip
@@ -251,21 +251,21 @@ def test_relay_plans_refit_into_donated_buffers_in_place() -> None:
   # apart does not pay for these 128 KiB leaves on the plan's CPU topology.)
   assert all(exe.split() is None for exe in plan.executables())
   topo = Topology.cpu(cores=1)
-  plain, donated = plan.estimate(topo), plan.estimate(topo, donate=True)
+  plain, donated = plan.estimate(topo), plan.estimate(topo, out=True)
   assert donated.assemble_s < plain.assemble_s
   assert (donated.transfer_s, donated.pack_s) == (plain.transfer_s, plain.pack_s)
 
   # Under a bound the first stage's bucket meets only without its trainer devices' discarded
-  # blocks, it assembles apart, and the donate= call's assembly program writes the relayed
+  # blocks, it assembles apart, and the out= call's assembly program writes the relayed
   # leaves' parts into their donated shards.
   jr.plan_cache_clear()
   tight = jr.make_plan(x, dst, topology=PAIRS, max_bucket_bytes=128 << 10)
   first_stage = tight.layout_plan.stages()[0].schedule.buckets
   assert [b.must_apart for b in first_stage] == [True]
-  [first] = tight.programs(donate=True)[:1]
+  [first] = tight.programs(out=True)[:1]
   assert first.assemblers == (4, 5, 6, 7) and first.dst_placeholders == ()
   assert all(lf.in_place and lf.dst_input for lf in first.leaves)
-  assert tight.executables(donate=True)[0].split() is not None
+  assert tight.executables(out=True)[0].split() is not None
   refit_into_donated(tight, x, hosts, dst)
   jr.plan_cache_clear()
 

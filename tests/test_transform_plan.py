@@ -314,7 +314,7 @@ def test_donate_writes_into_the_samplers_buffers(placement: str) -> None:
   old = plan(x)
   want = jax.jit(transform)({"a": np.asarray(x["a"])})
   pointers = sorted(s.data.unsafe_buffer_pointer() for s in old["t"].addressable_shards)
-  new = plan(x, donate=old)
+  new = plan(x, out=old)
   assert all(a.is_deleted() for a in jax.tree_util.tree_leaves(old))
   # Assembled whole into the donated buffers, which XLA reuses for the result.
   assert sorted(s.data.unsafe_buffer_pointer() for s in new["t"].addressable_shards) == pointers
@@ -322,8 +322,8 @@ def test_donate_writes_into_the_samplers_buffers(placement: str) -> None:
     assert_matches_oracle(new[k], np.asarray(want[k]), dst[k])
   assert not x["a"].is_deleted()
   with pytest.raises(ReshardError, match="nothing was donated"):
-    plan(x, donate={"t": new["t"]})
-  again = jr.reshard(x, dst, transform=transform, donate=new)
+    plan(x, out={"t": new["t"]})
+  again = jr.reshard(x, dst, transform=transform, out=new)
   assert all(a.is_deleted() for a in jax.tree_util.tree_leaves(new))
   for k in want:
     assert_matches_oracle(again[k], np.asarray(want[k]), dst[k])

@@ -1,8 +1,8 @@
-"""``plan(x)`` against ``plan(x, donate=previous)`` on refit cases, side by side in one process.
+"""``plan(x)`` against ``plan(x, out=previous)`` on refit cases, side by side in one process.
 
 Usage::
 
-  python -m benchmarks.donate --cases 'llama:fsdp_tp->tp@colocated' --iters 21
+  python -m benchmarks.refit_out --cases 'llama:fsdp_tp->tp@colocated' --iters 21
 
 Per case: median time of both calls interleaved (order alternating), the ratio, and per device
 the largest bucket program's ``memory_analysis()`` (arguments + outputs - aliased + temps) of
@@ -19,13 +19,13 @@ def run_case(case: refit.Case, scale: float, iters: int) -> str:
   from benchmarks import _methods
 
   x, dst, _ = refit.build_case(case, scale)
-  plain, donate = _methods.build_ours(x, dst), _methods.build_ours_donate(x, dst)
-  runners = {"plain": plain.run, "donate": donate.run}
+  plain, into = _methods.build_ours(x, dst), _methods.build_ours_out(x, dst)
+  runners = {"plain": plain.run, "out": into.run}
   for run in runners.values():  # compile, and check both bit for bit
     for _ in range(2):
       assert refit._check(jax, x, jax.block_until_ready(run(x)), dst)
   med = refit.alternating_medians(x, runners, iters)
-  mem = {n: _methods.device_memory(m.memory()) for n, m in (("plain", plain), ("donate", donate))}
+  mem = {n: _methods.device_memory(m.memory()) for n, m in (("plain", plain), ("out", into))}
   shards = max(
     sum(
       _methods._shard_bytes(a.shape, a.dtype, d) if dev in d.device_set else 0
@@ -35,8 +35,8 @@ def run_case(case: refit.Case, scale: float, iters: int) -> str:
   )
   mib = 2.0**-20
   lines = [
-    f"{case.id}: plain {med['plain'] * 1e3:.1f} ms, donate {med['donate'] * 1e3:.1f} ms, "
-    f"donate/plain {med['donate'] / med['plain']:.3f}x (medians of {iters})"
+    f"{case.id}: plain {med['plain'] * 1e3:.1f} ms, out= {med['out'] * 1e3:.1f} ms, "
+    f"out/plain {med['out'] / med['plain']:.3f}x (medians of {iters})"
   ]
   for n, m in mem.items():
     lines.append(
