@@ -402,8 +402,7 @@ def make_plan(
       used yet).
 
   Returns:
-    A :class:`ReshardPlan` (a ``TransformPlan`` with ``transform``); call it with arrays laid
-    out like ``src``.
+    A :class:`ReshardPlan` (``TransformPlan`` with ``transform``); call it on ``src``'s kind.
 
   Raises:
     ReshardError: invalid trees, shapes, dtypes, devices or shardings, an invalid
@@ -440,8 +439,9 @@ def make_plan(
   resolved = resolve_relays(relays, topology)
   if transform is not None:
     _refuse_edges_with_transform(src, dst)
-    bound = _transform_bound(max_bucket_bytes)
-    return make_transform_plan(src, dst, transform, max_bucket_bytes=bound)
+    return make_transform_plan(
+      src, dst, transform, max_bucket_bytes=_transform_bound(max_bucket_bytes)
+    )
   if needs_edges(src, dst):
     return _edged_plan(src, dst, max_bucket_bytes, topology, relays)
   candidates = bucket_candidates(max_bucket_bytes, topology)
