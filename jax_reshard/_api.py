@@ -438,16 +438,22 @@ def make_plan(
   """
   resolved = resolve_relays(relays, topology)
   if transform is not None:
-    _refuse_edges_with_transform(src, dst)
-    return make_transform_plan(
-      src, dst, transform, max_bucket_bytes=_transform_bound(max_bucket_bytes)
-    )
+    return _transform_plan(src, dst, transform, max_bucket_bytes)
   if needs_edges(src, dst):
     return _edged_plan(src, dst, max_bucket_bytes, topology, relays)
   candidates = bucket_candidates(max_bucket_bytes, topology)
   treedef, leaves = flatten_tree(src, dst)
   bounds = candidates if candidates is not None else _one_bound(max_bucket_bytes, leaves)
   return _cached_plan(treedef, tuple(leaves), bounds, topology, resolved)
+
+
+def _transform_plan(
+  src: Any, dst: Any, transform: Callable[[Any], Any], max_bucket_bytes: Any
+) -> TransformPlan:
+  _refuse_edges_with_transform(src, dst)
+  return make_transform_plan(
+    src, dst, transform, max_bucket_bytes=_transform_bound(max_bucket_bytes)
+  )
 
 
 def _edged_plan(
