@@ -84,19 +84,28 @@ def reshard(
         "donate the arrays to the jitted function instead:\n"
         "  >>> step = jax.jit(refit, donate_argnums=(0, 1))"
       )
-    if transform is not None:
-      return _traced.reshard_traced_transform(x, dst, src, transform)
-    if needs_edges(x, dst):
-      move = lambda c_x, c_dst, c_src: _traced.reshard_traced(c_x, c_dst, c_src, topology, relays)
-      return reshard_traced_edged(x, dst, src, move)
-    return _traced.reshard_traced(x, dst, src, topology, relays)
+    return _reshard_traced(x, dst, src, transform, topology, relays)
   if src is not None:
     raise ReshardError("src= is only for traced values; concrete arrays carry their sharding")
-  if transform is not None:
-    plan_t = make_plan(
-      x, dst, max_bucket_bytes=max_bucket_bytes, topology=topology, relays=relays,
-      transform=transform,
-    )  # fmt: skip
-    return plan_t(x, donate=donate, out=out)
-  plan = make_plan(x, dst, max_bucket_bytes=max_bucket_bytes, topology=topology, relays=relays)
+  plan = make_plan(
+    x, dst, max_bucket_bytes=max_bucket_bytes, topology=topology, relays=relays,
+    transform=transform,
+  )  # fmt: skip
   return plan(x, donate=donate, out=out)
+
+
+def _reshard_traced(
+  x: Any,
+  dst: Any,
+  src: Any,
+  transform: Callable[[Any], Any] | None,
+  topology: Topology | None,
+  relays: bool | Literal["auto"] | None,
+) -> Any:
+  """``reshard`` of a tree with tracers (inside ``jax.jit``, ``scan``, ``grad``...)."""
+  if transform is not None:
+    return _traced.reshard_traced_transform(x, dst, src, transform)
+  if needs_edges(x, dst):
+    move = lambda c_x, c_dst, c_src: _traced.reshard_traced(c_x, c_dst, c_src, topology, relays)
+    return reshard_traced_edged(x, dst, src, move)
+  return _traced.reshard_traced(x, dst, src, topology, relays)
