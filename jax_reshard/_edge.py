@@ -209,6 +209,12 @@ def _carrier_of(dtype: Any) -> str:
 
 def carrier_sharding(s: Any, ndim: int, path: str) -> Any:
   """``s`` for the carrier of a rank-``ndim`` leaf with one more trailing dimension."""
+  spec = s if isinstance(s, PartitionSpec) else getattr(s, "spec", ())
+  if len(spec) > ndim:
+    raise ReshardError(
+      f"the spec {spec} of leaf {path or '<root>'} has {len(spec)} entries but the array has "
+      f"rank {ndim}; give a spec with at most one entry per dimension."
+    )
   if isinstance(s, PartitionSpec):
     return PartitionSpec(*s, *([None] * (ndim - len(s))), None)
   if isinstance(s, NamedSharding):
