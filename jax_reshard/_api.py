@@ -16,13 +16,13 @@ from jax_reshard._buffers import buffers_by_device
 from jax_reshard._classes import stage_classes
 from jax_reshard._cost import Estimate, estimate
 from jax_reshard._edge import (
+  DefaultLayouts,
   Edges,
   delete_donated,
   donated_leaves,
   has_default_layout,
   make_edges,
   needs_edges,
-  to_default_layout,
 )
 from jax_reshard._emit import BucketExecutable, InFlight, empty_like_sharded, plan_word_bytes
 from jax_reshard._errors import ReshardError
@@ -114,6 +114,7 @@ class ReshardPlan:
     # Leaves whose whole shards travel as they are: only an array plan knows the types.
     self._as_is = frozenset(i for i, lf in enumerate(leaves) if travels_as_is(lf.dtype))
     self._bundled_stats: PlanStats | None = None  # made by the stats property
+    self._default_layouts = DefaultLayouts()
     self._stats = dataclasses.replace(
       self.layout_plan.stats,
       num_programs=len(set(self._classes)),
@@ -249,7 +250,7 @@ class ReshardPlan:
     old = None if out is None else check_donated(self._treedef, self.leaves, out, arrays)
     if old is not None:
       _check_out_layouts(self.leaves, old)
-    result = self._move([to_default_layout(a) for a in arrays], old)
+    result = self._move(self._default_layouts(arrays), old)
     if flags is not None:
       delete_donated(arrays, flags, result)
     return jax.tree_util.tree_unflatten(self._treedef, result)

@@ -132,6 +132,27 @@ def to_default_layout(x: jax.Array) -> jax.Array:
   return jax.device_put(x, Format(None, x.sharding))
 
 
+class DefaultLayouts:
+  """Puts the arrays of a plan's calls into the default layout, with the default layout of
+  each leaf found once (a call then reads each array's layout only: about 2 us)."""
+
+  def __init__(self) -> None:
+    self._defaults: list[Any] | None = None
+
+  def __call__(self, arrays: Sequence[jax.Array]) -> list[jax.Array]:
+    if self._defaults is None:
+      self._defaults = [
+        None if not a.size or _dtype_class(a.dtype) else default_layout(
+          a.dtype, tuple(a.sharding.shard_shape(a.shape)), next(iter(a.sharding.device_set))
+        )
+        for a in arrays
+      ]  # fmt: skip
+    return [
+      a if d is None or a.format.layout == d else to_default_layout(a)  # type: ignore[attr-defined]
+      for a, d in zip(arrays, self._defaults, strict=True)
+    ]
+
+
 def _check_layout_supported(path: str, layout: Any, what: str) -> None:
   tiling = getattr(layout, "tiling", None)
   if tiling:

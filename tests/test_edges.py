@@ -427,5 +427,5 @@ def test_a_tree_of_arrays_for_donate_means_out() -> None:
   with pytest.raises(jr.ReshardError):
     jr.reshard(x, dst, donate=True, out=bad)
   assert not x["w"].is_deleted() and not bad["w"].is_deleted()
-  with pytest.raises(jr.ReshardError, match="inside jax.jit"):
+  with pytest.raises(jr.ReshardError, match=r"inside jax\.jit"):
     jax.jit(lambda a: jr.reshard(a, dst, donate=True))(x)
