@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from jax_reshard import _traced
+from jax_reshard import _traced, _vjp
 from jax_reshard._api import make_plan
 from jax_reshard._errors import ReshardError
 from jax_reshard._topology import Topology
@@ -76,6 +76,9 @@ def reshard(
       )
     if transform is not None:
       return _traced.reshard_traced_transform(x, dst, src, transform)
+    values = _vjp.concrete_leaves(x)  # eager jax.vjp / jax.grad: the eager move, differentiable
+    if values is not None:
+      return _vjp.reshard_vjp(x, dst, src, values, max_bucket_bytes, topology, relays)
     return _traced.reshard_traced(x, dst, src, topology, relays)
   if src is not None:
     raise ReshardError("src= is only for traced values; concrete arrays carry their sharding")

@@ -32,6 +32,7 @@ LAYERS = [
   "_tapi",
   "_api",
   "_traced",
+  "_vjp",
   "_reshard",
   "__init__",
   "flax",
