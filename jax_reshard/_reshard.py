@@ -31,7 +31,9 @@ def reshard(
       arrays / ShapeDtypeStructs carrying ``.sharding``).
     src: only for traced ``x`` (inside ``jax.jit``): the source Sharding(s), one or a pytree
       prefix of ``x``. Needed when JAX does not know the layout of the traced value (meshes
-      whose axes are not ``Explicit``).
+      whose axes are not ``Explicit``). Under eager ``jax.grad`` / ``jax.vjp`` the values are
+      concrete: the move runs eagerly between any meshes (cotangents move back into the
+      source layouts), and ``src=``, if given, must be where the values are.
     donate: only for concrete ``x``: the sampler's current tree in the destination layouts
       (same structure, shapes and dtypes). Its buffers are donated and reused for the result,
       and its arrays are deleted after the call; peak extra device memory is then the staging
