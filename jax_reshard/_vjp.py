@@ -44,14 +44,24 @@ def concrete_value(v: Any) -> jax.Array | None:
 
 
 def concrete_leaves(x: Any) -> list[jax.Array] | None:
-  """Per leaf of ``x`` its concrete array, or ``None`` if any leaf has no concrete value."""
+  """Per leaf of ``x`` its concrete array, or ``None`` if any leaf has no concrete value or a
+  computation is being traced beneath the differentiation (``jax.jit`` of ``jax.grad`` of a
+  function of a constant): then the move belongs to that computation, on the traced path."""
   out = []
   for leaf in jax.tree_util.tree_leaves(x):
     v = concrete_value(leaf)
     if v is None:
       return None
     out.append(v)
+  if any(isinstance(v, jax.core.Tracer) for v in jax.tree_util.tree_leaves(x)) and _staged():
+    return None
   return out
+
+
+def _staged() -> bool:
+  """Whether a value made now is staged into a traced computation (differentiation traces pass
+  a constant through to the trace beneath them)."""
+  return isinstance(jnp.zeros((), jnp.int8), jax.core.Tracer)
 
 
 def reshard_vjp(
@@ -152,8 +162,7 @@ def _no_cotangent(dtype: Any) -> bool:
 
 def _zeros(value: jax.Array, sharding: Sharding) -> Any:
   """A zero cotangent laid out as the source (``None``, JAX's zero, where traced)."""
-  z = jnp.zeros((), value.dtype)
-  if isinstance(z, jax.core.Tracer):
+  if _staged():
     return None
   return jnp.zeros(value.shape, value.dtype, device=sharding)
 

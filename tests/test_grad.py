@@ -264,15 +264,17 @@ def no_vjp_route(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 @pytest.mark.usefixtures("no_vjp_route")
 def test_plain_and_jitted_calls_keep_their_paths() -> None:
   """Concrete arrays take the plain eager path; tracers over traced values (``jax.jit``,
-  ``jax.grad`` inside it) the traced one."""
+  ``jax.grad`` inside it) the traced one, as do tracers over constants inside ``jax.jit``."""
   mesh = Mesh(DEVS.reshape(4, 2), ("fsdp", "tp"))
   src = NamedSharding(mesh, P("fsdp", "tp"))
   dst = NamedSharding(Mesh(DEVS.reshape(2, 4), ("dp", "mp")), P("mp", "dp"))
   host = np.arange(64, dtype=np.float32).reshape(8, 8)
   x = jax.device_put(host, src)
   assert_matches_oracle(jr.reshard(x, dst), host, dst)
-  g = jax.jit(jax.grad(lambda x: jnp.sum(jr.reshard(x, dst, src=src) ** 2)))(x)
-  assert_matches_oracle(g, 2 * host, src)
+  loss = lambda x: jnp.sum(jr.reshard(x, dst, src=src) ** 2)
+  assert_matches_oracle(jax.jit(jax.grad(loss))(x), 2 * host, src)
+  # A constant differentiated inside jax.jit: its move belongs to the jitted computation.
+  assert_matches_oracle(jax.jit(lambda: jax.grad(loss)(x))(), 2 * host, src)
 
 
 def test_jitted_vjp_function_moves_back_traced() -> None:
