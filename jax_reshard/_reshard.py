@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from jax_reshard import _traced
+from jax_reshard import _traced, _vjp
 from jax_reshard._api import make_plan
 from jax_reshard._edge import needs_edges, reshard_traced_edged
 from jax_reshard._errors import ReshardError
@@ -36,17 +36,17 @@ def reshard(
       device-local layout; a sharding's ``memory_kind`` is honoured).
     src: only for traced ``x`` (inside ``jax.jit``): the source Sharding(s), one or a pytree
       prefix of ``x``. Needed when JAX does not know the layout of the traced value (meshes
-      whose axes are not ``Explicit``).
+      whose axes are not ``Explicit``). Under eager ``jax.grad`` / ``jax.vjp`` the values are
+      concrete: the move runs eagerly between any meshes (cotangents move back into the
+      source layouts), and ``src=``, if given, must be where the values are.
     donate: as in ``jax.device_put``, the SOURCE: ``True`` (or a pytree prefix of ``x`` of
       bools) deletes the donated source arrays after the call (``is_deleted()`` is then true
       on every backend). Only for concrete ``x``; inside ``jax.jit`` use
       ``jax.jit(..., donate_argnums=...)``.
-    out: only for concrete ``x``: the sampler's current tree in the destination layouts (same
-      structure, shapes and dtypes). Its buffers are donated and reused for the result, and its
-      arrays are deleted after the call; peak extra device memory is then the staging alone. A
-      tree that does not match raises before any device work and deletes nothing. Inside
-      ``jax.jit``, donate the old tree with ``jax.jit(..., donate_argnums=...)`` instead: XLA
-      then reuses its buffers for the outputs.
+    out: only for concrete ``x``: the sampler's current tree in the destination layouts. Its
+      buffers are donated and reused for the result, and its arrays are deleted after the
+      call; peak extra device memory is then the staging alone. A tree that does not match
+      raises before any device work. Inside ``jax.jit``, donate it with ``donate_argnums``.
     max_bucket_bytes: bound on transient staging bytes per device per compiled program
       (eager calls; ``None``: as ``make_plan``; a sequence: the bound the cost model predicts
       fastest on ``topology``, as ``make_plan``; inside ``jax.jit`` XLA schedules the memory
@@ -84,7 +84,7 @@ def reshard(
         "donate the arrays to the jitted function instead:\n"
         "  >>> step = jax.jit(refit, donate_argnums=(0, 1))"
       )
-    return _reshard_traced(x, dst, src, transform, topology, relays)
+    return _reshard_traced(x, dst, src, transform, max_bucket_bytes, topology, relays)
   if src is not None:
     raise ReshardError("src= is only for traced values; concrete arrays carry their sharding")
   plan = make_plan(
@@ -99,10 +99,14 @@ def _reshard_traced(
   dst: Any,
   src: Any,
   transform: Callable[[Any], Any] | None,
+  max_bucket_bytes: int | Sequence[int] | None,
   topology: Topology | None,
   relays: bool | Literal["auto"] | None,
 ) -> Any:
   """``reshard`` of a tree with tracers (inside ``jax.jit``, ``scan``, ``grad``...)."""
+  if transform is None and (values := _vjp.concrete_leaves(x)) is not None:
+    # eager jax.vjp / jax.grad: the eager move, differentiable
+    return _vjp.reshard_vjp(x, dst, src, values, max_bucket_bytes, topology, relays)
   if transform is not None:
     return _traced.reshard_traced_transform(x, dst, src, transform)
   if needs_edges(x, dst):

@@ -33,6 +33,7 @@ LAYERS = [
   "_tapi",
   "_api",
   "_traced",
+  "_vjp",
   "_reshard",
   "__init__",
   "flax",
