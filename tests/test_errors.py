@@ -31,8 +31,11 @@ def _untouched(tree) -> None:
 
 def test_tree_mismatch() -> None:
   tree = _tree()
-  with pytest.raises(jr.ReshardError, match="prefix of the source tree"):
+  with pytest.raises(jr.ReshardError, match="does not match the source tree") as e:
     jr.reshard(tree, {"w": DST, "other": DST})
+  msg = str(e.value)
+  assert "the destination has no ['b']" in msg and "the source has no ['other']" in msg, msg
+  assert "renamed" in msg and "PyTreeDef" not in msg
   _untouched(tree)
 
 
