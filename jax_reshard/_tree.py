@@ -245,6 +245,14 @@ def _leaf(name: str, x: Any, d: Any, src_sharding: Any) -> Leaf:
   return leaf
 
 
+def _first_clause(message: str) -> str:
+  """The first sentence (or clause) of ``message``'s first line, at most ~120 characters."""
+  line = message.splitlines()[0]
+  for stop in (". ", "; "):
+    line = line.split(stop)[0]
+  return line if len(line) <= 120 else line[:117] + "..."
+
+
 def _leaf_errors(errors: Sequence[tuple[str, ReshardError]], n: int) -> ReshardError:
   """One error for every bad leaf: the first in full, the others one line each (capped)."""
   name, first = errors[0]
@@ -254,8 +262,7 @@ def _leaf_errors(errors: Sequence[tuple[str, ReshardError]], n: int) -> ReshardE
   # The same complaint about every leaf (an abstract mesh without jax.set_mesh...): once.
   if len({str(e).replace(nm, "") for nm, e in errors}) == 1:
     return kind(f"{first}\n(The same holds for {len(errors) - 1} more of the {n} leaves.)")
-  lines = [f"{nm}: {str(e).splitlines()[0]}" for nm, e in errors]
-  lines = [line if len(line) <= 160 else line[:157] + "..." for line in lines]
+  lines = [f"{nm}: {_first_clause(str(e))}" for nm, e in errors]
   return kind(
     "\n".join(
       [
@@ -378,7 +385,7 @@ def check_arrays(treedef: Any, leaves: Sequence[Leaf], x: Any) -> list[Any]:
   if kinds == {"deleted"} and len(problems) == len(leaves) > 1:
     raise ReshardError(
       f"all {len(leaves)} input arrays have been deleted (e.g. {leaves[0].name}); nothing "
-      "was moved.\n" + DELETED_HINT
+      "was moved.\n" + _wrap(DELETED_HINT)
     )
   hints = []
   if "deleted" in kinds:
@@ -396,7 +403,7 @@ def check_arrays(treedef: Any, leaves: Sequence[Leaf], x: Any) -> list[Any]:
         f"input does not match the plan ({len(problems)} of {len(leaves)} leaves); nothing was "
         "moved:",
         *capped([text for _, text in problems]),
-        *hints,
+        *map(_wrap, hints),
       ]
     )
   )
@@ -477,8 +484,10 @@ def check_donated(
           f"out= does not match the plan's destination ({len(problems)} of {len(leaves)} "
           "leaves); nothing was donated or deleted:",
           *capped(problems),
-          "Pass out= the sampler's current tree (the result of the previous refit): the same "
-          "tree structure, shapes and dtypes, laid out in the destination shardings.",
+          _wrap(
+            "Pass out= the sampler's current tree (the result of the previous refit): the same "
+            "tree structure, shapes and dtypes, laid out in the destination shardings."
+          ),
         ]
       )
     )
