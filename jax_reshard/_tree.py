@@ -261,7 +261,13 @@ def _leaf_errors(errors: Sequence[tuple[str, ReshardError]], n: int) -> ReshardE
   kind = ReshardTypeError if all(isinstance(e, TypeError) for _, e in errors) else ReshardError
   # The same complaint about every leaf (an abstract mesh without jax.set_mesh...): once.
   if len({str(e).replace(nm, "") for nm, e in errors}) == 1:
-    return kind(f"{first}\n(The same holds for {len(errors) - 1} more of the {n} leaves.)")
+    others = [nm for nm, _ in errors[1:]]
+    listed = ", ".join(others[:MAX_LISTED]) + (
+      f" and {len(others) - MAX_LISTED} more" if len(others) > MAX_LISTED else ""
+    )
+    return kind(
+      f"{first}\n" + _wrap(f"(The same holds for {len(others)} more of the {n} leaves: {listed}.)")
+    )
   lines = [f"{nm}: {_first_clause(str(e))}" for nm, e in errors]
   return kind(
     "\n".join(
@@ -269,7 +275,7 @@ def _leaf_errors(errors: Sequence[tuple[str, ReshardError]], n: int) -> ReshardE
         f"{len(errors)} of the {n} leaves cannot be resharded as given; nothing was moved:",
         *capped(lines),
         f"The first, {name}, in full:",
-        str(first),
+        _wrap(str(first)),
       ]
     )
   )
@@ -311,10 +317,14 @@ def _check_shardings(leaf: Leaf) -> None:
     if pending:
       axes = " and ".join(f"{kind}={set(a)}" for kind, a in pending.items())
       raise ReshardError(
-        f"the {which} sharding of leaf {leaf.name} has {axes} axes: its shards are partial "
-        "sums (or copies awaiting one), not replicas of one array, and reshard moves arrays. "
-        "Reduce first (e.g. jax.sharding.reshard(x, P(...)) without unreduced=/reduced= axes), "
-        "or pass a destination without them." + leaf.describe()
+        _wrap(
+          f"the {which} sharding of leaf {leaf.name} has {axes} axes: along an unreduced axis "
+          "the shards hold partial sums, and a reduced axis types a pending reduction; reshard "
+          "moves plain arrays and never treats either as replicated. Reduce first (e.g. "
+          "jax.sharding.reshard(x, P(...)) to a spec without unreduced=/reduced=), or pass "
+          f"a {which} without them."
+        )
+        + leaf.describe()
       )
   src_platforms = {getattr(d, "platform", "?") for d in leaf.src_sharding.device_set}
   dst_platforms = {getattr(d, "platform", "?") for d in leaf.dst_sharding.device_set}
@@ -335,7 +345,8 @@ def _check_shardings(leaf: Leaf) -> None:
       sharding.shard_shape(leaf.shape)
     except ValueError as e:
       raise ReshardError(
-        f"the {which} sharding does not divide the shape evenly: {e}. Change the mesh axis "
+        f"the {which} sharding does not divide the shape evenly: "
+        f"{_indivisible(sharding, leaf.shape) or e}. Change the mesh axis "
         "sizes or the partition spec, or pad the array." + leaf.describe()
       ) from None
 
@@ -355,6 +366,23 @@ DRIFT_HINT = (
 )
 
 
+def _indivisible(sharding: Any, shape: tuple[int, ...]) -> str:
+  """Which dimension of ``shape`` a NamedSharding splits unevenly ("" if not found)."""
+  spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
+  if spec is None or mesh is None:
+    return ""
+  entries = getattr(spec, "partitions", None)
+  for dim, entry in enumerate(tuple(spec) if entries is None else entries):
+    names = entry if isinstance(entry, tuple) else () if entry is None else (entry,)
+    parts = int(np.prod([mesh.shape[n] for n in names], dtype=np.int64))
+    if dim < len(shape) and shape[dim] % parts:
+      return (
+        f"dimension {dim} of size {shape[dim]} does not split into {parts} parts "
+        f"(mesh axes {', '.join(map(str, names))})"
+      )
+  return ""
+
+
 def check_arrays(treedef: Any, leaves: Sequence[Leaf], x: Any) -> list[Any]:
   """The arrays of ``x`` if ``x`` is a tree of live arrays laid out as ``leaves`` say.
 
@@ -367,7 +395,7 @@ def check_arrays(treedef: Any, leaves: Sequence[Leaf], x: Any) -> list[Any]:
     raise tree_mismatch(
       None,
       x,
-      full_name="plan's source",
+      full_name="planned source",
       other_name="input",
       prefix=False,
       full_treedef=treedef,
@@ -453,7 +481,7 @@ def check_donated(
     raise tree_mismatch(
       None,
       donate,
-      full_name="plan's result",
+      full_name="planned result",
       other_name="out=",
       prefix=False,
       full_treedef=treedef,
@@ -569,10 +597,7 @@ def _node_difference(a: Any, b: Any) -> str:
     return f"{_node_label(a)} against {_node_label(b)}"
   kind = _node_label(a)
   aux_a, aux_b = a[1], b[1]
-  try:
-    da, db = dict(aux_a), dict(aux_b)
-  except (TypeError, ValueError):
-    da = db = None
+  da, db = _as_items(aux_a), _as_items(aux_b)
   if da is not None and db is not None:
     keys = [k for k in sorted({*da, *db}, key=str) if da.get(k, "<unset>") != db.get(k, "<unset>")]
     if keys:
@@ -582,6 +607,15 @@ def _node_difference(a: Any, b: Any) -> str:
       )
       return f"{kind} metadata {shown}" + (f" (+{len(keys) - 3} more)" if len(keys) > 3 else "")
   return f"{kind} {_short(aux_a)} against {_short(aux_b)}"
+
+
+def _as_items(aux: Any) -> dict[Any, Any] | None:
+  """Node metadata made of ``(name, value)`` pairs (as Flax Variables record it) as a dict."""
+  if isinstance(aux, (tuple, list)) and all(
+    isinstance(kv, tuple) and len(kv) == 2 and isinstance(kv[0], str) for kv in aux
+  ):
+    return dict(aux)
+  return None
 
 
 def _short(x: Any, limit: int = 60) -> str:
@@ -701,6 +735,14 @@ def tree_mismatch(
     stripped_full = {_strip_value(p) for p in full_paths}
     stripped_other = {_strip_value(p) for p in other_paths}
     if n_missing and n_extra and stripped_full == stripped_other:
+      with_value = full_paths if len(full_paths[0]) > len(_strip_value(full_paths[0])) else None
+      items = [
+        f"the {full_name} has {_path_str(p)}, the {other_name} {_path_str(_strip_value(p))}"
+        if with_value
+        else f"the {full_name} has {_path_str(p)}, the {other_name} {_path_str(p)}.value"
+        for p in full_paths
+        if p not in other_set
+      ]
       cause = (
         "Likely cause: one tree holds Flax Variables (paths end in .value) and the other plain "
         "arrays: build both alike, both with nnx.state(...) or both with nnx.to_pure_dict(...)."

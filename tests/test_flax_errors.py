@@ -162,7 +162,7 @@ def test_out_tree_with_the_samplers_own_metadata() -> None:
   with pytest.raises(jr.ReshardError) as e:
     _out(plan, src, old)
   msg = _short(e)
-  assert "out= tree has the plan's result tree's leaf paths, but 8 nodes differ" in msg, msg
+  assert "out= tree has the planned result tree's leaf paths, but 8 nodes differ" in msg, msg
   assert "['layers'][0]['down']['kernel']: Param metadata out_sharding" in msg, msg
   assert "('tp', 'fsdp') against ('tp', None)" in msg, msg
   assert "nothing was donated or deleted" in msg and "out=" in msg, msg
