@@ -755,21 +755,39 @@ def tree_mismatch(
       )
     elif n_missing:
       first = _path_str(next(iter(missing)))
-      cause = (
-        f"Likely cause: the {other_name} model lacks parts of the {full_name} model (the "
-        f"{other_name} has no {first}: e.g. a sampler built with fewer layers than the "
-        f"trainer), or the {other_name} was filtered more narrowly."
-      )
+      if other_name == "destination":
+        cause = (
+          f"Likely cause: the sampler has no {first}: a sampler model built with fewer layers "
+          "(or other modules) than the trainer, or its state filtered more narrowly."
+        )
+      else:
+        cause = (
+          f"Likely cause: the {other_name} tree lacks parts of the {full_name} tree (it has no "
+          f"{first}): it was built from another model, or filtered more narrowly."
+        )
     else:
       first = _path_str(next(iter(extra)))
-      cause = (
-        f"Likely cause: the {full_name} has no {first}: a {full_name} model with fewer "
-        f"layers, or a {full_name} filtered more narrowly than the {other_name} (e.g. "
-        "nnx.state(trainer, nnx.Param) against nnx.state(sampler)): filter both alike."
-      )
+      if full_name == "source":
+        cause = (
+          f"Likely cause: the trainer has no {first}: a trainer model with fewer layers, or "
+          "a trainer state filtered more narrowly than the sampler's (e.g. "
+          "nnx.state(trainer, nnx.Param) against nnx.state(sampler)): filter both alike."
+        )
+      else:
+        cause = (
+          f"Likely cause: the {full_name} tree has no {first}: the {other_name} tree was "
+          "built from another model, or filtered less narrowly: filter both alike."
+        )
   else:
     other_treedef = jax.tree_util.tree_structure(other, is_leaf=is_leaf)
     items = _node_differences(full_treedef, other_treedef, full_paths)
+    if not items:  # the paths correspond, yet the trees do not (a leaf that is itself a tree)
+      return ReshardError(
+        _wrap(
+          f"the {other_name} tree ({len(other_paths)} leaves) does not correspond leaf for leaf "
+          f"to the {full_name} tree ({len(full_paths)} leaves).\n{fix}"
+        )
+      )
     head = (
       f"the {other_name} tree has the {full_name} tree's leaf paths, but "
       f"{_count(len(items), 'node differs', 'nodes differ')} in type or metadata:"

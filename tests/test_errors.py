@@ -190,3 +190,18 @@ def test_unreduced_source_is_refused_not_treated_as_replicated() -> None:
   msg = str(e.value)
   assert "source sharding of leaf ['g'] has unreduced={'a'}" in msg, msg
   assert "spec P(None, unreduced={'a'})" in msg, msg
+
+
+def test_traced_tree_mismatch_is_short() -> None:
+  """Inside jax.jit the same short messages: a src= tree and a destination tree that lack a
+  leaf of the input."""
+  mesh = Mesh(DEVS.reshape(4, 2), ("fsdp", "tp"))
+  x = {"w": jax.device_put(np.zeros((8, 4), np.float32), NamedSharding(mesh, P("fsdp")))}
+  x["b"] = jax.device_put(np.zeros(8, np.float32), NamedSharding(mesh, P()))
+  row = NamedSharding(mesh, P("tp"))
+  for src, dst, who in (({"w": row}, row, "src="), (row, {"w": row}, "destination")):
+    with pytest.raises(jr.ReshardError) as e:
+      jax.jit(lambda t, src=src, dst=dst: jr.reshard(t, dst, src=src))(x)
+    msg = str(e.value)
+    assert f"the {who} has no ['b']" in msg and "PyTreeDef" not in msg, msg
+    assert len(msg.splitlines()) <= 20, msg
