@@ -680,25 +680,40 @@ def tree_mismatch(
   else:
     full_paths = treedef_paths(full_treedef)
   other_paths = _key_paths(other, is_leaf)
-  other_set, full_set = set(other_paths), set(full_paths)
-  full_prefixes = _prefixes(full_paths)
-  if prefix:
-    missing = _lacking(
-      full_paths, lambda p: any(p[:k] in other_set for k in range(len(p) + 1)), other_paths
-    )
-    extra = _lacking(other_paths, lambda p: p in full_prefixes, full_paths)
+  names = (full_name, other_name)
+  if bool(full_paths) != bool(other_paths):
+    head, items, cause = _empty_side(full_paths, other_paths, names)
   else:
-    missing = _lacking(full_paths, lambda p: p in other_set, other_paths)
-    extra = _lacking(other_paths, lambda p: p in full_set, full_paths)
-  n_missing, n_extra = sum(missing.values()), sum(extra.values())
+    missing, extra = _missing_and_extra(full_paths, other_paths, prefix)
+    if missing or extra:
+      head, items, cause = _differing_paths(full_paths, other_paths, missing, extra, names)
+    else:
+      other_treedef = jax.tree_util.tree_structure(other, is_leaf=is_leaf)
+      items = _node_differences(full_treedef, other_treedef, full_paths)
+      head = (
+        f"the {other_name} tree has the {full_name} tree's leaf paths, but "
+        f"{_count(len(items), 'node differs', 'nodes differ')} in type or metadata:"
+      )
+      cause = (
+        "Likely cause: another container (a dict against an nnx.State, a list against a "
+        "tuple) or other Flax Variable metadata (e.g. a sharding annotation) at those nodes."
+      )
+      if not items:  # the paths correspond, yet the trees do not (a leaf that is a tree)
+        head = (
+          f"the {other_name} tree ({len(other_paths)} leaves) does not correspond leaf for "
+          f"leaf to the {full_name} tree ({len(full_paths)} leaves)."
+        )
+        cause = ""
+  lines = [_wrap(head), *capped(items), _wrap(cause), _wrap(fix)]
+  return ReshardError("\n".join(line for line in lines if line))
 
-  def group(q: _KeyPath, count: int, lacking: str, leaves_of: str) -> str:
-    where = f"the {lacking} has no {_path_str(q)}"
-    return where if count == 1 else f"{where} ({count} {leaves_of} leaves)"
 
-  items: list[str] = []
-  cause: str
-  if not full_paths and other_paths:
+def _empty_side(
+  full_paths: Sequence[_KeyPath], other_paths: Sequence[_KeyPath], names: tuple[str, str]
+) -> tuple[str, list[str], str]:
+  """(head, items, cause) where one of the trees has no leaves."""
+  full_name, other_name = names
+  if not full_paths:
     head = (
       f"the {full_name} tree has no arrays, but the {other_name} tree has "
       f"{_count(len(other_paths), 'leaf', 'leaves')}."
@@ -708,38 +723,71 @@ def tree_mismatch(
       "that selects nothing? nnx.state(optimizer, nnx.Param) is empty (an nnx.Optimizer holds "
       "its optimizer state, not the model's Params): pass nnx.state(model, nnx.Param)."
     )
-  elif not other_paths and full_paths:
-    head = (
-      f"the {other_name} tree has no leaves, but the {full_name} tree has "
-      f"{_count(len(full_paths), 'leaf', 'leaves')}."
+    return head, [], cause
+  head = (
+    f"the {other_name} tree has no leaves, but the {full_name} tree has "
+    f"{_count(len(full_paths), 'leaf', 'leaves')}."
+  )
+  cause = (
+    f"Likely cause: the {other_name} is empty: its filter selects nothing (e.g. "
+    "nnx.state(sampler, nnx.Param) of a module whose weights are another Variable type), "
+    "or it is a tree of another model."
+  )
+  return head, [], cause
+
+
+def _missing_and_extra(
+  full_paths: Sequence[_KeyPath], other_paths: Sequence[_KeyPath], prefix: bool
+) -> tuple[dict[_KeyPath, int], dict[_KeyPath, int]]:
+  """The leaves of ``full`` that ``other`` lacks and those of ``other`` matching none of
+  ``full``, grouped by the subtree the other side lacks (with counts)."""
+  other_set, full_set = set(other_paths), set(full_paths)
+  if prefix:
+    full_prefixes = _prefixes(full_paths)
+    missing = _lacking(
+      full_paths, lambda p: any(p[:k] in other_set for k in range(len(p) + 1)), other_paths
     )
-    cause = (
-      f"Likely cause: the {other_name} is empty: its filter selects nothing (e.g. "
-      "nnx.state(sampler, nnx.Param) of a module whose weights are another Variable type), "
-      "or it is a tree of another model."
+    extra = _lacking(other_paths, lambda p: p in full_prefixes, full_paths)
+  else:
+    missing = _lacking(full_paths, lambda p: p in other_set, other_paths)
+    extra = _lacking(other_paths, lambda p: p in full_set, full_paths)
+  return missing, extra
+
+
+def _differing_paths(
+  full_paths: Sequence[_KeyPath],
+  other_paths: Sequence[_KeyPath],
+  missing: dict[_KeyPath, int],
+  extra: dict[_KeyPath, int],
+  names: tuple[str, str],
+) -> tuple[str, list[str], str]:
+  """(head, items, cause) where the two trees have different leaf paths."""
+  full_name, other_name = names
+  n_missing, n_extra = sum(missing.values()), sum(extra.values())
+  parts = []
+  if n_missing:
+    parts.append(
+      _count(n_missing, f"{full_name} leaf has", f"{full_name} leaves have") + f" no {other_name}"
     )
-  elif n_missing or n_extra:
-    parts = []
-    if n_missing:
-      parts.append(
-        _count(n_missing, f"{full_name} leaf has", f"{full_name} leaves have") + f" no {other_name}"
-      )
-    if n_extra:
-      parts.append(
-        _count(n_extra, f"{other_name} leaf matches", f"{other_name} leaves match")
-        + f" no {full_name} leaf"
-      )
-    head = f"the {other_name} tree does not match the {full_name} tree: " + ", ".join(parts) + "."
-    items = [group(q, c, other_name, full_name) for q, c in missing.items()]
-    items += [group(q, c, full_name, other_name) for q, c in extra.items()]
-    stripped_full = {_strip_value(p) for p in full_paths}
-    stripped_other = {_strip_value(p) for p in other_paths}
-    if n_missing and n_extra and stripped_full == stripped_other:
-      with_value = full_paths if len(full_paths[0]) > len(_strip_value(full_paths[0])) else None
+  if n_extra:
+    parts.append(
+      _count(n_extra, f"{other_name} leaf matches", f"{other_name} leaves match")
+      + f" no {full_name} leaf"
+    )
+  head = f"the {other_name} tree does not match the {full_name} tree: " + ", ".join(parts) + "."
+
+  def group(q: _KeyPath, count: int, lacking: str, leaves_of: str) -> str:
+    where = f"the {lacking} has no {_path_str(q)}"
+    return where if count == 1 else f"{where} ({count} {leaves_of} leaves)"
+
+  items = [group(q, c, other_name, full_name) for q, c in missing.items()]
+  items += [group(q, c, full_name, other_name) for q, c in extra.items()]
+  if missing and extra:
+    if {_strip_value(p) for p in full_paths} == {_strip_value(p) for p in other_paths}:
+      other_set = set(other_paths)
       items = [
-        f"the {full_name} has {_path_str(p)}, the {other_name} {_path_str(_strip_value(p))}"
-        if with_value
-        else f"the {full_name} has {_path_str(p)}, the {other_name} {_path_str(p)}.value"
+        f"the {full_name} has {_path_str(p)}, the {other_name} "
+        + (_path_str(_strip_value(p)) if p != _strip_value(p) else f"{_path_str(p)}.value")
         for p in full_paths
         if p not in other_set
       ]
@@ -747,56 +795,43 @@ def tree_mismatch(
         "Likely cause: one tree holds Flax Variables (paths end in .value) and the other plain "
         "arrays: build both alike, both with nnx.state(...) or both with nnx.to_pure_dict(...)."
       )
-    elif n_missing and n_extra:
+    else:
       cause = (
         "Likely cause: modules renamed or restructured between the two models. To move "
         "between different structures, restructure with transform= (its output tree must "
         "match the destination)."
       )
-    elif n_missing:
-      first = _path_str(next(iter(missing)))
-      if other_name == "destination":
-        cause = (
-          f"Likely cause: the sampler has no {first}: a sampler model built with fewer layers "
-          "(or other modules) than the trainer, or its state filtered more narrowly."
-        )
-      else:
-        cause = (
-          f"Likely cause: the {other_name} tree lacks parts of the {full_name} tree (it has no "
-          f"{first}): it was built from another model, or filtered more narrowly."
-        )
-    else:
-      first = _path_str(next(iter(extra)))
-      if full_name == "source":
-        cause = (
-          f"Likely cause: the trainer has no {first}: a trainer model with fewer layers, or "
-          "a trainer state filtered more narrowly than the sampler's (e.g. "
-          "nnx.state(trainer, nnx.Param) against nnx.state(sampler)): filter both alike."
-        )
-      else:
-        cause = (
-          f"Likely cause: the {full_name} tree has no {first}: the {other_name} tree was "
-          "built from another model, or filtered less narrowly: filter both alike."
-        )
-  else:
-    other_treedef = jax.tree_util.tree_structure(other, is_leaf=is_leaf)
-    items = _node_differences(full_treedef, other_treedef, full_paths)
-    if not items:  # the paths correspond, yet the trees do not (a leaf that is itself a tree)
-      return ReshardError(
-        _wrap(
-          f"the {other_name} tree ({len(other_paths)} leaves) does not correspond leaf for leaf "
-          f"to the {full_name} tree ({len(full_paths)} leaves).\n{fix}"
-        )
+    return head, items, cause
+  return head, items, _lacking_cause(missing, extra, names)
+
+
+def _lacking_cause(
+  missing: dict[_KeyPath, int], extra: dict[_KeyPath, int], names: tuple[str, str]
+) -> str:
+  """The likely cause where one side lacks subtrees the other has."""
+  full_name, other_name = names
+  if missing:
+    first = _path_str(next(iter(missing)))
+    if other_name == "destination":
+      return (
+        f"Likely cause: the sampler has no {first}: a sampler model built with fewer layers "
+        "(or other modules) than the trainer, or its state filtered more narrowly."
       )
-    head = (
-      f"the {other_name} tree has the {full_name} tree's leaf paths, but "
-      f"{_count(len(items), 'node differs', 'nodes differ')} in type or metadata:"
+    return (
+      f"Likely cause: the {other_name} tree lacks parts of the {full_name} tree (it has no "
+      f"{first}): it was built from another model, or filtered more narrowly."
     )
-    cause = (
-      "Likely cause: another container (a dict against an nnx.State, a list against a "
-      "tuple) or other Flax Variable metadata (e.g. a sharding annotation) at those nodes."
+  first = _path_str(next(iter(extra)))
+  if full_name == "source":
+    return (
+      f"Likely cause: the trainer has no {first}: a trainer model with fewer layers, or "
+      "a trainer state filtered more narrowly than the sampler's (e.g. "
+      "nnx.state(trainer, nnx.Param) against nnx.state(sampler)): filter both alike."
     )
-  return ReshardError("\n".join([_wrap(head), *capped(items), _wrap(cause), _wrap(fix)]))
+  return (
+    f"Likely cause: the {full_name} tree has no {first}: the {other_name} tree was "
+    "built from another model, or filtered less narrowly: filter both alike."
+  )
 
 
 def _wrap(text: str) -> str:
