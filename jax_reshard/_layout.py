@@ -224,7 +224,12 @@ def describe_sharding(sharding: Any) -> str:
   if mesh is not None and spec is not None and hasattr(mesh, "devices"):
     axes = ", ".join(f"{a}={s}" for a, s in mesh.shape.items())
     ids = [int(d.id) for d in np.asarray(mesh.devices).flat]
-    return f"mesh ({axes}) devices {_format_ids(ids)} spec {format_spec(tuple(spec))}"
+    entries = getattr(spec, "partitions", None)  # tuple(spec) refuses (un)reduced axes
+    text = format_spec(tuple(spec) if entries is None else entries)
+    for kind in ("unreduced", "reduced"):
+      if axes_of := getattr(spec, kind, None):
+        text = text[:-1] + (", " if len(text) > 3 else "") + f"{kind}={set(sorted(axes_of))})"
+    return f"mesh ({axes}) devices {_format_ids(ids)} spec {text}"
   ids = sorted(int(d.id) for d in sharding.device_set)
   return f"{type(sharding).__name__} on devices {_format_ids(ids)}"
 

@@ -9,6 +9,7 @@ the call.
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 from collections.abc import Sequence
 from typing import Any
 
@@ -163,19 +164,23 @@ def broadcast_shardings(prefix: Any, full: Any, treedef: Any, n: int, what: str)
   try:
     out = jax.tree_util.tree_broadcast(prefix, full, is_leaf=is_leaf)
     leaves = jax.tree_util.tree_leaves(out, is_leaf=is_leaf)
-  except (ValueError, TypeError) as e:
+  except (ValueError, TypeError):
     same_paths = _leaves_if_same_paths(prefix, full, is_leaf)
     if same_paths is not None:
       return same_paths
-    raise ReshardError(
-      f"the {what} tree must be one Sharding or a pytree prefix of the source tree "
-      f"whose leaves are Shardings.\n  source tree:      {treedef}\n  {what} tree: "
-      f"{jax.tree_util.tree_structure(prefix)}\n  ({e})"
-    ) from None
-  if len(leaves) != n:
-    raise ReshardError(
-      f"{what} tree has {len(leaves)} leaves for {n} source leaves.\n"
-      f"  source tree: {treedef}\n  {what} tree: {jax.tree_util.tree_structure(prefix)}"
+    leaves = None
+  if leaves is None or len(leaves) != n:
+    full_name = "source" if what != "source" else "input"
+    other_name = what if what != "source" else "src="
+    raise tree_mismatch(
+      full,
+      prefix,
+      full_name=full_name,
+      other_name=other_name,
+      prefix=True,
+      is_leaf=is_leaf,
+      fix=f"Pass one Sharding for every leaf, or a {what} tree with the {full_name}'s paths (a "
+      f"pytree prefix of it whose leaves are Shardings); nothing was moved.",
     )
   return leaves
 
@@ -198,32 +203,82 @@ def flatten_tree(
   src_leaves, treedef = jax.tree_util.tree_flatten_with_path(src)
   dst_leaves = broadcast_shardings(dst, src, treedef, len(src_leaves), "destination")
   leaves = []
+  errors: list[tuple[str, ReshardError]] = []
   for i, ((path, x), d) in enumerate(zip(src_leaves, dst_leaves, strict=True)):
     name = jax.tree_util.keystr(path)
-    if not isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
-      raise ReshardTypeError(
-        f"source leaf {name or '<root>'} is {type(x).__name__}; expected a jax.Array or a "
-        "jax.ShapeDtypeStruct with a sharding. Put host data on devices first with "
-        "jax.device_put(x, sharding)."
-      )
-    src_sharding = src_shardings[i] if src_shardings else getattr(x, "sharding", None)
-    if not isinstance(src_sharding, Sharding):
-      raise ReshardTypeError(
-        f"source leaf {name or '<root>'} has no sharding; build it as "
-        "jax.ShapeDtypeStruct(shape, dtype, sharding=...)"
-      )
-    src_sharding = resolve_sharding(src_sharding, name, "source")
-    leaf = Leaf(
-      path=name,
-      shape=tuple(int(s) for s in x.shape),
-      dtype=np.dtype(x.dtype),
-      src_sharding=src_sharding,
-      dst_sharding=as_sharding(name, d),
-    )
-    _check_template(leaf, d)
-    _check_shardings(leaf)
-    leaves.append(leaf)
+    try:
+      leaf = _leaf(name, x, d, src_shardings[i] if src_shardings else None)
+    except ReshardError as e:
+      errors.append((name or "<root>", e))
+    else:
+      leaves.append(leaf)
+  if errors:
+    raise _leaf_errors(errors, len(src_leaves))
   return treedef, leaves
+
+
+def _leaf(name: str, x: Any, d: Any, src_sharding: Any) -> Leaf:
+  """The validated :class:`Leaf` of source leaf ``x`` going to destination ``d``."""
+  if not isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
+    raise ReshardTypeError(
+      f"source leaf {name or '<root>'} is {type(x).__name__}; expected a jax.Array or a "
+      "jax.ShapeDtypeStruct with a sharding. Put host data on devices first with "
+      "jax.device_put(x, sharding)."
+    )
+  if src_sharding is None:
+    src_sharding = getattr(x, "sharding", None)
+  if not isinstance(src_sharding, Sharding):
+    raise ReshardTypeError(
+      f"source leaf {name or '<root>'} has no sharding; build it as "
+      "jax.ShapeDtypeStruct(shape, dtype, sharding=...)"
+    )
+  src_sharding = resolve_sharding(src_sharding, name, "source")
+  leaf = Leaf(
+    path=name,
+    shape=tuple(int(s) for s in x.shape),
+    dtype=np.dtype(x.dtype),
+    src_sharding=src_sharding,
+    dst_sharding=as_sharding(name, d),
+  )
+  _check_template(leaf, d)
+  _check_shardings(leaf)
+  return leaf
+
+
+def _first_clause(message: str) -> str:
+  """The first sentence (or clause) of ``message``'s first line, at most ~120 characters."""
+  line = message.splitlines()[0]
+  for stop in (". ", "; "):
+    line = line.split(stop)[0]
+  return line if len(line) <= 120 else line[:117] + "..."
+
+
+def _leaf_errors(errors: Sequence[tuple[str, ReshardError]], n: int) -> ReshardError:
+  """One error for every bad leaf: the first in full, the others one line each (capped)."""
+  name, first = errors[0]
+  if len(errors) == 1:
+    return first
+  kind = ReshardTypeError if all(isinstance(e, TypeError) for _, e in errors) else ReshardError
+  # The same complaint about every leaf (an abstract mesh without jax.set_mesh...): once.
+  if len({str(e).replace(nm, "") for nm, e in errors}) == 1:
+    others = [nm for nm, _ in errors[1:]]
+    listed = ", ".join(others[:MAX_LISTED]) + (
+      f" and {len(others) - MAX_LISTED} more" if len(others) > MAX_LISTED else ""
+    )
+    return kind(
+      f"{first}\n" + _wrap(f"(The same holds for {len(others)} more of the {n} leaves: {listed}.)")
+    )
+  lines = [f"{nm}: {_first_clause(str(e))}" for nm, e in errors]
+  return kind(
+    "\n".join(
+      [
+        f"{len(errors)} of the {n} leaves cannot be resharded as given; nothing was moved:",
+        *capped(lines),
+        f"The first, {name}, in full:",
+        _wrap(str(first)),
+      ]
+    )
+  )
 
 
 def _check_template(leaf: Leaf, dst_template: Any) -> None:
@@ -236,14 +291,41 @@ def _check_template(leaf: Leaf, dst_template: Any) -> None:
       f"{leaf.shape}; reshard moves data, it does not reshape." + leaf.describe()
     )
   if np.dtype(dst_template.dtype) != leaf.dtype:
+    want = np.dtype(dst_template.dtype)
+    cast = f"jnp.{want.name}" if want.name in _JNP_DTYPES else f"jnp.dtype({want.name!r})"
     raise ReshardError(
-      f"destination dtype {np.dtype(dst_template.dtype)} differs from the source dtype "
-      f"{leaf.dtype}; cast with x.astype(...) before or after resharding." + leaf.describe()
+      f"destination dtype {want} differs from the source dtype {leaf.dtype}. To cast while "
+      "moving (bytes then move in the narrower dtype), pass transform=:\n"
+      f"  >>> jr.reshard(x, dst, transform=lambda t: jax.tree.map(lambda a: a.astype({cast}), t))"
+      + leaf.describe()
     )
 
 
+_JNP_DTYPES = {"bfloat16", "float16", "float32", "float64", "int8", "int16", "int32", "int64"}
+
+
 def _check_shardings(leaf: Leaf) -> None:
-  """One platform, specs no longer than the rank, and shards that tile the shape evenly."""
+  """One platform, no reduced or unreduced axes, specs no longer than the rank, and shards
+  that tile the shape evenly."""
+  for which, sharding in (("source", leaf.src_sharding), ("destination", leaf.dst_sharding)):
+    spec = getattr(sharding, "spec", None)
+    pending = {
+      kind: sorted(axes)
+      for kind in ("unreduced", "reduced")
+      if (axes := getattr(spec, kind, None) or ())
+    }
+    if pending:
+      axes = " and ".join(f"{kind}={set(a)}" for kind, a in pending.items())
+      raise ReshardError(
+        _wrap(
+          f"the {which} sharding of leaf {leaf.name} has {axes} axes: along an unreduced axis "
+          "the shards hold partial sums, and a reduced axis types a pending reduction; reshard "
+          "moves plain arrays and never treats either as replicated. Reduce first (e.g. "
+          "jax.sharding.reshard(x, P(...)) to a spec without unreduced=/reduced=), or pass "
+          f"a {which} without them."
+        )
+        + leaf.describe()
+      )
   src_platforms = {getattr(d, "platform", "?") for d in leaf.src_sharding.device_set}
   dst_platforms = {getattr(d, "platform", "?") for d in leaf.dst_sharding.device_set}
   if src_platforms != dst_platforms or len(src_platforms) != 1:
@@ -263,9 +345,42 @@ def _check_shardings(leaf: Leaf) -> None:
       sharding.shard_shape(leaf.shape)
     except ValueError as e:
       raise ReshardError(
-        f"the {which} sharding does not divide the shape evenly: {e}. Change the mesh axis "
+        f"the {which} sharding does not divide the shape evenly: "
+        f"{_indivisible(sharding, leaf.shape) or e}. Change the mesh axis "
         "sizes or the partition spec, or pad the array." + leaf.describe()
       ) from None
+
+
+DELETED_HINT = (
+  "A jitted train step that donates its inputs (jax.jit(..., donate_argnums=...), "
+  "nnx.jit(..., donate_argnums=...)) deletes them: most likely these are the parameters from "
+  "before the last step. Pass the arrays the step returned (take nnx.state(model, nnx.Param) "
+  "again after each step), refit before the next step donates them, or do not donate the "
+  "parameters in the train step."
+)
+DRIFT_HINT = (
+  "A jitted train step may change the layout of some leaves after its first call (XLA picks "
+  "output shardings). Call jr.reshard(x, dst) every step (it keeps one cached plan per layout, "
+  "so a changed layout costs one new plan), make a new plan with jr.make_plan for this input, "
+  "or pin the train step's layouts with jax.jit(..., out_shardings=...)."
+)
+
+
+def _indivisible(sharding: Any, shape: tuple[int, ...]) -> str:
+  """Which dimension of ``shape`` a NamedSharding splits unevenly ("" if not found)."""
+  spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
+  if spec is None or mesh is None:
+    return ""
+  entries = getattr(spec, "partitions", None)
+  for dim, entry in enumerate(tuple(spec) if entries is None else entries):
+    names = entry if isinstance(entry, tuple) else () if entry is None else (entry,)
+    parts = int(np.prod([mesh.shape[n] for n in names], dtype=np.int64))
+    if dim < len(shape) and shape[dim] % parts:
+      return (
+        f"dimension {dim} of size {shape[dim]} does not split into {parts} parts "
+        f"(mesh axes {', '.join(map(str, names))})"
+      )
+  return ""
 
 
 def check_arrays(treedef: Any, leaves: Sequence[Leaf], x: Any) -> list[Any]:
@@ -273,46 +388,72 @@ def check_arrays(treedef: Any, leaves: Sequence[Leaf], x: Any) -> list[Any]:
 
   Raises:
     ReshardError: listing every leaf that does not match (tree, type, deleted, shape, dtype or
-      placement).
+      placement), with the likely cause of each kind present.
   """
   arrays, x_treedef = jax.tree_util.tree_flatten(x)
   if x_treedef != treedef:
-    raise ReshardError(
-      f"input tree does not match the plan's tree.\n  plan:  {treedef}\n  input: {x_treedef}"
+    raise tree_mismatch(
+      None,
+      x,
+      full_name="planned source",
+      other_name="input",
+      prefix=False,
+      full_treedef=treedef,
+      fix="The input tree does not match the plan's tree. Call the plan with a tree built like "
+      "the one it was made for, or call jr.reshard(x, dst) (it plans per tree and caches).",
     )
   problems = [
     problem
     for lf, a in zip(leaves, arrays, strict=True)
-    if (problem := _array_problem(lf, a, lf.src_sharding, "(donated?)", "the plan was made for"))
+    if (problem := _array_problem(lf, a, lf.src_sharding, "the plan was made for"))
   ]
-  if problems:
+  if not problems:
+    return arrays
+  kinds = {kind for kind, _ in problems}
+  if kinds == {"deleted"} and len(problems) == len(leaves) > 1:
     raise ReshardError(
-      "input does not match the plan:\n  "
-      + "\n  ".join(problems)
-      + "\nA jitted train step may change the layout of some leaves after its first call "
-      "(XLA picks output shardings). Call jr.reshard(x, dst) every step (it keeps one cached "
-      "plan per layout, so a changed layout costs one new plan), make a new plan with "
-      "jr.make_plan for this input, or pin the train step's layouts with "
-      "jax.jit(..., out_shardings=...)."
+      f"all {len(leaves)} input arrays have been deleted (e.g. {leaves[0].name}); nothing "
+      "was moved.\n" + _wrap(DELETED_HINT)
     )
-  return arrays
+  hints = []
+  if "deleted" in kinds:
+    hints.append(DELETED_HINT)
+  if "placement" in kinds:
+    hints.append(DRIFT_HINT)
+  if kinds & {"type", "shape"}:
+    hints.append(
+      "Make a plan for this input (jr.make_plan(x, dst)), or call jr.reshard(x, dst), which "
+      "plans per input and caches."
+    )
+  raise ReshardError(
+    "\n".join(
+      [
+        f"input does not match the plan ({len(problems)} of {len(leaves)} leaves); nothing was "
+        "moved:",
+        *capped([text for _, text in problems]),
+        *map(_wrap, hints),
+      ]
+    )
+  )
 
 
-def _array_problem(lf: Leaf, a: Any, sharding: Any, deleted_hint: str, expected: str) -> str:
-  """What is wrong with ``a`` as leaf ``lf`` laid out in ``sharding`` ("" if nothing)."""
+def _array_problem(lf: Leaf, a: Any, sharding: Any, expected: str) -> tuple[str, str] | None:
+  """What is wrong with ``a`` as leaf ``lf`` laid out in ``sharding``: ``(kind, text)``, kind
+  one of ``type``, ``deleted``, ``shape`` (shape or dtype), ``placement``; ``None`` if
+  nothing."""
   if not isinstance(a, jax.Array):
-    return f"{lf.name}: {type(a).__name__} is not a jax.Array"
+    return "type", f"{lf.name}: {type(a).__name__} is not a jax.Array"
   if a.is_deleted():
-    return f"{lf.name}: the array has been deleted {deleted_hint}"
+    return "deleted", f"{lf.name}: the array has been deleted"
   if tuple(a.shape) != lf.shape or np.dtype(a.dtype) != lf.dtype:
-    return f"{lf.name}: {a.dtype}{list(a.shape)} but {expected} {lf.dtype}{list(lf.shape)}"
+    return "shape", f"{lf.name}: {a.dtype}{list(a.shape)} but {expected} {lf.dtype}{list(lf.shape)}"
   # Equality first: it is the common case and much cheaper on every refit.
   if a.sharding != sharding and not a.sharding.is_equivalent_to(sharding, len(lf.shape)):
-    return (
+    return "placement", (
       f"{lf.name}: placed as {describe_sharding(a.sharding)} but {expected} "
       f"{describe_sharding(sharding)}"
     )
-  return ""
+  return None
 
 
 def _buffers(a: jax.Array) -> set[tuple[int, int]]:
@@ -325,39 +466,377 @@ def _buffers(a: jax.Array) -> set[tuple[int, int]]:
 def check_donated(
   treedef: Any, leaves: Sequence[Leaf], donate: Any, sources: Sequence[Any]
 ) -> list[Any]:
-  """The arrays of ``donate`` if it can give its buffers to the result of moving ``leaves``.
+  """The arrays of ``donate`` (the ``out=`` tree) if it can give its buffers to the result of
+  moving ``leaves``.
 
   ``donate`` must be a tree of live arrays with the plan's structure, every leaf with the
   leaf's shape and dtype, laid out in its destination sharding; none may share a buffer with
-  the source (which is never donated) or with another donated leaf.
+  the source (which is never donated) or with another leaf of the tree.
 
   Raises:
     ReshardError: listing every leaf that does not match; nothing is donated or deleted.
   """
   arrays, d_treedef = jax.tree_util.tree_flatten(donate)
   if d_treedef != treedef:
-    raise ReshardError(
-      "the donate= tree does not match the plan's tree; nothing was donated.\n"
-      f"  plan:   {treedef}\n  donate: {d_treedef}"
+    raise tree_mismatch(
+      None,
+      donate,
+      full_name="planned result",
+      other_name="out=",
+      prefix=False,
+      full_treedef=treedef,
+      fix="Pass out= the sampler's current tree: what the previous call of this plan returned "
+      "(the same tree, shapes and dtypes, in the destination layouts); nothing was donated or "
+      "deleted.",
     )
   source_buffers = set().union(*(_buffers(a) for a in sources if isinstance(a, jax.Array)))
   seen: set[tuple[int, int]] = set()
   problems = []
   for lf, a in zip(leaves, arrays, strict=True):
-    problem = _array_problem(lf, a, lf.dst_sharding, "(donated already?)", "the destination is")
+    problem = _array_problem(lf, a, lf.dst_sharding, "the destination is")
     if problem:
-      problems.append(problem)
+      kind, text = problem
+      if kind == "deleted":
+        text += " (given as out= before? each call consumes its out= tree)"
+      problems.append(text)
     elif (held := _buffers(a)) & source_buffers:
       problems.append(f"{lf.name}: shares its buffers with the source, which is never donated")
     elif held & seen:
-      problems.append(f"{lf.name}: shares its buffers with another donated leaf")
+      problems.append(f"{lf.name}: shares its buffers with another leaf of the out= tree")
     else:
       seen |= held
   if problems:
     raise ReshardError(
-      "donate= does not match the plan's destination; nothing was donated or deleted:\n  "
-      + "\n  ".join(problems)
-      + "\nPass the sampler's current tree (the result of the previous refit): the same tree "
-      "structure, shapes and dtypes, laid out in the destination shardings."
+      "\n".join(
+        [
+          f"out= does not match the plan's destination ({len(problems)} of {len(leaves)} "
+          "leaves); nothing was donated or deleted:",
+          *capped(problems),
+          _wrap(
+            "Pass out= the sampler's current tree (the result of the previous refit): the same "
+            "tree structure, shapes and dtypes, laid out in the destination shardings."
+          ),
+        ]
+      )
     )
   return arrays
+
+
+# ---------------------------------------------------------------------------------------------
+# Messages that fit on a screen: tree differences by path, capped listings.
+
+MAX_LISTED = 8
+"""How many differing paths / bad leaves a message lists before "... and N more"."""
+
+_KeyPath = tuple[Any, ...]
+
+
+def capped(items: Sequence[str], indent: str = "  ") -> list[str]:
+  """``items`` as indented lines, the first :data:`MAX_LISTED` and then how many more."""
+  lines = [indent + item for item in items[:MAX_LISTED]]
+  if len(items) > MAX_LISTED:
+    lines.append(f"{indent}... and {len(items) - MAX_LISTED} more")
+  return lines
+
+
+def _path_str(path: _KeyPath) -> str:
+  return jax.tree_util.keystr(path) or "<root>"
+
+
+def _count(n: int, one: str, many: str) -> str:
+  """``"1 leaf"`` / ``"3 leaves"``."""
+  return f"{n} {one if n == 1 else many}"
+
+
+def _key_paths(tree: Any, is_leaf: Any = None) -> list[_KeyPath]:
+  return [tuple(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]]
+
+
+def treedef_paths(treedef: Any) -> list[_KeyPath]:
+  """The key path of every leaf of ``treedef`` (rebuilt with placeholder leaves)."""
+  try:
+    return _key_paths(jax.tree_util.tree_unflatten(treedef, list(range(treedef.num_leaves))))
+  except Exception:  # a node type whose unflatten insists on real leaves
+    return [(jax.tree_util.FlattenedIndexKey(i),) for i in range(treedef.num_leaves)]
+
+
+def _prefixes(paths: Sequence[_KeyPath]) -> set[_KeyPath]:
+  return {p[:k] for p in paths for k in range(len(p) + 1)}
+
+
+def _lacking(paths: Sequence[_KeyPath], covered: Any, others: Sequence[_KeyPath]) -> dict:
+  """The paths of ``paths`` that ``covered`` rejects, grouped by the shortest prefix that no
+  path of ``others`` goes through (the subtree the other tree lacks), with their counts."""
+  other_prefixes = _prefixes(others)
+  groups: dict[_KeyPath, int] = {}
+  for p in paths:
+    if covered(p):
+      continue
+    q = next((p[:k] for k in range(len(p) + 1) if p[:k] not in other_prefixes), p)
+    groups[q] = groups.get(q, 0) + 1
+  return groups
+
+
+def _strip_value(path: _KeyPath) -> _KeyPath:
+  """``path`` without a final ``.value`` (the attribute a Flax Variable flattens through)."""
+  if path and getattr(path[-1], "name", None) == "value":
+    return path[:-1]
+  return path
+
+
+def _node_label(data: Any) -> str:
+  if data is None:
+    return "a leaf"
+  kind = getattr(data[0], "__name__", str(data[0]))
+  return kind
+
+
+def _node_difference(a: Any, b: Any) -> str:
+  """How the node data ``a`` and ``b`` (``PyTreeDef.node_data()``) differ, briefly."""
+  if a is None or b is None or a[0] is not b[0]:
+    return f"{_node_label(a)} against {_node_label(b)}"
+  kind = _node_label(a)
+  aux_a, aux_b = a[1], b[1]
+  da, db = _as_items(aux_a), _as_items(aux_b)
+  if da is not None and db is not None:
+    keys = [k for k in sorted({*da, *db}, key=str) if da.get(k, "<unset>") != db.get(k, "<unset>")]
+    if keys:
+      shown = ", ".join(
+        f"{k}={_short(da.get(k, '<unset>'))} against {_short(db.get(k, '<unset>'))}"
+        for k in keys[:3]
+      )
+      return f"{kind} metadata {shown}" + (f" (+{len(keys) - 3} more)" if len(keys) > 3 else "")
+  return f"{kind} {_short(aux_a)} against {_short(aux_b)}"
+
+
+def _as_items(aux: Any) -> dict[Any, Any] | None:
+  """Node metadata made of ``(name, value)`` pairs (as Flax Variables record it) as a dict."""
+  if isinstance(aux, (tuple, list)) and all(
+    isinstance(kv, tuple) and len(kv) == 2 and isinstance(kv[0], str) for kv in aux
+  ):
+    return dict(aux)
+  return None
+
+
+def _short(x: Any, limit: int = 60) -> str:
+  text = repr(x)
+  return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _node_differences(
+  a: Any, b: Any, paths: Sequence[_KeyPath], depth: int = 0, first: int = 0, parent: _KeyPath = ()
+) -> list[str]:
+  """Where treedefs ``a`` and ``b`` (of trees with the same leaf paths ``paths``) differ in
+  node type or metadata: the outermost differing nodes."""
+  path = paths[first][:depth] if first < len(paths) else parent
+  try:
+    data_a, data_b = a.node_data(), b.node_data()
+    same = data_a == data_b
+  except Exception:  # metadata without a usable ==
+    data_a, data_b, same = None, None, False
+  children_a, children_b = a.children(), b.children()
+  if not same or len(children_a) != len(children_b):
+    if same:
+      return [
+        f"{_path_str(path)}: {_node_label(data_a)} of {len(children_a)} children against "
+        f"{len(children_b)}"
+      ]
+    return [f"{_path_str(path)}: {_node_difference(data_a, data_b)}"]
+  out = []
+  for ca, cb in zip(children_a, children_b, strict=True):
+    out += _node_differences(ca, cb, paths, depth + 1, first, path)
+    first += ca.num_leaves
+  return out
+
+
+def tree_mismatch(
+  full: Any,
+  other: Any,
+  *,
+  full_name: str,
+  other_name: str,
+  prefix: bool,
+  is_leaf: Any = None,
+  full_treedef: Any = None,
+  fix: str,
+) -> ReshardError:
+  """A :class:`ReshardError` saying how ``other`` differs from ``full``, in at most ~20 lines.
+
+  It lists the first differing paths (``jax.tree_util.keystr``), grouped by the subtree one
+  side lacks, how many there are, and the likely cause; never the trees themselves.
+
+  Args:
+    full: the reference tree (the source, or the plan's tree); ``None`` with ``full_treedef``.
+    other: the tree given for it (the destination, the input, ``out=``).
+    full_name, other_name: what to call them in the message.
+    prefix: whether a leaf of ``other`` may stand for a whole subtree of ``full``.
+    is_leaf: the leaves of ``other`` (for prefix trees of Shardings).
+    full_treedef: the reference's treedef when the tree itself is gone (a plan keeps only it).
+    fix: the last line: what to pass instead.
+  """
+  if full_treedef is None:
+    full_treedef = jax.tree_util.tree_structure(full)
+    full_paths = _key_paths(full)
+  else:
+    full_paths = treedef_paths(full_treedef)
+  other_paths = _key_paths(other, is_leaf)
+  names = (full_name, other_name)
+  if bool(full_paths) != bool(other_paths):
+    head, items, cause = _empty_side(full_paths, other_paths, names)
+  else:
+    missing, extra = _missing_and_extra(full_paths, other_paths, prefix)
+    if missing or extra:
+      head, items, cause = _differing_paths(full_paths, other_paths, missing, extra, names)
+    else:
+      other_treedef = jax.tree_util.tree_structure(other, is_leaf=is_leaf)
+      items = _node_differences(full_treedef, other_treedef, full_paths)
+      head = (
+        f"the {other_name} tree has the {full_name} tree's leaf paths, but "
+        f"{_count(len(items), 'node differs', 'nodes differ')} in type or metadata:"
+      )
+      cause = (
+        "Likely cause: another container (a dict against an nnx.State, a list against a "
+        "tuple) or other Flax Variable metadata (e.g. a sharding annotation) at those nodes."
+      )
+      if not items:  # the paths correspond, yet the trees do not (a leaf that is a tree)
+        head = (
+          f"the {other_name} tree ({len(other_paths)} leaves) does not correspond leaf for "
+          f"leaf to the {full_name} tree ({len(full_paths)} leaves)."
+        )
+        cause = ""
+  lines = [_wrap(head), *capped(items), _wrap(cause), _wrap(fix)]
+  return ReshardError("\n".join(line for line in lines if line))
+
+
+def _empty_side(
+  full_paths: Sequence[_KeyPath], other_paths: Sequence[_KeyPath], names: tuple[str, str]
+) -> tuple[str, list[str], str]:
+  """(head, items, cause) where one of the trees has no leaves."""
+  full_name, other_name = names
+  if not full_paths:
+    head = (
+      f"the {full_name} tree has no arrays, but the {other_name} tree has "
+      f"{_count(len(other_paths), 'leaf', 'leaves')}."
+    )
+    cause = (
+      f"Likely cause: the {full_name} is empty. Did you pass the optimizer state, or a filter "
+      "that selects nothing? nnx.state(optimizer, nnx.Param) is empty (an nnx.Optimizer holds "
+      "its optimizer state, not the model's Params): pass nnx.state(model, nnx.Param)."
+    )
+    return head, [], cause
+  head = (
+    f"the {other_name} tree has no leaves, but the {full_name} tree has "
+    f"{_count(len(full_paths), 'leaf', 'leaves')}."
+  )
+  cause = (
+    f"Likely cause: the {other_name} is empty: its filter selects nothing (e.g. "
+    "nnx.state(sampler, nnx.Param) of a module whose weights are another Variable type), "
+    "or it is a tree of another model."
+  )
+  return head, [], cause
+
+
+def _missing_and_extra(
+  full_paths: Sequence[_KeyPath], other_paths: Sequence[_KeyPath], prefix: bool
+) -> tuple[dict[_KeyPath, int], dict[_KeyPath, int]]:
+  """The leaves of ``full`` that ``other`` lacks and those of ``other`` matching none of
+  ``full``, grouped by the subtree the other side lacks (with counts)."""
+  other_set, full_set = set(other_paths), set(full_paths)
+  if prefix:
+    full_prefixes = _prefixes(full_paths)
+    missing = _lacking(
+      full_paths, lambda p: any(p[:k] in other_set for k in range(len(p) + 1)), other_paths
+    )
+    extra = _lacking(other_paths, lambda p: p in full_prefixes, full_paths)
+  else:
+    missing = _lacking(full_paths, lambda p: p in other_set, other_paths)
+    extra = _lacking(other_paths, lambda p: p in full_set, full_paths)
+  return missing, extra
+
+
+def _differing_paths(
+  full_paths: Sequence[_KeyPath],
+  other_paths: Sequence[_KeyPath],
+  missing: dict[_KeyPath, int],
+  extra: dict[_KeyPath, int],
+  names: tuple[str, str],
+) -> tuple[str, list[str], str]:
+  """(head, items, cause) where the two trees have different leaf paths."""
+  full_name, other_name = names
+  n_missing, n_extra = sum(missing.values()), sum(extra.values())
+  parts = []
+  if n_missing:
+    parts.append(
+      _count(n_missing, f"{full_name} leaf has", f"{full_name} leaves have") + f" no {other_name}"
+    )
+  if n_extra:
+    parts.append(
+      _count(n_extra, f"{other_name} leaf matches", f"{other_name} leaves match")
+      + f" no {full_name} leaf"
+    )
+  head = f"the {other_name} tree does not match the {full_name} tree: " + ", ".join(parts) + "."
+
+  def group(q: _KeyPath, count: int, lacking: str, leaves_of: str) -> str:
+    where = f"the {lacking} has no {_path_str(q)}"
+    return where if count == 1 else f"{where} ({count} {leaves_of} leaves)"
+
+  items = [group(q, c, other_name, full_name) for q, c in missing.items()]
+  items += [group(q, c, full_name, other_name) for q, c in extra.items()]
+  if missing and extra:
+    if {_strip_value(p) for p in full_paths} == {_strip_value(p) for p in other_paths}:
+      other_set = set(other_paths)
+      items = [
+        f"the {full_name} has {_path_str(p)}, the {other_name} "
+        + (_path_str(_strip_value(p)) if p != _strip_value(p) else f"{_path_str(p)}.value")
+        for p in full_paths
+        if p not in other_set
+      ]
+      cause = (
+        "Likely cause: one tree holds Flax Variables (paths end in .value) and the other plain "
+        "arrays: build both alike, both with nnx.state(...) or both with nnx.to_pure_dict(...)."
+      )
+    else:
+      cause = (
+        "Likely cause: modules renamed or restructured between the two models. To move "
+        "between different structures, restructure with transform= (its output tree must "
+        "match the destination)."
+      )
+    return head, items, cause
+  return head, items, _lacking_cause(missing, extra, names)
+
+
+def _lacking_cause(
+  missing: dict[_KeyPath, int], extra: dict[_KeyPath, int], names: tuple[str, str]
+) -> str:
+  """The likely cause where one side lacks subtrees the other has."""
+  full_name, other_name = names
+  if missing:
+    first = _path_str(next(iter(missing)))
+    if other_name == "destination":
+      return (
+        f"Likely cause: the sampler has no {first}: a sampler model built with fewer layers "
+        "(or other modules) than the trainer, or its state filtered more narrowly."
+      )
+    return (
+      f"Likely cause: the {other_name} tree lacks parts of the {full_name} tree (it has no "
+      f"{first}): it was built from another model, or filtered more narrowly."
+    )
+  first = _path_str(next(iter(extra)))
+  if full_name == "source":
+    return (
+      f"Likely cause: the trainer has no {first}: a trainer model with fewer layers, or "
+      "a trainer state filtered more narrowly than the sampler's (e.g. "
+      "nnx.state(trainer, nnx.Param) against nnx.state(sampler)): filter both alike."
+    )
+  return (
+    f"Likely cause: the {full_name} tree has no {first}: the {other_name} tree was "
+    "built from another model, or filtered less narrowly: filter both alike."
+  )
+
+
+def _wrap(text: str) -> str:
+  """``text`` in lines of at most 100 characters (lines of code kept whole)."""
+  return "\n".join(
+    line if line.lstrip().startswith(">>>") else textwrap.fill(line, 100, break_long_words=False)
+    for line in text.splitlines()
+  )
