@@ -484,7 +484,7 @@ def pass_bytes(
   as_is: Collection[int] | None = None,
   classes: Sequence[int] | None = None,
 ) -> dict[str, int]:
-  """Bytes all devices read and write per call (without ``donate=``) of one stage's bucket
+  """Bytes all devices read and write per call (without ``out=``) of one stage's bucket
   programs, by step.
 
   ``pack``: payload pieces read from source shards plus whole payloads written (padding
