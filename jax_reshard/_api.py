@@ -18,9 +18,9 @@ from jax_reshard._cost import Estimate, estimate
 from jax_reshard._edge import (
   DefaultLayouts,
   Edges,
+  check_out_layouts,
   delete_donated,
   donated_leaves,
-  has_default_layout,
   make_edges,
   needs_edges,
 )
@@ -249,7 +249,7 @@ class ReshardPlan:
     arrays = check_arrays(self._treedef, self.leaves, x)
     old = None if out is None else check_donated(self._treedef, self.leaves, out, arrays)
     if old is not None:
-      _check_out_layouts(self.leaves, old)
+      check_out_layouts([lf.name for lf in self.leaves], old)
     result = self._move(self._default_layouts(arrays), old)
     if flags is not None:
       delete_donated(arrays, flags, result)
@@ -503,17 +503,6 @@ def _refuse_edges_with_transform(src: Any, dst: Any) -> None:
     "transform= takes destinations in device memory and the default device-local layout; "
     "reshard, then jax.device_put(y, Format(layout, sharding)) or into another memory kind."
   )
-
-
-def _check_out_layouts(leaves: Sequence[Leaf], old: Sequence[Any]) -> None:
-  """The previous result must be in the default layout: the programs write it so."""
-  bad = [lf.name for lf, a in zip(leaves, old, strict=True) if not has_default_layout(a)]
-  if bad:
-    raise ReshardError(
-      f"out= leaves {bad[:8]} are in a non-default device-local layout; the result is written "
-      "into out= buffers in the default layout. Pass out= arrays in the default layout, or "
-      "leave out= out and relayout the result with jax.device_put(y, Format(...))."
-    )
 
 
 def _transform_bound(max_bucket_bytes: int | Sequence[int] | None) -> int:

@@ -132,6 +132,21 @@ def to_default_layout(x: jax.Array) -> jax.Array:
   return jax.device_put(x, Format(None, x.sharding))
 
 
+def check_out_layouts(names: Sequence[str], old: Sequence[jax.Array]) -> None:
+  """The previous result (``out=``) must be in the default layout: the programs write it so.
+
+  Raises:
+    ReshardError: naming the leaves in another layout (nothing is donated or deleted).
+  """
+  bad = [name for name, a in zip(names, old, strict=True) if not has_default_layout(a)]
+  if bad:
+    raise ReshardError(
+      f"out= leaves {bad[:8]} are in a non-default device-local layout; the result is written "
+      "into out= buffers in the default layout. Pass out= arrays in the default layout, or "
+      "leave out= out and relayout the result with jax.device_put(y, Format(...))."
+    )
+
+
 class DefaultLayouts:
   """Puts the arrays of a plan's calls into the default layout, with the default layout of
   each leaf found once (a call then reads each array's layout only: about 2 us)."""

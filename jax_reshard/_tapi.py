@@ -9,7 +9,12 @@ from typing import Any
 
 import jax
 
-from jax_reshard._edge import delete_donated, donated_leaves, to_default_layout
+from jax_reshard._edge import (
+  check_out_layouts,
+  delete_donated,
+  donated_leaves,
+  to_default_layout,
+)
 from jax_reshard._emit import InFlight, TransformExecutable, empty_like_sharded
 from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
@@ -132,6 +137,8 @@ class TransformPlan:
     sources = check_arrays(self._src_treedef, self.src_leaves, x)
     treedef = self.analysis.out_treedef
     old = None if out is None else check_donated(treedef, self.leaves, out, sources)
+    if old is not None:
+      check_out_layouts([lf.name for lf in self.leaves], old)
     arrays = [to_default_layout(a) for a in sources]
     if jax.process_count() > 1:
       from jax_reshard import _distributed
