@@ -203,10 +203,13 @@ def make_meshes(placement: str) -> tuple[Mesh, Mesh]:
       'jax.config.update("jax_num_cpu_devices", 8) before using JAX'
     )
   devs = devs[:8]
+  # jax.make_mesh, as JAX users make meshes (Explicit axes).
   if placement == "disjoint":
-    return Mesh(devs[:4].reshape(2, 2), ("fsdp", "tp")), Mesh(devs[4:], ("tp",))
+    trainer = jax.make_mesh((2, 2), ("fsdp", "tp"), devices=list(devs[:4]))
+    return trainer, jax.make_mesh((4,), ("tp",), devices=list(devs[4:]))
   if placement == "colocated":
-    return Mesh(devs.reshape(4, 2), ("fsdp", "tp")), Mesh(devs.reshape(2, 4), ("dp", "tp"))
+    trainer = jax.make_mesh((4, 2), ("fsdp", "tp"), devices=list(devs))
+    return trainer, jax.make_mesh((2, 4), ("dp", "tp"), devices=list(devs))
   raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
 
 

@@ -64,8 +64,8 @@ def _time_once(fn: Any, arg: Any) -> float:
 def run(*, layers: int = 4, repeats: int = 7) -> int:
   devs = np.array(jax.devices())
   half = len(devs) // 2
-  trainer = Mesh(devs[:half].reshape(2, half // 2), ("fsdp", "tp"))
-  sampler = Mesh(devs[half:], ("tp",))
+  trainer = jax.make_mesh((2, half // 2), ("fsdp", "tp"), devices=list(devs[:half]))
+  sampler = jax.make_mesh((len(devs) - half,), ("tp",), devices=list(devs[half:]))
   shapes, train_specs, sample_specs = weight_specs(layers)
   is_shape = lambda s: isinstance(s, tuple) and all(isinstance(v, int) for v in s)
   is_spec = lambda s: isinstance(s, P)
