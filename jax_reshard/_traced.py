@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, Sharding
+from jax.sharding import AxisType, Mesh, NamedSharding, Sharding
 
 from jax_reshard._emit import emit_traced_move, emit_traced_transform, plan_word_bytes
 from jax_reshard._errors import ReshardError
@@ -27,28 +27,60 @@ from jax_reshard._tapi import analyze, output_leaves
 from jax_reshard._topology import Topology
 from jax_reshard._tplan import plan_transform_layouts
 from jax_reshard._tprogram import make_transform_program
-from jax_reshard._tree import Leaf, broadcast_shardings, flatten_tree
+from jax_reshard._tree import Leaf, _context_mesh, broadcast_shardings, flatten_tree
 
 
 def _source_sharding(path: str, x: Any, dst: Any) -> Sharding:
-  """The layout JAX knows for a traced value, or a clear error asking for ``src=``."""
+  """The source layout of traced leaf ``x`` from its type, or a :class:`ReshardError` that
+  says what to provide.
+
+  On a mesh whose axes are all ``Explicit`` the type holds the layout,
+  ``jax.typeof(x).sharding``: a ``NamedSharding`` over an ``AbstractMesh`` (axis names and
+  sizes, no devices). It resolves against the concrete mesh of an enclosing ``jax.set_mesh``
+  when that mesh's names and sizes match, else against the destination's mesh when they
+  match, keeping the type's axis types. Either is the computation's device order: JAX
+  refuses (when lowering) a computation whose arguments list the devices in another order
+  than its context mesh or the meshes inside it, so a wrong order is an error, never data
+  in the wrong place. Anything else needs ``src=``.
+  """
   sharding = getattr(jax.typeof(x), "sharding", None)
   mesh = getattr(sharding, "mesh", None)
-  explicit = (
-    mesh is not None
-    and mesh.axis_names
-    and all(str(t).endswith("Explicit") for t in mesh.axis_types)
-  )
-  if isinstance(mesh, Mesh) and explicit:
+  name = path or "<root>"
+  types = tuple(getattr(mesh, "axis_types", ()))
+  if mesh is None or not types or any(t != AxisType.Explicit for t in types):
+    raise ReshardError(
+      f"cannot tell the source layout of traced leaf {name}: inside jax.jit its type holds "
+      f"a layout only on a mesh whose axes are all Explicit, and its mesh is {mesh} "
+      f"(axis types {types}). Pass it explicitly:\n"
+      "  >>> jr.reshard(x, dst, src=NamedSharding(trainer_mesh, P('fsdp', 'tp')))\n"
+      "or make the source mesh with Explicit axes (jax.make_mesh's default)."
+    )
+  if isinstance(mesh, Mesh):
     return sharding  # type: ignore[return-value]
-  dst_mesh = getattr(dst, "mesh", None)
-  if explicit and isinstance(dst_mesh, Mesh) and dst_mesh.abstract_mesh == mesh:
-    return NamedSharding(dst_mesh, sharding.spec)  # type: ignore[union-attr]
+  axes = _axes(mesh)
+  context = _context_mesh()
+  candidates = (context, getattr(dst, "mesh", None))
+  for candidate in candidates:
+    if isinstance(candidate, Mesh) and not candidate.empty and _axes(candidate) == axes:
+      if tuple(candidate.axis_types) != types:
+        candidate = Mesh(candidate.devices, candidate.axis_names, axis_types=types)
+      return NamedSharding(candidate, sharding.spec, memory_kind=sharding.memory_kind)  # type: ignore[union-attr]
+  seen = "no mesh" if context.empty else f"a mesh with axes {_axes(context)}"
+  dst_axes = _axes(candidates[1]) if isinstance(candidates[1], Mesh) else None
   raise ReshardError(
-    f"cannot tell the source layout of traced leaf {path or '<root>'}: inside jax.jit JAX "
-    "only knows it for meshes with Explicit axis types. Pass it explicitly:\n"
-    "  >>> jr.reshard(x, dst, src=NamedSharding(trainer_mesh, P('fsdp', 'tp')))"
+    f"cannot tell the source layout of traced leaf {name}: its type says "
+    f"{sharding.spec} on a mesh with axes {axes} (names and sizes, no devices), and "  # type: ignore[union-attr]
+    f"neither the enclosing jax.set_mesh ({seen}) nor the destination's mesh "
+    f"(axes {dst_axes}) has these axes. Provide one of:\n"
+    "  >>> with jax.set_mesh(trainer_mesh):  # the source's concrete mesh, around the jit call\n"
+    "  ...   y = step(x)\n"
+    "  >>> jr.reshard(x, dst, src=NamedSharding(trainer_mesh, "
+    f"{sharding.spec}))  # inside the jit"  # type: ignore[union-attr]
   )
+
+
+def _axes(mesh: Any) -> dict[str, int]:
+  return dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
 
 
 def reshard_traced(
