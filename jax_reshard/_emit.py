@@ -2032,15 +2032,33 @@ def auto_mesh(mesh: Mesh) -> Mesh:
 
 def _typed(ys: list[jax.Array], dst_mesh: Mesh, dst_specs: Sequence[PartitionSpec]) -> list[Any]:
   """Results of a program over :func:`auto_mesh` typed in their destination sharding where
-  ``dst_mesh`` has ``Explicit`` axes (``jax.sharding.reshard`` between equal layouts of
-  one device list: no data moves), else as they are."""
-  if auto_mesh(dst_mesh) is dst_mesh:
+  ``dst_mesh`` has ``Explicit`` axes (``jax.sharding.reshard`` between equal layouts of one
+  device list: no data moves; on a mesh of both axis types the type holds the ``Explicit``
+  axes only), else as they are."""
+  explicit = {
+    n
+    for n, t in zip(dst_mesh.axis_names, dst_mesh.axis_types, strict=True)
+    if t == AxisType.Explicit
+  }
+  if not explicit:
     return ys
   with jax.sharding.use_abstract_mesh(dst_mesh.abstract_mesh):
     return [
-      jax.sharding.reshard(y, NamedSharding(dst_mesh, spec))
+      jax.sharding.reshard(y, NamedSharding(dst_mesh, _only_axes(spec, explicit)))
       for y, spec in zip(ys, dst_specs, strict=True)
     ]
+
+
+def _only_axes(spec: PartitionSpec, axes: set[str]) -> PartitionSpec:
+  """``spec`` with the mesh axes not in ``axes`` left out."""
+  if all(n in axes for e in spec if e is not None for n in ((e,) if isinstance(e, str) else e)):
+    return spec
+  entries: list[Any] = []
+  for e in spec:
+    names = () if e is None else (e,) if isinstance(e, str) else tuple(e)
+    kept = tuple(n for n in names if n in axes)
+    entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+  return PartitionSpec(*entries)
 
 
 def _reread(
