@@ -146,6 +146,7 @@ def make_mesh(
   one per axis): ``Explicit`` as ``jax.make_mesh`` makes them by default, ``Auto`` as
   ``Mesh(devices, names)`` does."""
   devices = list(np.asarray(devices, dtype=object).flat)
+  shape = np.empty(len(devices), np.int8).reshape(shape).shape  # -1 resolved
   types = axis_type if isinstance(axis_type, tuple) else (axis_type,) * len(names)
   if all(t == AxisType.Explicit for t in types):
     mesh = jax.make_mesh(shape, names, devices=devices)
