@@ -167,3 +167,66 @@ def test_jit_with_another_device_order_is_exact_or_an_error() -> None:
     jax.jit(lambda a: jr.reshard(a, dst))(x)
   with pytest.raises(ValueError, match="incompatible devices"):
     jax.jit(lambda a: jr.reshard(a, dst))(x)
+
+
+def test_bundled_small_leaves_scalars_and_empty_leaves() -> None:
+  """Many small leaves: colocated in one device order (one jit call on the arrays), in another
+  order and disjoint (bundled into one byte vector per device); a scalar and an empty leaf
+  inside jit."""
+  tr = jax.make_mesh((4, 2), ("fsdp", "tp"), devices=jax.devices())
+  co = jax.make_mesh((8,), ("tp",), devices=jax.devices())
+  rng = np.random.default_rng(13)
+  hosts = {f"l{i:02d}": random_host_array(rng, (8, 8), np.float32) for i in range(40)}
+  reordered = make_mesh((8,), ("tp",), DEVS[::-1], E)
+  disjoint = (make_mesh((2, 2), ("a", "b"), DEVS[:4], E), make_mesh((4,), ("tp",), DEVS[4:], E))
+  # One device order: one jit call on the arrays as they are; else staged, bundled.
+  for src_mesh, dst_mesh, direct in ((tr, co, True), (tr, reordered, False), (*disjoint, False)):
+    src = NamedSharding(src_mesh, P(src_mesh.axis_names[0]))
+    xs = {k: jax.device_put(h, src) for k, h in hosts.items()}
+    dst = NamedSharding(dst_mesh, P(None, "tp"))
+    plan = jr.make_plan(xs, dst)
+    exes = plan.executables()
+    assert all(bool(exe.direct()) == direct for exe in exes)
+    assert direct or any(exe.bundle() is not None for exe in exes)
+    ys = plan(xs)
+    for k, h in hosts.items():
+      assert_matches_oracle(ys[k], h, dst, exact=True)
+  z = jax.device_put(np.zeros((0, 8), np.float32), NamedSharding(tr, P(None, "tp")))
+  s = jax.device_put(np.float32(2.5), NamedSharding(tr, P()))
+  d, ds = NamedSharding(co, P(None, "tp")), NamedSharding(co, P())
+  y, ys = jax.jit(lambda a, b: jr.reshard((a, b), (d, ds), src=(z.sharding, s.sharding)))(z, s)
+  assert y.shape == (0, 8) and y.sharding == d
+  assert_matches_oracle(ys, np.float32(2.5).reshape(()), ds, exact=True)
+
+
+def test_relays_with_a_topology() -> None:
+  """Relay plans (a second stage inside the destination's domains) eager and inside jit."""
+  pairs = jr.Topology.cpu(devices_per_domain=2)
+  host = random_host_array(np.random.default_rng(14), (16, 16), np.float32)
+  src = NamedSharding(make_mesh((2,), ("x",), DEVS[:2], E), P("x"))
+  dst = NamedSharding(make_mesh((2, 2), ("t", "d"), DEVS[4:], E), P(None, "t"))
+  x = jax.device_put(host, src)
+  plan = jr.make_plan(x, dst, topology=pairs, relays=True)
+  assert plan.layout_plan.relay is not None
+  assert_matches_oracle(plan(x), host, dst, exact=True)
+  tr = NamedSharding(jax.make_mesh((4, 2), ("fsdp", "tp"), devices=jax.devices()), P("fsdp"))
+  sampler = NamedSharding(make_mesh((4, 2), ("t", "d"), DEVS, E), P(None, "t"))
+  x = jax.device_put(host, tr)
+  f = jax.jit(lambda a: jr.reshard(a, sampler, src=tr, topology=pairs, relays=True))
+  assert_matches_oracle(f(x), host, sampler, exact=True)
+
+
+def test_meshes_of_both_axis_types_at_once() -> None:
+  """A mesh whose axes are partly Explicit and partly Auto, to another such mesh."""
+  host = random_host_array(np.random.default_rng(15), (16, 16), np.float32)
+  src = NamedSharding(make_mesh((4, 2), ("fsdp", "tp"), DEVS, (E, A)), P("fsdp", "tp"))
+  x = jax.device_put(host, src)
+  for dst in (
+    NamedSharding(make_mesh((8,), ("tp",), DEVS, E), P(None, "tp")),
+    NamedSharding(make_mesh((2, 4), ("a", "b"), DEVS, (A, E)), P("b", "a")),
+    NamedSharding(make_mesh((2, 2), ("a", "b"), DEVS[4:], (A, E)), P("b", "a")),
+  ):
+    assert_matches_oracle(jr.reshard(x, dst), host, dst, exact=True)
+    if dst.device_set == src.device_set:
+      y = jax.jit(lambda a, d=dst: jr.reshard(a, d, src=src), out_shardings=dst)(x)
+      assert_matches_oracle(y, host, dst, exact=True)
