@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, Mesh, NamedSharding, Sharding
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, Sharding
 
 from jax_reshard._emit import emit_traced_move, emit_traced_transform, plan_word_bytes
 from jax_reshard._errors import ReshardError
@@ -27,7 +27,7 @@ from jax_reshard._tapi import analyze, output_leaves
 from jax_reshard._topology import Topology
 from jax_reshard._tplan import plan_transform_layouts
 from jax_reshard._tprogram import make_transform_program
-from jax_reshard._tree import Leaf, _context_mesh, broadcast_shardings, flatten_tree
+from jax_reshard._tree import Leaf, broadcast_shardings, flatten_tree
 
 
 def _source_sharding(path: str, x: Any, dst: Any) -> Sharding:
@@ -77,6 +77,17 @@ def _source_sharding(path: str, x: Any, dst: Any) -> Sharding:
     "  >>> jr.reshard(x, dst, src=NamedSharding(trainer_mesh, "
     f"{sharding.spec}))  # inside the jit"  # type: ignore[union-attr]
   )
+
+
+def _context_mesh() -> Mesh:
+  """The concrete mesh of the enclosing ``jax.set_mesh`` (empty when there is none), inside
+  ``jax.jit`` too (where JAX offers only the abstract one publicly)."""
+  try:
+    return jax.sharding.get_mesh()
+  except ValueError:
+    from jax._src import mesh as mesh_lib
+
+    return mesh_lib.get_concrete_mesh()
 
 
 def _axes(mesh: Any) -> dict[str, int]:
@@ -241,17 +252,29 @@ def reshard_traced_transform(x: Any, dst: Any, src: Any, transform: Callable[[An
   """``reshard(x, dst, src=src, transform=transform)`` on traced values.
 
   Every source leaf must be on one mesh and every output leaf on one mesh, over the
-  computation's devices in one order (meshes may differ in shape and axis names); ``src=`` is
-  needed unless the source meshes' axes are ``Explicit``. Not differentiable through
+  computation's devices in one order (meshes may differ in shape and axis names); without
+  ``src=`` the source layouts come from the leaves' types (meshes with ``Explicit`` axes), as
+  :func:`_source_sharding` resolves them. Not differentiable through
   ``custom_vjp`` as plain traced reshards are.
   """
-  if src is None:
-    raise ReshardError(
-      "transform= inside jax.jit needs src=: the source Sharding(s), one or a pytree prefix "
-      "of the source tree, e.g. jr.reshard(x, dst, src=train_sharding, transform=f)"
-    )
   flat, treedef = jax.tree_util.tree_flatten_with_path(x)
-  src_list = broadcast_shardings(src, x, treedef, len(flat), "source")
+  if src is None:  # from the leaves' types, as reshard_traced takes them
+    meshes = {
+      s.mesh
+      for s in jax.tree_util.tree_leaves(dst, is_leaf=lambda d: isinstance(d, Sharding))
+      if isinstance(s, NamedSharding)
+    }
+    dst_mesh = NamedSharding(meshes.pop(), PartitionSpec()) if len(meshes) == 1 else None
+    try:
+      src_list = [_source_sharding(jax.tree_util.keystr(p), v, dst_mesh) for p, v in flat]
+    except ReshardError as e:
+      raise ReshardError(
+        "transform= inside jax.jit needs src= where the leaves' types hold no source layout: "
+        "the source Sharding(s), one or a pytree prefix of the source tree, e.g. "
+        f"jr.reshard(x, dst, src=train_sharding, transform=f). {e}"
+      ) from None
+  else:
+    src_list = broadcast_shardings(src, x, treedef, len(flat), "source")
   src_tree = jax.tree_util.tree_unflatten(treedef, src_list)
   _, leaves = flatten_tree(x, src_tree, src_shardings=src_list)
   analysis = analyze(transform, treedef, tuple(leaves))

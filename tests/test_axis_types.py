@@ -230,3 +230,22 @@ def test_meshes_of_both_axis_types_at_once() -> None:
     if dst.device_set == src.device_set:
       y = jax.jit(lambda a, d=dst: jr.reshard(a, d, src=src), out_shardings=dst)(x)
       assert_matches_oracle(y, host, dst, exact=True)
+
+
+def test_transform_inside_jit_takes_the_source_layout_from_the_type() -> None:
+  tr = jax.make_mesh((4, 2), ("fsdp", "tp"), devices=jax.devices())
+  sampler = jax.make_mesh((2, 4), ("dp", "tp"), devices=jax.devices())
+  rng = np.random.default_rng(16)
+  hosts = {k: random_host_array(rng, (8, 8), np.float32) for k in "ab"}
+  x = {k: jax.device_put(h, NamedSharding(tr, P("fsdp", "tp"))) for k, h in hosts.items()}
+
+  def fuse(t: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    return {"ab": jax.numpy.concatenate([t["a"], t["b"]], axis=1)}
+
+  dst = {"ab": NamedSharding(sampler, P(None, "tp"))}
+  with jax.set_mesh(tr):
+    y = jax.jit(lambda t: jr.reshard(t, dst, transform=fuse))(x)
+  want = np.concatenate([hosts["a"], hosts["b"]], axis=1)
+  assert_matches_oracle(y["ab"], want, dst["ab"], exact=True)
+  with pytest.raises(jr.ReshardError, match=r"(?s)needs src=.*leaf \['a'\]"):
+    jax.jit(lambda t: jr.reshard(t, dst, transform=fuse))(x)
