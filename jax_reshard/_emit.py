@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jax_reshard._buffers import (
   Runner,
@@ -1025,7 +1025,7 @@ def _bundle_in_program(leaves: tuple[BundleLeaf, ...]) -> tuple[Any, NamedShardi
   """``(compiled function, its output's sharding)``: the source arrays ``leaves`` (one mesh)
   in, one byte vector per device of that mesh out, the bytes of its shards one after another
   (see :class:`Bundle`)."""
-  mesh = leaves[0][2].mesh
+  mesh = auto_mesh(leaves[0][2].mesh)  # takes arrays of either axis type
   out = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
 
   def pack(*xs: jax.Array) -> jax.Array:
@@ -1051,7 +1051,7 @@ def _bundle_out_program(
   """``(compiled function, its input's sharding)``: one byte vector per device of the
   destination mesh of ``leaves`` in (their destination blocks at ``spans``, see
   :attr:`Bundle.dst_spans`), the destination arrays out (``shards``: their shard shapes)."""
-  mesh = leaves[0][2].mesh
+  mesh = auto_mesh(leaves[0][2].mesh)  # out_shardings type the results (Explicit axes too)
   sharding = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
 
   def cut(b: jax.Array) -> tuple[jax.Array, ...]:
@@ -1999,20 +1999,66 @@ def emit_traced_move(
   ``src_mesh`` takes every source shard where it lives, runs the rounds and emits each device's
   destination shard as one block per mesh position; a second ``shard_map`` over ``dst_mesh``
   re-reads those blocks as destination shards, which moves no data because position ``i`` is
-  the same device in both meshes.
+  the same device in both meshes. Both run over the meshes' :func:`auto_mesh` (see there);
+  results on a mesh with ``Explicit`` axes are typed in their destination sharding.
   """
-  axes = tuple(src_mesh.axis_names)
+  mesh = auto_mesh(src_mesh)
+  axes = tuple(mesh.axis_names)
   staged_spec = PartitionSpec(axes)
   # Each shard_map runs under its own mesh, whatever mesh the caller entered with set_mesh.
-  with jax.sharding.use_abstract_mesh(src_mesh.abstract_mesh):
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
     moved = jax.shard_map(
       emit_body(program, axes),
-      mesh=src_mesh,
+      mesh=mesh,
       in_specs=tuple(src_specs),
       out_specs=tuple(staged_spec for _ in program.leaves),
       check_vma=False,
     )(*xs)
   return _reread(moved, [lf.dst_shard for lf in program.leaves], dst_mesh, dst_specs)
+
+
+@functools.lru_cache(maxsize=64)
+def auto_mesh(mesh: Mesh) -> Mesh:
+  """``mesh`` (its devices and axis names) with every axis ``Auto``: the mesh the traced
+  programs' ``shard_map`` calls run over. On a mesh with ``Explicit`` axes (``jax.make_mesh``'s
+  default) the sharding is part of an array's type, and ``shard_map`` checks its inputs'
+  types against its mesh and ``in_specs``; the staged blocks cross from the source mesh to
+  the destination mesh, so no typed array could enter the second program. Over ``Auto``
+  axes the programs take arrays of either kind; :func:`_typed` types the results."""
+  if all(t == AxisType.Auto for t in mesh.axis_types):
+    return mesh
+  return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def _typed(ys: list[jax.Array], dst_mesh: Mesh, dst_specs: Sequence[PartitionSpec]) -> list[Any]:
+  """Results of a program over :func:`auto_mesh` typed in their destination sharding where
+  ``dst_mesh`` has ``Explicit`` axes (``jax.sharding.reshard`` between equal layouts of one
+  device list: no data moves; on a mesh of both axis types the type holds the ``Explicit``
+  axes only), else as they are."""
+  explicit = {
+    n
+    for n, t in zip(dst_mesh.axis_names, dst_mesh.axis_types, strict=True)
+    if t == AxisType.Explicit
+  }
+  if not explicit:
+    return ys
+  with jax.sharding.use_abstract_mesh(dst_mesh.abstract_mesh):
+    return [
+      jax.sharding.reshard(y, NamedSharding(dst_mesh, _only_axes(spec, explicit)))
+      for y, spec in zip(ys, dst_specs, strict=True)
+    ]
+
+
+def _only_axes(spec: PartitionSpec, axes: set[str]) -> PartitionSpec:
+  """``spec`` with the mesh axes not in ``axes`` left out."""
+  if all(n in axes for e in spec if e is not None for n in ((e,) if isinstance(e, str) else e)):
+    return spec
+  entries: list[Any] = []
+  for e in spec:
+    names = () if e is None else (e,) if isinstance(e, str) else tuple(e)
+    kept = tuple(n for n in names if n in axes)
+    entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+  return PartitionSpec(*entries)
 
 
 def _reread(
@@ -2022,21 +2068,22 @@ def _reread(
   dst_specs: Sequence[PartitionSpec],
 ) -> list[jax.Array]:
   """Blocks staged one per mesh position re-read as destination shards (no data moves: the
-  position is the same device in both meshes)."""
-  dst_axes = tuple(dst_mesh.axis_names)
+  position is the same device in both meshes), typed as :func:`_typed` does."""
+  mesh = auto_mesh(dst_mesh)
+  dst_axes = tuple(mesh.axis_names)
   outs = []
-  with jax.sharding.use_abstract_mesh(dst_mesh.abstract_mesh):
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
     for y, shard, spec in zip(moved, shards, dst_specs, strict=True):
       outs.append(
         jax.shard_map(
           lambda b, shape=shard: b.reshape(shape),
-          mesh=dst_mesh,
+          mesh=mesh,
           in_specs=PartitionSpec(dst_axes),
           out_specs=spec,
           check_vma=False,
         )(y)
       )
-  return outs
+  return _typed(outs, dst_mesh, dst_specs)
 
 
 # ---------------------------------------------------------------- transformed plans
@@ -2270,11 +2317,12 @@ def emit_traced_transform(
   """A transformed plan's program on traced arrays inside a computation whose device list
   holds both meshes (in one order, as :func:`emit_traced_move`): ``xs`` are the program's
   inputs, the results its outputs."""
-  axes = tuple(src_mesh.axis_names)
-  with jax.sharding.use_abstract_mesh(src_mesh.abstract_mesh):
+  mesh = auto_mesh(src_mesh)  # see emit_traced_move
+  axes = tuple(mesh.axis_names)
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
     moved = jax.shard_map(
       emit_transform_body(program, axes),
-      mesh=src_mesh,
+      mesh=mesh,
       in_specs=tuple(src_specs),
       out_specs=tuple(PartitionSpec(axes) for _ in program.outputs),
       check_vma=False,

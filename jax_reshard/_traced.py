@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, Sharding
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, Sharding
 
 from jax_reshard._emit import emit_traced_move, emit_traced_transform, plan_word_bytes
 from jax_reshard._errors import ReshardError
@@ -31,24 +31,67 @@ from jax_reshard._tree import Leaf, broadcast_shardings, flatten_tree
 
 
 def _source_sharding(path: str, x: Any, dst: Any) -> Sharding:
-  """The layout JAX knows for a traced value, or a clear error asking for ``src=``."""
+  """The source layout of traced leaf ``x`` from its type, or a :class:`ReshardError` that
+  says what to provide.
+
+  On a mesh whose axes are all ``Explicit`` the type holds the layout,
+  ``jax.typeof(x).sharding``: a ``NamedSharding`` over an ``AbstractMesh`` (axis names and
+  sizes, no devices). It resolves against the concrete mesh of an enclosing ``jax.set_mesh``
+  when that mesh's names and sizes match, else against the destination's mesh when they
+  match, keeping the type's axis types. Either is the computation's device order: JAX
+  refuses (when lowering) a computation whose arguments list the devices in another order
+  than its context mesh or the meshes inside it, so a wrong order is an error, never data
+  in the wrong place. Anything else needs ``src=``.
+  """
   sharding = getattr(jax.typeof(x), "sharding", None)
   mesh = getattr(sharding, "mesh", None)
-  explicit = (
-    mesh is not None
-    and mesh.axis_names
-    and all(str(t).endswith("Explicit") for t in mesh.axis_types)
-  )
-  if isinstance(mesh, Mesh) and explicit:
+  name = path or "<root>"
+  types = tuple(getattr(mesh, "axis_types", ()))
+  if mesh is None or not types or any(t != AxisType.Explicit for t in types):
+    raise ReshardError(
+      f"cannot tell the source layout of traced leaf {name}: inside jax.jit its type holds "
+      f"a layout only on a mesh whose axes are all Explicit, and its mesh is {mesh} "
+      f"(axis types {types}). Pass it explicitly:\n"
+      "  >>> jr.reshard(x, dst, src=NamedSharding(trainer_mesh, P('fsdp', 'tp')))\n"
+      "or make the source mesh with Explicit axes (jax.make_mesh's default)."
+    )
+  if isinstance(mesh, Mesh):
     return sharding  # type: ignore[return-value]
-  dst_mesh = getattr(dst, "mesh", None)
-  if explicit and isinstance(dst_mesh, Mesh) and dst_mesh.abstract_mesh == mesh:
-    return NamedSharding(dst_mesh, sharding.spec)  # type: ignore[union-attr]
+  axes = _axes(mesh)
+  context = _context_mesh()
+  candidates = (context, getattr(dst, "mesh", None))
+  for candidate in candidates:
+    if isinstance(candidate, Mesh) and not candidate.empty and _axes(candidate) == axes:
+      if tuple(candidate.axis_types) != types:
+        candidate = Mesh(candidate.devices, candidate.axis_names, axis_types=types)
+      return NamedSharding(candidate, sharding.spec, memory_kind=sharding.memory_kind)  # type: ignore[union-attr]
+  seen = "no mesh" if context.empty else f"a mesh with axes {_axes(context)}"
+  dst_axes = _axes(candidates[1]) if isinstance(candidates[1], Mesh) else None
   raise ReshardError(
-    f"cannot tell the source layout of traced leaf {path or '<root>'}: inside jax.jit JAX "
-    "only knows it for meshes with Explicit axis types. Pass it explicitly:\n"
-    "  >>> jr.reshard(x, dst, src=NamedSharding(trainer_mesh, P('fsdp', 'tp')))"
+    f"cannot tell the source layout of traced leaf {name}: its type says "
+    f"{sharding.spec} on a mesh with axes {axes} (names and sizes, no devices), and "  # type: ignore[union-attr]
+    f"neither the enclosing jax.set_mesh ({seen}) nor the destination's mesh "
+    f"(axes {dst_axes}) has these axes. Provide one of:\n"
+    "  >>> with jax.set_mesh(trainer_mesh):  # the source's concrete mesh, around the jit call\n"
+    "  ...   y = step(x)\n"
+    "  >>> jr.reshard(x, dst, src=NamedSharding(trainer_mesh, "
+    f"{sharding.spec}))  # inside the jit"  # type: ignore[union-attr]
   )
+
+
+def _context_mesh() -> Mesh:
+  """The concrete mesh of the enclosing ``jax.set_mesh`` (empty when there is none), inside
+  ``jax.jit`` too (where JAX offers only the abstract one publicly)."""
+  try:
+    return jax.sharding.get_mesh()
+  except ValueError:
+    from jax._src import mesh as mesh_lib
+
+    return mesh_lib.get_concrete_mesh()
+
+
+def _axes(mesh: Any) -> dict[str, int]:
+  return dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
 
 
 def reshard_traced(
@@ -209,17 +252,29 @@ def reshard_traced_transform(x: Any, dst: Any, src: Any, transform: Callable[[An
   """``reshard(x, dst, src=src, transform=transform)`` on traced values.
 
   Every source leaf must be on one mesh and every output leaf on one mesh, over the
-  computation's devices in one order (meshes may differ in shape and axis names); ``src=`` is
-  needed unless the source meshes' axes are ``Explicit``. Not differentiable through
+  computation's devices in one order (meshes may differ in shape and axis names); without
+  ``src=`` the source layouts come from the leaves' types (meshes with ``Explicit`` axes), as
+  :func:`_source_sharding` resolves them. Not differentiable through
   ``custom_vjp`` as plain traced reshards are.
   """
-  if src is None:
-    raise ReshardError(
-      "transform= inside jax.jit needs src=: the source Sharding(s), one or a pytree prefix "
-      "of the source tree, e.g. jr.reshard(x, dst, src=train_sharding, transform=f)"
-    )
   flat, treedef = jax.tree_util.tree_flatten_with_path(x)
-  src_list = broadcast_shardings(src, x, treedef, len(flat), "source")
+  if src is None:  # from the leaves' types, as reshard_traced takes them
+    meshes = {
+      s.mesh
+      for s in jax.tree_util.tree_leaves(dst, is_leaf=lambda d: isinstance(d, Sharding))
+      if isinstance(s, NamedSharding)
+    }
+    dst_mesh = NamedSharding(meshes.pop(), PartitionSpec()) if len(meshes) == 1 else None
+    try:
+      src_list = [_source_sharding(jax.tree_util.keystr(p), v, dst_mesh) for p, v in flat]
+    except ReshardError as e:
+      raise ReshardError(
+        "transform= inside jax.jit needs src= where the leaves' types hold no source layout: "
+        "the source Sharding(s), one or a pytree prefix of the source tree, e.g. "
+        f"jr.reshard(x, dst, src=train_sharding, transform=f). {e}"
+      ) from None
+  else:
+    src_list = broadcast_shardings(src, x, treedef, len(flat), "source")
   src_tree = jax.tree_util.tree_unflatten(treedef, src_list)
   _, leaves = flatten_tree(x, src_tree, src_shardings=src_list)
   analysis = analyze(transform, treedef, tuple(leaves))

@@ -125,7 +125,13 @@ def resolve_sharding(s: Sharding | PartitionSpec, path: str, which: str) -> Shar
       "Enter the mesh these shardings were made for (jax.set_mesh(sampler_mesh)), or pass "
       "concrete shardings."
     )
-  return NamedSharding(context, spec, memory_kind=memory_kind)
+  try:
+    return NamedSharding(context, spec, memory_kind=memory_kind)
+  except ValueError as e:  # e.g. an axis the mesh lacks: name the leaf
+    raise ReshardError(
+      f"the {which} of leaf {name} is {what}, which does not fit the mesh of the enclosing "
+      f"jax.set_mesh (axes {dict(context.shape)}): {e}"
+    ) from None
 
 
 def _context_mesh() -> Mesh:

@@ -4,6 +4,7 @@ from collections.abc import Iterator
 
 import jax
 import pytest
+from jax.sharding import AxisType
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -19,3 +20,11 @@ def one_program(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
   jr.plan_cache_clear()
   yield
   jr.plan_cache_clear()
+
+
+@pytest.fixture(params=[AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])
+def mesh_axis_type(request: pytest.FixtureRequest) -> AxisType:
+  """The axis type of the test's meshes: ``Explicit`` (``jax.make_mesh``'s default, the
+  sharding part of an array's type) or ``Auto`` (``Mesh(devices, names)``); make them with
+  ``helpers.make_mesh``."""
+  return request.param

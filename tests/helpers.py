@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jax_reshard import Layout, Topology
 
@@ -45,10 +45,16 @@ def bits(a: Any) -> np.ndarray:
   return a.reshape(-1).view(np.uint8) if a.dtype != np.bool_ else a.reshape(-1).astype(np.uint8)
 
 
-def assert_matches_oracle(y: jax.Array, host: np.ndarray, dst_sharding: Any) -> None:
-  """Every addressable shard of ``y`` equals ``host[index]`` bit for bit, in ``dst_sharding``."""
+def assert_matches_oracle(
+  y: jax.Array, host: np.ndarray, dst_sharding: Any, *, exact: bool = False
+) -> None:
+  """Every addressable shard of ``y`` equals ``host[index]`` bit for bit, in ``dst_sharding``
+  (``exact``: ``y.sharding == dst_sharding``, its mesh's axis types included, not only an
+  equivalent layout)."""
   assert y.shape == host.shape and np.dtype(y.dtype) == host.dtype
   assert y.sharding.is_equivalent_to(dst_sharding, host.ndim), (y.sharding, dst_sharding)
+  if exact:
+    assert y.sharding == dst_sharding, (y.sharding, dst_sharding)
   expect = dst_sharding.addressable_devices_indices_map(host.shape)
   got = {s.device: s for s in y.addressable_shards}
   assert set(got) == set(expect)
@@ -130,11 +136,35 @@ def _factorizations(n: int, max_axes: int = 3) -> list[tuple[int, ...]]:
   return out
 
 
-def random_mesh(rng: np.random.Generator, devices: list[Any], prefix: str) -> Mesh:
+AxisTypes = AxisType | tuple[AxisType, ...]
+
+
+def make_mesh(
+  shape: tuple[int, ...], names: tuple[str, ...], devices: Any, axis_type: AxisTypes = AxisType.Auto
+) -> Mesh:
+  """A mesh of ``devices`` (in this order) whose axes are ``axis_type`` (one type for all, or
+  one per axis): ``Explicit`` as ``jax.make_mesh`` makes them by default, ``Auto`` as
+  ``Mesh(devices, names)`` does."""
+  devices = list(np.asarray(devices, dtype=object).flat)
+  shape = np.empty(len(devices), np.int8).reshape(shape).shape  # -1 resolved
+  types = axis_type if isinstance(axis_type, tuple) else (axis_type,) * len(names)
+  if all(t == AxisType.Explicit for t in types):
+    mesh = jax.make_mesh(shape, names, devices=devices)
+    assert [d.id for d in mesh.devices.flat] == [d.id for d in devices]  # not reordered
+    assert mesh.axis_types == types
+    return mesh
+  return Mesh(np.array(devices, dtype=object).reshape(shape), names, axis_types=types)
+
+
+def random_mesh(
+  rng: np.random.Generator, devices: list[Any], prefix: str, axis_type: AxisTypes = AxisType.Auto
+) -> Mesh:
   options = _factorizations(len(devices))
   sizes = options[rng.integers(len(options))]
   names = tuple(f"{prefix}{i}" for i in range(len(sizes)))
-  return Mesh(np.array(devices, dtype=object).reshape(sizes), names)
+  if isinstance(axis_type, tuple):  # one type per axis, cycled
+    axis_type = tuple(axis_type[i % len(axis_type)] for i in range(len(sizes)))
+  return make_mesh(sizes, names, devices, axis_type)
 
 
 def random_spec(rng: np.random.Generator, mesh: Mesh, rank: int) -> PartitionSpec:
@@ -179,12 +209,21 @@ def device_sets(kind: str, rng: np.random.Generator) -> tuple[list[Any], list[An
   raise ValueError(kind)
 
 
-def random_case(rng: np.random.Generator, kind: str | None = None) -> Case:
+def random_case(
+  rng: np.random.Generator,
+  kind: str | None = None,
+  src_axis_type: AxisTypes = AxisType.Auto,
+  dst_axis_type: AxisTypes | None = None,
+) -> Case:
+  """A random leaf; its meshes' axes are ``src_axis_type`` and ``dst_axis_type`` (by default
+  the source's), see :func:`make_mesh`. The axis types draw nothing from ``rng``."""
   kind = kind or DEVICE_SETS[rng.integers(len(DEVICE_SETS))]
   src_devs, dst_devs = device_sets(kind, rng)
   rank = int(rng.integers(0, 5))
-  src_mesh = random_mesh(rng, src_devs, "s")
-  dst_mesh = random_mesh(rng, dst_devs, "d")
+  src_mesh = random_mesh(rng, src_devs, "s", src_axis_type)
+  dst_mesh = random_mesh(
+    rng, dst_devs, "d", src_axis_type if dst_axis_type is None else dst_axis_type
+  )
   src_spec = random_spec(rng, src_mesh, rank)
   dst_spec = random_spec(rng, dst_mesh, rank)
   shape = []

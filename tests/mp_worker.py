@@ -32,11 +32,11 @@ jax.distributed.initialize(
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import AxisType, Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from helpers import assert_matches_oracle, random_host_array  # noqa: E402
+from helpers import assert_matches_oracle, make_mesh, random_host_array  # noqa: E402
 
 import jax_reshard as jr  # noqa: E402
 from jax_reshard import _cost, _distributed, _emit  # noqa: E402
@@ -54,8 +54,11 @@ def ok(step: str) -> None:
   print(f"OK {step} ({time.monotonic() - T0:.1f} s)", flush=True)
 
 
-def mesh(devices: list[Any], shape: tuple[int, ...], names: tuple[str, ...]) -> Mesh:
-  return Mesh(np.array(devices, dtype=object).reshape(shape), names)
+def mesh(
+  devices: list[Any], shape: tuple[int, ...], names: tuple[str, ...], axis_type: Any = None
+) -> Mesh:
+  """A mesh of ``devices`` in this order, its axes ``Auto`` or ``axis_type``."""
+  return make_mesh(shape, names, devices, AxisType.Auto if axis_type is None else axis_type)
 
 
 def put(host: np.ndarray, sharding: Any) -> jax.Array:
@@ -63,9 +66,11 @@ def put(host: np.ndarray, sharding: Any) -> jax.Array:
   return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx], dtype=host.dtype)
 
 
-def check_tree(ys: Any, hosts: dict[str, np.ndarray], dsts: dict[str, Any]) -> None:
+def check_tree(
+  ys: Any, hosts: dict[str, np.ndarray], dsts: dict[str, Any], *, exact: bool = False
+) -> None:
   for k, host in hosts.items():
-    assert_matches_oracle(ys[k], host, dsts[k])
+    assert_matches_oracle(ys[k], host, dsts[k], exact=exact)
     if PID == 1 and dsts[k].addressable_devices:
       assert ys[k].addressable_shards, k
 
@@ -195,6 +200,35 @@ def case_c() -> None:
   flat = {**ys["params"], "step": ys["state"][0], "mask": ys["state"][1]}
   check_tree(flat, hosts, dst_sh)
   ok("case_c")
+
+
+def case_explicit() -> None:
+  """Meshes with Explicit axes (jax.make_mesh's default), the results exactly in the
+  destination shardings: trainer on process 0 -> sampler on process 1 (a plan, then into
+  donated buffers), and meshes spanning both processes in one device order (another shape),
+  to Explicit and to Auto axes, and back."""
+  e = AxisType.Explicit
+  trainer, sampler = mesh(P0, (2, 2), ("fsdp", "tp"), e), mesh(P1, (4,), ("tp",), e)
+  specs = {"w": ((16, 12), np.float32), "e": ((8, 4), jnp.bfloat16)}
+  src_sh = {"w": NamedSharding(trainer, P("fsdp", "tp")), "e": NamedSharding(trainer, P("tp"))}
+  dst_sh = {"w": NamedSharding(sampler, P(None, "tp")), "e": NamedSharding(sampler, P())}
+  hosts = make_hosts(5, specs)
+  xs = {k: put(h, src_sh[k]) for k, h in hosts.items()}
+  plan = jr.make_plan(xs, dst_sh)
+  ys = plan(xs)
+  check_tree(ys, hosts, dst_sh, exact=True)
+  check_tree(plan(xs, out=ys), hosts, dst_sh, exact=True)
+  everywhere = mesh(DEVS, (4, 2), ("fsdp", "tp"), e)
+  for axis_type in (e, AxisType.Auto):
+    flat = mesh(DEVS, (8,), ("tp",), axis_type)
+    src = {"w": NamedSharding(everywhere, P("fsdp", "tp"))}
+    dst = {"w": NamedSharding(flat, P(None, "tp"))}
+    hosts = make_hosts(6, {"w": ((64, 32), np.float32)})
+    xs = {"w": put(hosts["w"], src["w"])}
+    ys = jr.reshard(xs, dst)
+    check_tree(ys, hosts, dst, exact=True)
+    check_tree(jr.reshard(ys, src), hosts, src, exact=True)
+  ok("case_explicit")
 
 
 def _relay_stats(plan: Any, direct: Any) -> None:
@@ -466,7 +500,8 @@ def die_during(victim: int, *, freeze: bool = False) -> None:
 def main() -> None:
   if SCENARIO == "cases":
     steps = (
-      case_a, case_b, case_c, case_relay, case_slabs, case_transform, built_differently,
+      case_a, case_b, case_c, case_relay, case_slabs, case_transform, case_explicit,
+      built_differently,
       mismatch, missing_peer,
     )  # fmt: skip
     for step in steps:

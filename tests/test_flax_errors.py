@@ -7,7 +7,6 @@ call deleted and changed nothing.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import jax
@@ -82,10 +81,8 @@ def _unchanged(tree: Any, before: list[np.ndarray]) -> None:
 
 
 def _out(plan: Any, x: Any, old: Any) -> Any:
-  """``plan(x, out=old)``, spelled ``donate=old`` where the rename has not landed yet."""
-  if "out" in inspect.signature(plan.__call__).parameters:
-    return plan(x, out=old)
-  return plan(x, donate=old)
+  """``plan(x, out=old)``: the refit into the sampler's current buffers."""
+  return plan(x, out=old)
 
 
 def test_sampler_missing_a_layer() -> None:

@@ -71,15 +71,6 @@ class Meshes:
 @pytest.fixture(params=sorted(PLACEMENTS))
 def meshes(request: pytest.FixtureRequest, kind: str) -> Meshes:
   src_where, dst_where = PLACEMENTS[request.param]
-  if kind == "explicit" and request.param == "colocated":
-    request.applymarker(
-      pytest.mark.xfail(
-        raises=ValueError,
-        strict=False,
-        reason="known, outside this module: the plain eager reshard between colocated "
-        "Explicit meshes of one device order fails too (shard_map in_specs vs the type)",
-      )
-    )
   # JAX's device_put under grad on Explicit meshes of one device set in another order raises
   # "incompatible devices" (its transpose runs in the destination mesh's context).
   dp = not (kind == "explicit" and request.param == "colocated_reordered")

@@ -10,8 +10,8 @@ import resource
 import jax
 import numpy as np
 import pytest
-from helpers import assert_matches_oracle, random_host_array
-from jax.sharding import Mesh, NamedSharding
+from helpers import assert_matches_oracle, make_mesh, random_host_array
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_reshard as jr
@@ -19,28 +19,45 @@ import jax_reshard as jr
 MiB = 1 << 20
 
 
-def _placements() -> dict[str, tuple[NamedSharding, NamedSharding, int]]:
-  """Source, destination and a bound each 8 MiB leaf must be split for. Disjoint and
-  overlapping placements stage 2 MiB placeholder blocks, so their bound leaves 1 MiB for
-  payloads."""
+def _placements(
+  axis_type: AxisType = AxisType.Auto,
+) -> dict[str, tuple[NamedSharding, NamedSharding, int]]:
+  """Source, destination and a bound each 8 MiB leaf must be split for, on meshes of
+  ``axis_type`` axes. Disjoint and overlapping placements stage 2 MiB placeholder blocks, so
+  their bound leaves 1 MiB for payloads."""
   devs = np.array(jax.devices())
+  t = axis_type
   return {
     "disjoint": (
-      NamedSharding(Mesh(devs[:4].reshape(2, 2), ("a", "b")), P("a", "b")),
-      NamedSharding(Mesh(devs[4:], ("t",)), P(None, "t")),
+      NamedSharding(make_mesh((2, 2), ("a", "b"), devs[:4], t), P("a", "b")),
+      NamedSharding(make_mesh((4,), ("t",), devs[4:], t), P(None, "t")),
       3 * MiB,
     ),
     "colocated": (
-      NamedSharding(Mesh(devs.reshape(4, 2), ("a", "b")), P("a", "b")),
-      NamedSharding(Mesh(devs.reshape(2, 4), ("d", "t")), P(None, "t")),
+      NamedSharding(make_mesh((4, 2), ("a", "b"), devs, t), P("a", "b")),
+      NamedSharding(make_mesh((2, 4), ("d", "t"), devs, t), P(None, "t")),
       1 * MiB,
     ),
     "overlapping": (
-      NamedSharding(Mesh(devs[:4], ("a",)), P("a")),
-      NamedSharding(Mesh(devs[2:6], ("t",)), P(None, "t")),
+      NamedSharding(make_mesh((4,), ("a",), devs[:4], t), P("a")),
+      NamedSharding(make_mesh((4,), ("t",), devs[2:6], t), P(None, "t")),
       3 * MiB,
     ),
   }
+
+
+# Every placement on Auto meshes, and one case on Explicit meshes (the colocated one, where
+# the program runs on the arrays as they are).
+PLACEMENT_CASES = pytest.mark.parametrize(
+  "placement, axis_type",
+  [
+    ("disjoint", AxisType.Auto),
+    ("colocated", AxisType.Auto),
+    ("overlapping", AxisType.Auto),
+    ("colocated", AxisType.Explicit),
+  ],
+  ids=["disjoint", "colocated", "overlapping", "colocated-explicit"],
+)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e5m2"])  # float8_e4m3fn has no NaN payloads
@@ -81,9 +98,9 @@ def test_parts_written_in_place_keep_every_bit(dtype: str) -> None:
     assert_matches_oracle(plan(jax.device_put(flipped, src), out=y), flipped, dst)
 
 
-@pytest.mark.parametrize("placement", ["disjoint", "colocated", "overlapping"])
-def test_huge_leaf_is_split_under_the_bound(placement: str) -> None:
-  src, dst, bound = _placements()[placement]
+@PLACEMENT_CASES
+def test_huge_leaf_is_split_under_the_bound(placement: str, axis_type: AxisType) -> None:
+  src, dst, bound = _placements(axis_type)[placement]
   host = np.random.default_rng(0).standard_normal((2048, 1024)).astype(np.float32)  # 8 MiB
   x = jax.device_put(host, src)
   whole = jr.make_plan(x, dst)
@@ -100,10 +117,10 @@ def test_huge_leaf_is_split_under_the_bound(placement: str) -> None:
   )
   analyses = plan.memory_analysis()
   assert all(m.alias_size_in_bytes > 0 for m in analyses[1:])
-  assert_matches_oracle(plan(x), host, dst)
+  assert_matches_oracle(plan(x), host, dst, exact=True)
   # Refit into a donated shard holding other data: every element is written.
   old = jr.reshard(jax.device_put(-host, src), dst)
-  assert_matches_oracle(plan(x, out=old), host, dst)
+  assert_matches_oracle(plan(x, out=old), host, dst, exact=True)
   assert_matches_oracle(x, host, src)  # the source is untouched
 
 
@@ -134,10 +151,10 @@ def test_bound_below_the_smallest_chunk_is_an_error() -> None:
   assert plan.stats.peak_staging_bytes <= e.value.minimum_bytes + MiB // 4
 
 
-def _tree() -> tuple[dict, dict, dict]:
+def _tree(axis_type: AxisType = AxisType.Auto) -> tuple[dict, dict, dict]:
   devs = np.array(jax.devices())
-  src = NamedSharding(Mesh(devs.reshape(4, 2), ("fsdp", "tp")), P("fsdp", "tp"))
-  dst = NamedSharding(Mesh(devs.reshape(2, 4), ("dp", "tp")), P(None, "tp"))
+  src = NamedSharding(make_mesh((4, 2), ("fsdp", "tp"), devs, axis_type), P("fsdp", "tp"))
+  dst = NamedSharding(make_mesh((2, 4), ("dp", "tp"), devs, axis_type), P(None, "tp"))
   rng = np.random.default_rng(1)
   hosts = {
     "w": rng.standard_normal((256, 128)).astype(np.float32),
@@ -150,9 +167,15 @@ def _tree() -> tuple[dict, dict, dict]:
   return x, dsts, hosts
 
 
-@pytest.mark.parametrize("bound", [1 << 30, 16 * 1024], ids=["whole", "chunks"])
-def test_donate_reuses_and_deletes_exactly_the_donated_buffers(bound: int) -> None:
-  x, dst, hosts = _tree()
+@pytest.mark.parametrize(
+  "bound, axis_type",
+  [(1 << 30, AxisType.Auto), (16 * 1024, AxisType.Auto), (16 * 1024, AxisType.Explicit)],
+  ids=["whole", "chunks", "chunks-explicit"],
+)
+def test_donate_reuses_and_deletes_exactly_the_donated_buffers(
+  bound: int, axis_type: AxisType
+) -> None:
+  x, dst, hosts = _tree(axis_type)
   plan = jr.make_plan(x, dst, max_bucket_bytes=bound)
   assert (plan.stats.num_buckets > 1) == (bound < 1 << 30)
   old = plan(x)
@@ -164,7 +187,7 @@ def test_donate_reuses_and_deletes_exactly_the_donated_buffers(bound: int) -> No
   for k, h in hosts.items():
     assert old[k].is_deleted()
     assert not x[k].is_deleted() and not other[k].is_deleted()
-    assert_matches_oracle(new[k], np.asarray(h), dst[k])
+    assert_matches_oracle(new[k], np.asarray(h), dst[k], exact=True)
     assert_matches_oracle(other[k], np.asarray(h), dst[k])
   # The result lives in the donated buffers.
   assert (
@@ -172,7 +195,7 @@ def test_donate_reuses_and_deletes_exactly_the_donated_buffers(bound: int) -> No
   )
   again = jr.reshard(x, dst, out=new, max_bucket_bytes=bound)
   assert new["w"].is_deleted() and not x["w"].is_deleted()
-  assert_matches_oracle(again["w"], hosts["w"], dst["w"])
+  assert_matches_oracle(again["w"], hosts["w"], dst["w"], exact=True)
 
 
 def test_mismatched_donate_is_an_error_and_deletes_nothing() -> None:
@@ -269,12 +292,14 @@ def test_donated_whole_leaves_compile_without_an_extra_copy(make) -> None:
   )
 
 
-@pytest.mark.parametrize("placement", ["disjoint", "colocated", "overlapping"])
-def test_split_leaf_chunks_are_written_in_place_without_a_copy(placement: str) -> None:
+@PLACEMENT_CASES
+def test_split_leaf_chunks_are_written_in_place_without_a_copy(
+  placement: str, axis_type: AxisType
+) -> None:
   """Chunks are written after the per-role switch (offsets by position): the donated
   destination block is updated where it is, so no bucket needs scratch of its size beyond the
   received payloads (before, the switch copied it)."""
-  src, dst, bound = _placements()[placement]
+  src, dst, bound = _placements(axis_type)[placement]
   x = jax.device_put(np.zeros((2048, 1024), np.float32), src)
   plan = jr.make_plan(x, dst, max_bucket_bytes=bound)
   block = 2048 * 256 * 4  # the destination block of one device
