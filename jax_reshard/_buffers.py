@@ -159,7 +159,11 @@ def weakly_typed(y: jax.Array) -> jax.Array:
   from jax._src.lax import lax as lax_internal
 
   if isinstance(y, jax.core.Tracer):
-    return lax_internal._convert_element_type(y, weak_type=True)
+    mesh = getattr(jax.typeof(y).sharding, "mesh", None)
+    if mesh is None or mesh.empty:
+      return lax_internal._convert_element_type(y, weak_type=True)
+    with jax.sharding.use_abstract_mesh(mesh):  # a value typed on the destination's mesh
+      return lax_internal._convert_element_type(y, weak_type=True)
   return _weaken(y)
 
 
