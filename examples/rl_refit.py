@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_reshard as jr
@@ -203,13 +203,15 @@ def make_meshes(placement: str) -> tuple[Mesh, Mesh]:
       'jax.config.update("jax_num_cpu_devices", 8) before using JAX'
     )
   devs = devs[:8]
-  # jax.make_mesh, as JAX users make meshes (Explicit axes).
+  # jax.make_mesh with Auto axes: the policy's layers shard through logical-axis constraints
+  # (nnx.logical_axis_rules), which is how Flax's partitioned models run.
+  auto = lambda n: (AxisType.Auto,) * n
   if placement == "disjoint":
-    trainer = jax.make_mesh((2, 2), ("fsdp", "tp"), devices=list(devs[:4]))
-    return trainer, jax.make_mesh((4,), ("tp",), devices=list(devs[4:]))
+    trainer = jax.make_mesh((2, 2), ("fsdp", "tp"), devices=list(devs[:4]), axis_types=auto(2))
+    return trainer, jax.make_mesh((4,), ("tp",), devices=list(devs[4:]), axis_types=auto(1))
   if placement == "colocated":
-    trainer = jax.make_mesh((4, 2), ("fsdp", "tp"), devices=list(devs))
-    return trainer, jax.make_mesh((2, 4), ("dp", "tp"), devices=list(devs))
+    trainer = jax.make_mesh((4, 2), ("fsdp", "tp"), devices=list(devs), axis_types=auto(2))
+    return trainer, jax.make_mesh((2, 4), ("dp", "tp"), devices=list(devs), axis_types=auto(2))
   raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
 
 

@@ -67,8 +67,7 @@ class LeafEdge:
 
   @property
   def dst_memory(self) -> str | None:
-    kind = getattr(self.dst_sharding, "memory_kind", None)
-    return None if kind in (None, "device") else kind
+    return _non_device_kind(self.dst_sharding)
 
 
 @functools.cache
