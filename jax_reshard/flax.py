@@ -14,7 +14,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -133,7 +132,7 @@ def refit(
   if plain:
     # The trainer's Variables carry its own metadata: the destination and out= trees take
     # the trainer's structure, with the sampler's leaves (same paths, so the same order).
-    treedef = jax.tree_util.tree_structure(src)
+    treedef: Any = jax.tree_util.tree_structure(src)
     dst_leaves = jax.tree_util.tree_leaves(dst_state)
     if len(dst_leaves) != treedef.num_leaves:
       raise ReshardError(
@@ -142,10 +141,11 @@ def refit(
       )
     dst = jax.tree_util.tree_unflatten(treedef, dst_leaves)
     old = None if old is None else dst
-  plan = make_plan(
-    src, dst, max_bucket_bytes=max_bucket_bytes, topology=topology, relays=relays,
-    transform=transform,
-  )  # fmt: skip
+  plan: Any = (
+    make_plan(src, dst, max_bucket_bytes=max_bucket_bytes, topology=topology, relays=relays)
+    if transform is None
+    else make_plan(src, dst, max_bucket_bytes=max_bucket_bytes, transform=transform)
+  )
   new = plan(src, out=old)
   if plain:
     values = jax.tree_util.tree_leaves(new)
@@ -217,15 +217,16 @@ def refit_jit(
   transformed = transform is not None
   renamed_src = _source_tree(src_shardings, dst_shardings, paths, transformed)
 
-  @functools.partial(nnx.jit, out_shardings=(None, dst_shardings), **jit_kwargs)
   def fused(trainer: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
     out = train_step(trainer, *args, **kwargs)
     values = nnx.to_pure_dict(nnx.state(trainer, filter))
     x = _source_tree(values, dst_shardings, paths, transformed)
     return out, reshard(x, dst_shardings, src=renamed_src, transform=transform)
 
+  jitted: Any = nnx.jit(fused, out_shardings=(None, dst_shardings), **jit_kwargs)
+
   def step(trainer: Any, *args: Any, **kwargs: Any) -> Any:
-    out, new = fused(trainer, *args, **kwargs)
+    out, new = jitted(trainer, *args, **kwargs)
     _write(sampler, nnx.state(sampler, filter), new)
     return out
 
