@@ -36,6 +36,7 @@ LAYERS = [
   "_reshard",
   "__init__",
   "flax",
+  "tunix",
   "_demo",
   "__main__",
 ]
