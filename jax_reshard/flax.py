@@ -88,8 +88,7 @@ def refit(
       topology), ``False`` or ``"auto"``.
 
   Returns:
-    The plan that ran (``plan.stats`` has the bytes moved): a :class:`~jax_reshard.ReshardPlan`,
-    or a :class:`~jax_reshard.TransformPlan` with ``transform``.
+    The plan that ran (a ``jr.ReshardPlan``, or ``jr.TransformPlan`` with ``transform``).
 
   Raises:
     ReshardError: the two states differ in paths, shapes or dtypes (after ``paths`` and
@@ -99,55 +98,17 @@ def refit(
   """
   src_state = trainer if isinstance(trainer, nnx.State) else nnx.state(trainer, filter)
   dst_state = nnx.state(sampler, filter)
-  if any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves(src_state)):
-    raise ReshardError(
-      "jr_flax.refit got traced values (inside jax.jit / nnx.jit). Make the jitted refit "
-      "eagerly from the two models and call it inside the jit:\n"
-      "  >>> step = jr_flax.refit_jit(train_step, trainer, sampler, donate_argnums=(0, 1))\n"
-      "  >>> loss = step(trainer, optimizer, batch)  # trains, then refits, in one jit"
-    )
-  dst: Any = nnx.to_pure_dict(dst_state)
-  plain = paths is None and transform is None
-  # Plain refits plan on the trainer's nnx.State (the plan then takes one, as before);
-  # renames and transforms plan on pure dicts (nnx.to_pure_dict) of the two states.
-  src = (
-    src_state
-    if plain
-    else _source_tree(nnx.to_pure_dict(src_state), dst, paths, transform is not None)
-  )
-  old = None
+  _refuse_tracers(src_state)
+  src, dst = _trees(src_state, dst_state, paths, transform)
   if out:
-    abstract = [
-      jax.tree_util.keystr(p)
-      for p, v in jax.tree_util.tree_flatten_with_path(dst)[0]
-      if not isinstance(v, jax.Array)
-    ]
-    if abstract:
-      raise ReshardError(
-        f"out=True writes into the sampler's current arrays, but {len(abstract)} of its "
-        f"variables are abstract (jax.ShapeDtypeStruct, e.g. {abstract[0]}): refit once with "
-        "out=False (the default) to give the sampler arrays, then refit with out=True."
-      )
-    old = dst
-  if plain:
-    # The trainer's Variables carry its own metadata: the destination and out= trees take
-    # the trainer's structure, with the sampler's leaves (same paths, so the same order).
-    treedef: Any = jax.tree_util.tree_structure(src)
-    dst_leaves = jax.tree_util.tree_leaves(dst_state)
-    if len(dst_leaves) != treedef.num_leaves:
-      raise ReshardError(
-        f"the trainer has {treedef.num_leaves} variables and the sampler {len(dst_leaves)} "
-        "under the filter; map a sampler of another structure with paths= or transform="
-      )
-    dst = jax.tree_util.tree_unflatten(treedef, dst_leaves)
-    old = None if old is None else dst
+    _refuse_abstract(dst)
   plan: Any = (
     make_plan(src, dst, max_bucket_bytes=max_bucket_bytes, topology=topology, relays=relays)
     if transform is None
     else make_plan(src, dst, max_bucket_bytes=max_bucket_bytes, transform=transform)
   )
-  new = plan(src, out=old)
-  if plain:
+  new = plan(src, out=dst if out else None)
+  if isinstance(src, nnx.State):
     values = jax.tree_util.tree_leaves(new)
     nnx.update(
       sampler, jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(dst_state), values)
@@ -155,6 +116,54 @@ def refit(
   else:
     _write(sampler, dst_state, new)
   return plan
+
+
+def _trees(
+  src_state: nnx.State, dst_state: nnx.State, paths: Paths | None, transform: Any
+) -> tuple[Any, Any]:
+  """The source and destination trees of the plan.
+
+  Plain refits plan on the trainer's ``nnx.State`` (the plan then takes one); the destination
+  takes the trainer's structure, with the sampler's leaves (same paths, so the same order), as
+  the trainer's Variables carry their own metadata. Renames and transforms plan on pure dicts
+  (``nnx.to_pure_dict``) of the two states.
+  """
+  dst: Any = nnx.to_pure_dict(dst_state)
+  if paths is not None or transform is not None:
+    src = _source_tree(nnx.to_pure_dict(src_state), dst, paths, transform is not None)
+    return src, dst
+  treedef: Any = jax.tree_util.tree_structure(src_state)
+  dst_leaves = jax.tree_util.tree_leaves(dst_state)
+  if len(dst_leaves) != treedef.num_leaves:
+    raise ReshardError(
+      f"the trainer has {treedef.num_leaves} variables and the sampler {len(dst_leaves)} "
+      "under the filter; map a sampler of another structure with paths= or transform="
+    )
+  return src_state, jax.tree_util.tree_unflatten(treedef, dst_leaves)
+
+
+def _refuse_tracers(src_state: nnx.State) -> None:
+  if any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves(src_state)):
+    raise ReshardError(
+      "jr_flax.refit got traced values (inside jax.jit / nnx.jit). Make the jitted refit "
+      "eagerly from the two models and call it inside the jit:\n"
+      "  >>> step = jr_flax.refit_jit(train_step, trainer, sampler, donate_argnums=(0, 1))\n"
+      "  >>> loss = step(trainer, optimizer, batch)  # trains, then refits, in one jit"
+    )
+
+
+def _refuse_abstract(dst: Any) -> None:
+  abstract = [
+    jax.tree_util.keystr(p)
+    for p, v in jax.tree_util.tree_flatten_with_path(dst)[0]
+    if not isinstance(v, jax.Array)
+  ]
+  if abstract:
+    raise ReshardError(
+      f"out=True writes into the sampler's current arrays, but {len(abstract)} of its "
+      f"variables are abstract (jax.ShapeDtypeStruct, e.g. {abstract[0]}): refit once with "
+      "out=False (the default) to give the sampler arrays, then refit with out=True."
+    )
 
 
 def refit_jit(

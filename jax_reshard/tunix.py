@@ -140,7 +140,8 @@ class ReshardRollout(vanilla_rollout.VanillaRollout):
       values = self._move(paths, src, dst, out=True)
       self.update_count += 1
     old.update(zip(paths, values, strict=True))
-    model = nnx.merge(self._sampler._transformer_graphdef, jax.tree.unflatten(treedef, old.values()))  # noqa: SLF001
+    graphdef, _ = self._sampler.model_def_and_state()
+    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, old.values()))
     self._sampler.transformer_state = nnx.variables(model, nnx.Param)
 
   def _move(self, paths: list[Path], src: list[Any], dst: list[Any], *, out: bool) -> list[Any]:
