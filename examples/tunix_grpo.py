@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -35,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 PLACEMENTS = ("disjoint", "overlapping", "colocated")
 WORDS = ("<pad>", "<s>", "</s>", *(f"w{i}" for i in range(29)))  # 32 tokens
@@ -45,7 +44,9 @@ def make_meshes(placement: str) -> tuple[Mesh, Mesh]:
   """Trainer and rollout meshes, both with Tunix's axis names ``fsdp`` and ``tp``."""
   devs = np.array(jax.devices()[:8])
   if placement == "disjoint":
-    return Mesh(devs[:4].reshape(2, 2), ("fsdp", "tp")), Mesh(devs[4:].reshape(1, 4), ("fsdp", "tp"))
+    return Mesh(devs[:4].reshape(2, 2), ("fsdp", "tp")), Mesh(
+      devs[4:].reshape(1, 4), ("fsdp", "tp")
+    )
   if placement == "overlapping":
     return Mesh(devs[:4].reshape(2, 2), ("fsdp", "tp")), Mesh(
       devs[2:6].reshape(1, 4), ("fsdp", "tp")
@@ -56,7 +57,7 @@ def make_meshes(placement: str) -> tuple[Mesh, Mesh]:
 
 
 def model_config(size: str = "tiny") -> Any:
-  """A Llama3 config: ``tiny`` (about 4K parameters) or ``small`` (about 1.2M)."""
+  """A Llama3 config: ``tiny`` (about 4K parameters) or ``small`` (about 1.9M)."""
   from tunix.models.llama3 import model as llama3
 
   dims = {"tiny": (1, 16, 32, 4), "small": (2, 256, 1024, 32)}[size]
@@ -149,8 +150,9 @@ def make_cluster(
 
   trainer_mesh, rollout_mesh = make_meshes(placement)
   role = rl_cluster_lib.Role
+  meshes = {role.ACTOR: trainer_mesh, role.REFERENCE: trainer_mesh, role.ROLLOUT: rollout_mesh}
   config = rl_cluster_lib.ClusterConfig(
-    role_to_mesh={role.ACTOR: trainer_mesh, role.REFERENCE: trainer_mesh, role.ROLLOUT: rollout_mesh},
+    role_to_mesh=meshes,
     rollout_engine=ReshardRollout if engine == "reshard" else engine,  # type: ignore[arg-type]
     offload_to_cpu=offload_to_cpu,
     training_config=rl_cluster_lib.RLTrainingConfig(
@@ -182,7 +184,7 @@ def run_grpo(cluster: Any, steps: int = 2, *, on_sync: Callable[[Any], None] | N
     before = counter.count
     start = time.perf_counter()
     update(params, filter_types)
-    jax.block_until_ready(jax.tree.leaves(rollout._sampler.transformer_state))  # noqa: SLF001
+    jax.block_until_ready(jax.tree.leaves(rollout._sampler.transformer_state))
     times.append(time.perf_counter() - start)
     compiles.append(counter.count - before)
     if on_sync is not None:
@@ -223,7 +225,7 @@ class _CompileCounter:
 
 
 _COUNTER = _CompileCounter()
-jax.monitoring.register_event_duration_secs_listener(_COUNTER._listen)  # noqa: SLF001
+jax.monitoring.register_event_duration_secs_listener(_COUNTER._listen)
 
 
 def main(argv: list[str] | None = None) -> int:

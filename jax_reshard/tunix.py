@@ -170,8 +170,4 @@ class ReshardRollout(vanilla_rollout.VanillaRollout):
 def _same_layout(x: Any, y: Any) -> bool:
   """Same shape, dtype, devices and partitioning (the memory kind may differ)."""
   sx, sy = x.sharding, y.sharding
-  return (
-    x.shape == y.shape
-    and x.dtype == y.dtype
-    and sx.with_memory_kind(sy.memory_kind) == sy
-  )
+  return x.shape == y.shape and x.dtype == y.dtype and sx.with_memory_kind(sy.memory_kind) == sy
