@@ -101,6 +101,7 @@ def test_grpo_syncs_the_rollout_exactly_without_recompiling(run: str) -> None:
     for p, x in _flat(rollout._sampler.transformer_state).items()
   }
   synced: list[int] = []
+  values: list[dict[Any, np.ndarray]] = []
 
   def check(cluster: Any) -> None:
     filter_type = nnx.LoRAParam if options.get("lora") else nnx.Param
@@ -120,11 +121,14 @@ def test_grpo_syncs_the_rollout_exactly_without_recompiling(run: str) -> None:
         assert not _buffers(got) & trainer_buffers, path
       if options.get("lora"):  # the base weights stay as they were
         assert all(held[p].dtype == dtype for p in held if p not in trainer)
+      values.append({p: np.asarray(x) for p, x in trainer.items()})
     synced.append(len(trainer))
 
   result = tunix_grpo.run_grpo(cluster, STEPS, on_sync=check)
   assert len(synced) == STEPS and rollout.update_count == STEPS  # once per global step
   assert len(result.sync_seconds) == STEPS
+  # GRPO changed the trainer's weights between the two syncs: the second one moved new values.
+  assert any(not np.array_equal(values[0][p], values[1][p]) for p in values[0])
   assert result.compiles_per_sync[1:] == [0] * (STEPS - 1), result.compiles_per_sync
   assert rollout.plans_made <= 2  # the layouts at init, and after the first jitted step
   if options.get("lora"):
