@@ -8,8 +8,8 @@ on the trainer's devices, results land in the rollout's own buffers).
 
 The policy is a tiny Llama3 from ``tunix.models`` with random weights, the tokenizer a toy
 word vocabulary, the reward the fraction of completion words from the first half of the
-vocabulary: not a task worth learning, what is exercised is Tunix's loop (rollout, rewards, advantages, the actor's update, the
-weight sync) with trainer and rollout on their own meshes:
+vocabulary: not a task worth learning; what is exercised is Tunix's loop (rollout, rewards,
+advantages, the actor's update, the weight sync) with trainer and rollout on their own meshes:
 
 - ``disjoint``: trainer ``fsdp=2 x tp=2`` on devices 0-3, rollout ``fsdp=1 x tp=4`` on 4-7;
 - ``overlapping``: trainer on devices 0-3, rollout on devices 2-5;
