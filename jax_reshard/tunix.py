@@ -120,7 +120,6 @@ class ReshardRollout(vanilla_rollout.VanillaRollout):
         head_dim=config.head_dim,
       ),
     )
-    self.update_count = 0
 
   def update_params(self, params: Any, filter_types: tuple[Any, ...] | None = None) -> None:
     """Sets the rollout's weights to ``params`` (the trainer's ``Param``s or ``LoRAParam``s).

@@ -310,6 +310,20 @@ def test_refit_out_true_writes_into_the_samplers_arrays(kind: str) -> None:
     _assert_refitted(trainer, sampler_bf16, jnp.bfloat16)
 
 
+@MESH_KINDS
+def test_refit_colocated_cast_and_out(kind: str) -> None:
+  """Trainer fsdp=4 x tp=2 and sampler dp=2 x tp=4 on the same 8 devices, eagerly."""
+  trainer, sampler = _models(kind, colocated=True, dtype=jnp.bfloat16)
+  specs = nnx.get_partition_spec(nnx.state(sampler, nnx.Param))
+  for _ in range(2):
+    old = jax.tree.leaves(nnx.state(sampler, nnx.Param))
+    plan = jr_flax.refit(trainer, sampler, transform=_to_bf16, out=True)
+    assert all(a.is_deleted() for a in old)
+    _assert_refitted(trainer, sampler, jnp.bfloat16)
+  assert nnx.get_partition_spec(nnx.state(sampler, nnx.Param)) == specs
+  assert plan.stats.local_copy_bytes > 0  # part of every sampler shard was already there
+
+
 def test_refit_out_true_into_an_abstract_sampler_raises() -> None:
   trainer, sampler = _trainer(), _abstract_sampler()
   with jax.set_mesh(SAMPLER), pytest.raises(jr.ReshardError, match=r"(?s)abstract.*out=False"):

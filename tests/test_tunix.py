@@ -27,6 +27,18 @@ needs_tunix = pytest.mark.skipif(not HAS_TUNIX, reason="needs the tunix extra")
 STEPS = 2
 
 
+@pytest.fixture(autouse=True)
+def _flax_config_restored() -> Any:
+  """Importing Tunix's models turns Flax's ``flax_always_shard_variable`` off for the whole
+  process (once): each test here runs with it off, as Tunix expects, and later tests get it
+  back as it was."""
+  flax = pytest.importorskip("flax")
+  before = flax.config.flax_always_shard_variable
+  flax.config.update("flax_always_shard_variable", False)
+  yield
+  flax.config.update("flax_always_shard_variable", before)
+
+
 def test_import_jax_reshard_needs_neither_flax_nor_tunix() -> None:
   code = textwrap.dedent(
     """
