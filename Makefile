@@ -9,11 +9,11 @@ BENCH_STAMP := $(VENV)/.installed-bench
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,flax,viz,notebooks]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,flax,viz,notebooks,tunix]'
 	touch $@
 
 $(BENCH_STAMP): $(STAMP)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,flax,viz,notebooks,bench]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,flax,viz,notebooks,tunix,bench]'
 	touch $@
 
 lint: $(STAMP)

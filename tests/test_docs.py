@@ -27,9 +27,14 @@ WITH_EXAMPLES = {
   "jax_reshard._transform",
 }
 
+# Modules of an optional extra (installed by `make test`): skipped without it.
+OPTIONAL = {"jax_reshard.tunix": "tunix"}
+
 
 @pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples(name: str) -> None:
+  if name in OPTIONAL:
+    pytest.importorskip(OPTIONAL[name])
   module = importlib.import_module(name)
   runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
   out = io.StringIO()

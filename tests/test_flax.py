@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -269,3 +270,219 @@ def test_partition_spec_destination_inside_jit_under_set_mesh(mesh_axis_type: Ax
   with jax.set_mesh(sample):
     y = jax.jit(lambda x: jr.reshard(x, P(None, "tp"), src=src), out_shardings=dst)(x)
   assert_matches_oracle(y, host, dst, exact=True)
+
+
+# --- refit(transform=, paths=, out=) and refit_jit, on Explicit (jax.make_mesh) and Auto meshes
+
+
+def _meshes(kind: str, colocated: bool = False) -> tuple[Mesh, Mesh]:
+  devs = list(jax.devices())
+  shapes = [((4, 2), ("fsdp", "tp"), devs), ((2, 4), ("dp", "tp"), devs)]
+  if not colocated:
+    shapes = [((2, 2), ("fsdp", "tp"), devs[:4]), ((4,), ("tp",), devs[4:])]
+  if kind == "explicit":
+    return tuple(jax.make_mesh(s, n, devices=d) for s, n, d in shapes)  # type: ignore[return-value]
+  return tuple(Mesh(np.array(d).reshape(s), n) for s, n, d in shapes)  # type: ignore[return-value]
+
+
+MESH_KINDS = pytest.mark.parametrize("kind", ["explicit", "auto"])
+
+
+def _models(kind: str, colocated: bool = False, dtype: Any = jnp.float32) -> tuple[Mlp, Mlp]:
+  train, sample = _meshes(kind, colocated)
+  with jax.set_mesh(train):
+    trainer = Mlp(("fsdp", "tp"), rngs=nnx.Rngs(0))
+  with jax.set_mesh(sample):
+    sampler = Mlp((None, "tp"), rngs=nnx.Rngs(1))
+  if dtype != jnp.float32:
+    for _, v in nnx.to_flat_state(nnx.state(sampler, nnx.Param)):
+      v.set_value(v.get_value().astype(dtype))
+  return trainer, sampler
+
+
+def _to_bf16(tree: Any) -> Any:
+  return jax.tree.map(lambda x: x.astype(jnp.bfloat16), tree)
+
+
+def _assert_refitted(trainer: Mlp, sampler: Mlp, dtype: Any = None, *, aliased: bool = False):
+  want = nnx.to_pure_dict(nnx.state(trainer, nnx.Param))
+  got = nnx.to_pure_dict(nnx.state(sampler, nnx.Param))
+  for (path, w), g in zip(
+    jax.tree_util.tree_flatten_with_path(want)[0], jax.tree.leaves(got), strict=True
+  ):
+    w = np.asarray(w if dtype is None else w.astype(dtype))
+    assert g.dtype == w.dtype, path
+    np.testing.assert_array_equal(np.asarray(g), w, err_msg=jax.tree_util.keystr(path))
+
+
+@MESH_KINDS
+def test_refit_casts_to_bf16_on_the_sender_and_keeps_metadata(kind: str) -> None:
+  trainer, sampler = _models(kind, dtype=jnp.bfloat16)
+  specs = nnx.get_partition_spec(nnx.state(sampler, nnx.Param))
+  shardings = [x.sharding for x in jax.tree.leaves(nnx.state(sampler, nnx.Param))]
+  plan = jr_flax.refit(trainer, sampler, transform=_to_bf16)
+  _assert_refitted(trainer, sampler, jnp.bfloat16)
+  assert nnx.get_partition_spec(nnx.state(sampler, nnx.Param)) == specs
+  assert sampler.up.kernel.get_metadata()["out_sharding"] == (None, "tp")
+  assert [x.sharding for x in jax.tree.leaves(nnx.state(sampler, nnx.Param))] == shardings
+  src = nnx.to_pure_dict(nnx.state(trainer, nnx.Param))
+  dst = jax.tree.map(lambda x: x.sharding, nnx.to_pure_dict(nnx.state(sampler, nnx.Param)))
+  f32 = jr.make_plan(src, dst)
+  assert 2 * plan.stats.bytes_moved == f32.stats.bytes_moved  # bf16 bytes move
+
+
+@MESH_KINDS
+def test_refit_out_true_writes_into_the_samplers_arrays(kind: str) -> None:
+  trainer, sampler = _models(kind)
+  old = jax.tree.leaves(nnx.state(sampler, nnx.Param))
+  jr_flax.refit(trainer, sampler, out=True)
+  assert all(a.is_deleted() for a in old)
+  _assert_refitted(trainer, sampler)
+  assert not any(x.is_deleted() for x in jax.tree.leaves(nnx.state(trainer, nnx.Param)))
+  # Again, with a cast and new trainer values: the sampler's new arrays are reused in turn.
+  trainer.up.kernel.set_value(trainer.up.kernel.get_value() * 2)
+  sampler_bf16 = _models(kind, dtype=jnp.bfloat16)[1]
+  for _ in range(2):
+    old = jax.tree.leaves(nnx.state(sampler_bf16, nnx.Param))
+    jr_flax.refit(trainer, sampler_bf16, transform=_to_bf16, out=True)
+    assert all(a.is_deleted() for a in old)
+    _assert_refitted(trainer, sampler_bf16, jnp.bfloat16)
+
+
+@MESH_KINDS
+def test_refit_colocated_cast_and_out(kind: str) -> None:
+  """Trainer fsdp=4 x tp=2 and sampler dp=2 x tp=4 on the same 8 devices, eagerly."""
+  trainer, sampler = _models(kind, colocated=True, dtype=jnp.bfloat16)
+  specs = nnx.get_partition_spec(nnx.state(sampler, nnx.Param))
+  for _ in range(2):
+    old = jax.tree.leaves(nnx.state(sampler, nnx.Param))
+    plan = jr_flax.refit(trainer, sampler, transform=_to_bf16, out=True)
+    assert all(a.is_deleted() for a in old)
+    _assert_refitted(trainer, sampler, jnp.bfloat16)
+  assert nnx.get_partition_spec(nnx.state(sampler, nnx.Param)) == specs
+  assert plan.stats.local_copy_bytes > 0  # part of every sampler shard was already there
+
+
+def test_refit_out_true_into_an_abstract_sampler_raises() -> None:
+  trainer, sampler = _trainer(), _abstract_sampler()
+  with jax.set_mesh(SAMPLER), pytest.raises(jr.ReshardError, match=r"(?s)abstract.*out=False"):
+    jr_flax.refit(trainer, sampler, out=True)
+  assert isinstance(sampler.up.kernel.get_value(), jax.ShapeDtypeStruct)
+  assert all(not x.is_deleted() for x in jax.tree.leaves(nnx.state(trainer, nnx.Param)))
+
+
+class Sampler(nnx.Module):
+  def __init__(self, dtype: Any, *, rngs: nnx.Rngs) -> None:
+    init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "tp"))
+    self.w_in = nnx.Param(init(rngs.params(), (8, 16), dtype))
+    self.out = nnx.Linear(16, 8, kernel_init=init, param_dtype=dtype, rngs=rngs)
+    self.w_in_bias = nnx.Param(jnp.zeros((16,), dtype))
+    self.stacked = nnx.Param(init(rngs.params(), (2, 16, 8), dtype))
+
+
+@MESH_KINDS
+def test_refit_paths_renames_and_moves(kind: str) -> None:
+  train, sample = _meshes(kind)
+  trainer = _models(kind)[0]
+  with jax.set_mesh(sample):
+    sampler = nnx.Sequential(Mlp((None, "tp"), rngs=nnx.Rngs(2)))
+  # The same Mlp under layers/0: a function of the sampler path gives the trainer path.
+  jr_flax.refit(trainer, sampler, paths=lambda p: p[2:])
+  got = nnx.to_pure_dict(nnx.state(sampler, nnx.Param))["layers"][0]
+  want = nnx.to_pure_dict(nnx.state(trainer, nnx.Param))
+  jax.tree.map(lambda g, w: np.testing.assert_array_equal(np.asarray(g), np.asarray(w)), got, want)
+  # A mapping, into a module of another structure (string and tuple paths).
+  with jax.set_mesh(sample):
+    other = Sampler(jnp.float32, rngs=nnx.Rngs(3))
+  del other.stacked
+  mapping = {
+    "w_in": "up/kernel",
+    ("out", "kernel"): ("down", "kernel"),
+    "out/bias": "down/bias",
+    "w_in_bias": ("up", "bias"),
+  }
+  specs = nnx.get_partition_spec(nnx.state(other, nnx.Param))
+  jr_flax.refit(trainer, other, paths=mapping, out=True)
+  np.testing.assert_array_equal(np.asarray(other.w_in[...]), np.asarray(trainer.up.kernel[...]))
+  np.testing.assert_array_equal(
+    np.asarray(other.out.kernel[...]), np.asarray(trainer.down.kernel[...])
+  )
+  np.testing.assert_array_equal(np.asarray(other.w_in_bias[...]), np.asarray(trainer.up.bias[...]))
+  assert nnx.get_partition_spec(nnx.state(other, nnx.Param)) == specs
+  assert other.w_in[...].sharding.spec == P(None, "tp") and other.w_in[...].sharding.mesh == sample
+  with pytest.raises(jr.ReshardError, match="no trainer leaf"):
+    jr_flax.refit(trainer, other, paths={"w_in": "up/kernel"})
+  with pytest.raises(jr.ReshardError, match="trainer does not have"):
+    jr_flax.refit(trainer, other, paths={**mapping, "w_in": "up/nothing"})
+  del train
+
+
+@MESH_KINDS
+def test_refit_paths_and_transform_stack_and_cast(kind: str) -> None:
+  trainer = _models(kind)[0]
+  sample = _meshes(kind)[1]
+  with jax.set_mesh(sample):
+    sampler = Sampler(jnp.bfloat16, rngs=nnx.Rngs(4))
+  specs = nnx.get_partition_spec(nnx.state(sampler, nnx.Param))
+
+  def to_sampler(t: Any) -> Any:  # t: the trainer's pure dict, w_in and out moved by paths
+    k = t["out"]["kernel"]
+    return _to_bf16(
+      {
+        "w_in": t["w_in"],
+        "out": t["out"],
+        "w_in_bias": t["up"]["bias"],
+        "stacked": jnp.stack([k, t["w_in"].T]),  # fused: the sampler keeps both
+      }
+    )
+
+  paths = {"w_in": "up/kernel", "out/kernel": "down/kernel", "out/bias": "down/bias"}
+  plan = jr_flax.refit(trainer, sampler, paths=paths, transform=to_sampler, out=True)
+  k = np.asarray(trainer.down.kernel[...]).astype(jnp.bfloat16)
+  w_in = np.asarray(trainer.up.kernel[...]).astype(jnp.bfloat16)
+  np.testing.assert_array_equal(np.asarray(sampler.stacked[...]), np.stack([k, w_in.T]))
+  np.testing.assert_array_equal(
+    np.asarray(sampler.w_in[...]), np.asarray(trainer.up.kernel[...]).astype(jnp.bfloat16)
+  )
+  np.testing.assert_array_equal(np.asarray(sampler.out.kernel[...]), k)
+  assert sampler.stacked[...].dtype == jnp.bfloat16
+  assert nnx.get_partition_spec(nnx.state(sampler, nnx.Param)) == specs
+  assert isinstance(plan, jr.TransformPlan)
+  again = jr_flax.refit(trainer, sampler, paths=paths, transform=to_sampler, out=True)
+  assert again is plan  # cached per layout and transform
+
+
+@MESH_KINDS
+def test_refit_jit_trains_and_refits_in_one_jit(kind: str) -> None:
+  trainer, sampler = _models(kind, colocated=True, dtype=jnp.bfloat16)
+  train = _meshes(kind, colocated=True)[0]
+  with jax.set_mesh(train):
+    opt = nnx.Optimizer(trainer, optax.sgd(0.1), wrt=nnx.Param)
+  shardings = [x.sharding for x in jax.tree.leaves(nnx.state(sampler, nnx.Param))]
+  specs = nnx.get_partition_spec(nnx.state(sampler, nnx.Param))
+
+  def loss_fn(m: Mlp, x: jax.Array) -> jax.Array:  # elementwise: any mesh axis types
+    return sum(jnp.mean((p[...] - x) ** 2) for p in (m.up.kernel, m.down.kernel, m.up.bias))
+
+  def train_step(model: Mlp, opt: nnx.Optimizer, x: jax.Array) -> jax.Array:
+    loss, grads = nnx.value_and_grad(loss_fn)(model, x)
+    opt.update(model, grads)
+    return loss
+
+  step = jr_flax.refit_jit(train_step, trainer, sampler, transform=_to_bf16, donate_argnums=(0, 1))
+  for i in range(2):
+    with jax.set_mesh(train):
+      step(trainer, opt, jnp.float32(i + 1))
+    _assert_refitted(trainer, sampler, jnp.bfloat16)
+    assert [x.sharding for x in jax.tree.leaves(nnx.state(sampler, nnx.Param))] == shardings
+    assert nnx.get_partition_spec(nnx.state(sampler, nnx.Param)) == specs
+
+
+def test_refit_jit_across_device_sets_points_to_the_eager_refit() -> None:
+  trainer, sampler = _models("auto")
+  with pytest.raises(jr.ReshardError, match=r"(?s)same devices.*jr_flax\.refit\(trainer"):
+    jr_flax.refit_jit(lambda m: None, trainer, sampler)
+  with jax.set_mesh(SAMPLER):
+    abstract = _abstract_sampler()
+  with pytest.raises(jr.ReshardError, match="concrete"):
+    jr_flax.refit_jit(lambda m: None, trainer, abstract)

@@ -16,6 +16,8 @@ nbclient = pytest.importorskip("nbclient")
 NOTEBOOKS_DIR = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOKS_DIR.glob("*.ipynb"))
 CELL_TIMEOUT_S = 300
+# Notebooks that need an optional extra (installed by `make test`): skipped without it.
+NEEDS = {"04_tunix_grpo.ipynb": "tunix"}
 
 
 def test_there_are_notebooks() -> None:
@@ -37,6 +39,8 @@ def test_notebook_is_committed_without_outputs(path: pathlib.Path) -> None:
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs(path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+  if path.name in NEEDS:
+    pytest.importorskip(NEEDS[path.name])
   # Inline figures are rendered to PNG in the kernel: headless, and every plot is drawn.
   monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
   nb = nbformat.read(path, as_version=4)

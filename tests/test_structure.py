@@ -37,6 +37,7 @@ LAYERS = [
   "_reshard",
   "__init__",
   "flax",
+  "tunix",
   "_demo",
   "__main__",
 ]
