@@ -365,7 +365,10 @@ def test_refit_colocated_cast_and_out(kind: str) -> None:
 
 def test_refit_out_true_into_an_abstract_sampler_raises() -> None:
   trainer, sampler = _trainer(), _abstract_sampler()
-  with jax.set_mesh(SAMPLER), pytest.raises(jr.ReshardError, match=r"(?s)abstract.*out=False"):
+  with (
+    jax.set_mesh(sampler_mesh(AxisType.Auto)),
+    pytest.raises(jr.ReshardError, match=r"(?s)abstract.*out=False"),
+  ):
     jr_flax.refit(trainer, sampler, out=True)
   assert isinstance(sampler.up.kernel.get_value(), jax.ShapeDtypeStruct)
   assert all(not x.is_deleted() for x in jax.tree.leaves(nnx.state(trainer, nnx.Param)))
@@ -482,7 +485,7 @@ def test_refit_jit_across_device_sets_points_to_the_eager_refit() -> None:
   trainer, sampler = _models("auto")
   with pytest.raises(jr.ReshardError, match=r"(?s)same devices.*jr_flax\.refit\(trainer"):
     jr_flax.refit_jit(lambda m: None, trainer, sampler)
-  with jax.set_mesh(SAMPLER):
+  with jax.set_mesh(sampler_mesh(AxisType.Auto)):
     abstract = _abstract_sampler()
   with pytest.raises(jr.ReshardError, match="concrete"):
     jr_flax.refit_jit(lambda m: None, trainer, abstract)
