@@ -135,10 +135,7 @@ def _trees(
   treedef: Any = jax.tree_util.tree_structure(src_state)
   dst_leaves = jax.tree_util.tree_leaves(dst_state)
   if len(dst_leaves) != treedef.num_leaves:
-    raise ReshardError(
-      f"the trainer has {treedef.num_leaves} variables and the sampler {len(dst_leaves)} "
-      "under the filter; map a sampler of another structure with paths= or transform="
-    )
+    return src_state, dst_state  # make_plan names the paths that differ and the likely cause
   return src_state, jax.tree_util.tree_unflatten(treedef, dst_leaves)
 
 
