@@ -35,6 +35,7 @@ bench: $(BENCH_STAMP)
 	$(PY) -m benchmarks.dispatch
 	$(PY) -m benchmarks.dispatch --placement colocated --leaves 1,100,1000
 	$(PY) -m benchmarks.dispatch --layers 1,60
+	$(PY) -m benchmarks.tunix_sync
 
 bench-full: $(BENCH_STAMP)
 	$(PY) -m benchmarks.refit --full
