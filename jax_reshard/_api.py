@@ -23,6 +23,7 @@ from jax_reshard._edge import (
   donated_leaves,
   make_edges,
   needs_edges,
+  refuse_edges_with_transform,
 )
 from jax_reshard._emit import BucketExecutable, InFlight, empty_like_sharded, plan_word_bytes
 from jax_reshard._errors import ReshardError
@@ -451,7 +452,7 @@ def make_plan(
 def _transform_plan(
   src: Any, dst: Any, transform: Callable[[Any], Any], max_bucket_bytes: Any
 ) -> TransformPlan:
-  _refuse_edges_with_transform(src, dst)
+  refuse_edges_with_transform(src, dst)
   return make_transform_plan(
     src, dst, transform, max_bucket_bytes=_transform_bound(max_bucket_bytes)
   )
@@ -472,37 +473,6 @@ def _edged_plan(
     c_src, c_dst, max_bucket_bytes=max_bucket_bytes, topology=topology, relays=relays
   )
   return core.with_edges(edges)
-
-
-def _refuse_edges_with_transform(src: Any, dst: Any) -> None:
-  """``transform=`` moves device arrays of byte-wide types in device memory; anything else
-  raises before any work."""
-  if not needs_edges(src, dst):
-    return
-  for path, v in jax.tree_util.tree_flatten_with_path(src)[0]:
-    name = jax.tree_util.keystr(path) or "<root>"
-    if not isinstance(v, (jax.Array, jax.ShapeDtypeStruct)) or (
-      isinstance(v, jax.Array) and not v.committed
-    ):
-      what = f"host data ({type(v).__name__})"
-    elif jax.dtypes.issubdtype(v.dtype, jax.dtypes.extended) or np.dtype(v.dtype).kind == "c":
-      what = f"of dtype {v.dtype}"
-    elif np.dtype(v.dtype).name in ("int2", "uint2", "int4", "uint4", "float4_e2m1fn"):
-      what = f"of the sub-byte dtype {v.dtype}"
-    elif getattr(v, "weak_type", False):
-      what = "weakly typed"
-    else:
-      what = f"in memory kind {getattr(v.sharding, 'memory_kind', None)!r}"
-    raise ReshardError(
-      f"source leaf {name} is {what}, which transform= does not take yet (it moves committed "
-      "device arrays of byte-wide, non-complex types in device memory). Reshard such leaves "
-      "without transform= (jr.reshard places host data, keys, sub-byte and complex types, "
-      "weak types and every memory kind), or put them on devices with jax.device_put first."
-    )
-  raise ReshardError(
-    "transform= takes destinations in device memory and the default device-local layout; "
-    "reshard, then jax.device_put(y, Format(layout, sharding)) or into another memory kind."
-  )
 
 
 def _transform_bound(max_bucket_bytes: int | Sequence[int] | None) -> int:

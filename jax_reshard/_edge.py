@@ -668,3 +668,32 @@ def reshard_traced_edged(x: Any, dst: Any, src: Any, move: Callable[..., Any]) -
     for e, (_, v) in zip(edges, flat, strict=True)
   ]
   return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def refuse_edges_with_transform(src: Any, dst: Any) -> None:
+  """``transform=`` moves committed device arrays of byte-wide, non-complex types in device
+  memory to default-layout destinations; anything else raises before any work."""
+  if not needs_edges(src, dst):
+    return
+  for path, v in jax.tree_util.tree_flatten_with_path(src)[0]:
+    name = jax.tree_util.keystr(path) or "<root>"
+    if is_host_leaf(v) or not isinstance(v, (jax.Array, jax.ShapeDtypeStruct)):
+      what = f"host data ({type(v).__name__})"
+    elif _dtype_class(v.dtype):
+      what = f"of dtype {v.dtype}"
+    elif _weak(v):
+      what = "weakly typed"
+    elif (kind := _non_device_kind(v.sharding)) is not None:
+      what = f"in memory kind {kind!r}"
+    else:
+      continue
+    raise ReshardError(
+      f"source leaf {name} is {what}, which transform= does not take yet (it moves committed "
+      "device arrays of byte-wide, non-complex types in device memory). Reshard such leaves "
+      "without transform= (jr.reshard places host data, keys, sub-byte and complex types, "
+      "weak types and every memory kind), or put them on devices with jax.device_put first."
+    )
+  raise ReshardError(
+    "transform= takes destinations in device memory and the default device-local layout; "
+    "reshard, then jax.device_put(y, Format(layout, sharding)) or into another memory kind."
+  )

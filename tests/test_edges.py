@@ -272,7 +272,12 @@ def test_transform_refuses_keys_before_any_work() -> None:
   keys = jax.device_put(jax.random.split(jax.random.key(0), 4), NamedSharding(src_mesh, P("a")))
   with pytest.raises(jr.ReshardError, match="transform= does not take"):
     jr.reshard({"k": keys}, NamedSharding(dst_mesh, P()), transform=lambda t: t)
-  assert not keys.is_deleted()
+  plain = jax.device_put(np.ones((8, 4), np.float32), NamedSharding(src_mesh, P("a")))
+  with pytest.raises(jr.ReshardError, match=r"source leaf \['k'\] is of dtype key"):
+    jr.reshard({"a": plain, "k": keys}, NamedSharding(dst_mesh, P()), transform=lambda t: t)
+  with pytest.raises(jr.ReshardError, match="default device-local layout"):
+    jr.reshard(plain, Format(layout((1, 0)), NamedSharding(dst_mesh, P())), transform=lambda t: t)
+  assert not keys.is_deleted() and not plain.is_deleted()
 
 
 # Memory kinds -------------------------------------------------------------------------------
