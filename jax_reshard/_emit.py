@@ -214,6 +214,13 @@ def _slice(
   return jax.lax.dynamic_slice(x, list(row), cut.shape)
 
 
+def shift_starts(program: BucketProgram) -> list[int]:
+  """The values of a program's shift arguments: the window starts of its :attr:`shifted`
+  leaves, then the destination starts of its :attr:`dst_shifted` leaves."""
+  starts = [program.leaves[li].shift[1] for li in program.shifted]  # type: ignore[index]
+  return starts + [program.leaves[li].dst_shift[1] for li in program.dst_shifted]  # type: ignore[index]
+
+
 def _leaf_at(program: BucketProgram, shifts: Shifts, li: int, ndim: int) -> list[Any] | None:
   shift = shifts[li] if shifts else None
   return None if shift is None else _shift_words(program.leaves[li], shift, ndim)
@@ -589,9 +596,11 @@ def _assemble_fn(
   switched: Sequence[int],
   slots: dict[int, ChunkWrites],
   shifts: Shifts = (),
+  dst_shifts: Shifts = (),
 ) -> Callable[..., tuple[jax.Array, ...]]:
   """The destination code of assembly role ``k``: the blocks of the leaves ``switched``, then
-  the slot values of the leaves in ``slots`` (written after the switch)."""
+  the slot values of the leaves in ``slots`` (written after the switch). ``shifts`` offset the
+  source cuts, ``dst_shifts`` the destination writes (see :attr:`LeafView.dst_shift`)."""
   role = program.assembles[k]
 
   def branch(
@@ -612,7 +621,8 @@ def _assemble_fn(
       at = _leaf_at(program, shifts, li, len(lf.src_shard))
       values = [(p.offset, _part_value(program, li, p, shards[li], recvs, me, at)) for p in parts]
       if lf.in_place:
-        outs.append(_in_place(lf, _base(lf, dsts[li]), values, shifts[li] if shifts else None))
+        dst_shift = dst_shifts[li] if dst_shifts else None
+        outs.append(_in_place(lf, _base(lf, dsts[li]), values, dst_shift))
         continue
       out = _tile(values, lf.dst_words, lf.word)
       outs.append(_from_uint(_narrow(out, lf.dtype), lf.dtype).reshape(lf.dst_block))
@@ -625,7 +635,7 @@ def _assemble_fn(
       for p, shape in zip(fill, w.shapes, strict=True):
         if p is None:  # written back unchanged, before this role's own writes
           words = _widen(_to_uint(_base(lf, dsts[li]).reshape(lf.dst_shard)), lf.word)
-          dst_at = _leaf_at(program, shifts, li, len(shape))
+          dst_at = _leaf_at(program, dst_shifts, li, len(shape))
           if dst_at is None:
             outs.append(jax.lax.slice(words, (0,) * len(shape), shape))
           else:
@@ -665,6 +675,22 @@ def _write_chunks(
       at[shift[0]] = at[shift[0]] + shift[1]
     out = jax.lax.dynamic_update_slice(out, part, at)
   return _written(out, lf.dtype).reshape(lf.dst_block)
+
+
+def _shifts(program: BucketProgram, scalars: Sequence[Any] | None) -> tuple[Shifts, Shifts]:
+  """Per leaf, where its source offsets start and where its destination offsets start (see
+  :attr:`LeafView.shift`, :attr:`LeafView.dst_shift`): the program's ``scalars`` (its shift
+  arguments, in the order of :func:`shift_starts`), or its own starts where that is ``None``."""
+  n = len(program.leaves)
+  shifts: list[tuple[int, Any] | None] = [None] * n
+  dst_shifts: list[tuple[int, Any] | None] = [None] * n
+  for k, li in enumerate(program.shifted):
+    dim, start = program.leaves[li].shift  # type: ignore[misc]
+    shifts[li] = dst_shifts[li] = (dim, start if scalars is None else scalars[k])
+  for k, li in enumerate(program.dst_shifted, len(program.shifted)):
+    dim, start = program.leaves[li].dst_shift  # type: ignore[misc]
+    dst_shifts[li] = (dim, start if scalars is None else scalars[k])
+  return shifts, dst_shifts
 
 
 def emit_body(
@@ -712,10 +738,7 @@ def emit_body(
     dsts: list[Any] = [None] * num_src
     for li, d in zip(program.dst_inputs, inputs[num_src : num_src + num_dst], strict=True):
       dsts[li] = d
-    shifts: list[tuple[int, Any] | None] = [None] * num_src
-    for k, li in enumerate(program.shifted):
-      dim, start = program.leaves[li].shift  # type: ignore[misc]
-      shifts[li] = (dim, inputs[num_src + num_dst + k] if shift_inputs else start)
+    shifts, dst_shifts = _shifts(program, inputs[num_src + num_dst :] if shift_inputs else None)
     me = jax.lax.axis_index(axis)
     packed: dict[tuple[object, ...], jax.Array] = {}
     recvs = [_emit_round(program, rnd, axis, me, blocks, shifts, packed) for rnd in program.rounds]
@@ -725,7 +748,8 @@ def emit_body(
     ys: list[Any] = []
     if switched or valued:
       fns = [
-        _assemble_fn(program, k, switched, valued, shifts) for k in range(len(program.assembles))
+        _assemble_fn(program, k, switched, valued, shifts, dst_shifts)
+        for k in range(len(program.assembles))
       ]
       table = role_table(n, program.assembles)
       ys = list(_switch(me, table, [idle, *fns], me, list(blocks), dsts, recvs))
@@ -739,7 +763,7 @@ def emit_body(
         shard = _local_view([lf], [blocks[li]])[0]
         at = _leaf_at(program, shifts, li, len(lf.src_shard))
         values = [_part_value(program, li, src, shard, recvs, me, at) for src in w.sources]
-      outs[li] = _write_chunks(program, li, w, _base(lf, dsts[li]), values, me, shifts[li])
+      outs[li] = _write_chunks(program, li, w, _base(lf, dsts[li]), values, me, dst_shifts[li])
     return tuple(outs)
 
   return body
@@ -902,7 +926,7 @@ def _compiled_program(
   dst_leaves = [leaves[i] for i in signature.dst_inputs]
   num_out = len(leaves) - len(bundled) + (bundle is not None)
   specs = tuple(PartitionSpec(AXIS) for _ in range(num_out))
-  num_shifts = len(signature.shifted)
+  num_shifts = len(signature.shifted) + len(signature.dst_shifted)
   in_specs = specs + tuple(PartitionSpec(AXIS) for _ in dst_leaves)
   in_specs += (PartitionSpec(),) * num_shifts
   body = emit_body(signature, AXIS, shift_inputs=True)
@@ -1134,23 +1158,23 @@ def _slab_program(window: SourceWindow, dtype: np.dtype, devices: tuple[Any, ...
 
 
 class _Slicer:
-  """Cuts a leaf's slab out of its source shards for one bucket (see :class:`SourceWindow`)."""
+  """Cuts a leaf's slab out of its source shards for one bucket (see :class:`SourceWindow`), or
+  out of its destination shards filled so far (a grid's destination slab, see
+  :func:`_schedule.grid_windows`)."""
 
   __slots__ = ("compiled", "src_wrap", "staged_ids")
 
-  def __init__(self, lf: LeafView, src_sharding: Any, *, fast: bool) -> None:
-    window = lf.src_window
-    assert window is not None
-    devices = tuple(sorted(src_sharding.device_set, key=lambda d: d.id))
-    self.compiled = _slab_program(window, lf.dtype, devices)
+  def __init__(self, window: SourceWindow, dtype: np.dtype, sharding: Any, *, fast: bool) -> None:
+    devices = tuple(sorted(sharding.device_set, key=lambda d: d.id))
+    self.compiled = _slab_program(window, dtype, devices)
     staged = NamedSharding(Mesh(np.array(devices), (AXIS,)), PartitionSpec(AXIS))
     self.staged_ids = addressable_order(staged, fast=fast)
     whole = _staged_shape(window.shard, len(devices))
-    self.src_wrap = Wrapper(whole, lf.dtype, staged, fast=fast)
+    self.src_wrap = Wrapper(whole, dtype, staged, fast=fast)
 
-  def __call__(self, x: jax.Array) -> dict[int, jax.Array]:
-    """The slabs of ``x``'s shards by device id."""
-    held = buffers_by_device(x)
+  def __call__(self, x: jax.Array | dict[int, jax.Array]) -> dict[int, jax.Array]:
+    """The slabs of ``x``'s shards (or of the shards given by device id) by device id."""
+    held = x if isinstance(x, dict) else buffers_by_device(x)
     slabs = self.compiled(self.src_wrap([held[i] for i in self.staged_ids]))
     # Ready before the bucket program is queued (see BucketExecutable._placeholders).
     return buffers_by_device(jax.block_until_ready(slabs))
@@ -1280,6 +1304,7 @@ class _LeafIO:
     "dst_block",
     "dst_input",
     "dst_pick",
+    "dst_slicer",
     "dst_stage_wrap",
     "ph_keys",
     "scalar_dst",
@@ -1305,7 +1330,10 @@ class _LeafIO:
     self.src_pick = self._pick(src_sharding, fast=fast) if src_sharding is not None else None
     self.slicer = None  # a leaf cut into slabs stages the bucket's slab of each source shard
     if lf.src_window is not None and src_sharding is not None:
-      self.slicer = _Slicer(lf, src_sharding, fast=fast)
+      self.slicer = _Slicer(lf.src_window, lf.dtype, src_sharding, fast=fast)
+    self.dst_slicer = None  # a grid's destination slab, cut from the shards filled so far
+    if lf.dst_window is not None and lf.dst_input:
+      self.dst_slicer = _Slicer(lf.dst_window, lf.dtype, dst_sharding, fast=fast)
     pos = {d: j for j, d in enumerate(self.staged_ids)}
     self.dst_pick = [pos[i] for i in addressable_order(dst_sharding, fast=fast)]
     picked = set(self.dst_pick)
@@ -1358,7 +1386,10 @@ class _LeafIO:
     self, held: dict[int, jax.Array], placeholders: dict[Any, jax.Array], position: int
   ) -> jax.Array:
     """The leaf's destination blocks as a staged array: ``held`` (by device id) where a device
-    has one, else its donated zero block ``placeholders[(device id, position)]``."""
+    has one, else its donated zero block ``placeholders[(device id, position)]``. A grid's
+    destination slab is cut from ``held``, the destination shards filled so far."""
+    if self.dst_slicer is not None and held:
+      held = self.dst_slicer(held)
     blocks = []
     for dev_id in self.staged_ids:
       data = held.get(dev_id)
@@ -1857,6 +1888,7 @@ class BucketExecutable:
     its outputs into per-device blocks (made once)."""
     program, fast = self.program, fast_path_available()
     num_args = len(program.leaves) + len(program.dst_inputs) + len(program.shifted)
+    num_args += len(program.dst_shifted)
     if bundled:
       if self._bundled_runner is None:
         num_args += 1 - len(self.bundle().leaves)  # type: ignore[union-attr]
@@ -1873,10 +1905,7 @@ class BucketExecutable:
       scalar = NamedSharding(self.staged_sharding.mesh, PartitionSpec())
       # Ready before the program is queued (see _placeholders).
       self._shift_args = jax.block_until_ready(
-        [
-          jax.device_put(np.int32(self.program.leaves[li].shift[1]), scalar)  # type: ignore[index]
-          for li in self.program.shifted
-        ]
+        [jax.device_put(np.int32(start), scalar) for start in shift_starts(self.program)]
       )
     return self._shift_args
 

@@ -101,7 +101,12 @@ class LeafView:
       ``dim``; every offset of the leaf in the program is relative to it and ``start`` is an
       argument of the compiled program (one int32 scalar), so the chunks share one program.
       For a leaf cut into destination slabs along a dimension its source does not shard, the
-      same for the source offsets alone (``start`` is the slab's).
+      same for the source offsets alone (``start`` is the slab's); for a grid of slabs of both
+      sides (``_schedule.grid_windows``), the start of the destination slab, for the source
+      offsets alone.
+    dst_shift: for a grid, ``(dim, start)`` of the source slab: the destination offsets are
+      relative to it (an argument after the ``shift`` ones), so the grid's chunks of one shape
+      share one program.
   """
 
   index: int
@@ -119,6 +124,7 @@ class LeafView:
   src_window: SourceWindow | None = None
   dst_window: DestinationWindow | None = None
   shift: tuple[int, int] | None = None
+  dst_shift: tuple[int, int] | None = None
 
   @property
   def word_ratio(self) -> int:
@@ -285,6 +291,12 @@ class BucketProgram:
     destination inputs), see :attr:`LeafView.shift`."""
     return tuple(i for i, lf in enumerate(self.leaves) if lf.shift is not None)
 
+  @property
+  def dst_shifted(self) -> tuple[int, ...]:
+    """Positions of the leaves whose destination offsets start at an input (after the
+    :attr:`shifted` ones), see :attr:`LeafView.dst_shift`."""
+    return tuple(i for i, lf in enumerate(self.leaves) if lf.dst_shift is not None)
+
   def __str__(self) -> str:
     return format_program(self)
 
@@ -304,6 +316,7 @@ def program_signature(program: BucketProgram) -> BucketProgram:
       dst_window=None,
       carry_out=False,
       shift=None if lf.shift is None else (lf.shift[0], 0),
+      dst_shift=None if lf.dst_shift is None else (lf.dst_shift[0], 0),
     )
     for lf in program.leaves
   )
@@ -389,6 +402,8 @@ class _LeafInput:
       start[window.dim] += window.start
     elif self.view.shift is not None:
       start[self.view.shift[0]] += self.view.shift[1]
+    if self.view.dst_shift is not None:
+      start[self.view.dst_shift[0]] += self.view.dst_shift[1]
     return self.in_words(self.plan.lo[t] - start)
 
 
@@ -507,6 +522,7 @@ def _leaf_input(
     src_window=window,
     dst_window=dst_window,
     shift=mode.shift,
+    dst_shift=mode.dst_shift,
   )
   return _LeafInput(plan.leaf_plans[index], src, dst, view, mode.copies, mode.fresh)
 
@@ -856,6 +872,7 @@ def enters_whole(lf: LeafView) -> bool:
     or lf.src_window is not None
     or lf.dst_window is not None
     or lf.shift is not None
+    or lf.dst_shift is not None
   )
 
 
@@ -878,6 +895,9 @@ def format_program(program: BucketProgram) -> str:
       )
     if lf.shift is not None:
       mode += f", offsets from index {lf.shift[1]} of dim {lf.shift[0]} (an argument)"
+    if lf.dst_shift is not None:
+      d = lf.dst_shift
+      mode += f", destination offsets from index {d[1]} of dim {d[0]} (an argument)"
     lines.append(
       f"  leaf {li} (#{lf.index}) {lf.dtype.name}{list(lf.shape)} in {lf.word.name}: "
       f"{list(lf.src_shard)} -> {list(lf.dst_shard)}{mode}"

@@ -66,6 +66,10 @@ MIN_PERIOD_LEAVES = 8
 # payloads over (see _colour_rounds).
 HEAVY_RATIOS = (4, 16)
 SIZE_TOLERANCE = 0.02  # size classes: payloads within 2% of the class's largest
+# Most slabs per side of a grid (see _split_grid): a grid runs one bucket per chunk, so its
+# floor, about (source shard + destination shard) / 64 per device, keeps a refit under a few
+# thousand buckets.
+MAX_GRID_SLABS = 64
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -227,17 +231,62 @@ def _placeholder_bytes(src: Layout, dst: Layout, itemsize: int, union: np.ndarra
   return placeholder_mask(src, union) * src_block + placeholder_mask(dst, union) * dst_block
 
 
+def grid_windows(
+  src_slab: tuple[int, tuple[int, ...]] | None,
+  dst_slab: tuple[int, tuple[int, ...]] | None,
+  first: int,
+  last: int,
+) -> tuple[tuple[int, int, int] | None, tuple[int, int, int] | None]:
+  """``(source window, destination window)``, each ``(dim, start, stop)`` or ``None``: the
+  local indices of every source and destination shard of a leaf that a bucket moving its
+  chunks ``first..last`` stages and outputs, given the leaf's slabs of either side.
+
+  Slabs of one side give chunk ``j`` window ``j``. Slabs of both sides that are the same
+  windows (:func:`_split_both`) do too. Slabs of both sides that differ form a *grid*
+  (:func:`_split_grid`): with ``ks`` source slabs, chunk ``c`` is source slab ``c % ks`` of
+  destination slab ``c // ks``; a bucket's windows are the smallest that cover its chunks'.
+  """
+  grid = src_slab is not None and dst_slab is not None and src_slab != dst_slab
+  windows: list[tuple[int, int, int] | None] = []
+  for side, slab in enumerate((src_slab, dst_slab)):
+    if slab is None:
+      windows.append(None)
+      continue
+    dim, bounds = slab
+    a, b = first, last
+    if grid:
+      assert src_slab is not None
+      ks = len(src_slab[1]) - 1
+      if side == 1:
+        a, b = first // ks, last // ks
+      elif first // ks == last // ks:
+        a, b = first % ks, last % ks
+      else:  # chunks of several destination slabs: every source slab
+        a, b = 0, ks - 1
+    windows.append((dim, bounds[a], bounds[b + 1]))
+  return windows[0], windows[1]
+
+
+def _slabs(schedule: Schedule, leaf: int) -> tuple[Any, Any]:
+  src = schedule.leaf_slabs[leaf] if schedule.leaf_slabs else None
+  dst = schedule.leaf_dst_slabs[leaf] if schedule.leaf_dst_slabs else None
+  return src, dst
+
+
+def is_grid(schedule: Schedule, leaf: int) -> bool:
+  """Whether ``leaf`` is cut into a grid of source and destination slabs (see
+  :func:`grid_windows`): each destination slab is filled over several buckets, in place."""
+  src, dst = _slabs(schedule, leaf)
+  return src is not None and dst is not None and src != dst
+
+
 def slab_window(
   schedule: Schedule, leaf: int, chunks: Sequence[int]
 ) -> tuple[int, int, int] | None:
   """``(dim, start, stop)``: the local indices of every source shard of ``leaf`` that a bucket
   moving ``chunks`` (consecutive) of it stages, or ``None`` where the leaf is not cut into
   slabs (the bucket stages the whole source block)."""
-  slab = schedule.leaf_slabs[leaf] if schedule.leaf_slabs else None
-  if slab is None:
-    return None
-  dim, bounds = slab
-  return dim, bounds[min(chunks)], bounds[max(chunks) + 1]
+  return grid_windows(*_slabs(schedule, leaf), min(chunks), max(chunks))[0]
 
 
 def dst_slab_window(
@@ -246,11 +295,7 @@ def dst_slab_window(
   """``(dim, start, stop)``: the local indices of every destination shard of ``leaf`` that a
   bucket moving ``chunks`` (consecutive) of it outputs, or ``None`` where the leaf is not cut
   into destination slabs (the bucket outputs the whole destination block)."""
-  slab = schedule.leaf_dst_slabs[leaf] if schedule.leaf_dst_slabs else None
-  if slab is None:
-    return None
-  dim, bounds = slab
-  return dim, bounds[min(chunks)], bounds[max(chunks) + 1]
+  return grid_windows(*_slabs(schedule, leaf), min(chunks), max(chunks))[1]
 
 
 def window_start(schedule: Schedule, leaf: int, chunks: Sequence[int]) -> tuple[int, int] | None:
@@ -309,6 +354,7 @@ class LeafMode:
   dst_window: tuple[int, int, int] | None = None
   shift: tuple[int, int] | None = None
   fresh: bool = False  # a destination input on every device, nothing carried into it yet
+  dst_shift: tuple[int, int] | None = None
 
 
 _PLAIN = LeafMode()
@@ -340,7 +386,15 @@ def leaf_modes(
     row_chunks = schedule.row_chunks
     dst_window = dst_slab_window(schedule, j, chunks)
     whole = dst_window is None  # a destination slab is assembled whole, written in afterwards
+    # A grid's destination slab is filled by several buckets: each takes the slab so far
+    # (zeros in the leaf's first bucket) and writes its parts into it.
+    grid = is_grid(schedule, j)
     shift = chunk_shift(schedule, j, chunks, layouts[scheduled[j]])
+    dst_shift = None
+    if grid:  # offsets from both windows' starts: the grid's chunks share programs
+      src_window = slab_window(schedule, j, chunks)
+      assert src_window is not None and dst_window is not None
+      shift, dst_shift = dst_window[:2], src_window[:2]
     # A leaf cut into windows takes a destination input in its first bucket too (zero blocks on
     # every device), so that its first window runs the program of the others.
     fresh = shift is not None and whole and spans[0] == bucket and not donate
@@ -348,14 +402,15 @@ def leaf_modes(
       LeafMode(
         # A relayed leaf refit into its donated buffer gets only its first-stage parts here,
         # written where they go; the relay stage writes the rest.
-        in_place=whole and (len(spans) > 1 or (donate and scheduled[j] in relayed)),
-        dst_input=whole and (donate or spans[0] != bucket or fresh),
+        in_place=grid or (whole and (len(spans) > 1 or (donate and scheduled[j] in relayed))),
+        dst_input=(whole or grid) and (donate or spans[0] != bucket or fresh),
         carry_out=spans[-1] != bucket,
         copies=np.isin(row_chunks[j], chunks) if row_chunks and copies else True,
         window=slab_window(schedule, j, chunks),
         dst_window=dst_window,
         shift=shift,
         fresh=fresh,
+        dst_shift=dst_shift,
       )
     )
   return out
@@ -923,6 +978,59 @@ def split_slabs(
   return out, chunks, (dim, tuple(bounds.tolist()))
 
 
+def grid_dims(layouts: tuple[Layout, Layout]) -> tuple[int, int]:
+  """The dimensions a grid (:func:`split_grid`) cuts: of the source shards, the longest the
+  destination does not shard (else the longest); of the destination shards, the longest the
+  source does not shard, other than that one where there is such (else the longest), so that
+  every chunk keeps all senders and receivers busy."""
+  src, dst = layouts
+
+  def pick(shard: Sequence[int], other: Layout, skip: int | None) -> int:
+    free = [
+      (n, -d)
+      for d, (n, a, b) in enumerate(zip(shard, other.shard_shape(), other.shape, strict=True))
+      if a == b and n >= 2 and d != skip
+    ]
+    return -max(free)[1] if free else int(np.argmax(shard))
+
+  dim_s = pick(src.shard_shape(), dst, None)
+  return dim_s, pick(dst.shard_shape(), src, dim_s)
+
+
+def split_grid(
+  plan: LeafPlan, layouts: tuple[Layout, Layout], ks: int, kd: int, itemsize: int
+) -> tuple[LeafPlan, np.ndarray, tuple[int, tuple[int, ...]], tuple[int, tuple[int, ...]]]:
+  """``plan`` cut into a grid of slabs of one width, up to ``ks`` of its source shards and
+  ``kd`` of its destination shards, along :func:`grid_dims`: the rows, each row's chunk (source
+  slab ``i`` of destination slab ``j`` is chunk ``j * ks + i`` with ``ks`` the slabs made, see
+  :func:`grid_windows`), and both sides' slabs. Every row with bytes is cut by its sender's
+  windows, then by its receiver's: the same bytes, more rows.
+
+  Example:
+    >>> from jax_reshard._planner import plan_leaf
+    >>> src = Layout.from_description((8, 8), mesh_shape=(2,), axis_names=("x",), spec=("x",))
+    >>> dst = Layout.from_description((8, 8), mesh_shape=(2,), axis_names=("y",),
+    ...                               spec=(None, "y"), device_ids=(2, 3))
+    >>> cut, chunk, src_slabs, dst_slabs = split_grid(plan_leaf(src, dst, 4), (src, dst), 2, 2, 4)
+    >>> src_slabs, dst_slabs, sorted(set(chunk.tolist())), int(cut.nbytes.sum()) == 8 * 8 * 4
+    ((0, (0, 2, 4)), (1, (0, 2, 4)), [0, 1, 2, 3], True)
+  """
+  src, dst = layouts
+  dim_s, dim_d = grid_dims(layouts)
+  plan, _, src_slabs = split_slabs(plan, src, ks, itemsize, dim=dim_s)
+  plan, chunk, dst_slabs = split_slabs(plan, dst, kd, itemsize, receiver=True, dim=dim_d)
+  # Each row now lies in one source slab of its sender: which one.
+  ids = np.asarray(src.device_ids, dtype=np.int64)
+  order = np.argsort(ids)
+  at = order[np.searchsorted(ids, plan.src_device, sorter=order)]
+  bounds = np.asarray(src_slabs[1])
+  local = plan.lo[:, dim_s] - src.box_arrays()[0][at, dim_s]
+  ks = len(bounds) - 1
+  i = np.clip(np.searchsorted(bounds, local, side="right") - 1, 0, ks - 1)
+  i = np.where(plan.nbytes > 0, i, 0)
+  return plan, chunk * ks + i, src_slabs, dst_slabs
+
+
 @dataclasses.dataclass(eq=False)
 class _Tree:
   """The leaves being scheduled, with their current chunks (mutable while scheduling)."""
@@ -1007,21 +1115,18 @@ class _Tree:
     placeholder; for a leaf cut into destination slabs, the source placeholder and the slab
     output (written into the destination shard, or discarded, after the bucket)."""
     src_slab, dst_slab = self.slabs.get(leaf), self.dst_slabs.get(leaf)
-    slab = src_slab if src_slab is not None else dst_slab
-    if slab is None:
+    if src_slab is None and dst_slab is None:
       return self.placeholders[leaf]
-    if src_slab is not None and dst_slab is not None:  # windows of both (see _split_both)
-      dim, bounds = slab
-      width = bounds[last + 1] - bounds[first]
-      blocks = [staged_block_shape(lay.shard_shape()) for lay in self.layouts[leaf]]
-      nbytes = sum(math.prod(b) // b[dim] * width for b in blocks) * self.itemsizes[leaf]
-      return np.full(len(self.union), nbytes, dtype=np.int64)
-    side = 0 if src_slab is not None else 1
-    dim, bounds = slab
-    block = staged_block_shape(self.layouts[leaf][side].shard_shape())
-    nbytes = math.prod(block) // block[dim] * (bounds[last + 1] - bounds[first])
-    rest = self.dst_placeholder(leaf) if side == 0 else self.src_placeholder(leaf)
-    return rest + nbytes * self.itemsizes[leaf]
+    windows = grid_windows(src_slab, dst_slab, first, last)
+    out = np.zeros(len(self.union), dtype=np.int64)
+    for side, window in enumerate(windows):
+      block = staged_block_shape(self.layouts[leaf][side].shard_shape())
+      if window is None:  # the other side's placeholder
+        out += self.dst_placeholder(leaf) if side == 1 else self.src_placeholder(leaf)
+      else:  # the window, on every device (cut from a shard, or a zero block of its size)
+        dim, start, stop = window
+        out += math.prod(block) // block[dim] * (stop - start) * self.itemsizes[leaf]
+    return out
 
   def apart(self, leaves: Collection[int]) -> bool:
     """Whether a bucket of ``leaves`` may assemble apart (:func:`assembly_devices`): the tree
@@ -1455,6 +1560,14 @@ def _best_split(tree: _Tree, leaf: int, k: int) -> tuple[Any, ...]:
     tree.slabs.pop(leaf, None)
     tree.dst_slabs.pop(leaf, None)
     tree.windows.pop(leaf, None)
+  if best is None and tree.allow_slabs and all(lay.shard_shape() for lay in tree.layouts[leaf]):
+    # the last way: a grid of slabs of both sides
+    found = _split_grid(tree, leaf, k)
+    if found is None:
+      best = (len(tree.payloads[leaf]), tree.plans[leaf], tree.chunks[leaf])
+      best += (tree.slabs.pop(leaf), tree.dst_slabs.pop(leaf), None)
+    else:
+      failed.append(found)
   if best is None:
     minimum, qualifier = min(failed)
     _raise_bound(tree, leaf, minimum, qualifier)
@@ -1637,12 +1750,57 @@ def _split_both(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
     k = min(k_max, max(k + 1, math.ceil(k * float(stage.max()) / tree.bound)))
 
 
+def _split_grid(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
+  """Splits ``leaf`` into a grid of slabs of its source shards and of its destination shards
+  (:func:`split_grid`), as few as fit (see :func:`_split_rows` for what it returns): a bucket
+  stages a window of every source shard and fills a window of every destination shard in
+  place, so both placeholders shrink with the slabs. The floor is a slab of
+  :data:`MAX_GRID_SLABS` or one index thick on each side (plus its payloads): a leaf both of
+  whose shards are many times the bound fits.
+  Tried where no other way fits: the grid moves each destination slab through several
+  buckets."""
+  assert tree.bound is not None
+  src, dst = tree.layouts[leaf]
+  isz = tree.itemsizes[leaf]
+  blocks = [math.prod(staged_block_shape(lay.shard_shape())) * isz for lay in (src, dst)]
+  dims = grid_dims((src, dst))
+  k_max = [
+    min(MAX_GRID_SLABS, lay.shard_shape()[d]) for lay, d in zip((src, dst), dims, strict=True)
+  ]
+  least = sum(b // m for b, m in zip(blocks, k_max, strict=True))
+  if least > tree.bound:
+    return least, "at least "
+  # Each side's window takes about half the bound (payloads are a fraction of a window).
+  ks, kd = (
+    min(m, max(2, math.ceil(2.2 * b / tree.bound))) for b, m in zip(blocks, k_max, strict=True)
+  )
+  while True:
+    plan, chunk, src_slabs, dst_slabs = split_grid(tree.original[leaf], (src, dst), ks, kd, isz)
+    peak = least
+    if src_slabs != dst_slabs:  # (equal slabs would read as windows of both sides)
+      tree.slabs[leaf], tree.dst_slabs[leaf] = src_slabs, dst_slabs
+      tree.set_chunks(leaf, plan, chunk)
+      stage = np.stack([_build(tree, [(leaf, c)]).stage for c in _distinct_chunks(tree, leaf)])
+      peak = int(stage.max())
+      if peak <= tree.bound:
+        return None
+      tree.slabs.pop(leaf)
+      tree.dst_slabs.pop(leaf)
+    if ks >= k_max[0] and kd >= k_max[1]:
+      return peak, ""
+    grow = max(1.1, peak / tree.bound)
+    ks, kd = (min(m, max(q + 1, math.ceil(q * grow))) for q, m in zip((ks, kd), k_max, strict=True))
+
+
 def _split_dst_slabs(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
   """:func:`_split_slabs` of the destination shards."""
   return _split_slabs(tree, leaf, k, receiver=True)
 
 
 def _raise_bound(tree: _Tree, leaf: int, minimum: int, qualifier: str) -> None:
+  assert tree.bound is not None
+  if minimum <= tree.bound:  # a lower bound the leaf does not fit at: it needs more
+    minimum, qualifier = tree.bound + 1, "at least "
   raise BucketBoundError(
     f"max_bucket_bytes={tree.bound} is below what leaf {tree.names[leaf]} needs per device "
     f"in one bucket even split into its smallest chunks: {qualifier}{minimum} bytes (its "
