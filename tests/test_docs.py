@@ -16,6 +16,7 @@ WITH_EXAMPLES = {
   "jax_reshard._api",
   "jax_reshard._cost",
   "jax_reshard._distributed",
+  "jax_reshard._errors",
   "jax_reshard._layout",
   "jax_reshard._pieces",
   "jax_reshard._plan",
