@@ -22,6 +22,7 @@ WITH_EXAMPLES = {
   "jax_reshard._plan",
   "jax_reshard._reshard",
   "jax_reshard._schedule",
+  "jax_reshard._tapi",
   "jax_reshard._topology",
   "jax_reshard._tplan",
   "jax_reshard._tprogram",
