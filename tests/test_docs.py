@@ -27,10 +27,11 @@ WITH_EXAMPLES = {
   "jax_reshard._tplan",
   "jax_reshard._tprogram",
   "jax_reshard._transform",
+  "jax_reshard._viz",
 }
 
 # Modules of an optional extra (installed by `make test`): skipped without it.
-OPTIONAL = {"jax_reshard.tunix": "tunix"}
+OPTIONAL = {"jax_reshard.tunix": "tunix", "jax_reshard._viz": "matplotlib"}
 
 
 @pytest.mark.parametrize("name", MODULES)
