@@ -3,7 +3,6 @@ docstrings of the public names follow one style."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import doctest
 import importlib
@@ -15,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from helpers import flax_config_kept
 
 import jax_reshard
 
@@ -45,33 +45,19 @@ OPTIONAL = {"jax_reshard.tunix": "tunix", "jax_reshard._viz": "matplotlib"}
 
 @pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples(name: str) -> None:
-  """Importing Tunix's models (the Tunix examples) turns Flax's ``flax_always_shard_variable``
-  off for the whole process: later tests get it back as it was."""
+  """Tunix's examples run with Flax's ``flax_always_shard_variable`` off, as Tunix code does;
+  later tests get it back as it was."""
   if name in OPTIONAL:
     pytest.importorskip(OPTIONAL[name])
   module = importlib.import_module(name)
   runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
   out = io.StringIO()
-  with _flax_config_kept():
+  with flax_config_kept(tunix=name == "jax_reshard.tunix"):
     for test in doctest.DocTestFinder().find(module):
       runner.run(test, out=out.write)
   result = runner.summarize(verbose=False)
   assert result.failed == 0, out.getvalue()
   assert (result.attempted > 0) == (name in WITH_EXAMPLES), result
-
-
-@contextlib.contextmanager
-def _flax_config_kept() -> Iterator[None]:
-  try:
-    from flax import config
-  except ImportError:  # nothing to keep
-    yield
-    return
-  before = config.flax_always_shard_variable
-  try:
-    yield
-  finally:
-    config.update("flax_always_shard_variable", before)
 
 
 # --- One docstring style for the public names --------------------------------------------------

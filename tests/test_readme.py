@@ -9,6 +9,7 @@ import pathlib
 import re
 
 import pytest
+from helpers import flax_config_kept
 
 import jax_reshard
 
@@ -27,20 +28,15 @@ def test_readme_has_runnable_blocks() -> None:
 
 
 def test_readme_python_blocks_run(capsys: pytest.CaptureFixture[str]) -> None:
-  """Importing Tunix's models (the Tunix block) turns Flax's ``flax_always_shard_variable`` off
-  for the whole process: later tests get it back as it was."""
-  from flax import config as flax_config
-
-  before = flax_config.flax_always_shard_variable
+  """The Tunix block runs with Flax's ``flax_always_shard_variable`` off, as importing Tunix's
+  models leaves it in a fresh process; later tests get it back as it was."""
   namespace: dict[str, object] = {"__name__": "readme"}
-  try:
-    for i, block in enumerate(_blocks()):
-      if block.startswith("# not run:"):
-        continue
-      code = compile(block, f"README.md python block {i}", "exec")
+  for i, block in enumerate(_blocks()):
+    if block.startswith("# not run:"):
+      continue
+    code = compile(block, f"README.md python block {i}", "exec")
+    with flax_config_kept(tunix="from tunix" in block):
       exec(code, namespace)
-  finally:
-    flax_config.update("flax_always_shard_variable", before)
   out = capsys.readouterr().out
   assert "bytes moved" in out and "predicted" in out
 
