@@ -102,6 +102,17 @@ class Estimate:
     bucket_seconds: per bucket of every stage, in order, its predicted time.
     round_seconds: per bucket, each round's transfer plus packing time.
     topology: the topology's name.
+
+  Example:
+    >>> import jax_reshard as jr
+    >>> lay = lambda ids, spec: jr.Layout.from_description(
+    ...   (4096, 4096), mesh_shape=(4,), axis_names=("x",), spec=spec, device_ids=ids)
+    >>> plan = jr.plan_layouts([(lay(range(4), ("x",)), lay(range(8, 12), (None, "x")))], [2])
+    >>> est = jr.estimate(plan, jr.Topology.h100_nodes())
+    >>> est.num_rounds, est.seconds == est.call_s + est.transfer_s + est.pack_s + est.assemble_s
+    (4, True)
+    >>> print(est)
+    predicted 0.4 ms on H100 nodes of 8 (4 rounds in 1 buckets): transfers 0.2 ms ...
   """
 
   seconds: float
@@ -165,8 +176,6 @@ def estimate(
     248
     >>> round(est.seconds * 1e6)   # plus packing, assembly, placeholders and two calls
     413
-    >>> assembles_apart(plan, 0)   # planned without a topology, 8 MiB discarded a device: apart
-    (8, 9, 10, 11)
   """
   topo = topology or plan.topology
   if topo is None:

@@ -78,6 +78,16 @@ class PlanStats:
       ``bytes_moved`` (a copy of every moved byte is one pass): packing payloads, the
       ``ppermute`` transfer, assembling destination shards, and the zeros written for idle
       senders' payloads, non-receivers' payloads and discarded outputs (see :func:`pass_bytes`).
+
+  Example:
+    >>> import jax_reshard as jr
+    >>> lay = lambda spec: jr.Layout.from_description(
+    ...   (1024, 1024), mesh_shape=(8,), axis_names=("x",), spec=spec)
+    >>> st = jr.plan_layouts([(lay(("x",)), lay((None, "x")))], [4]).stats
+    >>> st.bytes_moved == st.lower_bound_bytes, st.local_copy_bytes // 1024  # KiB kept in place
+    (True, 512)
+    >>> st.gather_broadcast_bytes // st.bytes_moved, st.num_rounds
+    (8, 7)
   """
 
   bytes_moved: int
@@ -120,6 +130,21 @@ class LayoutPlan:
     bucket_classes: per bucket of this stage, the first bucket of the stage that runs the same
       program (item sizes as element kinds; ``_classes.stage_classes``), or ``None`` where not
       known; :meth:`estimate` reads it.
+
+  Example:
+    >>> import jax_reshard as jr
+    >>> lay = lambda spec: jr.Layout.from_description(
+    ...   (1024, 1024), mesh_shape=(8,), axis_names=("x",), spec=spec)
+    >>> plan = jr.plan_layouts([(lay(("x",)), lay((None, "x")))], [4])
+    >>> print(plan)
+    LayoutPlan: 1 leaves, 1 layout groups
+         1 leaves  mesh (x=8) spec P('x', None)
+                 -> mesh (x=8) spec P(None, 'x')
+                 moved 3.50 MiB, local 512.00 KiB
+      bytes moved        3.50 MiB (lower bound 3.50 MiB, padding 0 B)
+    ...
+    >>> len(plan.schedule.buckets), plan.relay is None
+    (1, True)
   """
 
   layouts: tuple[tuple[Layout, Layout], ...]

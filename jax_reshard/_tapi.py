@@ -28,14 +28,34 @@ from jax_reshard._tree import Leaf, check_arrays, check_donated, flatten_tree
 
 
 class TransformPlan:
-  """A compiled reshard that also converts: its result equals ``transform(x)`` in the
-  destination layouts. Build it with ``make_plan(src, dst, transform=f)``.
+  """A compiled reshard that also converts; build it with ``make_plan(src, dst, transform=f)``.
+
+  Its result equals ``transform(x)`` bit for bit, in the destination layouts. It is called and
+  inspected like a :class:`ReshardPlan`; narrowing casts run on the senders, so bytes move in
+  the narrow dtype.
 
   Attributes:
     analysis: the transform as pieces (:class:`TransformAnalysis`).
     src_leaves: per source leaf, its path, shape, dtype and sharding.
     leaves: per output leaf, its path, shape, dtype and destination sharding.
     layout_plan: the transfers, schedule and stats (:class:`TransformLayoutPlan`).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np
+    >>> import jax_reshard as jr
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((8,), ("x",))
+    >>> x = jax.device_put(np.arange(64.0).reshape(8, 8), NamedSharding(mesh, P("x")))
+    >>> to_bf16_t = lambda w: w.T.astype(jnp.bfloat16)
+    >>> tplan = jr.make_plan(x, NamedSharding(mesh, P("x")), transform=to_bf16_t)
+    >>> y = tplan(x)
+    >>> y.dtype, np.array_equal(y, to_bf16_t(x))
+    (dtype(bfloat16), True)
+    >>> print(tplan)
+    TransformPlan: 1 source leaves -> 1 output leaves
+      bytes moved        112 B (lower bound 112 B, padding 0 B)
+      local copies       16 B
+      rounds 7; per device max send 14 B, recv 14 B
   """
 
   def __init__(
@@ -61,26 +81,93 @@ class TransformPlan:
 
   @property
   def stats(self) -> PlanStats:
+    """The plan's :class:`PlanStats`, in the bytes that move (after narrowing casts).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> import jax_reshard as jr
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("x",))
+      >>> w = jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(mesh, P("x")))
+      >>> to_bf16_t = lambda w: w.T.astype(jnp.bfloat16)
+      >>> tplan = jr.make_plan(w, NamedSharding(mesh, P("x")), transform=to_bf16_t)
+      >>> tplan.stats.bytes_moved, tplan.stats.lower_bound_bytes  # bf16: 2 bytes a value
+      (112, 112)
+    """
     return self.layout_plan.stats
 
   @property
   def schedule(self) -> Schedule:
+    """The buckets (compiled programs, run in order) and the ``ppermute`` rounds of each.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> import jax_reshard as jr
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("x",))
+      >>> w = jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(mesh, P("x")))
+      >>> to_bf16_t = lambda w: w.T.astype(jnp.bfloat16)
+      >>> tplan = jr.make_plan(w, NamedSharding(mesh, P("x")), transform=to_bf16_t)
+      >>> [len(b.rounds) for b in tplan.schedule.buckets]
+      [7]
+    """
     return self.layout_plan.schedule
 
   @property
   def leaf_plans(self) -> tuple[LeafPlan, ...]:
-    """Per output leaf, its transfers (output boxes, wire bytes)."""
+    """Per output leaf, its transfers (output boxes, wire bytes).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> import jax_reshard as jr
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("x",))
+      >>> w = jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(mesh, P("x")))
+      >>> to_bf16_t = lambda w: w.T.astype(jnp.bfloat16)
+      >>> tplan = jr.make_plan(w, NamedSharding(mesh, P("x")), transform=to_bf16_t)
+      >>> lp = tplan.leaf_plans[0]
+      >>> int(lp.nbytes[~lp.local].sum()), int(lp.nbytes[lp.local].sum())  # moved, kept
+      (112, 16)
+    """
     return tuple(lp.transfers for lp in self.layout_plan.leaf_plans)
 
   @property
   def layouts(self) -> tuple[tuple[Layout, Layout], ...]:
-    """Per output leaf, (the source devices it reads, holding nothing; its destination)."""
+    """Per output leaf, (the source devices it reads, holding nothing; its destination).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> import jax_reshard as jr
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("x",))
+      >>> w = jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(mesh, P("x")))
+      >>> to_bf16_t = lambda w: w.T.astype(jnp.bfloat16)
+      >>> tplan = jr.make_plan(w, NamedSharding(mesh, P("x")), transform=to_bf16_t)
+      >>> src, dst = tplan.layouts[0]
+      >>> src.device_ids, src.shard_shape(), dst.shard_shape()
+      ((0, 1, 2, 3, 4, 5, 6, 7), (0, 0), (1, 8))
+    """
     return self.layout_plan.layouts
 
   @property
   def piece_texts(self) -> tuple[str, ...]:
-    """Per output leaf, its pieces and the source layouts they read, as text (fingerprinted
-    across processes: processes with different transforms do not match)."""
+    """Per output leaf, its pieces and the source layouts they read, as text.
+
+    Processes fingerprint these texts: processes with different transforms do not match.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> import jax_reshard as jr
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("x",))
+      >>> w = jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(mesh, P("x")))
+      >>> to_bf16_t = lambda w: w.T.astype(jnp.bfloat16)
+      >>> tplan = jr.make_plan(w, NamedSharding(mesh, P("x")), transform=to_bf16_t)
+      >>> print(tplan.piece_texts[0])
+      <root>: bfloat16[8, 8], 1 piece(s)
+        out[0:8, 0:8] <- <root>[0:8, 0:8] float32->bfloat16 via reshape(8, 8) transpose(1, 0)
+      Layout(shape=(8, 8), ...)
+    """
     p = self.layout_plan
     out = []
     for lp in p.leaf_plans:
@@ -89,7 +176,25 @@ class TransformPlan:
     return tuple(out)
 
   def programs(self) -> list[TransformProgram]:
-    """Per bucket, what every device does (NumPy data)."""
+    """Per bucket, what every device does (NumPy data; ``print`` one).
+
+    Returns:
+      One :class:`TransformProgram` per bucket, in the order they run.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> import jax_reshard as jr
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("x",))
+      >>> w = jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(mesh, P("x")))
+      >>> to_bf16_t = lambda w: w.T.astype(jnp.bfloat16)
+      >>> tplan = jr.make_plan(w, NamedSharding(mesh, P("x")), transform=to_bf16_t)
+      >>> print(tplan.programs()[0])
+      TransformProgram on devices [0, 1, 2, 3, 4, 5, 6, 7], payload word uint16
+        input 0 (source leaf #0) float32[8, 8]
+        output 0 (output leaf #0) bfloat16[8, 8]
+      ...
+    """
     if self._programs is None:
       dtypes = [lf.dtype for lf in self.src_leaves]
       self._programs = [
@@ -99,8 +204,25 @@ class TransformPlan:
     return self._programs
 
   def executables(self, *, out: bool = False) -> list[TransformExecutable]:
-    """Per bucket, its program emitted for its union mesh (compiled on the first call);
-    ``out``: the executables of calls with ``out=``."""
+    """Per bucket, its program emitted for its union mesh (compiled on the first call).
+
+    Args:
+      out: the executables of calls with ``out=``.
+
+    Returns:
+      One ``TransformExecutable`` per bucket, in the order they run.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> import jax_reshard as jr
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("x",))
+      >>> w = jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(mesh, P("x")))
+      >>> to_bf16_t = lambda w: w.T.astype(jnp.bfloat16)
+      >>> tplan = jr.make_plan(w, NamedSharding(mesh, P("x")), transform=to_bf16_t)
+      >>> [exe.program.output_leaves for exe in tplan.executables()]
+      [(0,)]
+    """
     donate = out
     if donate not in self._executables:
       devices = {}
@@ -120,7 +242,7 @@ class TransformPlan:
     return self._executables[donate]
 
   def __call__(self, x: Any, *, donate: Any = False, out: Any = None) -> Any:
-    """``transform(x)`` in the destination layouts.
+    """Computes ``transform(x)`` in the destination layouts, moving only what each device lacks.
 
     Args:
       x: the source tree (matching the plan's source); left untouched unless donated.
@@ -130,7 +252,26 @@ class TransformPlan:
         destination layouts): its buffers are donated, the result is written into them, and its
         arrays are deleted after the call.
 
-    Every argument is checked before any device work: a call that raises deletes nothing.
+    Returns:
+      ``transform(x)``, bit for bit, in the destination layouts.
+
+    Raises:
+      ReshardError: ``x`` does not match the plan's source, or ``donate`` or ``out`` is
+        invalid. Every argument is checked before any device work: a call that raises deletes
+        nothing.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> import jax_reshard as jr
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("x",))
+      >>> x = jax.device_put(np.arange(64.0).reshape(8, 8), NamedSharding(mesh, P("x")))
+      >>> to_bf16 = lambda w: w.astype(jnp.bfloat16)
+      >>> tplan = jr.make_plan(x, NamedSharding(mesh, P(None, "x")), transform=to_bf16)
+      >>> y = tplan(x)
+      >>> y2 = tplan(x, out=y)  # written into y's buffers
+      >>> y.is_deleted(), np.array_equal(y2, to_bf16(x))
+      (True, True)
     """
     paths = [lf.path for lf in self.src_leaves]
     flags = None if donate is False else donated_leaves(donate, x, paths)

@@ -129,9 +129,19 @@ def test_planning_layers_need_no_jax() -> None:
       assert not target.startswith("jax") or target.startswith("jax_reshard"), (module, target)
 
 
+def _code_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+  """A function's lines without its docstring (whose ``Example:`` the docstring style asks
+  for): the measure of its code."""
+  lines = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+  if ast.get_docstring(node, clean=False) is not None:
+    doc = node.body[0]
+    lines -= doc.end_lineno - doc.lineno + 1  # type: ignore[operator]
+  return lines
+
+
 def test_functions_are_short() -> None:
   for module in LAYERS:
     for node in ast.walk(_tree(module)):
       if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        lines = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+        lines = _code_lines(node)
         assert lines <= MAX_FUNCTION_LINES, f"{module}.{node.name}: {lines} lines"
