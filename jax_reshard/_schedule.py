@@ -686,15 +686,16 @@ def _make_rounds(
   fill: np.ndarray,
   links: _Links | None = None,
   colourings: dict[tuple[bytes, bytes, bool], np.ndarray] | None = None,
+  heavy_ratios: Sequence[int] = HEAVY_RATIOS,
 ) -> tuple[list[Round], np.ndarray, np.ndarray]:
   """Rounds for pairs ``(ps[i], pd[i])`` of ``fill[i]`` bytes, each pair's round size, and
   each pair's round (its index in the rounds; :func:`_colour_rounds`). With ``links`` (the
   plan's topology) where the pairs cross domains and stay inside them both, the pairs of each
   link class are also given rounds of their own, and that is kept where the topology's link
   costs predict it faster: a round sends every pair the round's size, so a slow pair in a round
-  of large fast payloads sends that much over the slow link. ``colourings``: see
-  :func:`_colour_rounds`."""
-  rounds, per_pair, pair_round = _colour_rounds(ps, pd, fill, colourings)
+  of large fast payloads sends that much over the slow link. ``colourings`` and
+  ``heavy_ratios``: see :func:`_colour_rounds`."""
+  rounds, per_pair, pair_round = _colour_rounds(ps, pd, fill, colourings, heavy_ratios)
   if links is None:
     return rounds, per_pair, pair_round
   slow = links.crosses(ps, pd)
@@ -703,7 +704,7 @@ def _make_rounds(
   mixed, time = links.time(rounds)
   if not mixed:  # every round is of one link class already
     return rounds, per_pair, pair_round
-  apart = [_colour_rounds(ps[m], pd[m], fill[m], colourings) for m in (slow, ~slow)]
+  apart = [_colour_rounds(ps[m], pd[m], fill[m], colourings, heavy_ratios) for m in (slow, ~slow)]
   if links.time(apart[0][0] + apart[1][0])[1] >= time:
     return rounds, per_pair, pair_round
   per_pair, pair_round = np.empty_like(per_pair), np.empty_like(pair_round)
@@ -754,6 +755,7 @@ def _colour_rounds(
   pd: np.ndarray,
   fill: np.ndarray,
   colourings: dict[tuple[bytes, bytes, bool], np.ndarray] | None = None,
+  heavy_ratios: Sequence[int] = HEAVY_RATIOS,
 ) -> tuple[list[Round], np.ndarray, np.ndarray]:
   """Rounds for pairs ``(ps[i], pd[i])`` of ``fill[i]`` bytes, each pair's round size, and
   each pair's round (its index in the rounds).
@@ -763,7 +765,7 @@ def _colour_rounds(
   Colourings are compared by the time they imply where devices run in parallel, the sum
   over rounds of the round's largest payload: one that colours size classes (payloads within
   SIZE_TOLERANCE of each other) separately, which pads little but may leave devices idle; one
-  that colours all pairs together, largest first; and, per ratio of :data:`HEAVY_RATIOS`, one
+  that colours all pairs together, largest first; and, per ratio of ``heavy_ratios``, one
   that colours the pairs of at least that fraction of the largest payload together, then the
   rest together (:func:`_candidate_classes`). Ties go to less padding, then to the earlier.
   None after the first is computed where a lower bound of any colouring's time
@@ -784,7 +786,7 @@ def _colour_rounds(
   ps, pd, fill = ps[order], pd[order], fill[order]
   s, d = _dense(ps), _dense(pd)
   best, bound = None, None
-  for classes in _candidate_classes(fill):
+  for classes in _candidate_classes(fill, heavy_ratios):
     if best is not None:
       bound = _joint_time_bound(s, d, fill) if bound is None else bound
       if best[0] <= (bound, 0):
@@ -828,17 +830,19 @@ def _colour_rounds(
   return rounds, pair_round_bytes, pair_round
 
 
-def _candidate_classes(fill: np.ndarray) -> list[list[tuple[int, int]]]:
+def _candidate_classes(
+  fill: np.ndarray, heavy_ratios: Sequence[int] = HEAVY_RATIOS
+) -> list[list[tuple[int, int]]]:
   """The colourings :func:`_colour_rounds` compares, in order, each as the runs of pairs
   (``fill`` descending) coloured together: the size classes, all pairs, and per ratio of
-  :data:`HEAVY_RATIOS` the pairs of at least that fraction of the largest payload and the
+  ``heavy_ratios`` the pairs of at least that fraction of the largest payload and the
   rest."""
   bounds = [0]
   while bounds[-1] < len(fill):  # fill is descending: classes are runs above a threshold
     floor = (1 - SIZE_TOLERANCE) * fill[bounds[-1]]
     bounds.append(int(np.searchsorted(-fill, -floor, side="right")))
   out = [list(itertools.pairwise(bounds)), [(0, len(fill))]]
-  for r in HEAVY_RATIOS:
+  for r in heavy_ratios:
     heavy = int(np.searchsorted(-fill, -fill[0] / r, side="right"))
     if 0 < heavy < len(fill) and [(0, heavy), (heavy, len(fill))] not in out:
       out.append([(0, heavy), (heavy, len(fill))])

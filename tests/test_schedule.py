@@ -101,12 +101,11 @@ def test_rounds_minimise_parallel_time_over_padding() -> None:
     assert len({s for s, _ in r.pairs}) == len({d for _, d in r.pairs}) == len(r.pairs) == 4
 
 
-def test_heavy_pairs_are_coloured_apart_from_a_star_of_small_ones(monkeypatch) -> None:
+def test_heavy_pairs_are_coloured_apart_from_a_star_of_small_ones() -> None:
   """Four large payloads need two rounds (devices 0 and 1 send two each), but a star of tiny
   payloads from device 6 raises the colours first fit may use, so coloured with it, one large
   payload lands in a third round; size classes apart take four rounds of large payloads.
   Coloured apart from the star, the large ones take two rounds."""
-  from jax_reshard import _schedule
   from jax_reshard._schedule import _make_rounds
 
   ps = np.array([0, 0, 1, 1, 6, 6, 6, 6, 6])
@@ -119,8 +118,8 @@ def test_heavy_pairs_are_coloured_apart_from_a_star_of_small_ones(monkeypatch) -
   for r in rounds:
     assert len({s for s, _ in r.pairs}) == len({d for _, d in r.pairs}) == len(r.pairs)
   assert (round_bytes >= fill).all()
-  monkeypatch.setattr(_schedule, "HEAVY_RATIOS", ())
-  assert sum(r.nbytes for r in _make_rounds(ps, pd, fill)[0]) == 282  # 100 + 100 + 80 + ...
+  without = _make_rounds(ps, pd, fill, heavy_ratios=())[0]  # no heavy pairs coloured apart
+  assert sum(r.nbytes for r in without) == 282  # 100 + 100 + 80 + ...
 
 
 @pytest.mark.parametrize("seed", range(6))
