@@ -12,6 +12,7 @@ PACKAGE = Path(jax_reshard.__file__).parent
 # Each module may import only modules listed before it.
 LAYERS = [
   "_errors",
+  "_options",
   "_layout",
   "_topology",
   "_pieces",
@@ -43,6 +44,7 @@ LAYERS = [
 ]
 NUMPY_ONLY = {
   "_errors",
+  "_options",
   "_layout",
   "_topology",
   "_pieces",
