@@ -28,6 +28,7 @@ from jax_reshard._edge import (
 from jax_reshard._emit import BucketExecutable, InFlight, empty_like_sharded, plan_word_bytes
 from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
+from jax_reshard._options import Options
 from jax_reshard._plan import (
   LayoutPlan,
   PlanStats,
@@ -35,6 +36,7 @@ from jax_reshard._plan import (
   format_plan,
   passes_per_moved_byte,
   plan_layouts,
+  resolve_options,
   resolve_relays,
 )
 from jax_reshard._planner import LeafPlan
@@ -76,6 +78,7 @@ class ReshardPlan:
     layouts: per leaf, the ``(source, destination)`` :class:`Layout`.
     leaves: per leaf, its path, shape, dtype and both shardings.
     layout_plan: the plan of the layouts alone (what :func:`plan_layouts` returns).
+    options: the ``Options`` the plan was made with (``make_plan``'s ``options=``).
 
   Example:
     >>> import jax, numpy as np
@@ -106,6 +109,7 @@ class ReshardPlan:
     max_bucket_bytes: int | tuple[int, ...] | None,
     topology: Topology | None = None,
     relays: bool | Literal["auto"] | None = None,
+    options: Options | None = None,
   ) -> None:
     self._treedef = treedef
     self.leaves: tuple[Leaf, ...] = tuple(leaves)
@@ -116,7 +120,9 @@ class ReshardPlan:
       leaf_names=[lf.name for lf in leaves],
       topology=topology,
       relays=relays,
+      options=options,
     )
+    self.options: Options = self.layout_plan.options
     scheduled = set(self.layout_plan.scheduled)
     self._unscheduled = [i for i in range(len(self.leaves)) if i not in scheduled]
     # Buckets of every stage in order: a relay stage's buckets run after the first stage's.
@@ -352,7 +358,7 @@ class ReshardPlan:
         src = (
           [self.leaves[lf.index].src_sharding for lf in p.leaves] if stage is first_stage else dst
         )
-        executables.append(BucketExecutable(p, devices, dst, src))
+        executables.append(BucketExecutable(p, devices, dst, src, options=self.options))
       self._executables[donate] = executables
     return self._executables[donate]
 
@@ -512,7 +518,7 @@ class ReshardPlan:
     # that devices holding no destination shard (a disjoint trainer's) keep nothing between
     # refits.
     spares: dict[Any, list[Any]] = {}
-    in_flight = InFlight()
+    in_flight = InFlight(self.options.in_flight_buckets)
     if old is not None:
       for i in self.layout_plan.scheduled:
         carry[i] = buffers_by_device(old[i])
@@ -553,6 +559,7 @@ def make_plan(
   topology: Topology | None = ...,
   relays: bool | Literal["auto"] | None = ...,
   transform: None = ...,
+  options: Options | None = ...,
 ) -> ReshardPlan: ...
 
 
@@ -565,6 +572,7 @@ def make_plan(
   topology: Topology | None = ...,
   relays: bool | Literal["auto"] | None = ...,
   transform: Callable[[Any], Any],
+  options: None = ...,
 ) -> TransformPlan: ...
 
 
@@ -576,6 +584,7 @@ def make_plan(
   topology: Topology | None = None,
   relays: bool | Literal["auto"] | None = None,
   transform: Callable[[Any], Any] | None = None,
+  options: Options | None = None,
 ) -> ReshardPlan | TransformPlan:
   """Plans the reshard of a pytree from its current layout to ``dst``.
 
@@ -601,14 +610,15 @@ def make_plan(
       ``transform(src)`` bit for bit, in ``dst``. Narrowing casts run on the sender, so bytes
       move in the narrowest dtype of each cast chain (``topology`` and ``relays`` are not
       used yet).
+    options: the lowering switches and thresholds (``Options``; ``None``: the defaults).
 
   Returns:
     A :class:`ReshardPlan` (``TransformPlan`` with ``transform``); call it on ``src``'s kind.
 
   Raises:
     ReshardError: invalid trees, shapes, dtypes, devices or shardings, an invalid
-      ``max_bucket_bytes`` (candidates without a topology or with ``transform``), or an invalid
-      ``relays`` (nothing is moved).
+      ``max_bucket_bytes`` (candidates without a topology or with ``transform``), an invalid
+      ``relays``, or ``options`` with ``transform`` (nothing is moved).
 
   Example:
     >>> import jax, numpy as np
@@ -637,20 +647,29 @@ def make_plan(
     >>> 2 * fused.stats.bytes_moved == plan.stats.bytes_moved
     True
   """
-  resolved = resolve_relays(relays, topology)
+  resolved, opts = resolve_relays(relays, topology), resolve_options(options)
   if transform is not None:
-    return _transform_plan(src, dst, transform, max_bucket_bytes)
+    return _transform_plan(src, dst, transform, max_bucket_bytes, options)
   if needs_edges(src, dst):
-    return _edged_plan(src, dst, max_bucket_bytes, topology, relays)
+    return _edged_plan(src, dst, max_bucket_bytes, topology, relays, opts)
   candidates = bucket_candidates(max_bucket_bytes, topology)
   treedef, leaves = flatten_tree(src, dst)
   bounds = candidates if candidates is not None else _one_bound(max_bucket_bytes, leaves)
-  return _cached_plan(treedef, tuple(leaves), bounds, topology, resolved)
+  return _cached_plan(treedef, tuple(leaves), bounds, topology, resolved, opts)
 
 
 def _transform_plan(
-  src: Any, dst: Any, transform: Callable[[Any], Any], max_bucket_bytes: Any
+  src: Any,
+  dst: Any,
+  transform: Callable[[Any], Any],
+  max_bucket_bytes: Any,
+  options: Options | None,
 ) -> TransformPlan:
+  if options is not None:  # a transformed plan lowers with the default options
+    raise ReshardError(
+      "options= applies to plans without transform= (a transformed plan is lowered with the "
+      "default options); leave options unset with transform="
+    )
   refuse_edges_with_transform(src, dst)
   return make_transform_plan(
     src, dst, transform, max_bucket_bytes=_transform_bound(max_bucket_bytes)
@@ -663,13 +682,19 @@ def _edged_plan(
   max_bucket_bytes: int | Sequence[int] | None,
   topology: Topology | None,
   relays: bool | Literal["auto"] | None,
+  options: Options,
 ) -> ReshardPlan:
   """The plan of the carrier tree (see :mod:`_edge`), converting on the way in and out."""
   flat, treedef = jax.tree_util.tree_flatten(src)
   dst_leaves = broadcast_shardings(dst, src, treedef, len(flat), "destination")
   edges, c_src, c_dst = make_edges(src, dst_leaves)
   core = make_plan(
-    c_src, c_dst, max_bucket_bytes=max_bucket_bytes, topology=topology, relays=relays
+    c_src,
+    c_dst,
+    max_bucket_bytes=max_bucket_bytes,
+    topology=topology,
+    relays=relays,
+    options=options,
   )
   return core.with_edges(edges)
 
@@ -708,9 +733,15 @@ def _cached_plan(
   max_bucket_bytes: int | tuple[int, ...],
   topology: Topology | None,
   relays: bool | Literal["auto"],
+  options: Options,
 ) -> ReshardPlan:
   return ReshardPlan(
-    treedef, list(leaves), max_bucket_bytes=max_bucket_bytes, topology=topology, relays=relays
+    treedef,
+    list(leaves),
+    max_bucket_bytes=max_bucket_bytes,
+    topology=topology,
+    relays=relays,
+    options=options,
   )
 
 

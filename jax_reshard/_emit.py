@@ -32,6 +32,7 @@ from jax_reshard._buffers import (
   buffers_by_device,
   fast_path_available,
 )
+from jax_reshard._options import DEFAULT_OPTIONS, Options
 from jax_reshard._plan import LayoutPlan
 from jax_reshard._program import (
   BucketProgram,
@@ -55,7 +56,6 @@ from jax_reshard._program import (
   travels_as_is,
   uint_dtype,
 )
-from jax_reshard._schedule import WHOLE_OPERAND_BYTES
 from jax_reshard._tprogram import Part as TPart
 from jax_reshard._tprogram import Slab as TSlab
 from jax_reshard._tprogram import TransformProgram
@@ -260,7 +260,7 @@ def _cut_words(program: BucketProgram, cut: Cut) -> int:
 def whole_segments(program: BucketProgram, rnd: SendRound) -> tuple[Segment, ...] | None:
   """For a packed round (not :func:`whole_block_leaves`') where every sender's payload holds
   the whole source shard of a leaf (of a type that travels as it is, and of at least
-  ``WHOLE_OPERAND_BYTES``) at the same words, the payload cut at those shards:
+  :attr:`BucketProgram.whole_operand_bytes`) at the same words, the payload cut at those shards:
   ``(start, stop, leaf)`` in unit words, ``leaf`` the position of the leaf whose staged block is
   that segment (sent as it is, idle devices' placeholders too) or ``None`` for words packed
   by the senders' roles (zeros on idle devices). ``None`` where there is no such shard."""
@@ -272,7 +272,7 @@ def whole_segments(program: BucketProgram, rnd: SendRound) -> tuple[Segment, ...
     for cut in p.cuts:
       lf, size = program.leaves[cut.leaf], _cut_words(program, cut)
       whole = cut.static_offset == (0,) * len(cut.shape) and cut.shape == _words(lf.src_shard, lf)
-      big = size * program.unit.itemsize >= WHOLE_OPERAND_BYTES
+      big = size * program.unit.itemsize >= program.whole_operand_bytes
       if whole and big and lf.src_window is None and travels_as_is(lf.dtype):
         found.add((at, at + size, cut.leaf))
       at += size
@@ -866,24 +866,6 @@ def _staged_shape(block: tuple[int, ...], n: int) -> tuple[int, ...]:
 
 PROGRAM_CACHE_SIZE = 256  # compiled bucket programs kept per process
 
-DIRECT_CALLS = True
-"""Whether a bucket that allows it runs as one ``jax.jit`` call on the source arrays as they
-are (:meth:`BucketExecutable.direct`); ``False`` stages every bucket's buffers."""
-
-BUNDLED_CALLS = True
-"""Whether the small leaves of a bucket that stages its buffers enter and leave its program
-bundled (:meth:`BucketExecutable.bundle`); ``False`` stages every leaf on its own."""
-BUNDLE_LEAF_BYTES = 1 << 14
-"""A leaf whose source and destination blocks are at most this many bytes per device may be
-bundled: its bytes are copied once more on each side, which costs less than staging it."""
-BUNDLE_BYTES = 1 << 18
-"""At most this many bytes per device in a bundle, on either side (its zero bytes on devices
-without a source shard are made once and kept, as small placeholders are)."""
-MIN_BUNDLED_LEAVES = 32
-"""Fewer small leaves than this stage on their own: a bundle costs two more compiled calls and
-waits for them on CPU devices (8x8 float32 leaves, 4 -> 4 disjoint, 2 cores: 16 leaves ran
-0.92-0.95x as fast bundled, 24 0.93-1.04x, 32 1.13-1.18x, 48 1.38-1.40x)."""
-
 
 def _bundled_body(
   program: BucketProgram, bundle: Bundle, body: Callable[..., tuple[jax.Array, ...]]
@@ -1113,10 +1095,9 @@ def _placeholder_program(group: PlaceholderGroup, devices: tuple[Any, ...]) -> A
   return jax.jit(make, out_shardings=tuple(sharding for _ in group.blocks)).lower().compile()
 
 
-# Zero source blocks of at most this many bytes per device and group are made once and kept
-# (they are read, never written or donated), instead of on every call.
-CACHED_PLACEHOLDER_BYTES = 1 << 18
-PLACEHOLDER_CACHE_SIZE = 64  # groups kept: at most 16 MiB per device
+# Groups of zero source blocks kept (each of at most Options.kept_zero_bytes per device: they
+# are read, never written or donated, so they are made once instead of on every call).
+PLACEHOLDER_CACHE_SIZE = 64
 
 
 def _block_bytes(group: PlaceholderGroup) -> int:
@@ -1239,34 +1220,30 @@ class _SlabWriter:
     return buffers_by_device(self.compiled(shards, self.slab_wrap([slabs[i] for i in self.ids])))
 
 
-IN_FLIGHT_BUCKETS = 2
-"""On CPU devices, how many bucket programs may be queued and not yet finished (see
-:func:`one_at_a_time`)."""
-
-
 def one_at_a_time(devices: Sequence[Any]) -> bool:
   """Whether bucket programs on ``devices`` must be queued a few at a time: on the CPU backend
   every device of a collective program takes a thread of one shared pool and blocks in the
   ``ppermute`` rendezvous until all arrive, so independent programs queued faster than they
   run can each hold some of the threads while none has all (seen as a 40 s rendezvous abort
   with 200 buckets of 8 devices queued at once on 2 cores). A program is then queued once the
-  results of the bucket :data:`IN_FLIGHT_BUCKETS` before it are ready, so that one bucket runs
-  while the next is staged and queued."""
+  results of the bucket ``Options.in_flight_buckets`` before it are ready (:class:`InFlight`),
+  so that one bucket runs while the next is staged and queued."""
   return any(getattr(d, "platform", None) == "cpu" for d in devices)
 
 
 class InFlight:
-  """The results of the last :data:`IN_FLIGHT_BUCKETS` buckets of a call: what the next bucket
-  waits for before its program is queued, where :func:`one_at_a_time`."""
+  """The results of the last ``depth`` buckets of a call (``Options.in_flight_buckets``): what
+  the next bucket waits for before its program is queued, where :func:`one_at_a_time`."""
 
-  def __init__(self) -> None:
-    self._recent: collections.deque[Any] = collections.deque(maxlen=IN_FLIGHT_BUCKETS)
+  def __init__(self, depth: int = DEFAULT_OPTIONS.in_flight_buckets) -> None:
+    self.depth = depth
+    self._recent: collections.deque[Any] = collections.deque(maxlen=depth)
 
   def wait_for(self, exe: Any) -> Any:
     """What ``exe`` (a bucket's executable) waits for: ``None``, or one result of the bucket
-    :data:`IN_FLIGHT_BUCKETS` before it (all of a program's results are ready together). A
-    result carried into a later bucket was donated there; then one of a later bucket's."""
-    if not exe.one_at_a_time or len(self._recent) < IN_FLIGHT_BUCKETS:
+    :attr:`depth` before it (all of a program's results are ready together). A result carried
+    into a later bucket was donated there; then one of a later bucket's."""
+    if not exe.one_at_a_time or len(self._recent) < self.depth:
       return None
     for ys in self._recent:  # oldest first
       for y in jax.tree_util.tree_leaves(ys):
@@ -1534,17 +1511,20 @@ class _BundleIO:
 
 
 def _stage_placeholders(
-  groups: Sequence[PlaceholderGroup], devices: dict[int, Any]
+  groups: Sequence[PlaceholderGroup],
+  devices: dict[int, Any],
+  kept_bytes: int = DEFAULT_OPTIONS.kept_zero_bytes,
 ) -> tuple[dict[tuple[Any, ...], jax.Array], bool]:
   """Zero blocks for one call, keyed by (device id, block shape, dtype), or by (device id,
   leaf position) for groups of donated blocks (one per leaf); and whether every group was of
-  source blocks small enough to be made once (read only), so the dict may be kept."""
+  source blocks small enough to be made once (read only, at most ``kept_bytes`` per device:
+  ``Options.kept_zero_bytes``), so the dict may be kept."""
   out = {}
   fast = fast_path_available()
   made_once = True
   for group in groups:
     mesh_devices = tuple(devices[i] for i in group.device_ids)
-    if not group.leaves and _block_bytes(group) <= CACHED_PLACEHOLDER_BYTES:
+    if not group.leaves and _block_bytes(group) <= kept_bytes:
       out.update(_source_zeros(group, mesh_devices, fast=fast))  # read only: made once
       continue
     made_once = False
@@ -1681,7 +1661,8 @@ class BucketExecutable:
   is worked out once; the compiled executable is shared by every bucket with the same
   :func:`program_signature` on the same devices. A bucket whose source and destination meshes
   both list exactly its devices (colocated) skips the staging: it runs as one ``jax.jit`` call
-  on the source arrays as they are (:meth:`direct`).
+  on the source arrays as they are (:meth:`direct`). ``options``: the plan's, which say
+  whether the bucket may run directly or bundled, and which zero blocks it keeps.
   """
 
   def __init__(
@@ -1690,8 +1671,11 @@ class BucketExecutable:
     devices: dict[int, Any],
     dst_shardings: Sequence[Any],
     src_shardings: Sequence[Any] | None = None,
+    *,
+    options: Options,
   ) -> None:
     self.program = program
+    self.options = options
     self.devices = devices
     self.dst_shardings = list(dst_shardings)
     self.src_shardings = list(src_shardings or [None] * len(program.leaves))
@@ -1769,20 +1753,21 @@ class BucketExecutable:
 
   def bundle(self) -> Bundle | None:
     """The leaves of a bucket that stages its buffers which enter and leave its program as one
-    byte vector per device (a :class:`Bundle`), or ``None``: leaves of at most
-    :data:`BUNDLE_LEAF_BYTES` per block that enter and leave the bucket whole, on one source
-    mesh and one destination mesh of this process, up to :data:`BUNDLE_BYTES` per device and
-    side, where at least :data:`MIN_BUNDLED_LEAVES` are (never in a bucket that must assemble
-    apart: its one program would stage more than the bound). A call then packs their source shards
-    with one compiled call on the source mesh and cuts their destination shards with one on
-    the destination mesh, instead of taking apart and wrapping buffers per leaf: each bundled
-    byte is copied once more on each side."""
+    byte vector per device (a :class:`Bundle`), or ``None``: where the :attr:`options` allow
+    bundles, leaves of at most ``bundle_leaf_bytes`` per block that enter and leave the bucket
+    whole, on one source mesh and one destination mesh of this process, up to
+    ``bundle_bytes`` per device and side, where at least ``min_bundled_leaves`` are (never in
+    a bucket that must assemble apart: its one program would stage more than the bound). A
+    call then packs their source shards with one compiled call on the source mesh and cuts
+    their destination shards with one on the destination mesh, instead of taking apart and
+    wrapping buffers per leaf: each bundled byte is copied once more on each side."""
     if self._bundle is None:
       self._bundle = self._choose_bundle() or False
     return self._bundle if isinstance(self._bundle, Bundle) else None
 
   def _choose_bundle(self) -> Bundle | None:
-    if not BUNDLED_CALLS or self.program.must_apart or self._direct_allowed():
+    opts = self.options
+    if not opts.bundled_calls or self.program.must_apart or self._direct_allowed():
       return None
     chosen: list[int] = []
     meshes = None
@@ -1792,13 +1777,13 @@ class BucketExecutable:
       if not (enters_whole(lf) and _on_one_mesh(src) and _on_one_mesh(dst)):
         continue
       sizes = np.array([block_bytes(lf.src_block, lf.dtype), block_bytes(lf.dst_block, lf.dtype)])
-      if sizes.max() > BUNDLE_LEAF_BYTES or (totals + sizes).max() > BUNDLE_BYTES:
+      if sizes.max() > opts.bundle_leaf_bytes or (totals + sizes).max() > opts.bundle_bytes:
         continue
       meshes = meshes or (src.mesh, dst.mesh)
       if (src.mesh, dst.mesh) == meshes:
         chosen.append(li)
         totals += sizes
-    return make_bundle(self.program, chosen) if len(chosen) >= MIN_BUNDLED_LEAVES else None
+    return make_bundle(self.program, chosen) if len(chosen) >= opts.min_bundled_leaves else None
 
   def bundle_pass_bytes(self) -> int:
     """Bytes all devices read and write per call for the :meth:`bundle`, beyond what the
@@ -1843,12 +1828,12 @@ class BucketExecutable:
 
   def direct(self) -> Any:
     """The compiled program that takes the source arrays as they are and returns the
-    destination arrays, where the bucket allows it, else ``False``: every leaf's source and
-    destination are on one mesh each, both listing the bucket's devices in its mesh
-    positions' order (the same devices, as a colocated trainer and sampler), every device holds
-    a source shard (no zero blocks), and no leaf is cut into slabs or windows, split over
-    buckets or written into a donated buffer. Then no buffer is taken apart or wrapped per
-    leaf: the call is one ``jax.jit`` call of the traced move."""
+    destination arrays, where the bucket allows it, else ``False``: the :attr:`options` allow
+    direct calls, every leaf's source and destination are on one mesh each, both listing the
+    bucket's devices in its mesh positions' order (the same devices, as a colocated trainer
+    and sampler), every device holds a source shard (no zero blocks), and no leaf is cut into
+    slabs or windows, split over buckets or written into a donated buffer. Then no buffer is
+    taken apart or wrapped per leaf: the call is one ``jax.jit`` call of the traced move."""
     if self._direct is None:
       self._direct = self._direct_allowed() and _direct_program(
         program_signature(self.program), tuple(self.src_shardings), tuple(self.dst_shardings)
@@ -1857,7 +1842,8 @@ class BucketExecutable:
 
   def _direct_allowed(self) -> bool:
     p = self.program
-    if not DIRECT_CALLS or p.placeholders or not all(enters_whole(lf) for lf in p.leaves):
+    allowed = self.options.direct_calls and not p.placeholders
+    if not allowed or not all(enters_whole(lf) for lf in p.leaves):
       return False
     order = list(p.device_ids)
     for shardings in (self.src_shardings, self.dst_shardings):
@@ -1878,7 +1864,7 @@ class BucketExecutable:
       return self._kept_placeholders
     if groups is None:
       groups = (self.program.placeholders, self.program.dst_placeholders)[which]
-    out, made_once = _stage_placeholders(groups, self.devices)
+    out, made_once = _stage_placeholders(groups, self.devices, self.options.kept_zero_bytes)
     if not which and own and made_once:
       self._kept_placeholders = out
     return out

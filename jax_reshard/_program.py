@@ -268,6 +268,9 @@ class BucketProgram:
       payloads (``_cost.assembles_apart``), or ``None`` where that program assembles them.
     must_apart: the bucket's staging is in bound only so (``Bucket.must_apart``): its leaves
       are never bundled into one program (``_emit.BucketExecutable.bundle``).
+    whole_operand_bytes: the plan's ``Options.whole_operand_bytes``: a leaf's whole source
+      shard at the same words of every payload of a packed round is an operand of its own
+      from this size on (``_emit.whole_segments``).
   """
 
   device_ids: tuple[int, ...]
@@ -279,6 +282,7 @@ class BucketProgram:
   dst_placeholders: tuple[PlaceholderGroup, ...] = ()
   assemblers: tuple[int, ...] | None = None
   must_apart: bool = False
+  whole_operand_bytes: int = dataclasses.field(kw_only=True)
 
   @property
   def dst_inputs(self) -> tuple[int, ...]:
@@ -459,6 +463,7 @@ def make_bucket_program(
     else _dst_placeholder_groups(leaves, sched_bucket.union_device_ids),
     assemblers=None if assembling is None else tuple(sorted(positions[d] for d in assembling)),
     must_apart=assembling is not None and sched_bucket.must_apart,
+    whole_operand_bytes=plan.options.whole_operand_bytes,
   )
 
 

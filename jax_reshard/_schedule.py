@@ -42,6 +42,7 @@ import numpy as np
 
 from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
+from jax_reshard._options import DEFAULT_OPTIONS, Options
 from jax_reshard._planner import LeafPlan
 from jax_reshard._topology import Topology
 
@@ -51,15 +52,6 @@ DEFAULT_MAX_BUCKET_BYTES = 1 << 30
 # tens of MiB per device the allocator maps fresh pages each time (at 52 MB of staging per
 # device, ~100 MiB of page faults per call, half the call's time); at 16 MiB none.
 CPU_MAX_BUCKET_BYTES = 16 << 20
-# Most leaves (chunks of a split leaf counted apart) in one bucket: a bucket's program compiles
-# in time that grows with its leaves (about 45 ms per 8x8 leaf at 16-128 leaves on 2 CPU cores,
-# faster than linear beyond), so a tree of many small leaves becomes several buckets, cut where
-# the tree repeats (see :func:`_repeat_end`) so that they run one program.
-MAX_BUCKET_LEAVES = 64
-# Where the tree repeats with a period of fewer leaves than this, a bucket takes whole periods
-# up to this many leaves; a longer period (a model layer) is one bucket per period, so the
-# program compiled for it is no larger than one period's.
-MIN_PERIOD_LEAVES = 8
 # Rounds are also tried with the pairs of at least a 4th (a 16th) of the largest payload
 # coloured together apart from the rest: a few small payloads on many pairs (a norm one entry
 # forwards to every device of its domain) raise the colours first fit may spread large
@@ -429,19 +421,14 @@ def leaf_modes(
   return out
 
 
-SPLIT_ASSEMBLY = True
-"""Whether a bucket that allows it (:func:`assembly_devices`) assembles its destination shards
-in a program of their devices alone, after the program over its union mesh moves the data.
-Read when scheduling too: off, no bucket is counted as assembling apart; a bucket scheduled so
-while it was on (``Bucket.must_apart``) still does."""
-
-
 def assembly_devices(
   schedule: Schedule,
   layouts: Sequence[tuple[Layout, Layout]],
   scheduled: Sequence[int],
   bucket: int,
   modes: Sequence[LeafMode],
+  *,
+  split_assembly: bool,
 ) -> tuple[int, ...] | None:
   """The devices (ids, ascending) that may assemble bucket ``bucket``'s destination shards in a
   program of their own, or ``None`` where the bucket's one program over its union mesh does.
@@ -458,9 +445,10 @@ def assembly_devices(
   destination device set, and some device of the bucket holds no destination shard (a
   destination device that holds a source shard too copies its resident parts in the assembly
   program, which takes its source blocks). The devices without a destination shard are then
-  given no blocks to donate.
+  given no blocks to donate. Where not ``split_assembly`` (the plan's
+  ``Options.split_assembly``), only a bucket scheduled so (``Bucket.must_apart``) may.
   """
-  if not SPLIT_ASSEMBLY and not schedule.buckets[bucket].must_apart:
+  if not split_assembly and not schedule.buckets[bucket].must_apart:
     return None
   dst_ids: tuple[int, ...] | None = None
   for j, m in zip(schedule.buckets[bucket].leaves, modes, strict=True):
@@ -1064,7 +1052,7 @@ class _Tree:
   # of the tree can assemble apart)
   discards: list[np.ndarray] = dataclasses.field(default_factory=list)
   receives: list[np.ndarray] = dataclasses.field(default_factory=list)
-  max_leaves: int = MAX_BUCKET_LEAVES
+  options: Options = DEFAULT_OPTIONS  # the plan's: leaf cap, periods, whole operands, apart
   kinds: list[int] = dataclasses.field(default_factory=list)  # per leaf, its kind of transfers
   links: _Links | None = None  # with a topology of several domains (see _make_rounds)
   layouts: Sequence[tuple[Layout, Layout]] = ()
@@ -1211,18 +1199,12 @@ def _bucket_pieces(
   return src, dst, leaf_of, transfer, nbytes, np.flatnonzero(new_pair)
 
 
-# A whole source shard is an operand of its own in a packed round (see _whole_first) from this
-# size on: smaller ones are packed, as another collective per round costs more than their copy
-# (24-61 KiB shards of 1 MiB payloads made the DeepSeek-V3 colocated bench case 1.25x slower).
-WHOLE_OPERAND_BYTES = 1 << 18
-
-
 def _whole_first(
   tree: _Tree, pair_round: np.ndarray, cols: tuple[np.ndarray, ...], first: np.ndarray
 ) -> tuple[np.ndarray, ...]:
   """The pieces ``cols`` (src, dst, leaf, transfer, nbytes; sorted by pair, then leaf and
   transfer; each pair, of those starting at ``first``, in round ``pair_round``) reordered
-  within each payload so that the whole source shards (of at least ``WHOLE_OPERAND_BYTES``)
+  within each payload so that the whole source shards (of at least ``whole_operand_bytes``)
   of the leaves whose whole source shard every payload of the round holds come first, in leaf
   order: they lie at the same offsets of every payload of the round, and are sent as they are
   (an operand of the round's ``ppermute`` each, see ``_cost.whole_segment_bytes``); then their
@@ -1233,7 +1215,8 @@ def _whole_first(
     math.prod(tree.layouts[j][0].shard_shape()) * tree.itemsizes[j] if tree.layouts else -1
     for j in used.tolist()
   ]
-  whole = (nbytes == np.asarray(shard, dtype=np.int64)[inv]) & (nbytes >= WHOLE_OPERAND_BYTES)
+  least = tree.options.whole_operand_bytes  # see Options: smaller shards are packed
+  whole = (nbytes == np.asarray(shard, dtype=np.int64)[inv]) & (nbytes >= least)
   if whole.any():
     pid = np.cumsum(np.r_[True, (src[1:] != src[:-1]) | (dst[1:] != dst[:-1])][: len(src)]) - 1
     piece_round = pair_round[pid]
@@ -1390,12 +1373,13 @@ def _repeat_end(
 
   ``keys`` are :func:`_item_keys`. A *run* repeats with a period ``p`` over at least the cap's
   length and two periods (the layers of a model). Where a run starts at ``start``, the bucket
-  takes whole periods: one if ``p >= MIN_PERIOD_LEAVES``, else the same number ``t`` of periods
-  for every bucket of the run (a divisor of its periods where one lies between half the cap and
-  the cap, so every bucket is equal), so the buckets of a run share one program whatever the
-  phase of ``start``. Elsewhere the bucket ends where a run begins, or at the cap. ``runs``
-  carries a run's ``(p, t, end)`` from one bucket's end to the next bucket."""
-  cap = tree.max_leaves
+  takes whole periods: one if ``p`` is at least the tree's ``Options.min_period_leaves``, else
+  the same number ``t`` of periods for every bucket of the run (a divisor of its periods where
+  one lies between half the cap and the cap, so every bucket is equal), so the buckets of a
+  run share one program whatever the phase of ``start``. Elsewhere the bucket ends where a run
+  begins, or at the cap. ``runs`` carries a run's ``(p, t, end)`` from one bucket's end to the
+  next bucket."""
+  cap = tree.options.max_bucket_leaves
   if start in runs:
     p, t, run_end = runs.pop(start)
     take = min(t, (run_end - start) // p)
@@ -1419,7 +1403,7 @@ def _repeat_end(
   differ = keys[start + p :] != keys[start : len(keys) - p]
   periods = (p + (int(np.argmax(differ)) if differ.any() else len(differ))) // p
   most = cap // p
-  if p >= MIN_PERIOD_LEAVES:
+  if p >= tree.options.min_period_leaves:
     t = 1
   elif periods <= most:
     t = periods
@@ -1493,10 +1477,10 @@ def _fill_buckets(tree: _Tree) -> list[_Built]:
   keys = _item_keys(tree, items)
   runs: dict[int, tuple[int, int, int]] = {}  # see _repeat_end
   out: list[_Built] = []
-  i = 0
+  cap, i = tree.options.max_bucket_leaves, 0
   while i < len(items):
     end = _greedy_end(tree, items, i)
-    if end - i > tree.max_leaves or i in runs:  # else the bucket the bytes allow is kept
+    if end - i > cap or i in runs:  # else the bucket the bytes allow is kept
       end = min(end, _repeat_end(tree, keys, i, runs))
     built = _build(tree, items[i:end])
     if tree.bound is None or built.peak <= tree.bound:
@@ -1868,7 +1852,7 @@ def _apart_counts(tree: _Tree, apart: bool) -> tuple[list[np.ndarray], list[np.n
   bucket of whole leaves may assemble apart, :func:`assembly_devices`), else empty lists."""
   layouts, union = tree.layouts, tree.union
   dst_sets = {dst.device_ids for _, dst in layouts}
-  if not (apart and SPLIT_ASSEMBLY and tree.bound) or len(dst_sets) != 1:
+  if not (apart and tree.options.split_assembly and tree.bound) or len(dst_sets) != 1:
     return [], []
   (dst_ids,) = dst_sets
   if not dst_ids or any(not set(dst_ids).isdisjoint(src.device_ids) for src, _ in layouts):
@@ -1892,10 +1876,10 @@ def make_schedule(
   *,
   max_bucket_bytes: int | None = DEFAULT_MAX_BUCKET_BYTES,
   names: Sequence[str] | None = None,
-  max_bucket_leaves: int | None = None,
   slabs: bool = True,
   topology: Topology | None = None,
   apart: bool = True,
+  options: Options = DEFAULT_OPTIONS,
 ) -> Schedule:
   """Packs the remote transfers of all leaves into buckets, payloads and rounds.
 
@@ -1907,8 +1891,6 @@ def make_schedule(
       discarded blocks where a bucket must assemble apart, see ``apart``); a leaf that does
       not fit alone is split into chunks over consecutive buckets. ``None``: no bound.
     names: per leaf, a name for error messages (default ``#i``).
-    max_bucket_leaves: most leaves (chunks counted apart) per bucket, cut where the tree
-      repeats (:func:`_repeat_end`); ``None``: :data:`MAX_BUCKET_LEAVES`.
     slabs: whether a leaf whose placeholder blocks keep sub-boxes of its transfers above the
       bound may be cut into slabs of its source shards, or of its destination shards
       (:func:`split_slabs`).
@@ -1916,6 +1898,8 @@ def make_schedule(
       those inside one may take rounds of their own (see :func:`_make_rounds`); ``None``:
       rounds are made from the pairs' bytes alone.
     apart: whether a bucket may assemble apart where the bound needs it (its programs can).
+    options: the plan's :class:`Options`: a bucket's leaf cap and periods (:func:`_repeat_end`),
+      the whole source shards that lead payloads, and whether buckets may assemble apart.
 
   Raises:
     BucketBoundError: if the bound is below what some leaf needs even in its smallest chunks.
@@ -1933,7 +1917,7 @@ def make_schedule(
     ],
     members=[np.isin(union, (*s.device_ids, *d.device_ids)) for s, d in layouts],
     bound=max_bucket_bytes,
-    max_leaves=MAX_BUCKET_LEAVES if max_bucket_leaves is None else max_bucket_leaves,
+    options=options,
     kinds=_kinds(plans, layouts, itemsizes),
     layouts=layouts,
     allow_slabs=slabs,
