@@ -761,9 +761,8 @@ def _placeholder_bytes(
   :func:`placeholder_mask`; the bucket's slab for a leaf cut into destination slabs, and in
   its first bucket, the destination shard on every device that holds one, filled with zeros
   before the first slab is written into it; none for the leaves ``direct``, received whole or
-  passed through). Slabs: for a leaf cut
-  into slabs, the bucket's slab instead of the source block, on every device (cut from its
-  source shard, or zeros; counted as a copy)."""
+  passed through). Slabs: for a leaf cut into slabs, the bucket's slab instead of the source
+  block, on every device (cut from its source shard, or zeros; counted as a copy)."""
   bucket = stage.schedule.buckets[b]
   union = np.asarray(bucket.union_device_ids, dtype=np.int64)
   out = np.zeros(len(union), dtype=np.float64)

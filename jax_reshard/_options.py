@@ -13,6 +13,8 @@ import numbers
 
 from jax_reshard._errors import ReshardError
 
+_COUNTS = frozenset({"max_bucket_leaves", "min_period_leaves", "in_flight_buckets"})  # >= 1
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Options:
@@ -66,7 +68,7 @@ class Options:
       a device holds no source shard of); groups of at most this many are made once and kept
       between calls (read only), larger ones are made on every call, which the cost model
       charges as fills. Default 256 KiB: kept groups cost memory on every device (at most 64
-      groups, 16 MiB per device).
+      groups are kept, 16 MiB per device at this size).
     max_bucket_leaves: leaves (chunks of a split leaf counted apart); the most in one bucket.
       Default 64: a bucket's program compiles in time that grows with its leaves (about 45 ms
       per 8x8 leaf at 16-128 leaves on 2 CPU cores, faster than linear beyond), so a tree of
@@ -81,6 +83,11 @@ class Options:
       bucket this many before it are ready. Default 2: one bucket runs while the next is
       staged and queued (200 buckets of 8 devices queued at once on 2 cores starved the shared
       thread pool into a 40 s rendezvous abort).
+
+  Raises:
+    ReshardError: a switch that is not ``True`` or ``False``, or a threshold that is not an
+      int of at least 0 (at least 1 for ``max_bucket_leaves``, ``min_period_leaves`` and
+      ``in_flight_buckets``).
   """
 
   split_assembly: bool = True
@@ -105,8 +112,9 @@ class Options:
       integral = isinstance(value, numbers.Integral) and not isinstance(value, bool)
       if f.type == "int" and not (integral and value >= least):
         raise ReshardError(f"Options.{f.name} must be an int of at least {least}, got {value!r}")
+      if f.type == "int":  # NumPy ints are kept as Python ints
+        object.__setattr__(self, f.name, int(value))
 
 
-_COUNTS = {"max_bucket_leaves", "min_period_leaves", "in_flight_buckets"}  # at least 1
 DEFAULT_OPTIONS = Options()
 """The options of a plan made without ``options=``."""

@@ -42,6 +42,7 @@ def test_invalid_options_raise(fields: dict[str, object]) -> None:
 def test_options_take_numpy_ints_and_zero_thresholds() -> None:
   opts = Options(apart_min_bytes=0, max_bucket_leaves=np.int64(2))
   assert opts == Options(apart_min_bytes=0, max_bucket_leaves=2)
+  assert type(opts.max_bucket_leaves) is int
   assert Options() == DEFAULT_OPTIONS and hash(Options()) == hash(DEFAULT_OPTIONS)
 
 
