@@ -13,7 +13,9 @@ import numbers
 
 from jax_reshard._errors import ReshardError
 
-_COUNTS = frozenset({"max_bucket_leaves", "min_period_leaves", "in_flight_buckets"})  # >= 1
+_COUNTS = frozenset(  # >= 1
+  {"max_bucket_leaves", "min_period_leaves", "in_flight_buckets", "max_grid_slabs"}
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -83,11 +85,16 @@ class Options:
       bucket this many before it are ready. Default 2: one bucket runs while the next is
       staged and queued (200 buckets of 8 devices queued at once on 2 cores starved the shared
       thread pool into a 40 s rendezvous abort).
+    max_grid_slabs: slabs per side; the most a grid of slabs of both sides cuts a leaf into
+      (``_schedule.split_grid``, for a leaf both of whose shards exceed the bound). Its floor
+      is about 1/``max_grid_slabs`` of each side's shard per device, for up to
+      ``max_grid_slabs`` squared buckets, each one call. Default 64: a few thousand buckets at
+      most.
 
   Raises:
     ReshardError: a switch that is not ``True`` or ``False``, or a threshold that is not an
-      int of at least 0 (at least 1 for ``max_bucket_leaves``, ``min_period_leaves`` and
-      ``in_flight_buckets``).
+      int of at least 0 (at least 1 for ``max_bucket_leaves``, ``min_period_leaves``,
+      ``in_flight_buckets`` and ``max_grid_slabs``).
   """
 
   split_assembly: bool = True
@@ -102,6 +109,7 @@ class Options:
   max_bucket_leaves: int = 64
   min_period_leaves: int = 8
   in_flight_buckets: int = 2
+  max_grid_slabs: int = 64
 
   def __post_init__(self) -> None:
     for f in dataclasses.fields(self):

@@ -58,10 +58,6 @@ CPU_MAX_BUCKET_BYTES = 16 << 20
 # payloads over (see _colour_rounds).
 HEAVY_RATIOS = (4, 16)
 SIZE_TOLERANCE = 0.02  # size classes: payloads within 2% of the class's largest
-# Most slabs per side of a grid (see _split_grid): a grid runs one bucket per chunk, so its
-# floor, about (source shard + destination shard) / 64 per device, keeps a refit under a few
-# thousand buckets.
-MAX_GRID_SLABS = 64
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -1756,8 +1752,8 @@ def _split_grid(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
   (:func:`split_grid`), as few as fit (see :func:`_split_rows` for what it returns): a bucket
   stages a window of every source shard and fills a window of every destination shard in
   place, so both placeholders shrink with the slabs. The floor is a slab of
-  :data:`MAX_GRID_SLABS` or one index thick on each side (plus its payloads): a leaf both of
-  whose shards are many times the bound fits.
+  ``Options.max_grid_slabs`` or one index thick on each side (plus its payloads): a leaf both
+  of whose shards are many times the bound fits.
   Tried where no other way fits: the grid moves each destination slab through several
   buckets."""
   assert tree.bound is not None
@@ -1766,7 +1762,8 @@ def _split_grid(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
   blocks = [math.prod(staged_block_shape(lay.shard_shape())) * isz for lay in (src, dst)]
   dims = grid_dims((src, dst))
   k_max = [
-    min(MAX_GRID_SLABS, lay.shard_shape()[d]) for lay, d in zip((src, dst), dims, strict=True)
+    min(tree.options.max_grid_slabs, lay.shard_shape()[d])
+    for lay, d in zip((src, dst), dims, strict=True)
   ]
   least = sum(b // m for b, m in zip(blocks, k_max, strict=True))
   if least > tree.bound:

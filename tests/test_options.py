@@ -31,6 +31,7 @@ def _tree(dtype: object = np.float32) -> tuple[list[jax.ShapeDtypeStruct], Named
     {"max_bucket_leaves": 0},
     {"min_period_leaves": 0},
     {"in_flight_buckets": 0},
+    {"max_grid_slabs": 0},
   ],
 )
 def test_invalid_options_raise(fields: dict[str, object]) -> None:

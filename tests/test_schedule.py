@@ -13,6 +13,7 @@ from helpers import split_cases
 
 import jax_reshard as jr
 from jax_reshard import Layout, _schedule
+from jax_reshard._options import Options
 from jax_reshard._planner import plan_leaves
 from jax_reshard._schedule import (
   BucketBoundError,
@@ -251,6 +252,8 @@ def test_both_placeholders_at_the_floor_without_a_window_dimension_plan_as_a_gri
     assert dst_bounds[j] <= cut.lo[t, 1] - dst_start < cut.hi[t, 1] - dst_start <= dst_bounds[j + 1]
     count[cut.lo[t, 0] : cut.hi[t, 0], cut.lo[t, 1] : cut.hi[t, 1]] += 1
   assert (count == 1).all()
+  with pytest.raises(BucketBoundError):  # a grid of at most 2 x 2 slabs does not fit
+    make_schedule(plans, layouts, [4], max_bucket_bytes=512, options=Options(max_grid_slabs=2))
   with pytest.raises(BucketBoundError, match=r"max_bucket_bytes=\d+ or more") as e:
     make_schedule(plans, layouts, [4], max_bucket_bytes=64)
   bound = e.value.minimum_bytes

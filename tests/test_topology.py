@@ -582,7 +582,7 @@ def test_make_plan_takes_bucket_bound_candidates() -> None:
 
 def test_a_relay_plan_too_large_for_the_bound_names_the_least_bound_of_both_stages() -> None:
   """A bound below what the first stage needs (a sampler device stages slabs of the trainer's
-  512 KiB shard and of its own 1 MiB one: at least 1/64 of each, see ``MAX_GRID_SLABS``)
+  512 KiB shard and of its own 1 MiB one: at least 1/64 of each, see ``Options.max_grid_slabs``)
   raises ``BucketBoundError`` naming the leaf and the first stage's least bound, as without
   relays, though the forwarding stage alone fits (its windows across the trainer's shard
   boundaries included)."""
