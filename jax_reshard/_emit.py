@@ -34,6 +34,7 @@ from jax_reshard._buffers import (
 )
 from jax_reshard._plan import LayoutPlan
 from jax_reshard._program import (
+  Arrange,
   BucketProgram,
   Bundle,
   ChunkWrites,
@@ -231,13 +232,11 @@ def _pack_fn(program: BucketProgram, pack: Pack, shifts: Shifts = ()) -> Callabl
   n, unit = len(program.device_ids), program.unit
 
   def branch(me: jax.Array, *blocks: jax.Array) -> jax.Array:
-    shards = _local_view(program.leaves, blocks)
-    parts = [
-      _to_units(
-        _slice(c, shards[c.leaf], me, n, _leaf_at(program, shifts, c.leaf, len(c.shape))), unit
-      )
-      for c in pack.cuts
-    ]
+    shards = _local_view(program.sources, blocks)
+    parts = []
+    for c in pack.cuts:
+      at = _leaf_at(program, shifts, c.leaf, len(c.shape))
+      parts.append(_to_units(_cut_value(program, c, _slice(c, shards[c.leaf], me, n, at)), unit))
     if pack.pad_words:
       parts.append(jnp.zeros((pack.pad_words,), unit))
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
@@ -246,13 +245,38 @@ def _pack_fn(program: BucketProgram, pack: Pack, shifts: Shifts = ()) -> Callabl
 
 
 def _cut_words(program: BucketProgram, cut: Cut) -> int:
-  """Unit words of ``cut`` in a payload."""
-  return math.prod(cut.shape) * program.leaves[cut.leaf].word.itemsize // program.unit.itemsize
+  """Unit words of ``cut`` in a payload (after its casts)."""
+  word = uint_dtype(cut.casts[-1]) if cut.casts else program.sources[cut.leaf].word
+  return math.prod(cut.shape) * word.itemsize // program.unit.itemsize
+
+
+def _cast_words(x: jax.Array, dtype: np.dtype, casts: Sequence[np.dtype]) -> jax.Array:
+  """Words of elements of ``dtype`` (in its own width) cast in value by ``casts`` in order, as
+  words of the last; without casts, ``x`` unchanged. A cast keeps no NaN payload."""
+  if not casts:
+    return x
+  y = _from_uint(x, dtype)
+  for dt in casts:
+    y = jax.lax.convert_element_type(y, dt)
+  return _to_uint(y)
+
+
+def _cut_value(program: BucketProgram, cut: Cut, x: jax.Array) -> jax.Array:
+  """The words ``x`` of ``cut``, cast by its casts where it has any."""
+  return _cast_words(x, program.sources[cut.leaf].dtype, cut.casts)
+
+
+def _arranged(x: jax.Array, arrange: Arrange) -> jax.Array:
+  """A part's words ``x`` (of its wire dtype) as they land (see :class:`Arrange`)."""
+  x = x.reshape(arrange.extents)
+  if arrange.perm != tuple(range(len(arrange.perm))):
+    x = jnp.transpose(x, arrange.perm)
+  return _cast_words(x.reshape(arrange.shape), arrange.wire, arrange.casts)
 
 
 def whole_segments(program: BucketProgram, rnd: SendRound) -> tuple[Segment, ...] | None:
   """For a packed round (not :func:`whole_block_leaves`') where every sender's payload holds
-  the whole source shard of a leaf (of a type that travels as it is, and of at least
+  the whole source shard of a leaf, uncast (of a type that travels as it is, and of at least
   ``WHOLE_OPERAND_BYTES``) at the same words, the payload cut at those shards:
   ``(start, stop, leaf)`` in unit words, ``leaf`` the position of the leaf whose staged block is
   that segment (sent as it is, idle devices' placeholders too) or ``None`` for words packed
@@ -263,10 +287,10 @@ def whole_segments(program: BucketProgram, rnd: SendRound) -> tuple[Segment, ...
   for p in rnd.packs:
     at, found = 0, set[Segment]()
     for cut in p.cuts:
-      lf, size = program.leaves[cut.leaf], _cut_words(program, cut)
+      lf, size = program.sources[cut.leaf], _cut_words(program, cut)
       whole = cut.static_offset == (0,) * len(cut.shape) and cut.shape == _words(lf.src_shard, lf)
       big = size * program.unit.itemsize >= WHOLE_OPERAND_BYTES
-      if whole and big and lf.src_window is None and travels_as_is(lf.dtype):
+      if whole and big and not cut.casts and lf.src_window is None and travels_as_is(lf.dtype):
         found.add((at, at + size, cut.leaf))
       at += size
     common = found if common is None else common & found
@@ -292,7 +316,7 @@ def _packed_fn(
   n, unit = len(program.device_ids), program.unit
 
   def branch(me: jax.Array, *blocks: jax.Array) -> tuple[jax.Array, ...]:
-    shards = _local_view(program.leaves, blocks)
+    shards = _local_view(program.sources, blocks)
     outs = []
     for start, stop in packed:
       parts, at = [], 0
@@ -300,7 +324,9 @@ def _packed_fn(
         size = _cut_words(program, c)
         if start <= at and at + size <= stop:
           lo = _leaf_at(program, shifts, c.leaf, len(c.shape))
-          parts.append(_to_units(_slice(c, shards[c.leaf], me, n, lo), unit))
+          parts.append(
+            _to_units(_cut_value(program, c, _slice(c, shards[c.leaf], me, n, lo)), unit)
+          )
         at += size
       filled = sum(int(v.shape[0]) for v in parts)
       if filled < stop - start:
@@ -320,8 +346,8 @@ def whole_block_leaf(program: BucketProgram, rnd: SendRound) -> int | None:
 
 
 def whole_block_leaves(program: BucketProgram, rnd: SendRound) -> tuple[int, ...] | None:
-  """The leaves whose whole source shards every sender of ``rnd`` sends, in payload order and
-  unpadded (the same leaves for every sender), or ``None``. Such a round needs no packing:
+  """The leaves whose whole source shards every sender of ``rnd`` sends, uncast, in payload
+  order and unpadded (the same leaves for every sender), or ``None``. Such a round needs no packing:
   every device (idle ones too, from their placeholder blocks) sends its blocks of those
   leaves (see :func:`_operand`) as one ``ppermute`` of several operands, without packing, a
   concatenation or a branch; receivers read each leaf's block as it came."""
@@ -334,8 +360,10 @@ def whole_block_leaves(program: BucketProgram, rnd: SendRound) -> tuple[int, ...
     if tuple(c.leaf for c in p.cuts) != leaves:
       return None
     for cut in p.cuts:
-      lf = program.leaves[cut.leaf]
+      lf = program.sources[cut.leaf]
       if cut.static_offset != (0,) * len(cut.shape) or cut.shape != _words(lf.src_shard, lf):
+        return None
+      if cut.casts:  # sent as it is read only
         return None
   return leaves
 
@@ -347,9 +375,10 @@ def _words(shard: tuple[int, ...], lf: LeafView) -> tuple[int, ...]:
 
 def received_whole(program: BucketProgram) -> dict[int, int]:
   """Leaf position -> round, for every leaf whose destination shard each destination device
-  receives whole as one round's entire payload (one part, no padding): its output is that
-  payload viewed in the leaf's type on every device, outside the assembly branches (no copy;
-  devices without a shard of it return their payload of that round, discarded)."""
+  receives whole as one round's entire payload (one part, landing as it is, no padding): its
+  output is that payload viewed in the leaf's type on every device, outside the assembly
+  branches (no copy; devices without a shard of it return their payload of that round,
+  discarded)."""
   out = {}
   for li, lf in enumerate(program.leaves):
     if lf.in_place or lf.dst_input:
@@ -360,7 +389,7 @@ def received_whole(program: BucketProgram) -> dict[int, int]:
       if parts is None:
         continue
       p = parts[0] if len(parts) == 1 else None
-      if not isinstance(p, Received):
+      if not isinstance(p, Received) or p.arrange is not None:
         break
       if (p.start, p.stop) not in _segments(program, p.round) or p.shape != lf.dst_words:
         break
@@ -382,7 +411,7 @@ def _segments(program: BucketProgram, r: int) -> set[tuple[int, int]]:
     return {(0, rnd.words)}
   out, at = set(), 0
   for cut in rnd.packs[0].cuts:
-    size = math.prod(cut.shape) * program.leaves[cut.leaf].word.itemsize // program.unit.itemsize
+    size = math.prod(cut.shape) * program.sources[cut.leaf].word.itemsize // program.unit.itemsize
     out.add((at, at + size))
     at += size
   return out
@@ -430,7 +459,7 @@ def _emit_round(
   unit = program.unit
   whole = whole_block_leaves(program, rnd)
   if whole is not None:
-    operands = [_operand(program.leaves[li], blocks[li]) for li in whole]
+    operands = [_operand(program.sources[li], blocks[li]) for li in whole]
     return tuple(jax.lax.ppermute(operands, axis, list(rnd.pairs)))
   segments = whole_segments(program, rnd)
   if segments is not None:
@@ -464,7 +493,7 @@ def operand_layout(program: BucketProgram, rnd: SendRound) -> tuple[Segment, ...
     return whole_segments(program, rnd) or ((0, rnd.words, None),)
   out, at = [], 0
   for li in whole:
-    lf = program.leaves[li]
+    lf = program.sources[li]
     size = math.prod(_words(lf.src_shard, lf)) * lf.word.itemsize // program.unit.itemsize
     out.append((at, at + size, li))
     at += size
@@ -552,20 +581,26 @@ def _part_value(
   program: BucketProgram,
   li: int,
   part: Any,
-  shard: jax.Array,
+  shards: Any,
   recvs: Sequence[Any],
   me: jax.Array,
   at: Sequence[Any] | None = None,
 ) -> jax.Array:
   """A destination part of leaf ``li`` in its words: payload words of a round (a
   :class:`Received`, or a :class:`ChunkWrites` source of one), or a cut of the own source
-  shard (``at``: the window start in words where the leaf has one)."""
+  shard (``shards``: those of the program's sources, in words, by position; ``at``: the window
+  start in words where the leaf has one), arranged as it lands where it has an
+  :class:`Arrange`."""
   lf = program.leaves[li]
   if isinstance(part, Received):
     words = _payload_words(program, part.round, recvs[part.round], part.start, part.stop)
-    return _from_units(words, lf.word, part.shape)
+    if part.arrange is None:
+      return _from_units(words, lf.word, part.shape)
+    return _arranged(_from_units(words, uint_dtype(part.arrange.wire), (-1,)), part.arrange)
   cut = part if isinstance(part, Cut) else part.cut
-  return _slice(cut, shard, me, len(program.device_ids), at)
+  value = _cut_value(program, cut, _slice(cut, shards[cut.leaf], me, len(program.device_ids), at))
+  arrange = None if isinstance(part, Cut) else part.arrange
+  return value if arrange is None else _arranged(value, arrange)
 
 
 def _payload_words(
@@ -576,7 +611,7 @@ def _payload_words(
   staged block viewed in unit words where it is read)."""
   views = []
   for (a, b, li), v in zip(operand_layout(program, program.rounds[r]), recv, strict=True):
-    words = v if li is None else _to_units(_local_view([program.leaves[li]], [v])[0], program.unit)
+    words = v if li is None else _to_units(_local_view([program.sources[li]], [v])[0], program.unit)
     if a <= start and stop <= b:
       return words if (start, stop) == (a, b) else jax.lax.slice(words, (start - a,), (stop - a,))
     views.append(words)
@@ -601,7 +636,7 @@ def _assemble_fn(
     # of the leaves with resident parts only (None for the others).
     shards = [
       None if b is None else _local_view([lf], [b])[0]
-      for lf, b in zip(program.leaves, blocks, strict=True)
+      for lf, b in zip(program.sources, blocks, strict=True)
     ]
     outs = []
     for li in switched:
@@ -610,7 +645,7 @@ def _assemble_fn(
         outs.append(_base(lf, dsts[li] if lf.in_place else None))
         continue
       at = _leaf_at(program, shifts, li, len(lf.src_shard))
-      values = [(p.offset, _part_value(program, li, p, shards[li], recvs, me, at)) for p in parts]
+      values = [(p.offset, _part_value(program, li, p, shards, recvs, me, at)) for p in parts]
       if lf.in_place:
         outs.append(_in_place(lf, _base(lf, dsts[li]), values, shifts[li] if shifts else None))
         continue
@@ -631,7 +666,7 @@ def _assemble_fn(
           else:
             outs.append(jax.lax.dynamic_slice(words, dst_at, shape))
         else:
-          outs.append(_part_value(program, li, p, shards[li], recvs, me, at))
+          outs.append(_part_value(program, li, p, shards, recvs, me, at))
     return tuple(outs)
 
   return branch
@@ -673,14 +708,15 @@ def emit_body(
   """The per-device body of ``program`` for a ``shard_map`` whose mesh positions ``axis``
   (one axis name, or a tuple of all of them) enumerates in the order of ``device_ids``.
 
-  It takes one staged source block per leaf, then the destination block of every leaf in
-  :attr:`BucketProgram.dst_inputs`, then (``shift_inputs``) the window start of every leaf in
-  :attr:`BucketProgram.shifted` as an int32 scalar (else the program's own starts are
-  constants), and returns one destination block per leaf. Split leaves
-  whose parts every device can write alike (:func:`chunk_writes`) are written after the
-  per-role switch, which then returns at most their parts.
+  It takes one staged source block per source (:attr:`BucketProgram.sources`), then the
+  destination block of every leaf in :attr:`BucketProgram.dst_inputs`, then
+  (``shift_inputs``) the window start of every leaf in :attr:`BucketProgram.shifted` as an
+  int32 scalar (else the program's own starts are constants), and returns one destination
+  block per leaf. Split leaves whose parts every device can write alike
+  (:func:`chunk_writes`) are written after the per-role switch, which then returns at most
+  their parts.
   """
-  num_src = len(program.leaves)
+  num_src, num_leaves = len(program.sources), len(program.leaves)
   n = len(program.device_ids)
   # Parts that come out of the switch cost a pass: worth it only to spare a block-sized copy
   # of a destination input.
@@ -692,7 +728,7 @@ def emit_body(
     and (w.sources is not None or lf.dst_input)
   }
   direct = received_whole(program)
-  switched = [li for li in range(num_src) if li not in writes and li not in direct]
+  switched = [li for li in range(num_leaves) if li not in writes and li not in direct]
   valued = {li: w for li, w in writes.items() if w.sources is None}
 
   # Devices without a destination shard return zeros for discarded blocks (of leaves not
@@ -709,17 +745,18 @@ def emit_body(
   def body(*inputs: jax.Array) -> tuple[jax.Array, ...]:
     blocks = inputs[:num_src]
     num_dst = len(program.dst_inputs)
-    dsts: list[Any] = [None] * num_src
+    dsts: list[Any] = [None] * num_leaves
     for li, d in zip(program.dst_inputs, inputs[num_src : num_src + num_dst], strict=True):
       dsts[li] = d
-    shifts: list[tuple[int, Any] | None] = [None] * num_src
+    # Per leaf (each its own source where any is shifted).
+    shifts: list[tuple[int, Any] | None] = [None] * num_leaves if program.shifted else []
     for k, li in enumerate(program.shifted):
       dim, start = program.leaves[li].shift  # type: ignore[misc]
       shifts[li] = (dim, inputs[num_src + num_dst + k] if shift_inputs else start)
     me = jax.lax.axis_index(axis)
     packed: dict[tuple[object, ...], jax.Array] = {}
     recvs = [_emit_round(program, rnd, axis, me, blocks, shifts, packed) for rnd in program.rounds]
-    outs: list[Any] = [None] * num_src
+    outs: list[Any] = [None] * num_leaves
     for li, r in direct.items():
       outs[li] = _direct_value(program, li, r, recvs[r])
     ys: list[Any] = []
@@ -736,10 +773,11 @@ def emit_body(
       if w.sources is None:
         values = [ys.pop(0) for _ in w.shapes]
       else:
-        shard = _local_view([lf], [blocks[li]])[0]
+        shard = {li: _local_view([lf], [blocks[li]])[0]}
         at = _leaf_at(program, shifts, li, len(lf.src_shard))
         values = [_part_value(program, li, src, shard, recvs, me, at) for src in w.sources]
-      outs[li] = _write_chunks(program, li, w, _base(lf, dsts[li]), values, me, shifts[li])
+      shift = shifts[li] if shifts else None
+      outs[li] = _write_chunks(program, li, w, _base(lf, dsts[li]), values, me, shift)
     return tuple(outs)
 
   return body
@@ -824,7 +862,7 @@ def emit_assembly_body(program: BucketProgram, axis: Any) -> Callable[..., tuple
     for r, k in zip(rounds, operands, strict=True):
       recvs[r], at = tuple(inputs[at : at + k]), at + k
     fns = [_assemble_fn(program, k, assembled, {}) for k in range(len(program.assembles))]
-    blocks: list[Any] = [None] * len(program.leaves)
+    blocks: list[Any] = [None] * len(program.sources)
     for li in sources:
       blocks[li], at = inputs[at], at + 1
     # The other donated blocks only lend their buffers.
@@ -901,16 +939,18 @@ def _compiled_program(
   bundled = set(bundle.leaves) if bundle is not None else set()
   dst_leaves = [leaves[i] for i in signature.dst_inputs]
   num_out = len(leaves) - len(bundled) + (bundle is not None)
+  num_in = len(signature.sources) - len(bundled) + (bundle is not None)
   specs = tuple(PartitionSpec(AXIS) for _ in range(num_out))
   num_shifts = len(signature.shifted)
-  in_specs = specs + tuple(PartitionSpec(AXIS) for _ in dst_leaves)
+  in_specs = tuple(PartitionSpec(AXIS) for _ in range(num_in))
+  in_specs += tuple(PartitionSpec(AXIS) for _ in dst_leaves)
   in_specs += (PartitionSpec(),) * num_shifts
   body = emit_body(signature, AXIS, shift_inputs=True)
   if bundle is not None:
     body = _bundled_body(signature, bundle, body)
   fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=specs, check_vma=False)
   n = len(devices)
-  blocks = [(lf.src_block, lf.dtype) for i, lf in enumerate(leaves) if i not in bundled]
+  blocks = [(lf.src_block, lf.dtype) for i, lf in enumerate(signature.sources) if i not in bundled]
   if bundle is not None:
     blocks.insert(0, ((bundle.src_bytes,), np.dtype(np.uint8)))
   blocks += [(lf.dst_block, lf.dtype) for lf in dst_leaves]
@@ -919,7 +959,7 @@ def _compiled_program(
   ]
   scalar = NamedSharding(mesh, PartitionSpec())
   avals += [jax.ShapeDtypeStruct((), np.int32, sharding=scalar)] * num_shifts
-  donate = tuple(range(num_out, num_out + len(dst_leaves)))  # written in place
+  donate = tuple(range(num_in, num_in + len(dst_leaves)))  # written in place
   # keep_unused: a donated block that is only a buffer for the result is never read, yet must
   # stay an argument for its output to alias it.
   jitted = jax.jit(fn, donate_argnums=donate, keep_unused=True)
@@ -1663,7 +1703,7 @@ class BucketExecutable:
     self.program = program
     self.devices = devices
     self.dst_shardings = list(dst_shardings)
-    self.src_shardings = list(src_shardings or [None] * len(program.leaves))
+    self.src_shardings = list(src_shardings or [None] * len(program.sources))
     self._mesh_devices = tuple(devices[i] for i in program.device_ids)
     # Whether a call needs leaves' destination blocks (``dsts``): some leaf has a destination
     # input or is cut into destination slabs.
@@ -1673,6 +1713,7 @@ class BucketExecutable:
     self.one_at_a_time = one_at_a_time(self._mesh_devices)
     self._compiled: Any = None
     self._io: list[_LeafIO] | None = None
+    self._src_io: list[_LeafIO] | None = None
     self._runner: Runner | None = None
     # Source placeholders, when every group is small enough to be made once and kept.
     self._kept_placeholders: dict[tuple[Any, ...], jax.Array] | None = None
@@ -1753,6 +1794,8 @@ class BucketExecutable:
   def _choose_bundle(self) -> Bundle | None:
     if not BUNDLED_CALLS or self.program.must_apart or self._direct_allowed():
       return None
+    if self.program.inputs:  # a transformed program stages every leaf on its own
+      return None
     chosen: list[int] = []
     meshes = None
     totals = np.zeros(2, dtype=np.int64)
@@ -1826,6 +1869,8 @@ class BucketExecutable:
 
   def _direct_allowed(self) -> bool:
     p = self.program
+    if p.inputs:  # a transformed program stages every leaf on its own
+      return False
     if not DIRECT_CALLS or p.placeholders or not all(enters_whole(lf) for lf in p.leaves):
       return False
     order = list(p.device_ids)
@@ -1856,7 +1901,7 @@ class BucketExecutable:
     """Runs the compiled program (``bundled``: the one taking the :meth:`bundle`) and splits
     its outputs into per-device blocks (made once)."""
     program, fast = self.program, fast_path_available()
-    num_args = len(program.leaves) + len(program.dst_inputs) + len(program.shifted)
+    num_args = len(program.sources) + len(program.dst_inputs) + len(program.shifted)
     if bundled:
       if self._bundled_runner is None:
         num_args += 1 - len(self.bundle().leaves)  # type: ignore[union-attr]
@@ -1884,13 +1929,26 @@ class BucketExecutable:
     """Per leaf, its staging and unstaging worked out (once)."""
     if self._io is None:
       staged, fast = self.staged_sharding, fast_path_available()
+      program = self.program
+      own = [None] * len(program.leaves) if program.inputs else self.src_shardings
       self._io = [
         _LeafIO(lf, src, dst, staged, fast=fast)
-        for lf, src, dst in zip(
-          self.program.leaves, self.src_shardings, self.dst_shardings, strict=True
-        )
+        for lf, src, dst in zip(program.leaves, own, self.dst_shardings, strict=True)
       ]
     return self._io
+
+  def source_io(self) -> list[_LeafIO]:
+    """Per source of the program, its staging worked out (once): the leaves' own
+    (:meth:`leaf_io`), or the :attr:`BucketProgram.inputs`' of a transformed program."""
+    if self._src_io is None:
+      staged, fast = self.staged_sharding, fast_path_available()
+      self._src_io = self.leaf_io()
+      if self.program.inputs:
+        self._src_io = [
+          _LeafIO(lf, s, s, staged, fast=fast)
+          for lf, s in zip(self.program.inputs, self.src_shardings, strict=True)
+        ]
+    return self._src_io
 
   def _spare_blocks(self, spares: dict[Any, list[jax.Array]]) -> dict[Any, jax.Array]:
     """Destination placeholders by (device id, leaf position): taken from ``spares`` (blocks
@@ -1923,7 +1981,7 @@ class BucketExecutable:
     staged blocks.
 
     Args:
-      xs: per leaf of the program, its source array.
+      xs: per source of the program (:attr:`BucketProgram.sources`), its source array.
       dsts: per leaf, its destination blocks by device id where it has a destination input
         or is cut into destination slabs (donated: they are consumed), else ``None``.
       spares: optional, buffers to donate as destination placeholders, by (device id, block
@@ -1954,12 +2012,13 @@ class BucketExecutable:
     ):
       bundle = None  # arrays laid out equivalently, not equally: every leaf stages
     run = self.runner(bundled=bundle is not None)
-    io = self.leaf_io()
+    io, src_io = self.leaf_io(), self.source_io()
     placeholders = self._placeholders(0)
     wait = self.one_at_a_time
     staged = [] if bundle is None else [self.bundle_io().stage(xs, wait=wait)]
     own = range(len(io)) if bundle is None else self.bundle_io().others  # staged on their own
-    staged += [io[li].stage(xs[li], placeholders) for li in own]
+    sources = range(len(src_io)) if bundle is None else own
+    staged += [src_io[k].stage(xs[k], placeholders) for k in sources]
     if self.program.dst_inputs:
       dst_ph = self._placeholders(1) if spares is None else self._spare_blocks(spares)
       for li in self.program.dst_inputs:
