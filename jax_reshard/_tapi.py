@@ -9,20 +9,21 @@ from typing import Any
 
 import jax
 
+from jax_reshard._buffers import buffers_by_device
 from jax_reshard._edge import (
   check_out_layouts,
   delete_donated,
   donated_leaves,
   to_default_layout,
 )
-from jax_reshard._emit import InFlight, TransformExecutable, empty_like_sharded
+from jax_reshard._emit import BucketExecutable, InFlight, empty_like_sharded
 from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
 from jax_reshard._plan import PlanStats, format_bytes
 from jax_reshard._planner import LeafPlan
+from jax_reshard._program import BucketProgram, make_transform_program
 from jax_reshard._schedule import DEFAULT_MAX_BUCKET_BYTES, Schedule
 from jax_reshard._tplan import TransformLayoutPlan, plan_transform_layouts
-from jax_reshard._tprogram import TransformProgram, make_transform_program
 from jax_reshard._transform import TransformAnalysis, analyze_transform
 from jax_reshard._tree import Leaf, check_arrays, check_donated, flatten_tree
 
@@ -56,8 +57,8 @@ class TransformPlan:
     self.layout_plan: TransformLayoutPlan = plan_transform_layouts(
       analysis.leaves, src_layouts, dst_layouts, max_bucket_bytes=max_bucket_bytes
     )
-    self._programs: list[TransformProgram] | None = None
-    self._executables: dict[bool, list[TransformExecutable]] = {}
+    self._programs: dict[bool, list[BucketProgram]] = {}
+    self._executables: dict[bool, list[BucketExecutable]] = {}
 
   @property
   def stats(self) -> PlanStats:
@@ -88,36 +89,41 @@ class TransformPlan:
       out.append("\n".join([str(lp.leaf), *(repr(p.src_layouts[i]) for i in used)]))
     return tuple(out)
 
-  def programs(self) -> list[TransformProgram]:
-    """Per bucket, what every device does (NumPy data)."""
-    if self._programs is None:
+  def programs(self, *, out: bool = False) -> list[BucketProgram]:
+    """Per bucket, what every device does (NumPy data; ``print`` one): its inputs are the
+    source leaves it reads, its leaves the output leaves it makes.
+
+    Args:
+      out: the programs of calls with ``out=`` (every output assembled into the buffer of the
+        previous result).
+    """
+    if out not in self._programs:
       dtypes = [lf.dtype for lf in self.src_leaves]
-      self._programs = [
-        make_transform_program(self.layout_plan, b, dtypes)
+      self._programs[out] = [
+        make_transform_program(self.layout_plan, b, dtypes, donate=out)
         for b in range(len(self.schedule.buckets))
       ]
-    return self._programs
+    return self._programs[out]
 
-  def executables(self, *, out: bool = False) -> list[TransformExecutable]:
-    """Per bucket, its program emitted for its union mesh (compiled on the first call);
-    ``out``: the executables of calls with ``out=``."""
-    donate = out
-    if donate not in self._executables:
+  def executables(self, *, out: bool = False) -> list[BucketExecutable]:
+    """Per bucket, its program emitted for its union mesh (compiled on the first call, shared
+    with every bucket and plan of the same program signature); ``out``: the executables of
+    calls with ``out=``."""
+    if out not in self._executables:
       devices = {}
       for lf in (*self.src_leaves, *self.leaves):
         for d in (*lf.src_sharding.device_set, *lf.dst_sharding.device_set):
           devices[d.id] = d
-      self._executables[donate] = [
-        TransformExecutable(
+      self._executables[out] = [
+        BucketExecutable(
           p,
           devices,
-          [self.src_leaves[i].src_sharding for i in p.input_leaves],
-          [self.leaves[i].dst_sharding for i in p.output_leaves],
-          donate=donate,
+          [self.leaves[lf.index].dst_sharding for lf in p.leaves],
+          [self.src_leaves[lf.index].src_sharding for lf in p.inputs],
         )
-        for p in self.programs()
+        for p in self.programs(out=out)
       ]
-    return self._executables[donate]
+    return self._executables[out]
 
   def __call__(self, x: Any, *, donate: Any = False, out: Any = None) -> Any:
     """``transform(x)`` in the destination layouts.
@@ -150,12 +156,14 @@ class TransformPlan:
         for lf, lf_plan in zip(self.leaves, self.layout_plan.leaf_plans, strict=True)
       ]
       in_flight = InFlight()
+      spares: dict[Any, list[Any]] = {}  # see ReshardPlan._run
       for exe in self.executables(out=old is not None):
-        p = exe.program
-        olds = [old[i] for i in p.output_leaves] if old is not None else []
-        ys = exe([arrays[i] for i in p.input_leaves], olds, in_flight.wait_for(exe))
+        ins = [lf.index for lf in exe.program.inputs]
+        outs = [lf.index for lf in exe.program.leaves]
+        dsts = [buffers_by_device(old[i]) for i in outs] if old is not None else []
+        ys = exe([arrays[j] for j in ins], dsts, spares, in_flight.wait_for(exe))
         in_flight.add(ys)
-        for i, y in zip(p.output_leaves, ys, strict=True):
+        for i, y in zip(outs, ys, strict=True):
           result[i] = y
     for a in old or ():
       if not a.is_deleted():  # zero-element leaves, and any buffer XLA did not take
