@@ -15,6 +15,10 @@ the widest words that every shard and transfer boundary on the last dimension of
 leaves allows (up to ``max_word_bytes``: 4 bytes, 8 with 64-bit types, on GPUs and TPUs; each
 leaf's own width on CPU devices, see ``_emit.max_word_bytes``), so every piece is whole words.
 Each leaf is sliced and assembled in the unit, or in its own element width where that is wider.
+
+A bucket of a transformed plan (``transform=``) is the same kind of program whose inputs are
+the source leaves it reads and whose leaves are the output leaves it makes
+(:func:`make_transform_program`): its cuts carry casts and its parts rearrangements.
 """
 
 from __future__ import annotations

@@ -23,7 +23,6 @@ WITH_EXAMPLES = {
   "jax_reshard._schedule",
   "jax_reshard._topology",
   "jax_reshard._tplan",
-  "jax_reshard._tprogram",
   "jax_reshard._transform",
 }
 

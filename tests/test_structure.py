@@ -23,7 +23,6 @@ LAYERS = [
   "_tplan",
   "_viz",
   "_program",
-  "_tprogram",
   "_buffers",
   "_emit",
   "_tree",
@@ -54,7 +53,6 @@ NUMPY_ONLY = {
   "_viz",
   "_program",
   "_tplan",
-  "_tprogram",
 }
 MAX_FUNCTION_LINES = 80
 
