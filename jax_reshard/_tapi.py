@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,7 +22,7 @@ from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
 from jax_reshard._plan import PlanStats, format_bytes
 from jax_reshard._planner import LeafPlan
-from jax_reshard._program import BucketProgram, make_transform_program
+from jax_reshard._program import BucketProgram, make_transform_program, program_signature
 from jax_reshard._schedule import DEFAULT_MAX_BUCKET_BYTES, Schedule
 from jax_reshard._tplan import TransformLayoutPlan, plan_transform_layouts
 from jax_reshard._transform import TransformAnalysis, analyze_transform
@@ -59,10 +60,16 @@ class TransformPlan:
     )
     self._programs: dict[bool, list[BucketProgram]] = {}
     self._executables: dict[bool, list[BucketExecutable]] = {}
+    self._stats: PlanStats | None = None
 
   @property
   def stats(self) -> PlanStats:
-    return self.layout_plan.stats
+    """The plan's :class:`PlanStats`; ``num_programs`` counts distinct bucket programs (buckets
+    of one program signature share one compiled executable)."""
+    if self._stats is None:
+      signatures = {program_signature(p) for p in self.programs()}
+      self._stats = dataclasses.replace(self.layout_plan.stats, num_programs=len(signatures))
+    return self._stats
 
   @property
   def schedule(self) -> Schedule:
@@ -124,6 +131,14 @@ class TransformPlan:
         for p in self.programs(out=out)
       ]
     return self._executables[out]
+
+  def memory_analysis(self, *, out: bool = False) -> list[Any]:
+    """Per bucket, in the order they run, XLA's ``memory_analysis()`` of its compiled program
+    (as ``ReshardPlan.memory_analysis``); ``out``: of calls with ``out=``, whose outputs alias
+    the donated buffers. Compiles the programs if needed."""
+    return [
+      c.memory_analysis() for exe in self.executables(out=out) for c in exe.compiled_programs()
+    ]
 
   def __call__(self, x: Any, *, donate: Any = False, out: Any = None) -> Any:
     """``transform(x)`` in the destination layouts.

@@ -469,3 +469,39 @@ def test_random_chain_into_donated_buffers(seed: int, casts: bool, placement: st
   assert all(a.is_deleted() for a in jax.tree_util.tree_leaves(old))
   host = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(src), data)
   _check(plan, new, jax.jit(transform)(host), dst)
+
+
+def test_equal_layers_share_one_program(mesh_axis_type: AxisType) -> None:
+  """Buckets whose programs differ only in the leaves they read and make (a model's layers)
+  share one compiled executable, also across plans; ``memory_analysis`` reports it per
+  bucket, with ``out=`` every output in its donated buffer."""
+  devs = np.array(jax.devices())
+  mesh = make_mesh((2, 2), ("fsdp", "tp"), devs[:4], mesh_axis_type)
+  trainer = NamedSharding(mesh, P("fsdp", "tp"))
+  sampler = NamedSharding(make_mesh((-1,), ("tp",), devs[4:], mesh_axis_type), P(None, "tp"))
+  rng = np.random.default_rng(5)
+  shapes = {"q": (16, 16), "k": (16, 8), "v": (16, 8)}
+  hosts = [
+    {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()} for _ in range(6)
+  ]
+
+  def fuse(p: Any) -> Any:
+    return [jnp.concatenate([w["q"], w["k"], w["v"]], 1).astype(jnp.bfloat16) for w in p]
+
+  x = jax.tree_util.tree_map(lambda h: jax.device_put(h, trainer), hosts)
+  plan = jr.make_plan(x, sampler, transform=fuse, max_bucket_bytes=1500)
+  assert plan.stats.num_buckets == 2 and plan.stats.num_programs == 1
+  compiled = {id(exe.compile()) for exe in plan.executables()}
+  assert len(compiled) == 1
+  fewer = jr.make_plan(x[:3], sampler, transform=fuse, max_bucket_bytes=1500)
+  assert fewer.stats.num_buckets == 1
+  assert {id(exe.compile()) for exe in fewer.executables()} == compiled
+  want = jax.jit(fuse)(hosts)
+  out = plan(x)
+  _check(plan, out, want, [sampler] * 6)
+  analyses = plan.memory_analysis()
+  assert len(analyses) == 2 and all(a.argument_size_in_bytes > 0 for a in analyses)
+  program = plan.programs(out=True)[0]
+  blocks = sum(int(np.prod(lf.dst_block)) * lf.dtype.itemsize for lf in program.leaves)
+  assert all(a.alias_size_in_bytes == blocks for a in plan.memory_analysis(out=True))
+  _check(plan, plan(x, out=out), want, [sampler] * 6)
