@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -35,6 +35,7 @@ from jax_reshard._buffers import (
 from jax_reshard._plan import LayoutPlan
 from jax_reshard._program import (
   Arrange,
+  Assemble,
   BucketProgram,
   Bundle,
   ChunkWrites,
@@ -224,12 +225,20 @@ def _local_view(leaves: Sequence[LeafView], blocks: Sequence[jax.Array]) -> list
   ]
 
 
+def _read_views(
+  program: BucketProgram, blocks: Sequence[Any], cuts: Iterable[Cut]
+) -> dict[int, jax.Array]:
+  """The staged blocks of the sources ``cuts`` read, by position, as :func:`_local_view` s."""
+  used = sorted({c.leaf for c in cuts})
+  return {k: _local_view([program.sources[k]], [blocks[k]])[0] for k in used}
+
+
 def _pack_fn(program: BucketProgram, pack: Pack, shifts: Shifts = ()) -> Callable[..., jax.Array]:
   """The payload code of one sender role."""
   n, unit = len(program.device_ids), program.unit
 
   def branch(me: jax.Array, *blocks: jax.Array) -> jax.Array:
-    shards = _local_view(program.sources, blocks)
+    shards = _read_views(program, blocks, pack.cuts)
     parts = []
     for c in pack.cuts:
       at = _leaf_at(program, shifts, c.leaf, len(c.shape))
@@ -313,7 +322,7 @@ def _packed_fn(
   n, unit = len(program.device_ids), program.unit
 
   def branch(me: jax.Array, *blocks: jax.Array) -> tuple[jax.Array, ...]:
-    shards = _local_view(program.sources, blocks)
+    shards = _read_views(program, blocks, pack.cuts)
     outs = []
     for start, stop in packed:
       parts, at = [], 0
@@ -631,10 +640,7 @@ def _assemble_fn(
   ) -> tuple[jax.Array, ...]:
     # The assembly program of destination devices (emit_assembly_body) has the source blocks
     # of the leaves with resident parts only (None for the others).
-    shards = [
-      None if b is None else _local_view([lf], [b])[0]
-      for lf, b in zip(program.sources, blocks, strict=True)
-    ]
+    shards = _read_views(program, blocks, _resident_cuts(role, switched, slots, k))
     outs = []
     for li in switched:
       lf, parts = program.leaves[li], role.parts[li]
@@ -667,6 +673,16 @@ def _assemble_fn(
     return tuple(outs)
 
   return branch
+
+
+def _resident_cuts(
+  role: Assemble, switched: Sequence[int], slots: dict[int, ChunkWrites], k: int
+) -> list[Cut]:
+  """The cuts of own source shards assembly role ``k`` (``role``) reads for the leaves
+  ``switched`` and the slot values of ``slots``."""
+  parts = [p for li in switched for p in role.parts[li] or ()]
+  parts += [p for w in slots.values() for p in w.fills[k] or () if p is not None]
+  return [p.cut for p in parts if isinstance(p, Resident)]
 
 
 def _write_chunks(
