@@ -8,8 +8,8 @@ Per case, two plans of the same tree: as ``make_plan`` makes it (a bucket whose 
 devices hold none of its source shards may run its rounds over the union mesh and assemble in
 a second program over the destination devices, see ``_cost.assembles_apart``, and a bucket
 in its bound only so always does), and with every bucket in one program over the union mesh
-(``_schedule.SPLIT_ASSEMBLY = False``, which also counts every bucket's staging with its
-discarded blocks, so its buckets may hold fewer leaves). Prints the
+(``Options(split_assembly=False)``, which also counts every bucket's staging with its discarded
+blocks, so its buckets may hold fewer leaves). Prints the
 buckets that assemble apart, passes per moved byte, first-call time, the median time of both
 calls interleaved (order alternating) and the ratio, and each plan's largest program's
 ``memory_analysis()`` per device.
@@ -28,20 +28,14 @@ def _build(x: Any, dst: Any, *, apart: bool) -> tuple[Any, float]:
   import jax
 
   import jax_reshard as jr
-  from jax_reshard import _schedule
+  from jax_reshard._options import Options
 
-  kept = _schedule.SPLIT_ASSEMBLY
-  _schedule.SPLIT_ASSEMBLY = apart
-  try:
-    jr.plan_cache_clear()
-    plan = jr.make_plan(x, dst)
-    plan.executables()  # the programs are made (and the choice read) here
-    t0 = time.perf_counter()
-    jax.block_until_ready(plan(x))
-    return plan, time.perf_counter() - t0
-  finally:
-    _schedule.SPLIT_ASSEMBLY = kept
-    jr.plan_cache_clear()
+  jr.plan_cache_clear()
+  plan = jr.make_plan(x, dst, options=Options(split_assembly=apart))
+  plan.executables()  # the programs are made here
+  t0 = time.perf_counter()
+  jax.block_until_ready(plan(x))
+  return plan, time.perf_counter() - t0
 
 
 def run_case(case: refit.Case, scale: float, iters: int) -> str:

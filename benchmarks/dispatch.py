@@ -13,8 +13,8 @@ Every leaf is an 8x8 float32 array moved 4 -> 4 disjoint (devices 0-3, rows shar
 buckets take their leaves bundled (``BucketExecutable.bundle``). With ``--placement colocated``
 it is moved from rows to columns sharded over one mesh of all 8 devices, where the plan's
 buckets run as one call on the source arrays (``BucketExecutable.direct``). Beside the plan, a
-second plan that stages every leaf on its own (``_emit.DIRECT_CALLS = False`` and
-``_emit.BUNDLED_CALLS = False``, the way every bucket ran before either) is timed. Per tree size,
+second plan that stages every leaf on its own (made with
+``Options(direct_calls=False, bundled_calls=False)``) is timed. Per tree size,
 ``plan(x)``, the staged plan and ``jax.device_put(x, dst)`` run interleaved on the same tree;
 *dispatch* is the
 time until the call returns, *total* until ``jax.block_until_ready`` of its result (dispatch
@@ -23,7 +23,7 @@ alone: other processes and the devices' threads sharing the cores do not count; 
 a plan queues each bucket once the previous one is done, so its dispatch includes the
 transfers of all but its last bucket). Each tree size runs in a fresh subprocess; medians,
 with each method's ratio to ``device_put`` from the same run. The first call of the plan
-(compile included) is reported apart: a bucket holds at most ``MAX_BUCKET_LEAVES`` leaves, so
+(compile included) is reported apart: a bucket holds at most ``Options.max_bucket_leaves``, so
 1,000 equal leaves are 20 equal buckets that compile one program.
 
 The layered trees (``--layers``) are an embedding, ``n`` layers of 9 float32 leaves (4 attention
@@ -52,7 +52,7 @@ def worker(num_leaves: int, iters: int, placement: str = "disjoint") -> dict[str
   from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
   import jax_reshard as jr
-  from jax_reshard import _emit
+  from jax_reshard._options import Options
 
   devs = sorted(jax.devices(), key=lambda d: d.id)
   if placement == "colocated":
@@ -72,13 +72,9 @@ def worker(num_leaves: int, iters: int, placement: str = "disjoint") -> dict[str
   jax.block_until_ready(plan(x))
   first_s = time.perf_counter() - t0
   methods = {"plan": plan, "device_put": lambda t: jax.device_put(t, dst)}
-  # A second plan whose executables stage every leaf: the flags are read when an executable
-  # first runs, so each plan keeps its way.
-  jr.plan_cache_clear()
-  _emit.DIRECT_CALLS = _emit.BUNDLED_CALLS = False
-  methods["staged"] = jr.make_plan(x, dst)
+  # A second plan whose executables stage every leaf.
+  methods["staged"] = jr.make_plan(x, dst, options=Options(direct_calls=False, bundled_calls=False))
   jax.block_until_ready(methods["staged"](x))
-  _emit.DIRECT_CALLS = _emit.BUNDLED_CALLS = True
   times: dict[str, dict[str, list[float]]] = {
     m: {"dispatch": [], "total": [], "dispatch_cpu": []} for m in methods
   }

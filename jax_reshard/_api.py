@@ -28,6 +28,7 @@ from jax_reshard._edge import (
 from jax_reshard._emit import BucketExecutable, InFlight, empty_like_sharded, plan_word_bytes
 from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
+from jax_reshard._options import Options
 from jax_reshard._plan import (
   LayoutPlan,
   PlanStats,
@@ -35,6 +36,7 @@ from jax_reshard._plan import (
   format_plan,
   passes_per_moved_byte,
   plan_layouts,
+  resolve_options,
   resolve_relays,
 )
 from jax_reshard._planner import LeafPlan
@@ -58,9 +60,16 @@ from jax_reshard._viz import plan_html
 
 
 class ReshardPlan:
-  """A compiled reshard of one pytree layout into another. Build it with :func:`make_plan`.
+  """A compiled reshard of one pytree layout into another; build it with :func:`make_plan`.
 
   Calling the plan moves the data; it compiles once (on the first call) and never again.
+  ``print(plan)`` shows what moves: per group of leaves, both layouts and the bytes, then the
+  totals against the lower bound and gather-and-broadcast.
+
+  A tree with leaves the engine does not move as they are (host data, PRNG keys, sub-byte or
+  complex types, other memory kinds, a destination ``Format``) is planned as the tree of what
+  moves (key data, 8-bit words, device memory): ``leaves``, ``stats`` and the programs describe
+  that tree, and a call converts on the way in and out, on the same devices.
 
   Attributes:
     stats: :class:`PlanStats` of the whole tree.
@@ -69,11 +78,25 @@ class ReshardPlan:
     layouts: per leaf, the ``(source, destination)`` :class:`Layout`.
     leaves: per leaf, its path, shape, dtype and both shardings.
     layout_plan: the plan of the layouts alone (what :func:`plan_layouts` returns).
+    options: the ``Options`` the plan was made with (``make_plan``'s ``options=``).
 
-  A tree with leaves the engine does not move as they are (host data, PRNG keys, sub-byte or
-  complex types, other memory kinds, a destination ``Format``) is planned as the tree of what
-  moves (key data, 8-bit words, device memory): ``leaves``, ``stats`` and the programs describe
-  that tree, and a call converts on the way in and out, on the same devices.
+  Example:
+    >>> import jax, numpy as np
+    >>> import jax_reshard as jr
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((8,), ("x",))
+    >>> x = jax.device_put(np.arange(64.0).reshape(8, 8), NamedSharding(mesh, P("x")))
+    >>> plan = jr.make_plan(x, NamedSharding(mesh, P(None, "x")))
+    >>> y = plan(x)  # compiles on the first call, then only runs
+    >>> y.sharding.spec == P(None, "x"), np.array_equal(y, x)
+    (True, True)
+    >>> print(plan)
+    ReshardPlan: 1 leaves, 1 layout groups
+         1 leaves  mesh (x=8) devices [0..7] spec P('x')
+                 -> mesh (x=8) devices [0..7] spec P(None, 'x')
+                 moved 224 B, local 32 B
+      bytes moved        224 B (lower bound 224 B, padding 0 B)
+    ...
   """
 
   _edges: Edges | None = None  # set on a copy of the plan by make_plan, see _edge
@@ -86,6 +109,7 @@ class ReshardPlan:
     max_bucket_bytes: int | tuple[int, ...] | None,
     topology: Topology | None = None,
     relays: bool | Literal["auto"] | None = None,
+    options: Options | None = None,
   ) -> None:
     self._treedef = treedef
     self.leaves: tuple[Leaf, ...] = tuple(leaves)
@@ -96,7 +120,9 @@ class ReshardPlan:
       leaf_names=[lf.name for lf in leaves],
       topology=topology,
       relays=relays,
+      options=options,
     )
+    self.options: Options = self.layout_plan.options
     scheduled = set(self.layout_plan.scheduled)
     self._unscheduled = [i for i in range(len(self.leaves)) if i not in scheduled]
     # Buckets of every stage in order: a relay stage's buckets run after the first stage's.
@@ -135,8 +161,22 @@ class ReshardPlan:
 
   @property
   def stats(self) -> PlanStats:
-    """The plan's :class:`PlanStats`; ``passes_per_moved_byte`` includes the copies of the
-    leaves that buckets take bundled (``BucketExecutable.bundle``)."""
+    """The plan's :class:`PlanStats`: bytes moved against the lower bound, rounds, peaks.
+
+    ``passes_per_moved_byte`` includes the copies of the leaves that buckets take bundled
+    (``BucketExecutable.bundle``).
+
+    Example:
+      >>> import jax, numpy as np
+      >>> import jax_reshard as jr
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("x",))
+      >>> w = jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(mesh, P("x")))
+      >>> plan = jr.make_plan(w, NamedSharding(mesh, P(None, "x")))
+      >>> st = plan.stats
+      >>> st.bytes_moved, st.lower_bound_bytes, st.gather_broadcast_bytes  # f32: 7 of 8 values
+      (224, 224, 1792)
+    """
     if self._bundled_stats is None:
       extra = sum(exe.bundle_pass_bytes() for exe in self.executables())
       moved = self._stats.bytes_moved
@@ -146,19 +186,68 @@ class ReshardPlan:
 
   @property
   def schedule(self) -> Schedule:
+    """The buckets (compiled programs, run in order) and the ``ppermute`` rounds of each.
+
+    Example:
+      >>> import jax, numpy as np
+      >>> import jax_reshard as jr
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("x",))
+      >>> w = jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(mesh, P("x")))
+      >>> plan = jr.make_plan(w, NamedSharding(mesh, P(None, "x")))
+      >>> [len(b.rounds) for b in plan.schedule.buckets]  # 1 bucket of 7 rounds
+      [7]
+    """
     return self.layout_plan.schedule
 
   @property
   def leaf_plans(self) -> tuple[LeafPlan, ...]:
+    """Per leaf, the planned transfers: sender, receiver, index box and bytes of each.
+
+    Example:
+      >>> import jax, numpy as np
+      >>> import jax_reshard as jr
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("x",))
+      >>> w = jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(mesh, P("x")))
+      >>> plan = jr.make_plan(w, NamedSharding(mesh, P(None, "x")))
+      >>> lp = plan.leaf_plans[0]
+      >>> int(lp.nbytes[~lp.local].sum()), int(lp.nbytes[lp.local].sum())  # moved, kept
+      (224, 32)
+    """
     return self.layout_plan.leaf_plans
 
   @property
   def layouts(self) -> tuple[tuple[Layout, Layout], ...]:
+    """Per leaf, its ``(source, destination)`` :class:`Layout`.
+
+    Example:
+      >>> import jax, numpy as np
+      >>> import jax_reshard as jr
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("x",))
+      >>> w = jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(mesh, P("x")))
+      >>> plan = jr.make_plan(w, NamedSharding(mesh, P(None, "x")))
+      >>> src, dst = plan.layouts[0]
+      >>> src.shard_shape(), dst.shard_shape()
+      ((1, 8), (8, 1))
+    """
     return self.layout_plan.layouts
 
   @property
   def dst_shardings(self) -> Any:
-    """The destination shardings, in the structure of the source tree."""
+    """The destination shardings, in the structure of the source tree.
+
+    Example:
+      >>> import jax, numpy as np
+      >>> import jax_reshard as jr
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("x",))
+      >>> w = jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(mesh, P("x")))
+      >>> plan = jr.make_plan({"w": w, "b": w}, NamedSharding(mesh, P()))
+      >>> plan.dst_shardings == {"w": NamedSharding(mesh, P()), "b": NamedSharding(mesh, P())}
+      True
+    """
     return jax.tree_util.tree_unflatten(self._treedef, [lf.dst_sharding for lf in self.leaves])
 
   def programs(self, *, out: bool = False) -> list[BucketProgram]:
@@ -167,6 +256,22 @@ class ReshardPlan:
     Args:
       out: the programs of calls with ``out=`` (every leaf of the first stage written in place
         into the buffer of the previous result).
+
+    Returns:
+      One :class:`BucketProgram` per bucket, in the order they run.
+
+    Example:
+      >>> import jax, numpy as np
+      >>> import jax_reshard as jr
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("x",))
+      >>> w = jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(mesh, P("x")))
+      >>> plan = jr.make_plan(w, NamedSharding(mesh, P(None, "x")))
+      >>> print(plan.programs()[0])
+      BucketProgram on devices [0, 1, 2, 3, 4, 5, 6, 7] (positions 0...7), payload word uint32
+        leaf 0 (#0) float32[8, 8] in uint32: [1, 8] -> [8, 1]
+        round 0: 1 words, pairs [(0, 1), (1, 0), (2, 3), (3, 2), (4, 5), (5, 4), (6, 7), (7, 6)]
+      ...
     """
     donate = out
     if donate not in self._programs:
@@ -194,13 +299,51 @@ class ReshardPlan:
     return self._programs[donate]
 
   def estimate(self, topology: Topology | None = None, *, out: bool = False) -> Estimate:
-    """The predicted time on ``topology`` (default: the plan's), of a call with ``out=``
-    where ``out``; see ``jr.estimate``."""
+    """The predicted time of a call on ``topology`` (see :func:`jax_reshard.estimate`).
+
+    Args:
+      topology: link and memory costs; default: the topology the plan was made with.
+      out: the time of a call with ``out=`` (the result written into the previous result's
+        buffers).
+
+    Returns:
+      An :class:`Estimate`.
+
+    Raises:
+      ValueError: if neither the plan nor the call gives a topology.
+
+    Example:
+      >>> import jax, numpy as np
+      >>> import jax_reshard as jr
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("x",))
+      >>> w = jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(mesh, P("x")))
+      >>> plan = jr.make_plan(w, NamedSharding(mesh, P(None, "x")))
+      >>> plan.estimate(jr.Topology.h100_nodes()).num_rounds
+      7
+    """
     dtypes = [lf.dtype for lf in self.leaves]
     return estimate(self.layout_plan, topology, self._as_is, self._by_stage, kinds=dtypes, out=out)
 
   def executables(self, *, out: bool = False) -> list[BucketExecutable]:
-    """Per bucket, its program emitted for its union mesh (compiled on the first call)."""
+    """Per bucket, its program emitted for its union mesh (compiled on the first call).
+
+    Args:
+      out: the executables of calls with ``out=``.
+
+    Returns:
+      One ``BucketExecutable`` per bucket, in the order they run.
+
+    Example:
+      >>> import jax, numpy as np
+      >>> import jax_reshard as jr
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("x",))
+      >>> w = jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(mesh, P("x")))
+      >>> plan = jr.make_plan(w, NamedSharding(mesh, P(None, "x")))
+      >>> [exe.program.device_ids for exe in plan.executables()]
+      [(0, 1, 2, 3, 4, 5, 6, 7)]
+    """
     donate = out
     if donate not in self._executables:
       devices = {}
@@ -215,16 +358,33 @@ class ReshardPlan:
         src = (
           [self.leaves[lf.index].src_sharding for lf in p.leaves] if stage is first_stage else dst
         )
-        executables.append(BucketExecutable(p, devices, dst, src))
+        executables.append(BucketExecutable(p, devices, dst, src, options=self.options))
       self._executables[donate] = executables
     return self._executables[donate]
 
   def memory_analysis(self, *, out: bool = False) -> list[Any]:
-    """Per compiled program, in the order they run (one per bucket, two for a bucket whose
-    assembly runs on its own), XLA's ``memory_analysis()``: per device,
+    """XLA's ``memory_analysis()`` of every compiled program, in the order they run.
+
+    One per bucket, two for a bucket whose assembly runs on its own; per device,
     ``argument_size_in_bytes`` (staged source and destination blocks, or received payloads),
     ``output_size_in_bytes``, ``alias_size_in_bytes`` (outputs written into donated inputs)
     and ``temp_size_in_bytes`` (payloads and other scratch). Compiles the programs if needed.
+
+    Args:
+      out: the programs of calls with ``out=``.
+
+    Returns:
+      A list of XLA's ``CompiledMemoryStats``.
+
+    Example:
+      >>> import jax, numpy as np
+      >>> import jax_reshard as jr
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("x",))
+      >>> w = jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(mesh, P("x")))
+      >>> plan = jr.make_plan(w, NamedSharding(mesh, P(None, "x")))
+      >>> [m.output_size_in_bytes for m in plan.memory_analysis()]  # one 8x1 f32 shard
+      [32]
     """
     return [
       c.memory_analysis() for exe in self.executables(out=out) for c in exe.compiled_programs()
@@ -242,7 +402,29 @@ class ReshardPlan:
         previous refit): its buffers are donated, the result is written into them, and its
         arrays are deleted after the call.
 
-    Every argument is checked before any device work: a call that raises deletes nothing.
+    Returns:
+      A pytree like ``x`` in the destination layouts.
+
+    Raises:
+      ReshardError: ``x`` does not match the plan's source (structure, shapes, dtypes,
+        layouts), or ``donate`` or ``out`` is invalid. Every argument is checked before any
+        device work: a call that raises deletes nothing.
+
+    Example:
+      >>> import jax, numpy as np
+      >>> import jax_reshard as jr
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("x",))
+      >>> x = jax.device_put(np.arange(64.0).reshape(8, 8), NamedSharding(mesh, P("x")))
+      >>> plan = jr.make_plan(x, NamedSharding(mesh, P(None, "x")))
+      >>> y = plan(x)
+      >>> y2 = plan(x, out=y)  # written into y's buffers
+      >>> y.is_deleted(), np.array_equal(y2, x)
+      (True, True)
+      >>> scratch = x + 1
+      >>> z = plan(scratch, donate=True)  # the source is donated
+      >>> scratch.is_deleted(), np.array_equal(z, x + 1)
+      (True, True)
     """
     if self._edges is not None:
       return self._call_edged(x, donate, out)
@@ -291,8 +473,31 @@ class ReshardPlan:
     return jax.tree_util.tree_unflatten(edges.treedef, result)
 
   def with_edges(self, edges: Edges) -> ReshardPlan:
-    """This plan (of the carrier tree) taking the tree ``edges`` describes: a copy sharing the
-    programs and executables."""
+    """A copy of this plan that takes the tree ``edges`` describes; ``make_plan`` uses it.
+
+    This plan moves the carrier tree (what the engine moves: key data, 8-bit words, device
+    memory); the copy shares its programs and executables and converts on the way in and out.
+
+    Args:
+      edges: the steps in and out of the engine of every leaf (``_edge.make_edges``).
+
+    Returns:
+      The plan of the tree ``edges`` describes.
+
+    Example:
+      >>> import jax, numpy as np
+      >>> import jax_reshard as jr
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("x",))
+      >>> from jax_reshard._edge import make_edges
+      >>> x = {"q": jax.device_put(np.arange(16, dtype="int4"), NamedSharding(mesh, P("x")))}
+      >>> edges, carrier_src, carrier_dst = make_edges(x, [NamedSharding(mesh, P())])
+      >>> carrier_src["q"].dtype  # int4 moves as 8-bit words
+      dtype('int8')
+      >>> y = jr.make_plan(carrier_src, carrier_dst).with_edges(edges)(x)
+      >>> y["q"].dtype, y["q"].sharding.is_fully_replicated
+      (dtype(int4), True)
+    """
     plan = copy.copy(self)
     plan.__dict__.update(_edges=edges)
     return plan
@@ -313,7 +518,7 @@ class ReshardPlan:
     # that devices holding no destination shard (a disjoint trainer's) keep nothing between
     # refits.
     spares: dict[Any, list[Any]] = {}
-    in_flight = InFlight()
+    in_flight = InFlight(self.options.in_flight_buckets)
     if old is not None:
       for i in self.layout_plan.scheduled:
         carry[i] = buffers_by_device(old[i])
@@ -354,6 +559,7 @@ def make_plan(
   topology: Topology | None = ...,
   relays: bool | Literal["auto"] | None = ...,
   transform: None = ...,
+  options: Options | None = ...,
 ) -> ReshardPlan: ...
 
 
@@ -366,6 +572,7 @@ def make_plan(
   topology: Topology | None = ...,
   relays: bool | Literal["auto"] | None = ...,
   transform: Callable[[Any], Any],
+  options: None = ...,
 ) -> TransformPlan: ...
 
 
@@ -377,6 +584,7 @@ def make_plan(
   topology: Topology | None = None,
   relays: bool | Literal["auto"] | None = None,
   transform: Callable[[Any], Any] | None = None,
+  options: Options | None = None,
 ) -> ReshardPlan | TransformPlan:
   """Plans the reshard of a pytree from its current layout to ``dst``.
 
@@ -402,14 +610,15 @@ def make_plan(
       ``transform(src)`` bit for bit, in ``dst``. Narrowing casts run on the sender, so bytes
       move in the narrowest dtype of each cast chain (``topology`` and ``relays`` are not
       used yet).
+    options: the lowering switches and thresholds (``Options``; ``None``: the defaults).
 
   Returns:
     A :class:`ReshardPlan` (``TransformPlan`` with ``transform``); call it on ``src``'s kind.
 
   Raises:
     ReshardError: invalid trees, shapes, dtypes, devices or shardings, an invalid
-      ``max_bucket_bytes`` (candidates without a topology or with ``transform``), or an invalid
-      ``relays`` (nothing is moved).
+      ``max_bucket_bytes`` (candidates without a topology or with ``transform``), an invalid
+      ``relays``, or ``options`` with ``transform`` (nothing is moved).
 
   Example:
     >>> import jax, numpy as np
@@ -438,20 +647,29 @@ def make_plan(
     >>> 2 * fused.stats.bytes_moved == plan.stats.bytes_moved
     True
   """
-  resolved = resolve_relays(relays, topology)
+  resolved, opts = resolve_relays(relays, topology), resolve_options(options)
   if transform is not None:
-    return _transform_plan(src, dst, transform, max_bucket_bytes)
+    return _transform_plan(src, dst, transform, max_bucket_bytes, options)
   if needs_edges(src, dst):
-    return _edged_plan(src, dst, max_bucket_bytes, topology, relays)
+    return _edged_plan(src, dst, max_bucket_bytes, topology, relays, opts)
   candidates = bucket_candidates(max_bucket_bytes, topology)
   treedef, leaves = flatten_tree(src, dst)
   bounds = candidates if candidates is not None else _one_bound(max_bucket_bytes, leaves)
-  return _cached_plan(treedef, tuple(leaves), bounds, topology, resolved)
+  return _cached_plan(treedef, tuple(leaves), bounds, topology, resolved, opts)
 
 
 def _transform_plan(
-  src: Any, dst: Any, transform: Callable[[Any], Any], max_bucket_bytes: Any
+  src: Any,
+  dst: Any,
+  transform: Callable[[Any], Any],
+  max_bucket_bytes: Any,
+  options: Options | None,
 ) -> TransformPlan:
+  if options is not None:  # a transformed plan lowers with the default options
+    raise ReshardError(
+      "options= applies to plans without transform= (a transformed plan is lowered with the "
+      "default options); leave options unset with transform="
+    )
   refuse_edges_with_transform(src, dst)
   return make_transform_plan(
     src, dst, transform, max_bucket_bytes=_transform_bound(max_bucket_bytes)
@@ -464,13 +682,19 @@ def _edged_plan(
   max_bucket_bytes: int | Sequence[int] | None,
   topology: Topology | None,
   relays: bool | Literal["auto"] | None,
+  options: Options,
 ) -> ReshardPlan:
   """The plan of the carrier tree (see :mod:`_edge`), converting on the way in and out."""
   flat, treedef = jax.tree_util.tree_flatten(src)
   dst_leaves = broadcast_shardings(dst, src, treedef, len(flat), "destination")
   edges, c_src, c_dst = make_edges(src, dst_leaves)
   core = make_plan(
-    c_src, c_dst, max_bucket_bytes=max_bucket_bytes, topology=topology, relays=relays
+    c_src,
+    c_dst,
+    max_bucket_bytes=max_bucket_bytes,
+    topology=topology,
+    relays=relays,
+    options=options,
   )
   return core.with_edges(edges)
 
@@ -509,13 +733,35 @@ def _cached_plan(
   max_bucket_bytes: int | tuple[int, ...],
   topology: Topology | None,
   relays: bool | Literal["auto"],
+  options: Options,
 ) -> ReshardPlan:
   return ReshardPlan(
-    treedef, list(leaves), max_bucket_bytes=max_bucket_bytes, topology=topology, relays=relays
+    treedef,
+    list(leaves),
+    max_bucket_bytes=max_bucket_bytes,
+    topology=topology,
+    relays=relays,
+    options=options,
   )
 
 
 def plan_cache_clear() -> None:
-  """Forgets cached plans (and their compiled programs)."""
+  """Forgets cached plans (and their compiled programs).
+
+  ``make_plan`` returns the same plan for the same tree, layouts and options until then.
+
+  Example:
+    >>> import jax, numpy as np
+    >>> import jax_reshard as jr
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((8,), ("x",))
+    >>> w = jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(mesh, P("x")))
+    >>> plan = jr.make_plan(w, NamedSharding(mesh, P()))
+    >>> jr.make_plan(w, NamedSharding(mesh, P())) is plan
+    True
+    >>> jr.plan_cache_clear()
+    >>> jr.make_plan(w, NamedSharding(mesh, P())) is plan
+    False
+  """
   _cached_plan.cache_clear()
   transform_cache_clear()

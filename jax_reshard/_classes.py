@@ -18,7 +18,15 @@ import numpy as np
 
 from jax_reshard._layout import Layout
 from jax_reshard._planner import LeafPlan
-from jax_reshard._schedule import Bucket, Schedule, both_window_start, chunk_shift
+from jax_reshard._schedule import (
+  Bucket,
+  Schedule,
+  both_window_start,
+  chunk_shift,
+  dst_slab_window,
+  is_grid,
+  slab_window,
+)
 
 
 def _leaf_key(plan: LeafPlan, layouts: tuple[Layout, Layout], kind: Any) -> tuple[Any, ...]:
@@ -58,9 +66,8 @@ def bucket_classes(
     position = np.zeros(max(bucket.leaves, default=0) + 1, dtype=np.int64)
     position[list(bucket.leaves)] = np.arange(len(bucket.leaves))
     rel = position[np.asarray(bucket.piece_leaf, dtype=np.int64)]
-    shifts = [  # where offsets start: a window's start (an argument, or a slab of both sides)
-      chunk_shift(schedule, leaf, chunks, layouts[leaf])
-      or both_window_start(schedule, leaf, chunks)
+    shifts = [
+      _shifts(schedule, leaf, chunks, layouts[leaf])
       for leaf, chunks in zip(bucket.leaves, bucket.chunks, strict=True)
     ]
     transfer, chunks = _windowed(schedule, bucket, shifts, leaf_class, windows)
@@ -95,6 +102,20 @@ def bucket_classes(
   return tuple(out)
 
 
+def _shifts(
+  schedule: Schedule, leaf: int, chunks: tuple[int, ...], layouts: tuple[Layout, Layout]
+) -> tuple[tuple[int, int], ...] | None:
+  """Where the offsets of ``leaf`` in a bucket moving ``chunks`` of it start, per dimension
+  ``(dim, start)``: a window's start (an argument, or a slab of both sides), both slabs' starts
+  for a grid (see ``LeafView.dst_shift``); ``None`` where the offsets are the leaf's own."""
+  if is_grid(schedule, leaf):
+    src, dst = slab_window(schedule, leaf, chunks), dst_slab_window(schedule, leaf, chunks)
+    assert src is not None and dst is not None
+    return (dst[0], dst[1]), (src[0], src[1])
+  one = chunk_shift(schedule, leaf, chunks, layouts) or both_window_start(schedule, leaf, chunks)
+  return None if one is None else (one,)
+
+
 class _Numbers:
   """Numbers values (equal values, equal numbers), looking each object up by value once."""
 
@@ -113,7 +134,7 @@ class _Numbers:
 def _windowed(
   schedule: Schedule,
   bucket: Bucket,
-  shifts: Sequence[tuple[int, int] | None],
+  shifts: Sequence[tuple[tuple[int, int], ...] | None],
   leaf_class: dict[int, int],
   seen: dict[tuple[Any, ...], tuple[np.ndarray, tuple[Any, ...]]],
 ) -> tuple[np.ndarray, tuple[Any, ...]]:
@@ -129,18 +150,25 @@ def _windowed(
       out.append(chunks)
       continue
     rc = schedule.row_chunks[leaf]
-    key = (leaf_class[leaf], rc.tobytes(), chunks, shift)
+    if ("rows", leaf) not in seen:  # the leaf's rows by chunk, and their chunks' bytes
+      order = np.argsort(rc, kind="stable")
+      seen[("rows", leaf)] = order, (rc[order], rc.tobytes())
+    order, (by_chunk, rc_bytes) = seen[("rows", leaf)]
+    key = (leaf_class[leaf], rc_bytes, chunks, shift)
     if key not in seen:
       lp = schedule.leaf_plans[leaf]
       if chunks[-1] - chunks[0] == len(chunks) - 1:  # consecutive, as buckets take them
-        rows = np.flatnonzero((rc >= chunks[0]) & (rc <= chunks[-1]))
+        a, b = np.searchsorted(by_chunk, [chunks[0], chunks[-1] + 1])
+        rows = np.sort(order[a:b])
       else:
         rows = np.flatnonzero(np.isin(rc, chunks))
       lo, hi = lp.lo[rows].copy(), lp.hi[rows].copy()
-      lo[:, shift[0]] -= shift[1]
-      hi[:, shift[0]] -= shift[1]
+      for dim, start in shift:
+        lo[:, dim] -= start
+        hi[:, dim] -= start
       arrays = (lp.src_device[rows], lp.dst_device[rows], lo, hi, lp.local[rows])
-      seen[key] = rows, (shift[0], *(np.ascontiguousarray(a).tobytes() for a in arrays))
+      dims = tuple(dim for dim, _ in shift)
+      seen[key] = rows, (dims, *(np.ascontiguousarray(a).tobytes() for a in arrays))
     rows, moved = seen[key]
     out.append(moved)
     mine = np.asarray(bucket.piece_leaf) == leaf
@@ -152,7 +180,7 @@ def _modes(
   schedule: Schedule,
   b: int,
   leaves: Sequence[int],
-  shifts: Sequence[tuple[int, int] | None],
+  shifts: Sequence[tuple[tuple[int, int], ...] | None],
 ) -> tuple[tuple[bool, bool], ...]:
   """Per leaf of bucket ``b``, whether the bucket is the first of the leaf's buckets, and
   whether there are several: a leaf split over buckets is written in place, from the second
@@ -162,9 +190,10 @@ def _modes(
     return ()
   spans = [schedule.leaf_buckets[leaf] for leaf in leaves]
   # A window takes a destination input in its leaf's first bucket too (see _program), and a
-  # destination slab (of windows of both sides too) takes none in any.
+  # destination slab (of windows of both sides too) takes none in any; a grid (two shifts)
+  # takes one from its second bucket on.
   return tuple(
-    (span[0] == b and shift is None, len(span) > 1)
+    (span[0] == b and (shift is None or len(shift) == 2), len(span) > 1)
     for span, shift in zip(spans, shifts, strict=True)
   )
 

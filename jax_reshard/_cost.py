@@ -48,9 +48,9 @@ import numpy as np
 
 from jax_reshard._classes import stage_classes
 from jax_reshard._layout import Layout
+from jax_reshard._options import Options
 from jax_reshard._planner import LeafPlan
 from jax_reshard._schedule import (
-  WHOLE_OPERAND_BYTES,
   Bucket,
   LeafMode,
   Round,
@@ -79,6 +79,8 @@ class _Stage(Protocol):
   def topology(self) -> Topology | None: ...
   @property
   def scheduled(self) -> Sequence[int]: ...
+  @property
+  def options(self) -> Options: ...
   def bucket_leaves(self, bucket: int) -> tuple[int, ...]: ...
 
 
@@ -102,6 +104,17 @@ class Estimate:
     bucket_seconds: per bucket of every stage, in order, its predicted time.
     round_seconds: per bucket, each round's transfer plus packing time.
     topology: the topology's name.
+
+  Example:
+    >>> import jax_reshard as jr
+    >>> lay = lambda ids, spec: jr.Layout.from_description(
+    ...   (4096, 4096), mesh_shape=(4,), axis_names=("x",), spec=spec, device_ids=ids)
+    >>> plan = jr.plan_layouts([(lay(range(4), ("x",)), lay(range(8, 12), (None, "x")))], [2])
+    >>> est = jr.estimate(plan, jr.Topology.h100_nodes())
+    >>> est.num_rounds, est.seconds == est.call_s + est.transfer_s + est.pack_s + est.assemble_s
+    (4, True)
+    >>> print(est)
+    predicted 0.4 ms on H100 nodes of 8 (4 rounds in 1 buckets): transfers 0.2 ms ...
   """
 
   seconds: float
@@ -165,8 +178,6 @@ def estimate(
     248
     >>> round(est.seconds * 1e6)   # plus packing, assembly, placeholders and two calls
     413
-    >>> assembles_apart(plan, 0)   # planned without a topology, 8 MiB discarded a device: apart
-    (8, 9, 10, 11)
   """
   topo = topology or plan.topology
   if topo is None:
@@ -289,14 +300,6 @@ def _walk(
       yield relayed, through, _made_blocks(stage, b, modes, spares, kinds), apart
 
 
-APART_MIN_BYTES = 1 << 20
-"""Without a topology, a bucket assembles apart (:func:`assembles_apart`) where a device without
-a destination shard would discard at least this many bytes. Simulated CPU devices, 2 cores,
-4 -> 4 disjoint, rows -> columns, medians of 41 calls side by side: 4 float32 leaves of 128^2
-(64 KiB discarded per trainer device) ran 0.85x as fast apart, of 256^2 (256 KiB) 0.87x, of
-512^2 (1 MiB) 1.09x, 2 of 1024^2 (2 MiB) 1.05x."""
-
-
 def assembles_apart(
   stage: _Stage,
   b: int,
@@ -310,7 +313,7 @@ def assembles_apart(
   its ``modes``; those of a call without ``donate=`` where ``None``) and its staging is in
   the bucket bound only that way (``Bucket.must_apart``) or it pays (:func:`_apart_pays`): on
   the stage's own topology where the model predicts it faster, without one where a device
-  would discard at least :data:`APART_MIN_BYTES` (with
+  would discard at least ``Options.apart_min_bytes`` (the stage's options; with
   ``donate=``, the one program would also have such devices donate zero blocks made or
   recycled for them; the choice leaves those out). With ``memo``, whether it pays is worked
   out once per ``key`` (buckets equal in :func:`count_keys` cost alike). The program
@@ -318,7 +321,10 @@ def assembles_apart(
   ask this, so the model predicts what runs."""
   if modes is None:
     modes = leaf_modes(stage.schedule, stage.layouts, stage.scheduled, b, copies=False)
-  ids = assembly_devices(stage.schedule, stage.layouts, stage.scheduled, b, modes)
+  split_assembly = stage.options.split_assembly
+  ids = assembly_devices(
+    stage.schedule, stage.layouts, stage.scheduled, b, modes, split_assembly=split_assembly
+  )
   if ids is None or stage.schedule.buckets[b].must_apart:
     return ids
   if memo is None:
@@ -332,7 +338,7 @@ def _apart_pays(stage: _Stage, b: int, topo: Topology | None) -> bool:
   """Whether bucket ``b`` (which allows it) is better off with its assembly in a program of the
   destination devices: on ``topo``, where the assembly phase without the devices' discarded
   output blocks plus one more ``call_latency`` is shorter than with them (nothing else
-  differs); without one, where a device discards at least :data:`APART_MIN_BYTES`. A bucket
+  differs); without one, where a device discards at least ``Options.apart_min_bytes``. A bucket
   whose leaves all arrive whole runs one program either way (and discards nothing)."""
   bucket = stage.schedule.buckets[b]
   _, received_whole = direct_steps(stage, bucket)
@@ -341,7 +347,7 @@ def _apart_pays(stage: _Stage, b: int, topo: Topology | None) -> bool:
   with_discards, slabs = _placeholder_bytes(stage, b, received_whole)
   without, _ = _placeholder_bytes(stage, b, set(bucket.leaves))
   if topo is None:
-    return float((with_discards - without).max()) >= APART_MIN_BYTES
+    return float((with_discards - without).max()) >= stage.options.apart_min_bytes
   fill_bw = topo.fill_bandwidth or topo.memory_bandwidth
   written = _assembled_seconds(stage, b, received_whole, topo) + slabs / topo.memory_bandwidth
   at_once = np.zeros(len(written), dtype=np.int64)
@@ -743,11 +749,6 @@ def _assembled_seconds(
   return out
 
 
-# A device's zero source blocks of a bucket up to this size are made once and kept by the
-# eager path (see _emit.CACHED_PLACEHOLDER_BYTES), so a call does not write them.
-KEPT_ZERO_BYTES = 1 << 18
-
-
 def _placeholder_bytes(
   stage: _Stage, b: int, direct: set[int], kinds: Sequence[object] | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -755,13 +756,13 @@ def _placeholder_bytes(
 
   Zeros: a source block per distinct (block shape, element kind) among the leaves it has no
   source shard of (``kinds``: per leaf, e.g. its dtype; item sizes where ``None``), unless
-  they total at most ``KEPT_ZERO_BYTES`` (kept between calls), a discarded output block per
-  leaf it has no destination shard of (the rule of :func:`placeholder_mask`; the bucket's slab
-  for a leaf cut into destination slabs, and in its first bucket, the destination shard on
-  every device that holds one, filled with zeros before the first slab is written into it;
-  none for the leaves ``direct``, received whole or passed through). Slabs: for a leaf cut
-  into slabs, the bucket's slab instead of the source block, on every device (cut from its
-  source shard, or zeros; counted as a copy)."""
+  they total at most ``Options.kept_zero_bytes`` (made once and kept by the eager path), a
+  discarded output block per leaf it has no destination shard of (the rule of
+  :func:`placeholder_mask`; the bucket's slab for a leaf cut into destination slabs, and in
+  its first bucket, the destination shard on every device that holds one, filled with zeros
+  before the first slab is written into it; none for the leaves ``direct``, received whole or
+  passed through). Slabs: for a leaf cut into slabs, the bucket's slab instead of the source
+  block, on every device (cut from its source shard, or zeros; counted as a copy)."""
   bucket = stage.schedule.buckets[b]
   union = np.asarray(bucket.union_device_ids, dtype=np.int64)
   out = np.zeros(len(union), dtype=np.float64)
@@ -793,7 +794,8 @@ def _placeholder_bytes(
       dim, start, stop = window
       slabs += float(np.prod(src_shape) // src_shape[dim] * (stop - start) * isz)
   zeros = sum((mask * nbytes for mask, nbytes in blocks.values()), np.zeros(len(union)))
-  return out + np.where(zeros > KEPT_ZERO_BYTES, zeros, 0.0), slabs
+  kept = stage.options.kept_zero_bytes
+  return out + np.where(zeros > kept, zeros, 0.0), slabs
 
 
 def pair_runs(bucket: Bucket) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -923,7 +925,7 @@ def whole_segment_bytes(
 ) -> dict[int, int]:
   """Round -> bytes of its payload sent as they are, for the rounds of ``bucket`` that are
   packed (not :func:`direct_steps`' rounds of whole source shards) but where every payload
-  holds the whole source shard of a leaf, of at least ``WHOLE_OPERAND_BYTES``, at the same
+  holds the whole source shard of a leaf, of at least ``Options.whole_operand_bytes``, at the same
   byte offset: each such segment is its
   own operand of the round's ``ppermute`` (the staged block, no copy; idle devices send their
   placeholder), and only the rest is packed (and zero-filled on idle senders). ``as_is``: the
@@ -942,7 +944,7 @@ def whole_segment_bytes(
     return {}
   used, inv = np.unique(leaves, return_inverse=True)
   whole = sizes == np.array([src_bytes[j] for j in used.tolist()], dtype=np.int64)[inv]
-  whole &= sizes >= WHOLE_OPERAND_BYTES
+  whole &= sizes >= plan.options.whole_operand_bytes
   if not whole.any():
     return {}
   pair = bucket.piece_src * (1 << 32) + bucket.piece_dst  # pieces are sorted by pair

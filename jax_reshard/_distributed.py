@@ -53,11 +53,47 @@ _MAX_WAIT_MS = 2**31 - 1
 
 
 class ReshardPlanMismatchError(ReshardError):
-  """Processes called a reshard collectively with different plans (nothing was moved)."""
+  """Processes called a reshard collectively with different plans (nothing was moved).
+
+  Raised on every process of a ``jax.distributed`` job that takes part in a call, before any
+  collective starts, when the processes' plan fingerprints differ: the message names the first
+  leaf whose plans differ and what each process holds for it. The processes stay usable.
+
+  Example:
+    >>> import jax, numpy as np
+    >>> import jax_reshard as jr
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((8,), ("x",))
+    >>> x = jax.device_put(np.arange(8.0), NamedSharding(mesh, P("x")))
+    >>> try:  # every process passes the same tree, layouts and options
+    ...   y = jr.reshard(x, NamedSharding(mesh, P()))
+    ... except jr.ReshardPlanMismatchError as e:
+    ...   print(e)  # which leaf differs, and how
+    >>> y.sharding.spec == P(), np.array_equal(y, x)
+    (True, True)
+  """
 
 
 class ReshardPeerError(ReshardError, RuntimeError):
-  """A peer process did not join a collective reshard in time (it died, hangs or never called)."""
+  """A peer process did not join a collective reshard in time (it died, hangs or never called).
+
+  Raised after ``JAX_RESHARD_TIMEOUT_S`` seconds (default 300) by the processes that wait, and at
+  once by every later multi-process call on them: their call sequences may be out of step, so
+  the job must restart. Also a ``RuntimeError``.
+
+  Example:
+    >>> import jax, numpy as np
+    >>> import jax_reshard as jr
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((8,), ("x",))
+    >>> x = jax.device_put(np.arange(8.0), NamedSharding(mesh, P("x")))
+    >>> try:  # one process here: no peer to wait for
+    ...   y = jr.reshard(x, NamedSharding(mesh, P()))
+    ... except jr.ReshardPeerError:
+    ...   raise SystemExit("a peer process is gone: restart the job")
+    >>> issubclass(jr.ReshardPeerError, RuntimeError)
+    True
+  """
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

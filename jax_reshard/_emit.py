@@ -32,6 +32,7 @@ from jax_reshard._buffers import (
   buffers_by_device,
   fast_path_available,
 )
+from jax_reshard._options import DEFAULT_OPTIONS, Options
 from jax_reshard._plan import LayoutPlan
 from jax_reshard._program import (
   Arrange,
@@ -57,7 +58,6 @@ from jax_reshard._program import (
   travels_as_is,
   uint_dtype,
 )
-from jax_reshard._schedule import WHOLE_OPERAND_BYTES
 
 AXIS = "u"
 Segment = tuple[int, int, int | None]  # unit words start, stop; the leaf sent whole, or None
@@ -213,6 +213,13 @@ def _slice(
   return jax.lax.dynamic_slice(x, list(row), cut.shape)
 
 
+def shift_starts(program: BucketProgram) -> list[int]:
+  """The values of a program's shift arguments: the window starts of its :attr:`shifted`
+  leaves, then the destination starts of its :attr:`dst_shifted` leaves."""
+  starts = [program.leaves[li].shift[1] for li in program.shifted]  # type: ignore[index]
+  return starts + [program.leaves[li].dst_shift[1] for li in program.dst_shifted]  # type: ignore[index]
+
+
 def _leaf_at(program: BucketProgram, shifts: Shifts, li: int, ndim: int) -> list[Any] | None:
   shift = shifts[li] if shifts else None
   return None if shift is None else _shift_words(program.leaves[li], shift, ndim)
@@ -283,7 +290,7 @@ def _arranged(x: jax.Array, arrange: Arrange) -> jax.Array:
 def whole_segments(program: BucketProgram, rnd: SendRound) -> tuple[Segment, ...] | None:
   """For a packed round (not :func:`whole_block_leaves`') where every sender's payload holds
   the whole source shard of a leaf, uncast (of a type that travels as it is, and of at least
-  ``WHOLE_OPERAND_BYTES``) at the same words, the payload cut at those shards:
+  :attr:`BucketProgram.whole_operand_bytes`) at the same words, the payload cut at those shards:
   ``(start, stop, leaf)`` in unit words, ``leaf`` the position of the leaf whose staged block is
   that segment (sent as it is, idle devices' placeholders too) or ``None`` for words packed
   by the senders' roles (zeros on idle devices). ``None`` where there is no such shard."""
@@ -295,7 +302,7 @@ def whole_segments(program: BucketProgram, rnd: SendRound) -> tuple[Segment, ...
     for cut in p.cuts:
       lf, size = program.sources[cut.leaf], _cut_words(program, cut)
       whole = cut.static_offset == (0,) * len(cut.shape) and cut.shape == _words(lf.src_shard, lf)
-      big = size * program.unit.itemsize >= WHOLE_OPERAND_BYTES
+      big = size * program.unit.itemsize >= program.whole_operand_bytes
       if whole and big and not cut.casts and lf.src_window is None and travels_as_is(lf.dtype):
         found.add((at, at + size, cut.leaf))
       at += size
@@ -630,9 +637,11 @@ def _assemble_fn(
   switched: Sequence[int],
   slots: dict[int, ChunkWrites],
   shifts: Shifts = (),
+  dst_shifts: Shifts = (),
 ) -> Callable[..., tuple[jax.Array, ...]]:
   """The destination code of assembly role ``k``: the blocks of the leaves ``switched``, then
-  the slot values of the leaves in ``slots`` (written after the switch)."""
+  the slot values of the leaves in ``slots`` (written after the switch). ``shifts`` offset the
+  source cuts, ``dst_shifts`` the destination writes (see :attr:`LeafView.dst_shift`)."""
   role = program.assembles[k]
 
   def branch(
@@ -650,7 +659,8 @@ def _assemble_fn(
       at = _leaf_at(program, shifts, li, len(lf.src_shard))
       values = [(p.offset, _part_value(program, li, p, shards, recvs, me, at)) for p in parts]
       if lf.in_place:
-        outs.append(_in_place(lf, _base(lf, dsts[li]), values, shifts[li] if shifts else None))
+        dst_shift = dst_shifts[li] if dst_shifts else None
+        outs.append(_in_place(lf, _base(lf, dsts[li]), values, dst_shift))
         continue
       out = _tile(values, lf.dst_words, lf.word)
       outs.append(_from_uint(_narrow(out, lf.dtype), lf.dtype).reshape(lf.dst_block))
@@ -663,7 +673,7 @@ def _assemble_fn(
       for p, shape in zip(fill, w.shapes, strict=True):
         if p is None:  # written back unchanged, before this role's own writes
           words = _widen(_to_uint(_base(lf, dsts[li]).reshape(lf.dst_shard)), lf.word)
-          dst_at = _leaf_at(program, shifts, li, len(shape))
+          dst_at = _leaf_at(program, dst_shifts, li, len(shape))
           if dst_at is None:
             outs.append(jax.lax.slice(words, (0,) * len(shape), shape))
           else:
@@ -715,6 +725,26 @@ def _write_chunks(
   return _written(out, lf.dtype).reshape(lf.dst_block)
 
 
+def _shifts(program: BucketProgram, scalars: Sequence[Any] | None) -> tuple[Shifts, Shifts]:
+  """Per leaf, where its source offsets start and where its destination offsets start (see
+  :attr:`LeafView.shift`, :attr:`LeafView.dst_shift`): the program's ``scalars`` (its shift
+  arguments, in the order of :func:`shift_starts`), or its own starts where that is ``None``;
+  none where no leaf is shifted (a transformed program's cuts number its inputs, not its
+  leaves)."""
+  if not program.shifted and not program.dst_shifted:
+    return [], []
+  n = len(program.leaves)
+  shifts: list[tuple[int, Any] | None] = [None] * n
+  dst_shifts: list[tuple[int, Any] | None] = [None] * n
+  for k, li in enumerate(program.shifted):
+    dim, start = program.leaves[li].shift  # type: ignore[misc]
+    shifts[li] = dst_shifts[li] = (dim, start if scalars is None else scalars[k])
+  for k, li in enumerate(program.dst_shifted, len(program.shifted)):
+    dim, start = program.leaves[li].dst_shift  # type: ignore[misc]
+    dst_shifts[li] = (dim, start if scalars is None else scalars[k])
+  return shifts, dst_shifts
+
+
 def emit_body(
   program: BucketProgram, axis: Any, *, shift_inputs: bool = False
 ) -> Callable[..., tuple[jax.Array, ...]]:
@@ -761,11 +791,7 @@ def emit_body(
     dsts: list[Any] = [None] * num_leaves
     for li, d in zip(program.dst_inputs, inputs[num_src : num_src + num_dst], strict=True):
       dsts[li] = d
-    # Per leaf (each its own source where any is shifted).
-    shifts: list[tuple[int, Any] | None] = [None] * num_leaves if program.shifted else []
-    for k, li in enumerate(program.shifted):
-      dim, start = program.leaves[li].shift  # type: ignore[misc]
-      shifts[li] = (dim, inputs[num_src + num_dst + k] if shift_inputs else start)
+    shifts, dst_shifts = _shifts(program, inputs[num_src + num_dst :] if shift_inputs else None)
     me = jax.lax.axis_index(axis)
     packed: dict[tuple[object, ...], jax.Array] = {}
     recvs = [_emit_round(program, rnd, axis, me, blocks, shifts, packed) for rnd in program.rounds]
@@ -775,7 +801,8 @@ def emit_body(
     ys: list[Any] = []
     if switched or valued:
       fns = [
-        _assemble_fn(program, k, switched, valued, shifts) for k in range(len(program.assembles))
+        _assemble_fn(program, k, switched, valued, shifts, dst_shifts)
+        for k in range(len(program.assembles))
       ]
       table = role_table(n, program.assembles)
       ys = list(_switch(me, table, [idle, *fns], me, list(blocks), dsts, recvs))
@@ -789,7 +816,7 @@ def emit_body(
         shard = {li: _local_view([lf], [blocks[li]])[0]}
         at = _leaf_at(program, shifts, li, len(lf.src_shard))
         values = [_part_value(program, li, src, shard, recvs, me, at) for src in w.sources]
-      shift = shifts[li] if shifts else None
+      shift = dst_shifts[li] if dst_shifts else None
       outs[li] = _write_chunks(program, li, w, _base(lf, dsts[li]), values, me, shift)
     return tuple(outs)
 
@@ -893,24 +920,6 @@ def _staged_shape(block: tuple[int, ...], n: int) -> tuple[int, ...]:
 
 PROGRAM_CACHE_SIZE = 256  # compiled bucket programs kept per process
 
-DIRECT_CALLS = True
-"""Whether a bucket that allows it runs as one ``jax.jit`` call on the source arrays as they
-are (:meth:`BucketExecutable.direct`); ``False`` stages every bucket's buffers."""
-
-BUNDLED_CALLS = True
-"""Whether the small leaves of a bucket that stages its buffers enter and leave its program
-bundled (:meth:`BucketExecutable.bundle`); ``False`` stages every leaf on its own."""
-BUNDLE_LEAF_BYTES = 1 << 14
-"""A leaf whose source and destination blocks are at most this many bytes per device may be
-bundled: its bytes are copied once more on each side, which costs less than staging it."""
-BUNDLE_BYTES = 1 << 18
-"""At most this many bytes per device in a bundle, on either side (its zero bytes on devices
-without a source shard are made once and kept, as small placeholders are)."""
-MIN_BUNDLED_LEAVES = 32
-"""Fewer small leaves than this stage on their own: a bundle costs two more compiled calls and
-waits for them on CPU devices (8x8 float32 leaves, 4 -> 4 disjoint, 2 cores: 16 leaves ran
-0.92-0.95x as fast bundled, 24 0.93-1.04x, 32 1.13-1.18x, 48 1.38-1.40x)."""
-
 
 def _bundled_body(
   program: BucketProgram, bundle: Bundle, body: Callable[..., tuple[jax.Array, ...]]
@@ -954,7 +963,7 @@ def _compiled_program(
   num_out = len(leaves) - len(bundled) + (bundle is not None)
   num_in = len(signature.sources) - len(bundled) + (bundle is not None)
   specs = tuple(PartitionSpec(AXIS) for _ in range(num_out))
-  num_shifts = len(signature.shifted)
+  num_shifts = len(signature.shifted) + len(signature.dst_shifted)
   in_specs = tuple(PartitionSpec(AXIS) for _ in range(num_in))
   in_specs += tuple(PartitionSpec(AXIS) for _ in dst_leaves)
   in_specs += (PartitionSpec(),) * num_shifts
@@ -1142,10 +1151,9 @@ def _placeholder_program(group: PlaceholderGroup, devices: tuple[Any, ...]) -> A
   return jax.jit(make, out_shardings=tuple(sharding for _ in group.blocks)).lower().compile()
 
 
-# Zero source blocks of at most this many bytes per device and group are made once and kept
-# (they are read, never written or donated), instead of on every call.
-CACHED_PLACEHOLDER_BYTES = 1 << 18
-PLACEHOLDER_CACHE_SIZE = 64  # groups kept: at most 16 MiB per device
+# Groups of zero source blocks kept (each of at most Options.kept_zero_bytes per device: they
+# are read, never written or donated, so they are made once instead of on every call).
+PLACEHOLDER_CACHE_SIZE = 64
 
 
 def _block_bytes(group: PlaceholderGroup) -> int:
@@ -1187,23 +1195,23 @@ def _slab_program(window: SourceWindow, dtype: np.dtype, devices: tuple[Any, ...
 
 
 class _Slicer:
-  """Cuts a leaf's slab out of its source shards for one bucket (see :class:`SourceWindow`)."""
+  """Cuts a leaf's slab out of its source shards for one bucket (see :class:`SourceWindow`), or
+  out of its destination shards filled so far (a grid's destination slab, see
+  :func:`_schedule.grid_windows`)."""
 
   __slots__ = ("compiled", "src_wrap", "staged_ids")
 
-  def __init__(self, lf: LeafView, src_sharding: Any, *, fast: bool) -> None:
-    window = lf.src_window
-    assert window is not None
-    devices = tuple(sorted(src_sharding.device_set, key=lambda d: d.id))
-    self.compiled = _slab_program(window, lf.dtype, devices)
+  def __init__(self, window: SourceWindow, dtype: np.dtype, sharding: Any, *, fast: bool) -> None:
+    devices = tuple(sorted(sharding.device_set, key=lambda d: d.id))
+    self.compiled = _slab_program(window, dtype, devices)
     staged = NamedSharding(Mesh(np.array(devices), (AXIS,)), PartitionSpec(AXIS))
     self.staged_ids = addressable_order(staged, fast=fast)
     whole = _staged_shape(window.shard, len(devices))
-    self.src_wrap = Wrapper(whole, lf.dtype, staged, fast=fast)
+    self.src_wrap = Wrapper(whole, dtype, staged, fast=fast)
 
-  def __call__(self, x: jax.Array) -> dict[int, jax.Array]:
-    """The slabs of ``x``'s shards by device id."""
-    held = buffers_by_device(x)
+  def __call__(self, x: jax.Array | dict[int, jax.Array]) -> dict[int, jax.Array]:
+    """The slabs of ``x``'s shards (or of the shards given by device id) by device id."""
+    held = x if isinstance(x, dict) else buffers_by_device(x)
     slabs = self.compiled(self.src_wrap([held[i] for i in self.staged_ids]))
     # Ready before the bucket program is queued (see BucketExecutable._placeholders).
     return buffers_by_device(jax.block_until_ready(slabs))
@@ -1268,34 +1276,30 @@ class _SlabWriter:
     return buffers_by_device(self.compiled(shards, self.slab_wrap([slabs[i] for i in self.ids])))
 
 
-IN_FLIGHT_BUCKETS = 2
-"""On CPU devices, how many bucket programs may be queued and not yet finished (see
-:func:`one_at_a_time`)."""
-
-
 def one_at_a_time(devices: Sequence[Any]) -> bool:
   """Whether bucket programs on ``devices`` must be queued a few at a time: on the CPU backend
   every device of a collective program takes a thread of one shared pool and blocks in the
   ``ppermute`` rendezvous until all arrive, so independent programs queued faster than they
   run can each hold some of the threads while none has all (seen as a 40 s rendezvous abort
   with 200 buckets of 8 devices queued at once on 2 cores). A program is then queued once the
-  results of the bucket :data:`IN_FLIGHT_BUCKETS` before it are ready, so that one bucket runs
-  while the next is staged and queued."""
+  results of the bucket ``Options.in_flight_buckets`` before it are ready (:class:`InFlight`),
+  so that one bucket runs while the next is staged and queued."""
   return any(getattr(d, "platform", None) == "cpu" for d in devices)
 
 
 class InFlight:
-  """The results of the last :data:`IN_FLIGHT_BUCKETS` buckets of a call: what the next bucket
-  waits for before its program is queued, where :func:`one_at_a_time`."""
+  """The results of the last ``depth`` buckets of a call (``Options.in_flight_buckets``): what
+  the next bucket waits for before its program is queued, where :func:`one_at_a_time`."""
 
-  def __init__(self) -> None:
-    self._recent: collections.deque[Any] = collections.deque(maxlen=IN_FLIGHT_BUCKETS)
+  def __init__(self, depth: int = DEFAULT_OPTIONS.in_flight_buckets) -> None:
+    self.depth = depth
+    self._recent: collections.deque[Any] = collections.deque(maxlen=depth)
 
   def wait_for(self, exe: Any) -> Any:
     """What ``exe`` (a bucket's executable) waits for: ``None``, or one result of the bucket
-    :data:`IN_FLIGHT_BUCKETS` before it (all of a program's results are ready together). A
-    result carried into a later bucket was donated there; then one of a later bucket's."""
-    if not exe.one_at_a_time or len(self._recent) < IN_FLIGHT_BUCKETS:
+    :attr:`depth` before it (all of a program's results are ready together). A result carried
+    into a later bucket was donated there; then one of a later bucket's."""
+    if not exe.one_at_a_time or len(self._recent) < self.depth:
       return None
     for ys in self._recent:  # oldest first
       for y in jax.tree_util.tree_leaves(ys):
@@ -1333,6 +1337,7 @@ class _LeafIO:
     "dst_block",
     "dst_input",
     "dst_pick",
+    "dst_slicer",
     "dst_stage_wrap",
     "ph_keys",
     "scalar_dst",
@@ -1358,7 +1363,10 @@ class _LeafIO:
     self.src_pick = self._pick(src_sharding, fast=fast) if src_sharding is not None else None
     self.slicer = None  # a leaf cut into slabs stages the bucket's slab of each source shard
     if lf.src_window is not None and src_sharding is not None:
-      self.slicer = _Slicer(lf, src_sharding, fast=fast)
+      self.slicer = _Slicer(lf.src_window, lf.dtype, src_sharding, fast=fast)
+    self.dst_slicer = None  # a grid's destination slab, cut from the shards filled so far
+    if lf.dst_window is not None and lf.dst_input:
+      self.dst_slicer = _Slicer(lf.dst_window, lf.dtype, dst_sharding, fast=fast)
     pos = {d: j for j, d in enumerate(self.staged_ids)}
     self.dst_pick = [pos[i] for i in addressable_order(dst_sharding, fast=fast)]
     picked = set(self.dst_pick)
@@ -1411,7 +1419,10 @@ class _LeafIO:
     self, held: dict[int, jax.Array], placeholders: dict[Any, jax.Array], position: int
   ) -> jax.Array:
     """The leaf's destination blocks as a staged array: ``held`` (by device id) where a device
-    has one, else its donated zero block ``placeholders[(device id, position)]``."""
+    has one, else its donated zero block ``placeholders[(device id, position)]``. A grid's
+    destination slab is cut from ``held``, the destination shards filled so far."""
+    if self.dst_slicer is not None and held:
+      held = self.dst_slicer(held)
     blocks = []
     for dev_id in self.staged_ids:
       data = held.get(dev_id)
@@ -1556,17 +1567,20 @@ class _BundleIO:
 
 
 def _stage_placeholders(
-  groups: Sequence[PlaceholderGroup], devices: dict[int, Any]
+  groups: Sequence[PlaceholderGroup],
+  devices: dict[int, Any],
+  kept_bytes: int = DEFAULT_OPTIONS.kept_zero_bytes,
 ) -> tuple[dict[tuple[Any, ...], jax.Array], bool]:
   """Zero blocks for one call, keyed by (device id, block shape, dtype), or by (device id,
   leaf position) for groups of donated blocks (one per leaf); and whether every group was of
-  source blocks small enough to be made once (read only), so the dict may be kept."""
+  source blocks small enough to be made once (read only, at most ``kept_bytes`` per device:
+  ``Options.kept_zero_bytes``), so the dict may be kept."""
   out = {}
   fast = fast_path_available()
   made_once = True
   for group in groups:
     mesh_devices = tuple(devices[i] for i in group.device_ids)
-    if not group.leaves and _block_bytes(group) <= CACHED_PLACEHOLDER_BYTES:
+    if not group.leaves and _block_bytes(group) <= kept_bytes:
       out.update(_source_zeros(group, mesh_devices, fast=fast))  # read only: made once
       continue
     made_once = False
@@ -1703,7 +1717,8 @@ class BucketExecutable:
   is worked out once; the compiled executable is shared by every bucket with the same
   :func:`program_signature` on the same devices. A bucket whose source and destination meshes
   both list exactly its devices (colocated) skips the staging: it runs as one ``jax.jit`` call
-  on the source arrays as they are (:meth:`direct`).
+  on the source arrays as they are (:meth:`direct`). ``options``: the plan's, which say
+  whether the bucket may run directly or bundled, and which zero blocks it keeps.
   """
 
   def __init__(
@@ -1712,8 +1727,11 @@ class BucketExecutable:
     devices: dict[int, Any],
     dst_shardings: Sequence[Any],
     src_shardings: Sequence[Any] | None = None,
+    *,
+    options: Options,
   ) -> None:
     self.program = program
+    self.options = options
     self.devices = devices
     self.dst_shardings = list(dst_shardings)
     self.src_shardings = list(src_shardings or [None] * len(program.sources))
@@ -1792,20 +1810,21 @@ class BucketExecutable:
 
   def bundle(self) -> Bundle | None:
     """The leaves of a bucket that stages its buffers which enter and leave its program as one
-    byte vector per device (a :class:`Bundle`), or ``None``: leaves of at most
-    :data:`BUNDLE_LEAF_BYTES` per block that enter and leave the bucket whole, on one source
-    mesh and one destination mesh of this process, up to :data:`BUNDLE_BYTES` per device and
-    side, where at least :data:`MIN_BUNDLED_LEAVES` are (never in a bucket that must assemble
-    apart: its one program would stage more than the bound). A call then packs their source shards
-    with one compiled call on the source mesh and cuts their destination shards with one on
-    the destination mesh, instead of taking apart and wrapping buffers per leaf: each bundled
-    byte is copied once more on each side."""
+    byte vector per device (a :class:`Bundle`), or ``None``: where the :attr:`options` allow
+    bundles, leaves of at most ``bundle_leaf_bytes`` per block that enter and leave the bucket
+    whole, on one source mesh and one destination mesh of this process, up to
+    ``bundle_bytes`` per device and side, where at least ``min_bundled_leaves`` are (never in
+    a bucket that must assemble apart: its one program would stage more than the bound). A
+    call then packs their source shards with one compiled call on the source mesh and cuts
+    their destination shards with one on the destination mesh, instead of taking apart and
+    wrapping buffers per leaf: each bundled byte is copied once more on each side."""
     if self._bundle is None:
       self._bundle = self._choose_bundle() or False
     return self._bundle if isinstance(self._bundle, Bundle) else None
 
   def _choose_bundle(self) -> Bundle | None:
-    if not BUNDLED_CALLS or self.program.must_apart or self._direct_allowed():
+    opts = self.options
+    if not opts.bundled_calls or self.program.must_apart or self._direct_allowed():
       return None
     if self.program.inputs:  # a transformed program stages every leaf on its own
       return None
@@ -1817,13 +1836,13 @@ class BucketExecutable:
       if not (enters_whole(lf) and _on_one_mesh(src) and _on_one_mesh(dst)):
         continue
       sizes = np.array([block_bytes(lf.src_block, lf.dtype), block_bytes(lf.dst_block, lf.dtype)])
-      if sizes.max() > BUNDLE_LEAF_BYTES or (totals + sizes).max() > BUNDLE_BYTES:
+      if sizes.max() > opts.bundle_leaf_bytes or (totals + sizes).max() > opts.bundle_bytes:
         continue
       meshes = meshes or (src.mesh, dst.mesh)
       if (src.mesh, dst.mesh) == meshes:
         chosen.append(li)
         totals += sizes
-    return make_bundle(self.program, chosen) if len(chosen) >= MIN_BUNDLED_LEAVES else None
+    return make_bundle(self.program, chosen) if len(chosen) >= opts.min_bundled_leaves else None
 
   def bundle_pass_bytes(self) -> int:
     """Bytes all devices read and write per call for the :meth:`bundle`, beyond what the
@@ -1868,12 +1887,12 @@ class BucketExecutable:
 
   def direct(self) -> Any:
     """The compiled program that takes the source arrays as they are and returns the
-    destination arrays, where the bucket allows it, else ``False``: every leaf's source and
-    destination are on one mesh each, both listing the bucket's devices in its mesh
-    positions' order (the same devices, as a colocated trainer and sampler), every device holds
-    a source shard (no zero blocks), and no leaf is cut into slabs or windows, split over
-    buckets or written into a donated buffer. Then no buffer is taken apart or wrapped per
-    leaf: the call is one ``jax.jit`` call of the traced move."""
+    destination arrays, where the bucket allows it, else ``False``: the :attr:`options` allow
+    direct calls, every leaf's source and destination are on one mesh each, both listing the
+    bucket's devices in its mesh positions' order (the same devices, as a colocated trainer
+    and sampler), every device holds a source shard (no zero blocks), and no leaf is cut into
+    slabs or windows, split over buckets or written into a donated buffer. Then no buffer is
+    taken apart or wrapped per leaf: the call is one ``jax.jit`` call of the traced move."""
     if self._direct is None:
       self._direct = self._direct_allowed() and _direct_program(
         program_signature(self.program), tuple(self.src_shardings), tuple(self.dst_shardings)
@@ -1884,7 +1903,8 @@ class BucketExecutable:
     p = self.program
     if p.inputs:  # a transformed program stages every leaf on its own
       return False
-    if not DIRECT_CALLS or p.placeholders or not all(enters_whole(lf) for lf in p.leaves):
+    allowed = self.options.direct_calls and not p.placeholders
+    if not allowed or not all(enters_whole(lf) for lf in p.leaves):
       return False
     order = list(p.device_ids)
     for shardings in (self.src_shardings, self.dst_shardings):
@@ -1905,7 +1925,7 @@ class BucketExecutable:
       return self._kept_placeholders
     if groups is None:
       groups = (self.program.placeholders, self.program.dst_placeholders)[which]
-    out, made_once = _stage_placeholders(groups, self.devices)
+    out, made_once = _stage_placeholders(groups, self.devices, self.options.kept_zero_bytes)
     if not which and own and made_once:
       self._kept_placeholders = out
     return out
@@ -1915,6 +1935,7 @@ class BucketExecutable:
     its outputs into per-device blocks (made once)."""
     program, fast = self.program, fast_path_available()
     num_args = len(program.sources) + len(program.dst_inputs) + len(program.shifted)
+    num_args += len(program.dst_shifted)
     if bundled:
       if self._bundled_runner is None:
         num_args += 1 - len(self.bundle().leaves)  # type: ignore[union-attr]
@@ -1931,10 +1952,7 @@ class BucketExecutable:
       scalar = NamedSharding(self.staged_sharding.mesh, PartitionSpec())
       # Ready before the program is queued (see _placeholders).
       self._shift_args = jax.block_until_ready(
-        [
-          jax.device_put(np.int32(self.program.leaves[li].shift[1]), scalar)  # type: ignore[index]
-          for li in self.program.shifted
-        ]
+        [jax.device_put(np.int32(start), scalar) for start in shift_starts(self.program)]
       )
     return self._shift_args
 

@@ -33,6 +33,12 @@ class Layout:
     process_indices: per device, the process that owns it.
     platform: the devices' platform (``"cpu"``, ``"gpu"``, ``"tpu"``...).
     description: a human-readable summary of the sharding, for messages only.
+
+  Example:
+    >>> import jax_reshard as jr
+    >>> lay = jr.Layout.from_description((8, 4), mesh_shape=(4,), axis_names=("x",), spec=("x",))
+    >>> lay.device_ids, lay.starts[1], lay.stops[1]  # device 1 holds rows 2:4, all columns
+    ((0, 1, 2, 3), (2, 0), (4, 4))
   """
 
   shape: tuple[int, ...]
@@ -45,20 +51,54 @@ class Layout:
 
   @property
   def ndim(self) -> int:
+    """The number of dimensions of the global array.
+
+    Example:
+      >>> Layout.from_description((8, 4), mesh_shape=(4,), axis_names=("x",), spec=("x",)).ndim
+      2
+    """
     return len(self.shape)
 
   @property
   def num_devices(self) -> int:
+    """The number of devices that hold a shard (replicas included).
+
+    Example:
+      >>> lay = Layout.from_description((8,), mesh_shape=(2, 4), axis_names=("dp", "x"),
+      ...                               spec=("x",))
+      >>> lay.num_devices  # two replicas of four shards
+      8
+    """
     return len(self.device_ids)
 
   def shard_shape(self) -> tuple[int, ...]:
-    """The shape every device holds (shardings tile evenly, so it is the same for all)."""
+    """The shape every device holds (shardings tile evenly, so it is the same for all).
+
+    Returns:
+      The shard shape; ``shape`` itself for a layout without devices.
+
+    Example:
+      >>> lay = Layout.from_description((8, 4), mesh_shape=(2, 2), axis_names=("x", "y"),
+      ...                               spec=("x", "y"))
+      >>> lay.shard_shape()
+      (4, 2)
+    """
     if not self.device_ids:
       return self.shape
     return tuple(b - a for a, b in zip(self.starts[0], self.stops[0], strict=True))
 
   def box_arrays(self) -> tuple[np.ndarray, np.ndarray]:
-    """``(starts, stops)`` as ``int64`` arrays of shape ``(num_devices, ndim)``."""
+    """The index boxes as arrays: ``(starts, stops)``, ``int64`` of shape ``(num_devices, ndim)``.
+
+    Returns:
+      Row ``i`` of each array is the box of device ``device_ids[i]``.
+
+    Example:
+      >>> lay = Layout.from_description((8, 4), mesh_shape=(2,), axis_names=("x",), spec=("x",))
+      >>> starts, stops = lay.box_arrays()
+      >>> starts.tolist(), stops.tolist()
+      ([[0, 0], [4, 0]], [[4, 4], [8, 4]])
+    """
     n, d = self.num_devices, self.ndim
     starts = np.asarray(self.starts, dtype=np.int64).reshape(n, d)
     stops = np.asarray(self.stops, dtype=np.int64).reshape(n, d)
@@ -72,8 +112,19 @@ class Layout:
       sharding: any ``jax.sharding.Sharding``.
       shape: the global array shape.
 
+    Returns:
+      The layout, with a description of the sharding for messages.
+
     Raises:
-      ReshardError: if the sharding does not tile ``shape`` evenly.
+      ReshardError: if the sharding does not tile ``shape`` evenly, or uses strided shards.
+
+    Example:
+      >>> import jax
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("x",))
+      >>> lay = Layout.from_sharding(NamedSharding(mesh, P(None, "x")), (4, 16))
+      >>> lay.shard_shape(), lay.starts[3]
+      ((4, 2), (0, 6))
     """
     shape = tuple(int(s) for s in shape)
     try:
@@ -135,6 +186,14 @@ class Layout:
       devices_per_process: devices per process (host), for the default ``process_indices``.
       platform: platform name recorded in the layout (compared, e.g. in plan fingerprints,
         never used to plan).
+
+    Returns:
+      The layout, ordered by device id.
+
+    Raises:
+      ReshardError: mesh and axis names differ in length, device ids are not distinct, or the
+        spec names an unknown or repeated axis, has too many entries or does not divide
+        ``shape`` evenly.
 
     Example:
       >>> lay = Layout.from_description((8, 4), mesh_shape=(2, 2), axis_names=("x", "y"),

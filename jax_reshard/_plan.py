@@ -32,6 +32,7 @@ from jax_reshard._cost import (
 )
 from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
+from jax_reshard._options import DEFAULT_OPTIONS, Options
 from jax_reshard._planner import LeafPlan, plan_leaves
 from jax_reshard._schedule import (
   DEFAULT_MAX_BUCKET_BYTES,
@@ -78,6 +79,16 @@ class PlanStats:
       ``bytes_moved`` (a copy of every moved byte is one pass): packing payloads, the
       ``ppermute`` transfer, assembling destination shards, and the zeros written for idle
       senders' payloads, non-receivers' payloads and discarded outputs (see :func:`pass_bytes`).
+
+  Example:
+    >>> import jax_reshard as jr
+    >>> lay = lambda spec: jr.Layout.from_description(
+    ...   (1024, 1024), mesh_shape=(8,), axis_names=("x",), spec=spec)
+    >>> st = jr.plan_layouts([(lay(("x",)), lay((None, "x")))], [4]).stats
+    >>> st.bytes_moved == st.lower_bound_bytes, st.local_copy_bytes // 1024  # KiB kept in place
+    (True, 512)
+    >>> st.gather_broadcast_bytes // st.bytes_moved, st.num_rounds
+    (8, 7)
   """
 
   bytes_moved: int
@@ -120,6 +131,23 @@ class LayoutPlan:
     bucket_classes: per bucket of this stage, the first bucket of the stage that runs the same
       program (item sizes as element kinds; ``_classes.stage_classes``), or ``None`` where not
       known; :meth:`estimate` reads it.
+    options: the :class:`Options` the plan was made with (its relay stage's too): its
+      programs, its predicted time and its byte counts follow them.
+
+  Example:
+    >>> import jax_reshard as jr
+    >>> lay = lambda spec: jr.Layout.from_description(
+    ...   (1024, 1024), mesh_shape=(8,), axis_names=("x",), spec=spec)
+    >>> plan = jr.plan_layouts([(lay(("x",)), lay((None, "x")))], [4])
+    >>> print(plan)
+    LayoutPlan: 1 leaves, 1 layout groups
+         1 leaves  mesh (x=8) spec P('x', None)
+                 -> mesh (x=8) spec P(None, 'x')
+                 moved 3.50 MiB, local 512.00 KiB
+      bytes moved        3.50 MiB (lower bound 3.50 MiB, padding 0 B)
+    ...
+    >>> len(plan.schedule.buckets), plan.relay is None
+    (1, True)
   """
 
   layouts: tuple[tuple[Layout, Layout], ...]
@@ -132,6 +160,7 @@ class LayoutPlan:
   topology: Topology | None = None
   relay: LayoutPlan | None = None
   bucket_classes: tuple[int, ...] | None = None
+  options: Options = dataclasses.field(kw_only=True)
 
   def stages(self) -> tuple[LayoutPlan, ...]:
     """The plans run one after the other: this one, then the relay stage if any."""
@@ -172,6 +201,7 @@ def plan_layouts(
   relays: bool | Literal["auto"] | None = None,
   interleave: bool = True,
   leaf_names: Sequence[str] | None = None,
+  options: Options | None = None,
 ) -> LayoutPlan:
   """Plans moving a tree of leaves from their source to their destination layouts.
 
@@ -199,6 +229,7 @@ def plan_layouts(
     interleave: with several domains, order leaves round-robin over their source device sets
       before bucketing (:func:`interleave_by_source`).
     leaf_names: per leaf, a name for error messages (default ``#i``).
+    options: the plan's :attr:`~LayoutPlan.options` (``Options``); ``None``: the defaults.
 
   Returns:
     A :class:`LayoutPlan`: per-leaf transfers, the schedule and :class:`PlanStats`.
@@ -239,7 +270,7 @@ def plan_layouts(
     (True, True)
   """
   return _plan_layouts(
-    layouts, itemsizes, max_bucket_bytes, topology, relays, interleave, leaf_names
+    layouts, itemsizes, max_bucket_bytes, topology, relays, interleave, leaf_names, options
   )
 
 
@@ -251,6 +282,7 @@ def _plan_layouts(
   relays: bool | Literal["auto"] | None,
   interleave: bool,
   leaf_names: Sequence[str] | None,
+  options: Options | None,
 ) -> LayoutPlan:
   """:func:`plan_layouts`, its arguments checked and normalised here."""
   lays = tuple((s, d) for s, d in layouts)
@@ -258,15 +290,17 @@ def _plan_layouts(
   names = tuple(leaf_names) if leaf_names is not None else tuple(f"#{i}" for i in range(len(lays)))
   resolved = resolve_relays(relays, topology)
   candidates = bucket_candidates(max_bucket_bytes, topology)
+  opts = resolve_options(options)
 
   leaves = _LeafPlans(lays, sizes, topology)  # one set per call, whatever the bound
 
   def plan_for(bound: int | None) -> tuple[LayoutPlan, float | None]:
-    return _plan_relays_or_not((lays, sizes, bound, topology), resolved, interleave, names, leaves)
+    args = (lays, sizes, bound, topology, opts)
+    return _plan_relays_or_not(args, resolved, interleave, names, leaves)
 
   if candidates is None:
     assert not isinstance(max_bucket_bytes, Sequence)
-    args = (lays, sizes, max_bucket_bytes, topology)
+    args = (lays, sizes, max_bucket_bytes, topology, opts)
     plan = _plan_relays_or_not(args, resolved, interleave, names, leaves, timed=False)[0]
   else:
     plan = choose_bucket_bytes(plan_for, candidates)
@@ -347,6 +381,21 @@ def choose_bucket_bytes(
   return best[1]
 
 
+def resolve_options(options: Options | None) -> Options:
+  """The ``options=`` of the planning calls, checked: ``None`` means the defaults.
+
+  Raises:
+    ReshardError: ``options`` is neither ``None`` nor an :class:`Options`.
+  """
+  if options is None:
+    return DEFAULT_OPTIONS
+  if not isinstance(options, Options):
+    raise ReshardError(
+      f"options must be a jax_reshard._options.Options (or None: the defaults), got {options!r}"
+    )
+  return options
+
+
 def resolve_relays(
   relays: bool | Literal["auto"] | None, topology: Topology | None
 ) -> bool | Literal["auto"]:
@@ -411,8 +460,13 @@ class _LeafPlans:
     return self.direct_bound
 
 
+_TreeArgs = tuple[
+  tuple[tuple[Layout, Layout], ...], tuple[int, ...], int | None, Topology | None, Options
+]  # layouts, itemsizes, bound, topology and options of one plan of a tree
+
+
 def _plan_relays_or_not(
-  args: tuple[tuple[tuple[Layout, Layout], ...], tuple[int, ...], int | None, Topology | None],
+  args: _TreeArgs,
   relays: bool | Literal["auto"],
   interleave: bool,
   names: tuple[str, ...],
@@ -440,6 +494,7 @@ def _plan_tree(
   itemsizes: tuple[int, ...],
   max_bucket_bytes: int | None,
   topology: Topology | None,
+  options: Options,
   interleave: bool,
   names: tuple[str, ...],
   full: tuple[LeafPlan, ...],
@@ -462,14 +517,14 @@ def _plan_tree(
   errors: list[BucketBoundError] = []
   try:
     first_stage = _stage_plan(
-      layouts, itemsizes, leaf_plans, scheduled, max_bucket_bytes, topology, names
+      layouts, itemsizes, leaf_plans, scheduled, max_bucket_bytes, topology, options, names
     )
   except BucketBoundError as e:
     errors.append(e)
   try:
     relay = _relay_stage(
       [second for _, second in split], layouts, itemsizes, max_bucket_bytes, topology,
-      interleave, names,
+      options, interleave, names,
     )  # fmt: skip
   except BucketBoundError as e:
     errors.append(e)
@@ -715,6 +770,7 @@ def _relay_stage(
   itemsizes: tuple[int, ...],
   max_bucket_bytes: int | None,
   topology: Topology | None,
+  options: Options,
   interleave: bool,
   names: Sequence[str] | None = None,
 ) -> LayoutPlan | None:
@@ -735,6 +791,7 @@ def _relay_stage(
     relayed,
     max_bucket_bytes,
     topology,
+    options,
     names,
   )
 
@@ -746,6 +803,7 @@ def _stage_plan(
   scheduled: tuple[int, ...],
   max_bucket_bytes: int | None,
   topology: Topology | None,
+  options: Options,
   names: Sequence[str] | None = None,
 ) -> LayoutPlan:
   """One stage: its leaf plans scheduled, with the stats of this stage alone and its
@@ -758,6 +816,7 @@ def _stage_plan(
     max_bucket_bytes=max_bucket_bytes,
     names=None if names is None else [names[i] for i in scheduled],
     topology=topology,
+    options=options,
   )
   chunked = list(leaf_plans)
   for j, i in enumerate(scheduled):  # the transfers as the buckets move them (chunks)
@@ -767,7 +826,7 @@ def _stage_plan(
   stats = schedule_stats(leaf_plans, schedule, len(set(classes)))
   plan = LayoutPlan(
     layouts, itemsizes, leaf_plans, scheduled, schedule, stats, max_bucket_bytes, topology,
-    bucket_classes=classes,
+    bucket_classes=classes, options=options,
   )  # fmt: skip
   return plan
 

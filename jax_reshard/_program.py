@@ -32,6 +32,7 @@ import numpy as np
 
 from jax_reshard._cost import assembles_apart
 from jax_reshard._layout import Layout
+from jax_reshard._options import DEFAULT_OPTIONS, Options
 from jax_reshard._pieces import Piece as TransformPiece
 from jax_reshard._plan import LayoutPlan
 from jax_reshard._planner import LeafPlan
@@ -107,7 +108,12 @@ class LeafView:
       ``dim``; every offset of the leaf in the program is relative to it and ``start`` is an
       argument of the compiled program (one int32 scalar), so the chunks share one program.
       For a leaf cut into destination slabs along a dimension its source does not shard, the
-      same for the source offsets alone (``start`` is the slab's).
+      same for the source offsets alone (``start`` is the slab's); for a grid of slabs of both
+      sides (``_schedule.grid_windows``), the start of the destination slab, for the source
+      offsets alone.
+    dst_shift: for a grid, ``(dim, start)`` of the source slab: the destination offsets are
+      relative to it (an argument after the ``shift`` ones), so the grid's chunks of one shape
+      share one program.
   """
 
   index: int
@@ -125,6 +131,7 @@ class LeafView:
   src_window: SourceWindow | None = None
   dst_window: DestinationWindow | None = None
   shift: tuple[int, int] | None = None
+  dst_shift: tuple[int, int] | None = None
 
   @property
   def word_ratio(self) -> int:
@@ -289,6 +296,9 @@ class BucketProgram:
       are never bundled into one program (``_emit.BucketExecutable.bundle``).
     inputs: the source leaves the program takes, where they are not its leaves (a
       transformed plan's, :func:`make_transform_program`); empty: each leaf's own source.
+    whole_operand_bytes: the plan's ``Options.whole_operand_bytes``: a leaf's whole source
+      shard at the same words of every payload of a packed round is an operand of its own
+      from this size on (``_emit.whole_segments``).
   """
 
   device_ids: tuple[int, ...]
@@ -301,6 +311,7 @@ class BucketProgram:
   assemblers: tuple[int, ...] | None = None
   must_apart: bool = False
   inputs: tuple[LeafView, ...] = ()
+  whole_operand_bytes: int = dataclasses.field(kw_only=True)
 
   @property
   def sources(self) -> tuple[LeafView, ...]:
@@ -317,6 +328,12 @@ class BucketProgram:
     """Positions of the leaves whose window start the program takes as an input (after the
     destination inputs), see :attr:`LeafView.shift`."""
     return tuple(i for i, lf in enumerate(self.leaves) if lf.shift is not None)
+
+  @property
+  def dst_shifted(self) -> tuple[int, ...]:
+    """Positions of the leaves whose destination offsets start at an input (after the
+    :attr:`shifted` ones), see :attr:`LeafView.dst_shift`."""
+    return tuple(i for i, lf in enumerate(self.leaves) if lf.dst_shift is not None)
 
   def __str__(self) -> str:
     return format_program(self)
@@ -337,6 +354,7 @@ def program_signature(program: BucketProgram) -> BucketProgram:
       dst_window=None,
       carry_out=False,
       shift=None if lf.shift is None else (lf.shift[0], 0),
+      dst_shift=None if lf.dst_shift is None else (lf.dst_shift[0], 0),
     )
     for lf in program.leaves
   )
@@ -451,6 +469,8 @@ class _LeafInput:
       start[window.dim] += window.start
     elif self.view.shift is not None:
       start[self.view.shift[0]] += self.view.shift[1]
+    if self.view.dst_shift is not None:
+      start[self.view.dst_shift[0]] += self.view.dst_shift[1]
     return self.in_words(self.plan.lo[t] - start)
 
 
@@ -506,6 +526,7 @@ def make_bucket_program(
     else _dst_placeholder_groups(leaves, sched_bucket.union_device_ids),
     assemblers=None if assembling is None else tuple(sorted(positions[d] for d in assembling)),
     must_apart=assembling is not None and sched_bucket.must_apart,
+    whole_operand_bytes=plan.options.whole_operand_bytes,
   )
 
 
@@ -569,6 +590,7 @@ def _leaf_input(
     src_window=window,
     dst_window=dst_window,
     shift=mode.shift,
+    dst_shift=mode.dst_shift,
   )
   return _LeafInput(plan.leaf_plans[index], src, dst, view, mode.copies, mode.fresh)
 
@@ -580,6 +602,7 @@ def make_transform_program(
   device_ids: Sequence[int] | None = None,
   *,
   donate: bool = False,
+  options: Options = DEFAULT_OPTIONS,
 ) -> BucketProgram:
   """The program of bucket ``bucket`` of a transformed plan: its :attr:`~BucketProgram.inputs`
   are the source leaves its output leaves read (in tree order), its leaves those output leaves.
@@ -598,6 +621,7 @@ def make_transform_program(
       ``jax.jit``); default: the bucket's devices, ascending.
     donate: every output takes its destination block as an input, aliased to its output (a
       buffer to assemble the shard into, never read).
+    options: the plan's :class:`Options` (``whole_operand_bytes``).
   """
   sched = plan.schedule.buckets[bucket]
   outs = tuple(plan.scheduled[j] for j in sched.leaves)
@@ -626,6 +650,7 @@ def make_transform_program(
     placeholders=_placeholder_groups(inputs, device_ids),
     dst_placeholders=_dst_placeholder_groups(leaves, device_ids),
     inputs=tuple(view for _, view in inputs),
+    whole_operand_bytes=options.whole_operand_bytes,
   )
 
 
@@ -1018,6 +1043,7 @@ def enters_whole(lf: LeafView) -> bool:
     or lf.src_window is not None
     or lf.dst_window is not None
     or lf.shift is not None
+    or lf.dst_shift is not None
   )
 
 
@@ -1046,6 +1072,9 @@ def format_program(program: BucketProgram) -> str:
       )
     if lf.shift is not None:
       mode += f", offsets from index {lf.shift[1]} of dim {lf.shift[0]} (an argument)"
+    if lf.dst_shift is not None:
+      d = lf.dst_shift
+      mode += f", destination offsets from index {d[1]} of dim {d[0]} (an argument)"
     shard = "" if program.inputs else f"{list(lf.src_shard)} "
     lines.append(
       f"  leaf {li} (#{lf.index}) {lf.dtype.name}{list(lf.shape)} in {lf.word.name}: "

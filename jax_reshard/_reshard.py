@@ -64,7 +64,14 @@ def reshard(
       ``True`` or ``"auto"`` without a topology raise ``ReshardError``.
 
   Returns:
-    A pytree like ``x`` whose leaves are laid out as ``dst``. ``x`` is left untouched.
+    A pytree like ``x`` whose leaves are laid out as ``dst``. ``x`` is left untouched unless
+    donated.
+
+  Raises:
+    ReshardError: invalid trees, shapes, dtypes, devices, shardings or options (as
+      ``make_plan``), an ``out=`` tree that does not match, ``src=``, ``donate=`` or ``out=``
+      where they do not apply, or inside ``jax.jit`` a destination on other devices; nothing
+      is moved and nothing deleted.
 
   Example:
     >>> import jax, numpy as np

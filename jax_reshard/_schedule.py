@@ -42,6 +42,7 @@ import numpy as np
 
 from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
+from jax_reshard._options import DEFAULT_OPTIONS, Options
 from jax_reshard._planner import LeafPlan
 from jax_reshard._topology import Topology
 
@@ -51,15 +52,6 @@ DEFAULT_MAX_BUCKET_BYTES = 1 << 30
 # tens of MiB per device the allocator maps fresh pages each time (at 52 MB of staging per
 # device, ~100 MiB of page faults per call, half the call's time); at 16 MiB none.
 CPU_MAX_BUCKET_BYTES = 16 << 20
-# Most leaves (chunks of a split leaf counted apart) in one bucket: a bucket's program compiles
-# in time that grows with its leaves (about 45 ms per 8x8 leaf at 16-128 leaves on 2 CPU cores,
-# faster than linear beyond), so a tree of many small leaves becomes several buckets, cut where
-# the tree repeats (see :func:`_repeat_end`) so that they run one program.
-MAX_BUCKET_LEAVES = 64
-# Where the tree repeats with a period of fewer leaves than this, a bucket takes whole periods
-# up to this many leaves; a longer period (a model layer) is one bucket per period, so the
-# program compiled for it is no larger than one period's.
-MIN_PERIOD_LEAVES = 8
 # Rounds are also tried with the pairs of at least a 4th (a 16th) of the largest payload
 # coloured together apart from the rest: a few small payloads on many pairs (a norm one entry
 # forwards to every device of its domain) raise the colours first fit may spread large
@@ -180,9 +172,22 @@ class Schedule:
 class BucketBoundError(ReshardError):
   """``max_bucket_bytes`` is below what one leaf needs even split into its smallest chunks.
 
+  Raised by ``make_plan``, ``reshard`` and ``plan_layouts`` before any device work; the message
+  names the leaf and the least bound that works. A :class:`ReshardError`.
+
   Attributes:
     leaf: position of the leaf in the list given to :func:`make_schedule`.
     minimum_bytes: the staging bytes per device that leaf needs at least.
+
+  Example:
+    >>> import jax_reshard as jr
+    >>> lay = lambda spec: jr.Layout.from_description(
+    ...   (1024, 1024), mesh_shape=(8,), axis_names=("x",), spec=spec)
+    >>> try:
+    ...   jr.plan_layouts([(lay(("x",)), lay((None, "x")))], [4], max_bucket_bytes=1024)
+    ... except jr.BucketBoundError as e:
+    ...   print(e.minimum_bytes)
+    4096
   """
 
   def __init__(self, message: str, leaf: int, minimum_bytes: int) -> None:
@@ -227,17 +232,62 @@ def _placeholder_bytes(src: Layout, dst: Layout, itemsize: int, union: np.ndarra
   return placeholder_mask(src, union) * src_block + placeholder_mask(dst, union) * dst_block
 
 
+def grid_windows(
+  src_slab: tuple[int, tuple[int, ...]] | None,
+  dst_slab: tuple[int, tuple[int, ...]] | None,
+  first: int,
+  last: int,
+) -> tuple[tuple[int, int, int] | None, tuple[int, int, int] | None]:
+  """``(source window, destination window)``, each ``(dim, start, stop)`` or ``None``: the
+  local indices of every source and destination shard of a leaf that a bucket moving its
+  chunks ``first..last`` stages and outputs, given the leaf's slabs of either side.
+
+  Slabs of one side give chunk ``j`` window ``j``. Slabs of both sides that are the same
+  windows (:func:`_split_both`) do too. Slabs of both sides that differ form a *grid*
+  (:func:`_split_grid`): with ``ks`` source slabs, chunk ``c`` is source slab ``c % ks`` of
+  destination slab ``c // ks``; a bucket's windows are the smallest that cover its chunks'.
+  """
+  grid = src_slab is not None and dst_slab is not None and src_slab != dst_slab
+  windows: list[tuple[int, int, int] | None] = []
+  for side, slab in enumerate((src_slab, dst_slab)):
+    if slab is None:
+      windows.append(None)
+      continue
+    dim, bounds = slab
+    a, b = first, last
+    if grid:
+      assert src_slab is not None
+      ks = len(src_slab[1]) - 1
+      if side == 1:
+        a, b = first // ks, last // ks
+      elif first // ks == last // ks:
+        a, b = first % ks, last % ks
+      else:  # chunks of several destination slabs: every source slab
+        a, b = 0, ks - 1
+    windows.append((dim, bounds[a], bounds[b + 1]))
+  return windows[0], windows[1]
+
+
+def _slabs(schedule: Schedule, leaf: int) -> tuple[Any, Any]:
+  src = schedule.leaf_slabs[leaf] if schedule.leaf_slabs else None
+  dst = schedule.leaf_dst_slabs[leaf] if schedule.leaf_dst_slabs else None
+  return src, dst
+
+
+def is_grid(schedule: Schedule, leaf: int) -> bool:
+  """Whether ``leaf`` is cut into a grid of source and destination slabs (see
+  :func:`grid_windows`): each destination slab is filled over several buckets, in place."""
+  src, dst = _slabs(schedule, leaf)
+  return src is not None and dst is not None and src != dst
+
+
 def slab_window(
   schedule: Schedule, leaf: int, chunks: Sequence[int]
 ) -> tuple[int, int, int] | None:
   """``(dim, start, stop)``: the local indices of every source shard of ``leaf`` that a bucket
   moving ``chunks`` (consecutive) of it stages, or ``None`` where the leaf is not cut into
   slabs (the bucket stages the whole source block)."""
-  slab = schedule.leaf_slabs[leaf] if schedule.leaf_slabs else None
-  if slab is None:
-    return None
-  dim, bounds = slab
-  return dim, bounds[min(chunks)], bounds[max(chunks) + 1]
+  return grid_windows(*_slabs(schedule, leaf), min(chunks), max(chunks))[0]
 
 
 def dst_slab_window(
@@ -246,11 +296,7 @@ def dst_slab_window(
   """``(dim, start, stop)``: the local indices of every destination shard of ``leaf`` that a
   bucket moving ``chunks`` (consecutive) of it outputs, or ``None`` where the leaf is not cut
   into destination slabs (the bucket outputs the whole destination block)."""
-  slab = schedule.leaf_dst_slabs[leaf] if schedule.leaf_dst_slabs else None
-  if slab is None:
-    return None
-  dim, bounds = slab
-  return dim, bounds[min(chunks)], bounds[max(chunks) + 1]
+  return grid_windows(*_slabs(schedule, leaf), min(chunks), max(chunks))[1]
 
 
 def window_start(schedule: Schedule, leaf: int, chunks: Sequence[int]) -> tuple[int, int] | None:
@@ -309,6 +355,7 @@ class LeafMode:
   dst_window: tuple[int, int, int] | None = None
   shift: tuple[int, int] | None = None
   fresh: bool = False  # a destination input on every device, nothing carried into it yet
+  dst_shift: tuple[int, int] | None = None
 
 
 _PLAIN = LeafMode()
@@ -340,7 +387,15 @@ def leaf_modes(
     row_chunks = schedule.row_chunks
     dst_window = dst_slab_window(schedule, j, chunks)
     whole = dst_window is None  # a destination slab is assembled whole, written in afterwards
+    # A grid's destination slab is filled by several buckets: each takes the slab so far
+    # (zeros in the leaf's first bucket) and writes its parts into it.
+    grid = is_grid(schedule, j)
     shift = chunk_shift(schedule, j, chunks, layouts[scheduled[j]])
+    dst_shift = None
+    if grid:  # offsets from both windows' starts: the grid's chunks share programs
+      src_window = slab_window(schedule, j, chunks)
+      assert src_window is not None and dst_window is not None
+      shift, dst_shift = dst_window[:2], src_window[:2]
     # A leaf cut into windows takes a destination input in its first bucket too (zero blocks on
     # every device), so that its first window runs the program of the others.
     fresh = shift is not None and whole and spans[0] == bucket and not donate
@@ -348,24 +403,18 @@ def leaf_modes(
       LeafMode(
         # A relayed leaf refit into its donated buffer gets only its first-stage parts here,
         # written where they go; the relay stage writes the rest.
-        in_place=whole and (len(spans) > 1 or (donate and scheduled[j] in relayed)),
-        dst_input=whole and (donate or spans[0] != bucket or fresh),
+        in_place=grid or (whole and (len(spans) > 1 or (donate and scheduled[j] in relayed))),
+        dst_input=(whole or grid) and (donate or spans[0] != bucket or fresh),
         carry_out=spans[-1] != bucket,
         copies=np.isin(row_chunks[j], chunks) if row_chunks and copies else True,
         window=slab_window(schedule, j, chunks),
         dst_window=dst_window,
         shift=shift,
         fresh=fresh,
+        dst_shift=dst_shift,
       )
     )
   return out
-
-
-SPLIT_ASSEMBLY = True
-"""Whether a bucket that allows it (:func:`assembly_devices`) assembles its destination shards
-in a program of their devices alone, after the program over its union mesh moves the data.
-Read when scheduling too: off, no bucket is counted as assembling apart; a bucket scheduled so
-while it was on (``Bucket.must_apart``) still does."""
 
 
 def assembly_devices(
@@ -374,6 +423,8 @@ def assembly_devices(
   scheduled: Sequence[int],
   bucket: int,
   modes: Sequence[LeafMode],
+  *,
+  split_assembly: bool,
 ) -> tuple[int, ...] | None:
   """The devices (ids, ascending) that may assemble bucket ``bucket``'s destination shards in a
   program of their own, or ``None`` where the bucket's one program over its union mesh does.
@@ -390,9 +441,10 @@ def assembly_devices(
   destination device set, and some device of the bucket holds no destination shard (a
   destination device that holds a source shard too copies its resident parts in the assembly
   program, which takes its source blocks). The devices without a destination shard are then
-  given no blocks to donate.
+  given no blocks to donate. Where not ``split_assembly`` (the plan's
+  ``Options.split_assembly``), only a bucket scheduled so (``Bucket.must_apart``) may.
   """
-  if not SPLIT_ASSEMBLY and not schedule.buckets[bucket].must_apart:
+  if not split_assembly and not schedule.buckets[bucket].must_apart:
     return None
   dst_ids: tuple[int, ...] | None = None
   for j, m in zip(schedule.buckets[bucket].leaves, modes, strict=True):
@@ -618,15 +670,16 @@ def _make_rounds(
   fill: np.ndarray,
   links: _Links | None = None,
   colourings: dict[tuple[bytes, bytes, bool], np.ndarray] | None = None,
+  heavy_ratios: Sequence[int] = HEAVY_RATIOS,
 ) -> tuple[list[Round], np.ndarray, np.ndarray]:
   """Rounds for pairs ``(ps[i], pd[i])`` of ``fill[i]`` bytes, each pair's round size, and
   each pair's round (its index in the rounds; :func:`_colour_rounds`). With ``links`` (the
   plan's topology) where the pairs cross domains and stay inside them both, the pairs of each
   link class are also given rounds of their own, and that is kept where the topology's link
   costs predict it faster: a round sends every pair the round's size, so a slow pair in a round
-  of large fast payloads sends that much over the slow link. ``colourings``: see
-  :func:`_colour_rounds`."""
-  rounds, per_pair, pair_round = _colour_rounds(ps, pd, fill, colourings)
+  of large fast payloads sends that much over the slow link. ``colourings`` and
+  ``heavy_ratios``: see :func:`_colour_rounds`."""
+  rounds, per_pair, pair_round = _colour_rounds(ps, pd, fill, colourings, heavy_ratios)
   if links is None:
     return rounds, per_pair, pair_round
   slow = links.crosses(ps, pd)
@@ -635,7 +688,7 @@ def _make_rounds(
   mixed, time = links.time(rounds)
   if not mixed:  # every round is of one link class already
     return rounds, per_pair, pair_round
-  apart = [_colour_rounds(ps[m], pd[m], fill[m], colourings) for m in (slow, ~slow)]
+  apart = [_colour_rounds(ps[m], pd[m], fill[m], colourings, heavy_ratios) for m in (slow, ~slow)]
   if links.time(apart[0][0] + apart[1][0])[1] >= time:
     return rounds, per_pair, pair_round
   per_pair, pair_round = np.empty_like(per_pair), np.empty_like(pair_round)
@@ -686,6 +739,7 @@ def _colour_rounds(
   pd: np.ndarray,
   fill: np.ndarray,
   colourings: dict[tuple[bytes, bytes, bool], np.ndarray] | None = None,
+  heavy_ratios: Sequence[int] = HEAVY_RATIOS,
 ) -> tuple[list[Round], np.ndarray, np.ndarray]:
   """Rounds for pairs ``(ps[i], pd[i])`` of ``fill[i]`` bytes, each pair's round size, and
   each pair's round (its index in the rounds).
@@ -695,7 +749,7 @@ def _colour_rounds(
   Colourings are compared by the time they imply where devices run in parallel, the sum
   over rounds of the round's largest payload: one that colours size classes (payloads within
   SIZE_TOLERANCE of each other) separately, which pads little but may leave devices idle; one
-  that colours all pairs together, largest first; and, per ratio of :data:`HEAVY_RATIOS`, one
+  that colours all pairs together, largest first; and, per ratio of ``heavy_ratios``, one
   that colours the pairs of at least that fraction of the largest payload together, then the
   rest together (:func:`_candidate_classes`). Ties go to less padding, then to the earlier.
   None after the first is computed where a lower bound of any colouring's time
@@ -716,7 +770,7 @@ def _colour_rounds(
   ps, pd, fill = ps[order], pd[order], fill[order]
   s, d = _dense(ps), _dense(pd)
   best, bound = None, None
-  for classes in _candidate_classes(fill):
+  for classes in _candidate_classes(fill, heavy_ratios):
     if best is not None:
       bound = _joint_time_bound(s, d, fill) if bound is None else bound
       if best[0] <= (bound, 0):
@@ -760,17 +814,19 @@ def _colour_rounds(
   return rounds, pair_round_bytes, pair_round
 
 
-def _candidate_classes(fill: np.ndarray) -> list[list[tuple[int, int]]]:
+def _candidate_classes(
+  fill: np.ndarray, heavy_ratios: Sequence[int] = HEAVY_RATIOS
+) -> list[list[tuple[int, int]]]:
   """The colourings :func:`_colour_rounds` compares, in order, each as the runs of pairs
   (``fill`` descending) coloured together: the size classes, all pairs, and per ratio of
-  :data:`HEAVY_RATIOS` the pairs of at least that fraction of the largest payload and the
+  ``heavy_ratios`` the pairs of at least that fraction of the largest payload and the
   rest."""
   bounds = [0]
   while bounds[-1] < len(fill):  # fill is descending: classes are runs above a threshold
     floor = (1 - SIZE_TOLERANCE) * fill[bounds[-1]]
     bounds.append(int(np.searchsorted(-fill, -floor, side="right")))
   out = [list(itertools.pairwise(bounds)), [(0, len(fill))]]
-  for r in HEAVY_RATIOS:
+  for r in heavy_ratios:
     heavy = int(np.searchsorted(-fill, -fill[0] / r, side="right"))
     if 0 < heavy < len(fill) and [(0, heavy), (heavy, len(fill))] not in out:
       out.append([(0, heavy), (heavy, len(fill))])
@@ -923,6 +979,59 @@ def split_slabs(
   return out, chunks, (dim, tuple(bounds.tolist()))
 
 
+def grid_dims(layouts: tuple[Layout, Layout]) -> tuple[int, int]:
+  """The dimensions a grid (:func:`split_grid`) cuts: of the source shards, the longest the
+  destination does not shard (else the longest); of the destination shards, the longest the
+  source does not shard, other than that one where there is such (else the longest), so that
+  every chunk keeps all senders and receivers busy."""
+  src, dst = layouts
+
+  def pick(shard: Sequence[int], other: Layout, skip: int | None) -> int:
+    free = [
+      (n, -d)
+      for d, (n, a, b) in enumerate(zip(shard, other.shard_shape(), other.shape, strict=True))
+      if a == b and n >= 2 and d != skip
+    ]
+    return -max(free)[1] if free else int(np.argmax(shard))
+
+  dim_s = pick(src.shard_shape(), dst, None)
+  return dim_s, pick(dst.shard_shape(), src, dim_s)
+
+
+def split_grid(
+  plan: LeafPlan, layouts: tuple[Layout, Layout], ks: int, kd: int, itemsize: int
+) -> tuple[LeafPlan, np.ndarray, tuple[int, tuple[int, ...]], tuple[int, tuple[int, ...]]]:
+  """``plan`` cut into a grid of slabs of one width, up to ``ks`` of its source shards and
+  ``kd`` of its destination shards, along :func:`grid_dims`: the rows, each row's chunk (source
+  slab ``i`` of destination slab ``j`` is chunk ``j * ks + i`` with ``ks`` the slabs made, see
+  :func:`grid_windows`), and both sides' slabs. Every row with bytes is cut by its sender's
+  windows, then by its receiver's: the same bytes, more rows.
+
+  Example:
+    >>> from jax_reshard._planner import plan_leaf
+    >>> src = Layout.from_description((8, 8), mesh_shape=(2,), axis_names=("x",), spec=("x",))
+    >>> dst = Layout.from_description((8, 8), mesh_shape=(2,), axis_names=("y",),
+    ...                               spec=(None, "y"), device_ids=(2, 3))
+    >>> cut, chunk, src_slabs, dst_slabs = split_grid(plan_leaf(src, dst, 4), (src, dst), 2, 2, 4)
+    >>> src_slabs, dst_slabs, sorted(set(chunk.tolist())), int(cut.nbytes.sum()) == 8 * 8 * 4
+    ((0, (0, 2, 4)), (1, (0, 2, 4)), [0, 1, 2, 3], True)
+  """
+  src, dst = layouts
+  dim_s, dim_d = grid_dims(layouts)
+  plan, _, src_slabs = split_slabs(plan, src, ks, itemsize, dim=dim_s)
+  plan, chunk, dst_slabs = split_slabs(plan, dst, kd, itemsize, receiver=True, dim=dim_d)
+  # Each row now lies in one source slab of its sender: which one.
+  ids = np.asarray(src.device_ids, dtype=np.int64)
+  order = np.argsort(ids)
+  at = order[np.searchsorted(ids, plan.src_device, sorter=order)]
+  bounds = np.asarray(src_slabs[1])
+  local = plan.lo[:, dim_s] - src.box_arrays()[0][at, dim_s]
+  ks = len(bounds) - 1
+  i = np.clip(np.searchsorted(bounds, local, side="right") - 1, 0, ks - 1)
+  i = np.where(plan.nbytes > 0, i, 0)
+  return plan, chunk * ks + i, src_slabs, dst_slabs
+
+
 @dataclasses.dataclass(eq=False)
 class _Tree:
   """The leaves being scheduled, with their current chunks (mutable while scheduling)."""
@@ -939,7 +1048,7 @@ class _Tree:
   # of the tree can assemble apart)
   discards: list[np.ndarray] = dataclasses.field(default_factory=list)
   receives: list[np.ndarray] = dataclasses.field(default_factory=list)
-  max_leaves: int = MAX_BUCKET_LEAVES
+  options: Options = DEFAULT_OPTIONS  # the plan's: leaf cap, periods, whole operands, apart
   kinds: list[int] = dataclasses.field(default_factory=list)  # per leaf, its kind of transfers
   links: _Links | None = None  # with a topology of several domains (see _make_rounds)
   layouts: Sequence[tuple[Layout, Layout]] = ()
@@ -1007,21 +1116,18 @@ class _Tree:
     placeholder; for a leaf cut into destination slabs, the source placeholder and the slab
     output (written into the destination shard, or discarded, after the bucket)."""
     src_slab, dst_slab = self.slabs.get(leaf), self.dst_slabs.get(leaf)
-    slab = src_slab if src_slab is not None else dst_slab
-    if slab is None:
+    if src_slab is None and dst_slab is None:
       return self.placeholders[leaf]
-    if src_slab is not None and dst_slab is not None:  # windows of both (see _split_both)
-      dim, bounds = slab
-      width = bounds[last + 1] - bounds[first]
-      blocks = [staged_block_shape(lay.shard_shape()) for lay in self.layouts[leaf]]
-      nbytes = sum(math.prod(b) // b[dim] * width for b in blocks) * self.itemsizes[leaf]
-      return np.full(len(self.union), nbytes, dtype=np.int64)
-    side = 0 if src_slab is not None else 1
-    dim, bounds = slab
-    block = staged_block_shape(self.layouts[leaf][side].shard_shape())
-    nbytes = math.prod(block) // block[dim] * (bounds[last + 1] - bounds[first])
-    rest = self.dst_placeholder(leaf) if side == 0 else self.src_placeholder(leaf)
-    return rest + nbytes * self.itemsizes[leaf]
+    windows = grid_windows(src_slab, dst_slab, first, last)
+    out = np.zeros(len(self.union), dtype=np.int64)
+    for side, window in enumerate(windows):
+      block = staged_block_shape(self.layouts[leaf][side].shard_shape())
+      if window is None:  # the other side's placeholder
+        out += self.dst_placeholder(leaf) if side == 1 else self.src_placeholder(leaf)
+      else:  # the window, on every device (cut from a shard, or a zero block of its size)
+        dim, start, stop = window
+        out += math.prod(block) // block[dim] * (stop - start) * self.itemsizes[leaf]
+    return out
 
   def apart(self, leaves: Collection[int]) -> bool:
     """Whether a bucket of ``leaves`` may assemble apart (:func:`assembly_devices`): the tree
@@ -1089,18 +1195,12 @@ def _bucket_pieces(
   return src, dst, leaf_of, transfer, nbytes, np.flatnonzero(new_pair)
 
 
-# A whole source shard is an operand of its own in a packed round (see _whole_first) from this
-# size on: smaller ones are packed, as another collective per round costs more than their copy
-# (24-61 KiB shards of 1 MiB payloads made the DeepSeek-V3 colocated bench case 1.25x slower).
-WHOLE_OPERAND_BYTES = 1 << 18
-
-
 def _whole_first(
   tree: _Tree, pair_round: np.ndarray, cols: tuple[np.ndarray, ...], first: np.ndarray
 ) -> tuple[np.ndarray, ...]:
   """The pieces ``cols`` (src, dst, leaf, transfer, nbytes; sorted by pair, then leaf and
   transfer; each pair, of those starting at ``first``, in round ``pair_round``) reordered
-  within each payload so that the whole source shards (of at least ``WHOLE_OPERAND_BYTES``)
+  within each payload so that the whole source shards (of at least ``whole_operand_bytes``)
   of the leaves whose whole source shard every payload of the round holds come first, in leaf
   order: they lie at the same offsets of every payload of the round, and are sent as they are
   (an operand of the round's ``ppermute`` each, see ``_cost.whole_segment_bytes``); then their
@@ -1111,7 +1211,8 @@ def _whole_first(
     math.prod(tree.layouts[j][0].shard_shape()) * tree.itemsizes[j] if tree.layouts else -1
     for j in used.tolist()
   ]
-  whole = (nbytes == np.asarray(shard, dtype=np.int64)[inv]) & (nbytes >= WHOLE_OPERAND_BYTES)
+  least = tree.options.whole_operand_bytes  # see Options: smaller shards are packed
+  whole = (nbytes == np.asarray(shard, dtype=np.int64)[inv]) & (nbytes >= least)
   if whole.any():
     pid = np.cumsum(np.r_[True, (src[1:] != src[:-1]) | (dst[1:] != dst[:-1])][: len(src)]) - 1
     piece_round = pair_round[pid]
@@ -1268,12 +1369,13 @@ def _repeat_end(
 
   ``keys`` are :func:`_item_keys`. A *run* repeats with a period ``p`` over at least the cap's
   length and two periods (the layers of a model). Where a run starts at ``start``, the bucket
-  takes whole periods: one if ``p >= MIN_PERIOD_LEAVES``, else the same number ``t`` of periods
-  for every bucket of the run (a divisor of its periods where one lies between half the cap and
-  the cap, so every bucket is equal), so the buckets of a run share one program whatever the
-  phase of ``start``. Elsewhere the bucket ends where a run begins, or at the cap. ``runs``
-  carries a run's ``(p, t, end)`` from one bucket's end to the next bucket."""
-  cap = tree.max_leaves
+  takes whole periods: one if ``p`` is at least the tree's ``Options.min_period_leaves``, else
+  the same number ``t`` of periods for every bucket of the run (a divisor of its periods where
+  one lies between half the cap and the cap, so every bucket is equal), so the buckets of a
+  run share one program whatever the phase of ``start``. Elsewhere the bucket ends where a run
+  begins, or at the cap. ``runs`` carries a run's ``(p, t, end)`` from one bucket's end to the
+  next bucket."""
+  cap = tree.options.max_bucket_leaves
   if start in runs:
     p, t, run_end = runs.pop(start)
     take = min(t, (run_end - start) // p)
@@ -1297,7 +1399,7 @@ def _repeat_end(
   differ = keys[start + p :] != keys[start : len(keys) - p]
   periods = (p + (int(np.argmax(differ)) if differ.any() else len(differ))) // p
   most = cap // p
-  if p >= MIN_PERIOD_LEAVES:
+  if p >= tree.options.min_period_leaves:
     t = 1
   elif periods <= most:
     t = periods
@@ -1371,10 +1473,10 @@ def _fill_buckets(tree: _Tree) -> list[_Built]:
   keys = _item_keys(tree, items)
   runs: dict[int, tuple[int, int, int]] = {}  # see _repeat_end
   out: list[_Built] = []
-  i = 0
+  cap, i = tree.options.max_bucket_leaves, 0
   while i < len(items):
     end = _greedy_end(tree, items, i)
-    if end - i > tree.max_leaves or i in runs:  # else the bucket the bytes allow is kept
+    if end - i > cap or i in runs:  # else the bucket the bytes allow is kept
       end = min(end, _repeat_end(tree, keys, i, runs))
     built = _build(tree, items[i:end])
     if tree.bound is None or built.peak <= tree.bound:
@@ -1455,6 +1557,14 @@ def _best_split(tree: _Tree, leaf: int, k: int) -> tuple[Any, ...]:
     tree.slabs.pop(leaf, None)
     tree.dst_slabs.pop(leaf, None)
     tree.windows.pop(leaf, None)
+  if best is None and tree.allow_slabs and all(lay.shard_shape() for lay in tree.layouts[leaf]):
+    # the last way: a grid of slabs of both sides
+    found = _split_grid(tree, leaf, k)
+    if found is None:
+      best = (len(tree.payloads[leaf]), tree.plans[leaf], tree.chunks[leaf])
+      best += (tree.slabs.pop(leaf), tree.dst_slabs.pop(leaf), None)
+    else:
+      failed.append(found)
   if best is None:
     minimum, qualifier = min(failed)
     _raise_bound(tree, leaf, minimum, qualifier)
@@ -1637,12 +1747,58 @@ def _split_both(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
     k = min(k_max, max(k + 1, math.ceil(k * float(stage.max()) / tree.bound)))
 
 
+def _split_grid(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
+  """Splits ``leaf`` into a grid of slabs of its source shards and of its destination shards
+  (:func:`split_grid`), as few as fit (see :func:`_split_rows` for what it returns): a bucket
+  stages a window of every source shard and fills a window of every destination shard in
+  place, so both placeholders shrink with the slabs. The floor is a slab of
+  ``Options.max_grid_slabs`` or one index thick on each side (plus its payloads): a leaf both
+  of whose shards are many times the bound fits.
+  Tried where no other way fits: the grid moves each destination slab through several
+  buckets."""
+  assert tree.bound is not None
+  src, dst = tree.layouts[leaf]
+  isz = tree.itemsizes[leaf]
+  blocks = [math.prod(staged_block_shape(lay.shard_shape())) * isz for lay in (src, dst)]
+  dims = grid_dims((src, dst))
+  k_max = [
+    min(tree.options.max_grid_slabs, lay.shard_shape()[d])
+    for lay, d in zip((src, dst), dims, strict=True)
+  ]
+  least = sum(b // m for b, m in zip(blocks, k_max, strict=True))
+  if least > tree.bound:
+    return least, "at least "
+  # Each side's window takes about half the bound (payloads are a fraction of a window).
+  ks, kd = (
+    min(m, max(2, math.ceil(2.2 * b / tree.bound))) for b, m in zip(blocks, k_max, strict=True)
+  )
+  while True:
+    plan, chunk, src_slabs, dst_slabs = split_grid(tree.original[leaf], (src, dst), ks, kd, isz)
+    peak = least
+    if src_slabs != dst_slabs:  # (equal slabs would read as windows of both sides)
+      tree.slabs[leaf], tree.dst_slabs[leaf] = src_slabs, dst_slabs
+      tree.set_chunks(leaf, plan, chunk)
+      stage = np.stack([_build(tree, [(leaf, c)]).stage for c in _distinct_chunks(tree, leaf)])
+      peak = int(stage.max())
+      if peak <= tree.bound:
+        return None
+      tree.slabs.pop(leaf)
+      tree.dst_slabs.pop(leaf)
+    if ks >= k_max[0] and kd >= k_max[1]:
+      return peak, ""
+    grow = max(1.1, peak / tree.bound)
+    ks, kd = (min(m, max(q + 1, math.ceil(q * grow))) for q, m in zip((ks, kd), k_max, strict=True))
+
+
 def _split_dst_slabs(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
   """:func:`_split_slabs` of the destination shards."""
   return _split_slabs(tree, leaf, k, receiver=True)
 
 
 def _raise_bound(tree: _Tree, leaf: int, minimum: int, qualifier: str) -> None:
+  assert tree.bound is not None
+  if minimum <= tree.bound:  # a lower bound the leaf does not fit at: it needs more
+    minimum, qualifier = tree.bound + 1, "at least "
   raise BucketBoundError(
     f"max_bucket_bytes={tree.bound} is below what leaf {tree.names[leaf]} needs per device "
     f"in one bucket even split into its smallest chunks: {qualifier}{minimum} bytes (its "
@@ -1693,7 +1849,7 @@ def _apart_counts(tree: _Tree, apart: bool) -> tuple[list[np.ndarray], list[np.n
   bucket of whole leaves may assemble apart, :func:`assembly_devices`), else empty lists."""
   layouts, union = tree.layouts, tree.union
   dst_sets = {dst.device_ids for _, dst in layouts}
-  if not (apart and SPLIT_ASSEMBLY and tree.bound) or len(dst_sets) != 1:
+  if not (apart and tree.options.split_assembly and tree.bound) or len(dst_sets) != 1:
     return [], []
   (dst_ids,) = dst_sets
   if not dst_ids or any(not set(dst_ids).isdisjoint(src.device_ids) for src, _ in layouts):
@@ -1717,10 +1873,10 @@ def make_schedule(
   *,
   max_bucket_bytes: int | None = DEFAULT_MAX_BUCKET_BYTES,
   names: Sequence[str] | None = None,
-  max_bucket_leaves: int | None = None,
   slabs: bool = True,
   topology: Topology | None = None,
   apart: bool = True,
+  options: Options = DEFAULT_OPTIONS,
 ) -> Schedule:
   """Packs the remote transfers of all leaves into buckets, payloads and rounds.
 
@@ -1732,8 +1888,6 @@ def make_schedule(
       discarded blocks where a bucket must assemble apart, see ``apart``); a leaf that does
       not fit alone is split into chunks over consecutive buckets. ``None``: no bound.
     names: per leaf, a name for error messages (default ``#i``).
-    max_bucket_leaves: most leaves (chunks counted apart) per bucket, cut where the tree
-      repeats (:func:`_repeat_end`); ``None``: :data:`MAX_BUCKET_LEAVES`.
     slabs: whether a leaf whose placeholder blocks keep sub-boxes of its transfers above the
       bound may be cut into slabs of its source shards, or of its destination shards
       (:func:`split_slabs`).
@@ -1741,6 +1895,8 @@ def make_schedule(
       those inside one may take rounds of their own (see :func:`_make_rounds`); ``None``:
       rounds are made from the pairs' bytes alone.
     apart: whether a bucket may assemble apart where the bound needs it (its programs can).
+    options: the plan's :class:`Options`: a bucket's leaf cap and periods (:func:`_repeat_end`),
+      the whole source shards that lead payloads, and whether buckets may assemble apart.
 
   Raises:
     BucketBoundError: if the bound is below what some leaf needs even in its smallest chunks.
@@ -1758,7 +1914,7 @@ def make_schedule(
     ],
     members=[np.isin(union, (*s.device_ids, *d.device_ids)) for s, d in layouts],
     bound=max_bucket_bytes,
-    max_leaves=MAX_BUCKET_LEAVES if max_bucket_leaves is None else max_bucket_leaves,
+    options=options,
     kinds=_kinds(plans, layouts, itemsizes),
     layouts=layouts,
     allow_slabs=slabs,

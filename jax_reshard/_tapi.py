@@ -20,6 +20,7 @@ from jax_reshard._edge import (
 from jax_reshard._emit import BucketExecutable, InFlight, empty_like_sharded
 from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
+from jax_reshard._options import DEFAULT_OPTIONS
 from jax_reshard._plan import PlanStats, format_bytes
 from jax_reshard._planner import LeafPlan
 from jax_reshard._program import BucketProgram, make_transform_program, program_signature
@@ -30,14 +31,34 @@ from jax_reshard._tree import Leaf, check_arrays, check_donated, flatten_tree
 
 
 class TransformPlan:
-  """A compiled reshard that also converts: its result equals ``transform(x)`` in the
-  destination layouts. Build it with ``make_plan(src, dst, transform=f)``.
+  """A compiled reshard that also converts; build it with ``make_plan(src, dst, transform=f)``.
+
+  Its result equals ``transform(x)`` bit for bit, in the destination layouts. It is called and
+  inspected like a :class:`ReshardPlan`; narrowing casts run on the senders, so bytes move in
+  the narrow dtype.
 
   Attributes:
     analysis: the transform as pieces (:class:`TransformAnalysis`).
     src_leaves: per source leaf, its path, shape, dtype and sharding.
     leaves: per output leaf, its path, shape, dtype and destination sharding.
     layout_plan: the transfers, schedule and stats (:class:`TransformLayoutPlan`).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np
+    >>> import jax_reshard as jr
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((8,), ("x",))
+    >>> x = jax.device_put(np.arange(64.0).reshape(8, 8), NamedSharding(mesh, P("x")))
+    >>> to_bf16_t = lambda w: w.T.astype(jnp.bfloat16)
+    >>> tplan = jr.make_plan(x, NamedSharding(mesh, P("x")), transform=to_bf16_t)
+    >>> y = tplan(x)
+    >>> y.dtype, np.array_equal(y, to_bf16_t(x))
+    (dtype(bfloat16), True)
+    >>> print(tplan)
+    TransformPlan: 1 source leaves -> 1 output leaves
+      bytes moved        112 B (lower bound 112 B, padding 0 B)
+      local copies       16 B
+      rounds 7; per device max send 14 B, recv 14 B
   """
 
   def __init__(
@@ -64,8 +85,22 @@ class TransformPlan:
 
   @property
   def stats(self) -> PlanStats:
-    """The plan's :class:`PlanStats`; ``num_programs`` counts distinct bucket programs (buckets
-    of one program signature share one compiled executable)."""
+    """The plan's :class:`PlanStats`, in the bytes that move (after narrowing casts).
+
+    ``num_programs`` counts distinct bucket programs: buckets of one program signature (the
+    layers of a model) share one compiled executable.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> import jax_reshard as jr
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("x",))
+      >>> w = jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(mesh, P("x")))
+      >>> to_bf16_t = lambda w: w.T.astype(jnp.bfloat16)
+      >>> tplan = jr.make_plan(w, NamedSharding(mesh, P("x")), transform=to_bf16_t)
+      >>> tplan.stats.bytes_moved, tplan.stats.lower_bound_bytes  # bf16: 2 bytes a value
+      (112, 112)
+    """
     if self._stats is None:
       signatures = {program_signature(p) for p in self.programs()}
       self._stats = dataclasses.replace(self.layout_plan.stats, num_programs=len(signatures))
@@ -73,22 +108,76 @@ class TransformPlan:
 
   @property
   def schedule(self) -> Schedule:
+    """The buckets (compiled programs, run in order) and the ``ppermute`` rounds of each.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> import jax_reshard as jr
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("x",))
+      >>> w = jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(mesh, P("x")))
+      >>> to_bf16_t = lambda w: w.T.astype(jnp.bfloat16)
+      >>> tplan = jr.make_plan(w, NamedSharding(mesh, P("x")), transform=to_bf16_t)
+      >>> [len(b.rounds) for b in tplan.schedule.buckets]
+      [7]
+    """
     return self.layout_plan.schedule
 
   @property
   def leaf_plans(self) -> tuple[LeafPlan, ...]:
-    """Per output leaf, its transfers (output boxes, wire bytes)."""
+    """Per output leaf, its transfers (output boxes, wire bytes).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> import jax_reshard as jr
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("x",))
+      >>> w = jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(mesh, P("x")))
+      >>> to_bf16_t = lambda w: w.T.astype(jnp.bfloat16)
+      >>> tplan = jr.make_plan(w, NamedSharding(mesh, P("x")), transform=to_bf16_t)
+      >>> lp = tplan.leaf_plans[0]
+      >>> int(lp.nbytes[~lp.local].sum()), int(lp.nbytes[lp.local].sum())  # moved, kept
+      (112, 16)
+    """
     return tuple(lp.transfers for lp in self.layout_plan.leaf_plans)
 
   @property
   def layouts(self) -> tuple[tuple[Layout, Layout], ...]:
-    """Per output leaf, (the source devices it reads, holding nothing; its destination)."""
+    """Per output leaf, (the source devices it reads, holding nothing; its destination).
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> import jax_reshard as jr
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("x",))
+      >>> w = jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(mesh, P("x")))
+      >>> to_bf16_t = lambda w: w.T.astype(jnp.bfloat16)
+      >>> tplan = jr.make_plan(w, NamedSharding(mesh, P("x")), transform=to_bf16_t)
+      >>> src, dst = tplan.layouts[0]
+      >>> src.device_ids, src.shard_shape(), dst.shard_shape()
+      ((0, 1, 2, 3, 4, 5, 6, 7), (0, 0), (1, 8))
+    """
     return self.layout_plan.layouts
 
   @property
   def piece_texts(self) -> tuple[str, ...]:
-    """Per output leaf, its pieces and the source layouts they read, as text (fingerprinted
-    across processes: processes with different transforms do not match)."""
+    """Per output leaf, its pieces and the source layouts they read, as text.
+
+    Processes fingerprint these texts: processes with different transforms do not match.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> import jax_reshard as jr
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("x",))
+      >>> w = jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(mesh, P("x")))
+      >>> to_bf16_t = lambda w: w.T.astype(jnp.bfloat16)
+      >>> tplan = jr.make_plan(w, NamedSharding(mesh, P("x")), transform=to_bf16_t)
+      >>> print(tplan.piece_texts[0])
+      <root>: bfloat16[8, 8], 1 piece(s)
+        out[0:8, 0:8] <- <root>[0:8, 0:8] float32->bfloat16 via reshape(8, 8) transpose(1, 0)
+      Layout(shape=(8, 8), ...)
+    """
     p = self.layout_plan
     out = []
     for lp in p.leaf_plans:
@@ -97,12 +186,32 @@ class TransformPlan:
     return tuple(out)
 
   def programs(self, *, out: bool = False) -> list[BucketProgram]:
-    """Per bucket, what every device does (NumPy data; ``print`` one): its inputs are the
-    source leaves it reads, its leaves the output leaves it makes.
+    """Per bucket, what every device does (NumPy data; ``print`` one).
+
+    A bucket's program takes the source leaves its output leaves read (its ``inputs``) and
+    makes those output leaves (its ``leaves``); its cuts show the casts senders run, its parts
+    how they land (transposed, cast the rest of the chain).
 
     Args:
       out: the programs of calls with ``out=`` (every output assembled into the buffer of the
         previous result).
+
+    Returns:
+      One :class:`BucketProgram` per bucket, in the order they run.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> import jax_reshard as jr
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("x",))
+      >>> w = jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(mesh, P("x")))
+      >>> to_bf16_t = lambda w: w.T.astype(jnp.bfloat16)
+      >>> tplan = jr.make_plan(w, NamedSharding(mesh, P("x")), transform=to_bf16_t)
+      >>> print(tplan.programs()[0])
+      BucketProgram on devices [0, 1, 2, 3, 4, 5, 6, 7] (positions 0...7), payload word uint16
+        input 0 (#0) float32[8, 8] in uint32: [1, 8]
+        leaf 0 (#0) bfloat16[8, 8] in uint16: -> [1, 8]
+      ...
     """
     if out not in self._programs:
       dtypes = [lf.dtype for lf in self.src_leaves]
@@ -113,9 +222,27 @@ class TransformPlan:
     return self._programs[out]
 
   def executables(self, *, out: bool = False) -> list[BucketExecutable]:
-    """Per bucket, its program emitted for its union mesh (compiled on the first call, shared
-    with every bucket and plan of the same program signature); ``out``: the executables of
-    calls with ``out=``."""
+    """Per bucket, its program emitted for its union mesh (compiled on the first call).
+
+    Buckets of one program signature share one compiled executable, also across plans.
+
+    Args:
+      out: the executables of calls with ``out=``.
+
+    Returns:
+      One ``BucketExecutable`` per bucket, in the order they run.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> import jax_reshard as jr
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("x",))
+      >>> w = jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(mesh, P("x")))
+      >>> to_bf16_t = lambda w: w.T.astype(jnp.bfloat16)
+      >>> tplan = jr.make_plan(w, NamedSharding(mesh, P("x")), transform=to_bf16_t)
+      >>> [[lf.index for lf in exe.program.leaves] for exe in tplan.executables()]
+      [[0]]
+    """
     if out not in self._executables:
       devices = {}
       for lf in (*self.src_leaves, *self.leaves):
@@ -127,21 +254,43 @@ class TransformPlan:
           devices,
           [self.leaves[lf.index].dst_sharding for lf in p.leaves],
           [self.src_leaves[lf.index].src_sharding for lf in p.inputs],
+          options=DEFAULT_OPTIONS,
         )
         for p in self.programs(out=out)
       ]
     return self._executables[out]
 
   def memory_analysis(self, *, out: bool = False) -> list[Any]:
-    """Per bucket, in the order they run, XLA's ``memory_analysis()`` of its compiled program
-    (as ``ReshardPlan.memory_analysis``); ``out``: of calls with ``out=``, whose outputs alias
-    the donated buffers. Compiles the programs if needed."""
+    """XLA's ``memory_analysis()`` of every bucket's compiled program, in the order they run.
+
+    Per device, as ``ReshardPlan.memory_analysis``: ``argument_size_in_bytes`` (staged source
+    blocks, and with ``out=`` the donated destination blocks), ``output_size_in_bytes``,
+    ``alias_size_in_bytes`` (outputs written into donated inputs) and ``temp_size_in_bytes``.
+    Compiles the programs if needed.
+
+    Args:
+      out: the programs of calls with ``out=``.
+
+    Returns:
+      A list of XLA's ``CompiledMemoryStats``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> import jax_reshard as jr
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("x",))
+      >>> w = jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(mesh, P("x")))
+      >>> to_bf16_t = lambda w: w.T.astype(jnp.bfloat16)
+      >>> tplan = jr.make_plan(w, NamedSharding(mesh, P("x")), transform=to_bf16_t)
+      >>> [m.output_size_in_bytes for m in tplan.memory_analysis()]  # one 1x8 bf16 shard
+      [16]
+    """
     return [
       c.memory_analysis() for exe in self.executables(out=out) for c in exe.compiled_programs()
     ]
 
   def __call__(self, x: Any, *, donate: Any = False, out: Any = None) -> Any:
-    """``transform(x)`` in the destination layouts.
+    """Computes ``transform(x)`` in the destination layouts, moving only what each device lacks.
 
     Args:
       x: the source tree (matching the plan's source); left untouched unless donated.
@@ -151,7 +300,26 @@ class TransformPlan:
         destination layouts): its buffers are donated, the result is written into them, and its
         arrays are deleted after the call.
 
-    Every argument is checked before any device work: a call that raises deletes nothing.
+    Returns:
+      ``transform(x)``, bit for bit, in the destination layouts.
+
+    Raises:
+      ReshardError: ``x`` does not match the plan's source, or ``donate`` or ``out`` is
+        invalid. Every argument is checked before any device work: a call that raises deletes
+        nothing.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> import jax_reshard as jr
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("x",))
+      >>> x = jax.device_put(np.arange(64.0).reshape(8, 8), NamedSharding(mesh, P("x")))
+      >>> to_bf16 = lambda w: w.astype(jnp.bfloat16)
+      >>> tplan = jr.make_plan(x, NamedSharding(mesh, P(None, "x")), transform=to_bf16)
+      >>> y = tplan(x)
+      >>> y2 = tplan(x, out=y)  # written into y's buffers
+      >>> y.is_deleted(), np.array_equal(y2, to_bf16(x))
+      (True, True)
     """
     paths = [lf.path for lf in self.src_leaves]
     flags = None if donate is False else donated_leaves(donate, x, paths)

@@ -23,11 +23,17 @@ from jax_reshard._errors import ReshardError
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Link:
-  """One class of link.
+  """One class of link: a bandwidth per device and direction, and a latency per transfer.
 
   Attributes:
     bandwidth: bytes per second one device sends (and, independently, receives) over it.
     latency: seconds a transfer (one device's part of a collective round) costs on top.
+
+  Example:
+    >>> import jax_reshard as jr
+    >>> nic = jr.Link(bandwidth=50e9, latency=20e-6)  # 400 Gb/s per GPU
+    >>> jr.Topology.h100_nodes().inter == nic
+    True
   """
 
   bandwidth: float
@@ -88,8 +94,18 @@ class Topology:
   def domain_of(self, device_ids: Sequence[int] | np.ndarray) -> np.ndarray:
     """The domain of each device id, as an ``int64`` array.
 
+    Args:
+      device_ids: device ids (plain integers; the devices need not be present).
+
+    Returns:
+      One domain per id, in the order given.
+
     Raises:
       ReshardError: if ``domain_map`` is given and lacks one of the ids.
+
+    Example:
+      >>> Topology.gb200_nvl72().domain_of([0, 71, 72]).tolist()
+      [0, 0, 1]
     """
     ids = np.asarray(device_ids, dtype=np.int64).reshape(-1)
     if self.domain_map:
@@ -109,7 +125,23 @@ class Topology:
     return np.zeros(len(ids), dtype=np.int64)
 
   def with_domains(self, domains: Mapping[int, int] | Iterable[tuple[int, int]]) -> Topology:
-    """The same link costs with an explicit domain per device id (clusters not present)."""
+    """The same link costs with an explicit domain per device id (clusters not present).
+
+    Args:
+      domains: ``{device id: domain}``, or ``(device id, domain)`` pairs; every device of a
+        plan needs one.
+
+    Returns:
+      A copy whose ``domain_map`` holds ``domains`` (and no ``devices_per_domain``).
+
+    Raises:
+      ReshardError: if a device id appears twice.
+
+    Example:
+      >>> racks = Topology.gb200_nvl72().with_domains({0: 0, 1: 0, 100: 1})
+      >>> racks.domain_of([0, 1, 100]).tolist()
+      [0, 0, 1]
+    """
     pairs = domains.items() if isinstance(domains, Mapping) else domains
     items = tuple(sorted((int(k), int(v)) for k, v in pairs))
     if len({k for k, _ in items}) != len(items):
@@ -117,20 +149,45 @@ class Topology:
     return dataclasses.replace(self, domain_map=items, devices_per_domain=None)
 
   def replace(self, **changes: Any) -> Topology:
-    """A copy with some fields changed (e.g. a measured ``inter`` link)."""
+    """A copy with some fields changed (e.g. a measured ``inter`` link).
+
+    Args:
+      **changes: new values of fields, by name (see the class's attributes).
+
+    Returns:
+      The changed copy; this topology is unchanged.
+
+    Example:
+      >>> slow = Topology.h100_nodes().replace(name="H100, 200 Gb/s", inter=Link(25e9, 20e-6))
+      >>> slow.inter.bandwidth / 1e9, slow.intra.bandwidth / 1e9
+      (25.0, 450.0)
+    """
     return dataclasses.replace(self, **changes)
 
   @classmethod
   def from_devices(cls, devices: Iterable[Any], preset: Topology | None = None) -> Topology:
-    """The domains JAX reports for real devices.
+    """The domains JAX reports for real devices, with the link costs of a preset.
 
     Devices of one slice share a domain where JAX gives a ``slice_index`` (TPU slices; on
     GPUs, XLA's client numbers hosts by boot id unless every process sets a slice index, so a
     host's GPUs share a domain: an 8-GPU NVLink node, but only part of a GB200 NVL72 rack, for
     which pass :meth:`gb200_nvl72` or :meth:`with_domains`); otherwise, and always for CPU
     devices (whose ``slice_index`` is 0 in every process of a ``jax.distributed`` job), devices
-    of one process (host) do. Link costs come from ``preset`` (default: :meth:`h100_nodes` for
-    GPUs, :meth:`cpu` for CPUs, :meth:`tpu_slices` for TPUs).
+    of one process (host) do.
+
+    Args:
+      devices: the devices, e.g. ``jax.devices()``.
+      preset: the link costs (default: :meth:`h100_nodes` for GPUs, :meth:`cpu` for CPUs,
+        :meth:`tpu_slices` for TPUs).
+
+    Returns:
+      ``preset`` with one domain per device id (:meth:`with_domains`).
+
+    Example:
+      >>> import jax
+      >>> topo = Topology.from_devices(jax.devices())
+      >>> topo.name, topo.domain_of([0, 7]).tolist()  # one process: one domain
+      ('CPU (2 cores)', [0, 0])
     """
     devices = list(devices)
     keys = {}
@@ -150,9 +207,22 @@ class Topology:
 
   @classmethod
   def h100_nodes(cls, devices_per_node: int = 8) -> Topology:
-    """H100 SXM nodes of 8: NVLink 4 (450 GB/s per direction per GPU) inside a node, one
-    400 Gb/s NIC per GPU between nodes. Packing at the H200's measured 0.8 TB/s scaled by
-    HBM bandwidth (3.35 / 4.8 TB/s)."""
+    """H100 SXM nodes: NVLink 4 inside a node, one 400 Gb/s NIC per GPU between nodes.
+
+    NVLink 4 moves 450 GB/s per direction per GPU. Packing runs at the H200's measured
+    0.8 TB/s scaled by HBM bandwidth (3.35 / 4.8 TB/s).
+
+    Args:
+      devices_per_node: consecutive device ids per node (domain).
+
+    Returns:
+      The topology; device ``i`` is in node ``i // devices_per_node``.
+
+    Example:
+      >>> topo = Topology.h100_nodes()
+      >>> topo.domain_of([0, 7, 8]).tolist(), topo.intra.bandwidth / 1e9
+      ([0, 0, 1], 450.0)
+    """
     return cls(
       name=f"H100 nodes of {devices_per_node}",
       intra=Link(450e9, 10e-6),
@@ -164,8 +234,22 @@ class Topology:
 
   @classmethod
   def h200_nodes(cls, devices_per_node: int = 8) -> Topology:
-    """H200 nodes of 8: NVLink 4 inside, 400 Gb/s per GPU between nodes; packing and
-    assembly at 0.8 TB/s of payload and 60 us per program, both measured on one H200."""
+    """H200 nodes: NVLink 4 inside a node, one 400 Gb/s NIC per GPU between nodes.
+
+    Packing and assembly run at 0.8 TB/s of payload, and a program call costs 60 us, both
+    measured on one H200.
+
+    Args:
+      devices_per_node: consecutive device ids per node (domain).
+
+    Returns:
+      The topology; device ``i`` is in node ``i // devices_per_node``.
+
+    Example:
+      >>> topo = Topology.h200_nodes(devices_per_node=4)
+      >>> topo.domain_of([3, 4]).tolist(), topo.memory_bandwidth / 1e12
+      ([0, 1], 0.8)
+    """
     return dataclasses.replace(
       cls.h100_nodes(devices_per_node),
       name=f"H200 nodes of {devices_per_node}",
@@ -174,9 +258,23 @@ class Topology:
 
   @classmethod
   def gb200_nvl72(cls, devices_per_domain: int = 72) -> Topology:
-    """GB200 NVL72 racks: 72 GPUs on NVLink 5 (900 GB/s per direction per GPU), one 400 Gb/s
-    NIC per GPU between racks; packing at the H200's measured rate scaled by HBM bandwidth
-    (8 / 4.8 TB/s)."""
+    """GB200 NVL72 racks: 72 GPUs on NVLink 5, one 400 Gb/s NIC per GPU between racks.
+
+    NVLink 5 moves 900 GB/s per direction per GPU. Packing runs at the H200's measured rate
+    scaled by HBM bandwidth (8 / 4.8 TB/s).
+
+    Args:
+      devices_per_domain: consecutive device ids per NVLink domain (a rack, or the part of it
+        the job holds).
+
+    Returns:
+      The topology; device ``i`` is in domain ``i // devices_per_domain``.
+
+    Example:
+      >>> topo = Topology.gb200_nvl72(devices_per_domain=64)  # 64 GPUs of each rack
+      >>> topo.domain_of([63, 64]).tolist(), topo.intra.bandwidth / 1e9
+      ([0, 1], 900.0)
+    """
     return cls(
       name=f"GB200 NVL{devices_per_domain}",
       intra=Link(900e9, 10e-6),
@@ -188,8 +286,23 @@ class Topology:
 
   @classmethod
   def tpu_slices(cls, devices_per_slice: int | None = None) -> Topology:
-    """TPU v5p-like slices: ICI inside a slice (about 90 GB/s per direction per chip on a
-    link), data-centre network between slices (about 25 GB/s per chip)."""
+    """TPU v5p-like slices: ICI inside a slice, the data-centre network between slices.
+
+    ICI moves about 90 GB/s per direction per chip on a link, the network about 25 GB/s per
+    chip.
+
+    Args:
+      devices_per_slice: consecutive device ids per slice; ``None``: one slice (or use
+        :meth:`from_devices`, which reads the slices JAX reports).
+
+    Returns:
+      The topology.
+
+    Example:
+      >>> topo = Topology.tpu_slices(devices_per_slice=256)
+      >>> topo.domain_of([255, 256]).tolist(), topo.inter.bandwidth / 1e9
+      ([0, 1], 25.0)
+    """
     return cls(
       name="TPU slices",
       intra=Link(90e9, 10e-6),
@@ -217,13 +330,26 @@ class Topology:
     ``CPU_FILL_BANDWIDTH``. Copies of long contiguous runs go at ``CPU_CONTIGUOUS_BANDWIDTH``
     plus ``CPU_RUN_LATENCY`` per run (``CPU_PACK_BANDWIDTH`` is their rate at 512-byte runs,
     and the rate of shorter ones).
-    ``devices_per_domain`` simulates domains (the "slow" links are then as fast as the others,
-    so only the byte counts differ). ``constants``: values of those constants measured on
-    another machine, by name (what ``benchmarks/calibrate_cpu.py`` prints), in place of the
-    preset's; a name not given keeps the preset's value.
+
+    Args:
+      devices_per_domain: simulates domains of consecutive device ids (the "slow" links are
+        then as fast as the others, so only the byte counts differ); ``None``: one domain.
+      cores: how many devices copy at once (the host's cores).
+      constants: values of those constants measured on another machine, by name (what
+        ``benchmarks/calibrate_cpu.py`` prints), in place of the preset's; a name not given
+        keeps the preset's value.
+
+    Returns:
+      The topology.
 
     Raises:
       ValueError: a name in ``constants`` that is none of the constants above.
+
+    Example:
+      >>> Topology.cpu(cores=8).max_parallel
+      8
+      >>> Topology.cpu(constants={"CPU_PACK_BANDWIDTH": 3e9}).name
+      'CPU (2 cores, calibrated)'
     """
     c = {name: float(globals()[name]) for name in CPU_CONSTANTS}
     if constants is not None:

@@ -117,14 +117,22 @@ def traffic_matrix(plan: PlanLike) -> TrafficMatrix:
   """The bytes every source device sends to every destination device, over all leaves.
 
   Args:
-    plan: a plan from :func:`jax_reshard.make_plan`.
+    plan: a plan from :func:`jax_reshard.make_plan` or :func:`jax_reshard.plan_layouts`.
 
   Returns:
     A :class:`TrafficMatrix` (rows: source devices, columns: destination devices).
 
   Example:
-    >>> m = jr.traffic_matrix(plan)  # doctest: +SKIP
-    >>> int(m.bytes.sum()) == plan.stats.bytes_moved  # doctest: +SKIP
+    >>> import jax_reshard as jr
+    >>> lay = lambda ids, spec: jr.Layout.from_description(
+    ...   (8, 8), mesh_shape=(4,), axis_names=("x",), spec=spec, device_ids=ids)
+    >>> plan = jr.plan_layouts([(lay(range(4), ("x",)), lay(range(4, 8), (None, "x")))], [4])
+    >>> m = jr.traffic_matrix(plan)
+    >>> m.src_ids, m.dst_ids
+    ((0, 1, 2, 3), (4, 5, 6, 7))
+    >>> m.bytes[0].tolist()  # device 0's 2 rows, cut into the 4 sampler columns
+    [16, 16, 16, 16]
+    >>> int(m.bytes.sum()) == plan.stats.bytes_moved
     True
   """
   src_ids = np.asarray(sorted({i for s, _ in plan.layouts for i in s.device_ids}), np.int64)
@@ -153,7 +161,7 @@ def round_table(plan: PlanLike) -> RoundTable:
   that is padded. The padding column sums to ``plan.stats.padding_bytes``.
 
   Args:
-    plan: a plan from :func:`jax_reshard.make_plan`.
+    plan: a plan from :func:`jax_reshard.make_plan` or :func:`jax_reshard.plan_layouts`.
 
   Returns:
     A :class:`RoundTable`, rows ordered by round, then source, then destination.
@@ -240,7 +248,7 @@ def plot_traffic(plan: PlanLike, ax: Axes | None = None) -> Axes:
   compares the bytes moved with the lower bound and with gather-and-broadcast.
 
   Args:
-    plan: a plan from :func:`jax_reshard.make_plan`.
+    plan: a plan from :func:`jax_reshard.make_plan` or :func:`jax_reshard.plan_layouts`.
     ax: matplotlib Axes to draw in; a new figure when ``None``.
 
   Returns:
@@ -250,8 +258,16 @@ def plot_traffic(plan: PlanLike, ax: Axes | None = None) -> Axes:
     ImportError: matplotlib is not installed (``pip install 'jax_reshard[viz]'``).
 
   Example:
-    >>> ax = jr.plot_traffic(plan)  # doctest: +SKIP
-    >>> ax.figure.savefig("traffic.png")  # doctest: +SKIP
+    >>> import matplotlib.pyplot as plt
+    >>> import jax_reshard as jr
+    >>> lay = lambda ids, spec: jr.Layout.from_description(
+    ...   (8, 8), mesh_shape=(4,), axis_names=("x",), spec=spec, device_ids=ids)
+    >>> plan = jr.plan_layouts([(lay(range(4), ("x",)), lay(range(4, 8), (None, "x")))], [4])
+    >>> ax = jr.plot_traffic(plan)  # then ax.figure.savefig("traffic.png")
+    >>> print(ax.get_title())
+    moved 256 B (lower bound 256 B), local 0 B
+    gather+broadcast would move 1.75 KiB (7.0x)
+    >>> plt.close(ax.figure)
   """
   plt = _pyplot()
   from matplotlib.patches import Patch, Rectangle
@@ -327,7 +343,7 @@ def plot_rounds(
     hatched; blank cells are idle.
 
   Args:
-    plan: a plan from :func:`jax_reshard.make_plan`.
+    plan: a plan from :func:`jax_reshard.make_plan` or :func:`jax_reshard.plan_layouts`.
     ax: matplotlib Axes to draw in; a new figure when ``None``.
     kind: ``"bars"``, ``"grid"`` or ``None`` (by size).
 
@@ -338,7 +354,15 @@ def plot_rounds(
     ImportError: matplotlib is not installed (``pip install 'jax_reshard[viz]'``).
 
   Example:
-    >>> ax = jr.plot_rounds(plan)  # doctest: +SKIP
+    >>> import matplotlib.pyplot as plt
+    >>> import jax_reshard as jr
+    >>> lay = lambda ids, spec: jr.Layout.from_description(
+    ...   (8, 8), mesh_shape=(4,), axis_names=("x",), spec=spec, device_ids=ids)
+    >>> plan = jr.plan_layouts([(lay(range(4), ("x",)), lay(range(4, 8), (None, "x")))], [4])
+    >>> ax = jr.plot_rounds(plan)  # 16 pairs: bars
+    >>> print(ax.get_title())
+    4 rounds in 1 bucket(s): payload 256 B, padding 0 B (0% of sent)
+    >>> plt.close(ax.figure)
   """
   plt = _pyplot()
   t = round_table(plan)
@@ -493,7 +517,7 @@ def plan_html(plan: PlanLike) -> str:
   """The plan's summary as HTML, for Jupyter: its stats, then one row per layout group.
 
   Args:
-    plan: a plan from :func:`jax_reshard.make_plan`.
+    plan: a plan from :func:`jax_reshard.make_plan` or :func:`jax_reshard.plan_layouts`.
 
   Returns:
     An HTML fragment: a table of the ``PlanStats`` fields (readable value and meaning), and a

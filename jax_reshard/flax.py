@@ -95,6 +95,26 @@ def refit(
       ``transform``), a path is missing, a layout cannot be resolved, ``out=True`` with an
       abstract sampler, or ``relays`` is invalid; nothing is moved and the sampler is
       unchanged. Inside ``jax.jit``, use :func:`refit_jit`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np
+    >>> from flax import nnx
+    >>> from jax_reshard import flax as jr_flax
+    >>> devices = jax.devices()
+    >>> trainer_mesh = jax.make_mesh((2, 2), ("fsdp", "tp"), devices=devices[:4])
+    >>> sampler_mesh = jax.make_mesh((4,), ("tp",), devices=devices[4:])
+    >>> def linear(mesh, spec, dtype):
+    ...   init = nnx.with_partitioning(nnx.initializers.lecun_normal(), spec)
+    ...   with jax.set_mesh(mesh):
+    ...     return nnx.Linear(8, 16, use_bias=False, kernel_init=init, param_dtype=dtype,
+    ...                       rngs=nnx.Rngs(0))
+    >>> trainer = linear(trainer_mesh, ("fsdp", "tp"), jnp.float32)
+    >>> sampler = linear(sampler_mesh, (None, "tp"), jnp.bfloat16)
+    >>> to_bf16 = lambda params: jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    >>> plan = jr_flax.refit(trainer, sampler, transform=to_bf16, out=True)  # every RL step
+    >>> kernel = sampler.kernel[...]
+    >>> kernel.dtype, kernel.sharding.spec, np.array_equal(kernel, to_bf16(trainer.kernel[...]))
+    (dtype(bfloat16), P(None, 'tp'), True)
   """
   src_state = trainer if isinstance(trainer, nnx.State) else nnx.state(trainer, filter)
   dst_state = nnx.state(sampler, filter)
@@ -173,7 +193,7 @@ def refit_jit(
   paths: Paths | None = None,
   **jit_kwargs: Any,
 ) -> Callable[..., Any]:
-  """Train, then refit, in one ``nnx.jit`` (colocated only).
+  """Makes a step that trains, then refits the sampler, in one ``nnx.jit`` (colocated only).
 
   Made eagerly from the two concrete models, whose layouts it records, so neither ``src=`` nor
   ``out_shardings`` is needed: the refit runs as a traced op after ``train_step`` inside one
@@ -182,18 +202,15 @@ def refit_jit(
   differ in shape and axis names); otherwise use the eager :func:`refit` after the jitted
   train step.
 
-  Example:
-    >>> step = jr_flax.refit_jit(train_step, trainer, sampler, transform=to_bf16,
-    ...                          donate_argnums=(0, 1))  # doctest: +SKIP
-    >>> for batch in batches:  # doctest: +SKIP
-    ...   loss = step(trainer, optimizer, batch)  # trains, and the sampler has the new weights
-
   Args:
     train_step: ``train_step(trainer, *args, **kwargs)``, as you would ``nnx.jit`` it (it
       updates the trainer and, say, its ``nnx.Optimizer`` in place).
-    trainer, sampler: the two ``nnx.Module``s (concrete arrays; a sampler of
-      ``ShapeDtypeStruct``s whose shardings are on a concrete mesh also works).
-    filter, transform, paths: as in :func:`refit`.
+    trainer: the trainer's ``nnx.Module``, with concrete arrays.
+    sampler: the sampler's ``nnx.Module`` (concrete arrays, or ``ShapeDtypeStruct``s whose
+      shardings are on a concrete mesh).
+    filter: which variables to move, as in :func:`refit`.
+    transform: converts while moving, as in :func:`refit`.
+    paths: for a sampler of another structure, as in :func:`refit`.
     **jit_kwargs: passed to ``nnx.jit`` (``donate_argnums`` for the trainer and optimizer,
       ``static_argnums``...); not ``out_shardings``.
 
@@ -202,8 +219,25 @@ def refit_jit(
     kept) and returns what ``train_step`` returns.
 
   Raises:
-    ReshardError: trainer and sampler are on different device sets (use :func:`refit`), or a
-      layout is not a concrete sharding.
+    ReshardError: trainer and sampler are on different device sets (use :func:`refit`), a
+      layout is not a concrete sharding, or ``out_shardings`` is among ``jit_kwargs``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np
+    >>> from flax import nnx
+    >>> from jax_reshard import flax as jr_flax
+    >>> def linear(mesh, spec):
+    ...   init = nnx.with_partitioning(nnx.initializers.lecun_normal(), spec)
+    ...   with jax.set_mesh(mesh):
+    ...     return nnx.Linear(8, 16, use_bias=False, kernel_init=init, rngs=nnx.Rngs(0))
+    >>> trainer = linear(jax.make_mesh((4, 2), ("fsdp", "tp")), ("fsdp", "tp"))
+    >>> sampler = linear(jax.make_mesh((2, 4), ("dp", "tp")), (None, "tp"))  # the same 8
+    >>> def train_step(model, delta):  # e.g. loss, grads and an optimizer update
+    ...   model.kernel[...] = model.kernel[...] + delta
+    >>> step = jr_flax.refit_jit(train_step, trainer, sampler, donate_argnums=(0,))
+    >>> step(trainer, 1.0)
+    >>> np.array_equal(sampler.kernel[...], trainer.kernel[...]), sampler.kernel[...].sharding.spec
+    (True, P(None, 'tp'))
   """
   src_tree = nnx.to_pure_dict(nnx.state(trainer, filter))
   dst_tree = nnx.to_pure_dict(nnx.state(sampler, filter))

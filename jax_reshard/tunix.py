@@ -74,7 +74,25 @@ class ReshardRollout(vanilla_rollout.VanillaRollout):
       must cover those of the model's sharding annotations (Tunix's models use ``fsdp`` and
       ``tp``); a mesh of one device per missing axis name would do.
     rollout_config: Tunix's ``RolloutConfig`` (``data_type``, ``kv_cache_size``).
-    max_bucket_bytes, topology: as in ``jr.make_plan`` (``topology`` without a dtype cast).
+    max_bucket_bytes: bound on staging bytes per device per program, as in ``jr.make_plan``.
+    topology: device domains, as in ``jr.make_plan`` (used where no dtype cast is needed).
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from tunix.rl.rollout import base_rollout
+    >>> from examples import tunix_grpo  # a tiny Llama3 and a toy tokenizer
+    >>> from jax_reshard.tunix import ReshardRollout
+    >>> trainer_mesh, rollout_mesh = tunix_grpo.make_meshes("disjoint")  # devices 0-3, 4-7
+    >>> actor = tunix_grpo.make_actor(tunix_grpo.model_config(), trainer_mesh)
+    >>> config = base_rollout.RolloutConfig(data_type=jnp.bfloat16, kv_cache_size=16)
+    >>> rollout = ReshardRollout(actor, tunix_grpo.Tokenizer(), rollout_mesh, config)
+    >>> rollout.update_params(nnx.state(actor, nnx.Param))  # what RLCluster.sync_weights does
+    >>> rollout.update_count, rollout.plans_made  # the plan that filled the rollout, reused
+    (1, 1)
+    >>> w = jax.tree.leaves(nnx.state(rollout.model(), nnx.Param))[0]
+    >>> w.dtype, sorted(d.id for d in w.devices())
+    (dtype(bfloat16), [4, 5, 6, 7])
   """
 
   def __init__(
@@ -127,6 +145,10 @@ class ReshardRollout(vanilla_rollout.VanillaRollout):
     Tunix also calls this with ``filter_types=None`` and the rollout model's own state after
     moving it between memory kinds (``offload_to_cpu``): arrays already laid out as the
     rollout's (memory kind aside) are taken as they are.
+
+    Args:
+      params: the trainer's state of the variables to sync (an ``nnx.State``).
+      filter_types: the variable types Tunix syncs (``None``: see above).
     """
     new, _ = rl_utils.to_flat_dict(params)
     old, treedef = rl_utils.to_flat_dict(self._sampler.transformer_state)

@@ -1,25 +1,10 @@
 """Test set-up: 8 simulated CPU devices, before any JAX backend starts."""
 
-from collections.abc import Iterator
-
 import jax
 import pytest
 from jax.sharding import AxisType
 
 jax.config.update("jax_num_cpu_devices", 8)
-
-import jax_reshard as jr  # noqa: E402
-from jax_reshard import _schedule  # noqa: E402
-
-
-@pytest.fixture
-def one_program(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-  """Every bucket assembles in its one program over the union mesh (none runs its assembly on
-  the destination devices alone), in plans made fresh for the test and forgotten after it."""
-  monkeypatch.setattr(_schedule, "SPLIT_ASSEMBLY", False)
-  jr.plan_cache_clear()
-  yield
-  jr.plan_cache_clear()
 
 
 @pytest.fixture(params=[AxisType.Explicit, AxisType.Auto], ids=["explicit", "auto"])

@@ -260,6 +260,27 @@ def make_plan_within(src: Any, dst: Any, bound: int) -> Any:
 
 
 @contextlib.contextmanager
+def flax_config_kept(*, tunix: bool = False) -> Iterator[None]:
+  """Gives later tests Flax's ``flax_always_shard_variable`` back as it was.
+
+  Importing Tunix's models turns it off for the whole process, once. With ``tunix``, the code
+  inside runs with it off, as Tunix code runs in a fresh process, whatever ran before.
+  """
+  try:
+    from flax import config
+  except ImportError:  # nothing to keep
+    yield
+    return
+  before = config.flax_always_shard_variable
+  if tunix:
+    config.update("flax_always_shard_variable", False)
+  try:
+    yield
+  finally:
+    config.update("flax_always_shard_variable", before)
+
+
+@contextlib.contextmanager
 def compile_events() -> Iterator[list[str]]:
   """The names of JAX's compile events while the block runs (a list filled in place)."""
   events: list[str] = []

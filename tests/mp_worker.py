@@ -39,7 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from helpers import assert_matches_oracle, make_mesh, random_host_array  # noqa: E402
 
 import jax_reshard as jr  # noqa: E402
-from jax_reshard import _cost, _distributed, _emit  # noqa: E402
+from jax_reshard import _distributed, _emit  # noqa: E402
+from jax_reshard._options import Options  # noqa: E402
 
 DEVS = sorted(jax.devices(), key=lambda d: d.id)
 P0 = [d for d in DEVS if d.process_index == 0]
@@ -92,9 +93,9 @@ def case_a() -> None:
   dst = {"w": P(None, "tp"), "e": P("tp", "dp"), "b": P()}
   src_sh = {k: NamedSharding(trainer, s) for k, s in src.items()}
   dst_sh = {k: NamedSharding(sampler, s) for k, s in dst.items()}
-  kept = _cost.APART_MIN_BYTES
   for apart in (False, True):
-    _cost.APART_MIN_BYTES = 0 if apart else kept  # tiny leaves: apart only when forced
+    # Tiny leaves: apart only when forced.
+    options = Options(apart_min_bytes=0) if apart else Options()
     jr.plan_cache_clear()
     plan = None
     for seed in (1, 2):  # the second call reuses the compiled plan
@@ -102,7 +103,7 @@ def case_a() -> None:
       xs = {k: put(h, src_sh[k]) for k, h in hosts.items()}
       if PID == 1:
         assert all(not x.addressable_shards for x in xs.values())
-      plan = plan or jr.make_plan(xs, dst_sh)
+      plan = plan or jr.make_plan(xs, dst_sh, options=options)
       ys = plan(xs)
       check_tree(ys, hosts, dst_sh)
       for k in hosts:  # the source is left untouched
@@ -116,20 +117,18 @@ def case_a() -> None:
       assert all(len(exe.compiled_programs()) == 1 + PID for exe in exes)
   # Overlapping: the trainer on two devices of each process, the sampler on process 1's four;
   # its two shared devices copy resident parts in the assembly program (process 1 only).
-  _cost.APART_MIN_BYTES = 0
   jr.plan_cache_clear()
   src_sh = {k: NamedSharding(mesh(P0[2:] + P1[:2], (4,), ("x",)), P("x")) for k in ("w", "v")}
   dst_sh = {k: NamedSharding(mesh(P1, (4,), ("y",)), P(None, "y")) for k in ("w", "v")}
   hosts = make_hosts(3, {"w": ((16, 8), np.float32), "v": ((8, 16), jnp.bfloat16)})
   xs = {k: put(h, src_sh[k]) for k, h in hosts.items()}
-  plan = jr.make_plan(xs, dst_sh)
+  plan = jr.make_plan(xs, dst_sh, options=Options(apart_min_bytes=0))
   [exe] = plan.executables()
   assert exe.split() is not None and _emit.resident_sources(exe.program)
   assert len(exe.compiled_programs()) == 1 + PID
   ys = plan(xs)
   check_tree(ys, hosts, dst_sh)
   check_tree(plan(xs, out=ys), hosts, dst_sh)
-  _cost.APART_MIN_BYTES = kept
   jr.plan_cache_clear()
   ok("case_a")
 

@@ -3,6 +3,7 @@ program as one byte vector per device, packed and cut by one compiled call on ea
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -20,7 +21,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_reshard as jr
-from jax_reshard import _buffers, _emit, _schedule
+from jax_reshard import _buffers, _emit
+from jax_reshard._options import Options
 
 PLACEMENTS = {"disjoint": (range(4), range(4, 8)), "overlap": (range(4), range(2, 6))}
 
@@ -61,15 +63,15 @@ def _bundled(plan: Any, names: list[str]) -> tuple[Any, list[str], list[str]]:
   return exe, order, [order[li] for li in bundle.leaves]
 
 
-def _staged_plan(x: Any, dst: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
-  """A plan of ``x`` whose buckets stage every leaf on its own (executables made and run
-  while bundles are off: the choice is made once per executable)."""
-  with monkeypatch.context() as m:
-    m.setattr(_emit, "BUNDLED_CALLS", False)
-    jr.plan_cache_clear()
-    plan = jr.make_plan(x, dst)
-    assert not any(exe.bundle() for exe in plan.executables())
-    jax.block_until_ready(plan(x))
+# Bundles of as few as two leaves (32 by default), so that small trees are bundled.
+BUNDLE_TWO = Options(min_bundled_leaves=2)
+
+
+def _staged_plan(x: Any, dst: Any) -> Any:
+  """A plan of ``x`` whose buckets stage every leaf on its own (bundles off), run once."""
+  plan = jr.make_plan(x, dst, options=dataclasses.replace(BUNDLE_TWO, bundled_calls=False))
+  assert not any(exe.bundle() for exe in plan.executables())
+  jax.block_until_ready(plan(x))
   return plan
 
 
@@ -80,11 +82,10 @@ def test_small_leaves_enter_and_leave_bundled(
   """Every small leaf is bundled, the large one stages on its own: the program takes one
   byte vector and the large leaf's block, only the large leaf is staged and unstaged per
   leaf, and the results equal the oracle and the plan that stages every leaf, bit for bit."""
-  monkeypatch.setattr(_emit, "MIN_BUNDLED_LEAVES", 2)
   hosts, x, dst = _tree(placement, seed=1)
-  staged_plan = _staged_plan(x, dst, monkeypatch)
+  staged_plan = _staged_plan(x, dst)
   jr.plan_cache_clear()
-  plan = jr.make_plan(x, dst)
+  plan = jr.make_plan(x, dst, options=BUNDLE_TWO)
   exe, order, bundled = _bundled(plan, list(hosts))
   assert bundled == [k for k in order if k != "e_big"]
   bundle = exe.bundle()
@@ -123,19 +124,18 @@ def test_small_leaves_enter_and_leave_bundled(
   jr.plan_cache_clear()
 
 
-def test_bundle_copies_are_counted_in_passes(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bundle_copies_are_counted_in_passes() -> None:
   """Two 8x8 float32 leaves, rows on devices 0-3 to columns on 4-7: the bundle holds 2 x 64
   bytes per device on each side; the pack reads and writes them on 4 devices, the cut on 4,
   and the program, counted as copies, on all 8 positions for either vector:
   2 x (128 x (4 + 8) + 128 x (8 + 4)) = 6144 bytes more than the staged plan's."""
-  monkeypatch.setattr(_emit, "MIN_BUNDLED_LEAVES", 2)
   devs = np.array(jax.devices())
   src = NamedSharding(Mesh(devs[:4], ("x",)), P("x"))
   dst = NamedSharding(Mesh(devs[4:], ("x",)), P(None, "x"))
   x = [jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8) + i, src) for i in range(2)]
-  staged = _staged_plan(x, dst, monkeypatch)
+  staged = _staged_plan(x, dst)
   jr.plan_cache_clear()
-  plan = jr.make_plan(x, dst)
+  plan = jr.make_plan(x, dst, options=BUNDLE_TWO)
   (exe,) = plan.executables()
   assert exe.bundle() is not None and exe.bundle_pass_bytes() == 6144
   moved = plan.stats.bytes_moved
@@ -146,23 +146,20 @@ def test_bundle_copies_are_counted_in_passes(monkeypatch: pytest.MonkeyPatch) ->
   jr.plan_cache_clear()
 
 
-def test_identical_buckets_share_their_pack_cut_and_program(
-  monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_identical_buckets_share_their_pack_cut_and_program() -> None:
   """Buckets of equal small leaves (the layers of a model) share one compiled pack, one
   compiled cut and one program: the second and third bucket compile nothing."""
-  monkeypatch.setattr(_emit, "MIN_BUNDLED_LEAVES", 2)
   # Buckets counted as one program: counted without their discarded blocks, five leaves would
   # fit, but only assembled apart, which a bundle never is.
-  monkeypatch.setattr(_schedule, "SPLIT_ASSEMBLY", False)
+  options = dataclasses.replace(BUNDLE_TWO, split_assembly=False)
   src_mesh, dst_mesh = _meshes("disjoint")
   rng = np.random.default_rng(3)
   hosts = {f"{i:02d}": random_host_array(rng, (8, 8), jnp.bfloat16) for i in range(12)}
   x = {k: jax.device_put(h, NamedSharding(src_mesh, P("x"))) for k, h in hosts.items()}
   dst = NamedSharding(dst_mesh, P(None, "tp"))
   jr.plan_cache_clear()
-  one = jr.make_plan({"00": x["00"]}, dst).stats.peak_staging_bytes
-  plan = jr.make_plan(x, dst, max_bucket_bytes=4 * one)
+  one = jr.make_plan({"00": x["00"]}, dst, options=options).stats.peak_staging_bytes
+  plan = jr.make_plan(x, dst, max_bucket_bytes=4 * one, options=options)
   assert plan.stats.num_buckets == 3
   exes = plan.executables()
   assert all(exe.bundle() is not None and len(exe.bundle().leaves) == 4 for exe in exes)
@@ -175,7 +172,7 @@ def test_identical_buckets_share_their_pack_cut_and_program(
     assert_matches_oracle(y[k], h, dst)
   jr.plan_cache_clear()
   _emit.clear_program_cache()
-  plan = jr.make_plan(x, dst, max_bucket_bytes=4 * one)
+  plan = jr.make_plan(x, dst, max_bucket_bytes=4 * one, options=options)
   with compile_events() as events:
     plan.executables()[0]([x["00"], x["01"], x["02"], x["03"]])
     n_first = len(events)
@@ -189,16 +186,14 @@ def test_identical_buckets_share_their_pack_cut_and_program(
 def test_leaves_stage_on_their_own_where_a_bundle_cannot_take_them(
   monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-  """No bundle for fewer small leaves than ``MIN_BUNDLED_LEAVES``, with ``out=`` (leaves
+  """No bundle for fewer small leaves than ``Options.min_bundled_leaves``, with ``out=`` (leaves
   written into donated buffers), or for a call whose arrays are laid out equivalently but not
   equally to the plan's sources (that call stages every leaf; the next equal one bundles).
   Leaves on another source mesh than the bundle's stage on their own. Bit for bit."""
   hosts, x, dst = _tree("disjoint", seed=5)
   jr.plan_cache_clear()
   assert not any(exe.bundle() for exe in jr.make_plan(x, dst).executables())  # 6 < 32
-  monkeypatch.setattr(_emit, "MIN_BUNDLED_LEAVES", 2)
-  jr.plan_cache_clear()
-  plan = jr.make_plan(x, dst)
+  plan = jr.make_plan(x, dst, options=BUNDLE_TWO)
   assert_donate_takes_another_path(plan, x, hosts, dst, lambda exe: exe.bundle())
   # The same devices and layout under another axis name: equivalent, not equal.
   src_mesh, _ = _meshes("disjoint")
@@ -229,7 +224,7 @@ def test_leaves_stage_on_their_own_where_a_bundle_cannot_take_them(
   for k in ("a_f32", "f_i8"):
     x2[k] = jax.device_put(hosts[k], NamedSharding(other, x[k].sharding.spec))
   jr.plan_cache_clear()
-  plan = jr.make_plan(x2, dst)
+  plan = jr.make_plan(x2, dst, options=BUNDLE_TWO)
   _, _, names = _bundled(plan, list(hosts))
   bundled = set(names)
   assert bundled and "e_big" not in bundled
@@ -265,10 +260,9 @@ def test_bundled_calls_take_the_fast_buffer_path(monkeypatch: pytest.MonkeyPatch
   from jax._src.array import ArrayImpl
 
   assert _buffers.fast_path_available()
-  monkeypatch.setattr(_emit, "MIN_BUNDLED_LEAVES", 2)
   hosts, x, dst = _tree("overlap", seed=6)
   jr.plan_cache_clear()
-  plan = jr.make_plan(x, dst)
+  plan = jr.make_plan(x, dst, options=BUNDLE_TWO)
   jax.block_until_ready(plan(x))
   (exe,) = plan.executables()
   io = exe.bundle_io()

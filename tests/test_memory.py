@@ -15,6 +15,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_reshard as jr
+from jax_reshard._options import Options
 
 MiB = 1 << 20
 
@@ -141,11 +142,14 @@ def test_padded_multi_leaf_buckets_stay_under_the_bound() -> None:
 
 
 def test_bound_below_the_smallest_chunk_is_an_error() -> None:
+  """The smallest chunks of a leaf whose placeholders fill any bound below its 2 MiB shards
+  are a grid of slabs one index thick on each side (4 KiB and 8 KiB rows here): below that
+  floor, the error names a bound that plans."""
   src, dst, _ = _placements()["disjoint"]
   x = jax.device_put(np.zeros((2048, 1024), np.float32), src)
   with pytest.raises(jr.BucketBoundError, match=r"leaf <root>.*max_bucket_bytes=\d+ or more") as e:
-    jr.make_plan(x, dst, max_bucket_bytes=2 * MiB)  # the 2 MiB placeholders alone fill it
-  assert e.value.minimum_bytes > 2 * MiB
+    jr.make_plan(x, dst, max_bucket_bytes=2 * 1024)
+  assert e.value.minimum_bytes > 2 * 1024
   assert isinstance(e.value, jr.ReshardError)
   plan = jr.make_plan(x, dst, max_bucket_bytes=e.value.minimum_bytes + MiB // 4)
   assert plan.stats.peak_staging_bytes <= e.value.minimum_bytes + MiB // 4
@@ -271,13 +275,13 @@ def _disjoint_tree() -> tuple[dict, dict, dict]:
 
 
 @pytest.mark.parametrize("make", [_tree, _disjoint_tree], ids=["colocated", "disjoint"])
-@pytest.mark.usefixtures("one_program")
 def test_donated_whole_leaves_compile_without_an_extra_copy(make) -> None:
   """A bucket that writes whole shards assembles them as without out= into the donated
   buffers: every output aliases an argument, and XLA needs no more scratch than without (than
-  the plain call's one program, assembling on the union mesh too)."""
+  the plain call's one program, assembling on the union mesh too: every bucket of the plan
+  assembles in its one program over the union mesh)."""
   x, dst, _ = make()
-  plan = jr.make_plan(x, dst)
+  plan = jr.make_plan(x, dst, options=Options(split_assembly=False))
   assert plan.stats.num_buckets == 1
   [plain], [donated] = plan.memory_analysis(), plan.memory_analysis(out=True)
   [program] = plan.programs(out=True)
@@ -458,6 +462,49 @@ def test_windows_of_both_sides_where_both_placeholders_are_the_floor(placement: 
   y = plan(x, out=old)
   assert old.is_deleted()
   assert_matches_oracle(y, host, dst)
+  assert_matches_oracle(x, host, src)  # the source is untouched
+
+
+@pytest.mark.parametrize(
+  "placement, dtype", [("disjoint", "float32"), ("overlapping", "int8"), ("disjoint", "bfloat16")]
+)
+def test_leaf_whose_shards_are_each_eight_times_the_bound_plans_as_a_grid(
+  placement: str, dtype: str
+) -> None:
+  """A leaf whose source and destination shards are each 8x the bound, each side sharding a
+  dimension the other does not (rows -> columns), so that no window is a slab of both: it is
+  cut into a grid of slabs of both sides; every bucket stages a slab of every source shard and
+  fills a slab of every destination shard in place, within the bound, bit for bit (eagerly and
+  into donated buffers). The grid's chunks of one shape share one program (their window starts
+  are arguments)."""
+  devs = np.array(jax.devices())
+  dst_devs = devs[4:] if placement == "disjoint" else devs[2:6]
+  src = NamedSharding(Mesh(devs[:4], ("x",)), P("x"))
+  dst = NamedSharding(Mesh(dst_devs, ("x",)), P(None, "x"))
+  dt = np.dtype(getattr(jax.numpy, dtype))
+  shape = (256, 64 * 4 // dt.itemsize)  # 64 KiB shards on both sides
+  host = random_host_array(np.random.default_rng(12), shape, dt)
+  shard = math.prod(shape) * dt.itemsize // 4
+  bound = shard // 8
+  x = jax.device_put(host, src)
+  plan = jr.make_plan(x, dst, max_bucket_bytes=bound)
+  st, sched = plan.stats, plan.schedule
+  assert st.peak_staging_bytes <= bound and st.bytes_moved == st.lower_bound_bytes
+  (dim_s, _), (dim_d, _) = sched.leaf_slabs[0], sched.leaf_dst_slabs[0]
+  assert (dim_s, dim_d) == (0, 1)
+  assert st.num_buckets >= 64 and st.num_programs <= 8
+  programs = plan.programs()
+  assert all(lf.in_place and lf.dst_shift is not None for p in programs for lf in p.leaves)
+  assert [lf.dst_input for p in programs for lf in p.leaves] == [False] + [True] * (
+    st.num_buckets - 1
+  )
+  analyses = plan.memory_analysis()
+  assert max(m.argument_size_in_bytes + m.output_size_in_bytes for m in analyses) < shard
+  assert_matches_oracle(plan(x), host, dst, exact=True)
+  old = jr.reshard(jax.device_put(host[::-1].copy(), src), dst)
+  y = plan(x, out=old)
+  assert old.is_deleted()
+  assert_matches_oracle(y, host, dst, exact=True)
   assert_matches_oracle(x, host, src)  # the source is untouched
 
 

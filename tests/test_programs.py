@@ -3,6 +3,7 @@ fast buffer path (JAX private members) and its public fallback give the same bit
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -26,6 +27,7 @@ import jax_reshard as jr
 from jax_reshard import _buffers, _cost, _emit, _plan, _schedule
 from jax_reshard._classes import bucket_classes
 from jax_reshard._cost import _bucket_cost, made_blocks
+from jax_reshard._options import Options
 from jax_reshard._plan import pass_bytes
 from jax_reshard._program import make_bucket_program, program_signature
 
@@ -149,7 +151,7 @@ def test_leaf_cap_splits_a_large_tree_into_buckets_sharing_programs() -> None:
   dst = NamedSharding(Mesh(devs[4:], ("x",)), P(None, "x"))
   x = [jax.ShapeDtypeStruct((8, 8), np.float32, sharding=src) for _ in range(1000)]
   plan = jr.make_plan(x, dst)
-  assert _schedule.MAX_BUCKET_LEAVES == 64
+  assert plan.options.max_bucket_leaves == 64
   assert [len(b.leaves) for b in plan.schedule.buckets] == [50] * 20
   assert plan.stats.num_programs == 1
   assert len({program_signature(p) for p in plan.programs()}) == 1
@@ -159,12 +161,11 @@ def test_leaf_cap_splits_a_large_tree_into_buckets_sharing_programs() -> None:
   assert plan.stats.num_programs == 2
 
 
-def test_leaf_cap_cuts_buckets_at_layer_boundaries(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_leaf_cap_cuts_buckets_at_layer_boundaries() -> None:
   """With a cap of 4 leaves, a tree of one leading leaf, 5 layers of 3 leaves and a trailing
   leaf runs one bucket per layer: those share one program, which compiles once,
   and every leaf arrives bit for bit."""
-  monkeypatch.setattr(_schedule, "MAX_BUCKET_LEAVES", 4)
-  monkeypatch.setattr(_schedule, "MIN_PERIOD_LEAVES", 3)
+  options = Options(max_bucket_leaves=4, min_period_leaves=3)
   jr.plan_cache_clear()
   hosts, x, dst = _layers(5, seed=4)
   devs = np.array(jax.devices())
@@ -173,7 +174,7 @@ def test_leaf_cap_cuts_buckets_at_layer_boundaries(monkeypatch: pytest.MonkeyPat
     hosts[key] = random_host_array(rng, (8, 8), np.float32)
     x[key] = jax.device_put(hosts[key], NamedSharding(Mesh(devs[:4], ("x",)), P("x")))
     dst[key] = NamedSharding(Mesh(devs[4:], ("x",)), spec)
-  plan = jr.make_plan(x, dst)
+  plan = jr.make_plan(x, dst, options=options)
   # a_embed up to where the layers start repeating, one layer per bucket, then z_head.
   assert [len(b.leaves) for b in plan.schedule.buckets] == [1, 3, 3, 3, 3, 3, 1]
   assert plan.stats.num_programs == 3
@@ -293,14 +294,14 @@ def _made_by_the_eager_path(
   made: dict[int, int] = {}
   real = _emit._stage_placeholders
 
-  def spy(groups: Any, devices: Any) -> Any:
+  def spy(groups: Any, devices: Any, *args: Any) -> Any:
     for g in groups:
       if g.leaves:  # destination placeholders: one block per leaf, donated
         for d in g.device_ids:
           made[d] = made.get(d, 0) + sum(
             int(np.prod(b)) * np.dtype(t).itemsize for b, t in g.blocks
           )
-    return real(groups, devices)
+    return real(groups, devices, *args)
 
   monkeypatch.setattr(_emit, "_stage_placeholders", spy)
   out = call()
@@ -545,17 +546,18 @@ def test_whole_shards_of_several_leaves_move_without_pack() -> None:
 
 def test_whole_source_shards_inside_packed_payloads_are_sent_as_they_are() -> None:
   """Leaf ``a`` (columns on 4-7) is listed first but cut; leaf ``b`` goes whole to a replica on
-  4-7: every payload holds ``b``'s whole source shard (256 KiB, ``WHOLE_OPERAND_BYTES``), which
-  the schedule puts first in every payload, so ``b``'s staged block is an operand of its own in
-  each round (the parameter itself in the compiled program) and only ``a``'s pieces are packed.
-  By hand, per round 4 senders read and write a 32 B piece of ``a``: 1024 B of pack in 4
-  rounds. In bfloat16 (which does not travel as it is) the payloads are packed whole, as are
-  float32 shards under the size. Bit for bit."""
+  4-7: every payload holds ``b``'s whole source shard (256 KiB, ``Options.whole_operand_bytes``),
+  which the schedule puts first in every payload, so ``b``'s staged block is an operand of its
+  own in each round (the parameter itself in the compiled program) and only ``a``'s pieces are
+  packed. By hand, per round 4 senders read and write a 32 B piece of ``a``: 1024 B of pack in
+  4 rounds. In bfloat16 (which does not travel as it is) the payloads are packed whole, as are
+  float32 shards under the size, and the 256 KiB shards of a plan whose threshold is above
+  them. Bit for bit."""
   devs = np.array(jax.devices())
   src = NamedSharding(Mesh(devs[:4], ("x",)), P("x"))
   m = Mesh(devs[4:], ("x",))
   rng = np.random.default_rng(9)
-  assert _schedule.WHOLE_OPERAND_BYTES == 2 * 4 * 32768
+  assert Options().whole_operand_bytes == 2 * 4 * 32768
   for dtype, cols in ((np.float32, 32768), (jnp.bfloat16, 65536), (np.float32, 32767)):
     h = {
       "a": random_host_array(rng, (8, 16), dtype),
@@ -581,6 +583,10 @@ def test_whole_source_shards_inside_packed_payloads_are_sent_as_they_are() -> No
       assert plan.stats.bytes_moved == 4 * 4 * (32 + shard)
       assert pass_bytes(plan.layout_plan)["pack"] == 4 * 4 * (32 + 32)
       assert hlo.count("collective-permute(%param") == 4
+      above = jr.make_plan(x, dst, options=Options(whole_operand_bytes=shard + 1))
+      (packed,) = above.programs()
+      assert [_emit.whole_segments(packed, r) for r in packed.rounds] == [None] * 4
+      assert pass_bytes(above.layout_plan)["pack"] == 4 * 4 * 2 * (32 + shard)
     else:
       assert segments == [None] * 4 and "collective-permute(%param" not in hlo
       piece = 2 * 4 * np.dtype(dtype).itemsize
@@ -619,9 +625,7 @@ def _peak(m: Any) -> int:
   )
 
 
-def test_donated_programs_need_no_more_device_memory_than_plain(
-  monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_donated_programs_need_no_more_device_memory_than_plain() -> None:
   """Disjoint MoE-like trees refit with ``out=``: every bucket program's device memory
   (beyond the plain call's destination arrays, which donation replaces) is at most the plain
   program's, where devices without a destination shard return zeros for their discarded blocks
@@ -638,15 +642,13 @@ def test_donated_programs_need_no_more_device_memory_than_plain(
   assert plan.stats.num_buckets > 1
   assert all(exe.split() is None for exe in plan.executables())  # 32 KiB leaves: not apart
   plain, donated = plan.memory_analysis(), plan.memory_analysis(out=True)
-  monkeypatch.setattr(_cost, "APART_MIN_BYTES", 0)
-  jr.plan_cache_clear()
-  apart = jr.make_plan(x, dst, max_bucket_bytes=64 << 10).memory_analysis()
+  always = Options(apart_min_bytes=0)  # small leaves, assembled apart all the same
+  apart = jr.make_plan(x, dst, max_bucket_bytes=64 << 10, options=always).memory_analysis()
   assert len(apart) == 2 * len(plain)
   for k, (p, d) in enumerate(zip(plain, donated, strict=True)):
     assert _peak(d) <= _peak(p), (_peak(d), _peak(p))
     assert max(_peak(s) for s in apart[2 * k : 2 * k + 2]) <= _peak(p)
   jr.plan_cache_clear()
-  monkeypatch.undo()
   y = plan(x)
   for a, h in zip(plan(x, out=y), hosts, strict=True):
     assert_matches_oracle(a, h, dst)
@@ -711,19 +713,17 @@ def test_cpu_buckets_are_queued_a_few_at_a_time(
   monkeypatch: pytest.MonkeyPatch, direct: bool
 ) -> None:
   """On CPU devices a bucket's program is queued only once the results of the bucket
-  ``IN_FLIGHT_BUCKETS`` before it are ready (collective programs queued at once can starve the
-  CPU backend's shared thread pool), and not later: the bucket right before may still run.
-  Both ways a bucket runs: one call on the source arrays (``direct``), and staged buffers."""
-  monkeypatch.setattr(_emit, "DIRECT_CALLS", direct)
-  monkeypatch.setattr(_schedule, "MAX_BUCKET_LEAVES", 2)
-  monkeypatch.setattr(_schedule, "MIN_PERIOD_LEAVES", 1)
-  jr.plan_cache_clear()
+  ``Options.in_flight_buckets`` before it are ready (collective programs queued at once can
+  starve the CPU backend's shared thread pool), and not later: the bucket right before may
+  still run. Both ways a bucket runs: one call on the source arrays (``direct``), and staged
+  buffers."""
+  options = Options(direct_calls=direct, max_bucket_leaves=2, min_period_leaves=1)
   mesh = Mesh(np.array(jax.devices()), ("x",))
   rng = np.random.default_rng(8)
   hosts = [random_host_array(rng, (8, 8), np.float32) for _ in range(8)]
   x = [jax.device_put(h, NamedSharding(mesh, P("x"))) for h in hosts]
   dst = NamedSharding(mesh, P(None, "x"))  # every device holds a destination block
-  plan = jr.make_plan(x, dst)
+  plan = jr.make_plan(x, dst, options=options)
   assert plan.stats.num_buckets >= 4
   assert all(exe.one_at_a_time for exe in plan.executables())
   jax.block_until_ready(plan(x))
@@ -734,7 +734,7 @@ def test_cpu_buckets_are_queued_a_few_at_a_time(
   real_direct = _emit.BucketExecutable.direct
 
   def ready_before_queueing() -> None:
-    k = _emit.IN_FLIGHT_BUCKETS
+    k = options.in_flight_buckets
     assert all(b.is_ready() for b in (firsts[-k] if len(firsts) >= k else []))
 
   def spy_run(self: Any, args: Any) -> list[list[Any]]:
@@ -764,7 +764,7 @@ def test_cpu_buckets_are_queued_a_few_at_a_time(
   y = plan(x)
   assert len(firsts) == plan.stats.num_buckets
   assert all(bool(real_direct(exe)) == direct for exe in plan.executables())
-  k = _emit.IN_FLIGHT_BUCKETS
+  k = options.in_flight_buckets
   assert [w is None for w in waited] == [i < k for i in range(len(waited))]
   for a, h in zip(y, hosts, strict=True):
     assert_matches_oracle(a, h, dst)
@@ -826,9 +826,7 @@ def test_colocated_buckets_run_on_the_source_arrays_as_they_are(
   for k, h in hosts.items():
     assert_matches_oracle(y[k], h, dst[k])
 
-  monkeypatch.setattr(_emit, "DIRECT_CALLS", False)
-  jr.plan_cache_clear()
-  staged_plan = jr.make_plan(x, dst, max_bucket_bytes=1200)
+  staged_plan = jr.make_plan(x, dst, max_bucket_bytes=1200, options=Options(direct_calls=False))
   assert not any(exe.direct() for exe in staged_plan.executables())
   z = staged_plan(x)
   for k in hosts:
@@ -965,9 +963,9 @@ def test_disjoint_buckets_assemble_on_the_destination_devices(
   (all outputs aliased), and the trainer devices are given no blocks (none made, as the model
   says; the one program has them donate zero blocks made for them)."""
   hosts, x, dst = _disjoint_trees(seed=21)[case]
-  monkeypatch.setattr(_cost, "APART_MIN_BYTES", 0)  # small leaves, assembled apart all the same
+  always = Options(apart_min_bytes=0)  # small leaves, assembled apart all the same
   jr.plan_cache_clear()
-  plan = jr.make_plan(x, dst)
+  plan = jr.make_plan(x, dst, options=always)
   [exe] = plan.executables()
   split = exe.split()
   assert split is not None and exe.program.assemblers == (4, 5, 6, 7)
@@ -1011,9 +1009,7 @@ def test_disjoint_buckets_assemble_on_the_destination_devices(
   every = sum(int(np.prod(lf.dst_block)) * lf.dtype.itemsize for lf in donated.program.leaves)
   assert into.memory_analysis().alias_size_in_bytes == every
 
-  monkeypatch.setattr(_schedule, "SPLIT_ASSEMBLY", False)
-  jr.plan_cache_clear()
-  one = jr.make_plan(x, dst)
+  one = jr.make_plan(x, dst, options=Options(apart_min_bytes=0, split_assembly=False))
   [single] = one.executables()
   assert single.program.assemblers is None and single.split() is None
   assert len(single.compiled_programs()) == 1
@@ -1041,7 +1037,7 @@ def test_a_bucket_received_whole_runs_one_program() -> None:
   assert_matches_oracle(plan(x), host, dst)
 
 
-def test_which_buckets_assemble_on_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_which_buckets_assemble_on_their_own() -> None:
   """Only buckets of leaves moved whole to one destination device set that leaves some device
   of the bucket without a destination shard assemble on their own: not colocated sets, not
   destinations on
@@ -1063,11 +1059,17 @@ def test_which_buckets_assemble_on_their_own(monkeypatch: pytest.MonkeyPatch) ->
       modes = _schedule.leaf_modes(
         plan.schedule, plan.layouts, plan.scheduled, b, donate=donate, relayed=relayed
       )
-      out.append(_schedule.assembly_devices(plan.schedule, plan.layouts, plan.scheduled, b, modes))
+      split = plan.options.split_assembly
+      ids = _schedule.assembly_devices(
+        plan.schedule, plan.layouts, plan.scheduled, b, modes, split_assembly=split
+      )
+      out.append(ids)
     return out
 
   rows, cols = ("x",), (None, "x")
   assert devices([(lay(range(4), rows), lay(range(4, 8), cols))]) == [(4, 5, 6, 7)]
+  one_program = Options(split_assembly=False)  # no bucket assembles on its own
+  assert devices([(lay(range(4), rows), lay(range(4, 8), cols))], options=one_program) == [None]
   assert devices([(lay(range(4), rows), lay(range(4, 8), cols))], donate=True) == [(4, 5, 6, 7)]
   # A relayed leaf a out= call writes in place: the assembly program writes it.
   assert devices([(lay(range(4), rows), lay(range(4, 8), cols))], True, {0}) == [(4, 5, 6, 7)]
@@ -1092,18 +1094,20 @@ def test_which_buckets_assemble_on_their_own(monkeypatch: pytest.MonkeyPatch) ->
   # Where it pays: on the plan's topology where the model predicts it faster (2 CPU cores add
   # up the devices' zeros: 1 MiB discarded per trainer device outweighs a call, 256 KiB does
   # not; H100s work in parallel, and the sampler devices' assembly outlasts the trainer
-  # devices' zeros), without one from APART_MIN_BYTES (1 MiB) discarded on a device.
+  # devices' zeros), without one from Options.apart_min_bytes (1 MiB) discarded on a device.
   for size, on_cpu in ((512, False), (1024, True)):
     pair = (lay(range(4), rows, (size, size)), lay(range(4, 8), cols, (size, size)))
     for topo, apart in ((jr.Topology.cpu(), on_cpu), (jr.Topology.h100_nodes(), False)):
       plan = jr.plan_layouts([pair], [4], topology=topo)
       assert (_cost.assembles_apart(plan, 0) is not None) == apart, (size, topo.name)
     assert (_cost.assembles_apart(jr.plan_layouts([pair], [4]), 0) is not None) == on_cpu
-  monkeypatch.setattr(_cost, "APART_MIN_BYTES", 0)
 
   # The model: a second call, no discarded blocks (4 trainer devices x a 4 KiB shard each).
   topo = jr.Topology.h100_nodes()
-  plan = jr.plan_layouts([(lay(range(4), rows), lay(range(4, 8), cols))], [4])
+  pairs = [(lay(range(4), rows), lay(range(4, 8), cols))]
+  always = Options(apart_min_bytes=0)  # small leaves, assembled apart all the same
+  plan = jr.plan_layouts(pairs, [4], options=always)
+  assert _cost.assembles_apart(plan, 0) is not None
   fill = topo.fill_bandwidth or topo.memory_bandwidth
   split_cost = _bucket_cost(plan, 0, topo, split=True)
   one_cost = _bucket_cost(plan, 0, topo, split=False)
@@ -1113,12 +1117,9 @@ def test_which_buckets_assemble_on_their_own(monkeypatch: pytest.MonkeyPatch) ->
   np.testing.assert_allclose(one_cost.assemble - split_cost.assemble, [4096 / fill] * 4 + [0] * 4)
   est = jr.estimate(plan, topo)
   passes = pass_bytes(plan)
-  old_split = _schedule.SPLIT_ASSEMBLY
-  try:
-    _schedule.SPLIT_ASSEMBLY = False
-    one, one_passes = jr.estimate(plan, topo), pass_bytes(plan)
-  finally:
-    _schedule.SPLIT_ASSEMBLY = old_split
+  one_plan = jr.plan_layouts(pairs, [4], options=Options(apart_min_bytes=0, split_assembly=False))
+  assert one_plan.schedule.buckets[0].leaves == plan.schedule.buckets[0].leaves
+  one, one_passes = jr.estimate(one_plan, topo), pass_bytes(one_plan)
   assert est.call_s == pytest.approx(one.call_s + topo.call_latency)
   assert one_passes["zero_fill"] - passes["zero_fill"] == 4 * 4096
   assert {k: v for k, v in passes.items() if k != "zero_fill"} == {
@@ -1138,7 +1139,7 @@ def test_buckets_in_bound_only_apart_assemble_apart(monkeypatch: pytest.MonkeyPa
   buckets of 3 (at the bound), against 3 of 2 counted as one program (bundled there). Bit
   for bit, plain and twice into donated buffers, as the one-program plan."""
   monkeypatch.setattr(_cost, "_apart_pays", lambda *a: False)  # the cost rule says no
-  monkeypatch.setattr(_emit, "MIN_BUNDLED_LEAVES", 2)
+  bundled = Options(min_bundled_leaves=2)
   devs = np.array(jax.devices())
   src = NamedSharding(Mesh(devs[:4].reshape(2, 2), ("fsdp", "tp")), P("fsdp", "tp"))
   dst = NamedSharding(Mesh(devs[4:].reshape(2, 2), ("tp", "dp")), P(None, "tp"))
@@ -1154,7 +1155,7 @@ def test_buckets_in_bound_only_apart_assemble_apart(monkeypatch: pytest.MonkeyPa
     return buckets, plan.executables()[:n], plan.executables(out=True)[:n]
 
   jr.plan_cache_clear()
-  plan = jr.make_plan(x, dsts, topology=pairs, max_bucket_bytes=bound)
+  plan = jr.make_plan(x, dsts, topology=pairs, max_bucket_bytes=bound, options=bundled)
   buckets, plain, donated = first_stage(plan)
   assert [len(b.leaves) for b in buckets] == [3, 3] and all(b.must_apart for b in buckets)
   assert plan.stats.peak_staging_bytes == bound
@@ -1165,9 +1166,8 @@ def test_buckets_in_bound_only_apart_assemble_apart(monkeypatch: pytest.MonkeyPa
   y = refit_into_donated(plan, x, hosts, dsts)
 
   # Counted as one program (no bucket may assemble apart): three buckets, each in bound.
-  monkeypatch.setattr(_schedule, "SPLIT_ASSEMBLY", False)
-  jr.plan_cache_clear()
-  one = jr.make_plan(x, dsts, topology=pairs, max_bucket_bytes=bound)
+  one_program = dataclasses.replace(bundled, split_assembly=False)
+  one = jr.make_plan(x, dsts, topology=pairs, max_bucket_bytes=bound, options=one_program)
   buckets, plain, _ = first_stage(one)
   assert [len(b.leaves) for b in buckets] == [2, 2, 2] and not any(b.must_apart for b in buckets)
   assert all(exe.bundle() is not None for exe in plain)
@@ -1289,15 +1289,13 @@ def test_the_rounds_the_model_finds_repeated_are_those_the_program_packs_once() 
   assert found
 
 
-def test_overlapping_buckets_assemble_apart_with_resident_parts(
-  monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_overlapping_buckets_assemble_apart_with_resident_parts() -> None:
   """Rows on devices 0-3 to columns on 2-5: devices 2 and 3 copy parts of their own source
   shards, devices 0 and 1 hold no destination shard. The bucket assembles apart: its assembly
   program, on devices 2-5, takes the received payloads and the staged source blocks of the
   leaves with such resident parts. Bit for bit (random bits, NaN payloads among them), plain
   and twice into donated buffers, and equal to the one program's result."""
-  monkeypatch.setattr(_cost, "APART_MIN_BYTES", 0)  # small leaves, assembled apart all the same
+  always = Options(apart_min_bytes=0)  # small leaves, assembled apart all the same
   devs = np.array(jax.devices())
   src = NamedSharding(Mesh(devs[:4], ("x",)), P("x"))
   dst = NamedSharding(Mesh(devs[2:6], ("y",)), P(None, "y"))
@@ -1309,16 +1307,14 @@ def test_overlapping_buckets_assemble_apart_with_resident_parts(
   x = {k: jax.device_put(h, src) for k, h in hosts.items()}
   dsts = dict.fromkeys(hosts, dst)
   jr.plan_cache_clear()
-  plan = jr.make_plan(x, dsts)
+  plan = jr.make_plan(x, dsts, options=always)
   [exe] = plan.executables()
   assert exe.split() is not None and exe.program.assemblers == (2, 3, 4, 5)
   assert _emit.resident_sources(exe.program) == (0, 1)
   _, assembly = exe.compiled_programs()
   assert {d.id for d in assembly.input_shardings[0][0].device_set} == {2, 3, 4, 5}
   y = refit_into_donated(plan, x, hosts, dsts)
-  monkeypatch.setattr(_schedule, "SPLIT_ASSEMBLY", False)
-  jr.plan_cache_clear()
-  one = jr.make_plan(x, dsts)
+  one = jr.make_plan(x, dsts, options=Options(apart_min_bytes=0, split_assembly=False))
   assert one.executables()[0].split() is None
   z = one(x)
   for k in hosts:

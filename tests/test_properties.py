@@ -170,9 +170,8 @@ def _add_blocks(
   source shard or a placeholder; output, written into the destination shard or discarded);
   for a leaf cut into windows of both sides, both slabs."""
   blocks = [math.prod(staged_block_shape(lay.shard_shape())) * itemsize for lay in (src, dst)]
-  if None not in windows:  # windows of both sides: one window of each
-    assert windows[0] == windows[1]
-    event("cut into windows of both sides")
+  if None not in windows:  # windows of both sides, or a grid of slabs of both sides
+    event("cut into windows of both sides" if windows[0] == windows[1] else "cut into a grid")
   for lay, block, window in zip((src, dst), blocks, windows, strict=True):
     if window is None:
       continue
@@ -245,14 +244,18 @@ def test_staging_bound_with_slabs(tree, itemsize, fraction) -> None:
 
 def _check_slab_rows(lay: Layout, sched, j: int, slabs, side: int) -> None:
   """Every row with bytes lies in its chunk's window of its sender's (``side`` 1: receiver's)
-  shard of ``lay``."""
+  shard of ``lay``: window ``c`` for chunk ``c``, or in a grid (slabs of both sides that
+  differ) with ``ks`` source slabs, source slab ``c % ks`` and destination slab ``c // ks``."""
   dim, bounds = slabs
+  both = sched.leaf_slabs[j], sched.leaf_dst_slabs[j]
+  ks = len(both[0][1]) - 1 if None not in both and both[0] != both[1] else None
   lp = sched.leaf_plans[j]
   holder = lp.dst_device if side else lp.src_device
   for t, c in enumerate(sched.row_chunks[j].tolist()):
     if lp.nbytes[t]:
+      w = c if ks is None else (c // ks if side else c % ks)
       lo = _box(lay, int(holder[t]))[0][dim]
-      assert lo + bounds[c] <= lp.lo[t][dim] < lp.hi[t][dim] <= lo + bounds[c + 1]
+      assert lo + bounds[w] <= lp.lo[t][dim] < lp.hi[t][dim] <= lo + bounds[w + 1]
 
 
 @SETTINGS

@@ -13,6 +13,7 @@ from helpers import split_cases
 
 import jax_reshard as jr
 from jax_reshard import Layout, _schedule
+from jax_reshard._options import Options
 from jax_reshard._planner import plan_leaves
 from jax_reshard._schedule import (
   BucketBoundError,
@@ -101,12 +102,11 @@ def test_rounds_minimise_parallel_time_over_padding() -> None:
     assert len({s for s, _ in r.pairs}) == len({d for _, d in r.pairs}) == len(r.pairs) == 4
 
 
-def test_heavy_pairs_are_coloured_apart_from_a_star_of_small_ones(monkeypatch) -> None:
+def test_heavy_pairs_are_coloured_apart_from_a_star_of_small_ones() -> None:
   """Four large payloads need two rounds (devices 0 and 1 send two each), but a star of tiny
   payloads from device 6 raises the colours first fit may use, so coloured with it, one large
   payload lands in a third round; size classes apart take four rounds of large payloads.
   Coloured apart from the star, the large ones take two rounds."""
-  from jax_reshard import _schedule
   from jax_reshard._schedule import _make_rounds
 
   ps = np.array([0, 0, 1, 1, 6, 6, 6, 6, 6])
@@ -119,8 +119,8 @@ def test_heavy_pairs_are_coloured_apart_from_a_star_of_small_ones(monkeypatch) -
   for r in rounds:
     assert len({s for s, _ in r.pairs}) == len({d for _, d in r.pairs}) == len(r.pairs)
   assert (round_bytes >= fill).all()
-  monkeypatch.setattr(_schedule, "HEAVY_RATIOS", ())
-  assert sum(r.nbytes for r in _make_rounds(ps, pd, fill)[0]) == 282  # 100 + 100 + 80 + ...
+  without = _make_rounds(ps, pd, fill, heavy_ratios=())[0]  # no heavy pairs coloured apart
+  assert sum(r.nbytes for r in without) == 282  # 100 + 100 + 80 + ...
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -222,9 +222,12 @@ def test_both_placeholders_at_the_floor_cut_windows_of_both_sides() -> None:
   assert (count == 1).all()
 
 
-def test_both_placeholders_at_the_floor_without_a_window_dimension_is_an_error() -> None:
+def test_both_placeholders_at_the_floor_without_a_window_dimension_plan_as_a_grid() -> None:
   """Where each side shards a dimension the other does not, no window is a slab of both: the
-  error names the least bound one of the ways plans with, and that bound plans."""
+  leaf is cut into a grid of slabs of both sides (chunk ``j * ks + i``: source slab ``i`` of
+  destination slab ``j``) under a bound far below either whole shard (2 KiB and 1 KiB against
+  512 bytes); every destination element moves exactly once, inside its chunk's windows. Below
+  the grid's floor (slabs one index thick on each side), the error names a bound that plans."""
   src = Layout.from_description(
     (64, 16), mesh_shape=(2,), axis_names=("r",), spec=("r", None), device_ids=range(2)
   )
@@ -233,10 +236,28 @@ def test_both_placeholders_at_the_floor_without_a_window_dimension_is_an_error()
   )
   layouts = [(src, dst)]
   plans = plan_leaves(layouts, [4])
+  sched = make_schedule(plans, layouts, [4], max_bucket_bytes=512)
+  assert sched.peak_staging_bytes <= 512 and len(sched.leaf_buckets[0]) > 1
+  (dim_s, src_bounds), (dim_d, dst_bounds) = sched.leaf_slabs[0], sched.leaf_dst_slabs[0]
+  assert (dim_s, dim_d) == (0, 1)  # each side cut along the dimension it shards
+  ks = len(src_bounds) - 1
+  cut, chunk = sched.leaf_plans[0], sched.row_chunks[0]
+  assert int(cut.nbytes.sum()) == int(plans[0].nbytes.sum())
+  count = np.zeros((64, 16), np.int64)
+  for t in np.flatnonzero(cut.nbytes > 0):
+    i, j = int(chunk[t]) % ks, int(chunk[t]) // ks
+    src_start = src.starts[src.device_ids.index(int(cut.src_device[t]))][0]
+    dst_start = dst.starts[dst.device_ids.index(int(cut.dst_device[t]))][1]
+    assert src_bounds[i] <= cut.lo[t, 0] - src_start < cut.hi[t, 0] - src_start <= src_bounds[i + 1]
+    assert dst_bounds[j] <= cut.lo[t, 1] - dst_start < cut.hi[t, 1] - dst_start <= dst_bounds[j + 1]
+    count[cut.lo[t, 0] : cut.hi[t, 0], cut.lo[t, 1] : cut.hi[t, 1]] += 1
+  assert (count == 1).all()
+  with pytest.raises(BucketBoundError):  # a grid of at most 2 x 2 slabs does not fit
+    make_schedule(plans, layouts, [4], max_bucket_bytes=512, options=Options(max_grid_slabs=2))
   with pytest.raises(BucketBoundError, match=r"max_bucket_bytes=\d+ or more") as e:
-    make_schedule(plans, layouts, [4], max_bucket_bytes=512)
+    make_schedule(plans, layouts, [4], max_bucket_bytes=64)
   bound = e.value.minimum_bytes
-  assert bound > 512
+  assert bound > 64
   for _ in range(3):  # each refusal names more (a lower bound first), until one plans
     try:
       sched = make_schedule(plans, layouts, [4], max_bucket_bytes=bound)

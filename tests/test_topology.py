@@ -520,14 +520,14 @@ def test_bucket_bound_candidates_keep_the_plan_predicted_fastest() -> None:
   assert tie.max_bucket_bytes == 64 << 20
   # Too small a candidate is passed over; all too small: the error of the largest, which
   # names a larger bound (a lower bound first, as for one bound) until one plans.
-  small = jr.plan_layouts(tree, isz, max_bucket_bytes=[1 << 20, 64 << 20], topology=topo)
+  small = jr.plan_layouts(tree, isz, max_bucket_bytes=[64 << 10, 64 << 20], topology=topo)
   assert small.max_bucket_bytes == 64 << 20
-  with pytest.raises(jr.BucketBoundError, match="max_bucket_bytes=2097152 is below") as err:
-    jr.plan_layouts(tree, isz, max_bucket_bytes=[1 << 20, 2 << 20], topology=topo)
+  with pytest.raises(jr.BucketBoundError, match="max_bucket_bytes=131072 is below") as err:
+    jr.plan_layouts(tree, isz, max_bucket_bytes=[64 << 10, 128 << 10], topology=topo)
   least = err.value.minimum_bytes
   for _ in range(3):
     try:
-      plan = jr.plan_layouts(tree, isz, max_bucket_bytes=[1 << 20, least], topology=topo)
+      plan = jr.plan_layouts(tree, isz, max_bucket_bytes=[64 << 10, least], topology=topo)
       break
     except jr.BucketBoundError as again:
       assert again.minimum_bytes > least
@@ -581,13 +581,14 @@ def test_make_plan_takes_bucket_bound_candidates() -> None:
 
 
 def test_a_relay_plan_too_large_for_the_bound_names_the_least_bound_of_both_stages() -> None:
-  """A bound below what the first stage needs (a sampler device stages a 512 KiB zero block of
-  the trainer's shard) raises ``BucketBoundError`` naming the leaf and the first stage's least
-  bound, as without relays, though the forwarding stage alone fits (its windows across the
-  trainer's shard boundaries included)."""
+  """A bound below what the first stage needs (a sampler device stages slabs of the trainer's
+  512 KiB shard and of its own 1 MiB one: at least 1/64 of each, see ``Options.max_grid_slabs``)
+  raises ``BucketBoundError`` naming the leaf and the first stage's least bound, as without
+  relays, though the forwarding stage alone fits (its windows across the trainer's shard
+  boundaries included)."""
   tree, isz = _two_hosts(1024)  # 2 MiB of bfloat16; trainer shards of 512 KiB
   topo = Topology.h100_nodes(2)
-  bound = 2 * 1024 * 1024 // 48
+  bound = 2 * 1024 * 1024 // 128
   with pytest.raises(jr.ReshardError, match="leaf w needs") as err:
     jr.plan_layouts(tree, isz, max_bucket_bytes=bound, topology=topo, leaf_names=["w"])
   least = err.value.minimum_bytes  # type: ignore[attr-defined]
@@ -602,12 +603,12 @@ def test_a_relay_plan_too_large_for_the_bound_names_the_least_bound_of_both_stag
       assert again.minimum_bytes > least
       least = again.minimum_bytes
   assert plan.relay is not None and plan.stats.peak_staging_bytes <= least
-  # The forwarding stage alone at that bound: windows of rows, some across two trainer
-  # shards (more pairs, whose rounds may pad more); every one is checked and fits.
+  # The forwarding stage alone at bounds of 1/48 and 1/24 of the tree: windows of rows, some
+  # across two trainer shards (more pairs, whose rounds may pad more); every one fits.
   relay = jr.plan_layouts(tree, isz, max_bucket_bytes=None, topology=topo).relay
   assert relay is not None
   d = tree[0][1]
-  for b in (bound, 2 * 1024 * 1024 // 24):
+  for b in (2 * 1024 * 1024 // 48, 2 * 1024 * 1024 // 24):
     sch = make_schedule(list(relay.leaf_plans), [(d, d)], isz, max_bucket_bytes=b, topology=topo)
     assert sch.leaf_windows[0] is not None and len(sch.buckets) > 2
     assert sch.peak_staging_bytes <= b
