@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -35,6 +35,8 @@ from jax_reshard._buffers import (
 from jax_reshard._options import DEFAULT_OPTIONS, Options
 from jax_reshard._plan import LayoutPlan
 from jax_reshard._program import (
+  Arrange,
+  Assemble,
   BucketProgram,
   Bundle,
   ChunkWrites,
@@ -56,9 +58,6 @@ from jax_reshard._program import (
   travels_as_is,
   uint_dtype,
 )
-from jax_reshard._tprogram import Part as TPart
-from jax_reshard._tprogram import Slab as TSlab
-from jax_reshard._tprogram import TransformProgram
 
 AXIS = "u"
 Segment = tuple[int, int, int | None]  # unit words start, stop; the leaf sent whole, or None
@@ -233,18 +232,24 @@ def _local_view(leaves: Sequence[LeafView], blocks: Sequence[jax.Array]) -> list
   ]
 
 
+def _read_views(
+  program: BucketProgram, blocks: Sequence[Any], cuts: Iterable[Cut]
+) -> dict[int, jax.Array]:
+  """The staged blocks of the sources ``cuts`` read, by position, as :func:`_local_view` s."""
+  used = sorted({c.leaf for c in cuts})
+  return {k: _local_view([program.sources[k]], [blocks[k]])[0] for k in used}
+
+
 def _pack_fn(program: BucketProgram, pack: Pack, shifts: Shifts = ()) -> Callable[..., jax.Array]:
   """The payload code of one sender role."""
   n, unit = len(program.device_ids), program.unit
 
   def branch(me: jax.Array, *blocks: jax.Array) -> jax.Array:
-    shards = _local_view(program.leaves, blocks)
-    parts = [
-      _to_units(
-        _slice(c, shards[c.leaf], me, n, _leaf_at(program, shifts, c.leaf, len(c.shape))), unit
-      )
-      for c in pack.cuts
-    ]
+    shards = _read_views(program, blocks, pack.cuts)
+    parts = []
+    for c in pack.cuts:
+      at = _leaf_at(program, shifts, c.leaf, len(c.shape))
+      parts.append(_to_units(_cut_value(program, c, _slice(c, shards[c.leaf], me, n, at)), unit))
     if pack.pad_words:
       parts.append(jnp.zeros((pack.pad_words,), unit))
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
@@ -253,13 +258,38 @@ def _pack_fn(program: BucketProgram, pack: Pack, shifts: Shifts = ()) -> Callabl
 
 
 def _cut_words(program: BucketProgram, cut: Cut) -> int:
-  """Unit words of ``cut`` in a payload."""
-  return math.prod(cut.shape) * program.leaves[cut.leaf].word.itemsize // program.unit.itemsize
+  """Unit words of ``cut`` in a payload (after its casts)."""
+  word = uint_dtype(cut.casts[-1]) if cut.casts else program.sources[cut.leaf].word
+  return math.prod(cut.shape) * word.itemsize // program.unit.itemsize
+
+
+def _cast_words(x: jax.Array, dtype: np.dtype, casts: Sequence[np.dtype]) -> jax.Array:
+  """Words of elements of ``dtype`` (in its own width) cast in value by ``casts`` in order, as
+  words of the last; without casts, ``x`` unchanged. A cast keeps no NaN payload."""
+  if not casts:
+    return x
+  y = _from_uint(x, dtype)
+  for dt in casts:
+    y = jax.lax.convert_element_type(y, dt)
+  return _to_uint(y)
+
+
+def _cut_value(program: BucketProgram, cut: Cut, x: jax.Array) -> jax.Array:
+  """The words ``x`` of ``cut``, cast by its casts where it has any."""
+  return _cast_words(x, program.sources[cut.leaf].dtype, cut.casts)
+
+
+def _arranged(x: jax.Array, arrange: Arrange) -> jax.Array:
+  """A part's words ``x`` (of its wire dtype) as they land (see :class:`Arrange`)."""
+  x = x.reshape(arrange.extents)
+  if arrange.perm != tuple(range(len(arrange.perm))):
+    x = jnp.transpose(x, arrange.perm)
+  return _cast_words(x.reshape(arrange.shape), arrange.wire, arrange.casts)
 
 
 def whole_segments(program: BucketProgram, rnd: SendRound) -> tuple[Segment, ...] | None:
   """For a packed round (not :func:`whole_block_leaves`') where every sender's payload holds
-  the whole source shard of a leaf (of a type that travels as it is, and of at least
+  the whole source shard of a leaf, uncast (of a type that travels as it is, and of at least
   :attr:`BucketProgram.whole_operand_bytes`) at the same words, the payload cut at those shards:
   ``(start, stop, leaf)`` in unit words, ``leaf`` the position of the leaf whose staged block is
   that segment (sent as it is, idle devices' placeholders too) or ``None`` for words packed
@@ -270,10 +300,10 @@ def whole_segments(program: BucketProgram, rnd: SendRound) -> tuple[Segment, ...
   for p in rnd.packs:
     at, found = 0, set[Segment]()
     for cut in p.cuts:
-      lf, size = program.leaves[cut.leaf], _cut_words(program, cut)
+      lf, size = program.sources[cut.leaf], _cut_words(program, cut)
       whole = cut.static_offset == (0,) * len(cut.shape) and cut.shape == _words(lf.src_shard, lf)
       big = size * program.unit.itemsize >= program.whole_operand_bytes
-      if whole and big and lf.src_window is None and travels_as_is(lf.dtype):
+      if whole and big and not cut.casts and lf.src_window is None and travels_as_is(lf.dtype):
         found.add((at, at + size, cut.leaf))
       at += size
     common = found if common is None else common & found
@@ -299,7 +329,7 @@ def _packed_fn(
   n, unit = len(program.device_ids), program.unit
 
   def branch(me: jax.Array, *blocks: jax.Array) -> tuple[jax.Array, ...]:
-    shards = _local_view(program.leaves, blocks)
+    shards = _read_views(program, blocks, pack.cuts)
     outs = []
     for start, stop in packed:
       parts, at = [], 0
@@ -307,7 +337,9 @@ def _packed_fn(
         size = _cut_words(program, c)
         if start <= at and at + size <= stop:
           lo = _leaf_at(program, shifts, c.leaf, len(c.shape))
-          parts.append(_to_units(_slice(c, shards[c.leaf], me, n, lo), unit))
+          parts.append(
+            _to_units(_cut_value(program, c, _slice(c, shards[c.leaf], me, n, lo)), unit)
+          )
         at += size
       filled = sum(int(v.shape[0]) for v in parts)
       if filled < stop - start:
@@ -327,8 +359,8 @@ def whole_block_leaf(program: BucketProgram, rnd: SendRound) -> int | None:
 
 
 def whole_block_leaves(program: BucketProgram, rnd: SendRound) -> tuple[int, ...] | None:
-  """The leaves whose whole source shards every sender of ``rnd`` sends, in payload order and
-  unpadded (the same leaves for every sender), or ``None``. Such a round needs no packing:
+  """The leaves whose whole source shards every sender of ``rnd`` sends, uncast, in payload
+  order and unpadded (the same leaves for every sender), or ``None``. Such a round needs no packing:
   every device (idle ones too, from their placeholder blocks) sends its blocks of those
   leaves (see :func:`_operand`) as one ``ppermute`` of several operands, without packing, a
   concatenation or a branch; receivers read each leaf's block as it came."""
@@ -341,8 +373,10 @@ def whole_block_leaves(program: BucketProgram, rnd: SendRound) -> tuple[int, ...
     if tuple(c.leaf for c in p.cuts) != leaves:
       return None
     for cut in p.cuts:
-      lf = program.leaves[cut.leaf]
+      lf = program.sources[cut.leaf]
       if cut.static_offset != (0,) * len(cut.shape) or cut.shape != _words(lf.src_shard, lf):
+        return None
+      if cut.casts:  # sent as it is read only
         return None
   return leaves
 
@@ -354,9 +388,10 @@ def _words(shard: tuple[int, ...], lf: LeafView) -> tuple[int, ...]:
 
 def received_whole(program: BucketProgram) -> dict[int, int]:
   """Leaf position -> round, for every leaf whose destination shard each destination device
-  receives whole as one round's entire payload (one part, no padding): its output is that
-  payload viewed in the leaf's type on every device, outside the assembly branches (no copy;
-  devices without a shard of it return their payload of that round, discarded)."""
+  receives whole as one round's entire payload (one part, landing as it is, no padding): its
+  output is that payload viewed in the leaf's type on every device, outside the assembly
+  branches (no copy; devices without a shard of it return their payload of that round,
+  discarded)."""
   out = {}
   for li, lf in enumerate(program.leaves):
     if lf.in_place or lf.dst_input:
@@ -367,7 +402,7 @@ def received_whole(program: BucketProgram) -> dict[int, int]:
       if parts is None:
         continue
       p = parts[0] if len(parts) == 1 else None
-      if not isinstance(p, Received):
+      if not isinstance(p, Received) or p.arrange is not None:
         break
       if (p.start, p.stop) not in _segments(program, p.round) or p.shape != lf.dst_words:
         break
@@ -389,7 +424,7 @@ def _segments(program: BucketProgram, r: int) -> set[tuple[int, int]]:
     return {(0, rnd.words)}
   out, at = set(), 0
   for cut in rnd.packs[0].cuts:
-    size = math.prod(cut.shape) * program.leaves[cut.leaf].word.itemsize // program.unit.itemsize
+    size = math.prod(cut.shape) * program.sources[cut.leaf].word.itemsize // program.unit.itemsize
     out.add((at, at + size))
     at += size
   return out
@@ -437,7 +472,7 @@ def _emit_round(
   unit = program.unit
   whole = whole_block_leaves(program, rnd)
   if whole is not None:
-    operands = [_operand(program.leaves[li], blocks[li]) for li in whole]
+    operands = [_operand(program.sources[li], blocks[li]) for li in whole]
     return tuple(jax.lax.ppermute(operands, axis, list(rnd.pairs)))
   segments = whole_segments(program, rnd)
   if segments is not None:
@@ -471,7 +506,7 @@ def operand_layout(program: BucketProgram, rnd: SendRound) -> tuple[Segment, ...
     return whole_segments(program, rnd) or ((0, rnd.words, None),)
   out, at = [], 0
   for li in whole:
-    lf = program.leaves[li]
+    lf = program.sources[li]
     size = math.prod(_words(lf.src_shard, lf)) * lf.word.itemsize // program.unit.itemsize
     out.append((at, at + size, li))
     at += size
@@ -559,20 +594,26 @@ def _part_value(
   program: BucketProgram,
   li: int,
   part: Any,
-  shard: jax.Array,
+  shards: Any,
   recvs: Sequence[Any],
   me: jax.Array,
   at: Sequence[Any] | None = None,
 ) -> jax.Array:
   """A destination part of leaf ``li`` in its words: payload words of a round (a
   :class:`Received`, or a :class:`ChunkWrites` source of one), or a cut of the own source
-  shard (``at``: the window start in words where the leaf has one)."""
+  shard (``shards``: those of the program's sources, in words, by position; ``at``: the window
+  start in words where the leaf has one), arranged as it lands where it has an
+  :class:`Arrange`."""
   lf = program.leaves[li]
   if isinstance(part, Received):
     words = _payload_words(program, part.round, recvs[part.round], part.start, part.stop)
-    return _from_units(words, lf.word, part.shape)
+    if part.arrange is None:
+      return _from_units(words, lf.word, part.shape)
+    return _arranged(_from_units(words, uint_dtype(part.arrange.wire), (-1,)), part.arrange)
   cut = part if isinstance(part, Cut) else part.cut
-  return _slice(cut, shard, me, len(program.device_ids), at)
+  value = _cut_value(program, cut, _slice(cut, shards[cut.leaf], me, len(program.device_ids), at))
+  arrange = None if isinstance(part, Cut) else part.arrange
+  return value if arrange is None else _arranged(value, arrange)
 
 
 def _payload_words(
@@ -583,7 +624,7 @@ def _payload_words(
   staged block viewed in unit words where it is read)."""
   views = []
   for (a, b, li), v in zip(operand_layout(program, program.rounds[r]), recv, strict=True):
-    words = v if li is None else _to_units(_local_view([program.leaves[li]], [v])[0], program.unit)
+    words = v if li is None else _to_units(_local_view([program.sources[li]], [v])[0], program.unit)
     if a <= start and stop <= b:
       return words if (start, stop) == (a, b) else jax.lax.slice(words, (start - a,), (stop - a,))
     views.append(words)
@@ -608,10 +649,7 @@ def _assemble_fn(
   ) -> tuple[jax.Array, ...]:
     # The assembly program of destination devices (emit_assembly_body) has the source blocks
     # of the leaves with resident parts only (None for the others).
-    shards = [
-      None if b is None else _local_view([lf], [b])[0]
-      for lf, b in zip(program.leaves, blocks, strict=True)
-    ]
+    shards = _read_views(program, blocks, _resident_cuts(role, switched, slots, k))
     outs = []
     for li in switched:
       lf, parts = program.leaves[li], role.parts[li]
@@ -619,7 +657,7 @@ def _assemble_fn(
         outs.append(_base(lf, dsts[li] if lf.in_place else None))
         continue
       at = _leaf_at(program, shifts, li, len(lf.src_shard))
-      values = [(p.offset, _part_value(program, li, p, shards[li], recvs, me, at)) for p in parts]
+      values = [(p.offset, _part_value(program, li, p, shards, recvs, me, at)) for p in parts]
       if lf.in_place:
         dst_shift = dst_shifts[li] if dst_shifts else None
         outs.append(_in_place(lf, _base(lf, dsts[li]), values, dst_shift))
@@ -641,10 +679,20 @@ def _assemble_fn(
           else:
             outs.append(jax.lax.dynamic_slice(words, dst_at, shape))
         else:
-          outs.append(_part_value(program, li, p, shards[li], recvs, me, at))
+          outs.append(_part_value(program, li, p, shards, recvs, me, at))
     return tuple(outs)
 
   return branch
+
+
+def _resident_cuts(
+  role: Assemble, switched: Sequence[int], slots: dict[int, ChunkWrites], k: int
+) -> list[Cut]:
+  """The cuts of own source shards assembly role ``k`` (``role``) reads for the leaves
+  ``switched`` and the slot values of ``slots``."""
+  parts = [p for li in switched for p in role.parts[li] or ()]
+  parts += [p for w in slots.values() for p in w.fills[k] or () if p is not None]
+  return [p.cut for p in parts if isinstance(p, Resident)]
 
 
 def _write_chunks(
@@ -680,7 +728,11 @@ def _write_chunks(
 def _shifts(program: BucketProgram, scalars: Sequence[Any] | None) -> tuple[Shifts, Shifts]:
   """Per leaf, where its source offsets start and where its destination offsets start (see
   :attr:`LeafView.shift`, :attr:`LeafView.dst_shift`): the program's ``scalars`` (its shift
-  arguments, in the order of :func:`shift_starts`), or its own starts where that is ``None``."""
+  arguments, in the order of :func:`shift_starts`), or its own starts where that is ``None``;
+  none where no leaf is shifted (a transformed program's cuts number its inputs, not its
+  leaves)."""
+  if not program.shifted and not program.dst_shifted:
+    return [], []
   n = len(program.leaves)
   shifts: list[tuple[int, Any] | None] = [None] * n
   dst_shifts: list[tuple[int, Any] | None] = [None] * n
@@ -699,14 +751,15 @@ def emit_body(
   """The per-device body of ``program`` for a ``shard_map`` whose mesh positions ``axis``
   (one axis name, or a tuple of all of them) enumerates in the order of ``device_ids``.
 
-  It takes one staged source block per leaf, then the destination block of every leaf in
-  :attr:`BucketProgram.dst_inputs`, then (``shift_inputs``) the window start of every leaf in
-  :attr:`BucketProgram.shifted` as an int32 scalar (else the program's own starts are
-  constants), and returns one destination block per leaf. Split leaves
-  whose parts every device can write alike (:func:`chunk_writes`) are written after the
-  per-role switch, which then returns at most their parts.
+  It takes one staged source block per source (:attr:`BucketProgram.sources`), then the
+  destination block of every leaf in :attr:`BucketProgram.dst_inputs`, then
+  (``shift_inputs``) the window start of every leaf in :attr:`BucketProgram.shifted` as an
+  int32 scalar (else the program's own starts are constants), and returns one destination
+  block per leaf. Split leaves whose parts every device can write alike
+  (:func:`chunk_writes`) are written after the per-role switch, which then returns at most
+  their parts.
   """
-  num_src = len(program.leaves)
+  num_src, num_leaves = len(program.sources), len(program.leaves)
   n = len(program.device_ids)
   # Parts that come out of the switch cost a pass: worth it only to spare a block-sized copy
   # of a destination input.
@@ -718,7 +771,7 @@ def emit_body(
     and (w.sources is not None or lf.dst_input)
   }
   direct = received_whole(program)
-  switched = [li for li in range(num_src) if li not in writes and li not in direct]
+  switched = [li for li in range(num_leaves) if li not in writes and li not in direct]
   valued = {li: w for li, w in writes.items() if w.sources is None}
 
   # Devices without a destination shard return zeros for discarded blocks (of leaves not
@@ -735,14 +788,14 @@ def emit_body(
   def body(*inputs: jax.Array) -> tuple[jax.Array, ...]:
     blocks = inputs[:num_src]
     num_dst = len(program.dst_inputs)
-    dsts: list[Any] = [None] * num_src
+    dsts: list[Any] = [None] * num_leaves
     for li, d in zip(program.dst_inputs, inputs[num_src : num_src + num_dst], strict=True):
       dsts[li] = d
     shifts, dst_shifts = _shifts(program, inputs[num_src + num_dst :] if shift_inputs else None)
     me = jax.lax.axis_index(axis)
     packed: dict[tuple[object, ...], jax.Array] = {}
     recvs = [_emit_round(program, rnd, axis, me, blocks, shifts, packed) for rnd in program.rounds]
-    outs: list[Any] = [None] * num_src
+    outs: list[Any] = [None] * num_leaves
     for li, r in direct.items():
       outs[li] = _direct_value(program, li, r, recvs[r])
     ys: list[Any] = []
@@ -760,10 +813,11 @@ def emit_body(
       if w.sources is None:
         values = [ys.pop(0) for _ in w.shapes]
       else:
-        shard = _local_view([lf], [blocks[li]])[0]
+        shard = {li: _local_view([lf], [blocks[li]])[0]}
         at = _leaf_at(program, shifts, li, len(lf.src_shard))
         values = [_part_value(program, li, src, shard, recvs, me, at) for src in w.sources]
-      outs[li] = _write_chunks(program, li, w, _base(lf, dsts[li]), values, me, dst_shifts[li])
+      shift = dst_shifts[li] if dst_shifts else None
+      outs[li] = _write_chunks(program, li, w, _base(lf, dsts[li]), values, me, shift)
     return tuple(outs)
 
   return body
@@ -848,7 +902,7 @@ def emit_assembly_body(program: BucketProgram, axis: Any) -> Callable[..., tuple
     for r, k in zip(rounds, operands, strict=True):
       recvs[r], at = tuple(inputs[at : at + k]), at + k
     fns = [_assemble_fn(program, k, assembled, {}) for k in range(len(program.assembles))]
-    blocks: list[Any] = [None] * len(program.leaves)
+    blocks: list[Any] = [None] * len(program.sources)
     for li in sources:
       blocks[li], at = inputs[at], at + 1
     # The other donated blocks only lend their buffers.
@@ -907,16 +961,18 @@ def _compiled_program(
   bundled = set(bundle.leaves) if bundle is not None else set()
   dst_leaves = [leaves[i] for i in signature.dst_inputs]
   num_out = len(leaves) - len(bundled) + (bundle is not None)
+  num_in = len(signature.sources) - len(bundled) + (bundle is not None)
   specs = tuple(PartitionSpec(AXIS) for _ in range(num_out))
   num_shifts = len(signature.shifted) + len(signature.dst_shifted)
-  in_specs = specs + tuple(PartitionSpec(AXIS) for _ in dst_leaves)
+  in_specs = tuple(PartitionSpec(AXIS) for _ in range(num_in))
+  in_specs += tuple(PartitionSpec(AXIS) for _ in dst_leaves)
   in_specs += (PartitionSpec(),) * num_shifts
   body = emit_body(signature, AXIS, shift_inputs=True)
   if bundle is not None:
     body = _bundled_body(signature, bundle, body)
   fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=specs, check_vma=False)
   n = len(devices)
-  blocks = [(lf.src_block, lf.dtype) for i, lf in enumerate(leaves) if i not in bundled]
+  blocks = [(lf.src_block, lf.dtype) for i, lf in enumerate(signature.sources) if i not in bundled]
   if bundle is not None:
     blocks.insert(0, ((bundle.src_bytes,), np.dtype(np.uint8)))
   blocks += [(lf.dst_block, lf.dtype) for lf in dst_leaves]
@@ -925,7 +981,7 @@ def _compiled_program(
   ]
   scalar = NamedSharding(mesh, PartitionSpec())
   avals += [jax.ShapeDtypeStruct((), np.int32, sharding=scalar)] * num_shifts
-  donate = tuple(range(num_out, num_out + len(dst_leaves)))  # written in place
+  donate = tuple(range(num_in, num_in + len(dst_leaves)))  # written in place
   # keep_unused: a donated block that is only a buffer for the result is never read, yet must
   # stay an argument for its output to alias it.
   jitted = jax.jit(fn, donate_argnums=donate, keep_unused=True)
@@ -1678,7 +1734,7 @@ class BucketExecutable:
     self.options = options
     self.devices = devices
     self.dst_shardings = list(dst_shardings)
-    self.src_shardings = list(src_shardings or [None] * len(program.leaves))
+    self.src_shardings = list(src_shardings or [None] * len(program.sources))
     self._mesh_devices = tuple(devices[i] for i in program.device_ids)
     # Whether a call needs leaves' destination blocks (``dsts``): some leaf has a destination
     # input or is cut into destination slabs.
@@ -1688,6 +1744,7 @@ class BucketExecutable:
     self.one_at_a_time = one_at_a_time(self._mesh_devices)
     self._compiled: Any = None
     self._io: list[_LeafIO] | None = None
+    self._src_io: list[_LeafIO] | None = None
     self._runner: Runner | None = None
     # Source placeholders, when every group is small enough to be made once and kept.
     self._kept_placeholders: dict[tuple[Any, ...], jax.Array] | None = None
@@ -1769,6 +1826,8 @@ class BucketExecutable:
     opts = self.options
     if not opts.bundled_calls or self.program.must_apart or self._direct_allowed():
       return None
+    if self.program.inputs:  # a transformed program stages every leaf on its own
+      return None
     chosen: list[int] = []
     meshes = None
     totals = np.zeros(2, dtype=np.int64)
@@ -1842,6 +1901,8 @@ class BucketExecutable:
 
   def _direct_allowed(self) -> bool:
     p = self.program
+    if p.inputs:  # a transformed program stages every leaf on its own
+      return False
     allowed = self.options.direct_calls and not p.placeholders
     if not allowed or not all(enters_whole(lf) for lf in p.leaves):
       return False
@@ -1873,7 +1934,7 @@ class BucketExecutable:
     """Runs the compiled program (``bundled``: the one taking the :meth:`bundle`) and splits
     its outputs into per-device blocks (made once)."""
     program, fast = self.program, fast_path_available()
-    num_args = len(program.leaves) + len(program.dst_inputs) + len(program.shifted)
+    num_args = len(program.sources) + len(program.dst_inputs) + len(program.shifted)
     num_args += len(program.dst_shifted)
     if bundled:
       if self._bundled_runner is None:
@@ -1899,13 +1960,26 @@ class BucketExecutable:
     """Per leaf, its staging and unstaging worked out (once)."""
     if self._io is None:
       staged, fast = self.staged_sharding, fast_path_available()
+      program = self.program
+      own = [None] * len(program.leaves) if program.inputs else self.src_shardings
       self._io = [
         _LeafIO(lf, src, dst, staged, fast=fast)
-        for lf, src, dst in zip(
-          self.program.leaves, self.src_shardings, self.dst_shardings, strict=True
-        )
+        for lf, src, dst in zip(program.leaves, own, self.dst_shardings, strict=True)
       ]
     return self._io
+
+  def source_io(self) -> list[_LeafIO]:
+    """Per source of the program, its staging worked out (once): the leaves' own
+    (:meth:`leaf_io`), or the :attr:`BucketProgram.inputs`' of a transformed program."""
+    if self._src_io is None:
+      staged, fast = self.staged_sharding, fast_path_available()
+      self._src_io = self.leaf_io()
+      if self.program.inputs:
+        self._src_io = [
+          _LeafIO(lf, s, s, staged, fast=fast)
+          for lf, s in zip(self.program.inputs, self.src_shardings, strict=True)
+        ]
+    return self._src_io
 
   def _spare_blocks(self, spares: dict[Any, list[jax.Array]]) -> dict[Any, jax.Array]:
     """Destination placeholders by (device id, leaf position): taken from ``spares`` (blocks
@@ -1938,7 +2012,7 @@ class BucketExecutable:
     staged blocks.
 
     Args:
-      xs: per leaf of the program, its source array.
+      xs: per source of the program (:attr:`BucketProgram.sources`), its source array.
       dsts: per leaf, its destination blocks by device id where it has a destination input
         or is cut into destination slabs (donated: they are consumed), else ``None``.
       spares: optional, buffers to donate as destination placeholders, by (device id, block
@@ -1969,12 +2043,13 @@ class BucketExecutable:
     ):
       bundle = None  # arrays laid out equivalently, not equally: every leaf stages
     run = self.runner(bundled=bundle is not None)
-    io = self.leaf_io()
+    io, src_io = self.leaf_io(), self.source_io()
     placeholders = self._placeholders(0)
     wait = self.one_at_a_time
     staged = [] if bundle is None else [self.bundle_io().stage(xs, wait=wait)]
     own = range(len(io)) if bundle is None else self.bundle_io().others  # staged on their own
-    staged += [io[li].stage(xs[li], placeholders) for li in own]
+    sources = range(len(src_io)) if bundle is None else own
+    staged += [src_io[k].stage(xs[k], placeholders) for k in sources]
     if self.program.dst_inputs:
       dst_ph = self._placeholders(1) if spares is None else self._spare_blocks(spares)
       for li in self.program.dst_inputs:
@@ -2099,247 +2174,3 @@ def _reread(
         )(y)
       )
   return _typed(outs, dst_mesh, dst_specs)
-
-
-# ---------------------------------------------------------------- transformed plans
-
-
-def _as_words(dtype: np.dtype) -> bool:
-  """Whether a transformed program carries elements of ``dtype`` as unsigned words: floats
-  narrower than 32 bits, whose slices, transposes and joins XLA:CPU computes in float32, which
-  changes NaN payloads. Other types are carried as themselves: copying them keeps every bit,
-  and a bitcast after a join costs XLA:CPU one more pass over the output."""
-  dtype = np.dtype(dtype)
-  return bool(jnp.issubdtype(dtype, jnp.floating)) and dtype.itemsize < 4
-
-
-def _carrier(dtype: np.dtype) -> np.dtype:
-  """The type a transformed program carries elements of ``dtype`` in (see :func:`_as_words`)."""
-  return uint_dtype(np.dtype(dtype)) if _as_words(dtype) else np.dtype(dtype)
-
-
-def _to_carrier(x: jax.Array) -> jax.Array:
-  return _to_uint(x) if _as_words(x.dtype) else x
-
-
-def _from_carrier(x: jax.Array, dtype: np.dtype) -> jax.Array:
-  return _from_uint(x, dtype) if _as_words(dtype) else x
-
-
-def _cast(x: jax.Array, dtype: np.dtype, casts: Sequence[np.dtype]) -> jax.Array:
-  """``x`` (elements of ``dtype`` in its carrier) cast in value to the last of ``casts``, in
-  that type's carrier; without casts, ``x`` unchanged. A cast keeps no NaN payload."""
-  if not casts:
-    return x
-  x = _from_carrier(x, dtype)
-  for dt in casts:
-    x = jax.lax.convert_element_type(x, dt)
-  return _to_carrier(x)
-
-
-def _read_slab(slab: TSlab, shard: jax.Array, me: jax.Array, n: int) -> jax.Array:
-  """A slab of a source shard (at a static offset, or one read from a table at ``me``), cast
-  on the reading device up to the wire dtype, in that type's carrier (:func:`_as_words`: a
-  plan moves every bit it does not cast unchanged, bfloat16 NaN payloads included)."""
-  lo, shape = slab.static_offset, slab.shape
-  x = _to_carrier(shard)
-  if lo is None:
-    row = jnp.asarray(slab.offset_table(n))[me]
-    x = jax.lax.dynamic_slice(x, [row[j] for j in range(len(shape))], shape)
-  elif lo != (0,) * shard.ndim or shape != shard.shape:
-    x = jax.lax.slice(x, lo, tuple(a + b for a, b in zip(lo, shape, strict=True)))
-  return _cast(x, np.dtype(shard.dtype), slab.casts)
-
-
-def _arrange(x: jax.Array, part: TPart) -> jax.Array:
-  """A slab (in the wire dtype's carrier) in the output box: canonical axes, transposed,
-  reshaped, cast; in the output dtype's carrier."""
-  x = x.reshape(part.extents)
-  if part.perm != tuple(range(len(part.perm))):
-    x = jnp.transpose(x, part.perm)
-  return _cast(x.reshape(part.shape), part.wire, part.casts)
-
-
-def _transform_pack(program: TransformProgram, slabs: Any, pad: int) -> Callable[..., jax.Array]:
-  unit, n = program.unit, len(program.device_ids)
-
-  def branch(me: jax.Array, *shards: jax.Array) -> jax.Array:
-    slabs_read = [_read_slab(s, shards[s.src], me, n) for s in slabs]
-    parts = [_to_units(x if x.dtype.kind == "u" else _to_uint(x), unit) for x in slabs_read]
-    if pad:
-      parts.append(jnp.zeros((pad,), unit))
-    return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-
-  return branch
-
-
-def _transform_assemble(program: TransformProgram, parts_per_out: Any) -> Callable[..., Any]:
-  n = len(program.device_ids)
-
-  def branch(
-    me: jax.Array, shards: Sequence[jax.Array], recvs: Sequence[jax.Array]
-  ) -> tuple[jax.Array, ...]:
-    outs = []
-    for out, parts in zip(program.outputs, parts_per_out, strict=True):
-      if parts is None:
-        outs.append(jnp.zeros(out.block, out.dtype))
-        continue
-      values = []
-      for p in parts:
-        if p.slab is not None:
-          x = _read_slab(p.slab, shards[p.slab.src], me, n)
-        else:
-          words = jax.lax.slice(recvs[p.round], (p.start,), (p.stop,))
-          x = _from_units(words, uint_dtype(p.wire), (-1,))
-          x = x if _as_words(p.wire) else _from_uint(x, p.wire)
-        values.append((p.offset, _arrange(x, p)))
-      tiled = _tile(values, out.shard, _carrier(out.dtype)).reshape(out.block)
-      outs.append(_from_carrier(tiled, out.dtype))
-    return tuple(outs)
-
-  return branch
-
-
-def emit_transform_body(
-  program: TransformProgram, axis: Any, *, donate: bool = False
-) -> Callable[..., Any]:
-  """The per-device body of a transformed plan's program: source blocks in, output blocks out.
-
-  With ``donate``, one destination block per output follows the source blocks: a buffer for
-  the output to alias (compiled with ``keep_unused``), never read; every output is assembled
-  whole, as without it (transformed plans do not split leaves), so XLA writes it straight into
-  the donated buffer instead of copying the block through the per-role switch.
-  """
-  n = len(program.device_ids)
-
-  def idle_out(me: jax.Array, shards: Any, recvs: Any) -> tuple[jax.Array, ...]:
-    return tuple(jnp.zeros(o.block, o.dtype) for o in program.outputs)
-
-  def body(*blocks: jax.Array) -> tuple[jax.Array, ...]:
-    me = jax.lax.axis_index(axis)
-    k = len(program.inputs)
-    shards = [b.reshape(i.shard) for b, i in zip(blocks[:k], program.inputs, strict=True)]
-    recvs = []
-    for rnd in program.rounds:
-      table = np.zeros(n, np.int32)
-      branches: list[Callable[..., jax.Array]] = [
-        lambda *_, w=rnd.words: jnp.zeros((w,), program.unit)
-      ]
-      for k, (pos, slabs, pad) in enumerate(rnd.packs):
-        table[list(pos)] = k + 1
-        branches.append(_transform_pack(program, slabs, pad))
-      payload = _switch(me, table, branches, me, *shards)
-      recvs.append(jax.lax.ppermute(payload, axis, list(rnd.pairs)))
-    table = np.zeros(n, np.int32)
-    branches_out: list[Callable[..., Any]] = [idle_out]
-    for k, (pos, parts) in enumerate(program.assembles):
-      table[list(pos)] = k + 1
-      branches_out.append(_transform_assemble(program, parts))
-    return tuple(_switch(me, table, branches_out, me, shards, recvs))
-
-  return body
-
-
-class TransformExecutable:
-  """A transformed plan's bucket program compiled over its union mesh; calling it takes the
-  source leaves it reads and returns its output leaves (staging and unstaging as
-  :class:`BucketExecutable`)."""
-
-  def __init__(
-    self,
-    program: TransformProgram,
-    devices: dict[int, Any],
-    src_shardings: Sequence[Any],
-    dst_shardings: Sequence[Any],
-    *,
-    donate: bool = False,
-  ) -> None:
-    self.program = program
-    self.devices = devices
-    self.donate = donate
-    self.one_at_a_time = one_at_a_time([devices[i] for i in program.device_ids])
-    mesh = Mesh(np.array([devices[i] for i in program.device_ids]), (AXIS,))
-    self.staged = NamedSharding(mesh, PartitionSpec(AXIS))
-    n = len(program.device_ids)
-    blocks = (*program.inputs, *(program.outputs if donate else ()))
-    fn = jax.shard_map(
-      emit_transform_body(program, AXIS, donate=donate),
-      mesh=mesh,
-      in_specs=tuple(PartitionSpec(AXIS) for _ in blocks),
-      out_specs=tuple(PartitionSpec(AXIS) for _ in program.outputs),
-      check_vma=False,
-    )
-    avals = [
-      jax.ShapeDtypeStruct(_staged_shape(b.block, n), b.dtype, sharding=self.staged) for b in blocks
-    ]
-    k = len(program.inputs)
-    donated = tuple(range(k, len(blocks)))
-    self._num_args = len(blocks)
-    self._fn = jax.jit(fn, donate_argnums=donated, keep_unused=True).lower(*avals)
-    self._compiled: Any = None
-    self._runner: Runner | None = None
-    # Source placeholders, when every group is small enough to be made once and kept.
-    self._kept_placeholders: dict[tuple[Any, ...], jax.Array] | None = None
-    fast = fast_path_available()
-    self._in_io = [
-      _LeafIO(_view(i), s, s, self.staged, fast=fast)
-      for i, s in zip(program.inputs, src_shardings, strict=True)
-    ]
-    self._out_io = [
-      _LeafIO(_view(o), None, d, self.staged, fast=fast)
-      for o, d in zip(program.outputs, dst_shardings, strict=True)
-    ]
-
-  def __call__(
-    self, xs: Sequence[jax.Array], olds: Sequence[jax.Array] = (), wait_for: Any = None
-  ) -> list[Any]:
-    """The outputs from the source leaves ``xs``; with ``donate``, written into the buffers of
-    ``olds`` (one array per output, in its destination sharding). ``wait_for``: arrays to wait
-    for before the program is queued (see :meth:`BucketExecutable.__call__`)."""
-    if self._runner is None:
-      self._compiled = self._fn.compile()
-      self._runner = Runner(self._compiled, self._num_args, fast=fast_path_available())
-    placeholders = self._kept_placeholders
-    if placeholders is None:
-      placeholders, made_once = _stage_placeholders(self.program.placeholders, self.devices)
-      self._kept_placeholders = placeholders if made_once else None
-    args = [io.stage(x, placeholders) for io, x in zip(self._in_io, xs, strict=True)]
-    if self.donate:
-      zeros, _ = _stage_placeholders(self.program.dst_placeholders, self.devices)
-      for k, (io, old) in enumerate(zip(self._out_io, olds, strict=True)):
-        args.append(io.stage_dst(buffers_by_device(old), zeros, k))
-    if wait_for is not None:
-      jax.block_until_ready(wait_for)
-    outs = self._runner(args)
-    return [io.unstage(held) for io, held in zip(self._out_io, outs, strict=True)]
-
-
-def _view(b: Any) -> LeafView:
-  """A :class:`LeafView` with one block on both sides, for staging or unstaging ``b``."""
-  return LeafView(
-    -1, b.shape, b.dtype, uint_dtype(b.dtype), b.shard, b.shard, b.block, b.block, b.shard
-  )
-
-
-def emit_traced_transform(
-  xs: Sequence[jax.Array],
-  program: TransformProgram,
-  src_mesh: Mesh,
-  src_specs: Sequence[PartitionSpec],
-  dst_mesh: Mesh,
-  dst_specs: Sequence[PartitionSpec],
-) -> list[jax.Array]:
-  """A transformed plan's program on traced arrays inside a computation whose device list
-  holds both meshes (in one order, as :func:`emit_traced_move`): ``xs`` are the program's
-  inputs, the results its outputs."""
-  mesh = auto_mesh(src_mesh)  # see emit_traced_move
-  axes = tuple(mesh.axis_names)
-  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-    moved = jax.shard_map(
-      emit_transform_body(program, axes),
-      mesh=mesh,
-      in_specs=tuple(src_specs),
-      out_specs=tuple(PartitionSpec(axes) for _ in program.outputs),
-      check_vma=False,
-    )(*xs)
-  return _reread(moved, [o.shard for o in program.outputs], dst_mesh, dst_specs)

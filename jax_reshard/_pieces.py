@@ -89,6 +89,16 @@ class Piece:
     """
     return min(self.dtypes, key=lambda d: d.itemsize)
 
+  @property
+  def sender_casts(self) -> tuple[np.dtype, ...]:
+    """The casts up to :attr:`wire_dtype`, in order: run where the data is read."""
+    return self.dtypes[1 : self.dtypes.index(self.wire_dtype) + 1]
+
+  @property
+  def receiver_casts(self) -> tuple[np.dtype, ...]:
+    """The casts after :attr:`wire_dtype`, in order: run where the data lands."""
+    return self.dtypes[self.dtypes.index(self.wire_dtype) + 1 :]
+
   def src_axes(self) -> list[list[int]]:
     """Per source dimension, its canonical axes (major to minor)."""
     return _runs(tuple(range(len(self.extents))), self.src_groups)

@@ -15,6 +15,10 @@ the widest words that every shard and transfer boundary on the last dimension of
 leaves allows (up to ``max_word_bytes``: 4 bytes, 8 with 64-bit types, on GPUs and TPUs; each
 leaf's own width on CPU devices, see ``_emit.max_word_bytes``), so every piece is whole words.
 Each leaf is sliced and assembled in the unit, or in its own element width where that is wider.
+
+A bucket of a transformed plan (``transform=``) is the same kind of program whose inputs are
+the source leaves it reads and whose leaves are the output leaves it makes
+(:func:`make_transform_program`): its cuts carry casts and its parts rearrangements.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import numpy as np
 
 from jax_reshard._cost import assembles_apart
 from jax_reshard._layout import Layout
+from jax_reshard._options import DEFAULT_OPTIONS, Options
+from jax_reshard._pieces import Piece as TransformPiece
 from jax_reshard._plan import LayoutPlan
 from jax_reshard._planner import LeafPlan
 from jax_reshard._schedule import (
@@ -39,6 +45,7 @@ from jax_reshard._schedule import (
   placeholder_mask,
   staged_block_shape,
 )
+from jax_reshard._tplan import TransformLayoutPlan
 
 Box = tuple[int, ...]
 
@@ -137,14 +144,17 @@ class Cut:
   """A box of a leaf's source shard, in words, read by every device of one role.
 
   Attributes:
-    leaf: position of the leaf in :attr:`BucketProgram.leaves`.
+    leaf: position of the leaf in :attr:`BucketProgram.sources`.
     shape: box shape in words.
     offsets: per mesh position of the role, ``(position, box offset in the shard)``.
+    casts: the casts run on the box where it is cut, in order (a transformed leaf's, up to
+      its wire dtype; the box is then in words of the last).
   """
 
   leaf: int
   shape: Box
   offsets: tuple[tuple[int, Box], ...]
+  casts: tuple[np.dtype, ...] = ()
 
   @property
   def static_offset(self) -> Box | None:
@@ -201,11 +211,26 @@ class SendRound:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Arrange:
+  """How a part of a transformed leaf lands in its destination shard (see :mod:`_pieces`):
+  its elements, of dtype ``wire``, reshaped to the piece's canonical axes ``extents``,
+  transposed by ``perm`` into output order, reshaped to ``shape`` (the part's box) and cast
+  by ``casts`` in order. A part without one lands as it is."""
+
+  wire: np.dtype
+  extents: Box
+  perm: Box
+  shape: Box
+  casts: tuple[np.dtype, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Resident:
   """A part of a destination shard the device copies from its own source shard."""
 
   offset: Box  # in the destination shard, in words
   cut: Cut
+  arrange: Arrange | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -217,6 +242,7 @@ class Received:
   round: int
   start: int  # unit words into the payload
   stop: int
+  arrange: Arrange | None = None
 
 
 Part = Resident | Received
@@ -268,6 +294,8 @@ class BucketProgram:
       payloads (``_cost.assembles_apart``), or ``None`` where that program assembles them.
     must_apart: the bucket's staging is in bound only so (``Bucket.must_apart``): its leaves
       are never bundled into one program (``_emit.BucketExecutable.bundle``).
+    inputs: the source leaves the program takes, where they are not its leaves (a
+      transformed plan's, :func:`make_transform_program`); empty: each leaf's own source.
     whole_operand_bytes: the plan's ``Options.whole_operand_bytes``: a leaf's whole source
       shard at the same words of every payload of a packed round is an operand of its own
       from this size on (``_emit.whole_segments``).
@@ -282,7 +310,13 @@ class BucketProgram:
   dst_placeholders: tuple[PlaceholderGroup, ...] = ()
   assemblers: tuple[int, ...] | None = None
   must_apart: bool = False
+  inputs: tuple[LeafView, ...] = ()
   whole_operand_bytes: int = dataclasses.field(kw_only=True)
+
+  @property
+  def sources(self) -> tuple[LeafView, ...]:
+    """The leaves whose staged source blocks the program takes, in order (cuts number them)."""
+    return self.inputs or self.leaves
 
   @property
   def dst_inputs(self) -> tuple[int, ...]:
@@ -324,8 +358,11 @@ def program_signature(program: BucketProgram) -> BucketProgram:
     )
     for lf in program.leaves
   )
+  inputs = tuple(dataclasses.replace(lf, index=-1) for lf in program.inputs)
   # Zero blocks are staged outside the program.
-  return dataclasses.replace(program, leaves=leaves, placeholders=(), dst_placeholders=())
+  return dataclasses.replace(
+    program, leaves=leaves, inputs=inputs, placeholders=(), dst_placeholders=()
+  )
 
 
 def role_table(num_positions: int, roles: Sequence[Pack | Assemble]) -> np.ndarray:
@@ -368,6 +405,18 @@ def widest_word(
   return np.dtype(f"uint{8 * word}")
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Row:
+  """What a transfer of a transformed leaf reads, and how it lands (see :class:`Arrange`)."""
+
+  input: int  # the source leaf's position among the program's inputs
+  src: Layout  # that leaf's layout
+  lo: Box  # the box's first index in the source leaf
+  shape: Box  # the box's shape
+  casts: tuple[np.dtype, ...]  # run by the device that reads the box
+  arrange: Arrange | None
+
+
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class _LeafInput:
   """A leaf's plan and layouts while its program parts are worked out."""
@@ -378,6 +427,16 @@ class _LeafInput:
   view: LeafView
   copies: np.ndarray | bool = True  # which rows' local copies the bucket makes
   fresh: bool = False  # see LeafMode
+  rows: tuple[_Row, ...] = ()  # a transformed leaf: per transfer, what it reads
+
+  def source(self, li: int, t: int) -> tuple[int, tuple[np.dtype, ...]]:
+    """The source (position among the program's sources) that transfer ``t`` of the bucket's
+    leaf ``li`` (this one) reads, and the casts run where it is read."""
+    return (self.rows[t].input, self.rows[t].casts) if self.rows else (li, ())
+
+  def arrange(self, t: int) -> Arrange | None:
+    """How transfer ``t`` lands (``None``: as it is)."""
+    return self.rows[t].arrange if self.rows else None
 
   def in_words(self, v: np.ndarray) -> Box:
     """Element coordinates (or a shape) in word units."""
@@ -389,6 +448,10 @@ class _LeafInput:
   def src_box(self, t: int, dev: int) -> tuple[Box, Box]:
     """(offset, shape) in words of transfer ``t`` inside ``dev``'s staged source block (its
     source shard, or the slab of it the bucket stages)."""
+    if self.rows:  # a transformed leaf's, in its source leaf's elements
+      row = self.rows[t]
+      at = row.src.starts[row.src.device_ids.index(dev)]
+      return tuple(a - b for a, b in zip(row.lo, at, strict=True)), row.shape
     start = np.asarray(self.src.starts[self.src.device_ids.index(dev)], dtype=np.int64)
     window = self.view.src_window
     if window is not None:
@@ -456,7 +519,7 @@ def make_bucket_program(
     unit=unit,
     rounds=rounds,
     assembles=_assembles(leaves, incoming, unit, positions),
-    placeholders=_placeholder_groups(leaves, sched_bucket.union_device_ids),
+    placeholders=_placeholder_groups(_sources(leaves), sched_bucket.union_device_ids),
     # Assembling apart, devices without a destination shard are given no blocks to donate.
     dst_placeholders=()
     if assembling is not None
@@ -483,7 +546,7 @@ def rebound_program(
   return dataclasses.replace(
     program,
     leaves=tuple(lf.view for lf in leaves),
-    placeholders=_placeholder_groups(leaves, union),
+    placeholders=_placeholder_groups(_sources(leaves), union),
     dst_placeholders=()
     if program.assemblers is not None
     else _dst_placeholder_groups(leaves, union),
@@ -532,6 +595,94 @@ def _leaf_input(
   return _LeafInput(plan.leaf_plans[index], src, dst, view, mode.copies, mode.fresh)
 
 
+def make_transform_program(
+  plan: TransformLayoutPlan,
+  bucket: int,
+  src_dtypes: Sequence[np.dtype],
+  device_ids: Sequence[int] | None = None,
+  *,
+  donate: bool = False,
+  options: Options = DEFAULT_OPTIONS,
+) -> BucketProgram:
+  """The program of bucket ``bucket`` of a transformed plan: its :attr:`~BucketProgram.inputs`
+  are the source leaves its output leaves read (in tree order), its leaves those output leaves.
+
+  Cuts of the source shards carry the casts the sender runs (up to each piece's wire dtype),
+  and parts carry how they land (:class:`Arrange`: rearranged, then cast the rest of the
+  chain), so bytes move in the narrower dtype. Every leaf works in its own element width,
+  the payload word is the narrowest wire width, and every output shard is assembled whole
+  (the plan does not split leaves over buckets).
+
+  Args:
+    plan: the plan.
+    bucket: index into ``plan.schedule.buckets``.
+    src_dtypes: per source leaf, its dtype.
+    device_ids: device id at each mesh position (a computation's device order inside
+      ``jax.jit``); default: the bucket's devices, ascending.
+    donate: every output takes its destination block as an input, aliased to its output (a
+      buffer to assemble the shard into, never read).
+    options: the plan's :class:`Options` (``whole_operand_bytes``).
+  """
+  sched = plan.schedule.buckets[bucket]
+  outs = tuple(plan.scheduled[j] for j in sched.leaves)
+  used = sorted({p.src_leaf for i in outs for p in plan.leaf_plans[i].leaf.pieces})
+  if device_ids is None:
+    held = (d for j in used for d in plan.src_layouts[j].device_ids)
+    device_ids = sorted({*sched.union_device_ids, *held})
+  positions = {int(d): k for k, d in enumerate(device_ids)}
+  inputs = [(plan.src_layouts[j], _own_view(j, plan.src_layouts[j], src_dtypes[j])) for j in used]
+  at = {j: k for k, j in enumerate(used)}
+  leaves = []
+  for i in outs:
+    lp, dst = plan.leaf_plans[i], plan.dst_layouts[i]
+    rows = tuple(_row(p, plan.src_layouts[p.src_leaf], at[p.src_leaf]) for p in lp.pieces)
+    view = _own_view(i, dst, lp.leaf.dtype, dst_input=donate)
+    leaves.append(_LeafInput(lp.transfers, plan.layouts[i][0], dst, view, rows=rows))
+  wires = [p.wire_dtype.itemsize for i in outs for p in plan.leaf_plans[i].pieces]
+  unit = np.dtype(f"uint{8 * min(wires, default=1)}")
+  rounds, incoming = _send_rounds(sched, leaves, unit, positions)
+  return BucketProgram(
+    device_ids=tuple(int(d) for d in device_ids),
+    leaves=tuple(lf.view for lf in leaves),
+    unit=unit,
+    rounds=rounds,
+    assembles=_assembles(leaves, incoming, unit, positions),
+    placeholders=_placeholder_groups(inputs, device_ids),
+    dst_placeholders=_dst_placeholder_groups(leaves, device_ids),
+    inputs=tuple(view for _, view in inputs),
+    whole_operand_bytes=options.whole_operand_bytes,
+  )
+
+
+def _own_view(index: int, layout: Layout, dtype: np.dtype, *, dst_input: bool = False) -> LeafView:
+  """A transformed program's view of a leaf on one side (an input's source, an output's
+  destination), in its own element width: both sides' fields are that side's."""
+  shard, dtype = layout.shard_shape(), np.dtype(dtype)
+  block = staged_block_shape(shard)
+  return LeafView(
+    index,
+    layout.shape,
+    dtype,
+    uint_dtype(dtype),
+    shard,
+    shard,
+    block,
+    block,
+    shard,
+    dst_input=dst_input,
+  )
+
+
+def _row(p: TransformPiece, src: Layout, position: int) -> _Row:
+  """What transfer piece ``p`` (of source leaf laid out as ``src``, the program's input
+  ``position``) reads and how it lands: as it is where it only moves."""
+  shape = tuple(b - a for a, b in zip(p.src_lo, p.src_hi, strict=True))
+  out = tuple(b - a for a, b in zip(p.out_lo, p.out_hi, strict=True))
+  moved = p.perm == tuple(range(len(p.perm))) and shape == out and not p.receiver_casts
+  arrange = None if moved else Arrange(p.wire_dtype, p.extents, p.perm, out, p.receiver_casts)
+  return _Row(position, src, p.src_lo, shape, p.sender_casts, arrange)
+
+
 # Per receiving device, per bucket leaf: (transfer, round, piece) it receives.
 _Incoming = dict[int, dict[int, list[tuple[int, int, Piece]]]]
 
@@ -549,7 +700,12 @@ def _send_rounds(
     for s_dev, d_dev in rnd.pairs:
       ps = pieces[(s_dev, d_dev)]
       key = tuple(
-        (local_leaf[p.leaf], leaves[local_leaf[p.leaf]].src_box(p.transfer, s_dev)[1]) for p in ps
+        (
+          li := local_leaf[p.leaf],
+          *leaves[li].source(li, p.transfer),
+          leaves[li].src_box(p.transfer, s_dev)[1],
+        )
+        for p in ps
       )
       groups[key].append((s_dev, ps))
       for p in ps:
@@ -580,7 +736,8 @@ def _pack(
     for dev, pieces in members:
       lo, shape = leaves[li].src_box(pieces[k].transfer, dev)
       offsets.append((positions[dev], lo))
-    cuts.append(Cut(leaf=li, shape=shape, offsets=tuple(offsets)))
+    src, casts = leaves[li].source(li, p.transfer)
+    cuts.append(Cut(leaf=src, shape=shape, offsets=tuple(offsets), casts=casts))
   used = sum(p.nbytes for p in first)
   return Pack(
     positions=tuple(positions[dev] for dev, _ in members),
@@ -593,8 +750,8 @@ def _device_parts(
   dev: int, leaves: Sequence[_LeafInput], incoming: dict[int, list[Any]], unit: np.dtype
 ) -> tuple[Any, ...]:
   """Per leaf, what device ``dev`` assembles its shard from, ordered by destination offset:
-  ``(offset, shape, source)`` with source ``("resident", source offset)`` or a
-  :class:`Received`; ``None`` where it holds no destination shard."""
+  ``(offset, shape, source)`` with source ``("resident", source offset, source, casts,
+  arrangement)`` or a :class:`Received`; ``None`` where it holds no destination shard."""
   out: list[Any] = []
   for li, leaf in enumerate(leaves):
     if dev not in leaf.dst.device_ids:
@@ -605,12 +762,13 @@ def _device_parts(
     local = plan.local & (plan.dst_device == dev) & leaf.copies
     for t in np.nonzero(local)[0].tolist():
       lo, shape = leaf.src_box(t, dev)
-      parts.append((leaf.dst_offset(t, dev), shape, ("resident", lo)))
+      resident = ("resident", lo, *leaf.source(li, t), leaf.arrange(t))
+      parts.append((leaf.dst_offset(t, dev), shape, resident))
     for t, r, piece in incoming.get(li, []):
       offset, shape = leaf.dst_offset(t, dev), leaf.in_words(plan.hi[t] - plan.lo[t])
       a = piece.offset // unit.itemsize
       b = (piece.offset + piece.nbytes) // unit.itemsize
-      parts.append((offset, shape, Received(offset, shape, r, a, b)))
+      parts.append((offset, shape, Received(offset, shape, r, a, b, leaf.arrange(t))))
     out.append(tuple(sorted(parts, key=lambda q: q[0])))
   return tuple(out)
 
@@ -620,7 +778,7 @@ def _role_key(device_parts: tuple[Any, ...]) -> tuple[Any, ...]:
   return tuple(
     None
     if parts is None
-    else tuple(src if isinstance(src, Received) else (o, sh) for o, sh, src in parts)
+    else tuple(src if isinstance(src, Received) else (o, sh, *src[2:]) for o, sh, src in parts)
     for parts in device_parts
   )
 
@@ -647,26 +805,34 @@ def _assembles(
           built.append(src)
           continue
         offsets = tuple((positions[dev], dp[li][k][2][1]) for dev, dp in members)
-        built.append(Resident(offset, Cut(leaf=li, shape=shape, offsets=offsets)))
+        _, _, source, casts, arrange = src
+        cut = Cut(leaf=source, shape=shape, offsets=offsets, casts=casts)
+        built.append(Resident(offset, cut, arrange))
       per_leaf.append(tuple(built))
     out.append(Assemble(tuple(positions[dev] for dev, _ in members), tuple(per_leaf)))
   return tuple(out)
 
 
 def _placeholder_groups(
-  leaves: Sequence[_LeafInput], union_device_ids: Sequence[int]
+  sources: Sequence[tuple[Layout, LeafView]], union_device_ids: Sequence[int]
 ) -> tuple[PlaceholderGroup, ...]:
-  """Per distinct set of devices, the zero blocks they stage (one per (block shape, dtype))."""
+  """Per distinct set of devices, the zero blocks they stage (one per (block shape, dtype)) for
+  the program's ``sources`` (their layouts and views)."""
   union = np.asarray(union_device_ids, dtype=np.int64)
   needs: dict[tuple[Box, np.dtype], set[int]] = defaultdict(set)
-  for leaf in leaves:
-    key = (leaf.view.src_block, leaf.view.dtype)
-    needs[key] |= set(union[placeholder_mask(leaf.src, union)].tolist())
+  for src, view in sources:
+    key = (view.src_block, view.dtype)
+    needs[key] |= set(union[placeholder_mask(src, union)].tolist())
   by_devices: dict[tuple[int, ...], list[tuple[Box, np.dtype]]] = defaultdict(list)
   for key, devs in needs.items():
     if devs:
       by_devices[tuple(sorted(devs))].append(key)
   return tuple(PlaceholderGroup(ids, tuple(keys)) for ids, keys in by_devices.items())
+
+
+def _sources(leaves: Sequence[_LeafInput]) -> list[tuple[Layout, LeafView]]:
+  """The leaves' source layouts and views (each leaf its own source)."""
+  return [(lf.src, lf.view) for lf in leaves]
 
 
 def _dst_placeholder_groups(
@@ -887,6 +1053,12 @@ def format_program(program: BucketProgram) -> str:
     f"BucketProgram on devices {list(program.device_ids)} (positions 0..."
     f"{len(program.device_ids) - 1}), payload word {program.unit.name}"
   ]
+  for k, lf in enumerate(program.inputs):
+    lines.append(
+      f"  input {k} (#{lf.index}) {lf.dtype.name}{list(lf.shape)} in {lf.word.name}: "
+      f"{list(lf.src_shard)}"
+    )
+  src = "input" if program.inputs else "leaf"  # what cuts read
   for li, lf in enumerate(program.leaves):
     mode = (" in place" if lf.in_place else "") + (", into its input" if lf.dst_input else "")
     mode += ", carried to the next bucket" if lf.carry_out else ""
@@ -903,14 +1075,15 @@ def format_program(program: BucketProgram) -> str:
     if lf.dst_shift is not None:
       d = lf.dst_shift
       mode += f", destination offsets from index {d[1]} of dim {d[0]} (an argument)"
+    shard = "" if program.inputs else f"{list(lf.src_shard)} "
     lines.append(
       f"  leaf {li} (#{lf.index}) {lf.dtype.name}{list(lf.shape)} in {lf.word.name}: "
-      f"{list(lf.src_shard)} -> {list(lf.dst_shard)}{mode}"
+      f"{shard}-> {list(lf.dst_shard)}{mode}"
     )
   for r, rnd in enumerate(program.rounds):
     lines.append(f"  round {r}: {rnd.words} words, pairs {list(rnd.pairs)}")
     for pack in rnd.packs:
-      cuts = ", ".join(_format_cut(c) for c in pack.cuts)
+      cuts = ", ".join(_format_cut(c, src) for c in pack.cuts)
       pad = f" + {pack.pad_words} zero words" if pack.pad_words else ""
       lines.append(f"    senders {list(pack.positions)} pack {cuts}{pad}")
   if program.assemblers is not None:
@@ -922,7 +1095,7 @@ def format_program(program: BucketProgram) -> str:
     lines.append(f"  devices {list(a.positions)} assemble")
     for li, parts in enumerate(a.parts):
       if parts is not None:
-        lines.append(f"    leaf {li}: " + ", ".join(_format_part(p) for p in parts))
+        lines.append(f"    leaf {li}: " + ", ".join(_format_part(p, src) for p in parts))
   for g in (*program.placeholders, *program.dst_placeholders):
     blocks = ", ".join(f"{dt.name}{list(shape)}" for shape, dt in g.blocks)
     which = "destination placeholders" if g.leaves else "placeholders"
@@ -930,13 +1103,24 @@ def format_program(program: BucketProgram) -> str:
   return "\n".join(lines)
 
 
-def _format_cut(cut: Cut) -> str:
+def _format_cut(cut: Cut, src: str) -> str:
   at = cut.static_offset
   where = f"@{list(at)}" if at is not None else "@table"
-  return f"leaf {cut.leaf} {list(cut.shape)}{where}"
+  return f"{src} {cut.leaf} {list(cut.shape)}{where}{_format_casts(cut.casts)}"
 
 
-def _format_part(part: Part) -> str:
+def _format_part(part: Part, src: str) -> str:
   if isinstance(part, Received):
-    return f"{list(part.offset)}: round {part.round} words {part.start}:{part.stop}"
-  return f"{list(part.offset)}: own {_format_cut(part.cut)}"
+    text = f"{list(part.offset)}: round {part.round} words {part.start}:{part.stop}"
+    if part.arrange is not None:
+      text += f" as {part.arrange.wire.name}"
+  else:
+    text = f"{list(part.offset)}: own {_format_cut(part.cut, src)}"
+  a = part.arrange
+  if a is not None and a.perm != tuple(range(len(a.perm))):
+    text += f" transposed {list(a.perm)}"
+  return text + ("" if a is None else _format_casts(a.casts))
+
+
+def _format_casts(casts: Sequence[np.dtype]) -> str:
+  return "".join(f" -> {np.dtype(d).name}" for d in casts)

@@ -3,26 +3,29 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
+from jax_reshard._buffers import buffers_by_device
 from jax_reshard._edge import (
   check_out_layouts,
   delete_donated,
   donated_leaves,
   to_default_layout,
 )
-from jax_reshard._emit import InFlight, TransformExecutable, empty_like_sharded
+from jax_reshard._emit import BucketExecutable, InFlight, empty_like_sharded
 from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
+from jax_reshard._options import DEFAULT_OPTIONS
 from jax_reshard._plan import PlanStats, format_bytes
 from jax_reshard._planner import LeafPlan
+from jax_reshard._program import BucketProgram, make_transform_program, program_signature
 from jax_reshard._schedule import DEFAULT_MAX_BUCKET_BYTES, Schedule
 from jax_reshard._tplan import TransformLayoutPlan, plan_transform_layouts
-from jax_reshard._tprogram import TransformProgram, make_transform_program
 from jax_reshard._transform import TransformAnalysis, analyze_transform
 from jax_reshard._tree import Leaf, check_arrays, check_donated, flatten_tree
 
@@ -76,12 +79,16 @@ class TransformPlan:
     self.layout_plan: TransformLayoutPlan = plan_transform_layouts(
       analysis.leaves, src_layouts, dst_layouts, max_bucket_bytes=max_bucket_bytes
     )
-    self._programs: list[TransformProgram] | None = None
-    self._executables: dict[bool, list[TransformExecutable]] = {}
+    self._programs: dict[bool, list[BucketProgram]] = {}
+    self._executables: dict[bool, list[BucketExecutable]] = {}
+    self._stats: PlanStats | None = None
 
   @property
   def stats(self) -> PlanStats:
     """The plan's :class:`PlanStats`, in the bytes that move (after narrowing casts).
+
+    ``num_programs`` counts distinct bucket programs: buckets of one program signature (the
+    layers of a model) share one compiled executable.
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np
@@ -94,7 +101,10 @@ class TransformPlan:
       >>> tplan.stats.bytes_moved, tplan.stats.lower_bound_bytes  # bf16: 2 bytes a value
       (112, 112)
     """
-    return self.layout_plan.stats
+    if self._stats is None:
+      signatures = {program_signature(p) for p in self.programs()}
+      self._stats = dataclasses.replace(self.layout_plan.stats, num_programs=len(signatures))
+    return self._stats
 
   @property
   def schedule(self) -> Schedule:
@@ -175,11 +185,19 @@ class TransformPlan:
       out.append("\n".join([str(lp.leaf), *(repr(p.src_layouts[i]) for i in used)]))
     return tuple(out)
 
-  def programs(self) -> list[TransformProgram]:
+  def programs(self, *, out: bool = False) -> list[BucketProgram]:
     """Per bucket, what every device does (NumPy data; ``print`` one).
 
+    A bucket's program takes the source leaves its output leaves read (its ``inputs``) and
+    makes those output leaves (its ``leaves``); its cuts show the casts senders run, its parts
+    how they land (transposed, cast the rest of the chain).
+
+    Args:
+      out: the programs of calls with ``out=`` (every output assembled into the buffer of the
+        previous result).
+
     Returns:
-      One :class:`TransformProgram` per bucket, in the order they run.
+      One :class:`BucketProgram` per bucket, in the order they run.
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np
@@ -190,27 +208,29 @@ class TransformPlan:
       >>> to_bf16_t = lambda w: w.T.astype(jnp.bfloat16)
       >>> tplan = jr.make_plan(w, NamedSharding(mesh, P("x")), transform=to_bf16_t)
       >>> print(tplan.programs()[0])
-      TransformProgram on devices [0, 1, 2, 3, 4, 5, 6, 7], payload word uint16
-        input 0 (source leaf #0) float32[8, 8]
-        output 0 (output leaf #0) bfloat16[8, 8]
+      BucketProgram on devices [0, 1, 2, 3, 4, 5, 6, 7] (positions 0...7), payload word uint16
+        input 0 (#0) float32[8, 8] in uint32: [1, 8]
+        leaf 0 (#0) bfloat16[8, 8] in uint16: -> [1, 8]
       ...
     """
-    if self._programs is None:
+    if out not in self._programs:
       dtypes = [lf.dtype for lf in self.src_leaves]
-      self._programs = [
-        make_transform_program(self.layout_plan, b, dtypes)
+      self._programs[out] = [
+        make_transform_program(self.layout_plan, b, dtypes, donate=out)
         for b in range(len(self.schedule.buckets))
       ]
-    return self._programs
+    return self._programs[out]
 
-  def executables(self, *, out: bool = False) -> list[TransformExecutable]:
+  def executables(self, *, out: bool = False) -> list[BucketExecutable]:
     """Per bucket, its program emitted for its union mesh (compiled on the first call).
+
+    Buckets of one program signature share one compiled executable, also across plans.
 
     Args:
       out: the executables of calls with ``out=``.
 
     Returns:
-      One ``TransformExecutable`` per bucket, in the order they run.
+      One ``BucketExecutable`` per bucket, in the order they run.
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np
@@ -220,26 +240,54 @@ class TransformPlan:
       >>> w = jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(mesh, P("x")))
       >>> to_bf16_t = lambda w: w.T.astype(jnp.bfloat16)
       >>> tplan = jr.make_plan(w, NamedSharding(mesh, P("x")), transform=to_bf16_t)
-      >>> [exe.program.output_leaves for exe in tplan.executables()]
-      [(0,)]
+      >>> [[lf.index for lf in exe.program.leaves] for exe in tplan.executables()]
+      [[0]]
     """
-    donate = out
-    if donate not in self._executables:
+    if out not in self._executables:
       devices = {}
       for lf in (*self.src_leaves, *self.leaves):
         for d in (*lf.src_sharding.device_set, *lf.dst_sharding.device_set):
           devices[d.id] = d
-      self._executables[donate] = [
-        TransformExecutable(
+      self._executables[out] = [
+        BucketExecutable(
           p,
           devices,
-          [self.src_leaves[i].src_sharding for i in p.input_leaves],
-          [self.leaves[i].dst_sharding for i in p.output_leaves],
-          donate=donate,
+          [self.leaves[lf.index].dst_sharding for lf in p.leaves],
+          [self.src_leaves[lf.index].src_sharding for lf in p.inputs],
+          options=DEFAULT_OPTIONS,
         )
-        for p in self.programs()
+        for p in self.programs(out=out)
       ]
-    return self._executables[donate]
+    return self._executables[out]
+
+  def memory_analysis(self, *, out: bool = False) -> list[Any]:
+    """XLA's ``memory_analysis()`` of every bucket's compiled program, in the order they run.
+
+    Per device, as ``ReshardPlan.memory_analysis``: ``argument_size_in_bytes`` (staged source
+    blocks, and with ``out=`` the donated destination blocks), ``output_size_in_bytes``,
+    ``alias_size_in_bytes`` (outputs written into donated inputs) and ``temp_size_in_bytes``.
+    Compiles the programs if needed.
+
+    Args:
+      out: the programs of calls with ``out=``.
+
+    Returns:
+      A list of XLA's ``CompiledMemoryStats``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> import jax_reshard as jr
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("x",))
+      >>> w = jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(mesh, P("x")))
+      >>> to_bf16_t = lambda w: w.T.astype(jnp.bfloat16)
+      >>> tplan = jr.make_plan(w, NamedSharding(mesh, P("x")), transform=to_bf16_t)
+      >>> [m.output_size_in_bytes for m in tplan.memory_analysis()]  # one 1x8 bf16 shard
+      [16]
+    """
+    return [
+      c.memory_analysis() for exe in self.executables(out=out) for c in exe.compiled_programs()
+    ]
 
   def __call__(self, x: Any, *, donate: Any = False, out: Any = None) -> Any:
     """Computes ``transform(x)`` in the destination layouts, moving only what each device lacks.
@@ -291,12 +339,14 @@ class TransformPlan:
         for lf, lf_plan in zip(self.leaves, self.layout_plan.leaf_plans, strict=True)
       ]
       in_flight = InFlight()
+      spares: dict[Any, list[Any]] = {}  # see ReshardPlan._run
       for exe in self.executables(out=old is not None):
-        p = exe.program
-        olds = [old[i] for i in p.output_leaves] if old is not None else []
-        ys = exe([arrays[i] for i in p.input_leaves], olds, in_flight.wait_for(exe))
+        ins = [lf.index for lf in exe.program.inputs]
+        outs = [lf.index for lf in exe.program.leaves]
+        dsts = [buffers_by_device(old[i]) for i in outs] if old is not None else []
+        ys = exe([arrays[j] for j in ins], dsts, spares, in_flight.wait_for(exe))
         in_flight.add(ys)
-        for i, y in zip(p.output_leaves, ys, strict=True):
+        for i, y in zip(outs, ys, strict=True):
           result[i] = y
     for a in old or ():
       if not a.is_deleted():  # zero-element leaves, and any buffer XLA did not take

@@ -18,15 +18,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, Sharding
 
-from jax_reshard._emit import emit_traced_move, emit_traced_transform, plan_word_bytes
+from jax_reshard._emit import emit_traced_move, plan_word_bytes
 from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
 from jax_reshard._plan import plan_layouts, resolve_relays
-from jax_reshard._program import BucketProgram, make_bucket_program
+from jax_reshard._program import BucketProgram, make_bucket_program, make_transform_program
 from jax_reshard._tapi import analyze, output_leaves
 from jax_reshard._topology import Topology
 from jax_reshard._tplan import plan_transform_layouts
-from jax_reshard._tprogram import make_transform_program
 from jax_reshard._tree import Leaf, broadcast_shardings, flatten_tree
 
 
@@ -324,15 +323,16 @@ def _transform_fn(
   def move(*xs: jax.Array) -> list[Any]:
     out: list[Any] = [None] * len(outs)
     if program is not None:
-      ys = emit_traced_transform(
-        [xs[i] for i in program.input_leaves],
+      ins, made = [lf.index for lf in program.inputs], [lf.index for lf in program.leaves]
+      ys = emit_traced_move(
+        [xs[j] for j in ins],
         program,
         src_mesh,
-        [leaves[i].src_sharding.spec for i in program.input_leaves],  # type: ignore[attr-defined]
+        [leaves[j].src_sharding.spec for j in ins],  # type: ignore[attr-defined]
         dst_mesh,
-        [outs[i].dst_sharding.spec for i in program.output_leaves],  # type: ignore[attr-defined]
+        [outs[i].dst_sharding.spec for i in made],  # type: ignore[attr-defined]
       )
-      for i, y in zip(program.output_leaves, ys, strict=True):
+      for i, y in zip(made, ys, strict=True):
         out[i] = y
     for i, lf in enumerate(outs):
       if out[i] is None:

@@ -32,7 +32,6 @@ WITH_EXAMPLES = {
   "jax_reshard._tapi",
   "jax_reshard._topology",
   "jax_reshard._tplan",
-  "jax_reshard._tprogram",
   "jax_reshard._transform",
   "jax_reshard._viz",
   "jax_reshard.flax",

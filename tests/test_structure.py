@@ -28,7 +28,6 @@ LAYERS = [
   "_tplan",
   "_viz",
   "_program",
-  "_tprogram",
   "_buffers",
   "_emit",
   "_tree",
@@ -60,7 +59,6 @@ NUMPY_ONLY = {
   "_viz",
   "_program",
   "_tplan",
-  "_tprogram",
 }
 MAX_FUNCTION_LINES = 80
 

@@ -286,7 +286,7 @@ def test_devices_that_differ_in_offsets_share_a_role(mesh_axis_type: AxisType) -
   plan = jr.make_plan(x, dst, transform=lambda a: a.astype(jnp.bfloat16))
   (program,) = plan.programs()
   assert [len(r.packs) for r in program.rounds] == [1] * 4, str(program)  # 4 senders, 1 role
-  assert any(s.static_offset is None for r in program.rounds for s in r.packs[0][1])  # a table
+  assert any(c.static_offset is None for r in program.rounds for c in r.packs[0].cuts)  # a table
   assert "@table" in str(program)
   assert_matches_oracle(plan(x), np.asarray(x).astype(jnp.bfloat16), dst, exact=True)
 
@@ -446,3 +446,62 @@ def test_small_zero_source_blocks_are_made_once(
   monkeypatch.setattr(_emit, "_source_zeros", lambda *a, **k: calls.append(a) or {})
   assert_matches_oracle(plan(x), host.astype(jnp.bfloat16), dst, exact=True)
   assert not calls
+
+
+@pytest.mark.parametrize("placement", sorted(PLACEMENTS))
+@pytest.mark.parametrize("casts", [True, False], ids=["casts", "ids"])
+@pytest.mark.parametrize("seed", range(NUM_CASES))
+def test_random_chain_into_donated_buffers(seed: int, casts: bool, placement: str) -> None:
+  """``out=``: every output leaf of a random chain is assembled into the buffers of the
+  previous result (whose arrays are deleted), bit for bit."""
+  rng = np.random.default_rng(500 + seed)
+  src = _random_source(rng, casts)
+  transform = _make_transform(seed, casts)
+  data = _host_data(rng, src, casts)
+  src_ids, dst_ids = PLACEMENTS[placement]
+  x = _place(rng, src, data, src_ids, AxisType.Auto)
+  analysis = analyze_transform(transform, src)
+  dst = [_random_sharding(rng, f.shape, dst_ids) for f in analysis.leaves]
+  dst_tree = jax.tree_util.tree_unflatten(analysis.out_treedef, dst)
+  plan = jr.make_plan(x, dst_tree, transform=transform)
+  old = plan(x)
+  new = plan(x, out=old)
+  assert all(a.is_deleted() for a in jax.tree_util.tree_leaves(old))
+  host = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(src), data)
+  _check(plan, new, jax.jit(transform)(host), dst)
+
+
+def test_equal_layers_share_one_program(mesh_axis_type: AxisType) -> None:
+  """Buckets whose programs differ only in the leaves they read and make (a model's layers)
+  share one compiled executable, also across plans; ``memory_analysis`` reports it per
+  bucket, with ``out=`` every output in its donated buffer."""
+  devs = np.array(jax.devices())
+  mesh = make_mesh((2, 2), ("fsdp", "tp"), devs[:4], mesh_axis_type)
+  trainer = NamedSharding(mesh, P("fsdp", "tp"))
+  sampler = NamedSharding(make_mesh((-1,), ("tp",), devs[4:], mesh_axis_type), P(None, "tp"))
+  rng = np.random.default_rng(5)
+  shapes = {"q": (16, 16), "k": (16, 8), "v": (16, 8)}
+  hosts = [
+    {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()} for _ in range(6)
+  ]
+
+  def fuse(p: Any) -> Any:
+    return [jnp.concatenate([w["q"], w["k"], w["v"]], 1).astype(jnp.bfloat16) for w in p]
+
+  x = jax.tree_util.tree_map(lambda h: jax.device_put(h, trainer), hosts)
+  plan = jr.make_plan(x, sampler, transform=fuse, max_bucket_bytes=1500)
+  assert plan.stats.num_buckets == 2 and plan.stats.num_programs == 1
+  compiled = {id(exe.compile()) for exe in plan.executables()}
+  assert len(compiled) == 1
+  fewer = jr.make_plan(x[:3], sampler, transform=fuse, max_bucket_bytes=1500)
+  assert fewer.stats.num_buckets == 1
+  assert {id(exe.compile()) for exe in fewer.executables()} == compiled
+  want = jax.jit(fuse)(hosts)
+  out = plan(x)
+  _check(plan, out, want, [sampler] * 6)
+  analyses = plan.memory_analysis()
+  assert len(analyses) == 2 and all(a.argument_size_in_bytes > 0 for a in analyses)
+  program = plan.programs(out=True)[0]
+  blocks = sum(int(np.prod(lf.dst_block)) * lf.dtype.itemsize for lf in program.leaves)
+  assert all(a.alias_size_in_bytes == blocks for a in plan.memory_analysis(out=True))
+  _check(plan, plan(x, out=out), want, [sampler] * 6)
