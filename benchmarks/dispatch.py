@@ -105,14 +105,13 @@ def worker(num_leaves: int, iters: int, placement: str = "disjoint") -> dict[str
   }
 
 
-def layers_worker(num_layers: int) -> dict[str, Any]:
+def layered_tree(num_layers: int, leaf: Any) -> tuple[Any, Any]:
+  """A transformer-shaped tree of ``num_layers`` layers on devices 0-3 (rows split) and its
+  destination shardings on devices 4-7 (columns split, vectors replicated): ``leaf(shape,
+  sharding)`` makes each source leaf (an array, or a ``jax.ShapeDtypeStruct``)."""
   import jax
-
-  jax.config.update("jax_num_cpu_devices", NUM_DEVICES)
   import numpy as np
   from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-  import jax_reshard as jr
 
   devs = sorted(jax.devices(), key=lambda d: d.id)
   meshes = Mesh(np.array(devs[:4]), ("x",)), Mesh(np.array(devs[4:]), ("x",))
@@ -127,10 +126,19 @@ def layers_worker(num_layers: int) -> dict[str, Any]:
     return NamedSharding(meshes[dst], rank1 if len(shape) == 1 else rank2)
 
   is_shape = lambda s: isinstance(s, tuple)
-  x = jax.tree.map(
-    lambda s: jax.device_put(np.ones(s, np.float32), spec(s, False)), shapes, is_leaf=is_shape
-  )
-  dst = jax.tree.map(lambda s: spec(s, True), shapes, is_leaf=is_shape)
+  x = jax.tree.map(lambda s: leaf(s, spec(s, False)), shapes, is_leaf=is_shape)
+  return x, jax.tree.map(lambda s: spec(s, True), shapes, is_leaf=is_shape)
+
+
+def layers_worker(num_layers: int) -> dict[str, Any]:
+  import jax
+
+  jax.config.update("jax_num_cpu_devices", NUM_DEVICES)
+  import numpy as np
+
+  import jax_reshard as jr
+
+  x, dst = layered_tree(num_layers, lambda s, sh: jax.device_put(np.ones(s, np.float32), sh))
   plan = jr.make_plan(x, dst)
   t0 = time.perf_counter()
   jax.block_until_ready(plan(x))

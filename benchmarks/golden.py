@@ -78,6 +78,7 @@ def _dispatch() -> Iterator[tuple[str, dict[str, float]]]:
   from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
   import jax_reshard as jr
+  from benchmarks import dispatch
 
   devs = sorted(jax.devices(), key=lambda d: d.id)
   sds = lambda sh: jax.ShapeDtypeStruct((8, 8), np.float32, sharding=sh)
@@ -91,25 +92,10 @@ def _dispatch() -> Iterator[tuple[str, dict[str, float]]]:
       dst = NamedSharding(Mesh(np.array(devs[4:]), ("x",)), PartitionSpec(None, "x"))
     for n in sizes:
       yield f"dispatch {placement} {n} leaves", figures(jr.make_plan([sds(src)] * n, dst))
-  meshes = Mesh(np.array(devs[:4]), ("x",)), Mesh(np.array(devs[4:]), ("x",))
   for num_layers in (1, 60):
-    d, f, v = 64, 128, 256
-    layer = {"attn": {k: (d, d) for k in "kqov"}, "mlp": {"gate": (d, f), "up": (d, f)}}
-    layer |= {"down": (f, d), "norm1": (d,), "norm2": (d,)}
-    shapes = {"embed": (v, d), "layers": [layer] * num_layers, "final_norm": (d,), "head": (d, v)}
-
-    def spec(shape: tuple[int, ...], on_dst: bool) -> Any:
-      rank1 = PartitionSpec() if on_dst else PartitionSpec("x")
-      rank2 = PartitionSpec(None, "x") if on_dst else PartitionSpec("x")
-      return NamedSharding(meshes[on_dst], rank1 if len(shape) == 1 else rank2)
-
-    is_shape = lambda s: isinstance(s, tuple)
-    x = jax.tree.map(
-      lambda s: jax.ShapeDtypeStruct(s, np.float32, sharding=spec(s, False)),
-      shapes,
-      is_leaf=is_shape,
+    x, dst_tree = dispatch.layered_tree(
+      num_layers, lambda s, sh: jax.ShapeDtypeStruct(s, np.float32, sharding=sh)
     )
-    dst_tree = jax.tree.map(lambda s: spec(s, True), shapes, is_leaf=is_shape)
     yield f"dispatch {num_layers} layers", figures(jr.make_plan(x, dst_tree))
 
 
