@@ -102,13 +102,16 @@ def bucket_classes(
   return tuple(out)
 
 
+_MANY_ROWS = 4096  # a leaf with more rows looks its chunks' rows up in its rows sorted by chunk
+
+
 def _shifts(
   schedule: Schedule, leaf: int, chunks: tuple[int, ...], layouts: tuple[Layout, Layout]
 ) -> tuple[tuple[int, int], ...] | None:
   """Where the offsets of ``leaf`` in a bucket moving ``chunks`` of it start, per dimension
   ``(dim, start)``: a window's start (an argument, or a slab of both sides), both slabs' starts
   for a grid (see ``LeafView.dst_shift``); ``None`` where the offsets are the leaf's own."""
-  if is_grid(schedule, leaf):
+  if schedule.leaf_slabs and is_grid(schedule, leaf):
     src, dst = slab_window(schedule, leaf, chunks), dst_slab_window(schedule, leaf, chunks)
     assert src is not None and dst is not None
     return (dst[0], dst[1]), (src[0], src[1])
@@ -150,16 +153,18 @@ def _windowed(
       out.append(chunks)
       continue
     rc = schedule.row_chunks[leaf]
-    if ("rows", leaf) not in seen:  # the leaf's rows by chunk, and their chunks' bytes
-      order = np.argsort(rc, kind="stable")
-      seen[("rows", leaf)] = order, (rc[order], rc.tobytes())
-    order, (by_chunk, rc_bytes) = seen[("rows", leaf)]
+    if ("rows", leaf) not in seen:  # the leaf's rows by chunk (many chunks), their bytes
+      order = np.argsort(rc, kind="stable") if len(rc) > _MANY_ROWS else None
+      seen[("rows", leaf)] = rc if order is None else rc[order], (order, rc.tobytes())
+    by_chunk, (order, rc_bytes) = seen[("rows", leaf)]
     key = (leaf_class[leaf], rc_bytes, chunks, shift)
     if key not in seen:
       lp = schedule.leaf_plans[leaf]
-      if chunks[-1] - chunks[0] == len(chunks) - 1:  # consecutive, as buckets take them
+      if order is not None and chunks[-1] - chunks[0] == len(chunks) - 1:
         a, b = np.searchsorted(by_chunk, [chunks[0], chunks[-1] + 1])
         rows = np.sort(order[a:b])
+      elif chunks[-1] - chunks[0] == len(chunks) - 1:  # consecutive, as buckets take them
+        rows = np.flatnonzero((rc >= chunks[0]) & (rc <= chunks[-1]))
       else:
         rows = np.flatnonzero(np.isin(rc, chunks))
       lo, hi = lp.lo[rows].copy(), lp.hi[rows].copy()

@@ -287,7 +287,10 @@ def slab_window(
   """``(dim, start, stop)``: the local indices of every source shard of ``leaf`` that a bucket
   moving ``chunks`` (consecutive) of it stages, or ``None`` where the leaf is not cut into
   slabs (the bucket stages the whole source block)."""
-  return grid_windows(*_slabs(schedule, leaf), min(chunks), max(chunks))[0]
+  src, dst = _slabs(schedule, leaf)
+  if src is None:
+    return None
+  return grid_windows(src, dst, min(chunks), max(chunks))[0]
 
 
 def dst_slab_window(
@@ -296,7 +299,10 @@ def dst_slab_window(
   """``(dim, start, stop)``: the local indices of every destination shard of ``leaf`` that a
   bucket moving ``chunks`` (consecutive) of it outputs, or ``None`` where the leaf is not cut
   into destination slabs (the bucket outputs the whole destination block)."""
-  return grid_windows(*_slabs(schedule, leaf), min(chunks), max(chunks))[1]
+  src, dst = _slabs(schedule, leaf)
+  if dst is None:
+    return None
+  return grid_windows(src, dst, min(chunks), max(chunks))[1]
 
 
 def window_start(schedule: Schedule, leaf: int, chunks: Sequence[int]) -> tuple[int, int] | None:
