@@ -44,24 +44,32 @@ from typing import Any
 NUM_DEVICES = 8
 
 
+def placement_shardings(placement: str) -> tuple[Any, Any]:
+  """Rows over devices -> columns over devices: all 8 (``"colocated"``), or 0-3 -> 4-7."""
+  import jax
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+  devs = sorted(jax.devices(), key=lambda d: d.id)
+  if placement == "colocated":
+    meshes = (Mesh(np.array(devs), ("x",)),) * 2
+  else:
+    meshes = Mesh(np.array(devs[:4]), ("x",)), Mesh(np.array(devs[4:]), ("x",))
+  return NamedSharding(meshes[0], PartitionSpec("x")), NamedSharding(
+    meshes[1], PartitionSpec(None, "x")
+  )
+
+
 def worker(num_leaves: int, iters: int, placement: str = "disjoint") -> dict[str, Any]:
   import jax
 
   jax.config.update("jax_num_cpu_devices", NUM_DEVICES)
   import numpy as np
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
   import jax_reshard as jr
   from jax_reshard._options import Options
 
-  devs = sorted(jax.devices(), key=lambda d: d.id)
-  if placement == "colocated":
-    mesh = Mesh(np.array(devs), ("x",))
-    src = NamedSharding(mesh, PartitionSpec("x"))
-    dst = NamedSharding(mesh, PartitionSpec(None, "x"))
-  else:
-    src = NamedSharding(Mesh(np.array(devs[:4]), ("x",)), PartitionSpec("x"))
-    dst = NamedSharding(Mesh(np.array(devs[4:]), ("x",)), PartitionSpec(None, "x"))
+  src, dst = placement_shardings(placement)
   host = np.arange(64, dtype=np.float32).reshape(8, 8)
   x = [jax.device_put(host + i, src) for i in range(num_leaves)]
   jax.block_until_ready(x)

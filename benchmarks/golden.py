@@ -75,21 +75,13 @@ def _refit() -> Iterator[tuple[str, dict[str, float]]]:
 def _dispatch() -> Iterator[tuple[str, dict[str, float]]]:
   import jax
   import numpy as np
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
   import jax_reshard as jr
   from benchmarks import dispatch
 
-  devs = sorted(jax.devices(), key=lambda d: d.id)
   sds = lambda sh: jax.ShapeDtypeStruct((8, 8), np.float32, sharding=sh)
   for placement, sizes in (("disjoint", (1, 100, 1000, 10000)), ("colocated", (1, 100, 1000))):
-    if placement == "colocated":
-      mesh = Mesh(np.array(devs), ("x",))
-      src = NamedSharding(mesh, PartitionSpec("x"))
-      dst = NamedSharding(mesh, PartitionSpec(None, "x"))
-    else:
-      src = NamedSharding(Mesh(np.array(devs[:4]), ("x",)), PartitionSpec("x"))
-      dst = NamedSharding(Mesh(np.array(devs[4:]), ("x",)), PartitionSpec(None, "x"))
+    src, dst = dispatch.placement_shardings(placement)
     for n in sizes:
       yield f"dispatch {placement} {n} leaves", figures(jr.make_plan([sds(src)] * n, dst))
   for num_layers in (1, 60):
