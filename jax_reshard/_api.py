@@ -10,7 +10,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal, overload
 
 import jax
-import numpy as np
 
 from jax_reshard._buffers import buffers_by_device
 from jax_reshard._classes import stage_classes
@@ -26,13 +25,13 @@ from jax_reshard._edge import (
   refuse_edges_with_transform,
 )
 from jax_reshard._emit import BucketExecutable, InFlight, empty_like_sharded, plan_word_bytes
-from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
 from jax_reshard._options import Options
 from jax_reshard._plan import (
   LayoutPlan,
   PlanStats,
   bucket_candidates,
+  format_bytes,
   format_plan,
   passes_per_moved_byte,
   plan_layouts,
@@ -43,12 +42,20 @@ from jax_reshard._planner import LeafPlan
 from jax_reshard._program import (
   BucketProgram,
   make_bucket_program,
+  make_transform_program,
+  program_signature,
   rebound_program,
   travels_as_is,
 )
 from jax_reshard._schedule import CPU_MAX_BUCKET_BYTES, DEFAULT_MAX_BUCKET_BYTES, Schedule
-from jax_reshard._tapi import TransformPlan, make_transform_plan, transform_cache_clear
 from jax_reshard._topology import Topology
+from jax_reshard._tplan import plan_transform_layouts
+from jax_reshard._transform import (
+  TransformAnalysis,
+  analysis_cache_clear,
+  analyze,
+  output_leaves,
+)
 from jax_reshard._tree import (
   Leaf,
   broadcast_shardings,
@@ -111,9 +118,7 @@ class ReshardPlan:
     relays: bool | Literal["auto"] | None = None,
     options: Options | None = None,
   ) -> None:
-    self._treedef = treedef
-    self.leaves: tuple[Leaf, ...] = tuple(leaves)
-    self.layout_plan: LayoutPlan = plan_layouts(
+    layout_plan = plan_layouts(
       [lf.layouts() for lf in leaves],
       [lf.dtype.itemsize for lf in leaves],
       max_bucket_bytes=max_bucket_bytes,
@@ -122,6 +127,22 @@ class ReshardPlan:
       relays=relays,
       options=options,
     )
+    self._setup(treedef, tuple(leaves), layout_plan, treedef, tuple(leaves))
+
+  def _setup(
+    self,
+    treedef: Any,
+    leaves: tuple[Leaf, ...],
+    layout_plan: LayoutPlan,
+    src_treedef: Any,
+    src_leaves: tuple[Leaf, ...],
+  ) -> None:
+    """Everything but planning: ``leaves`` (the result's, in ``treedef``) and the source's
+    (``src_leaves`` in ``src_treedef``: the same tree but with ``transform=``)."""
+    self._treedef, self._src_treedef = treedef, src_treedef
+    self.leaves: tuple[Leaf, ...] = leaves
+    self._src_leaves = src_leaves
+    self.layout_plan: LayoutPlan = layout_plan
     self.options: Options = self.layout_plan.options
     scheduled = set(self.layout_plan.scheduled)
     self._unscheduled = [i for i in range(len(self.leaves)) if i not in scheduled]
@@ -152,10 +173,13 @@ class ReshardPlan:
 
   def _stage_classes(self) -> list[tuple[int, ...]]:
     """Per stage, per bucket, the first bucket of the stage with the same program (element
-    types told apart)."""
+    types told apart; a transformed stage's buckets each their own until built, see
+    :class:`TransformPlan`)."""
     dtypes = [lf.dtype for lf in self.leaves]
     return [
-      stage_classes(stage.leaf_plans, stage.layouts, stage.scheduled, stage.schedule, dtypes)
+      stage.bucket_classes or ()
+      if stage.pieces is not None
+      else stage_classes(stage.leaf_plans, stage.layouts, stage.scheduled, stage.schedule, dtypes)
       for stage in self.layout_plan.stages()
     ]
 
@@ -276,6 +300,7 @@ class ReshardPlan:
     donate = out
     if donate not in self._programs:
       dtypes = [lf.dtype for lf in self.leaves]
+      src_dtypes = [lf.dtype for lf in self._src_leaves]
       first_stage = self.layout_plan.stages()[0]
       words = plan_word_bytes(self.layout_plan)
       programs: list[BucketProgram] = []
@@ -284,6 +309,13 @@ class ReshardPlan:
         if first < k:  # the same program as an earlier bucket, on other leaves
           donated = donate and stage is first_stage
           programs.append(rebound_program(programs[first], stage, b, dtypes, donate=donated))
+          continue
+        if stage.pieces is not None:  # a transformed stage: inputs are the source leaves
+          programs.append(
+            make_transform_program(
+              stage, b, src_dtypes, dtypes, donate=donate, options=self.options
+            )
+          )
           continue
         ids = stage.schedule.buckets[b].union_device_ids
         program = make_bucket_program(
@@ -347,7 +379,7 @@ class ReshardPlan:
     donate = out
     if donate not in self._executables:
       devices = {}
-      for lf in self.leaves:
+      for lf in (*self._src_leaves, *self.leaves):
         for d in (*lf.src_sharding.device_set, *lf.dst_sharding.device_set):
           devices[d.id] = d
       first_stage = self.layout_plan.stages()[0]
@@ -356,7 +388,9 @@ class ReshardPlan:
         dst = [self.leaves[lf.index].dst_sharding for lf in p.leaves]
         # A relay stage takes the first stage's results, laid out as the destination.
         src = (
-          [self.leaves[lf.index].src_sharding for lf in p.leaves] if stage is first_stage else dst
+          [self._src_leaves[lf.index].src_sharding for lf in p.sources]
+          if stage is first_stage
+          else dst
         )
         executables.append(BucketExecutable(p, devices, dst, src, options=self.options))
       self._executables[donate] = executables
@@ -428,8 +462,9 @@ class ReshardPlan:
     """
     if self._edges is not None:
       return self._call_edged(x, donate, out)
-    flags = None if donate is False else donated_leaves(donate, x, [lf.path for lf in self.leaves])
-    arrays = check_arrays(self._treedef, self.leaves, x)
+    paths = [lf.path for lf in self._src_leaves]
+    flags = None if donate is False else donated_leaves(donate, x, paths)
+    arrays = check_arrays(self._src_treedef, self._src_leaves, x)
     old = None if out is None else check_donated(self._treedef, self.leaves, out, arrays)
     if old is not None:
       check_out_layouts([lf.name for lf in self.leaves], old)
@@ -508,7 +543,7 @@ class ReshardPlan:
   def _run(self, arrays: list[Any], old: list[Any] | None) -> list[Any]:
     """Runs the buckets in order; a leaf's destination blocks go from bucket to bucket."""
     executables = self.executables(out=old is not None)
-    out: list[Any] = [None] * len(arrays)
+    out: list[Any] = [None] * len(self.leaves)
     for i in self._unscheduled:
       lf = self.leaves[i]
       out[i] = empty_like_sharded(lf.shape, lf.dtype, lf.dst_sharding)
@@ -531,8 +566,14 @@ class ReshardPlan:
         if exe.takes_destinations
         else []
       )
-      # A relay stage takes the first stage's results as its source.
-      xs = [arrays[i] if out[i] is None else out[i] for i in idx]
+      # A relay stage takes the first stage's results as its source; a transformed stage
+      # the source leaves it reads.
+      inputs = exe.program.inputs
+      xs = (
+        [arrays[lf.index] for lf in inputs]
+        if inputs
+        else [arrays[i] if out[i] is None else out[i] for i in idx]
+      )
       ys = exe(xs, dsts, spares, in_flight.wait_for(exe))
       in_flight.add(ys)
       for i, y in zip(idx, ys, strict=True):
@@ -548,6 +589,176 @@ class ReshardPlan:
   def _repr_html_(self) -> str:
     """Jupyter's rich display: the stats table and one row per layout group."""
     return plan_html(self)
+
+
+class TransformPlan(ReshardPlan):
+  """A compiled reshard that also converts; build it with ``make_plan(src, dst, transform=f)``.
+
+  Its result equals ``transform(x)`` bit for bit, in the destination layouts. It is a
+  :class:`ReshardPlan` whose leaves are the transform's output leaves: called, estimated and
+  inspected the same way (``topology``, relays, ``out=``, ``donate=``, ``options=``). Narrowing
+  casts run on the senders, so bytes move in the narrow dtype.
+
+  Attributes:
+    analysis: the transform as pieces (:class:`TransformAnalysis`).
+    src_leaves: per source leaf, its path, shape, dtype and sharding.
+    leaves: per output leaf, its path, shape, dtype and destination sharding.
+    layout_plan: the transfers, schedule and stats (a :class:`LayoutPlan` whose ``pieces``
+      say what each transfer carries and how it lands).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np
+    >>> import jax_reshard as jr
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((8,), ("x",))
+    >>> x = jax.device_put(np.arange(64.0).reshape(8, 8), NamedSharding(mesh, P("x")))
+    >>> to_bf16_t = lambda w: w.T.astype(jnp.bfloat16)
+    >>> tplan = jr.make_plan(x, NamedSharding(mesh, P("x")), transform=to_bf16_t)
+    >>> y = tplan(x)
+    >>> y.dtype, np.array_equal(y, to_bf16_t(x))
+    (dtype(bfloat16), True)
+    >>> print(tplan)
+    TransformPlan: 1 source leaves -> 1 output leaves
+      bytes moved        112 B (lower bound 112 B, padding 0 B)
+      local copies       16 B
+      rounds 7; per device max send 14 B, recv 14 B
+  """
+
+  def __init__(
+    self,
+    src_treedef: Any,
+    src_leaves: tuple[Leaf, ...],
+    analysis: TransformAnalysis,
+    out_leaves: tuple[Leaf, ...],
+    *,
+    max_bucket_bytes: int | tuple[int, ...] | None = DEFAULT_MAX_BUCKET_BYTES,
+    topology: Topology | None = None,
+    relays: bool | Literal["auto"] | None = None,
+    options: Options | None = None,
+  ) -> None:
+    self.src_leaves = src_leaves
+    self.analysis = analysis
+    layout_plan = plan_transform_layouts(
+      analysis.leaves,
+      [Layout.from_sharding(lf.src_sharding, lf.shape) for lf in src_leaves],
+      [Layout.from_sharding(lf.dst_sharding, lf.shape) for lf in out_leaves],
+      max_bucket_bytes=max_bucket_bytes,
+      topology=topology,
+      relays=relays,
+      options=options,
+    )
+    self._setup(analysis.out_treedef, out_leaves, layout_plan, src_treedef, src_leaves)
+
+  def _signature_classes(self) -> list[tuple[int, ...]]:
+    """Per stage, per bucket, the first bucket of the stage whose program has the same
+    signature (the programs are built: a transformed bucket's rows carry pieces)."""
+    programs, at, out = self.programs(), 0, []
+    for stage in self.layout_plan.stages():
+      first: dict[BucketProgram, int] = {}
+      n = len(stage.schedule.buckets)
+      out.append(
+        tuple(
+          first.setdefault(program_signature(p), b) for b, p in enumerate(programs[at : at + n])
+        )
+      )
+      at += n
+    return out
+
+  @property
+  def stats(self) -> PlanStats:
+    """The plan's :class:`PlanStats`, in the bytes that move (after narrowing casts).
+
+    ``num_programs`` counts distinct bucket programs: buckets of one program signature (the
+    layers of a model) share one compiled executable.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> import jax_reshard as jr
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("x",))
+      >>> w = jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(mesh, P("x")))
+      >>> to_bf16_t = lambda w: w.T.astype(jnp.bfloat16)
+      >>> tplan = jr.make_plan(w, NamedSharding(mesh, P("x")), transform=to_bf16_t)
+      >>> tplan.stats.bytes_moved, tplan.stats.lower_bound_bytes  # bf16: 2 bytes a value
+      (112, 112)
+    """
+    if self._bundled_stats is None:
+      st, classes = self.layout_plan.stats, self._signature_classes()
+      moved = st.bytes_moved
+      passes = passes_per_moved_byte(self.layout_plan.stages(), moved, self._as_is, classes)
+      extra = sum(exe.bundle_pass_bytes() for exe in self.executables())
+      signatures = {program_signature(p) for p in self.programs()}
+      self._bundled_stats = dataclasses.replace(
+        st,
+        num_programs=len(signatures),
+        passes_per_moved_byte=passes + (extra / (2 * moved) if moved else 0.0),
+      )
+    return self._bundled_stats
+
+  def estimate(self, topology: Topology | None = None, *, out: bool = False) -> Estimate:
+    """The predicted time of a call on ``topology`` (see :meth:`ReshardPlan.estimate`).
+
+    A transformed bucket's packing is counted as a plain one's of the same output boxes.
+
+    Args:
+      topology: link and memory costs; default: the topology the plan was made with.
+      out: the time of a call with ``out=``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> import jax_reshard as jr
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("x",))
+      >>> w = jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(mesh, P("x")))
+      >>> tplan = jr.make_plan(w, NamedSharding(mesh, P("x")), transform=lambda w: w.T)
+      >>> tplan.estimate(jr.Topology.cpu()).num_rounds
+      7
+    """
+    dtypes = [lf.dtype for lf in self.leaves]
+    classes = self._signature_classes()
+    return estimate(self.layout_plan, topology, self._as_is, classes, kinds=dtypes, out=out)
+
+  @property
+  def piece_texts(self) -> tuple[str, ...]:
+    """Per output leaf, its pieces and the source layouts they read, as text.
+
+    Processes fingerprint these texts: processes with different transforms do not match.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np
+      >>> import jax_reshard as jr
+      >>> from jax.sharding import NamedSharding, PartitionSpec as P
+      >>> mesh = jax.make_mesh((8,), ("x",))
+      >>> w = jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(mesh, P("x")))
+      >>> to_bf16_t = lambda w: w.T.astype(jnp.bfloat16)
+      >>> tplan = jr.make_plan(w, NamedSharding(mesh, P("x")), transform=to_bf16_t)
+      >>> print(tplan.piece_texts[0])
+      <root>: bfloat16[8, 8], 1 piece(s)
+        out[0:8, 0:8] <- <root>[0:8, 0:8] float32->bfloat16 via reshape(8, 8) transpose(1, 0)
+      Layout(shape=(8, 8), ...)
+    """
+    inputs = self.layout_plan.inputs
+    assert inputs is not None
+    out = []
+    for leaf in self.analysis.leaves:
+      used = sorted({q.src_leaf for q in leaf.pieces})
+      out.append("\n".join([str(leaf), *(repr(inputs[i]) for i in used)]))
+    return tuple(out)
+
+  def __repr__(self) -> str:
+    st = self.stats
+    relayed = f", relayed {format_bytes(st.relay_bytes)}" if st.relay_bytes else ""
+    return "\n".join(
+      [
+        f"TransformPlan: {len(self.src_leaves)} source leaves -> {len(self.leaves)} output leaves",
+        f"  bytes moved        {format_bytes(st.bytes_moved)} (lower bound "
+        f"{format_bytes(st.lower_bound_bytes)}, padding {format_bytes(st.padding_bytes)}"
+        f"{relayed})",
+        f"  local copies       {format_bytes(st.local_copy_bytes)}",
+        f"  rounds {st.num_rounds}; per device max send {format_bytes(st.max_send_bytes)}, "
+        f"recv {format_bytes(st.max_recv_bytes)}",
+      ]
+    )
 
 
 @overload
@@ -572,7 +783,7 @@ def make_plan(
   topology: Topology | None = ...,
   relays: bool | Literal["auto"] | None = ...,
   transform: Callable[[Any], Any],
-  options: None = ...,
+  options: Options | None = ...,
 ) -> TransformPlan: ...
 
 
@@ -649,7 +860,7 @@ def make_plan(
   """
   resolved, opts = resolve_relays(relays, topology), resolve_options(options)
   if transform is not None:
-    return _transform_plan(src, dst, transform, max_bucket_bytes, options)
+    return _transform_plan(src, dst, transform, max_bucket_bytes, topology, resolved, opts)
   if needs_edges(src, dst):
     return _edged_plan(src, dst, max_bucket_bytes, topology, relays, opts)
   candidates = bucket_candidates(max_bucket_bytes, topology)
@@ -662,18 +873,47 @@ def _transform_plan(
   src: Any,
   dst: Any,
   transform: Callable[[Any], Any],
-  max_bucket_bytes: Any,
-  options: Options | None,
+  max_bucket_bytes: int | Sequence[int] | None,
+  topology: Topology | None,
+  relays: bool | Literal["auto"],
+  options: Options,
 ) -> TransformPlan:
-  if options is not None:  # a transformed plan lowers with the default options
-    raise ReshardError(
-      "options= applies to plans without transform= (a transformed plan is lowered with the "
-      "default options); leave options unset with transform="
-    )
+  """Plans ``transform(src)`` into ``dst`` (a Sharding, or a prefix of the output tree).
+
+  Raises:
+    ReshardError: an unsupported operation in ``transform`` (naming it and the output leaf),
+      or invalid trees, shapes or shardings; nothing is moved.
+  """
   refuse_edges_with_transform(src, dst)
-  return make_transform_plan(
-    src, dst, transform, max_bucket_bytes=_transform_bound(max_bucket_bytes)
-  )
+  candidates = bucket_candidates(max_bucket_bytes, topology)
+  treedef, src_leaves = flatten_tree(src, src)
+  analysis = analyze(transform, treedef, tuple(src_leaves))
+  outs = output_leaves(analysis, src_leaves, dst)
+  if candidates is not None:
+    bounds: int | tuple[int, ...] = candidates
+  else:
+    assert not isinstance(max_bucket_bytes, Sequence)
+    bounds = DEFAULT_MAX_BUCKET_BYTES if max_bucket_bytes is None else int(max_bucket_bytes)
+  args = (tuple(src_leaves), tuple(outs), bounds, topology, relays, options)
+  return _cached_transform_plan(transform, treedef, *args)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_transform_plan(
+  transform: Callable[[Any], Any],
+  treedef: Any,
+  src_leaves: tuple[Leaf, ...],
+  out_leaves: tuple[Leaf, ...],
+  max_bucket_bytes: int | tuple[int, ...],
+  topology: Topology | None,
+  relays: bool | Literal["auto"],
+  options: Options,
+) -> TransformPlan:
+  analysis = analyze(transform, treedef, src_leaves)
+  return TransformPlan(
+    treedef, src_leaves, analysis, out_leaves, max_bucket_bytes=max_bucket_bytes,
+    topology=topology, relays=relays, options=options,
+  )  # fmt: skip
 
 
 def _edged_plan(
@@ -697,16 +937,6 @@ def _edged_plan(
     options=options,
   )
   return core.with_edges(edges)
-
-
-def _transform_bound(max_bucket_bytes: int | Sequence[int] | None) -> int:
-  """``make_plan``'s bound of a transformed plan: one, 1 GiB by default."""
-  if max_bucket_bytes is not None and not isinstance(max_bucket_bytes, (int, np.integer)):
-    raise ReshardError(
-      "a transformed plan takes one max_bucket_bytes (an int or None), not candidates: "
-      f"got {max_bucket_bytes!r}"
-    )
-  return DEFAULT_MAX_BUCKET_BYTES if max_bucket_bytes is None else int(max_bucket_bytes)
 
 
 def _one_bound(max_bucket_bytes: int | Sequence[int] | None, leaves: list[Leaf]) -> int:
@@ -764,4 +994,5 @@ def plan_cache_clear() -> None:
     False
   """
   _cached_plan.cache_clear()
-  transform_cache_clear()
+  _cached_transform_plan.cache_clear()
+  analysis_cache_clear()

@@ -95,6 +95,17 @@ class Options:
     ReshardError: a switch that is not ``True`` or ``False``, or a threshold that is not an
       int of at least 0 (at least 1 for ``max_bucket_leaves``, ``min_period_leaves``,
       ``in_flight_buckets`` and ``max_grid_slabs``).
+
+  Example:
+    >>> import jax, numpy as np
+    >>> import jax_reshard as jr
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((8,), ("x",))
+    >>> w = jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(mesh, P("x")))
+    >>> dst = NamedSharding(mesh, P(None, "x"))
+    >>> one_each = jr.make_plan([w] * 3, dst, options=jr.Options(max_bucket_leaves=1))
+    >>> jr.make_plan([w] * 3, dst).stats.num_buckets, one_each.stats.num_buckets
+    (1, 3)
   """
 
   split_assembly: bool = True

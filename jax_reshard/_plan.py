@@ -33,6 +33,7 @@ from jax_reshard._cost import (
 from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
 from jax_reshard._options import DEFAULT_OPTIONS, Options
+from jax_reshard._pieces import Piece
 from jax_reshard._planner import LeafPlan, plan_leaves
 from jax_reshard._schedule import (
   DEFAULT_MAX_BUCKET_BYTES,
@@ -133,6 +134,12 @@ class LayoutPlan:
       known; :meth:`estimate` reads it.
     options: the :class:`Options` the plan was made with (its relay stage's too): its
       programs, its predicted time and its byte counts follow them.
+    pieces: for a transformed tree (``transform=``), per leaf (an output leaf) and per
+      transfer of this stage, the piece it carries: which box of which source leaf, and how
+      it is rearranged and cast (``jax_reshard._pieces.Piece``); ``None``: every transfer
+      carries its box of the leaf as it is. A relay stage always moves boxes as they are.
+    inputs: for a transformed tree, per source leaf, its layout (the leaves' source layouts
+      then hold nothing: a transformed leaf reads several source leaves).
 
   Example:
     >>> import jax_reshard as jr
@@ -161,6 +168,8 @@ class LayoutPlan:
   relay: LayoutPlan | None = None
   bucket_classes: tuple[int, ...] | None = None
   options: Options = dataclasses.field(kw_only=True)
+  pieces: tuple[tuple[Piece, ...], ...] | None = dataclasses.field(default=None, kw_only=True)
+  inputs: tuple[Layout, ...] | None = dataclasses.field(default=None, kw_only=True)
 
   def stages(self) -> tuple[LayoutPlan, ...]:
     """The plans run one after the other: this one, then the relay stage if any."""
@@ -283,8 +292,10 @@ def _plan_layouts(
   interleave: bool,
   leaf_names: Sequence[str] | None,
   options: Options | None,
+  transfers: _Transfers | None = None,
 ) -> LayoutPlan:
-  """:func:`plan_layouts`, its arguments checked and normalised here."""
+  """:func:`plan_layouts`, its arguments checked and normalised here; ``transfers``: the leaf
+  plans of a transformed tree (default: :func:`plan_leaves` of the layouts)."""
   lays = tuple((s, d) for s, d in layouts)
   sizes = tuple(int(i) for i in itemsizes)
   names = tuple(leaf_names) if leaf_names is not None else tuple(f"#{i}" for i in range(len(lays)))
@@ -292,7 +303,7 @@ def _plan_layouts(
   candidates = bucket_candidates(max_bucket_bytes, topology)
   opts = resolve_options(options)
 
-  leaves = _LeafPlans(lays, sizes, topology)  # one set per call, whatever the bound
+  leaves = _LeafPlans(lays, sizes, topology, transfers)  # one set per call, whatever the bound
 
   def plan_for(bound: int | None) -> tuple[LayoutPlan, float | None]:
     args = (lays, sizes, bound, topology, opts)
@@ -309,6 +320,27 @@ def _plan_layouts(
   passes = passes_per_moved_byte(plan.stages(), plan.stats.bytes_moved, None, classes)
   stats = dataclasses.replace(plan.stats, passes_per_moved_byte=passes)
   return dataclasses.replace(plan, stats=stats)
+
+
+def plan_transformed(
+  layouts: Sequence[tuple[Layout, Layout]],
+  itemsizes: Sequence[int],
+  inputs: Sequence[Layout],
+  transfers: _Transfers,
+  *,
+  max_bucket_bytes: int | Sequence[int] | None,
+  topology: Topology | None,
+  relays: bool | Literal["auto"] | None,
+  leaf_names: Sequence[str],
+  options: Options | None,
+) -> LayoutPlan:
+  """:func:`plan_layouts` of a transformed tree (``jax_reshard._tplan``): per output leaf its
+  layouts (source: the devices it reads, holding nothing) and item size; ``inputs``: the
+  source leaves' layouts; ``transfers``: its leaf plans and pieces, with relays or not."""
+  plan = _plan_layouts(
+    layouts, itemsizes, max_bucket_bytes, topology, relays, True, leaf_names, options, transfers
+  )
+  return dataclasses.replace(plan, inputs=tuple(inputs))
 
 
 def bucket_candidates(
@@ -442,14 +474,25 @@ class _LeafPlans:
   layouts: tuple[tuple[Layout, Layout], ...]
   itemsizes: tuple[int, ...]
   topology: Topology | None
-  made: dict[bool, tuple[LeafPlan, ...]] = dataclasses.field(default_factory=dict)
+  transfers: _Transfers | None = None
+  made: dict[bool, tuple[tuple[LeafPlan, ...], _Pieces]] = dataclasses.field(default_factory=dict)
   direct_bound: float | None = None
 
   def plans(self, relays: bool) -> tuple[LeafPlan, ...]:
-    """:func:`plan_leaves` of the call's leaves with ``relays``."""
+    """:func:`plan_leaves` of the call's leaves with ``relays`` (or ``transfers``)."""
+    return self._made(relays)[0]
+
+  def pieces(self, relays: bool) -> _Pieces:
+    """Per leaf and transfer, its piece (``None``: not a transformed tree)."""
+    return self._made(relays)[1]
+
+  def _made(self, relays: bool) -> tuple[tuple[LeafPlan, ...], _Pieces]:
     if relays not in self.made:
-      made = plan_leaves(self.layouts, self.itemsizes, topology=self.topology, relays=relays)
-      self.made[relays] = tuple(made)
+      if self.transfers is not None:
+        self.made[relays] = self.transfers(relays)
+      else:
+        made = plan_leaves(self.layouts, self.itemsizes, topology=self.topology, relays=relays)
+        self.made[relays] = (tuple(made), None)
     return self.made[relays]
 
   def direct_lower_bound(self) -> float:
@@ -459,6 +502,11 @@ class _LeafPlans:
       self.direct_bound = time_lower_bound(self.plans(False), self.topology)
     return self.direct_bound
 
+
+# Per leaf and transfer of a transformed tree, the piece it carries (``None``: a plain tree).
+_Pieces = tuple[tuple[Piece, ...], ...] | None
+# The leaf plans of a transformed tree with relays or not, and their pieces.
+_Transfers = Callable[[bool], tuple[tuple[LeafPlan, ...], _Pieces]]
 
 _TreeArgs = tuple[
   tuple[tuple[Layout, Layout], ...], tuple[int, ...], int | None, Topology | None, Options
@@ -478,13 +526,16 @@ def _plan_relays_or_not(
   plans (:func:`time_lower_bound`), is already no less than the relay plan's predicted time
   (relays win ties). With the plan, its predicted seconds on its topology where ``timed`` or
   computed for the choice, else ``None``. ``leaves``: the call's leaf plans (made there once)."""
-  relayed = _plan_tree(*args, interleave, names, leaves.plans(relays is not False))
+  with_relays = relays is not False
+  relayed = _plan_tree(
+    *args, interleave, names, leaves.plans(with_relays), leaves.pieces(with_relays)
+  )
   if relays != "auto" or relayed.relay is None:
     return relayed, relayed.estimate().seconds if timed else None
   relayed_s = relayed.estimate().seconds
   if leaves.direct_lower_bound() >= relayed_s:
     return relayed, relayed_s
-  direct = _plan_tree(*args, interleave, names, leaves.plans(False))
+  direct = _plan_tree(*args, interleave, names, leaves.plans(False), leaves.pieces(False))
   direct_s = direct.estimate().seconds
   return (direct, direct_s) if direct_s < relayed_s else (relayed, relayed_s)
 
@@ -498,10 +549,11 @@ def _plan_tree(
   interleave: bool,
   names: tuple[str, ...],
   full: tuple[LeafPlan, ...],
+  pieces: _Pieces = None,
 ) -> LayoutPlan:
   """:func:`plan_layouts` on normalised arguments (its ``passes_per_moved_byte`` left at 0:
   see :func:`_plan_layouts`) of the leaf plans ``full`` (:func:`plan_leaves`, with relays or
-  not: :class:`_LeafPlans`)."""
+  not: :class:`_LeafPlans`) and, for a transformed tree, their ``pieces``."""
   interleave = interleave and _domains(layouts, topology) > 1
   split_of: dict[int, tuple[LeafPlan, LeafPlan | None]] = {}  # equal leaves share a plan
   split = []
@@ -515,10 +567,15 @@ def _plan_tree(
   # Each stage needs its own least bound: where both are above max_bucket_bytes, the error
   # names the larger (the least bound of the whole plan).
   errors: list[BucketBoundError] = []
+  first_pieces = None
+  if pieces is not None:  # the pieces of the first stage's transfers
+    rows = [(ps, _first_rows(lp)) for lp, ps in zip(full, pieces, strict=True)]
+    first_pieces = tuple(tuple(ps[i] for i in at) for ps, at in rows)
   try:
     first_stage = _stage_plan(
-      layouts, itemsizes, leaf_plans, scheduled, max_bucket_bytes, topology, options, names
-    )
+      layouts, itemsizes, leaf_plans, scheduled, max_bucket_bytes, topology, options, names,
+      first_pieces,
+    )  # fmt: skip
   except BucketBoundError as e:
     errors.append(e)
   try:
@@ -805,30 +862,69 @@ def _stage_plan(
   topology: Topology | None,
   options: Options,
   names: Sequence[str] | None = None,
+  pieces: _Pieces = None,
 ) -> LayoutPlan:
   """One stage: its leaf plans scheduled, with the stats of this stage alone and its
   :func:`bucket_classes` (itemsizes as kinds; ``LayoutPlan.bucket_classes``). Leaves split over
-  several buckets come back with their remote transfers cut into chunks."""
+  several buckets come back with their remote transfers cut into chunks. With ``pieces`` (a
+  transformed stage) no leaf is cut and every bucket counts as a program of its own.
+
+  Raises:
+    ReshardError: a transformed leaf does not fit ``max_bucket_bytes`` alone.
+  """
   schedule = make_schedule(
     [leaf_plans[i] for i in scheduled],
     [layouts[i] for i in scheduled],
     [itemsizes[i] for i in scheduled],
     max_bucket_bytes=max_bucket_bytes,
     names=None if names is None else [names[i] for i in scheduled],
+    slabs=pieces is None,
     topology=topology,
+    apart=pieces is None,  # a transformed bucket runs one program
     options=options,
   )
   chunked = list(leaf_plans)
   for j, i in enumerate(scheduled):  # the transfers as the buckets move them (chunks)
     chunked[i] = schedule.leaf_plans[j]
+  if pieces is not None:
+    _refuse_chunks(leaf_plans, chunked, names, max_bucket_bytes)
+    classes: tuple[int, ...] = tuple(range(len(schedule.buckets)))
+  else:
+    classes = stage_classes(tuple(chunked), layouts, scheduled, schedule, itemsizes)
   leaf_plans = tuple(chunked)
-  classes = stage_classes(leaf_plans, layouts, scheduled, schedule, itemsizes)
   stats = schedule_stats(leaf_plans, schedule, len(set(classes)))
   plan = LayoutPlan(
     layouts, itemsizes, leaf_plans, scheduled, schedule, stats, max_bucket_bytes, topology,
-    bucket_classes=classes, options=options,
+    bucket_classes=classes, options=options, pieces=pieces,
   )  # fmt: skip
   return plan
+
+
+def _refuse_chunks(
+  planned: Sequence[LeafPlan],
+  scheduled: Sequence[LeafPlan],
+  names: Sequence[str] | None,
+  max_bucket_bytes: int | None,
+) -> None:
+  """Raises where the schedule cut a transformed leaf into chunks (its programs cannot)."""
+  split = [
+    names[i] if names is not None else f"#{i}"
+    for i, (a, b) in enumerate(zip(planned, scheduled, strict=True))
+    if a is not b
+  ]
+  if split:
+    raise ReshardError(
+      f"output leaves {split} do not fit max_bucket_bytes={max_bucket_bytes} alone; leaves of "
+      "a transformed plan are not split into chunks yet. Pass a larger max_bucket_bytes (or "
+      "None for one bucket)."
+    )
+
+
+def _first_rows(lp: LeafPlan) -> np.ndarray:
+  """The transfers of a leaf plan its first stage runs (all but the relay forwards)."""
+  if lp.hop is None or not (lp.hop == 1).any():
+    return np.arange(len(lp.nbytes))
+  return np.flatnonzero(lp.hop == 0)
 
 
 def schedule_stats(

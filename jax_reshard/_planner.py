@@ -83,8 +83,14 @@ class LeafPlan:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
-class _Geometry:
-  """Itemsize-independent intersection of two layouts (cached per layout pair)."""
+class Geometry:
+  """The regions of one leaf and who needs and holds each (itemsize-independent).
+
+  A region is a box of the destination (output) leaf whose elements come from one source box;
+  every destination device of the region's destination box needs it. :func:`plan_leaf` makes
+  it from two layouts (cached per layout pair); a transformed leaf makes it from its pieces
+  (``jax_reshard._tplan``), its source boxes then being boxes of several source leaves.
+  """
 
   region_lo: np.ndarray  # (r, ndim)
   region_hi: np.ndarray
@@ -96,6 +102,7 @@ class _Geometry:
   need_local: np.ndarray  # (k,) bool
   replica_ids: tuple[np.ndarray, ...]  # per unique source box: device ids holding it
   replica_procs: tuple[np.ndarray, ...]
+  need_proc: np.ndarray  # (k,) process of the destination device
   lower_bound_elems: int
   gather_broadcast_elems: int
 
@@ -117,7 +124,7 @@ def _csr(groups: np.ndarray, num: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
 
 
 @functools.lru_cache(maxsize=4096)
-def _geometry(src: Layout, dst: Layout) -> _Geometry:
+def _geometry(src: Layout, dst: Layout) -> Geometry:
   s_lo, s_hi = src.box_arrays()
   d_lo, d_hi = dst.box_arrays()
   us_lo, us_hi, s_inv = _unique_boxes(s_lo, s_hi)
@@ -162,7 +169,8 @@ def _geometry(src: Layout, dst: Layout) -> _Geometry:
   total = int(np.prod(src.shape, dtype=np.int64))
   s_elems = np.prod(s_hi - s_lo, axis=1, dtype=np.int64)
   gather = int((total - s_elems).sum()) + total * int((~d_in_src).sum())
-  return _Geometry(
+  need_proc = np.asarray(dst.process_indices, dtype=np.int64)[np.searchsorted(d_ids, need_dst)]
+  return Geometry(
     region_lo=region_lo,
     region_hi=region_hi,
     region_elems=region_elems,
@@ -173,6 +181,7 @@ def _geometry(src: Layout, dst: Layout) -> _Geometry:
     need_local=need_local,
     replica_ids=replica_ids,
     replica_procs=replica_procs,
+    need_proc=need_proc,
     lower_bound_elems=int((d_elems - held).sum()),
     gather_broadcast_elems=gather,
   )
@@ -219,23 +228,58 @@ def plan_leaf(
   """
   if src.shape != dst.shape:
     raise ReshardError(f"layouts of different shapes: {src.shape} vs {dst.shape}")
-  load: MutableMapping[int, int] = {} if send_load is None else send_load
   g = _geometry(src, dst)
+  return plan_regions(
+    g,
+    g.region_elems * itemsize,
+    g.lower_bound_elems * itemsize,
+    g.gather_broadcast_elems * itemsize,
+    send_load,
+    topology=topology,
+    entry_load=entry_load,
+    relays=relays,
+    tasks=tasks,
+    task_key=(src, dst, topology, itemsize > 0),
+    fanout=fanout,
+  )
+
+
+def plan_regions(
+  g: Geometry,
+  region_bytes: np.ndarray,
+  lower_bound_bytes: int,
+  gather_broadcast_bytes: int,
+  send_load: MutableMapping[int, int] | None = None,
+  *,
+  topology: Topology | None = None,
+  entry_load: MutableMapping[int, int] | None = None,
+  relays: bool = True,
+  tasks: MutableMapping[tuple[object, ...], list[tuple[np.ndarray, np.ndarray, bool]]]
+  | None = None,
+  task_key: tuple[object, ...] = (),
+  fanout: bool = False,
+) -> LeafPlan:
+  """Plans the needs of ``g``: a sender for each, relays with a topology (see
+  :func:`plan_leaf`, whose arguments these are; ``region_bytes``: the bytes of each region,
+  ``task_key``: what identifies the geometry in ``tasks``)."""
+  load: MutableMapping[int, int] = {} if send_load is None else send_load
   need_u = g.region_src_box[g.need_region]
-  need_bytes = g.region_elems[g.need_region] * itemsize
+  need_bytes = np.asarray(region_bytes, dtype=np.int64)[g.need_region]
   sender = g.need_dst.copy()  # local copies send to themselves
   hop, slow_bound, need_dom, rep_doms = None, 0, None, None
   if topology is not None and len(g.need_dst):
     need_dom = topology.domain_of(g.need_dst)
     rep_doms = _replica_domains(g, topology)
     entry: MutableMapping[int, int] = {} if entry_load is None else entry_load
-    hop, slow_bound = _relays(g, need_dom, rep_doms, need_bytes, entry, sender, relays, fanout)
+    hop, slow_bound = _relays(
+      g, need_dom, rep_doms, need_bytes, region_bytes, entry, sender, relays, fanout
+    )
   remote = np.nonzero(~g.need_local & (hop != 1 if hop is not None else True))[0]
   if len(remote):
-    key = (src, dst, topology, itemsize > 0, remote.tobytes())
+    key = (*task_key, remote.tobytes())
     todo = None if tasks is None else tasks.get(key)
     if todo is None:
-      todo = _sender_tasks(remote, g, dst, need_u, need_bytes, need_dom, rep_doms)
+      todo = _sender_tasks(remote, g, need_u, need_bytes, need_dom, rep_doms)
       if tasks is not None:
         tasks[key] = todo
     slow_load: dict[int, int] = {}  # with domains: sends over slow links, balanced apart
@@ -253,14 +297,14 @@ def plan_leaf(
     hi=g.region_hi[g.need_region],
     nbytes=need_bytes,
     local=g.need_local,
-    lower_bound_bytes=g.lower_bound_elems * itemsize,
-    gather_broadcast_bytes=g.gather_broadcast_elems * itemsize,
+    lower_bound_bytes=int(lower_bound_bytes),
+    gather_broadcast_bytes=int(gather_broadcast_bytes),
     hop=hop,
-    slow_lower_bound_bytes=slow_bound * itemsize,
+    slow_lower_bound_bytes=slow_bound,
   )
 
 
-def _replica_domains(g: _Geometry, topology: Topology | None) -> tuple[np.ndarray, ...]:
+def _replica_domains(g: Geometry, topology: Topology | None) -> tuple[np.ndarray, ...]:
   """Per unique source box, the domain of each of its replicas (one ``domain_of`` call)."""
   assert topology is not None
   counts = np.fromiter((len(ids) for ids in g.replica_ids), np.int64, len(g.replica_ids))
@@ -271,17 +315,18 @@ def _replica_domains(g: _Geometry, topology: Topology | None) -> tuple[np.ndarra
 
 
 def _relays(
-  g: _Geometry,
+  g: Geometry,
   need_dom: np.ndarray,
   rep_doms: tuple[np.ndarray, ...],
   need_bytes: np.ndarray,
+  region_bytes: np.ndarray,
   entry_load: MutableMapping[int, int],
   sender: np.ndarray,
   relays: bool,
   fanout: bool = False,
 ) -> tuple[np.ndarray | None, int]:
   """Chooses relay entries; returns the hop of every need and the slow-link lower bound (in
-  elements). Forwards get their entry as sender in ``sender``; entries keep theirs unset.
+  bytes). Forwards get their entry as sender in ``sender``; entries keep theirs unset.
 
   A need is *foreign* when its domain holds no replica of its source box. Per (region,
   domain) of foreign needs, the region must cross into the domain once (the lower bound); with
@@ -317,7 +362,7 @@ def _relays(
   first = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
   sizes = np.diff(np.r_[first, len(key)])
   lacking = first[reps[cand[first]] == 0]  # groups of foreign needs
-  slow_bound = int(g.region_elems[g.need_region[cand[lacking]]].sum())
+  slow_bound = int(region_bytes[g.need_region[cand[lacking]]].sum())
   multi = np.nonzero(sizes > 1)[0]
   if not relays or not len(multi):
     return None, slow_bound
@@ -428,8 +473,7 @@ def _assign_in_order(
 
 def _sender_tasks(
   remote: np.ndarray,
-  g: _Geometry,
-  dst: Layout,
+  g: Geometry,
   need_u: np.ndarray,
   need_bytes: np.ndarray,
   need_dom: np.ndarray | None,
@@ -445,8 +489,7 @@ def _sender_tasks(
   domains, those cross them: a device's sends over slow links and inside its domain take
   different links (NICs and NVLink), so they are balanced apart (the third element).
   """
-  d_ids = np.asarray(dst.device_ids, dtype=np.int64)
-  need_proc = np.asarray(dst.process_indices, dtype=np.int64)[np.searchsorted(d_ids, g.need_dst)]
+  need_proc = g.need_proc
   order = remote[np.lexsort((g.need_dst[remote], -need_bytes[remote], need_u[remote]))]
   bounds = np.nonzero(np.diff(need_u[order]))[0] + 1
   out = []

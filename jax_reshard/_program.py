@@ -45,7 +45,6 @@ from jax_reshard._schedule import (
   placeholder_mask,
   staged_block_shape,
 )
-from jax_reshard._tplan import TransformLayoutPlan
 
 Box = tuple[int, ...]
 
@@ -596,9 +595,10 @@ def _leaf_input(
 
 
 def make_transform_program(
-  plan: TransformLayoutPlan,
+  plan: LayoutPlan,
   bucket: int,
   src_dtypes: Sequence[np.dtype],
+  out_dtypes: Sequence[np.dtype],
   device_ids: Sequence[int] | None = None,
   *,
   donate: bool = False,
@@ -614,31 +614,35 @@ def make_transform_program(
   (the plan does not split leaves over buckets).
 
   Args:
-    plan: the plan.
+    plan: the first stage of a transformed plan (``jax_reshard._tplan``: with
+      :attr:`~LayoutPlan.pieces` and :attr:`~LayoutPlan.inputs`).
     bucket: index into ``plan.schedule.buckets``.
     src_dtypes: per source leaf, its dtype.
+    out_dtypes: per output leaf, its dtype.
     device_ids: device id at each mesh position (a computation's device order inside
       ``jax.jit``); default: the bucket's devices, ascending.
     donate: every output takes its destination block as an input, aliased to its output (a
       buffer to assemble the shard into, never read).
     options: the plan's :class:`Options` (``whole_operand_bytes``).
   """
+  assert plan.pieces is not None and plan.inputs is not None, "not a transformed plan"
+  pieces, src = plan.pieces, plan.inputs
   sched = plan.schedule.buckets[bucket]
   outs = tuple(plan.scheduled[j] for j in sched.leaves)
-  used = sorted({p.src_leaf for i in outs for p in plan.leaf_plans[i].leaf.pieces})
+  used = sorted({p.src_leaf for i in outs for p in pieces[i]})
   if device_ids is None:
-    held = (d for j in used for d in plan.src_layouts[j].device_ids)
+    held = (d for j in used for d in src[j].device_ids)
     device_ids = sorted({*sched.union_device_ids, *held})
   positions = {int(d): k for k, d in enumerate(device_ids)}
-  inputs = [(plan.src_layouts[j], _own_view(j, plan.src_layouts[j], src_dtypes[j])) for j in used]
+  inputs = [(src[j], _own_view(j, src[j], src_dtypes[j])) for j in used]
   at = {j: k for k, j in enumerate(used)}
   leaves = []
   for i in outs:
-    lp, dst = plan.leaf_plans[i], plan.dst_layouts[i]
-    rows = tuple(_row(p, plan.src_layouts[p.src_leaf], at[p.src_leaf]) for p in lp.pieces)
-    view = _own_view(i, dst, lp.leaf.dtype, dst_input=donate)
-    leaves.append(_LeafInput(lp.transfers, plan.layouts[i][0], dst, view, rows=rows))
-  wires = [p.wire_dtype.itemsize for i in outs for p in plan.leaf_plans[i].pieces]
+    senders, dst = plan.layouts[i]
+    rows = tuple(_row(p, src[p.src_leaf], at[p.src_leaf]) for p in pieces[i])
+    view = _own_view(i, dst, out_dtypes[i], dst_input=donate)
+    leaves.append(_LeafInput(plan.leaf_plans[i], senders, dst, view, rows=rows))
+  wires = [p.wire_dtype.itemsize for i in outs for p in pieces[i]]
   unit = np.dtype(f"uint{8 * min(wires, default=1)}")
   rounds, incoming = _send_rounds(sched, leaves, unit, positions)
   return BucketProgram(

@@ -1,16 +1,16 @@
-"""Plans of transformed trees: transfers planned in the output's index space. NumPy only.
+"""Plans of transformed trees: the planner's regions made of pieces. NumPy only.
 
 With ``transform=``, every output leaf is a union of pieces (:mod:`_pieces`), each a box of
 one source leaf reshaped, transposed and cast. Per distinct destination box, each piece is cut
 to the box (:func:`restrict`) and then to every source shard box it meets
-(:func:`restrict_source`), so that every resulting *sub-piece* has its source inside one
-source box and its output inside one destination box. A destination device that holds that
-source box copies the sub-piece locally; otherwise one replica of the box sends it (least
-loaded first, the receiver's process preferred). A transfer carries the source box in the
-piece's *wire* dtype, the narrowest of its cast chain, so ``bytes_moved`` equals
-:func:`jax_reshard._pieces.lower_bound_bytes`. The schedule is the identity plan's
-(:func:`make_schedule` over per-output-leaf transfers in wire bytes, buckets of consecutive
-output leaves).
+(:func:`restrict_source`): each resulting sub-piece is a *region* of the planner
+(:class:`~jax_reshard._planner.Geometry`) whose source box is a box of one source leaf and
+whose bytes are counted in the piece's *wire* dtype, the narrowest of its cast chain. From
+there a transformed leaf is planned like any other (:func:`plan_regions`: local copies,
+senders balanced across the tree, topology, relays) and scheduled by the same
+:func:`~jax_reshard._plan.plan_layouts` machinery, so ``bytes_moved`` equals
+:func:`jax_reshard._pieces.lower_bound_bytes` (plus, with relays, the forwards of the second
+stage, which move output elements as they are).
 """
 
 from __future__ import annotations
@@ -18,56 +18,17 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import MutableMapping, Sequence
+from typing import Literal
 
 import numpy as np
 
-from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
+from jax_reshard._options import Options
 from jax_reshard._pieces import OutputLeaf, Piece, lower_bound_bytes, restrict, restrict_source
-from jax_reshard._plan import PlanStats, schedule_stats
-from jax_reshard._planner import LeafPlan
-from jax_reshard._schedule import DEFAULT_MAX_BUCKET_BYTES, Schedule, make_schedule
-
-
-@dataclasses.dataclass(frozen=True, slots=True, eq=False)
-class TransformLeafPlan:
-  """The transfers of one output leaf.
-
-  Attributes:
-    leaf: the output leaf and its pieces.
-    transfers: one row per sub-piece and destination device: sender, receiver, output box
-      (``lo``/``hi``, global), wire bytes, and whether it is a local copy.
-    pieces: per row, the sub-piece it carries (global output and source boxes, casts).
-  """
-
-  leaf: OutputLeaf
-  transfers: LeafPlan
-  pieces: tuple[Piece, ...]
-
-
-@dataclasses.dataclass(frozen=True, slots=True, eq=False)
-class TransformLayoutPlan:
-  """The plan of a transformed tree given by layouts.
-
-  Attributes:
-    src_layouts: per source leaf, its layout.
-    dst_layouts: per output leaf, its layout.
-    leaf_plans: per output leaf, its transfers.
-    scheduled: the output leaves with elements, in the order the schedule numbers them.
-    schedule: buckets of output leaves and their rounds (payloads in wire bytes).
-    stats: byte and round counts; ``lower_bound_bytes`` is counted on the output.
-    layouts: per output leaf, ``(senders, destination)``: a layout over every device of the
-      source leaves it reads, holding nothing (so the schedule's device sets include them),
-      and its destination layout.
-  """
-
-  src_layouts: tuple[Layout, ...]
-  dst_layouts: tuple[Layout, ...]
-  leaf_plans: tuple[TransformLeafPlan, ...]
-  scheduled: tuple[int, ...]
-  schedule: Schedule
-  stats: PlanStats
-  layouts: tuple[tuple[Layout, Layout], ...]
+from jax_reshard._plan import LayoutPlan, plan_transformed
+from jax_reshard._planner import Geometry, LeafPlan, plan_regions
+from jax_reshard._schedule import DEFAULT_MAX_BUCKET_BYTES
+from jax_reshard._topology import Topology
 
 
 def _unique_boxes(layout: Layout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -79,29 +40,79 @@ def _unique_boxes(layout: Layout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   return uniq[:, :d], uniq[:, d : 2 * d], inv.reshape(-1)
 
 
-def _source_parts(q: Piece, src: Layout) -> list[tuple[Piece, tuple[int, ...]]]:
-  """``q`` cut along the source boxes of ``src``: (sub-piece, device ids holding it)."""
-  s_lo, s_hi, inv = _unique_boxes(src)
-  ids = np.asarray(src.device_ids, np.int64)
-  lo, hi = np.asarray(q.src_lo, np.int64), np.asarray(q.src_hi, np.int64)
-  meets = np.all(np.minimum(s_hi, hi) > np.maximum(s_lo, lo), axis=1)
-  out = []
-  for u in np.nonzero(meets)[0].tolist():
-    holders = tuple(ids[inv == u].tolist())
-    out += [
-      (r, holders) for r in restrict_source(q, tuple(s_lo[u].tolist()), tuple(s_hi[u].tolist()))
-    ]
-  return out
+@dataclasses.dataclass
+class _Regions:
+  """The regions of one output leaf as they are found, and the source boxes they read."""
+
+  lo: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
+  hi: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
+  src_box: list[int] = dataclasses.field(default_factory=list)
+  dst_box: list[int] = dataclasses.field(default_factory=list)
+  pieces: list[Piece] = dataclasses.field(default_factory=list)
+  boxes: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)
+  replica_ids: list[np.ndarray] = dataclasses.field(default_factory=list)
+  replica_procs: list[np.ndarray] = dataclasses.field(default_factory=list)
+
+  def add_source(self, q: Piece, v: int, src: Layout) -> None:
+    """Adds ``q`` (inside destination box ``v``) cut along the source boxes of ``src``."""
+    s_lo, s_hi, inv = _unique_boxes(src)
+    lo, hi = np.asarray(q.src_lo, np.int64), np.asarray(q.src_hi, np.int64)
+    meets = np.all(np.minimum(s_hi, hi) > np.maximum(s_lo, lo), axis=1)
+    for u in np.nonzero(meets)[0].tolist():
+      box = self.boxes.setdefault((q.src_leaf, u), len(self.boxes))
+      if box == len(self.replica_ids):
+        self.replica_ids.append(np.asarray(src.device_ids, np.int64)[inv == u])
+        self.replica_procs.append(np.asarray(src.process_indices, np.int64)[inv == u])
+      for r in restrict_source(q, tuple(s_lo[u].tolist()), tuple(s_hi[u].tolist())):
+        self.lo.append(r.out_lo)
+        self.hi.append(r.out_hi)
+        self.src_box.append(box)
+        self.dst_box.append(v)
+        self.pieces.append(r)
 
 
-def _choose_sender(
-  holders: Sequence[int], proc_of: dict[int, int], dst: int, nbytes: int, load: MutableMapping
-) -> int:
-  """The least loaded holder (ties: lowest id), one in the receiver's process if any."""
-  same = [h for h in holders if proc_of.get(h) == proc_of.get(dst)]
-  dev = min(same or holders, key=lambda h: (load.get(h, 0), h))
-  load[dev] = load.get(dev, 0) + nbytes
-  return dev
+def output_geometry(
+  leaf: OutputLeaf, src_layouts: Sequence[Layout], dst: Layout
+) -> tuple[Geometry, np.ndarray, tuple[Piece, ...]]:
+  """The planner's regions of output leaf ``leaf`` laid out as ``dst``: the geometry (its
+  element counts left at 0: bytes come per region), each region's bytes in its wire dtype,
+  and each region's piece."""
+  d_lo, d_hi, d_inv = _unique_boxes(dst)
+  d_ids = np.asarray(dst.device_ids, np.int64)
+  found = _Regions()
+  for v in range(len(d_lo)):
+    for p in leaf.pieces:
+      for q in restrict(p, tuple(d_lo[v].tolist()), tuple(d_hi[v].tolist())):
+        found.add_source(q, v, src_layouts[q.src_leaf])
+  devs = [d_ids[d_inv == v] for v in range(len(d_lo))]
+  counts = np.asarray([len(devs[v]) for v in found.dst_box], np.int64)
+  need_region = np.repeat(np.arange(len(found.dst_box)), counts)
+  need_dst = np.concatenate([devs[v] for v in found.dst_box] or [np.zeros(0, np.int64)])
+  src_box = np.asarray(found.src_box, np.int64).reshape(-1)
+  holders = [set(ids.tolist()) for ids in found.replica_ids]
+  pairs = zip(src_box[need_region].tolist(), need_dst.tolist(), strict=True)
+  need_local = np.fromiter((d in holders[u] for u, d in pairs), bool, len(need_dst))
+  nd = len(leaf.shape)
+  lo = np.asarray(found.lo, np.int64).reshape(len(found.lo), nd)
+  hi = np.asarray(found.hi, np.int64).reshape(len(found.hi), nd)
+  procs = np.asarray(dst.process_indices, np.int64)
+  geometry = Geometry(
+    region_lo=lo,
+    region_hi=hi,
+    region_elems=np.prod(hi - lo, axis=1, dtype=np.int64),
+    region_src_box=src_box,
+    region_dst_box=np.asarray(found.dst_box, np.int64).reshape(-1),
+    need_region=need_region,
+    need_dst=need_dst,
+    need_local=need_local,
+    replica_ids=tuple(found.replica_ids),
+    replica_procs=tuple(found.replica_procs),
+    need_proc=procs[np.searchsorted(d_ids, need_dst)],
+    lower_bound_elems=0,
+    gather_broadcast_elems=0,
+  )
+  wire = np.asarray([r.size * r.wire_dtype.itemsize for r in found.pieces], np.int64)
+  return geometry, wire, tuple(found.pieces)
 
 
 def plan_output_leaf(
@@ -109,7 +120,11 @@ def plan_output_leaf(
   src_layouts: Sequence[Layout],
   dst: Layout,
   load: MutableMapping[int, int],
-) -> TransformLeafPlan:
+  topology: Topology | None = None,
+  entry_load: MutableMapping[int, int] | None = None,
+  relays: bool = True,
+  fanout: bool = False,
+) -> tuple[LeafPlan, tuple[Piece, ...]]:
   """Plans one output leaf: per destination device, every sub-piece from itself or a holder.
 
   Args:
@@ -117,46 +132,35 @@ def plan_output_leaf(
     src_layouts: per source leaf, its layout.
     dst: the output leaf's layout.
     load: bytes each device already sends; updated in place (balance across the tree).
+    topology, entry_load, relays, fanout: as :func:`~jax_reshard._planner.plan_leaf`. A relay
+      forward (``hop`` 1) moves the output box as it was assembled, in the output dtype.
+
+  Returns:
+    The leaf plan (output boxes; wire bytes, output bytes for forwards) and, per transfer,
+    the piece it carries.
   """
-  proc_of = {
-    int(i): int(p)
-    for lay in (*src_layouts, dst)
-    for i, p in zip(lay.device_ids, lay.process_indices, strict=True)
-  }
-  d_lo, d_hi, inv = _unique_boxes(dst)
-  d_ids = np.asarray(dst.device_ids, np.int64)
-  rows: list[tuple[int, int, Piece, bool]] = []
-  for v in range(len(d_lo)):
-    devs = d_ids[inv == v].tolist()
-    subs = [
-      q for p in leaf.pieces for q in restrict(p, tuple(d_lo[v].tolist()), tuple(d_hi[v].tolist()))
-    ]
-    for q in subs:
-      for r, holders in _source_parts(q, src_layouts[q.src_leaf]):
-        nbytes = r.size * r.wire_dtype.itemsize
-        for dev in devs:
-          if dev in holders:
-            rows.append((dev, dev, r, True))
-          else:
-            rows.append((_choose_sender(holders, proc_of, dev, nbytes, load), dev, r, False))
-  k, nd = len(rows), len(leaf.shape)
-  transfers = LeafPlan(
-    src_device=np.asarray([s for s, _, _, _ in rows], np.int64),
-    dst_device=np.asarray([d for _, d, _, _ in rows], np.int64),
-    lo=np.asarray([r.out_lo for _, _, r, _ in rows], np.int64).reshape(k, nd),
-    hi=np.asarray([r.out_hi for _, _, r, _ in rows], np.int64).reshape(k, nd),
-    nbytes=np.asarray([r.size * r.wire_dtype.itemsize for _, _, r, _ in rows], np.int64),
-    local=np.asarray([loc for _, _, _, loc in rows], bool),
-    lower_bound_bytes=int(lower_bound_bytes(leaf, src_layouts, dst)),
-    gather_broadcast_bytes=math.prod(leaf.shape) * leaf.dtype.itemsize * dst.num_devices,
+  g, wire, pieces = output_geometry(leaf, src_layouts, dst)
+  lp = plan_regions(
+    g,
+    wire,
+    lower_bound_bytes(leaf, src_layouts, dst),
+    math.prod(leaf.shape) * leaf.dtype.itemsize * dst.num_devices,
+    load,
+    topology=topology,
+    entry_load=entry_load,
+    relays=relays,
+    fanout=fanout,
   )
-  return TransformLeafPlan(leaf, transfers, tuple(r for _, _, r, _ in rows))
+  if lp.hop is not None and (lp.hop == 1).any():
+    out_bytes = g.region_elems[g.need_region] * leaf.dtype.itemsize
+    lp = dataclasses.replace(lp, nbytes=np.where(lp.hop == 1, out_bytes, lp.nbytes))
+  return lp, tuple(pieces[k] for k in g.need_region.tolist())
 
 
-def _senders_layout(plan: TransformLeafPlan, src_layouts: Sequence[Layout], dst: Layout) -> Layout:
+def _senders_layout(leaf: OutputLeaf, src_layouts: Sequence[Layout], dst: Layout) -> Layout:
   """A layout over every source device of the leaf's pieces holding nothing: the schedule
   learns the devices of the leaf's bucket from it (and stages no placeholder for it)."""
-  ids = sorted({i for p in plan.leaf.pieces for i in src_layouts[p.src_leaf].device_ids})
+  ids = sorted({i for p in leaf.pieces for i in src_layouts[p.src_leaf].device_ids})
   procs = {
     i: p for lay in src_layouts for i, p in zip(lay.device_ids, lay.process_indices, strict=True)
   }
@@ -171,21 +175,38 @@ def _senders_layout(plan: TransformLeafPlan, src_layouts: Sequence[Layout], dst:
   )
 
 
+def _one_domain(layouts: Sequence[Layout], topology: Topology | None) -> bool:
+  if topology is None:
+    return True
+  ids = sorted({i for lay in layouts for i in lay.device_ids})
+  return len(np.unique(topology.domain_of(ids))) <= 1
+
+
 def plan_transform_layouts(
   leaves: Sequence[OutputLeaf],
   src_layouts: Sequence[Layout],
   dst_layouts: Sequence[Layout],
   *,
-  max_bucket_bytes: int | None = DEFAULT_MAX_BUCKET_BYTES,
-) -> TransformLayoutPlan:
-  """Plans a transformed tree: per output leaf its transfers, one schedule, the stats.
+  max_bucket_bytes: int | Sequence[int] | None = DEFAULT_MAX_BUCKET_BYTES,
+  topology: Topology | None = None,
+  relays: bool | Literal["auto"] | None = None,
+  options: Options | None = None,
+) -> LayoutPlan:
+  """Plans a transformed tree: a :class:`LayoutPlan` of the output leaves with its pieces.
 
   Args:
     leaves: the transform's output leaves (:class:`TransformAnalysis` ``.leaves``).
     src_layouts: per source leaf, its layout.
     dst_layouts: per output leaf, its layout.
-    max_bucket_bytes: bound on payload bytes per device per bucket (consecutive output leaves
-      per bucket; ``None``: one bucket).
+    max_bucket_bytes, topology, relays, options: as :func:`~jax_reshard.plan_layouts`
+      (a transformed leaf is not cut into chunks: one that does not fit the bound alone
+      raises).
+
+  Returns:
+    A :class:`LayoutPlan` whose leaves are the output leaves: per output leaf ``(the source
+    devices it reads, holding nothing; its destination)`` as layouts, its transfers, and in
+    :attr:`~LayoutPlan.pieces` the piece each transfer carries; :attr:`~LayoutPlan.inputs`
+    holds the source leaves' layouts.
 
   Example:
     >>> import numpy as np
@@ -199,34 +220,27 @@ def plan_transform_layouts(
     >>> plan.stats.bytes_moved == plan.stats.lower_bound_bytes == 8 * 8 * 2
     True
   """
-  src_layouts, dst_layouts = tuple(src_layouts), tuple(dst_layouts)
-  load: dict[int, int] = {}
-  plans = tuple(
-    plan_output_leaf(f, src_layouts, d, load) for f, d in zip(leaves, dst_layouts, strict=True)
-  )
-  scheduled = tuple(i for i, f in enumerate(leaves) if f.pieces)
-  layouts = tuple(
-    (_senders_layout(p, src_layouts, d), d) for p, d in zip(plans, dst_layouts, strict=True)
-  )
-  schedule = make_schedule(
-    [plans[i].transfers for i in scheduled],
-    [layouts[i] for i in scheduled],
-    [1] * len(scheduled),
+  leaves, src_layouts, dst_layouts = tuple(leaves), tuple(src_layouts), tuple(dst_layouts)
+  one = _one_domain((*src_layouts, *dst_layouts), topology)
+
+  def transfers(relay: bool) -> tuple[tuple[LeafPlan, ...], tuple[tuple[Piece, ...], ...]]:
+    load: dict[int, int] = {}
+    entry: dict[int, int] = {}
+    args = (topology, entry if one else {}, relay, not one)
+    made = [
+      plan_output_leaf(f, src_layouts, d, load if one else {}, *args)
+      for f, d in zip(leaves, dst_layouts, strict=True)
+    ]
+    return tuple(lp for lp, _ in made), tuple(ps for _, ps in made)
+
+  return plan_transformed(
+    [(_senders_layout(f, src_layouts, d), d) for f, d in zip(leaves, dst_layouts, strict=True)],
+    [f.dtype.itemsize for f in leaves],
+    src_layouts,
+    transfers,
     max_bucket_bytes=max_bucket_bytes,
-    names=[leaves[i].path or "<root>" for i in scheduled],
-    slabs=False,
-    apart=False,  # a transform's bucket runs one program
+    topology=topology,
+    relays=relays,
+    leaf_names=[f.path or "<root>" for f in leaves],
+    options=options,
   )
-  split = [
-    leaves[i].path
-    for i, rows in zip(scheduled, schedule.leaf_plans, strict=True)
-    if rows is not plans[i].transfers  # cut into chunks
-  ]
-  if split:
-    raise ReshardError(
-      f"output leaves {split} do not fit max_bucket_bytes={max_bucket_bytes} alone; leaves of "
-      "a transformed plan are not split into chunks yet. Pass a larger max_bucket_bytes (or "
-      "None for one bucket)."
-    )
-  stats = schedule_stats([p.transfers for p in plans], schedule, len(schedule.buckets))
-  return TransformLayoutPlan(src_layouts, dst_layouts, plans, scheduled, schedule, stats, layouts)

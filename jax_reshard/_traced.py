@@ -23,9 +23,9 @@ from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
 from jax_reshard._plan import plan_layouts, resolve_relays
 from jax_reshard._program import BucketProgram, make_bucket_program, make_transform_program
-from jax_reshard._tapi import analyze, output_leaves
 from jax_reshard._topology import Topology
 from jax_reshard._tplan import plan_transform_layouts
+from jax_reshard._transform import analyze, output_leaves
 from jax_reshard._tree import Leaf, broadcast_shardings, flatten_tree
 
 
@@ -318,7 +318,8 @@ def _transform_fn(
   program = None
   if plan.schedule.buckets:
     ids = [d.id for d in src_mesh.devices.flat]
-    program = make_transform_program(plan, 0, [lf.dtype for lf in leaves], ids)
+    dtypes = [lf.dtype for lf in leaves], [lf.dtype for lf in outs]
+    program = make_transform_program(plan, 0, *dtypes, ids)
 
   def move(*xs: jax.Array) -> list[Any]:
     out: list[Any] = [None] * len(outs)

@@ -22,6 +22,7 @@ call wrappers ``jit``, ``closed_call``, ``core_call``, ``remat2``, ``custom_jvp_
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -47,6 +48,7 @@ from jax_reshard._pieces import (
   squeeze_pieces,
   transpose_pieces,
 )
+from jax_reshard._tree import Leaf, flatten_tree
 
 # Concrete values larger than this are not evaluated (they could only be data, not indices).
 _STATIC_LIMIT = 1 << 16
@@ -428,3 +430,43 @@ _HANDLERS: dict[str, _Handler] = {
   "dynamic_slice": _dynamic_slice,
   "gather": _gather,
 }
+
+
+def analyze(
+  transform: Callable[[Any], Any], treedef: Any, src_leaves: tuple[Leaf, ...]
+) -> TransformAnalysis:
+  """The (cached) analysis of ``transform`` on source leaves of these shapes and dtypes.
+
+  Raises:
+    ReshardError: ``transform`` is not callable, the tree has no leaf, or an output leaf is
+      not made of source elements.
+  """
+  if not callable(transform):
+    raise ReshardError(f"transform= must be a function of the source tree, got {transform!r}")
+  if not src_leaves:
+    raise ReshardError("transform= needs a source tree with at least one array")
+  return _analysis(transform, treedef, src_leaves)
+
+
+def output_leaves(analysis: TransformAnalysis, src_leaves: Sequence[Leaf], dst: Any) -> list[Leaf]:
+  """One :class:`Leaf` per output leaf, its destination from ``dst`` (a Sharding, or a prefix
+  of the output tree), validated like a plain reshard's (shapes, dtypes, divisibility)."""
+  anchor = jax.sharding.SingleDeviceSharding(next(iter(src_leaves[0].src_sharding.device_set)))
+  template = jax.tree_util.tree_unflatten(
+    analysis.out_treedef,
+    [jax.ShapeDtypeStruct(f.shape, f.dtype, sharding=anchor) for f in analysis.leaves],
+  )
+  return flatten_tree(template, dst)[1]
+
+
+@functools.lru_cache(maxsize=256)
+def _analysis(transform: Callable[[Any], Any], treedef: Any, leaves: tuple[Leaf, ...]) -> Any:
+  src = jax.tree_util.tree_unflatten(
+    treedef, [jax.ShapeDtypeStruct(lf.shape, lf.dtype) for lf in leaves]
+  )
+  return analyze_transform(transform, src)
+
+
+def analysis_cache_clear() -> None:
+  """Forgets cached analyses."""
+  _analysis.cache_clear()

@@ -25,11 +25,11 @@ WITH_EXAMPLES = {
   "jax_reshard._distributed",
   "jax_reshard._errors",
   "jax_reshard._layout",
+  "jax_reshard._options",
   "jax_reshard._pieces",
   "jax_reshard._plan",
   "jax_reshard._reshard",
   "jax_reshard._schedule",
-  "jax_reshard._tapi",
   "jax_reshard._topology",
   "jax_reshard._tplan",
   "jax_reshard._transform",
@@ -166,7 +166,9 @@ def test_public_docstrings_follow_one_style(module_name: str) -> None:
   if module_name == "jax_reshard":
     exported = {n for n in vars(jax_reshard) if not n.startswith("_")} - {"flax", "tunix"}
     assert {n.split(".")[1] for n, _ in names} == exported, "every export is checked"
-    assert len(names) >= 55, names  # the exports and the members of the six classes
+    # The exports and the members of the six classes (TransformPlan's inherited ones counted
+    # on ReshardPlan).
+    assert len(names) >= 51, names
   problems = {name: p for name, obj in names if (p := style_problems(obj))}
   assert not problems, "\n".join(f"{n}: {'; '.join(p)}" for n, p in problems.items())
 

@@ -54,8 +54,10 @@ def test_planning_calls_check_options() -> None:
   lay = jr.Layout.from_description((8, 8), mesh_shape=(4,), axis_names=("x",), spec=("x",))
   with pytest.raises(jr.ReshardError, match="options must be"):
     jr.plan_layouts([(lay, lay)], [4], options=True)
-  with pytest.raises(jr.ReshardError, match="options= applies to plans without transform="):
-    jr.make_plan(x, dst, transform=lambda t: t, options=Options())
+  with pytest.raises(jr.ReshardError, match="options must be"):  # with transform= too
+    jr.make_plan(x, dst, transform=lambda t: t, options=True)
+  capped = jr.make_plan(x, dst, transform=lambda t: t, options=Options(max_bucket_leaves=1))
+  assert capped.options == Options(max_bucket_leaves=1) == capped.layout_plan.options
 
 
 def test_plans_are_cached_per_options() -> None:

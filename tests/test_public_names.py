@@ -16,6 +16,7 @@ EXPORTED = [
   "Layout",
   "LayoutPlan",
   "Link",
+  "Options",
   "PlanStats",
   "ReshardError",
   "ReshardPeerError",

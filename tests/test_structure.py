@@ -34,7 +34,6 @@ LAYERS = [
   "_edge",
   "_transform",
   "_distributed",
-  "_tapi",
   "_api",
   "_traced",
   "_vjp",
