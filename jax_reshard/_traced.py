@@ -438,9 +438,9 @@ def place_cotangent(ct: Any, sharding: Sharding) -> Any:
   ``jax.sharding.reshard`` on a mesh with ``Explicit`` axes (typed so), else with
   ``with_sharding_constraint``."""
   mesh = _mesh(sharding)
-  if not _explicit(mesh):
-    return jax.lax.with_sharding_constraint(ct, sharding)
-  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # whatever mesh is in context
+    if not _explicit(mesh):
+      return jax.lax.with_sharding_constraint(ct, sharding)
     return jax.sharding.reshard(ct, sharding)
 
 

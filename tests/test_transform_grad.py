@@ -363,3 +363,22 @@ def test_eager_src_must_match_the_values() -> None:
         jr.reshard(t, s.dst, src=s.dst["w"], transform=s.case.transform)["w"].astype(jnp.float32)
       )
     )(x)
+
+
+@pytest.mark.parametrize("src_kind", ["explicit", "auto"])
+def test_grad_inside_jit_across_mesh_kinds(src_kind: str) -> None:
+  """Source and destination meshes of different axis types (one ``Explicit``, one ``Auto``;
+  the loss runs on the destination, in context where it is ``Explicit``): the gradient still
+  lands in the source layout."""
+  dst_kind = "auto" if src_kind == "explicit" else "explicit"
+  case = _cast_transpose()
+  src_mesh = _mesh(src_kind, PLACEMENTS["colocated"][0], ("fsdp", "tp"))
+  dst_mesh = _mesh(dst_kind, PLACEMENTS["colocated"][1], ("dp", "tp"))
+  s = Setup(case, dst_kind, src_mesh, dst_mesh)
+  src, dst = s.src, s.dst
+  weights = _weights(case.forward(case.host()))
+  ours = _grads(lambda t: jr.reshard(t, dst, src=src, transform=case.transform), weights)
+  with s.context(dst_mesh):
+    got = jax.jit(ours)(s.x())
+  for loss in ("linear", "values"):
+    _assert_grads(got[loss], _plain(case, weights)[loss], _oracle(case, loss, weights), src)
