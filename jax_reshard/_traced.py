@@ -390,7 +390,12 @@ def transform_pullback(
   none limits its forward move. The primal is zeros: the pullback of a linear map does not
   read it, and XLA drops its forward computation.
   """
-  context = auto_mesh(_mesh(leaves[0].src_sharding)).abstract_mesh
+  first = leaves[0].src_sharding  # eagerly, perhaps no NamedSharding: no mesh, no types
+  context = (
+    auto_mesh(first.mesh).abstract_mesh
+    if isinstance(first, NamedSharding)
+    else jax.sharding.AbstractMesh((), ())
+  )
 
   def flat(*xs: Any) -> list[Any]:
     return jax.tree_util.tree_leaves(transform(jax.tree_util.tree_unflatten(treedef, xs)))
@@ -416,10 +421,9 @@ def untyped(x: Any, sharding: Sharding) -> Any:
   axes through a ``shard_map`` over the mesh's :func:`~jax_reshard._emit.auto_mesh` that
   returns its blocks as they are (no data moves; its VJP types the cotangent back with
   :func:`place_cotangent`), else ``x`` itself."""
-  mesh = _mesh(sharding)
-  if not _explicit(mesh):
+  if not _explicit(sharding):
     return x
-  auto = auto_mesh(mesh)
+  auto = auto_mesh(_mesh(sharding))
   spec = sharding.spec  # type: ignore[attr-defined]
 
   @jax.custom_vjp
@@ -436,13 +440,17 @@ def untyped(x: Any, sharding: Sharding) -> Any:
 def place_cotangent(ct: Any, sharding: Sharding) -> Any:
   """Cotangent ``ct`` of a traced source leaf laid out as the leaf, ``sharding``: with
   ``jax.sharding.reshard`` on a mesh with ``Explicit`` axes (typed so), else with
-  ``with_sharding_constraint``."""
-  mesh = _mesh(sharding)
-  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # whatever mesh is in context
-    if not _explicit(mesh):
+  ``with_sharding_constraint`` (with the sharding's mesh in context, whatever mesh is)."""
+  if not isinstance(sharding, NamedSharding):
+    return jax.lax.with_sharding_constraint(ct, sharding)
+  with jax.sharding.use_abstract_mesh(sharding.mesh.abstract_mesh):
+    if not _explicit(sharding):
       return jax.lax.with_sharding_constraint(ct, sharding)
     return jax.sharding.reshard(ct, sharding)
 
 
-def _explicit(mesh: Mesh) -> bool:
-  return any(t == AxisType.Explicit for t in mesh.axis_types)
+def _explicit(sharding: Sharding) -> bool:
+  """Whether ``sharding`` is a ``NamedSharding`` over a mesh with ``Explicit`` axes."""
+  return isinstance(sharding, NamedSharding) and any(
+    t == AxisType.Explicit for t in sharding.mesh.axis_types
+  )

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_reshard as jr
@@ -382,3 +382,17 @@ def test_grad_inside_jit_across_mesh_kinds(src_kind: str) -> None:
     got = jax.jit(ours)(s.x())
   for loss in ("linear", "values"):
     _assert_grads(got[loss], _plain(case, weights)[loss], _oracle(case, loss, weights), src)
+
+
+def test_eager_grad_from_and_to_one_device() -> None:
+  """Eagerly the source or destination may be one device (``SingleDeviceSharding``, no mesh)."""
+  case = _cast_transpose()
+  host = case.host()
+  w = _weights(case.forward(host))
+  want = _plain(case, w)["values"]
+  loss = _losses(w)["values"]
+  x = jax.device_put(host, DEVS[1])
+  one = SingleDeviceSharding(DEVS[5])
+  for dst in (NamedSharding(Mesh(DEVS[4:].reshape(2, 2), ("dp", "tp")), P("tp")), one):
+    g = jax.grad(lambda t, dst=dst: loss(jr.reshard(t, dst, transform=case.transform)))(x)
+    assert_matches_oracle(g["w"], np.asarray(want["w"]), x["w"].sharding)
