@@ -426,12 +426,12 @@ def untyped(x: Any, sharding: Sharding) -> Any:
   auto = auto_mesh(_mesh(sharding))
   spec = sharding.spec  # type: ignore[attr-defined]
 
+  same = jax.shard_map(lambda b: b, mesh=auto, in_specs=spec, out_specs=spec, check_vma=False)
+
   @jax.custom_vjp
   def retype(v: Any) -> Any:
     with jax.sharding.use_abstract_mesh(auto.abstract_mesh):
-      return jax.shard_map(lambda b: b, mesh=auto, in_specs=spec, out_specs=spec, check_vma=False)(
-        v
-      )
+      return same(v)
 
   retype.defvjp(lambda v: (retype(v), None), lambda _, ct: (place_cotangent(ct, sharding),))
   return retype(x)
@@ -440,7 +440,8 @@ def untyped(x: Any, sharding: Sharding) -> Any:
 def place_cotangent(ct: Any, sharding: Sharding) -> Any:
   """Cotangent ``ct`` of a traced source leaf laid out as the leaf, ``sharding``: with
   ``jax.sharding.reshard`` on a mesh with ``Explicit`` axes (typed so), else with
-  ``with_sharding_constraint`` (with the sharding's mesh in context, whatever mesh is)."""
+  ``with_sharding_constraint``, with the sharding's mesh in context (whatever mesh is in
+  context around the call)."""
   if not isinstance(sharding, NamedSharding):
     return jax.lax.with_sharding_constraint(ct, sharding)
   with jax.sharding.use_abstract_mesh(sharding.mesh.abstract_mesh):
