@@ -42,6 +42,7 @@ import numpy as np
 
 from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
+from jax_reshard._options import DEFAULT_OPTIONS, Options
 from jax_reshard._planner import LeafPlan
 from jax_reshard._schedule import Schedule
 
@@ -105,13 +106,19 @@ class PlanFingerprint:
     leaf_digests: per leaf, a short hex digest of its path, shape, dtype, source and
       destination boxes (per device id), and its planned transfers.
     schedule_digest: short hex digest of the buckets, rounds and payload layout.
+    options_digest: short hex digest of the plan's ``Options`` (how its buckets are lowered
+      and run: processes must agree on them as on the schedule).
     leaf_descriptions: per leaf, readable text (for error messages only; not hashed).
+    options: the plan's options, field by field (for error messages; hashed through
+      ``options_digest``).
   """
 
   digest: str
   leaf_digests: tuple[str, ...]
   schedule_digest: str
+  options_digest: str
   leaf_descriptions: tuple[str, ...] = dataclasses.field(compare=False)
+  options: tuple[tuple[str, int | bool], ...] = dataclasses.field(compare=False, default=())
 
 
 def _feed_ints(h: Any, values: Any) -> None:
@@ -163,6 +170,15 @@ def _schedule_digest(schedule: Schedule) -> str:
   return h.hexdigest()[:16]
 
 
+def _options_fields(options: Options) -> tuple[tuple[str, int | bool], ...]:
+  """``options`` field by field, in declaration order."""
+  return tuple((f.name, getattr(options, f.name)) for f in dataclasses.fields(options))
+
+
+def _options_digest(fields: tuple[tuple[str, int | bool], ...]) -> str:
+  return hashlib.sha256(json.dumps(dict(fields), sort_keys=True).encode()).hexdigest()[:16]
+
+
 def fingerprint(
   paths: Sequence[str],
   dtypes: Sequence[Any],
@@ -171,6 +187,7 @@ def fingerprint(
   schedule: Schedule,
   pieces: Sequence[str] | None = None,
   relay: tuple[Sequence[LeafPlan | None], Schedule] | None = None,
+  options: Options = DEFAULT_OPTIONS,
 ) -> PlanFingerprint:
   """The fingerprint of a plan: a pure function of its numbers, never of object identity.
 
@@ -181,6 +198,8 @@ def fingerprint(
   too, so processes whose transforms differ do not match. ``relay`` (a relay plan's second
   stage: per leaf its forwards, ``None`` where it has none, and the stage's schedule) enters the
   leaf and schedule digests, so processes whose relay stages differ do not match either.
+  ``options`` (the plan's ``Options``) enter the digest through ``options_digest``: processes
+  whose plans were made with other options do not match.
 
   Example:
     >>> import jax_reshard as jr
@@ -221,8 +240,10 @@ def fingerprint(
   sched = _schedule_digest(schedule)
   if relay is not None:
     sched = hashlib.sha256(f"{sched} relay {_schedule_digest(relay[1])}".encode()).hexdigest()[:16]
-  total = hashlib.sha256(("\n".join([*leaf_digests, sched])).encode()).hexdigest()
-  return PlanFingerprint(total, tuple(leaf_digests), sched, tuple(descriptions))
+  fields = _options_fields(options)
+  opts = _options_digest(fields)
+  total = hashlib.sha256(("\n".join([*leaf_digests, sched, opts])).encode()).hexdigest()
+  return PlanFingerprint(total, tuple(leaf_digests), sched, opts, tuple(descriptions), fields)
 
 
 _fingerprints: weakref.WeakKeyDictionary[Any, PlanFingerprint] = weakref.WeakKeyDictionary()
@@ -251,6 +272,7 @@ def plan_fingerprint(plan: Any) -> PlanFingerprint:
       plan.schedule,
       getattr(plan, "piece_texts", None),
       _relay_stage(plan),
+      getattr(plan, "options", DEFAULT_OPTIONS),  # transformed plans: the defaults
     )
     _fingerprints[plan] = fp
   return fp
@@ -371,9 +393,7 @@ def check_plan(plan: Any, *, timeout_s: float | None = None) -> None:
   fp = plan_fingerprint(plan)
   seq = _rendezvous.next_seq(group)
   base = f"{_KEY_PREFIX}/{'-'.join(map(str, group))}/{seq}"
-  mine = json.dumps(
-    {"digest": fp.digest, "leaves": list(fp.leaf_digests), "schedule": fp.schedule_digest}
-  )
+  mine = json.dumps(_published(fp))
   try:
     client.key_value_set(f"{base}/{me}", mine)
   except Exception as e:
@@ -416,6 +436,17 @@ def check_plan(plan: Any, *, timeout_s: float | None = None) -> None:
     )
 
 
+def _published(fp: PlanFingerprint) -> dict[str, Any]:
+  """What a process publishes of its fingerprint: the digests, and its options for the
+  message when they differ."""
+  return {
+    "digest": fp.digest,
+    "leaves": list(fp.leaf_digests),
+    "schedule": fp.schedule_digest,
+    "options": dict(fp.options),
+  }
+
+
 def _abort(client: Any, base: str, me: int, why: str) -> None:
   """Marks this call given up (so late peers fail instead of running alone) and this process
   out of step."""
@@ -447,7 +478,7 @@ def _mismatch_message(
   lines = [
     "processes called a collective reshard with different plans; nothing was moved. Every "
     "process must pass the same tree (paths, shapes, dtypes) with the same source and "
-    "destination shardings (and the same max_bucket_bytes).",
+    "destination shardings (and the same max_bucket_bytes and options).",
     f"  this process ({me}): plan {fp.digest[:16]}, {len(fp.leaf_digests)} leaves",
   ]
   for p in sorted(peers):
@@ -455,8 +486,13 @@ def _mismatch_message(
     lines.append(
       f"  process {p}: plan {peers[p]['digest'][:16]}, {len(peers[p]['leaves'])} leaves ({mark})"
     )
+  differences = options_differences(
+    me, dict(fp.options), {p: v.get("options") for p, v in peers.items()}
+  )
+  lines += differences
   if k is None:
-    lines.append("  every leaf agrees but the schedules differ (different jax_reshard versions?)")
+    if not differences:
+      lines.append("  every leaf agrees but the schedules differ (different jax_reshard versions?)")
     return "\n".join(lines)
   mine = fp.leaf_descriptions[k] if k < len(fp.leaf_descriptions) else "<no such leaf>"
   with contextlib.suppress(Exception):
@@ -470,3 +506,26 @@ def _mismatch_message(
       other = None
     lines.append(f"    process {p}: {other if other is not None else '<no answer>'}")
   return "\n".join(lines)
+
+
+def options_differences(
+  me: int, mine: dict[str, Any], peers: dict[int, dict[str, Any] | None]
+) -> list[str]:
+  """Lines of a mismatch message naming each option whose value differs between this process
+  (``me``, options ``mine``) and its peers (``None``: a peer that sent none).
+
+  Example:
+    >>> mine = {"split_assembly": True, "in_flight_buckets": 2}
+    >>> for line in options_differences(0, mine, {1: {**mine, "in_flight_buckets": 4}}):
+    ...   print(line)
+      options differ (make_plan's options=):
+        in_flight_buckets: process 0: 2; process 1: 4
+  """
+  everyone = {me: mine, **{p: v or {} for p, v in peers.items()}}
+  names = list(dict.fromkeys(n for v in everyone.values() for n in v))
+  lines = []
+  for name in names:
+    values = {p: v.get(name, "<none>") for p, v in sorted(everyone.items())}
+    if len(set(map(repr, values.values()))) > 1:
+      lines.append(f"    {name}: " + "; ".join(f"process {p}: {v}" for p, v in values.items()))
+  return ["  options differ (make_plan's options=):", *lines] if lines else []

@@ -54,6 +54,8 @@ def reshard(
     transform: convert while resharding (casts, slices, concatenate, stack, reshape,
       transpose, renames; see ``make_plan``); ``dst`` then matches the transform's output.
       Inside ``jax.jit`` it needs ``src=``, one source mesh and one destination mesh.
+      Differentiable eagerly and inside ``jax.jit``: the gradient is the transform's own,
+      laid out as the source.
     topology: device domains (``jr.Topology``): with several, a region that several devices
       of a domain need and none there holds crosses into the domain once and is forwarded
       inside it (relays), eagerly and inside ``jax.jit`` alike (see ``jr.plan_layouts``). Not
@@ -83,6 +85,16 @@ def reshard(
     >>> y = jr.reshard(x, sampler)
     >>> y.sharding == sampler, [s.data.shape for s in y.addressable_shards]
     (True, [(8,), (8,), (8,), (8,)])
+
+    Differentiable, with ``transform=`` too: the gradient is the transform's, in ``x``'s
+    layout.
+
+    >>> import jax.numpy as jnp
+    >>> to_bf16 = lambda w: w.astype(jnp.bfloat16)
+    >>> loss = lambda w: jnp.sum(jr.reshard(w, sampler, transform=to_bf16).astype(float) * 3)
+    >>> g = jax.grad(loss)(x)
+    >>> g.sharding == x.sharding, g.dtype, float(g[0])
+    (True, dtype('float32'), 3.0)
   """
   if is_traced(x):
     if out is not None or donate is not False:
@@ -111,8 +123,10 @@ def _reshard_traced(
   relays: bool | Literal["auto"] | None,
 ) -> Any:
   """``reshard`` of a tree with tracers (inside ``jax.jit``, ``scan``, ``grad``...)."""
-  if transform is None and (values := _vjp.concrete_leaves(x)) is not None:
+  if (values := _vjp.concrete_leaves(x)) is not None:
     # eager jax.vjp / jax.grad: the eager move, differentiable
+    if transform is not None:
+      return _vjp.reshard_transform_vjp(x, dst, src, values, transform, max_bucket_bytes)
     return _vjp.reshard_vjp(x, dst, src, values, max_bucket_bytes, topology, relays)
   if transform is not None:
     return _traced.reshard_traced_transform(x, dst, src, transform)

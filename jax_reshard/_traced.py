@@ -16,9 +16,10 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, Sharding
 
-from jax_reshard._emit import emit_traced_move, plan_word_bytes
+from jax_reshard._emit import auto_mesh, emit_traced_move, plan_word_bytes
 from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
 from jax_reshard._plan import plan_layouts, resolve_relays
@@ -253,8 +254,8 @@ def reshard_traced_transform(x: Any, dst: Any, src: Any, transform: Callable[[An
   Every source leaf must be on one mesh and every output leaf on one mesh, over the
   computation's devices in one order (meshes may differ in shape and axis names); without
   ``src=`` the source layouts come from the leaves' types (meshes with ``Explicit`` axes), as
-  :func:`_source_sharding` resolves them. Not differentiable through
-  ``custom_vjp`` as plain traced reshards are.
+  :func:`_source_sharding` resolves them. Differentiable: the VJP is ``transform``'s own
+  (a linear map), the cotangents laid out as the sources (:func:`_with_pullback`).
   """
   flat, treedef = jax.tree_util.tree_flatten_with_path(x)
   if src is None:  # from the leaves' types, as reshard_traced takes them
@@ -304,8 +305,9 @@ def _transform_fn(
   treedef: Any,
   leaves: tuple[Leaf, ...],
   outs: tuple[Leaf, ...],
-) -> Callable[..., list[Any]]:
-  """The traced move of a transformed tree: one program over the source mesh."""
+) -> Callable[..., tuple[Any, ...]]:
+  """The traced move of a transformed tree (one program over the source mesh), differentiable:
+  its VJP is ``transform``'s (:func:`transform_pullback`, :func:`_with_pullback`)."""
   analysis = analyze(transform, treedef, leaves)
   src_mesh = leaves[0].src_sharding.mesh  # type: ignore[attr-defined]
   dst_mesh = outs[0].dst_sharding.mesh  # type: ignore[attr-defined]
@@ -321,7 +323,7 @@ def _transform_fn(
     dtypes = [lf.dtype for lf in leaves], [lf.dtype for lf in outs]
     program = make_transform_program(plan, 0, *dtypes, ids)
 
-  def move(*xs: jax.Array) -> list[Any]:
+  def move(*xs: jax.Array) -> tuple[Any, ...]:
     out: list[Any] = [None] * len(outs)
     if program is not None:
       ins, made = [lf.index for lf in program.inputs], [lf.index for lf in program.leaves]
@@ -338,6 +340,119 @@ def _transform_fn(
     for i, lf in enumerate(outs):
       if out[i] is None:
         out[i] = jax.device_put(jnp.zeros(lf.shape, lf.dtype), lf.dst_sharding)
-    return out
+    return tuple(out)
 
-  return move
+  return _with_pullback(move, transform_pullback(transform, treedef, leaves), leaves, outs)
+
+
+def _with_pullback(
+  move: Callable[..., tuple[Any, ...]],
+  pullback: Callable[[list[Any]], list[Any]],
+  leaves: Sequence[Leaf],
+  outs: Sequence[Leaf],
+) -> Callable[..., tuple[Any, ...]]:
+  """``move`` (traced, from source leaves ``leaves`` to output leaves ``outs``) whose VJP is
+  ``pullback``: the output cotangents untyped (:func:`untyped`), pulled back, and laid out as
+  the sources (:func:`place_cotangent`); integer leaves' float0 cotangents stay JAX's zeros."""
+
+  @jax.custom_vjp
+  def fn(*xs: jax.Array) -> tuple[jax.Array, ...]:
+    return move(*xs)
+
+  def fwd(*xs: jax.Array) -> tuple[tuple[jax.Array, ...], None]:
+    return move(*xs), None
+
+  def bwd(_: None, cts: tuple[Any, ...]) -> tuple[Any, ...]:
+    real = [
+      None if ct.dtype == jax.dtypes.float0 else untyped(ct, lf.dst_sharding)
+      for ct, lf in zip(cts, outs, strict=True)
+    ]
+    return tuple(
+      None if b is None else place_cotangent(b, lf.src_sharding)
+      for b, lf in zip(pullback(real), leaves, strict=True)
+    )
+
+  fn.defvjp(fwd, bwd)
+  return fn
+
+
+@functools.lru_cache(maxsize=512)
+def transform_pullback(
+  transform: Callable[[Any], Any], treedef: Any, leaves: tuple[Leaf, ...]
+) -> Callable[[list[Any]], list[Any]]:
+  """The transpose of ``transform`` on source leaves ``leaves`` (a linear map: it only moves
+  and casts elements), jitted, over ``Auto`` axes.
+
+  It maps the cotangents of the output leaves (``None`` for integer leaves; untyped, see
+  :func:`untyped`) to those of the source leaves (``None`` for integer leaves), as
+  ``jax.vjp(transform, x)`` does for any ``x``, and XLA lays them out; :func:`place_cotangent`
+  puts them into the sources' layouts. Over ``Auto`` axes no sharding rule of a mesh with
+  ``Explicit`` axes (operands of ``concatenate`` sharded alike...) limits the transform, as
+  none limits its forward move. The primal is zeros: the pullback of a linear map does not
+  read it, and XLA drops its forward computation.
+  """
+  first = leaves[0].src_sharding  # eagerly, perhaps no NamedSharding: no mesh, no types
+  context = (
+    auto_mesh(first.mesh).abstract_mesh
+    if isinstance(first, NamedSharding)
+    else jax.sharding.AbstractMesh((), ())
+  )
+
+  def flat(*xs: Any) -> list[Any]:
+    return jax.tree_util.tree_leaves(transform(jax.tree_util.tree_unflatten(treedef, xs)))
+
+  @jax.jit
+  def run(cts: list[Any]) -> list[Any]:
+    ys, vjp_fn = jax.vjp(flat, *(jnp.zeros(lf.shape, lf.dtype) for lf in leaves))
+    full = [
+      c if jnp.issubdtype(y.dtype, jnp.inexact) else np.zeros(y.shape, jax.dtypes.float0)
+      for y, c in zip(ys, cts, strict=True)
+    ]
+    return [None if b.dtype == jax.dtypes.float0 else b for b in vjp_fn(full)]
+
+  def pullback(cts: list[Any]) -> list[Any]:
+    with jax.sharding.use_abstract_mesh(context):
+      return run(cts)
+
+  return pullback
+
+
+def untyped(x: Any, sharding: Sharding) -> Any:
+  """``x``, laid out as ``sharding``, with no layout in its type: on a mesh with ``Explicit``
+  axes through a ``shard_map`` over the mesh's :func:`~jax_reshard._emit.auto_mesh` that
+  returns its blocks as they are (no data moves; its VJP types the cotangent back with
+  :func:`place_cotangent`), else ``x`` itself."""
+  if not _explicit(sharding):
+    return x
+  auto = auto_mesh(_mesh(sharding))
+  spec = sharding.spec  # type: ignore[attr-defined]
+
+  same = jax.shard_map(lambda b: b, mesh=auto, in_specs=spec, out_specs=spec, check_vma=False)
+
+  @jax.custom_vjp
+  def retype(v: Any) -> Any:
+    with jax.sharding.use_abstract_mesh(auto.abstract_mesh):
+      return same(v)
+
+  retype.defvjp(lambda v: (retype(v), None), lambda _, ct: (place_cotangent(ct, sharding),))
+  return retype(x)
+
+
+def place_cotangent(ct: Any, sharding: Sharding) -> Any:
+  """Cotangent ``ct`` of a traced source leaf laid out as the leaf, ``sharding``: with
+  ``jax.sharding.reshard`` on a mesh with ``Explicit`` axes (typed so), else with
+  ``with_sharding_constraint``, with the sharding's mesh in context (whatever mesh is in
+  context around the call)."""
+  if not isinstance(sharding, NamedSharding):
+    return jax.lax.with_sharding_constraint(ct, sharding)
+  with jax.sharding.use_abstract_mesh(sharding.mesh.abstract_mesh):
+    if not _explicit(sharding):
+      return jax.lax.with_sharding_constraint(ct, sharding)
+    return jax.sharding.reshard(ct, sharding)
+
+
+def _explicit(sharding: Sharding) -> bool:
+  """Whether ``sharding`` is a ``NamedSharding`` over a mesh with ``Explicit`` axes."""
+  return isinstance(sharding, NamedSharding) and any(
+    t == AxisType.Explicit for t in sharding.mesh.axis_types
+  )

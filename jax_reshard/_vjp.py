@@ -5,28 +5,36 @@ arrays, so ``reshard`` sees tracers, yet no computation with one device list is 
 like ``jax.device_put``, the move can run eagerly between any two meshes. :func:`reshard_vjp`
 wraps the eager move in a ``jax.custom_vjp`` whose forward pass runs the eager plan on the
 concrete arrays and whose backward pass reshards the cotangents back into the source
-shardings (eagerly, or traced where the cotangents are traced, as ``reshard`` picks). Values whose
-tracers are of any other kind (``jax.jit``, ``vmap``, ``shard_map``...) keep the traced path.
-Plain concrete arrays never come here.
+shardings (eagerly, or traced where the cotangents are traced, as ``reshard`` picks). With
+``transform=``, :func:`reshard_transform_vjp` does the same with the transformed plan; its
+backward pass pulls the cotangents back through the transform (a linear map) and moves them
+into the source shardings. Values whose tracers are of any other kind (``jax.jit``, ``vmap``,
+``shard_map``...) keep the traced path. Plain concrete arrays never come here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
-from jax.sharding import Sharding
+from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from jax_reshard._api import make_plan
 from jax_reshard._errors import ReshardError
 from jax_reshard._layout import describe_sharding
 from jax_reshard._topology import Topology
-from jax_reshard._traced import reshard_traced
+from jax_reshard._traced import (
+  place_cotangent,
+  reshard_traced,
+  reshard_traced_transform,
+  transform_pullback,
+  untyped,
+)
 from jax_reshard._tree import broadcast_shardings, resolve_sharding
 
 
@@ -101,6 +109,135 @@ def reshard_vjp(
   fn.defvjp(fwd, bwd, symbolic_zeros=True)
   ys = fn(*(v for _, v in flat))
   return jax.tree_util.tree_unflatten(treedef, ys)
+
+
+def reshard_transform_vjp(
+  x: Any,
+  dst: Any,
+  src: Any,
+  values: list[jax.Array],
+  transform: Callable[[Any], Any],
+  max_bucket_bytes: int | Sequence[int] | None,
+) -> Any:
+  """``reshard(x, dst, transform=transform)`` for a tree of differentiation tracers over the
+  concrete ``values``: the eager transformed plan, differentiable. Its VJP is
+  ``transform``'s (:func:`~jax_reshard._traced.transform_pullback`), the cotangents moved back
+  into the source layouts.
+
+  Everything is validated (and the forward plan made) before anything runs.
+  """
+  flat, treedef = jax.tree_util.tree_flatten_with_path(x)
+  if src is not None:
+    _check_src(src, x, treedef, flat, values)
+  tree = jax.tree_util.tree_unflatten(treedef, values)
+  plan = make_plan(tree, dst, max_bucket_bytes=max_bucket_bytes, transform=transform)
+  out_treedef = plan.analysis.out_treedef
+  pullback = transform_pullback(transform, treedef, plan.src_leaves)
+
+  def move(*xs: Any) -> tuple[Any, ...]:
+    if any(isinstance(v, jax.core.Tracer) for v in xs):  # a higher order of differentiation
+      return _transformed_again(xs, plan, treedef, transform, max_bucket_bytes)
+    return tuple(jax.tree_util.tree_leaves(plan(jax.tree_util.tree_unflatten(treedef, xs))))
+
+  def fwd(*xs: Any) -> tuple[tuple[Any, ...], None]:
+    return move(*(p.value for p in xs)), None
+
+  def bwd(_: None, cts: tuple[Any, ...]) -> tuple[Any, ...]:
+    opts = _Options(None, None, None)
+    full = [_full_cotangent(ct, lf, opts) for ct, lf in zip(cts, plan.leaves, strict=True)]
+    back = pullback(_one_device_set(full))
+    return tuple(_transform_back(back, [lf.src_sharding for lf in plan.src_leaves]))
+
+  fn = jax.custom_vjp(move)
+  fn.defvjp(fwd, bwd, symbolic_zeros=True)
+  ys = fn(*(v for _, v in flat))
+  return jax.tree_util.tree_unflatten(out_treedef, ys)
+
+
+def _transformed_again(
+  xs: Sequence[Any],
+  plan: Any,
+  treedef: Any,
+  transform: Callable[[Any], Any],
+  max_bucket_bytes: int | Sequence[int] | None,
+) -> tuple[Any, ...]:
+  """``plan``'s move of tracers (a higher order of differentiation), as ``reshard`` picks:
+  differentiable eagerly over concrete values, else traced (the leaves laid out as the plan's
+  sources)."""
+  tree = jax.tree_util.tree_unflatten(treedef, xs)
+  dst = jax.tree_util.tree_unflatten(
+    plan.analysis.out_treedef, [lf.dst_sharding for lf in plan.leaves]
+  )
+  values = concrete_leaves(tree)
+  if values is None:
+    src = jax.tree_util.tree_unflatten(treedef, [lf.src_sharding for lf in plan.src_leaves])
+    ys = reshard_traced_transform(tree, dst, src, transform)
+  else:
+    ys = reshard_transform_vjp(tree, dst, None, values, transform, max_bucket_bytes)
+  return tuple(jax.tree_util.tree_leaves(ys))
+
+
+def _full_cotangent(ct: Any, leaf: Any, opts: _Options) -> Any:
+  """An output leaf's cotangent as the pullback takes it (:func:`untyped`), laid out as the
+  leaf: zeros for a symbolic zero, host data placed, concrete arrays laid out otherwise moved
+  there; ``None`` for integer leaves."""
+  if _no_cotangent(leaf.dtype):
+    return None
+  if isinstance(ct, SymbolicZero):
+    ct = jnp.zeros(leaf.shape, leaf.dtype, device=leaf.dst_sharding)
+  elif not isinstance(ct, jax.Array):
+    ct = jax.device_put(np.asarray(ct, dtype=leaf.dtype), leaf.dst_sharding)
+  elif _concrete(ct) and not _sharding(ct).is_equivalent_to(leaf.dst_sharding, len(leaf.shape)):
+    ct = _move([ct], [leaf.dst_sharding], None, opts)[0]
+  return untyped(ct, leaf.dst_sharding)
+
+
+def _one_device_set(cts: list[Any]) -> list[Any]:
+  """Cotangents the pullback may combine, on one device set: where concrete ones lie on
+  several (outputs of one transform placed on other devices), each is moved, replicated, onto
+  the devices of the first."""
+  arrays = [(i, c) for i, c in enumerate(cts) if _concrete(c)]
+  sets = {frozenset(_sharding(c).device_set) for _, c in arrays}
+  if len(sets) < 2:
+    return cts
+  devices: list[Any] = sorted(_sharding(arrays[0][1]).device_set, key=lambda d: d.id)
+  whole = NamedSharding(jax.sharding.Mesh(np.array(devices), ("devices",)), PartitionSpec())
+  out = list(cts)
+  ys = _move([c for _, c in arrays], [whole] * len(arrays), None, _Options(None, None, None))
+  for (i, _), y in zip(arrays, ys, strict=True):
+    out[i] = y
+  return out
+
+
+def _sharding(v: Any) -> Sharding:
+  """The sharding of the concrete array under ``v``."""
+  return concrete_value(v).sharding  # type: ignore[union-attr]
+
+
+def _transform_back(back: list[Any], src: list[Sharding]) -> list[Any]:
+  """The sources' cotangents from the pullback (``None``, JAX's float0 zero, for integer
+  leaves) laid out as the sources: traced (:func:`~jax_reshard._traced.place_cotangent`), or
+  moved eagerly between any devices."""
+  out: list[Any] = [None] * len(back)
+  moving = []
+  for i, b in enumerate(back):
+    if b is None:
+      continue
+    if _concrete(b):
+      moving.append(i)
+    else:
+      out[i] = place_cotangent(b, src[i])
+  if moving:
+    opts = _Options(None, None, None)
+    ys = _move([back[i] for i in moving], [src[i] for i in moving], None, opts)
+    for i, y in zip(moving, ys, strict=True):
+      out[i] = y
+  return out
+
+
+def _concrete(v: Any) -> bool:
+  """Whether ``v`` is a concrete array or differentiation tracers over one, outside a trace."""
+  return concrete_value(v) is not None and not (isinstance(v, jax.core.Tracer) and _staged())
 
 
 @dataclasses.dataclass(frozen=True)

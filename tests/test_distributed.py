@@ -5,6 +5,7 @@ The collective paths themselves run in two real processes: see tests/test_multip
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 import jax_reshard as jr
 from jax_reshard import _distributed
 from jax_reshard._layout import Layout
+from jax_reshard._options import Options
 from jax_reshard._planner import plan_leaves
 from jax_reshard._schedule import make_schedule
 
@@ -236,3 +238,44 @@ def test_fingerprint_covers_the_relay_stage():
   moved = with_relay(dataclasses.replace(relay, schedule=sched))
   assert moved.leaf_digests == base.leaf_digests
   assert moved.schedule_digest != base.schedule_digest and moved.digest != base.digest
+
+
+def test_fingerprint_covers_the_options():
+  """Plans that differ only in their Options fingerprint differently (an option that changes
+  no transfer or round too), equal options equally, and the mismatch names the option."""
+  src, dst = _tree(reverse=False)
+
+  def fp(**options):
+    jr.plan_cache_clear()
+    opts = Options(**options) if options else None
+    return _distributed.plan_fingerprint(jr.make_plan(src, dst, options=opts))
+
+  base, defaults = fp(), fp(in_flight_buckets=2)  # the default, given explicitly
+  assert defaults == base and defaults.digest == base.digest
+  queued = fp(in_flight_buckets=4)
+  assert queued.leaf_digests == base.leaf_digests
+  assert queued.schedule_digest == base.schedule_digest  # the same moves, run otherwise
+  assert queued.options_digest != base.options_digest and queued.digest != base.digest
+  assert fp(in_flight_buckets=4) == queued  # equal options, another plan object
+  assert fp(direct_calls=False).digest not in (base.digest, queued.digest)
+  message = _distributed._mismatch_message(
+    None, "unused", 0, base, {1: _distributed._published(queued)}, [1], 0.0
+  )
+  assert "in_flight_buckets: process 0: 2; process 1: 4" in message, message
+  assert "direct_calls" not in message and "jax_reshard versions" not in message, message
+  # A peer of an older version, which sends no options, differs in every option.
+  old = {k: v for k, v in _distributed._published(queued).items() if k != "options"}
+  message = _distributed._mismatch_message(None, "unused", 0, base, {1: old}, [1], 0.0)
+  assert "split_assembly: process 0: True; process 1: <none>" in message, message
+
+
+def test_transformed_plans_fingerprint_the_default_options():
+  src, _ = _tree(reverse=False)
+  mesh = src["w"].sharding.mesh
+  plan = jr.make_plan(src, NamedSharding(mesh, P()), transform=lambda t: t["w"].T)
+  assert getattr(plan, "options", Options()) == Options()  # none, or the defaults
+  fp = _distributed.plan_fingerprint(plan)
+  assert dict(fp.options) == {
+    f.name: getattr(Options(), f.name) for f in dataclasses.fields(Options)
+  }
+  assert fp.options_digest == _variant().options_digest
