@@ -58,8 +58,8 @@ def reshard(
       laid out as the source.
     topology: device domains (``jr.Topology``): with several, a region that several devices
       of a domain need and none there holds crosses into the domain once and is forwarded
-      inside it (relays), eagerly and inside ``jax.jit`` alike (see ``jr.plan_layouts``). Not
-      used with ``transform=`` yet.
+      inside it (relays), eagerly and inside ``jax.jit`` alike, with ``transform=`` too (see
+      ``jr.plan_layouts``).
     relays: with ``topology``: ``True`` (what ``None``, the default, means) relays,
       ``False`` sends every region directly from a source replica, ``"auto"`` keeps whichever
       the cost model predicts faster on ``topology``; eagerly and inside ``jax.jit`` alike.
@@ -126,10 +126,12 @@ def _reshard_traced(
   if (values := _vjp.concrete_leaves(x)) is not None:
     # eager jax.vjp / jax.grad: the eager move, differentiable
     if transform is not None:
-      return _vjp.reshard_transform_vjp(x, dst, src, values, transform, max_bucket_bytes)
+      return _vjp.reshard_transform_vjp(
+        x, dst, src, values, transform, max_bucket_bytes, topology, relays
+      )
     return _vjp.reshard_vjp(x, dst, src, values, max_bucket_bytes, topology, relays)
   if transform is not None:
-    return _traced.reshard_traced_transform(x, dst, src, transform)
+    return _traced.reshard_traced_transform(x, dst, src, transform, topology, relays)
   if needs_edges(x, dst):
     move = lambda c_x, c_dst, c_src: _traced.reshard_traced(c_x, c_dst, c_src, topology, relays)
     return reshard_traced_edged(x, dst, src, move)

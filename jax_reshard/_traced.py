@@ -248,7 +248,14 @@ def _differentiable_move(
   return fn
 
 
-def reshard_traced_transform(x: Any, dst: Any, src: Any, transform: Callable[[Any], Any]) -> Any:
+def reshard_traced_transform(
+  x: Any,
+  dst: Any,
+  src: Any,
+  transform: Callable[[Any], Any],
+  topology: Topology | None = None,
+  relays: bool | Literal["auto"] | None = None,
+) -> Any:
   """``reshard(x, dst, src=src, transform=transform)`` on traced values.
 
   Every source leaf must be on one mesh and every output leaf on one mesh, over the
@@ -290,7 +297,8 @@ def reshard_traced_transform(x: Any, dst: Any, src: Any, transform: Callable[[An
       "Reshard inside jit without transform= and convert after it, or call "
       "jr.reshard(x, dst, transform=f) outside jit."
     )
-  fn = _transform_fn(transform, treedef, tuple(leaves), tuple(outs))
+  resolved = resolve_relays(relays, topology)
+  fn = _transform_fn(transform, treedef, tuple(leaves), tuple(outs), topology, resolved)
   ys = fn(*(v for _, v in flat))
   return jax.tree_util.tree_unflatten(analysis.out_treedef, ys)
 
@@ -305,9 +313,12 @@ def _transform_fn(
   treedef: Any,
   leaves: tuple[Leaf, ...],
   outs: tuple[Leaf, ...],
+  topology: Topology | None = None,
+  relays: bool | Literal["auto"] = False,
 ) -> Callable[..., tuple[Any, ...]]:
-  """The traced move of a transformed tree (one program over the source mesh), differentiable:
-  its VJP is ``transform``'s (:func:`transform_pullback`, :func:`_with_pullback`)."""
+  """The traced move of a transformed tree (one program over the source mesh, then with
+  relays a forwarding program over the destination mesh on its results), differentiable: its
+  VJP is ``transform``'s (:func:`transform_pullback`, :func:`_with_pullback`)."""
   analysis = analyze(transform, treedef, leaves)
   src_mesh = leaves[0].src_sharding.mesh  # type: ignore[attr-defined]
   dst_mesh = outs[0].dst_sharding.mesh  # type: ignore[attr-defined]
@@ -316,25 +327,30 @@ def _transform_fn(
     [Layout.from_sharding(lf.src_sharding, lf.shape) for lf in leaves],
     [Layout.from_sharding(lf.dst_sharding, lf.shape) for lf in outs],
     max_bucket_bytes=None,
+    topology=topology,
+    relays=relays,
   )
-  program = None
+  ids = [d.id for d in src_mesh.devices.flat]
+  out_dtypes = [lf.dtype for lf in outs]
+  programs = []
   if plan.schedule.buckets:
-    ids = [d.id for d in src_mesh.devices.flat]
-    dtypes = [lf.dtype for lf in leaves], [lf.dtype for lf in outs]
-    program = make_transform_program(plan, 0, *dtypes, ids)
+    programs.append(make_transform_program(plan, 0, [lf.dtype for lf in leaves], out_dtypes, ids))
+  if plan.relay is not None and plan.relay.schedule.buckets:
+    words = plan_word_bytes(plan)
+    programs.append(make_bucket_program(plan.relay, 0, out_dtypes, ids, max_word_bytes=words))
+  dst_specs = [lf.dst_sharding.spec for lf in outs]  # type: ignore[attr-defined]
+  src_specs = [lf.src_sharding.spec for lf in leaves]  # type: ignore[attr-defined]
 
   def move(*xs: jax.Array) -> tuple[Any, ...]:
     out: list[Any] = [None] * len(outs)
-    if program is not None:
-      ins, made = [lf.index for lf in program.inputs], [lf.index for lf in program.leaves]
-      ys = emit_traced_move(
-        [xs[j] for j in ins],
-        program,
-        src_mesh,
-        [leaves[j].src_sharding.spec for j in ins],  # type: ignore[attr-defined]
-        dst_mesh,
-        [outs[i].dst_sharding.spec for i in made],  # type: ignore[attr-defined]
-      )
+    for program in programs:  # the transformed stage, then any relay stage on its results
+      made = [lf.index for lf in program.leaves]
+      if program.inputs:
+        ins, mesh = [lf.index for lf in program.inputs], src_mesh
+        args, specs = [xs[j] for j in ins], [src_specs[j] for j in ins]
+      else:
+        args, mesh, specs = [out[i] for i in made], dst_mesh, [dst_specs[i] for i in made]
+      ys = emit_traced_move(args, program, mesh, specs, dst_mesh, [dst_specs[i] for i in made])
       for i, y in zip(made, ys, strict=True):
         out[i] = y
     for i, lf in enumerate(outs):

@@ -118,6 +118,8 @@ def reshard_transform_vjp(
   values: list[jax.Array],
   transform: Callable[[Any], Any],
   max_bucket_bytes: int | Sequence[int] | None,
+  topology: Topology | None = None,
+  relays: bool | Literal["auto"] | None = None,
 ) -> Any:
   """``reshard(x, dst, transform=transform)`` for a tree of differentiation tracers over the
   concrete ``values``: the eager transformed plan, differentiable. Its VJP is
@@ -130,13 +132,16 @@ def reshard_transform_vjp(
   if src is not None:
     _check_src(src, x, treedef, flat, values)
   tree = jax.tree_util.tree_unflatten(treedef, values)
-  plan = make_plan(tree, dst, max_bucket_bytes=max_bucket_bytes, transform=transform)
+  plan = make_plan(
+    tree, dst, max_bucket_bytes=max_bucket_bytes, transform=transform, topology=topology,
+    relays=relays,
+  )  # fmt: skip
   out_treedef = plan.analysis.out_treedef
   pullback = transform_pullback(transform, treedef, plan.src_leaves)
 
   def move(*xs: Any) -> tuple[Any, ...]:
     if any(isinstance(v, jax.core.Tracer) for v in xs):  # a higher order of differentiation
-      return _transformed_again(xs, plan, treedef, transform, max_bucket_bytes)
+      return _transformed_again(xs, plan, treedef, transform, (max_bucket_bytes, topology, relays))
     return tuple(jax.tree_util.tree_leaves(plan(jax.tree_util.tree_unflatten(treedef, xs))))
 
   def fwd(*xs: Any) -> tuple[tuple[Any, ...], None]:
@@ -159,7 +164,7 @@ def _transformed_again(
   plan: Any,
   treedef: Any,
   transform: Callable[[Any], Any],
-  max_bucket_bytes: int | Sequence[int] | None,
+  how: tuple[Any, Topology | None, Any],
 ) -> tuple[Any, ...]:
   """``plan``'s move of tracers (a higher order of differentiation), as ``reshard`` picks:
   differentiable eagerly over concrete values, else traced (the leaves laid out as the plan's
@@ -171,9 +176,9 @@ def _transformed_again(
   values = concrete_leaves(tree)
   if values is None:
     src = jax.tree_util.tree_unflatten(treedef, [lf.src_sharding for lf in plan.src_leaves])
-    ys = reshard_traced_transform(tree, dst, src, transform)
+    ys = reshard_traced_transform(tree, dst, src, transform, *how[1:])
   else:
-    ys = reshard_transform_vjp(tree, dst, None, values, transform, max_bucket_bytes)
+    ys = reshard_transform_vjp(tree, dst, None, values, transform, *how)
   return tuple(jax.tree_util.tree_leaves(ys))
 
 

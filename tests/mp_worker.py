@@ -364,6 +364,17 @@ def case_transform() -> None:
   }
   check_tree(ys, want, dst)
   ok("case_transform")
+  # With the processes as domains: the head, which every sampler device needs whole, crosses
+  # into process 1 once and is forwarded there; refit into the old buffers.
+  topo = jr.Topology.from_devices(jax.devices())
+  plan = jr.make_plan(x, dst, transform=_fuse("qkv"), topology=topo)
+  direct = jr.make_plan(x, dst, transform=_fuse("qkv"), topology=topo, relays=False).stats
+  st = plan.stats
+  assert plan.layout_plan.relay is not None and st.relay_bytes > 0
+  assert st.slow_link_bytes == st.slow_link_lower_bound_bytes < direct.slow_link_bytes
+  ys = plan(x, out=plan(x))
+  check_tree(ys, want, dst)
+  ok("case_transform_relay")
   try:
     jr.reshard(x, dst, transform=_fuse("qkv" if PID == 0 else "qvk"))
   except _distributed.ReshardPlanMismatchError:

@@ -157,3 +157,74 @@ def test_options_apply_to_transformed_plans() -> None:
   assert capped.options == Options(max_bucket_leaves=1) and default.options == Options()
   assert capped.stats.num_buckets == 2 > default.stats.num_buckets
   _check(capped(x), host, dst)
+
+
+def _colocated(axis_type: AxisType) -> tuple[Any, Any, Any, dict[str, NamedSharding]]:
+  """The tree on all 8 devices (rows), its host copy, its shardings, and the sampler's on the
+  same devices as 4 pairs {0, 1}, {2, 3}... (a pair's devices need the same columns, whose
+  rows no pair holds but a quarter of: relayed with :data:`PAIRS`)."""
+  devs = np.array(sorted(jax.devices(), key=lambda d: d.id))
+  rows = NamedSharding(make_mesh((8,), ("x",), devs, axis_type), P("x"))
+  sampler = make_mesh((4, 2), ("tp", "dp"), devs, axis_type)
+  _, host, _ = _setup(axis_type)
+  x = jax.tree_util.tree_map(lambda h: jax.device_put(h, rows), host)
+  src = jax.tree_util.tree_map(lambda _: rows, host)
+  dst = {
+    "qkv": NamedSharding(sampler, P(None, None, "tp")),
+    "head": NamedSharding(sampler, P(None, "tp")),
+  }
+  return x, host, src, dst
+
+
+def test_relays_inside_jit_move_the_eager_plans_bytes(mesh_axis_type: AxisType) -> None:
+  from test_jit import _collective_bytes
+
+  x, host, src, dst = _colocated(mesh_axis_type)
+  f = jax.jit(
+    lambda x: jr.reshard(x, dst, src=src, transform=_fuse, topology=PAIRS), out_shardings=dst
+  )
+  _check(f(x), host, dst)
+  plan = jr.make_plan(x, dst, transform=_fuse, topology=PAIRS)
+  st = plan.stats
+  assert plan.layout_plan.relay is not None and st.relay_bytes > 0
+  assert st.num_buckets == 2  # one per stage, as inside jit
+  hlo = _collective_bytes(f.lower(x).compile().as_text())
+  assert hlo["all-gather"] == hlo["all-to-all"] == 0
+  assert hlo["collective-permute"] == st.bytes_moved + st.padding_bytes
+  g = jax.jit(lambda x: jr.reshard(x, dst, src=src, transform=_fuse), out_shardings=dst)
+  direct = jr.make_plan(x, dst, transform=_fuse).stats
+  assert _collective_bytes(g.lower(x).compile().as_text())["collective-permute"] == (
+    direct.bytes_moved + direct.padding_bytes
+  )
+
+
+def test_relays_inside_jit_donate_and_differentiate(mesh_axis_type: AxisType) -> None:
+  x, host, src, dst = _colocated(mesh_axis_type)
+
+  def refit(x: Any, old: Any) -> Any:
+    del old  # donated: XLA writes the result into its buffers
+    return jr.reshard(x, dst, src=src, transform=_fuse, topology=PAIRS)
+
+  # keep_unused: jax.jit drops an argument the computation does not read, and with it the
+  # donation of its buffers.
+  step = jax.jit(refit, donate_argnums=(1,), out_shardings=dst, keep_unused=True)
+  old = jax.jit(_fuse, out_shardings=dst)(x)
+  _check(step(x, old), host, dst)
+  assert all(a.is_deleted() for a in jax.tree_util.tree_leaves(old))
+
+  weights = {"qkv": 3.0, "head": -2.0}
+
+  def loss(x: Any) -> Any:
+    y = jr.reshard(x, dst, src=src, transform=_fuse, topology=PAIRS)
+    return sum(jnp.sum(y[k].astype(jnp.float32) * w) for k, w in weights.items())
+
+  def want_loss(x: Any) -> Any:
+    y = _fuse(x)
+    return sum(jnp.sum(y[k].astype(jnp.float32) * w) for k, w in weights.items())
+
+  got = jax.jit(jax.grad(loss))(x)
+  want = jax.grad(want_loss)(host)
+  for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+    assert np.array_equal(np.asarray(a), np.asarray(b))
+  for a, s in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(src), strict=True):
+    assert a.sharding.is_equivalent_to(s, a.ndim)
