@@ -44,6 +44,7 @@ from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
 from jax_reshard._options import DEFAULT_OPTIONS, Options
 from jax_reshard._planner import LeafPlan
+from jax_reshard._rounds import Links, Round, make_rounds
 from jax_reshard._topology import Topology
 
 DEFAULT_MAX_BUCKET_BYTES = 1 << 30
@@ -52,12 +53,6 @@ DEFAULT_MAX_BUCKET_BYTES = 1 << 30
 # tens of MiB per device the allocator maps fresh pages each time (at 52 MB of staging per
 # device, ~100 MiB of page faults per call, half the call's time); at 16 MiB none.
 CPU_MAX_BUCKET_BYTES = 16 << 20
-# Rounds are also tried with the pairs of at least a 4th (a 16th) of the largest payload
-# coloured together apart from the rest: a few small payloads on many pairs (a norm one entry
-# forwards to every device of its domain) raise the colours first fit may spread large
-# payloads over (see _colour_rounds).
-HEAVY_RATIOS = (4, 16)
-SIZE_TOLERANCE = 0.02  # size classes: payloads within 2% of the class's largest
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -68,14 +63,6 @@ class Piece:
   transfer: int
   offset: int
   nbytes: int
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Round:
-  """One collective round: every listed (src, dst) pair exchanges ``nbytes`` bytes."""
-
-  nbytes: int
-  pairs: tuple[tuple[int, int], ...]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -489,368 +476,6 @@ def slab_dim(shard_shape: Sequence[int], k: int, spread: Sequence[bool] | None =
   return int(np.argmax(ext >= k)) if (ext >= k).any() else int(np.argmax(ext))
 
 
-def color_bipartite(edges: Sequence[tuple[int, int]]) -> list[int]:
-  """Colours the edges of a bipartite multigraph with max-degree colours.
-
-  Left vertices are senders, right vertices receivers (a device may be both). Edges sharing a
-  sender or a receiver get different colours, and the number of colours equals the maximum
-  degree (Konig's theorem). A first-fit pass with per-vertex bitmasks (O(1) an edge) is tried
-  first and kept when it is optimal, which it is for the regular refit patterns measured in
-  ``benchmarks/plan_scale.py``; otherwise alternating-path recolouring finishes the job.
-
-  Example:
-    >>> color_bipartite([(0, 1), (0, 2), (1, 2)])  # sender 0 twice, receiver 2 twice
-    [0, 1, 0]
-  """
-  if not edges:
-    return []
-  s, d = (np.asarray(v, dtype=np.int64) for v in zip(*edges, strict=True))
-  return _color_dense(_dense(s), _dense(d)).tolist()
-
-
-def _dense(ids: np.ndarray) -> np.ndarray:
-  """``ids`` renumbered ``0..n-1`` (equal ids equal numbers)."""
-  return np.unique(ids, return_inverse=True)[1].reshape(-1)
-
-
-def _color_dense(s: np.ndarray, d: np.ndarray, swap_late: bool = False) -> np.ndarray:
-  """:func:`color_bipartite` of the edges ``zip(s, d)``, vertices numbered from 0 on each side
-  (the colours depend only on which edges share a vertex, not on the vertices' numbers); with
-  ``swap_late``, where first fit fails, :func:`_first_fit_swapping`'s colouring instead."""
-  if len(s) <= 1:
-    return np.zeros(len(s), dtype=np.int64)
-  k = max(int(np.bincount(s).max()), int(np.bincount(d).max()))
-  if k == 1:  # a matching: first fit gives every edge colour 0
-    return np.zeros(len(s), dtype=np.int64)
-  sl, dl = s.tolist(), d.tolist()
-  prefix = _first_fit_prefix(sl, dl, k)
-  colour = prefix[0]
-  if len(colour) < len(sl):
-    colour = _first_fit_swapping(sl, dl, k, prefix) if swap_late else _alternating(sl, dl, k)
-  return np.asarray(colour, dtype=np.int64)
-
-
-def _color_first_fit(edges: Sequence[tuple[int, int]], k: int) -> list[int] | None:
-  """Each edge takes the lowest colour free at both ends; ``None`` as soon as one needs more
-  than ``k`` colours (first fit may need up to 2k - 1)."""
-  if not edges:
-    return []
-  s, d = (np.asarray(v, dtype=np.int64) for v in zip(*edges, strict=True))
-  return _first_fit(_dense(s).tolist(), _dense(d).tolist(), k)
-
-
-def _first_fit(s: list[int], d: list[int], k: int) -> list[int] | None:
-  """:func:`_color_first_fit` of the edges ``zip(s, d)``, vertices numbered from 0."""
-  out = _first_fit_prefix(s, d, k)[0]
-  return out if len(out) == len(s) else None
-
-
-def _first_fit_prefix(s: list[int], d: list[int], k: int) -> tuple[list[int], list[int], list[int]]:
-  """First fit of the edges ``zip(s, d)`` up to the first that needs more than ``k`` colours:
-  the colours of the edges before it, and per sender and receiver the bitmask of the colours
-  they took."""
-  used_s, used_d = [0] * (max(s) + 1), [0] * (max(d) + 1)
-  out = []
-  for u, v in zip(s, d, strict=True):
-    m = used_s[u] | used_d[v]
-    c = (~m & (m + 1)).bit_length() - 1
-    if c >= k:
-      break
-    used_s[u] |= 1 << c
-    used_d[v] |= 1 << c
-    out.append(c)
-  return out, used_s, used_d
-
-
-def _alternating(s: list[int], d: list[int], k: int) -> list[int]:
-  """Konig colouring of the edges ``zip(s, d)`` (vertices numbered from 0) with exactly ``k``
-  (the maximum degree) colours."""
-  at_s = [[-1] * k for _ in range(max(s) + 1)]  # per vertex, colour -> edge index
-  at_d = [[-1] * k for _ in range(max(d) + 1)]
-  colour = [-1] * len(s)
-  for e, (u, v) in enumerate(zip(s, d, strict=True)):
-    cs, cd = at_s[u], at_d[v]
-    a = cs.index(-1)
-    g = cd[a]
-    if g != -1:  # swap a and the colour b free at v on the path v -a- u1 -b- v2 -a- ...
-      b = cd.index(-1)  # :func:`_swap_path`'s walk, inlined (most edges take one)
-      cd[a], cd[b] = -1, g
-      while True:
-        colour[g] = b
-        tab = at_s[s[g]]  # a sender, entered by a: leave by b
-        f = tab[b]
-        tab[b], tab[a] = g, f
-        if f == -1:
-          break
-        colour[f] = a
-        tab = at_d[d[f]]  # a receiver, entered by b: leave by a
-        g = tab[a]
-        tab[a], tab[b] = f, g
-        if g == -1:
-          break
-    colour[e] = a
-    cs[a] = e
-    cd[a] = e
-  return colour
-
-
-def _first_fit_swapping(
-  s: list[int],
-  d: list[int],
-  k: int,
-  prefix: tuple[list[int], list[int], list[int]] | None = None,
-) -> list[int]:
-  """Another Konig colouring of the edges ``zip(s, d)`` (vertices numbered from 0) with exactly
-  ``k`` (the maximum degree) colours, faster than :func:`_alternating` where first fit fails
-  late: each edge takes the lowest colour free at both ends (first
-  fit) where one is below ``k``; else, with ``a`` free at its sender and ``b`` at its receiver,
-  ``a`` and ``b`` are swapped along the alternating path from the receiver, which frees ``a``
-  there. Paths are walked only for the edges first fit cannot colour. ``prefix``: what
-  :func:`_first_fit_prefix` returned for these edges (first fit up to its first failure,
-  which is this colouring's too), continued from there."""
-  done, used_s, used_d = prefix or ([], [0] * (max(s) + 1), [0] * (max(d) + 1))
-  used_s, used_d = list(used_s), list(used_d)  # per vertex, a bitmask of colours
-  at = []  # per side, per vertex, colour -> edge index
-  for ends, n in ((s, len(used_s)), (d, len(used_d))):
-    table = np.full((n, k), -1, dtype=np.int64)
-    table[ends[: len(done)], done] = np.arange(len(done))
-    at.append(table.tolist())
-  at_s, at_d = at
-  colour = done + [-1] * (len(s) - len(done))
-  for e, (u, v) in enumerate(zip(s[len(done) :], d[len(done) :], strict=True), len(done)):
-    m = used_s[u] | used_d[v]
-    c = (~m & (m + 1)).bit_length() - 1
-    if c >= k:
-      m = used_s[u]
-      c = (~m & (m + 1)).bit_length() - 1  # free at u, taken at v
-      m = used_d[v]
-      b = (~m & (m + 1)).bit_length() - 1  # free at v
-      _swap_path(s, d, colour, at_s, at_d, used_s, used_d, v, c, b)
-    colour[e] = c
-    at_s[u][c] = at_d[v][c] = e
-    used_s[u] |= 1 << c
-    used_d[v] |= 1 << c
-  return colour
-
-
-def _swap_path(
-  s: list[int],
-  d: list[int],
-  colour: list[int],
-  at_s: list[list[int]],
-  at_d: list[list[int]],
-  used_s: list[int],
-  used_d: list[int],
-  v: int,
-  a: int,
-  b: int,
-) -> None:
-  """Swaps colours ``a`` and ``b`` on the path from receiver ``v`` (``a`` taken there, ``b``
-  free) along edges coloured ``a``, ``b``, ``a``, ...; afterwards ``a`` is free at ``v``. The
-  path never reaches a sender with ``a`` free (it enters senders by ``a`` edges). One walk: a
-  vertex's two path edges trade their colours as it is passed (the path visits it once)."""
-  f, node = -1, v  # f: the path edge that reached node (-1 at v, where b is free)
-  while True:  # node is a receiver: leave by colour a
-    tab = at_d[node]
-    g = tab[a]
-    tab[a], tab[b] = f, g
-    if g == -1:
-      used_d[node] ^= (1 << a) | (1 << b)
-      break
-    colour[g] = b
-    node = s[g]
-    tab = at_s[node]  # a sender, entered by a: leave by colour b
-    f = tab[b]
-    tab[b], tab[a] = g, f
-    if f == -1:
-      used_s[node] ^= (1 << a) | (1 << b)
-      break
-    colour[f] = a
-    node = d[f]
-  used_d[v] ^= (1 << a) | (1 << b)  # inner vertices keep both colours; the two ends trade one
-
-
-def _make_rounds(
-  ps: np.ndarray,
-  pd: np.ndarray,
-  fill: np.ndarray,
-  links: _Links | None = None,
-  colourings: dict[tuple[bytes, bytes, bool], np.ndarray] | None = None,
-  heavy_ratios: Sequence[int] = HEAVY_RATIOS,
-) -> tuple[list[Round], np.ndarray, np.ndarray]:
-  """Rounds for pairs ``(ps[i], pd[i])`` of ``fill[i]`` bytes, each pair's round size, and
-  each pair's round (its index in the rounds; :func:`_colour_rounds`). With ``links`` (the
-  plan's topology) where the pairs cross domains and stay inside them both, the pairs of each
-  link class are also given rounds of their own, and that is kept where the topology's link
-  costs predict it faster: a round sends every pair the round's size, so a slow pair in a round
-  of large fast payloads sends that much over the slow link. ``colourings`` and
-  ``heavy_ratios``: see :func:`_colour_rounds`."""
-  rounds, per_pair, pair_round = _colour_rounds(ps, pd, fill, colourings, heavy_ratios)
-  if links is None:
-    return rounds, per_pair, pair_round
-  slow = links.crosses(ps, pd)
-  if slow.all() or not slow.any():
-    return rounds, per_pair, pair_round
-  mixed, time = links.time(rounds)
-  if not mixed:  # every round is of one link class already
-    return rounds, per_pair, pair_round
-  apart = [_colour_rounds(ps[m], pd[m], fill[m], colourings, heavy_ratios) for m in (slow, ~slow)]
-  if links.time(apart[0][0] + apart[1][0])[1] >= time:
-    return rounds, per_pair, pair_round
-  per_pair, pair_round = np.empty_like(per_pair), np.empty_like(pair_round)
-  per_pair[slow], per_pair[~slow] = apart[0][1], apart[1][1]
-  pair_round[slow], pair_round[~slow] = apart[0][2], apart[1][2] + len(apart[0][0])
-  return apart[0][0] + apart[1][0], per_pair, pair_round
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Links:
-  """The link costs rounds are compared by: each union device's domain, and the topology."""
-
-  union: np.ndarray
-  domain: np.ndarray  # per union device
-  topology: Topology
-
-  def crosses(self, ps: np.ndarray, pd: np.ndarray) -> np.ndarray:
-    """Per pair, whether it crosses domains."""
-    at = np.searchsorted(self.union, ps), np.searchsorted(self.union, pd)
-    return self.domain[at[0]] != self.domain[at[1]]
-
-  def time(self, rounds: Sequence[Round]) -> tuple[bool, float]:
-    """Whether a round mixes pairs across and inside domains, and the rounds' transfer time:
-    each round its slowest link's latency plus its size over that link's bandwidth."""
-    count = np.fromiter((len(r.pairs) for r in rounds), np.int64, len(rounds))
-    flat = itertools.chain.from_iterable(itertools.chain.from_iterable(r.pairs for r in rounds))
-    ends = np.fromiter(flat, np.int64, 2 * int(count.sum())).reshape(-1, 2)
-    rid = np.repeat(np.arange(len(rounds)), count)
-    crossing = np.bincount(rid, self.crosses(ends[:, 0], ends[:, 1]), minlength=len(rounds))
-    slow = crossing > 0
-    size = np.fromiter((r.nbytes for r in rounds), np.float64, len(rounds))
-    inter, intra = self.topology.inter, self.topology.intra
-    time = np.where(
-      slow, inter.latency + size / inter.bandwidth, intra.latency + size / intra.bandwidth
-    )
-    return bool((slow & (crossing < count)).any()), float(time.sum())
-
-
-def _links(union: np.ndarray, topology: Topology | None) -> _Links | None:
-  """The link costs of ``topology`` where its domains split ``union``, else ``None``."""
-  if topology is None or len(np.unique(domain := topology.domain_of(union))) <= 1:
-    return None
-  return _Links(union, domain, topology)
-
-
-def _colour_rounds(
-  ps: np.ndarray,
-  pd: np.ndarray,
-  fill: np.ndarray,
-  colourings: dict[tuple[bytes, bytes, bool], np.ndarray] | None = None,
-  heavy_ratios: Sequence[int] = HEAVY_RATIOS,
-) -> tuple[list[Round], np.ndarray, np.ndarray]:
-  """Rounds for pairs ``(ps[i], pd[i])`` of ``fill[i]`` bytes, each pair's round size, and
-  each pair's round (its index in the rounds).
-  ``colourings``: :func:`_color_dense`'s results by its arguments, read and filled (the
-  buckets of a tree colour the same pairs again and again).
-
-  Colourings are compared by the time they imply where devices run in parallel, the sum
-  over rounds of the round's largest payload: one that colours size classes (payloads within
-  SIZE_TOLERANCE of each other) separately, which pads little but may leave devices idle; one
-  that colours all pairs together, largest first; and, per ratio of ``heavy_ratios``, one
-  that colours the pairs of at least that fraction of the largest payload together, then the
-  rest together (:func:`_candidate_classes`). Ties go to less padding, then to the earlier.
-  None after the first is computed where a lower bound of any colouring's time
-  (:func:`_joint_time_bound`) shows it cannot win, nor one whose runs' bounds add up to more
-  than the best time so far. The heavy ones matter where a few small
-  payloads reach many devices (a norm its relay entry forwards to every other device of its
-  domain): the colours they need let first fit spread the large payloads over more rounds
-  than their own degree, which, coloured alone, they fill exactly (on GB200 racks, 4 GiB
-  buckets: Qwen3-235B 64 -> 64 predicted 701 -> 629 ms, DeepSeek-V3 128 colocated 1,609 ->
-  1,525 ms). All use max-degree colours; where first fit needs more, a run of several (a size
-  class, or the heavy pairs) is finished by :func:`_first_fit_swapping`, which walks
-  alternating paths only for the edges first fit cannot colour, and the joint colouring by
-  :func:`_alternating`.
-  """
-  if not len(fill):
-    return [], np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-  order = np.lexsort((pd, ps, -fill))
-  ps, pd, fill = ps[order], pd[order], fill[order]
-  s, d = _dense(ps), _dense(pd)
-  best, bound = None, None
-  for classes in _candidate_classes(fill, heavy_ratios):
-    if best is not None:
-      bound = _joint_time_bound(s, d, fill) if bound is None else bound
-      if best[0] <= (bound, 0):
-        break  # no colouring takes less time, nor pads less where equal
-      # Runs coloured apart take rounds of their own: their bounds add up (one run's is the
-      # bound above).
-      apart = len(classes) > 1
-      if (
-        apart and sum(_joint_time_bound(s[a:b], d[a:b], fill[a:b]) for a, b in classes) > best[0][0]
-      ):
-        continue
-    colour = np.empty(len(fill), dtype=np.int64)
-    base = 0
-    for a, b in classes:
-      key = (s[a:b].tobytes(), d[a:b].tobytes(), len(classes) > 1)
-      found = colourings.get(key) if colourings is not None else None
-      if found is None:
-        found = _color_dense(s[a:b], d[a:b], swap_late=key[2])
-        if colourings is not None:
-          colourings[key] = found
-      colour[a:b] = base + found
-      base = int(colour[a:b].max()) + 1
-    size = np.zeros(base, dtype=np.int64)
-    np.maximum.at(size, colour, fill)
-    cost = (int(size.sum()), int((size[colour] - fill).sum()))
-    if best is None or cost < best[0]:
-      best = (cost, colour, base, size)
-  assert best is not None
-  _, colour, base, size = best
-  by_round = np.lexsort((pd, ps, colour))
-  cuts = [0, *np.searchsorted(colour[by_round], np.arange(1, base)).tolist(), len(by_round)]
-  flat = list(zip(ps[by_round].tolist(), pd[by_round].tolist(), strict=True))
-  rounds = [
-    Round(nbytes=nbytes, pairs=tuple(flat[cuts[r] : cuts[r + 1]]))
-    for r, nbytes in enumerate(size.tolist())
-  ]
-  pair_round_bytes = np.empty(len(fill), dtype=np.int64)
-  pair_round_bytes[order] = size[colour]
-  pair_round = np.empty(len(fill), dtype=np.int64)
-  pair_round[order] = colour
-  return rounds, pair_round_bytes, pair_round
-
-
-def _candidate_classes(
-  fill: np.ndarray, heavy_ratios: Sequence[int] = HEAVY_RATIOS
-) -> list[list[tuple[int, int]]]:
-  """The colourings :func:`_colour_rounds` compares, in order, each as the runs of pairs
-  (``fill`` descending) coloured together: the size classes, all pairs, and per ratio of
-  ``heavy_ratios`` the pairs of at least that fraction of the largest payload and the
-  rest."""
-  bounds = [0]
-  while bounds[-1] < len(fill):  # fill is descending: classes are runs above a threshold
-    floor = (1 - SIZE_TOLERANCE) * fill[bounds[-1]]
-    bounds.append(int(np.searchsorted(-fill, -floor, side="right")))
-  out = [list(itertools.pairwise(bounds)), [(0, len(fill))]]
-  for r in heavy_ratios:
-    heavy = int(np.searchsorted(-fill, -fill[0] / r, side="right"))
-    if 0 < heavy < len(fill) and [(0, heavy), (heavy, len(fill))] not in out:
-      out.append([(0, heavy), (heavy, len(fill))])
-  return out
-
-
-def _joint_time_bound(s: np.ndarray, d: np.ndarray, fill: np.ndarray) -> int:
-  """A lower bound of the sum of round maxima of any colouring of pairs ``(s, d)`` of
-  ``fill`` bytes (descending): a device's pairs are in distinct rounds, so the sum is at least
-  its bytes; and a round holds at most ``m`` pairs (the fewer of senders and receivers), so the
-  ``j m + 1`` largest pairs span ``j + 1`` rounds and the ``(j + 1)``-th largest round maximum
-  is at least the ``(j m + 1)``-th largest payload. Vertices need not be numbered densely
-  (``m`` is then at least the fewer, and the bound still holds)."""
-  m = min(int(s.max()), int(d.max())) + 1
-  load = max(int(np.bincount(s, fill).max()), int(np.bincount(d, fill).max()))
-  return max(load, int(fill[::m].sum()))
-
-
 def split_rows(plan: LeafPlan, k: int, itemsize: int) -> tuple[LeafPlan, np.ndarray]:
   """``plan`` with every remote transfer cut into up to ``k`` sub-boxes, and each row's chunk.
 
@@ -1056,7 +681,7 @@ class _Tree:
   receives: list[np.ndarray] = dataclasses.field(default_factory=list)
   options: Options = DEFAULT_OPTIONS  # the plan's: leaf cap, periods, whole operands, apart
   kinds: list[int] = dataclasses.field(default_factory=list)  # per leaf, its kind of transfers
-  links: _Links | None = None  # with a topology of several domains (see _make_rounds)
+  links: Links | None = None  # with a topology of several domains (see make_rounds)
   layouts: Sequence[tuple[Layout, Layout]] = ()
   allow_slabs: bool = False
   slabs: dict[int, tuple[int, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
@@ -1274,7 +899,7 @@ def _build_new(tree: _Tree, leaves: list[int], chunks: dict[int, list[int]]) -> 
   ps, pd = src[first], dst[first]
   key = ps.tobytes() + b"|" + pd.tobytes() + b"|" + fill.tobytes()
   if key not in tree.round_cache:
-    tree.round_cache[key] = _make_rounds(ps, pd, fill, tree.links, tree.colourings)
+    tree.round_cache[key] = make_rounds(ps, pd, fill, tree.links, tree.colourings)
   rounds, round_bytes, pair_round = tree.round_cache[key]
   src, dst, leaf_of, transfer, nbytes, offset = _whole_first(
     tree, pair_round, (src, dst, leaf_of, transfer, nbytes), first
@@ -1898,7 +1523,7 @@ def make_schedule(
       bound may be cut into slabs of its source shards, or of its destination shards
       (:func:`split_slabs`).
     topology: where its domains split the devices, a bucket's pairs that cross domains and
-      those inside one may take rounds of their own (see :func:`_make_rounds`); ``None``:
+      those inside one may take rounds of their own (see ``make_rounds``); ``None``:
       rounds are made from the pairs' bytes alone.
     apart: whether a bucket may assemble apart where the bound needs it (its programs can).
     options: the plan's :class:`Options`: a bucket's leaf cap and periods (:func:`_repeat_end`),
@@ -1924,7 +1549,7 @@ def make_schedule(
     kinds=_kinds(plans, layouts, itemsizes),
     layouts=layouts,
     allow_slabs=slabs,
-    links=_links(union, topology),
+    links=Links.of(union, topology),
   )
   tree.discards, tree.receives = _apart_counts(tree, apart)
   for leaf, plan in enumerate(plans):

@@ -28,6 +28,7 @@ WITH_EXAMPLES = {
   "jax_reshard._pieces",
   "jax_reshard._plan",
   "jax_reshard._reshard",
+  "jax_reshard._rounds",
   "jax_reshard._schedule",
   "jax_reshard._tapi",
   "jax_reshard._topology",
