@@ -21,17 +21,11 @@ from jax_reshard._planner import LeafPlan
 from jax_reshard._schedule import (
   Bucket,
   Schedule,
-  both_window_start,
   chunk_shift,
   dst_slab_window,
-  is_grid,
+  leaf_key,
   slab_window,
 )
-
-
-def _leaf_key(plan: LeafPlan, layouts: tuple[Layout, Layout], kind: Any) -> tuple[Any, ...]:
-  arrays = (plan.src_device, plan.dst_device, plan.lo, plan.hi, plan.local)
-  return (layouts, kind, plan.lo.shape, *(np.ascontiguousarray(a).tobytes() for a in arrays))
 
 
 def bucket_classes(
@@ -61,7 +55,7 @@ def bucket_classes(
   for b, bucket in enumerate(schedule.buckets):
     for leaf in bucket.leaves:
       if leaf not in leaf_class:
-        key = _leaf_key(plans[leaf], layouts[leaf], kinds[leaf])
+        key = leaf_key(plans[leaf], layouts[leaf], kinds[leaf])
         leaf_class[leaf] = leaf_ids.setdefault(key, len(leaf_ids))
     position = np.zeros(max(bucket.leaves, default=0) + 1, dtype=np.int64)
     position[list(bucket.leaves)] = np.arange(len(bucket.leaves))
@@ -111,12 +105,15 @@ def _shifts(
   """Where the offsets of ``leaf`` in a bucket moving ``chunks`` of it start, per dimension
   ``(dim, start)``: a window's start (an argument, or a slab of both sides), both slabs' starts
   for a grid (see ``LeafView.dst_shift``); ``None`` where the offsets are the leaf's own."""
-  if schedule.leaf_slabs and is_grid(schedule, leaf):
-    src, dst = slab_window(schedule, leaf, chunks), dst_slab_window(schedule, leaf, chunks)
-    assert src is not None and dst is not None
-    return (dst[0], dst[1]), (src[0], src[1])
-  one = chunk_shift(schedule, leaf, chunks, layouts) or both_window_start(schedule, leaf, chunks)
-  return None if one is None else (one,)
+  shift, dst_shift = chunk_shift(schedule, leaf, chunks, layouts[0])
+  if dst_shift is not None:  # a grid
+    assert shift is not None
+    return shift, dst_shift
+  if shift is None:  # windows of both sides: offsets from the window's start
+    window = slab_window(schedule, leaf, chunks)
+    if window is not None and window == dst_slab_window(schedule, leaf, chunks):
+      shift = window[:2]
+  return None if shift is None else (shift,)
 
 
 class _Numbers:

@@ -1,33 +1,12 @@
 """The schedule: buckets of leaves and chunks, per-pair byte payloads, and collective rounds.
 
 All remote transfers between one (source device, destination device) pair inside a bucket are
-packed into one byte payload. Pairs are grouped into rounds in which every device sends at most
-once and receives at most once: a bipartite edge colouring with as many colours as the maximum
-degree (first fit with per-device bitmasks when that reaches the optimum, else alternating-path
-recolouring: for a size class, only of the pairs first fit cannot colour). Every sender of a
-round sends the round's largest payload size, so colouring size classes apart pads little but
-can leave devices idle; that, one colouring of all pairs, and colourings of the largest pairs
-together apart from the rest (:data:`HEAVY_RATIOS`) are compared and the one with the smaller
-sum of round maxima (the time when devices run in parallel) is kept; the others are skipped
-where a lower bound of the sum shows they cannot be smaller.
-
-Buckets keep the staging memory of every device under ``max_bucket_bytes``, padding included:
-consecutive leaves share a bucket while their unpadded staging fits, and every bucket is then
-checked with its rounds (the quantity ``peak_staging_bytes`` reports) and shrunk if padding
-pushed it over. A leaf that does not fit alone is split into *chunks*: each of its remote
-transfers is cut into sub-boxes along one dimension, sub-box ``j`` going to chunk ``j``, so a
-leaf spans consecutive buckets and its destination shard is filled bucket by bucket. Where the
-leaf's placeholder blocks keep such chunks above the bound (a source replicated on few devices:
-every other device of the bucket stages a zero copy of the whole source block), the leaf is cut
-into *slabs* instead: chunk ``j`` covers the same window of local indices along one dimension of
-every source shard, every transfer and local copy is cut by its sender's windows, and a bucket
-stages only the windows of its chunks (cut from the source shards before it runs; placeholders
-of that size). Where the leaf's destination placeholder keeps even those above the bound (a
-destination replicated on few devices), the leaf is cut into *destination slabs*: chunk ``j``
-covers the same window of local indices of every destination shard, every transfer and local
-copy is cut by its receiver's windows, and a bucket outputs only the windows of its chunks
-(written into the destination shard after it runs; discarded blocks of that size elsewhere).
-Everything is NumPy over arrays of transfers."""
+packed into one byte payload, and the pairs into rounds (``_rounds``). Buckets keep the staging
+memory of every device under ``max_bucket_bytes``, padding included: consecutive leaves share a
+bucket while their unpadded staging fits, and every bucket is then checked with its rounds (the
+quantity ``peak_staging_bytes`` reports) and shrunk if padding pushed it over. A leaf that does
+not fit alone is cut into *chunks* over consecutive buckets (``_chunks``; docs/design.md
+"Chunks" says which way where). Everything is NumPy over arrays of transfers."""
 
 from __future__ import annotations
 
@@ -35,11 +14,21 @@ import dataclasses
 import itertools
 import math
 from collections import defaultdict
-from collections.abc import Collection, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from typing import Any, NoReturn
 
 import numpy as np
 
+from jax_reshard._chunks import (
+  Windows,
+  grid_dims,
+  grid_windows,
+  slab_dim,
+  split_grid,
+  split_rows,
+  split_slabs,
+  window_dim,
+)
 from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
 from jax_reshard._options import DEFAULT_OPTIONS, Options
@@ -124,18 +113,17 @@ class Schedule:
     max_send_bytes: most bytes one device sends (padding included).
     max_recv_bytes: most bytes one device receives (padding included).
     peak_staging_bytes: most staging bytes one device holds in a bucket (padding included).
-    leaf_plans: per leaf, its transfers as the buckets move them: the planner's, with the remote
-      transfers of split leaves cut into one sub-box per chunk (same bytes, more rows).
+    leaf_plans: per leaf, its transfers as the buckets move them: the planner's, with the rows
+      of leaves cut into chunks replaced by their pieces (same bytes, more rows).
     row_chunks: per leaf, the chunk of every row of its :attr:`leaf_plans` entry.
     leaf_buckets: per leaf, the buckets it runs in (consecutive).
-    leaf_slabs: per leaf, ``None``, or for a leaf cut into slabs ``(dim, bounds)``: chunk ``j``
-      covers local indices ``bounds[j]:bounds[j + 1]`` along ``dim`` of every source shard.
-    leaf_dst_slabs: the same for leaves cut into destination slabs: chunk ``j`` covers those
-      local indices of every destination shard.
-    leaf_windows: the same for leaves cut into *windows*: chunk ``j`` covers indices
-      ``bounds[j]:bounds[j + 1]`` along ``dim``, a dimension neither side shards (local indices
-      are global ones on both sides), of every source and destination shard; every window but
-      the last has one width, so the chunks' programs differ only by where the window starts.
+    leaf_slabs: per leaf, ``None``, or for a leaf cut into slabs of its source shards
+      ``(dim, bounds)``: chunk ``j`` covers local indices ``bounds[j]:bounds[j + 1]`` along
+      ``dim`` of every source shard (see ``_chunks.grid_windows`` for a grid).
+    leaf_dst_slabs: the same of the destination shards.
+    leaf_windows: the same for leaves cut into windows of one width along a dimension neither
+      side shards, staged as whole shards: the chunks' programs differ only by where the
+      window starts.
   """
 
   buckets: tuple[Bucket, ...]
@@ -147,9 +135,9 @@ class Schedule:
   leaf_plans: tuple[LeafPlan, ...] = ()
   row_chunks: tuple[np.ndarray, ...] = ()
   leaf_buckets: tuple[tuple[int, ...], ...] = ()
-  leaf_slabs: tuple[tuple[int, tuple[int, ...]] | None, ...] = ()
-  leaf_dst_slabs: tuple[tuple[int, tuple[int, ...]] | None, ...] = ()
-  leaf_windows: tuple[tuple[int, tuple[int, ...]] | None, ...] = ()
+  leaf_slabs: tuple[Windows | None, ...] = ()
+  leaf_dst_slabs: tuple[Windows | None, ...] = ()
+  leaf_windows: tuple[Windows | None, ...] = ()
 
   @property
   def num_rounds(self) -> int:
@@ -211,61 +199,22 @@ def donated_mask(dst: Layout, device_ids: np.ndarray, fresh: bool) -> np.ndarray
   return np.ones(len(device_ids), dtype=bool) if fresh else placeholder_mask(dst, device_ids)
 
 
-def _placeholder_bytes(src: Layout, dst: Layout, itemsize: int, union: np.ndarray) -> np.ndarray:
-  """Per device of ``union``: the placeholder input and discarded output bytes a leaf costs
-  there if that device is on the leaf's mesh (see :func:`placeholder_mask`)."""
-  src_block = math.prod(staged_block_shape(src.shard_shape())) * itemsize
-  dst_block = math.prod(staged_block_shape(dst.shard_shape())) * itemsize
-  return placeholder_mask(src, union) * src_block + placeholder_mask(dst, union) * dst_block
+def _placeholder(layout: Layout, itemsize: int, union: np.ndarray) -> np.ndarray:
+  """Per device of ``union``, the bytes of its placeholder block of ``layout`` if that device
+  is on a bucket's mesh (see :func:`placeholder_mask`)."""
+  block = math.prod(staged_block_shape(layout.shard_shape())) * itemsize
+  return placeholder_mask(layout, union) * block
 
 
-def grid_windows(
-  src_slab: tuple[int, tuple[int, ...]] | None,
-  dst_slab: tuple[int, tuple[int, ...]] | None,
-  first: int,
-  last: int,
-) -> tuple[tuple[int, int, int] | None, tuple[int, int, int] | None]:
-  """``(source window, destination window)``, each ``(dim, start, stop)`` or ``None``: the
-  local indices of every source and destination shard of a leaf that a bucket moving its
-  chunks ``first..last`` stages and outputs, given the leaf's slabs of either side.
-
-  Slabs of one side give chunk ``j`` window ``j``. Slabs of both sides that are the same
-  windows (:func:`_split_both`) do too. Slabs of both sides that differ form a *grid*
-  (:func:`_split_grid`): with ``ks`` source slabs, chunk ``c`` is source slab ``c % ks`` of
-  destination slab ``c // ks``; a bucket's windows are the smallest that cover its chunks'.
-  """
-  grid = src_slab is not None and dst_slab is not None and src_slab != dst_slab
-  windows: list[tuple[int, int, int] | None] = []
-  for side, slab in enumerate((src_slab, dst_slab)):
-    if slab is None:
-      windows.append(None)
-      continue
-    dim, bounds = slab
-    a, b = first, last
-    if grid:
-      assert src_slab is not None
-      ks = len(src_slab[1]) - 1
-      if side == 1:
-        a, b = first // ks, last // ks
-      elif first // ks == last // ks:
-        a, b = first % ks, last % ks
-      else:  # chunks of several destination slabs: every source slab
-        a, b = 0, ks - 1
-    windows.append((dim, bounds[a], bounds[b + 1]))
-  return windows[0], windows[1]
+def leaf_key(plan: LeafPlan, layouts: tuple[Layout, Layout], kind: object) -> tuple[object, ...]:
+  """Equal for leaves of equal layouts, ``kind`` (element type or itemsize) and transfers."""
+  arrays = (plan.src_device, plan.dst_device, plan.lo, plan.hi, plan.local)
+  return (layouts, kind, plan.lo.shape, *(np.ascontiguousarray(a).tobytes() for a in arrays))
 
 
-def _slabs(schedule: Schedule, leaf: int) -> tuple[Any, Any]:
+def _slabs(schedule: Schedule, leaf: int) -> tuple[Windows | None, Windows | None]:
   src = schedule.leaf_slabs[leaf] if schedule.leaf_slabs else None
-  dst = schedule.leaf_dst_slabs[leaf] if schedule.leaf_dst_slabs else None
-  return src, dst
-
-
-def is_grid(schedule: Schedule, leaf: int) -> bool:
-  """Whether ``leaf`` is cut into a grid of source and destination slabs (see
-  :func:`grid_windows`): each destination slab is filled over several buckets, in place."""
-  src, dst = _slabs(schedule, leaf)
-  return src is not None and dst is not None and src != dst
+  return src, schedule.leaf_dst_slabs[leaf] if schedule.leaf_dst_slabs else None
 
 
 def slab_window(
@@ -273,66 +222,43 @@ def slab_window(
 ) -> tuple[int, int, int] | None:
   """``(dim, start, stop)``: the local indices of every source shard of ``leaf`` that a bucket
   moving ``chunks`` (consecutive) of it stages, or ``None`` where the leaf is not cut into
-  slabs (the bucket stages the whole source block)."""
+  source slabs (the bucket stages the whole source block)."""
   src, dst = _slabs(schedule, leaf)
-  if src is None:
-    return None
-  return grid_windows(src, dst, min(chunks), max(chunks))[0]
+  return None if src is None else grid_windows(src, dst, min(chunks), max(chunks))[0]
 
 
 def dst_slab_window(
   schedule: Schedule, leaf: int, chunks: Sequence[int]
 ) -> tuple[int, int, int] | None:
-  """``(dim, start, stop)``: the local indices of every destination shard of ``leaf`` that a
-  bucket moving ``chunks`` (consecutive) of it outputs, or ``None`` where the leaf is not cut
-  into destination slabs (the bucket outputs the whole destination block)."""
+  """:func:`slab_window` of the destination shards, which the bucket outputs."""
   src, dst = _slabs(schedule, leaf)
-  if dst is None:
-    return None
-  return grid_windows(src, dst, min(chunks), max(chunks))[1]
-
-
-def window_start(schedule: Schedule, leaf: int, chunks: Sequence[int]) -> tuple[int, int] | None:
-  """``(dim, start)``: where the window of ``leaf`` that a bucket moving ``chunks``
-  (consecutive) of it starts in every source and destination shard, or ``None`` where the leaf
-  is not cut into windows (see :attr:`Schedule.leaf_windows`)."""
-  window = schedule.leaf_windows[leaf] if schedule.leaf_windows else None
-  if window is None:
-    return None
-  dim, bounds = window
-  return dim, bounds[min(chunks)]
-
-
-def both_window_start(
-  schedule: Schedule, leaf: int, chunks: Sequence[int]
-) -> tuple[int, int] | None:
-  """``(dim, start)``: where the window of ``leaf`` that a bucket moving ``chunks`` of it stages
-  and outputs starts, for a leaf cut into windows of both sides (its source and destination
-  slabs are the same windows, see :func:`_split_both`); ``None`` otherwise. The program of such
-  a bucket takes every offset from the windows, so windows of one width run one program."""
-  src, dst = slab_window(schedule, leaf, chunks), dst_slab_window(schedule, leaf, chunks)
-  if src is None or src != dst:
-    return None
-  return src[0], src[1]
+  return None if dst is None else grid_windows(src, dst, min(chunks), max(chunks))[1]
 
 
 def chunk_shift(
-  schedule: Schedule, leaf: int, chunks: Sequence[int], layouts: tuple[Layout, Layout]
-) -> tuple[int, int] | None:
-  """``(dim, start)`` where a bucket moving ``chunks`` of ``leaf`` (split over buckets) can
-  take its offsets from, so that chunks of one width run one program: the start of its window
-  (:func:`window_start`), or of its destination slab along a dimension the source does not
-  shard (the source rows it reads start there); ``None`` otherwise."""
+  schedule: Schedule, leaf: int, chunks: Sequence[int], src: Layout
+) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+  """``(shift, dst_shift)``, each ``(dim, start)`` or ``None``: where a bucket moving ``chunks``
+  of ``leaf`` takes its source and destination offsets from (``LeafView.shift``,
+  ``dst_shift``), so that chunks of one width run one program. A grid's: its destination and
+  source slabs' starts. A leaf's split over buckets: its window's start, or its destination
+  slab's along a dimension the source ``src`` does not shard (the source rows start there)."""
+  slabs = _slabs(schedule, leaf)
+  if slabs[0] is not None and slabs[1] is not None and slabs[0] != slabs[1]:  # a grid
+    window, dst_window = grid_windows(*slabs, min(chunks), max(chunks))
+    assert window is not None and dst_window is not None
+    return dst_window[:2], window[:2]
   if not schedule.leaf_buckets or len(schedule.leaf_buckets[leaf]) < 2:
-    return None
-  shift = window_start(schedule, leaf, chunks)
-  slab = dst_slab_window(schedule, leaf, chunks)
-  src_slab = schedule.leaf_slabs[leaf] if schedule.leaf_slabs else None
-  if shift is None and slab is not None and src_slab is None:
-    src = layouts[0]
-    if src.shard_shape()[slab[0]] == src.shape[slab[0]]:
-      shift = slab[0], slab[1]
-  return shift
+    return None, None
+  windows = schedule.leaf_windows[leaf] if schedule.leaf_windows else None
+  if windows is not None:
+    return (windows[0], windows[1][min(chunks)]), None
+  window = dst_slab_window(schedule, leaf, chunks)
+  if (
+    window is not None and slabs[0] is None and src.shard_shape()[window[0]] == src.shape[window[0]]
+  ):
+    return window[:2], None
+  return None, None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -373,22 +299,17 @@ def leaf_modes(
   out = []
   for j, chunks in zip(sched_bucket.leaves, sched_bucket.chunks, strict=True):
     spans = schedule.leaf_buckets[j] if schedule.leaf_buckets else (bucket,)
-    cut = any(s and s[j] is not None for s in (schedule.leaf_slabs, schedule.leaf_dst_slabs))
-    if len(spans) == 1 and not (cut or donate or copies):
+    if len(spans) == 1 and not (
+      donate or copies or any(s is not None for s in _slabs(schedule, j))
+    ):
       out.append(_PLAIN)  # moved whole by this bucket alone
       continue
-    row_chunks = schedule.row_chunks
     dst_window = dst_slab_window(schedule, j, chunks)
     whole = dst_window is None  # a destination slab is assembled whole, written in afterwards
+    shift, dst_shift = chunk_shift(schedule, j, chunks, layouts[scheduled[j]][0])
     # A grid's destination slab is filled by several buckets: each takes the slab so far
     # (zeros in the leaf's first bucket) and writes its parts into it.
-    grid = is_grid(schedule, j)
-    shift = chunk_shift(schedule, j, chunks, layouts[scheduled[j]])
-    dst_shift = None
-    if grid:  # offsets from both windows' starts: the grid's chunks share programs
-      src_window = slab_window(schedule, j, chunks)
-      assert src_window is not None and dst_window is not None
-      shift, dst_shift = dst_window[:2], src_window[:2]
+    grid = dst_shift is not None
     # A leaf cut into windows takes a destination input in its first bucket too (zero blocks on
     # every device), so that its first window runs the program of the others.
     fresh = shift is not None and whole and spans[0] == bucket and not donate
@@ -399,7 +320,7 @@ def leaf_modes(
         in_place=grid or (whole and (len(spans) > 1 or (donate and scheduled[j] in relayed))),
         dst_input=(whole or grid) and (donate or spans[0] != bucket or fresh),
         carry_out=spans[-1] != bucket,
-        copies=np.isin(row_chunks[j], chunks) if row_chunks and copies else True,
+        copies=np.isin(schedule.row_chunks[j], chunks) if schedule.row_chunks and copies else True,
         window=slab_window(schedule, j, chunks),
         dst_window=dst_window,
         shift=shift,
@@ -457,210 +378,15 @@ def assembly_devices(
   return dst_ids
 
 
-def window_dim(src: Layout, dst: Layout) -> int | None:
-  """The longest dimension (of extent 2 or more) that neither ``src`` nor ``dst`` shards, where
-  a leaf can be cut into windows, or ``None``."""
-  sizes = zip(src.shape, src.shard_shape(), dst.shard_shape(), strict=True)
-  full = [(n, -d) for d, (n, a, b) in enumerate(sizes) if n == a == b and n >= 2]
-  return -max(full)[1] if full else None
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Cut:
+  """How a leaf's chunks cut its shards, besides its rows (see :class:`Schedule`): slabs of its
+  source shards, of its destination shards (both: the same windows of both sides, or a grid
+  where they differ), or windows staged as whole shards."""
 
-
-def slab_dim(shard_shape: Sequence[int], k: int, spread: Sequence[bool] | None = None) -> int:
-  """The dimension slabs of ``k`` chunks cut: the first of extent at least ``k`` (so a slab is a
-  contiguous run of the shard's rows), else the longest. With ``spread`` (per dimension), the
-  first such dimension where it is true comes first: one the other side of the leaf does not
-  shard, so every chunk keeps all its devices busy."""
-  ext = np.asarray(shard_shape, dtype=np.int64)
-  if spread is not None and (pick := (ext >= k) & np.asarray(spread, dtype=bool)).any():
-    return int(np.argmax(pick))
-  return int(np.argmax(ext >= k)) if (ext >= k).any() else int(np.argmax(ext))
-
-
-def split_rows(plan: LeafPlan, k: int, itemsize: int) -> tuple[LeafPlan, np.ndarray]:
-  """``plan`` with every remote transfer cut into up to ``k`` sub-boxes, and each row's chunk.
-
-  A transfer is cut along its first dimension of extent at least ``k`` (its longest where none
-  is), into ``k`` near-equal ranges; range ``j`` goes to chunk ``j``. Shorter dimensions give
-  fewer, one-index-thick ranges spread over the chunks. Local copies stay whole in chunk 0.
-  Rows keep the planner's order (each cut transfer replaced by its pieces), chunks are numbered
-  from 0 without gaps, and the pieces partition the transfers: the same bytes, more rows.
-
-  Example:
-    >>> from jax_reshard._planner import plan_leaf
-    >>> from jax_reshard._layout import Layout
-    >>> src = Layout.from_description((8, 4), mesh_shape=(2,), axis_names=("x",), spec=("x",))
-    >>> dst = Layout.from_description((8, 4), mesh_shape=(2,), axis_names=("y",),
-    ...                               spec=(None, "y"), device_ids=(2, 3))
-    >>> cut, chunk = split_rows(plan_leaf(src, dst, 4), 2, 4)
-    >>> len(cut.nbytes), chunk.tolist(), int(cut.nbytes.sum()) == 8 * 4 * 4
-    (8, [0, 1, 0, 1, 0, 1, 0, 1], True)
-  """
-  remote = ~plan.local & (plan.nbytes > 0)
-  if k <= 1 or not remote.any() or plan.lo.shape[1] == 0:
-    return plan, np.zeros(len(plan.nbytes), dtype=np.int64)
-  rows = np.flatnonzero(remote)
-  lo, hi = plan.lo[rows], plan.hi[rows]
-  ext = hi - lo
-  long_enough = ext >= k
-  dim = np.where(long_enough.any(axis=1), long_enough.argmax(axis=1), ext.argmax(axis=1))
-  e = ext[np.arange(len(rows)), dim]
-  m = np.minimum(e, k)  # pieces per transfer
-  rr = np.repeat(np.arange(len(rows)), m)
-  i = np.arange(len(rr)) - np.repeat(np.cumsum(m) - m, m)
-  whole = e[rr] >= k  # k ranges; else e unit ranges, range i in chunk ceil(i k / e)
-  a = np.where(whole, (i * e[rr]) // k, i)
-  b = np.where(whole, ((i + 1) * e[rr]) // k, i + 1)
-  chunk = np.where(whole, i, (i * k + e[rr] - 1) // e[rr])
-  piece_lo, piece_hi = lo[rr], hi[rr]
-  at = (np.arange(len(rr)), dim[rr])
-  base = lo[rr, dim[rr]]
-  piece_lo[at], piece_hi[at] = base + a, base + b
-  keep = np.flatnonzero(~remote)
-  order = np.lexsort((np.r_[np.zeros(len(keep), np.int64), chunk], np.r_[keep, rows[rr]]))
-
-  def cat(kept: np.ndarray, pieces: np.ndarray) -> np.ndarray:
-    return np.concatenate([kept, pieces])[order]
-
-  src, dst = plan.src_device[rows][rr], plan.dst_device[rows][rr]
-  nbytes = np.prod(piece_hi - piece_lo, axis=1, dtype=np.int64) * itemsize
-  out = LeafPlan(
-    src_device=cat(plan.src_device[keep], src),
-    dst_device=cat(plan.dst_device[keep], dst),
-    lo=cat(plan.lo[keep], piece_lo),
-    hi=cat(plan.hi[keep], piece_hi),
-    nbytes=cat(plan.nbytes[keep], nbytes),
-    local=cat(plan.local[keep], np.zeros(len(rr), dtype=bool)),
-    lower_bound_bytes=plan.lower_bound_bytes,
-    gather_broadcast_bytes=plan.gather_broadcast_bytes,
-  )
-  chunks = cat(np.zeros(len(keep), dtype=np.int64), chunk)
-  return out, np.unique(chunks, return_inverse=True)[1].reshape(-1)
-
-
-def split_slabs(
-  plan: LeafPlan,
-  src: Layout,
-  k: int,
-  itemsize: int,
-  *,
-  receiver: bool = False,
-  spread: Sequence[bool] | None = None,
-  dim: int | None = None,
-) -> tuple[LeafPlan, np.ndarray, tuple[int, tuple[int, ...]]]:
-  """``plan`` cut into up to ``k`` slabs of source-local indices, each row's chunk, and the
-  slabs ``(dim, bounds)``.
-
-  Chunk ``j`` covers local indices ``bounds[j]:bounds[j + 1]`` along ``dim`` (see
-  :func:`slab_dim`) of every source shard; every transfer with bytes, local copies included, is
-  cut by its sender's windows. With ``receiver``, ``src`` is the destination layout: the slabs
-  are of destination-local indices and every row is cut by its receiver's windows. ``spread``:
-  see :func:`slab_dim`. With ``dim``, the slabs cut that dimension into windows of one width
-  (the last narrower where ``k`` does not divide it). Rows keep
-  the planner's order (each cut row replaced by its
-  pieces, by chunk); the pieces partition the rows: the same bytes, more rows.
-
-  Example:
-    >>> from jax_reshard._planner import plan_leaf
-    >>> src = Layout.from_description((8, 4), mesh_shape=(2,), axis_names=("x",), spec=(None,))
-    >>> dst = Layout.from_description((8, 4), mesh_shape=(2,), axis_names=("y",),
-    ...                               spec=("y",), device_ids=(2, 3))
-    >>> cut, chunk, slabs = split_slabs(plan_leaf(src, dst, 4), src, 2, 4)
-    >>> slabs, chunk.tolist(), int(cut.nbytes.sum()) == 8 * 4 * 4
-    ((0, (0, 4, 8)), [0, 1], True)
-  """
-  shard = src.shard_shape()
-  if dim is None:
-    dim = slab_dim(shard, k, spread)
-    k = max(1, min(k, shard[dim]))
-    bounds = (np.arange(k + 1, dtype=np.int64) * shard[dim]) // k
-  else:
-    width = -(-shard[dim] // max(1, min(k, shard[dim])))
-    bounds = np.minimum(np.arange(-(-shard[dim] // width) + 1, dtype=np.int64) * width, shard[dim])
-  rows = np.flatnonzero(plan.nbytes > 0)
-  ids = np.asarray(src.device_ids, dtype=np.int64)
-  order_ids = np.argsort(ids)
-  holder = (plan.dst_device if receiver else plan.src_device)[rows]
-  at = order_ids[np.searchsorted(ids, holder, sorter=order_ids)]
-  start = src.box_arrays()[0][at, dim]
-  lo, hi = plan.lo[rows, dim] - start, plan.hi[rows, dim] - start
-  j0 = np.searchsorted(bounds, lo, side="right") - 1
-  m = np.searchsorted(bounds, hi - 1, side="right") - j0  # windows per row
-  rr = np.repeat(np.arange(len(rows)), m)
-  j = j0[rr] + np.arange(len(rr)) - np.repeat(np.cumsum(m) - m, m)
-  piece_lo, piece_hi = plan.lo[rows][rr], plan.hi[rows][rr]
-  piece_lo[:, dim] = start[rr] + np.maximum(lo[rr], bounds[j])
-  piece_hi[:, dim] = start[rr] + np.minimum(hi[rr], bounds[j + 1])
-  keep = np.flatnonzero(plan.nbytes <= 0)
-  order = np.lexsort((np.r_[np.zeros(len(keep), np.int64), j], np.r_[keep, rows[rr]]))
-
-  def cat(kept: np.ndarray, pieces: np.ndarray) -> np.ndarray:
-    return np.concatenate([kept, pieces])[order]
-
-  out = LeafPlan(
-    src_device=cat(plan.src_device[keep], plan.src_device[rows][rr]),
-    dst_device=cat(plan.dst_device[keep], plan.dst_device[rows][rr]),
-    lo=cat(plan.lo[keep], piece_lo),
-    hi=cat(plan.hi[keep], piece_hi),
-    nbytes=cat(plan.nbytes[keep], np.prod(piece_hi - piece_lo, axis=1, dtype=np.int64) * itemsize),
-    local=cat(plan.local[keep], plan.local[rows][rr]),
-    lower_bound_bytes=plan.lower_bound_bytes,
-    gather_broadcast_bytes=plan.gather_broadcast_bytes,
-  )
-  chunks = cat(np.zeros(len(keep), dtype=np.int64), j)
-  return out, chunks, (dim, tuple(bounds.tolist()))
-
-
-def grid_dims(layouts: tuple[Layout, Layout]) -> tuple[int, int]:
-  """The dimensions a grid (:func:`split_grid`) cuts: of the source shards, the longest the
-  destination does not shard (else the longest); of the destination shards, the longest the
-  source does not shard, other than that one where there is such (else the longest), so that
-  every chunk keeps all senders and receivers busy."""
-  src, dst = layouts
-
-  def pick(shard: Sequence[int], other: Layout, skip: int | None) -> int:
-    free = [
-      (n, -d)
-      for d, (n, a, b) in enumerate(zip(shard, other.shard_shape(), other.shape, strict=True))
-      if a == b and n >= 2 and d != skip
-    ]
-    return -max(free)[1] if free else int(np.argmax(shard))
-
-  dim_s = pick(src.shard_shape(), dst, None)
-  return dim_s, pick(dst.shard_shape(), src, dim_s)
-
-
-def split_grid(
-  plan: LeafPlan, layouts: tuple[Layout, Layout], ks: int, kd: int, itemsize: int
-) -> tuple[LeafPlan, np.ndarray, tuple[int, tuple[int, ...]], tuple[int, tuple[int, ...]]]:
-  """``plan`` cut into a grid of slabs of one width, up to ``ks`` of its source shards and
-  ``kd`` of its destination shards, along :func:`grid_dims`: the rows, each row's chunk (source
-  slab ``i`` of destination slab ``j`` is chunk ``j * ks + i`` with ``ks`` the slabs made, see
-  :func:`grid_windows`), and both sides' slabs. Every row with bytes is cut by its sender's
-  windows, then by its receiver's: the same bytes, more rows.
-
-  Example:
-    >>> from jax_reshard._planner import plan_leaf
-    >>> src = Layout.from_description((8, 8), mesh_shape=(2,), axis_names=("x",), spec=("x",))
-    >>> dst = Layout.from_description((8, 8), mesh_shape=(2,), axis_names=("y",),
-    ...                               spec=(None, "y"), device_ids=(2, 3))
-    >>> cut, chunk, src_slabs, dst_slabs = split_grid(plan_leaf(src, dst, 4), (src, dst), 2, 2, 4)
-    >>> src_slabs, dst_slabs, sorted(set(chunk.tolist())), int(cut.nbytes.sum()) == 8 * 8 * 4
-    ((0, (0, 2, 4)), (1, (0, 2, 4)), [0, 1, 2, 3], True)
-  """
-  src, dst = layouts
-  dim_s, dim_d = grid_dims(layouts)
-  plan, _, src_slabs = split_slabs(plan, src, ks, itemsize, dim=dim_s)
-  plan, chunk, dst_slabs = split_slabs(plan, dst, kd, itemsize, receiver=True, dim=dim_d)
-  # Each row now lies in one source slab of its sender: which one.
-  ids = np.asarray(src.device_ids, dtype=np.int64)
-  order = np.argsort(ids)
-  at = order[np.searchsorted(ids, plan.src_device, sorter=order)]
-  bounds = np.asarray(src_slabs[1])
-  local = plan.lo[:, dim_s] - src.box_arrays()[0][at, dim_s]
-  ks = len(bounds) - 1
-  i = np.clip(np.searchsorted(bounds, local, side="right") - 1, 0, ks - 1)
-  i = np.where(plan.nbytes > 0, i, 0)
-  return plan, chunk * ks + i, src_slabs, dst_slabs
+  src: Windows | None = None
+  dst: Windows | None = None
+  windows: Windows | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -671,7 +397,8 @@ class _Tree:
   itemsizes: Sequence[int]
   names: Sequence[str]
   union: np.ndarray
-  placeholders: list[np.ndarray]  # per leaf, per union device (see _placeholder_bytes)
+  layouts: Sequence[tuple[Layout, Layout]]
+  placeholders: list[np.ndarray]  # per leaf, per union device: both sides' placeholders
   members: list[np.ndarray]  # per leaf, which union devices it uses
   bound: int | None
   # per leaf, per union device, the discarded destination blocks among its placeholders that
@@ -682,13 +409,9 @@ class _Tree:
   options: Options = DEFAULT_OPTIONS  # the plan's: leaf cap, periods, whole operands, apart
   kinds: list[int] = dataclasses.field(default_factory=list)  # per leaf, its kind of transfers
   links: Links | None = None  # with a topology of several domains (see make_rounds)
-  layouts: Sequence[tuple[Layout, Layout]] = ()
   allow_slabs: bool = False
-  slabs: dict[int, tuple[int, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
-  dst_slabs: dict[int, tuple[int, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
-  windows: dict[int, tuple[int, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
-  # per split key: its number, the rows, their chunks, the source and destination slabs and
-  # the windows (or None)
+  cuts: dict[int, _Cut] = dataclasses.field(default_factory=dict)
+  # per split key: its number, the rows, their chunks and the cut (or None)
   splits: dict[tuple[object, ...], tuple[Any, ...]] = dataclasses.field(default_factory=dict)
   plans: list[LeafPlan] = dataclasses.field(default_factory=list)
   chunks: list[np.ndarray] = dataclasses.field(default_factory=list)
@@ -710,9 +433,6 @@ class _Tree:
     """Records ``leaf``'s rows and their chunks, and each chunk's payload bytes per device;
     ``state``: see :attr:`states` (default: a new number)."""
     state = ("fresh", next(self.fresh)) if state is None else state
-    if leaf == len(self.states):
-      self.states.append(state)
-    self.states[leaf] = state
     n, k = len(self.union), int(chunk.max(initial=0)) + 1
     remote = ~plan.local
     nb, c = plan.nbytes[remote], chunk[remote]
@@ -720,71 +440,48 @@ class _Tree:
     d = np.searchsorted(self.union, plan.dst_device[remote])
     pay = np.bincount(c * n + s, nb, minlength=k * n) + np.bincount(c * n + d, nb, minlength=k * n)
     if leaf == len(self.plans):
+      self.states.append(state)
       self.plans.append(plan)
       self.chunks.append(chunk)
       self.payloads.append(pay)
-    self.plans[leaf], self.chunks[leaf] = plan, chunk
+    self.states[leaf], self.plans[leaf], self.chunks[leaf] = state, plan, chunk
     self.payloads[leaf] = pay.astype(np.int64).reshape(k, n)
 
   def state(self, leaf: int) -> tuple[Any, ...]:
-    """Equal for leaves whose chunks build equal buckets (up to their leaf numbers): their
-    kind, rows, chunks, slabs and windows."""
-    return (
-      self.kinds[leaf],
-      self.states[leaf],
-      self.slabs.get(leaf),
-      self.dst_slabs.get(leaf),
-      self.windows.get(leaf),
-    )
+    """Equal for leaves whose chunks build equal buckets (up to their leaf numbers)."""
+    return self.kinds[leaf], self.states[leaf], self.cuts.get(leaf)
 
   def items(self, leaf: int) -> list[tuple[int, int]]:
     return [(leaf, c) for c in range(len(self.payloads[leaf]))]
 
+  def placeholder(self, leaf: int, side: int) -> np.ndarray:
+    """Per union device, the placeholder bytes of ``leaf``'s source (``side`` 0) or
+    destination (1) block."""
+    return _placeholder(self.layouts[leaf][side], self.itemsizes[leaf], self.union)
+
   def staged(self, leaf: int, first: int, last: int) -> np.ndarray:
     """Per union device, the bytes a bucket moving chunks ``first..last`` of ``leaf`` stages
-    for it besides payloads: its placeholder blocks, or for a leaf cut into slabs, the slab
-    (cut from the source shard, or a zero placeholder of that size) and the destination
-    placeholder; for a leaf cut into destination slabs, the source placeholder and the slab
-    output (written into the destination shard, or discarded, after the bucket)."""
-    src_slab, dst_slab = self.slabs.get(leaf), self.dst_slabs.get(leaf)
-    if src_slab is None and dst_slab is None:
+    for it besides payloads: per side, the window of a leaf cut into slabs of that side (cut
+    from the shard or written into it, or a zero block of that size), else the placeholder."""
+    cut = self.cuts.get(leaf)
+    if cut is None or (cut.src is None and cut.dst is None):
       return self.placeholders[leaf]
-    windows = grid_windows(src_slab, dst_slab, first, last)
     out = np.zeros(len(self.union), dtype=np.int64)
-    for side, window in enumerate(windows):
+    for side, window in enumerate(grid_windows(cut.src, cut.dst, first, last)):
       block = staged_block_shape(self.layouts[leaf][side].shard_shape())
-      if window is None:  # the other side's placeholder
-        out += self.dst_placeholder(leaf) if side == 1 else self.src_placeholder(leaf)
-      else:  # the window, on every device (cut from a shard, or a zero block of its size)
+      if window is None:
+        out += self.placeholder(leaf, side)
+      else:
         dim, start, stop = window
         out += math.prod(block) // block[dim] * (stop - start) * self.itemsizes[leaf]
     return out
 
   def apart(self, leaves: Collection[int]) -> bool:
     """Whether a bucket of ``leaves`` may assemble apart (:func:`assembly_devices`): the tree
-    allows it (:attr:`discards`) and every one of them moves whole, not cut into chunks, slabs
-    or windows."""
+    allows it (:attr:`discards`) and every one of them moves whole."""
     return bool(self.discards) and all(
-      len(self.payloads[leaf]) == 1
-      and leaf not in self.slabs
-      and leaf not in self.dst_slabs
-      and leaf not in self.windows
-      for leaf in leaves
+      len(self.payloads[leaf]) == 1 and leaf not in self.cuts for leaf in leaves
     )
-
-  def src_placeholder(self, leaf: int) -> np.ndarray:
-    """Per union device, the source placeholder bytes of ``leaf`` (0 where it holds a source
-    shard)."""
-    src = self.layouts[leaf][0]
-    src_block = math.prod(staged_block_shape(src.shard_shape())) * self.itemsizes[leaf]
-    return placeholder_mask(src, self.union) * src_block
-
-  def dst_placeholder(self, leaf: int) -> np.ndarray:
-    """Per union device, the destination placeholder bytes of ``leaf`` (0 where it holds a
-    destination shard)."""
-    dst = self.layouts[leaf][1]
-    dst_block = math.prod(staged_block_shape(dst.shard_shape())) * self.itemsizes[leaf]
-    return placeholder_mask(dst, self.union) * dst_block
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -838,10 +535,7 @@ def _whole_first(
   offsets."""
   src, dst, leaf_of, transfer, nbytes = cols
   used, inv = np.unique(leaf_of, return_inverse=True)
-  shard = [
-    math.prod(tree.layouts[j][0].shard_shape()) * tree.itemsizes[j] if tree.layouts else -1
-    for j in used.tolist()
-  ]
+  shard = [math.prod(tree.layouts[j][0].shard_shape()) * tree.itemsizes[j] for j in used.tolist()]
   least = tree.options.whole_operand_bytes  # see Options: smaller shards are packed
   whole = (nbytes == np.asarray(shard, dtype=np.int64)[inv]) & (nbytes >= least)
   if whole.any():
@@ -1129,131 +823,201 @@ def _fill_buckets(tree: _Tree) -> list[_Built]:
 
 
 def _split_leaf(tree: _Tree, leaf: int, k: int) -> None:
-  """Splits ``leaf`` into the fewest chunks (from ``k`` up) that each fit the bound alone,
-  padded rounds and the leaf's placeholder blocks included: windows of one width along a
-  dimension neither side shards, where it has one (their chunks share one program), else
-  sub-boxes of its transfers, else (only where the schedule allows it) slabs of its source
-  shards, else slabs of its destination shards. A slab way is also tried where its placeholder
-  (source, destination) alone takes more than half the bound, and kept if it needs fewer chunks
-  (so fewer rounds) than the ways before it. Where both placeholders are heavy and the leaf has
-  a dimension neither side shards, windows along it that are slabs of both sides at once
-  (:func:`_split_both`) are tried last, kept on the same terms: both placeholders shrink with
-  them.
+  """Cuts ``leaf`` into the fewest chunks (from ``k`` up) that each fit the bound alone, padded
+  rounds and the leaf's placeholder blocks included (:func:`_best_split`); a leaf like one cut
+  before (the layers of a model) is cut alike."""
+  key = (tree.kinds[leaf], tree.original[leaf].nbytes.tobytes())
+  if key not in tree.splits:
+    tree.splits[key] = (len(tree.splits), *_best_split(tree, leaf, k))
+  number, plan, chunk, cut = tree.splits[key]
+  tree.set_chunks(leaf, plan, chunk, ("split", number))
+  if cut is not None:
+    tree.cuts[leaf] = cut
+
+
+def _best_split(tree: _Tree, leaf: int, k: int) -> tuple[LeafPlan, np.ndarray, _Cut | None]:
+  """The rows, their chunks and the cut :func:`_split_leaf` makes, the tree left without a cut
+  for ``leaf``. The ways of docs/design.md "Chunks", in order: the first that fits is kept; a
+  later one is tried where a placeholder it shrinks takes over half the bound alone, and kept
+  if it needs fewer chunks; the grid only where no other way fits.
 
   Raises:
-    BucketBoundError: if no way fits: the least bytes named are the smallest of the ways'
-      (a lower bound where a way was not tried because its lower bound exceeds the bound).
+    BucketBoundError: if no way fits, naming the least bytes of the ways (a lower bound where
+      a way's lower bound exceeds the bound).
   """
-  key = _split_key(tree, leaf)
-  if key not in tree.splits:  # else a leaf like one split before (the layers of a model)
-    tree.splits[key] = (len(tree.splits), *_best_split(tree, leaf, k))
-  number, plan, chunk, slabs, dst_slabs, windows = tree.splits[key]
-  tree.set_chunks(leaf, plan, chunk, ("split", number))
-  if windows is not None:
-    tree.windows[leaf] = windows
-  if slabs is not None:
-    tree.slabs[leaf] = slabs
-  if dst_slabs is not None:
-    tree.dst_slabs[leaf] = dst_slabs
-
-
-def _best_split(tree: _Tree, leaf: int, k: int) -> tuple[Any, ...]:
-  """The split :func:`_split_leaf` makes: ``(rows, their chunks, source slabs, destination
-  slabs, windows)``, the tree left without slabs or windows for ``leaf``. Windows come first
-  where the leaf has a dimension neither side shards: their chunks stage what sub-boxes do and
-  run one program."""
   assert tree.bound is not None
-  members = tree.members[leaf]
-  heavy = [False, False] + [
-    2 * int((ph * members).max(initial=0)) > tree.bound
-    for ph in (tree.src_placeholder(leaf), tree.dst_placeholder(leaf))
+  heavy = [
+    2 * int((tree.placeholder(leaf, side) * tree.members[leaf]).max(initial=0)) > tree.bound
+    for side in (0, 1)
   ]
-  ways: list[Any] = [_split_windows, _split_rows, _split_slabs, _split_dst_slabs, _split_both]
-  heavy.append(heavy[2] and heavy[3])
-  if not tree.allow_slabs:
-    ways, heavy = ways[:2], heavy[:2]
-  if not tree.layouts or window_dim(*tree.layouts[leaf]) is None:
-    ways, heavy = ways[1:4], heavy[1:4]
+  windows = window_dim(*tree.layouts[leaf]) is not None
+  ways: list[tuple[Callable[[], tuple[int, str] | None], bool]] = [
+    (lambda: _split_windows(tree, leaf, k), False),
+    (lambda: _split_rows(tree, leaf, k), False),
+  ][0 if windows else 1 :]
+  if tree.allow_slabs:
+    ways += [
+      (lambda: _split_slabs(tree, leaf, k, 0), heavy[0]),
+      (lambda: _split_slabs(tree, leaf, 2, 1), heavy[1]),  # from its own estimate
+    ]
+    if windows:
+      ways.append((lambda: _split_windows(tree, leaf, k, both=True), heavy[0] and heavy[1]))
+    if all(lay.shard_shape() for lay in tree.layouts[leaf]):
+      ways.append((lambda: _split_grid(tree, leaf, k), False))
   best: tuple[Any, ...] | None = None
   failed = []
-  for way, worth in zip(ways, heavy, strict=False):
+  for way, worth in ways:
     if best is not None and not worth:
       continue
-    found = way(tree, leaf, 2 if way is _split_dst_slabs else k)  # from its own estimate
+    found = way()
     if found is not None:
       failed.append(found)
     elif best is None or len(tree.payloads[leaf]) < best[0]:
-      best = (len(tree.payloads[leaf]), tree.plans[leaf], tree.chunks[leaf])
-      best += (tree.slabs.get(leaf), tree.dst_slabs.get(leaf), tree.windows.get(leaf))
-    tree.slabs.pop(leaf, None)
-    tree.dst_slabs.pop(leaf, None)
-    tree.windows.pop(leaf, None)
-  if best is None and tree.allow_slabs and all(lay.shard_shape() for lay in tree.layouts[leaf]):
-    # the last way: a grid of slabs of both sides
-    found = _split_grid(tree, leaf, k)
-    if found is None:
-      best = (len(tree.payloads[leaf]), tree.plans[leaf], tree.chunks[leaf])
-      best += (tree.slabs.pop(leaf), tree.dst_slabs.pop(leaf), None)
-    else:
-      failed.append(found)
+      best = (len(tree.payloads[leaf]), tree.plans[leaf], tree.chunks[leaf], tree.cuts.get(leaf))
+    tree.cuts.pop(leaf, None)
   if best is None:
-    minimum, qualifier = min(failed)
-    _raise_bound(tree, leaf, minimum, qualifier)
-  assert best is not None
-  return best[1:]
+    _raise_bound(tree, leaf, *min(failed))
+  return best[1], best[2], best[3]
 
 
-def _split_key(tree: _Tree, leaf: int) -> tuple[object, ...]:
-  """What a leaf's split depends on: its transfers, layouts and itemsize (the bound and the
-  tree's devices are the same for every leaf of a tree)."""
-  p = tree.original[leaf]
-  arrays = (p.src_device, p.dst_device, p.lo, p.hi, p.nbytes, p.local)
-  return (
-    tree.layouts[leaf] if tree.layouts else leaf,
-    tree.itemsizes[leaf],
-    p.lo.shape,
-    *(np.ascontiguousarray(a).tobytes() for a in arrays),
-  )
-
-
-def _split_windows(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
-  """Splits ``leaf`` into the fewest windows of one width along :func:`window_dim` that fit
-  (see :func:`_split_rows` for what it returns): every transfer and local copy cut by the
-  window, the whole shards staged as for sub-boxes."""
+def _fewest(
+  tree: _Tree, k: int, k_max: int, trial: Callable[[int], np.ndarray], floor: np.ndarray | None
+) -> tuple[int, str] | None:
+  """Cuts a leaf with ``trial(k)`` (which sets its rows, chunks and cut, and returns per chunk
+  tried alone the staging per union device) into the fewest chunks from ``k`` up to ``k_max``
+  that fit: ``None`` where they do, else the least staging found and its qualifier. Each try
+  scales ``k`` by how far the staging above ``floor`` (per device what no cut shrinks;
+  ``None``: nothing) overshoots the room the bound leaves."""
   assert tree.bound is not None
-  src, dst = tree.layouts[leaf]
-  dim = window_dim(src, dst)
-  assert dim is not None
-  ph = tree.placeholders[leaf] * tree.members[leaf]
-  if int(ph.max(initial=0)) > tree.bound:  # whole placeholders: no window fits
-    return int(ph.max(initial=0)), "at least "
-  k_max = src.shape[dim]
   k = max(2, min(k, k_max))
   while True:
-    stage = _staged_windows(tree, leaf, k, dim, (tree.windows,))
+    stage = trial(k)
     if int(stage.max()) <= tree.bound:
       return None
     if k >= k_max:
       return int(stage.max()), ""
-    ratio = float(((stage - ph) / np.maximum(tree.bound - ph, 1)).max())
-    k = min(k_max, max(k + 1, math.ceil(k * ratio)))
+    if floor is None:
+      grow = k * float(stage.max()) / tree.bound
+    else:
+      grow = k * float(((stage - floor) / np.maximum(tree.bound - floor, 1)).max())
+    k = min(k_max, max(k + 1, math.ceil(grow)))
 
 
-def _staged_windows(
-  tree: _Tree, leaf: int, k: int, dim: int, found: Sequence[dict[int, Any]]
-) -> np.ndarray:
-  """Cuts ``leaf`` into ``k`` windows of one width along ``dim`` (:func:`split_slabs` of its
-  source shards), records them in each of ``found`` (the tree's windows, or its source and
-  destination slabs), and returns per chunk checked and union device the staging of a bucket
-  of that chunk alone. Only one chunk of each kind is checked (:func:`_distinct_chunks`): most
-  windows of one width move the same pairs' bytes, but one across the boundary of two
-  shards has more pairs, whose rounds may pad more."""
+def _alone(tree: _Tree, leaf: int, chunks: Iterable[int]) -> np.ndarray:
+  """Per chunk of ``chunks``, the staging per union device of a bucket of it alone."""
+  return np.stack([_build(tree, [(leaf, c)]).stage for c in chunks])
+
+
+def _split_rows(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
+  """Sub-boxes of the remote transfers (``split_rows``): whole shards and placeholders staged.
+  No cut goes below a placeholder plus the thinnest slab of one transfer of a device."""
+  assert tree.bound is not None
+  bound, orig = tree.bound, tree.original[leaf]
+  ph = tree.placeholders[leaf] * tree.members[leaf]
+  remote = ~orig.local & (orig.nbytes > 0)
+  ext = (orig.hi - orig.lo)[remote]
+  slab = orig.nbytes[remote] // np.maximum(ext.max(axis=1, initial=1), 1)
+  none = np.iinfo(np.int64).max
+  thinnest = np.full(len(tree.union), none)
+  for devs in (orig.src_device[remote], orig.dst_device[remote]):
+    np.minimum.at(thinnest, np.searchsorted(tree.union, devs), slab)
+  least = int((ph + np.where(thinnest == none, 0, thinnest)).max(initial=0))
+  if least > bound:
+    return least, "at least "
+
+  def trial(k: int) -> np.ndarray:
+    tree.set_chunks(leaf, *split_rows(orig, k, tree.itemsizes[leaf]))
+    stage = tree.payloads[leaf] + ph  # unpadded: built where that fits
+    return _alone(tree, leaf, range(len(stage))) if int(stage.max()) <= bound else stage
+
+  return _fewest(tree, k, int(ext.max(initial=1)) if ext.size else 1, trial, ph)
+
+
+def _split_slabs(tree: _Tree, leaf: int, k: int, side: int) -> tuple[int, str] | None:
+  """Slabs of the source (``side`` 0) or destination (1) shards (``split_slabs``). The other
+  side's placeholder does not shrink: where it is the floor, this fails as sub-boxes do."""
+  assert tree.bound is not None
+  orig, isz, lay = tree.original[leaf], tree.itemsizes[leaf], tree.layouts[leaf][side]
   src = tree.layouts[leaf][0]
-  plan, chunk, windows = split_slabs(tree.original[leaf], src, k, tree.itemsizes[leaf], dim=dim)
-  for where in found:
-    where[leaf] = windows
-  tree.set_chunks(leaf, plan, chunk)
-  return np.stack([_build(tree, [(leaf, c)]).stage for c in _distinct_chunks(tree, leaf)])
+  # Destination slabs are cut along a dimension the source does not shard where there is one.
+  spread = [a == b for a, b in zip(src.shard_shape(), src.shape, strict=True)] if side else None
+  shard = staged_block_shape(lay.shard_shape())
+  k_max = max(shard)
+  floor = tree.placeholder(leaf, 1 - side) * tree.members[leaf]  # staged by every slab
+  least = int((floor + math.prod(shard) // k_max * isz).max(initial=0))
+  if least > tree.bound or k_max < 2 or not lay.shard_shape():
+    return least, "at least "
+  room = tree.bound - floor
+  if (room > 0).all():
+    pay = tree.payloads[leaf].sum(axis=0)
+    k = max(k, math.ceil(float(((pay + math.prod(shard) * isz) / room).max())))
+
+  def trial(k: int) -> np.ndarray:
+    # Destination slabs along a dimension the source does not shard are of one width: their
+    # chunks then differ only by where the source rows start (see chunk_shift).
+    even = None
+    if spread is not None and spread[dim := slab_dim(shard, k, spread)]:
+      even = dim
+    plan, chunk, slabs = split_slabs(orig, lay, k, isz, receiver=side == 1, spread=spread, dim=even)
+    tree.cuts[leaf] = _Cut(dst=slabs) if side else _Cut(src=slabs)
+    tree.set_chunks(leaf, plan, chunk)
+    return _alone(tree, leaf, range(len(tree.payloads[leaf])))
+
+  return _fewest(tree, k, k_max, trial, floor)
+
+
+def _split_windows(tree: _Tree, leaf: int, k: int, both: bool = False) -> tuple[int, str] | None:
+  """Windows of one width along ``window_dim`` (whole in both sides' shards): staged as whole
+  shards, or with ``both`` as slabs of both sides at once, so that both placeholders shrink
+  with the windows."""
+  assert tree.bound is not None
+  src, dst = tree.layouts[leaf]
+  dim = window_dim(src, dst)
+  assert dim is not None
+  ph = None if both else tree.placeholders[leaf] * tree.members[leaf]
+  if ph is not None and int(ph.max(initial=0)) > tree.bound:  # no window fits
+    return int(ph.max(initial=0)), "at least "
+
+  def trial(k: int) -> np.ndarray:
+    plan, chunk, windows = split_slabs(tree.original[leaf], src, k, tree.itemsizes[leaf], dim=dim)
+    tree.cuts[leaf] = _Cut(src=windows, dst=windows) if both else _Cut(windows=windows)
+    tree.set_chunks(leaf, plan, chunk)
+    return _alone(tree, leaf, _distinct_chunks(tree, leaf))
+
+  return _fewest(tree, k, src.shape[dim], trial, ph)
+
+
+def _split_grid(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
+  """A grid of slabs of both sides' shards (``split_grid``): both placeholders shrink with the
+  slabs, whose floor is ``Options.max_grid_slabs`` of a shard, or one index thick."""
+  assert tree.bound is not None
+  src, dst = tree.layouts[leaf]
+  isz = tree.itemsizes[leaf]
+  blocks = [math.prod(staged_block_shape(lay.shard_shape())) * isz for lay in (src, dst)]
+  k_max = [
+    min(tree.options.max_grid_slabs, lay.shard_shape()[d])
+    for lay, d in zip((src, dst), grid_dims((src, dst)), strict=True)
+  ]
+  least = sum(b // m for b, m in zip(blocks, k_max, strict=True))
+  if least > tree.bound:
+    return least, "at least "
+  # Each side's window takes about half the bound (payloads are a fraction of a window).
+  ks, kd = (
+    min(m, max(2, math.ceil(2.2 * b / tree.bound))) for b, m in zip(blocks, k_max, strict=True)
+  )
+  while True:
+    plan, chunk, src_slabs, dst_slabs = split_grid(tree.original[leaf], (src, dst), ks, kd, isz)
+    peak = least
+    if src_slabs != dst_slabs:  # (equal slabs would read as windows of both sides)
+      tree.cuts[leaf] = _Cut(src=src_slabs, dst=dst_slabs)
+      tree.set_chunks(leaf, plan, chunk)
+      peak = int(_alone(tree, leaf, _distinct_chunks(tree, leaf)).max())
+      if peak <= tree.bound:
+        return None
+    if ks >= k_max[0] and kd >= k_max[1]:
+      return peak, ""
+    grow = max(1.1, peak / tree.bound)
+    ks, kd = (min(m, max(q + 1, math.ceil(q * grow))) for q, m in zip((ks, kd), k_max, strict=True))
 
 
 def _distinct_chunks(tree: _Tree, leaf: int) -> list[int]:
@@ -1278,155 +1042,7 @@ def _distinct_chunks(tree: _Tree, leaf: int) -> list[int]:
   return list(kinds.values())
 
 
-def _split_rows(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
-  """Splits ``leaf`` by sub-boxes of its remote transfers (:func:`split_rows`) into the fewest
-  chunks that fit; ``None`` when they do, else the least staging found and its qualifier
-  (``"at least "`` for a lower bound)."""
-  assert tree.bound is not None
-  bound, orig = tree.bound, tree.original[leaf]
-  ph = tree.placeholders[leaf] * tree.members[leaf]
-  remote = ~orig.local & (orig.nbytes > 0)
-  ext = (orig.hi - orig.lo)[remote]
-  k_max = int(ext.max(initial=1)) if ext.size else 1
-  # No chunking goes below a placeholder plus the thinnest slab of one transfer of a device.
-  slab = orig.nbytes[remote] // np.maximum(ext.max(axis=1, initial=1), 1)
-  thinnest = np.full(len(tree.union), np.iinfo(np.int64).max)
-  for devs in (orig.src_device[remote], orig.dst_device[remote]):
-    np.minimum.at(thinnest, np.searchsorted(tree.union, devs), slab)
-  least = int((ph + np.where(thinnest == np.iinfo(np.int64).max, 0, thinnest)).max(initial=0))
-  if least > bound:
-    return least, "at least "
-  k = max(2, min(k, k_max))
-  while True:
-    tree.set_chunks(leaf, *split_rows(orig, k, tree.itemsizes[leaf]))
-    stage = tree.payloads[leaf] + ph
-    if int(stage.max()) <= bound:
-      stage = np.stack([_build(tree, [item]).stage for item in tree.items(leaf)])
-      if int(stage.max()) <= bound:
-        return None
-    if k >= k_max:
-      return int(stage.max()), ""
-    room = np.maximum(bound - ph, 1)
-    ratio = float(((stage - ph) / room).max())
-    k = min(k_max, max(k + 1, math.ceil(k * ratio)))
-
-
-def _split_slabs(
-  tree: _Tree, leaf: int, k: int, *, receiver: bool = False
-) -> tuple[int, str] | None:
-  """Splits ``leaf`` into the fewest slabs of its source shards (:func:`split_slabs`), or with
-  ``receiver`` of its destination shards, that fit (see :func:`_split_rows` for what it
-  returns). The other side's placeholder does not shrink: where it is the floor, this fails as
-  the sub-boxes do."""
-  assert tree.bound is not None
-  bound, orig, isz = tree.bound, tree.original[leaf], tree.itemsizes[leaf]
-  src, dst = tree.layouts[leaf]
-  side = dst if receiver else src
-  # Destination slabs are cut along a dimension the source does not shard where there is one.
-  spread = [a == b for a, b in zip(src.shard_shape(), src.shape, strict=True)] if receiver else None
-  found = tree.dst_slabs if receiver else tree.slabs
-  shard = staged_block_shape(side.shard_shape())
-  k_max = max(shard)
-  other = tree.src_placeholder(leaf) if receiver else tree.dst_placeholder(leaf)
-  floor = other * tree.members[leaf]  # what every slab split stages, and a slab
-  least = int((floor + math.prod(shard) // k_max * isz).max(initial=0))
-  if least > bound or k_max < 2 or not side.shard_shape():
-    return least, "at least "
-  room = bound - floor
-  if (room > 0).all():
-    pay = tree.payloads[leaf].sum(axis=0)
-    k = max(k, math.ceil(float(((pay + math.prod(shard) * isz) / room).max())))
-  k = max(2, min(k, k_max))
-  while True:
-    # Destination slabs along a dimension the source does not shard are of one width: their
-    # chunks then differ only by where the source rows start (see chunk_shift).
-    dim = slab_dim(shard, k, spread) if receiver else None
-    even = dim if dim is not None and spread is not None and spread[dim] else None
-    plan, chunk, slabs = split_slabs(orig, side, k, isz, receiver=receiver, spread=spread, dim=even)
-    found[leaf] = slabs
-    tree.set_chunks(leaf, plan, chunk)
-    stage = np.stack([_build(tree, [item]).stage for item in tree.items(leaf)])
-    if int(stage.max()) <= bound:
-      return None
-    if k >= k_max:
-      found.pop(leaf)
-      return int(stage.max()), ""
-    ratio = float(((stage - floor) / np.maximum(bound - floor, 1)).max())
-    k = min(k_max, max(k + 1, math.ceil(k * ratio)))
-
-
-def _split_both(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
-  """Splits ``leaf`` into the fewest windows of one width along :func:`window_dim` that fit,
-  as slabs of its source shards and of its destination shards at once (the dimension is whole
-  in both, so a window is a slab of each): a bucket stages the window of every source shard
-  and outputs the window of every destination shard, so the placeholders of both sides shrink
-  with the windows (see :func:`_split_rows` for what it returns)."""
-  assert tree.bound is not None
-  src, dst = tree.layouts[leaf]
-  dim = window_dim(src, dst)
-  assert dim is not None
-  k_max = src.shape[dim]
-  k = max(2, min(k, k_max))
-  while True:
-    stage = _staged_windows(tree, leaf, k, dim, (tree.slabs, tree.dst_slabs))
-    if int(stage.max()) <= tree.bound:
-      return None
-    if k >= k_max:
-      tree.slabs.pop(leaf)
-      tree.dst_slabs.pop(leaf)
-      return int(stage.max()), ""
-    k = min(k_max, max(k + 1, math.ceil(k * float(stage.max()) / tree.bound)))
-
-
-def _split_grid(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
-  """Splits ``leaf`` into a grid of slabs of its source shards and of its destination shards
-  (:func:`split_grid`), as few as fit (see :func:`_split_rows` for what it returns): a bucket
-  stages a window of every source shard and fills a window of every destination shard in
-  place, so both placeholders shrink with the slabs. The floor is a slab of
-  ``Options.max_grid_slabs`` or one index thick on each side (plus its payloads): a leaf both
-  of whose shards are many times the bound fits.
-  Tried where no other way fits: the grid moves each destination slab through several
-  buckets."""
-  assert tree.bound is not None
-  src, dst = tree.layouts[leaf]
-  isz = tree.itemsizes[leaf]
-  blocks = [math.prod(staged_block_shape(lay.shard_shape())) * isz for lay in (src, dst)]
-  dims = grid_dims((src, dst))
-  k_max = [
-    min(tree.options.max_grid_slabs, lay.shard_shape()[d])
-    for lay, d in zip((src, dst), dims, strict=True)
-  ]
-  least = sum(b // m for b, m in zip(blocks, k_max, strict=True))
-  if least > tree.bound:
-    return least, "at least "
-  # Each side's window takes about half the bound (payloads are a fraction of a window).
-  ks, kd = (
-    min(m, max(2, math.ceil(2.2 * b / tree.bound))) for b, m in zip(blocks, k_max, strict=True)
-  )
-  while True:
-    plan, chunk, src_slabs, dst_slabs = split_grid(tree.original[leaf], (src, dst), ks, kd, isz)
-    peak = least
-    if src_slabs != dst_slabs:  # (equal slabs would read as windows of both sides)
-      tree.slabs[leaf], tree.dst_slabs[leaf] = src_slabs, dst_slabs
-      tree.set_chunks(leaf, plan, chunk)
-      stage = np.stack([_build(tree, [(leaf, c)]).stage for c in _distinct_chunks(tree, leaf)])
-      peak = int(stage.max())
-      if peak <= tree.bound:
-        return None
-      tree.slabs.pop(leaf)
-      tree.dst_slabs.pop(leaf)
-    if ks >= k_max[0] and kd >= k_max[1]:
-      return peak, ""
-    grow = max(1.1, peak / tree.bound)
-    ks, kd = (min(m, max(q + 1, math.ceil(q * grow))) for q, m in zip((ks, kd), k_max, strict=True))
-
-
-def _split_dst_slabs(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
-  """:func:`_split_slabs` of the destination shards."""
-  return _split_slabs(tree, leaf, k, receiver=True)
-
-
-def _raise_bound(tree: _Tree, leaf: int, minimum: int, qualifier: str) -> None:
+def _raise_bound(tree: _Tree, leaf: int, minimum: int, qualifier: str) -> NoReturn:
   assert tree.bound is not None
   if minimum <= tree.bound:  # a lower bound the leaf does not fit at: it needs more
     minimum, qualifier = tree.bound + 1, "at least "
@@ -1459,25 +1075,11 @@ def _presplit(tree: _Tree) -> None:
     _split_leaf(tree, leaf, k)
 
 
-def _kinds(
-  plans: Sequence[LeafPlan], layouts: Sequence[tuple[Layout, Layout]], itemsizes: Sequence[int]
-) -> list[int]:
-  """Per leaf, a number equal for leaves with the same layouts, item size and transfers."""
-  ids: dict[tuple[object, ...], int] = {}
-  out = []
-  for plan, lay, isz in zip(plans, layouts, itemsizes, strict=True):
-    arrays = (plan.src_device, plan.dst_device, plan.lo, plan.hi, plan.local)
-    key = (lay, isz, plan.lo.shape, *(np.ascontiguousarray(a).tobytes() for a in arrays))
-    out.append(ids.setdefault(key, len(ids)))
-  return out
-
-
 def _apart_counts(tree: _Tree, apart: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
-  """Per leaf of ``tree``, per union device: the discarded destination blocks a bucket that
-  assembles apart does not write, and the bytes the device receives (:attr:`_Tree.discards`,
-  :attr:`_Tree.receives`), where ``apart`` (its programs can), the tree has a bound and its
-  leaves go to one destination device set holding none of their source shards (so that every
-  bucket of whole leaves may assemble apart, :func:`assembly_devices`), else empty lists."""
+  """:attr:`_Tree.discards` and :attr:`_Tree.receives`: per leaf and union device, the
+  destination placeholder and the bytes it receives, where ``apart`` (its programs can), the
+  tree has a bound and its leaves go to one destination device set holding none of their
+  source shards (every bucket of whole leaves may assemble apart), else empty lists."""
   layouts, union = tree.layouts, tree.union
   dst_sets = {dst.device_ids for _, dst in layouts}
   if not (apart and tree.options.split_assembly and tree.bound) or len(dst_sets) != 1:
@@ -1485,16 +1087,12 @@ def _apart_counts(tree: _Tree, apart: bool) -> tuple[list[np.ndarray], list[np.n
   (dst_ids,) = dst_sets
   if not dst_ids or any(not set(dst_ids).isdisjoint(src.device_ids) for src, _ in layouts):
     return [], []
-  discards = [
-    placeholder_mask(dst, union) * (math.prod(staged_block_shape(dst.shard_shape())) * isz)
-    for (_, dst), isz in zip(layouts, tree.itemsizes, strict=True)
-  ]
   receives = []
   for plan in tree.original:
     remote = ~plan.local
     at = np.searchsorted(union, plan.dst_device[remote])
     receives.append(np.bincount(at, plan.nbytes[remote], minlength=len(union)).astype(np.int64))
-  return discards, receives
+  return [tree.placeholder(leaf, 1) for leaf in range(len(layouts))], receives
 
 
 def make_schedule(
@@ -1519,12 +1117,11 @@ def make_schedule(
       discarded blocks where a bucket must assemble apart, see ``apart``); a leaf that does
       not fit alone is split into chunks over consecutive buckets. ``None``: no bound.
     names: per leaf, a name for error messages (default ``#i``).
-    slabs: whether a leaf whose placeholder blocks keep sub-boxes of its transfers above the
-      bound may be cut into slabs of its source shards, or of its destination shards
-      (:func:`split_slabs`).
+    slabs: whether a leaf may be cut into slabs of its shards where sub-boxes of its transfers
+      keep its placeholder blocks above the bound.
     topology: where its domains split the devices, a bucket's pairs that cross domains and
-      those inside one may take rounds of their own (see ``make_rounds``); ``None``:
-      rounds are made from the pairs' bytes alone.
+      those inside one may take rounds of their own (``make_rounds``); ``None``: rounds are
+      made from the pairs' bytes alone.
     apart: whether a bucket may assemble apart where the bound needs it (its programs can).
     options: the plan's :class:`Options`: a bucket's leaf cap and periods (:func:`_repeat_end`),
       the whole source shards that lead payloads, and whether buckets may assemble apart.
@@ -1535,19 +1132,24 @@ def make_schedule(
   union = np.asarray(
     sorted({i for s, d in layouts for i in (*s.device_ids, *d.device_ids)}), dtype=np.int64
   )
+  kinds: dict[tuple[object, ...], int] = {}
   tree = _Tree(
     original=plans,
     itemsizes=itemsizes,
     names=names or [f"#{i}" for i in range(len(plans))],
     union=union,
+    layouts=layouts,
     placeholders=[
-      _placeholder_bytes(s, d, isz, union) for (s, d), isz in zip(layouts, itemsizes, strict=True)
+      _placeholder(s, isz, union) + _placeholder(d, isz, union)
+      for (s, d), isz in zip(layouts, itemsizes, strict=True)
     ],
     members=[np.isin(union, (*s.device_ids, *d.device_ids)) for s, d in layouts],
     bound=max_bucket_bytes,
     options=options,
-    kinds=_kinds(plans, layouts, itemsizes),
-    layouts=layouts,
+    kinds=[
+      kinds.setdefault(leaf_key(p, lay, isz), len(kinds))
+      for p, lay, isz in zip(plans, layouts, itemsizes, strict=True)
+    ],
     allow_slabs=slabs,
     links=Links.of(union, topology),
   )
@@ -1563,6 +1165,7 @@ def make_schedule(
   zero = np.zeros(len(union), dtype=np.int64)
   sent = sum((bb.sent for bb in built), zero)
   received = sum((bb.received for bb in built), zero)
+  cuts = [tree.cuts.get(leaf, _Cut()) for leaf in range(len(plans))]
   return Schedule(
     buckets=tuple(bb.bucket for bb in built),
     union_device_ids=tuple(union.tolist()),
@@ -1573,7 +1176,7 @@ def make_schedule(
     leaf_plans=tuple(tree.plans),
     row_chunks=tuple(tree.chunks),
     leaf_buckets=tuple(tuple(b) for b in leaf_buckets),
-    leaf_slabs=tuple(tree.slabs.get(leaf) for leaf in range(len(plans))),
-    leaf_dst_slabs=tuple(tree.dst_slabs.get(leaf) for leaf in range(len(plans))),
-    leaf_windows=tuple(tree.windows.get(leaf) for leaf in range(len(plans))),
+    leaf_slabs=tuple(c.src for c in cuts),
+    leaf_dst_slabs=tuple(c.dst for c in cuts),
+    leaf_windows=tuple(c.windows for c in cuts),
   )

@@ -13,6 +13,7 @@ from helpers import split_cases
 
 import jax_reshard as jr
 from jax_reshard import Layout, _schedule
+from jax_reshard._chunks import split_slabs
 from jax_reshard._options import Options
 from jax_reshard._planner import plan_leaves
 from jax_reshard._rounds import (
@@ -32,7 +33,6 @@ from jax_reshard._schedule import (
   dst_slab_window,
   make_schedule,
   slab_window,
-  split_slabs,
 )
 
 

@@ -21,6 +21,7 @@ LAYERS = [
   "_topology",
   "_pieces",
   "_planner",
+  "_chunks",
   "_rounds",
   "_schedule",
   "_classes",
@@ -47,6 +48,7 @@ LAYERS = [
   "__main__",
 ]
 NUMPY_ONLY = {
+  "_chunks",
   "_errors",
   "_options",
   "_layout",
