@@ -1,12 +1,9 @@
 """Which buckets of a schedule run the same program. NumPy only.
 
-A bucket's program (``_program``) is a function of its devices, its rounds and payload pieces,
-and of each of its leaves' layouts, element type and planned transfers, with leaves numbered
-by their position in the bucket. Buckets equal in all of that (the layers of a model, moved by
-the same devices) run one program and share one compiled executable, so the number of distinct
-programs, not of buckets, is what a plan compiles. The chunks of a leaf cut into windows of one
-width are equal too: their transfers are compared from the window's start (an argument of the
-program), as are the windows of one width of a leaf cut into windows of both sides.
+A bucket's program (``_program``) is a function of its devices, rounds and payload pieces, and
+of each leaf's layouts, element type and transfers, leaves numbered by their position in the
+bucket. Buckets equal in all of that (the layers of a model) share one compiled executable.
+Chunks of one width of a leaf are compared from their offsets' start (a program argument).
 """
 
 from __future__ import annotations
@@ -65,21 +62,8 @@ def bucket_classes(
       for leaf, chunks in zip(bucket.leaves, bucket.chunks, strict=True)
     ]
     transfer, chunks = _windowed(schedule, bucket, shifts, leaf_class, windows)
-    pieces = np.stack(
-      [
-        rel,
-        *(
-          np.asarray(a, dtype=np.int64)
-          for a in (
-            bucket.piece_src,
-            bucket.piece_dst,
-            transfer,
-            bucket.piece_offset,
-            bucket.piece_nbytes,
-          )
-        ),
-      ]
-    )
+    cols = (bucket.piece_src, bucket.piece_dst, transfer, bucket.piece_offset, bucket.piece_nbytes)
+    pieces = np.stack([rel, *(np.asarray(a, dtype=np.int64) for a in cols)])
     key = (
       bucket.union_device_ids,
       tuple(rounds.number(r) for r in bucket.rounds),
@@ -139,10 +123,8 @@ def _windowed(
   seen: dict[tuple[Any, ...], tuple[np.ndarray, tuple[Any, ...]]],
 ) -> tuple[np.ndarray, tuple[Any, ...]]:
   """The pieces' transfers, and per leaf what the bucket moves of it: its chunks, or for a
-  leaf whose offsets start at a shift (``chunk_shift``), the rows it moves with offsets from
-  there (its transfers then numbered among those rows). ``seen``: those rows and what they
-  give by (leaf class, the chunk of each of its rows, chunks, shift), read and filled (leaves
-  of one class have equal transfers: the layers of a model)."""
+  shifted leaf the rows it moves with offsets from the shift (its transfers numbered among
+  them). ``seen``: those rows by (leaf class, row chunks, chunks, shift), read and filled."""
   transfer = np.asarray(bucket.piece_transfer, dtype=np.int64).copy()
   out: list[Any] = []
   for leaf, chunks, shift in zip(bucket.leaves, bucket.chunks, shifts, strict=True):
@@ -160,8 +142,6 @@ def _windowed(
       if order is not None and chunks[-1] - chunks[0] == len(chunks) - 1:
         a, b = np.searchsorted(by_chunk, [chunks[0], chunks[-1] + 1])
         rows = np.sort(order[a:b])
-      elif chunks[-1] - chunks[0] == len(chunks) - 1:  # consecutive, as buckets take them
-        rows = np.flatnonzero((rc >= chunks[0]) & (rc <= chunks[-1]))
       else:
         rows = np.flatnonzero(np.isin(rc, chunks))
       lo, hi = lp.lo[rows].copy(), lp.hi[rows].copy()
@@ -184,10 +164,9 @@ def _modes(
   leaves: Sequence[int],
   shifts: Sequence[tuple[tuple[int, int], ...] | None],
 ) -> tuple[tuple[bool, bool], ...]:
-  """Per leaf of bucket ``b``, whether the bucket is the first of the leaf's buckets, and
-  whether there are several: a leaf split over buckets is written in place, from the second
-  bucket on (from the first, for windows) into a destination input (whether the output is
-  carried on changes no program)."""
+  """Per leaf of bucket ``b``: whether this is its first bucket and it takes no destination
+  input there (a leaf of one shift does), and whether it spans several buckets (whether the
+  output is carried on changes no program)."""
   if not schedule.leaf_buckets:
     return ()
   spans = [schedule.leaf_buckets[leaf] for leaf in leaves]

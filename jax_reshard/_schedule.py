@@ -15,7 +15,7 @@ import itertools
 import math
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 import numpy as np
 
@@ -58,19 +58,16 @@ class Piece:
 class Bucket:
   """Leaves (or chunks of leaves) executed together in one compiled program.
 
-  ``leaves`` and ``piece_leaf`` are positions in the list of leaves given to
-  :func:`make_schedule`. The ``piece_*`` arrays hold one row per remote transfer, sorted by
-  (source, destination, leaf, transfer): the payload of a (source, destination) pair is its rows
-  in that order, each at ``piece_offset`` bytes into the payload. ``piece_transfer`` indexes the
-  rows of :attr:`Schedule.leaf_plans`.
+  The ``piece_*`` arrays hold one row per remote transfer, sorted by (source, destination, leaf,
+  transfer): a pair's payload is its rows in that order, each ``piece_offset`` bytes in.
+  ``piece_leaf`` numbers the leaves given to :func:`make_schedule`, ``piece_transfer`` the rows
+  of :attr:`Schedule.leaf_plans`.
 
   Attributes:
     leaves: the leaves the bucket moves (a part of), in order.
-    chunks: per leaf of ``leaves``, the chunks of it the bucket moves. Chunk 0 of a leaf also
-      makes its device-local copies.
-    must_apart: the bucket's staging is in bound only where its assembly runs apart
-      (:func:`assembly_devices`: the devices without a destination shard write no discarded
-      blocks), which it then always does.
+    chunks: per leaf, the chunks of it the bucket moves (chunk 0 makes its local copies).
+    must_apart: in bound only where its assembly runs apart (:func:`assembly_devices`), which
+      it then always does.
   """
 
   leaves: tuple[int, ...]
@@ -88,17 +85,11 @@ class Bucket:
   def pieces(self) -> dict[tuple[int, int], list[Piece]]:
     """Per (source, destination) pair, its payload's pieces in order."""
     out: dict[tuple[int, int], list[Piece]] = defaultdict(list)
-    rows = zip(
-      self.piece_src.tolist(),
-      self.piece_dst.tolist(),
-      self.piece_leaf.tolist(),
-      self.piece_transfer.tolist(),
-      self.piece_offset.tolist(),
-      self.piece_nbytes.tolist(),
-      strict=True,
-    )
-    for s, d, leaf, t, off, nb in rows:
-      out[(s, d)].append(Piece(leaf, t, off, nb))
+    cols = (self.piece_leaf, self.piece_transfer, self.piece_offset, self.piece_nbytes)
+    for s, d, *piece in zip(
+      *(a.tolist() for a in (self.piece_src, self.piece_dst, *cols)), strict=True
+    ):
+      out[(s, d)].append(Piece(*piece))
     return out
 
 
@@ -113,17 +104,13 @@ class Schedule:
     max_send_bytes: most bytes one device sends (padding included).
     max_recv_bytes: most bytes one device receives (padding included).
     peak_staging_bytes: most staging bytes one device holds in a bucket (padding included).
-    leaf_plans: per leaf, its transfers as the buckets move them: the planner's, with the rows
-      of leaves cut into chunks replaced by their pieces (same bytes, more rows).
+    leaf_plans: per leaf, its rows as the buckets move them (a cut row replaced by its pieces).
     row_chunks: per leaf, the chunk of every row of its :attr:`leaf_plans` entry.
     leaf_buckets: per leaf, the buckets it runs in (consecutive).
-    leaf_slabs: per leaf, ``None``, or for a leaf cut into slabs of its source shards
-      ``(dim, bounds)``: chunk ``j`` covers local indices ``bounds[j]:bounds[j + 1]`` along
-      ``dim`` of every source shard (see ``_chunks.grid_windows`` for a grid).
+    leaf_slabs: per leaf, ``None`` or, cut into slabs of its source shards, ``(dim, bounds)``:
+      chunk ``j`` covers local indices ``bounds[j]:bounds[j + 1]`` of every source shard.
     leaf_dst_slabs: the same of the destination shards.
-    leaf_windows: the same for leaves cut into windows of one width along a dimension neither
-      side shards, staged as whole shards: the chunks' programs differ only by where the
-      window starts.
+    leaf_windows: the same for windows along a dimension neither side shards.
   """
 
   buckets: tuple[Bucket, ...]
@@ -179,11 +166,10 @@ def staged_block_shape(shard_shape: tuple[int, ...]) -> tuple[int, ...]:
 def placeholder_mask(layout: Layout, device_ids: np.ndarray) -> np.ndarray:
   """The placeholder rule: which of ``device_ids`` (a bucket's mesh) hold no shard of ``layout``.
 
-  A bucket's program runs on every device of its mesh with one block per leaf in and one out.
-  A device without a source shard of a leaf stages a zero *placeholder* block of the source
-  block's shape; a device without a destination shard returns a block of the destination
-  block's shape that is discarded. Both count as staging (the discarded block not where the
-  bucket must assemble apart, see :attr:`Bucket.must_apart`).
+  A bucket's program runs on every device of its mesh with one block per leaf in and one out: a
+  device without a source shard stages a zero placeholder block, one without a destination shard
+  returns a discarded block. Both count as staging (the discarded one not where the bucket
+  assembles apart).
   """
   ids = np.asarray(layout.device_ids, dtype=np.int64)  # ascending
   if not len(ids):
@@ -193,15 +179,13 @@ def placeholder_mask(layout: Layout, device_ids: np.ndarray) -> np.ndarray:
 
 
 def donated_mask(dst: Layout, device_ids: np.ndarray, fresh: bool) -> np.ndarray:
-  """Which of ``device_ids`` (a bucket's mesh) are given a zero destination block to donate for
-  a leaf with a destination input: those without a destination shard (:func:`placeholder_mask`),
-  or every device for a ``fresh`` leaf (see :class:`LeafMode`)."""
+  """Which of ``device_ids`` are given a zero destination block to donate for a leaf with a
+  destination input: those without a destination shard, or every device for a ``fresh`` leaf."""
   return np.ones(len(device_ids), dtype=bool) if fresh else placeholder_mask(dst, device_ids)
 
 
 def _placeholder(layout: Layout, itemsize: int, union: np.ndarray) -> np.ndarray:
-  """Per device of ``union``, the bytes of its placeholder block of ``layout`` if that device
-  is on a bucket's mesh (see :func:`placeholder_mask`)."""
+  """Per device of ``union``, its placeholder bytes of ``layout`` on a bucket's mesh."""
   block = math.prod(staged_block_shape(layout.shard_shape())) * itemsize
   return placeholder_mask(layout, union) * block
 
@@ -221,8 +205,7 @@ def slab_window(
   schedule: Schedule, leaf: int, chunks: Sequence[int]
 ) -> tuple[int, int, int] | None:
   """``(dim, start, stop)``: the local indices of every source shard of ``leaf`` that a bucket
-  moving ``chunks`` (consecutive) of it stages, or ``None`` where the leaf is not cut into
-  source slabs (the bucket stages the whole source block)."""
+  moving ``chunks`` (consecutive) of it stages; ``None``: it stages the whole source block."""
   src, dst = _slabs(schedule, leaf)
   return None if src is None else grid_windows(src, dst, min(chunks), max(chunks))[0]
 
@@ -239,10 +222,9 @@ def chunk_shift(
   schedule: Schedule, leaf: int, chunks: Sequence[int], src: Layout
 ) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
   """``(shift, dst_shift)``, each ``(dim, start)`` or ``None``: where a bucket moving ``chunks``
-  of ``leaf`` takes its source and destination offsets from (``LeafView.shift``,
-  ``dst_shift``), so that chunks of one width run one program. A grid's: its destination and
-  source slabs' starts. A leaf's split over buckets: its window's start, or its destination
-  slab's along a dimension the source ``src`` does not shard (the source rows start there)."""
+  of ``leaf`` takes its offsets from, so that chunks of one width run one program: a grid's
+  destination and source slab starts; for a leaf split over buckets, its window's start, or its
+  destination slab's along a dimension ``src`` does not shard (the source rows start there)."""
   slabs = _slabs(schedule, leaf)
   if slabs[0] is not None and slabs[1] is not None and slabs[0] != slabs[1]:  # a grid
     window, dst_window = grid_windows(*slabs, min(chunks), max(chunks))
@@ -263,8 +245,8 @@ def chunk_shift(
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class LeafMode:
-  """How a bucket treats one leaf (see ``_program.LeafView``, whose fields of these names they
-  set): the program and the cost model read it alike."""
+  """How a bucket treats one leaf: the fields of ``_program.LeafView`` of these names, read by
+  the program and the cost model alike."""
 
   in_place: bool = False
   dst_input: bool = False
@@ -291,10 +273,9 @@ def leaf_modes(
   copies: bool = True,
 ) -> list[LeafMode]:
   """Per leaf of bucket ``bucket``, how the bucket treats it. ``layouts``: per leaf of the
-  plan; ``scheduled``: the leaves the schedule numbers; ``donate``: the call writes into
-  donated destination buffers; ``relayed``: leaves (of the plan) a relay stage completes, whose
-  parts a donated call writes in place; ``copies``: find which rows' local copies the bucket
-  makes (else ``True``, for a caller that does not read them)."""
+  plan; ``scheduled``: the leaves the schedule numbers; ``donate``: the call writes into donated
+  destination buffers; ``relayed``: leaves a relay stage completes; ``copies``: find which rows'
+  local copies the bucket makes (else ``True``)."""
   sched_bucket = schedule.buckets[bucket]
   out = []
   for j, chunks in zip(sched_bucket.leaves, sched_bucket.chunks, strict=True):
@@ -343,20 +324,12 @@ def assembly_devices(
   """The devices (ids, ascending) that may assemble bucket ``bucket``'s destination shards in a
   program of their own, or ``None`` where the bucket's one program over its union mesh does.
 
-  One program over the union mesh returns a block per leaf on every device, so each device
-  without a destination shard writes a discarded zero block of each leaf's destination shard
-  (a trainer device of a disjoint refit: as many bytes as a sampler device receives). A bucket
-  instead runs its rounds in a program over the union mesh that returns the received payloads,
-  and its assembly in a second program over the destination devices, where every leaf enters
-  and leaves the bucket whole (``modes``, the bucket's :func:`leaf_modes`: nothing split over
-  buckets, carried, cut into slabs or windows; a destination input only as the buffer of a
-  whole leaf refit with ``donate=``, which the assembly program takes, and writes the parts
-  into where a relay stage completes the leaf), all its leaves have one
-  destination device set, and some device of the bucket holds no destination shard (a
-  destination device that holds a source shard too copies its resident parts in the assembly
-  program, which takes its source blocks). The devices without a destination shard are then
-  given no blocks to donate. Where not ``split_assembly`` (the plan's
-  ``Options.split_assembly``), only a bucket scheduled so (``Bucket.must_apart``) may.
+  One program over the union mesh writes a discarded block of each leaf on every device without a
+  destination shard. Apart, the rounds run over the union mesh and return the payloads, and the
+  assembly over the destination devices. That needs every leaf whole in the bucket (``modes``:
+  nothing split, carried, cut or shifted), one destination device set, and some device of the
+  bucket without a destination shard. Without ``split_assembly``, only where
+  ``Bucket.must_apart``.
   """
   if not split_assembly and not schedule.buckets[bucket].must_apart:
     return None
@@ -380,9 +353,8 @@ def assembly_devices(
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Cut:
-  """How a leaf's chunks cut its shards, besides its rows (see :class:`Schedule`): slabs of its
-  source shards, of its destination shards (both: the same windows of both sides, or a grid
-  where they differ), or windows staged as whole shards."""
+  """How a leaf's chunks cut its shards: slabs of the source shards, of the destination shards
+  (both: windows of both sides where equal, a grid where not), or windows of whole shards."""
 
   src: Windows | None = None
   dst: Windows | None = None
@@ -461,8 +433,8 @@ class _Tree:
 
   def staged(self, leaf: int, first: int, last: int) -> np.ndarray:
     """Per union device, the bytes a bucket moving chunks ``first..last`` of ``leaf`` stages
-    for it besides payloads: per side, the window of a leaf cut into slabs of that side (cut
-    from the shard or written into it, or a zero block of that size), else the placeholder."""
+    besides payloads: per side, its window where the leaf is cut into slabs of that side, else its
+    placeholder."""
     cut = self.cuts.get(leaf)
     if cut is None or (cut.src is None and cut.dst is None):
       return self.placeholders[leaf]
@@ -477,8 +449,7 @@ class _Tree:
     return out
 
   def apart(self, leaves: Collection[int]) -> bool:
-    """Whether a bucket of ``leaves`` may assemble apart (:func:`assembly_devices`): the tree
-    allows it (:attr:`discards`) and every one of them moves whole."""
+    """Whether a bucket of ``leaves`` may assemble apart: the tree allows it and all move whole."""
     return bool(self.discards) and all(
       len(self.payloads[leaf]) == 1 and leaf not in self.cuts for leaf in leaves
     )
@@ -502,21 +473,16 @@ class _Built:
 def _bucket_pieces(
   plans: Sequence[LeafPlan], leaves: Sequence[int], rows: Sequence[np.ndarray]
 ) -> tuple[np.ndarray, ...]:
-  """The remote transfers ``rows`` (a mask per leaf) of a bucket's leaves as payload pieces,
-  sorted by (source, destination, leaf, transfer): ``(src, dst, leaf, transfer, nbytes,
-  first)``, where ``first`` is the index of each pair's first piece (the offsets inside each
-  payload come from :func:`_whole_first`, which may reorder a payload's pieces)."""
-  cols: list[list[np.ndarray]] = [[], [], [], [], []]
+  """The remote rows ``rows`` (a mask per leaf) of a bucket's leaves as pieces sorted by (source,
+  destination, leaf, transfer): ``(src, dst, leaf, transfer, nbytes, first)``, ``first`` the
+  index of each pair's first piece."""
+  parts = []
   for leaf, mask in zip(leaves, rows, strict=True):
     p = plans[leaf]
     ts = np.nonzero(mask & ~p.local & (p.nbytes != 0))[0]
-    for col, v in zip(
-      cols,
-      (p.src_device[ts], p.dst_device[ts], np.full(len(ts), leaf), ts, p.nbytes[ts]),
-      strict=True,
-    ):
-      col.append(np.asarray(v, dtype=np.int64))
-  src, dst, leaf_of, transfer, nbytes = (np.concatenate(c) for c in cols)
+    cols = (p.src_device[ts], p.dst_device[ts], np.full(len(ts), leaf), ts, p.nbytes[ts])
+    parts.append([np.asarray(v, dtype=np.int64) for v in cols])
+  src, dst, leaf_of, transfer, nbytes = (np.concatenate(c) for c in zip(*parts, strict=True))
   order = np.lexsort((transfer, leaf_of, dst, src))
   src, dst, leaf_of, transfer, nbytes = (a[order] for a in (src, dst, leaf_of, transfer, nbytes))
   new_pair = np.r_[True, (src[1:] != src[:-1]) | (dst[1:] != dst[:-1])][: len(src)]
@@ -526,13 +492,10 @@ def _bucket_pieces(
 def _whole_first(
   tree: _Tree, pair_round: np.ndarray, cols: tuple[np.ndarray, ...], first: np.ndarray
 ) -> tuple[np.ndarray, ...]:
-  """The pieces ``cols`` (src, dst, leaf, transfer, nbytes; sorted by pair, then leaf and
-  transfer; each pair, of those starting at ``first``, in round ``pair_round``) reordered
-  within each payload so that the whole source shards (of at least ``whole_operand_bytes``)
-  of the leaves whose whole source shard every payload of the round holds come first, in leaf
-  order: they lie at the same offsets of every payload of the round, and are sent as they are
-  (an operand of the round's ``ppermute`` each, see ``_cost.whole_segment_bytes``); then their
-  offsets."""
+  """The pieces ``cols`` (see :func:`_bucket_pieces`; pair ``i`` in round ``pair_round[i]``)
+  reordered so that in each payload the whole source shards (of at least
+  ``whole_operand_bytes``) that every payload of its round holds come first, in leaf order: sent
+  as they are (``_cost.whole_segment_bytes``); then their offsets."""
   src, dst, leaf_of, transfer, nbytes = cols
   used, inv = np.unique(leaf_of, return_inverse=True)
   shard = [math.prod(tree.layouts[j][0].shard_shape()) * tree.itemsizes[j] for j in used.tolist()]
@@ -557,9 +520,8 @@ def _whole_first(
 
 
 def _build(tree: _Tree, items: Sequence[tuple[int, int]]) -> _Built:
-  """The bucket of ``items`` ((leaf, chunk), consecutive) with its rounds and byte counts. A
-  bucket like one built before (leaves of the same states in the same order, the layers of a
-  model) is that bucket with its leaves renumbered."""
+  """The bucket of ``items`` ((leaf, chunk), consecutive) with its rounds and byte counts; one
+  like a bucket built before (leaves in the same states, in order) is that one renumbered."""
   chunks: dict[int, list[int]] = {}
   for leaf, c in items:
     chunks.setdefault(leaf, []).append(c)
@@ -634,8 +596,7 @@ def _build_new(tree: _Tree, leaves: list[int], chunks: dict[int, list[int]]) -> 
 
 def _unpadded_peaks(tree: _Tree, items: Sequence[tuple[int, int]], start: int) -> Iterator[int]:
   """For ``e = start + 1, start + 2, ...``, the most bytes one device stages, unpadded, in a
-  bucket of ``items[start:e]``: payloads plus each leaf's placeholders once, on the bucket's
-  devices."""
+  bucket of ``items[start:e]``."""
   n = len(tree.union)
   acc_ph, acc_pay, mask = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, bool)
   acc_discards, acc_recv, apart = np.zeros(n, np.int64), np.zeros(n, np.int64), bool(tree.discards)
@@ -651,35 +612,12 @@ def _unpadded_peaks(tree: _Tree, items: Sequence[tuple[int, int]], start: int) -
         acc_discards, acc_recv = acc_discards + tree.discards[leaf], acc_recv + tree.receives[leaf]
     first[leaf] = (c0, ph)
     peak = int((acc_ph * mask + acc_pay).max())
-    if apart and tree.bound is not None and peak > tree.bound:  # see _build_new
-      peak = _apart_peak(acc_ph, acc_pay, acc_discards, acc_recv, mask)
+    if apart and tree.bound is not None and peak > tree.bound:
+      # Assembled apart (see _build_new): no discards, and the rounds' payloads the transfer
+      # program returns, at least the most one device receives.
+      returned = int(acc_recv.max(initial=0))
+      peak = int(((acc_ph - acc_discards + returned) * mask + acc_pay - acc_recv).max(initial=0))
     yield peak
-
-
-def _apart_peak(
-  placeholders: np.ndarray,
-  payloads: np.ndarray,
-  discards: np.ndarray,
-  received: np.ndarray,
-  mask: np.ndarray,
-) -> int:
-  """The most bytes one device (of ``mask``) stages, unpadded, in a bucket that assembles
-  apart (see :func:`_build_new`): its placeholders but the ``discards``, the payloads it sends,
-  and the rounds' payloads its transfer program returns, at least the most one device
-  receives."""
-  returned = int(received.max(initial=0))
-  return int(((placeholders - discards + returned) * mask + payloads - received).max(initial=0))
-
-
-def _greedy_end(tree: _Tree, items: Sequence[tuple[int, int]], start: int) -> int:
-  """One past the last item that joins ``items[start]``'s bucket while the unpadded staging
-  (:func:`_unpadded_peaks`) stays in bound."""
-  if tree.bound is None:
-    return len(items)
-  for e, peak in enumerate(_unpadded_peaks(tree, items, start), start + 1):
-    if e > start + 1 and peak > tree.bound:
-      return e - 1
-  return len(items)
 
 
 def _item_keys(tree: _Tree, items: Sequence[tuple[int, int]]) -> np.ndarray:
@@ -692,14 +630,13 @@ def _repeat_end(
 ) -> int:
   """One past the last item of a bucket starting at item ``start`` under the leaf cap.
 
-  ``keys`` are :func:`_item_keys`. A *run* repeats with a period ``p`` over at least the cap's
-  length and two periods (the layers of a model). Where a run starts at ``start``, the bucket
-  takes whole periods: one if ``p`` is at least the tree's ``Options.min_period_leaves``, else
-  the same number ``t`` of periods for every bucket of the run (a divisor of its periods where
-  one lies between half the cap and the cap, so every bucket is equal), so the buckets of a
-  run share one program whatever the phase of ``start``. Elsewhere the bucket ends where a run
-  begins, or at the cap. ``runs`` carries a run's ``(p, t, end)`` from one bucket's end to the
-  next bucket."""
+  A *run* of ``keys`` (:func:`_item_keys`) repeats with a period ``p`` over at least the cap and
+  two periods (the layers of a model). A bucket where a run starts takes whole periods: one if
+  ``p >= Options.min_period_leaves``, else the same number for every bucket of the run (a
+  divisor of its periods where one lies between half the cap and the cap), so that they share a
+  program. Elsewhere it ends where a run begins, or at the cap. ``runs`` carries a run's ``(p,
+  t, end)`` to the next bucket.
+  """
   cap = tree.options.max_bucket_leaves
   if start in runs:
     p, t, run_end = runs.pop(start)
@@ -738,19 +675,14 @@ def _repeat_end(
 def _largest_fitting(
   tree: _Tree, items: Sequence[tuple[int, int]], start: int, end: int, peak: int
 ) -> tuple[_Built, int] | None:
-  """An ``items[start:e]`` (``e < end``) whose padded staging is in bound while that of
-  ``items[start:e + 1]`` is not (or ``e + 1 == end``), with ``e``: the longest that fits
-  where no prefix fits once a shorter one does not; ``None`` when not even ``items[start]``
-  alone fits.
-  ``peak``: the padded staging of ``items[start:end]``, which is over the bound.
+  """``(bucket, e)`` for an ``items[start:e]`` (``e < end``) whose padded staging fits while
+  that of ``items[start:e + 1]`` does not (or ``e + 1 == end``); ``None`` where ``items[start]``
+  alone does not fit. ``peak``: the padded staging of ``items[start:end]``.
 
-  Each probe builds and colours a bucket. The first is where the unpadded staging
-  (:func:`_unpadded_peaks`), scaled by ``peak`` over that of ``items[start:end]``, reaches
-  the bound. If it fits, the next longer and then the longest below ``end`` are tried; if
-  not, the search gallops down. Then it bisects the bracket it has. With padding in
-  proportion to the bytes, that is two builds. Padded staging need not grow with the length
-  (a longer bucket's rounds may pad less), so a longer bucket than the one found may fit
-  too."""
+  The first probe is where the unpadded staging, scaled to ``peak``, reaches the bound; from
+  there it tries the next and the longest, or gallops down, then bisects: with padding in
+  proportion to the bytes, two builds.
+  """
   assert tree.bound is not None
   bound = tree.bound
   unpadded = list(itertools.islice(_unpadded_peaks(tree, items, start), end - start))
@@ -792,15 +724,20 @@ def _largest_fitting(
 
 
 def _fill_buckets(tree: _Tree) -> list[_Built]:
-  """Consecutive items per bucket, every bucket's padded staging in bound. A whole leaf that
-  does not fit alone (its rounds padded past the bound) is split into chunks on the way."""
+  """Consecutive items per bucket, every bucket's padded staging in bound; a leaf that does not
+  fit alone is split on the way."""
   items = [item for leaf in range(len(tree.plans)) for item in tree.items(leaf)]
   keys = _item_keys(tree, items)
   runs: dict[int, tuple[int, int, int]] = {}  # see _repeat_end
   out: list[_Built] = []
   cap, i = tree.options.max_bucket_leaves, 0
   while i < len(items):
-    end = _greedy_end(tree, items, i)
+    end = len(items)  # where the unpadded staging leaves the bound
+    peaks = _unpadded_peaks(tree, items, i) if tree.bound is not None else ()
+    for e, peak in enumerate(peaks, i + 1):
+      if e > i + 1 and tree.bound is not None and peak > tree.bound:
+        end = e - 1
+        break
     if end - i > cap or i in runs:  # else the bucket the bytes allow is kept
       end = min(end, _repeat_end(tree, keys, i, runs))
     built = _build(tree, items[i:end])
@@ -836,14 +773,14 @@ def _split_leaf(tree: _Tree, leaf: int, k: int) -> None:
 
 
 def _best_split(tree: _Tree, leaf: int, k: int) -> tuple[LeafPlan, np.ndarray, _Cut | None]:
-  """The rows, their chunks and the cut :func:`_split_leaf` makes, the tree left without a cut
-  for ``leaf``. The ways of docs/design.md "Chunks", in order: the first that fits is kept; a
-  later one is tried where a placeholder it shrinks takes over half the bound alone, and kept
-  if it needs fewer chunks; the grid only where no other way fits.
+  """The rows, their chunks and the cut :func:`_split_leaf` makes (the tree left without a cut).
+
+  The ways of docs/design.md "Chunks", in order: the first that fits is kept; a later one is
+  tried where a placeholder it shrinks takes over half the bound, and kept if it needs fewer
+  chunks; the grid only where nothing else fits.
 
   Raises:
-    BucketBoundError: if no way fits, naming the least bytes of the ways (a lower bound where
-      a way's lower bound exceeds the bound).
+    BucketBoundError: if no way fits, naming the least bytes of the ways.
   """
   assert tree.bound is not None
   heavy = [
@@ -875,19 +812,28 @@ def _best_split(tree: _Tree, leaf: int, k: int) -> tuple[LeafPlan, np.ndarray, _
     elif best is None or len(tree.payloads[leaf]) < best[0]:
       best = (len(tree.payloads[leaf]), tree.plans[leaf], tree.chunks[leaf], tree.cuts.get(leaf))
     tree.cuts.pop(leaf, None)
-  if best is None:
-    _raise_bound(tree, leaf, *min(failed))
-  return best[1], best[2], best[3]
+  if best is not None:
+    return best[1], best[2], best[3]
+  minimum, qualifier = min(failed)
+  if minimum <= tree.bound:  # a lower bound the leaf does not fit at: it needs more
+    minimum, qualifier = tree.bound + 1, "at least "
+  raise BucketBoundError(
+    f"max_bucket_bytes={tree.bound} is below what leaf {tree.names[leaf]} needs per device "
+    f"in one bucket even split into its smallest chunks: {qualifier}{minimum} bytes (its "
+    "placeholder blocks on devices without a source or destination shard of it, plus the "
+    f"payloads of one chunk). Pass max_bucket_bytes={minimum} or more.",
+    leaf,
+    minimum,
+  )
 
 
 def _fewest(
   tree: _Tree, k: int, k_max: int, trial: Callable[[int], np.ndarray], floor: np.ndarray | None
 ) -> tuple[int, str] | None:
   """Cuts a leaf with ``trial(k)`` (which sets its rows, chunks and cut, and returns per chunk
-  tried alone the staging per union device) into the fewest chunks from ``k`` up to ``k_max``
-  that fit: ``None`` where they do, else the least staging found and its qualifier. Each try
-  scales ``k`` by how far the staging above ``floor`` (per device what no cut shrinks;
-  ``None``: nothing) overshoots the room the bound leaves."""
+  tried alone the staging per device) into the fewest chunks from ``k`` up to ``k_max`` that
+  fit: ``None``, else the least staging found. Each try scales ``k`` by how far the staging
+  above ``floor`` (what no cut shrinks; ``None``: nothing) overshoots the bound."""
   assert tree.bound is not None
   k = max(2, min(k, k_max))
   while True:
@@ -909,8 +855,8 @@ def _alone(tree: _Tree, leaf: int, chunks: Iterable[int]) -> np.ndarray:
 
 
 def _split_rows(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
-  """Sub-boxes of the remote transfers (``split_rows``): whole shards and placeholders staged.
-  No cut goes below a placeholder plus the thinnest slab of one transfer of a device."""
+  """Sub-boxes of the remote transfers (``split_rows``), with whole placeholders: no fewer than a
+  placeholder plus the thinnest slab of one transfer of a device."""
   assert tree.bound is not None
   bound, orig = tree.bound, tree.original[leaf]
   ph = tree.placeholders[leaf] * tree.members[leaf]
@@ -934,8 +880,8 @@ def _split_rows(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
 
 
 def _split_slabs(tree: _Tree, leaf: int, k: int, side: int) -> tuple[int, str] | None:
-  """Slabs of the source (``side`` 0) or destination (1) shards (``split_slabs``). The other
-  side's placeholder does not shrink: where it is the floor, this fails as sub-boxes do."""
+  """Slabs of the source (``side`` 0) or destination (1) shards (``split_slabs``); the other
+  side's placeholder is the floor."""
   assert tree.bound is not None
   orig, isz, lay = tree.original[leaf], tree.itemsizes[leaf], tree.layouts[leaf][side]
   src = tree.layouts[leaf][0]
@@ -967,9 +913,8 @@ def _split_slabs(tree: _Tree, leaf: int, k: int, side: int) -> tuple[int, str] |
 
 
 def _split_windows(tree: _Tree, leaf: int, k: int, both: bool = False) -> tuple[int, str] | None:
-  """Windows of one width along ``window_dim`` (whole in both sides' shards): staged as whole
-  shards, or with ``both`` as slabs of both sides at once, so that both placeholders shrink
-  with the windows."""
+  """Windows of one width along ``window_dim`` staged as whole shards, or with ``both`` as
+  slabs of both sides, so that both placeholders shrink with them."""
   assert tree.bound is not None
   src, dst = tree.layouts[leaf]
   dim = window_dim(src, dst)
@@ -988,8 +933,7 @@ def _split_windows(tree: _Tree, leaf: int, k: int, both: bool = False) -> tuple[
 
 
 def _split_grid(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
-  """A grid of slabs of both sides' shards (``split_grid``): both placeholders shrink with the
-  slabs, whose floor is ``Options.max_grid_slabs`` of a shard, or one index thick."""
+  """A grid of slabs of both sides (``split_grid``), at most ``Options.max_grid_slabs`` each."""
   assert tree.bound is not None
   src, dst = tree.layouts[leaf]
   isz = tree.itemsizes[leaf]
@@ -1021,9 +965,8 @@ def _split_grid(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
 
 
 def _distinct_chunks(tree: _Tree, leaf: int) -> list[int]:
-  """The first chunk of ``leaf`` of each kind: chunks alike in what a bucket of one of them
-  alone stages (the bytes per sender and receiver pair, which give its rounds, and the
-  placeholder or slab bytes) stage alike."""
+  """The first chunk of ``leaf`` of each kind: chunks of equal pair bytes and placeholder or
+  slab bytes stage alike alone."""
   p, n = tree.plans[leaf], len(tree.payloads[leaf])
   rows = ~p.local & (p.nbytes != 0)
   c, s, d, nb = (a[rows] for a in (tree.chunks[leaf], p.src_device, p.dst_device, p.nbytes))
@@ -1042,23 +985,9 @@ def _distinct_chunks(tree: _Tree, leaf: int) -> list[int]:
   return list(kinds.values())
 
 
-def _raise_bound(tree: _Tree, leaf: int, minimum: int, qualifier: str) -> NoReturn:
-  assert tree.bound is not None
-  if minimum <= tree.bound:  # a lower bound the leaf does not fit at: it needs more
-    minimum, qualifier = tree.bound + 1, "at least "
-  raise BucketBoundError(
-    f"max_bucket_bytes={tree.bound} is below what leaf {tree.names[leaf]} needs per device "
-    f"in one bucket even split into its smallest chunks: {qualifier}{minimum} bytes (its "
-    "placeholder blocks on devices without a source or destination shard of it, plus the "
-    f"payloads of one chunk). Pass max_bucket_bytes={minimum} or more.",
-    leaf,
-    minimum,
-  )
-
-
 def _presplit(tree: _Tree) -> None:
-  """Splits every leaf whose unpadded staging alone exceeds the bound, into as many chunks
-  as that excess suggests (checked with padding by :func:`_split_leaf`)."""
+  """Splits every leaf whose unpadded staging alone exceeds the bound, into as many chunks as
+  that excess suggests."""
   if tree.bound is None:
     return
   for leaf in range(len(tree.plans)):
@@ -1076,10 +1005,9 @@ def _presplit(tree: _Tree) -> None:
 
 
 def _apart_counts(tree: _Tree, apart: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
-  """:attr:`_Tree.discards` and :attr:`_Tree.receives`: per leaf and union device, the
-  destination placeholder and the bytes it receives, where ``apart`` (its programs can), the
-  tree has a bound and its leaves go to one destination device set holding none of their
-  source shards (every bucket of whole leaves may assemble apart), else empty lists."""
+  """:attr:`_Tree.discards` and :attr:`_Tree.receives` (per leaf and device, the destination
+  placeholder and the bytes received) where ``apart``, a bound, and one destination device set
+  holding no source shard let every bucket of whole leaves assemble apart; else empty."""
   layouts, union = tree.layouts, tree.union
   dst_sets = {dst.device_ids for _, dst in layouts}
   if not (apart and tree.options.split_assembly and tree.bound) or len(dst_sets) != 1:
@@ -1113,18 +1041,14 @@ def make_schedule(
     plans: one :class:`LeafPlan` per leaf.
     layouts: ``(src, dst)`` layouts per leaf.
     itemsizes: bytes per element per leaf.
-    max_bucket_bytes: bound on staging bytes per device per bucket, padding included (no
-      discarded blocks where a bucket must assemble apart, see ``apart``); a leaf that does
-      not fit alone is split into chunks over consecutive buckets. ``None``: no bound.
+    max_bucket_bytes: bound on staging bytes per device per bucket, padding included; a leaf
+      that does not fit alone is split into chunks over consecutive buckets. ``None``: no bound.
     names: per leaf, a name for error messages (default ``#i``).
-    slabs: whether a leaf may be cut into slabs of its shards where sub-boxes of its transfers
-      keep its placeholder blocks above the bound.
-    topology: where its domains split the devices, a bucket's pairs that cross domains and
-      those inside one may take rounds of their own (``make_rounds``); ``None``: rounds are
-      made from the pairs' bytes alone.
+    slabs: whether a leaf may be cut into slabs of its shards (and grids).
+    topology: where its domains split the devices, pairs across and inside domains may take
+      rounds of their own (``make_rounds``).
     apart: whether a bucket may assemble apart where the bound needs it (its programs can).
-    options: the plan's :class:`Options`: a bucket's leaf cap and periods (:func:`_repeat_end`),
-      the whole source shards that lead payloads, and whether buckets may assemble apart.
+    options: the plan's :class:`Options`.
 
   Raises:
     BucketBoundError: if the bound is below what some leaf needs even in its smallest chunks.
