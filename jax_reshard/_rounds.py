@@ -271,6 +271,7 @@ def _colour_rounds(
   """
   if not len(fill):
     return [], np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+  colourings = {} if colourings is None else colourings
   order = np.lexsort((pd, ps, -fill))
   ps, pd, fill = ps[order], pd[order], fill[order]
   s, d = _dense(ps), _dense(pd)
@@ -289,11 +290,9 @@ def _colour_rounds(
     base = 0
     for a, b in classes:
       key = (s[a:b].tobytes(), d[a:b].tobytes(), len(classes) > 1)
-      found = colourings.get(key) if colourings is not None else None
+      found = colourings.get(key)
       if found is None:
-        found = _color_dense(s[a:b], d[a:b], swap_late=key[2])
-        if colourings is not None:
-          colourings[key] = found
+        found = colourings[key] = _color_dense(s[a:b], d[a:b], swap_late=key[2])
       colour[a:b] = base + found
       base = int(colour[a:b].max()) + 1
     size = np.zeros(base, dtype=np.int64)
@@ -310,11 +309,8 @@ def _colour_rounds(
     Round(nbytes=nbytes, pairs=tuple(flat[cuts[r] : cuts[r + 1]]))
     for r, nbytes in enumerate(size.tolist())
   ]
-  pair_round_bytes = np.empty(len(fill), dtype=np.int64)
-  pair_round_bytes[order] = size[colour]
-  pair_round = np.empty(len(fill), dtype=np.int64)
-  pair_round[order] = colour
-  return rounds, pair_round_bytes, pair_round
+  back = np.argsort(order)  # each pair's place in the sorted pairs
+  return rounds, size[colour][back], colour[back]
 
 
 def _candidate_classes(

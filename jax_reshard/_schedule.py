@@ -336,15 +336,11 @@ def assembly_devices(
   dst_ids: tuple[int, ...] | None = None
   for j, m in zip(schedule.buckets[bucket].leaves, modes, strict=True):
     spans = schedule.leaf_buckets[j] if schedule.leaf_buckets else (bucket,)
-    if m.carry_out or m.fresh or m.shift is not None or len(spans) > 1:
+    cut = m.shift is not None or m.window is not None or m.dst_window is not None
+    dst = layouts[scheduled[j]][1].device_ids
+    if m.carry_out or m.fresh or cut or len(spans) > 1 or dst_ids not in (None, dst):
       return None
-    if m.window is not None or m.dst_window is not None:
-      return None
-    dst = layouts[scheduled[j]][1]
-    if dst_ids is None:
-      dst_ids = dst.device_ids
-    elif dst.device_ids != dst_ids:
-      return None
+    dst_ids = dst
   # Some device of the bucket must hold no destination shard (else there is nothing to spare).
   if not dst_ids or set(schedule.buckets[bucket].union_device_ids) <= set(dst_ids):
     return None
@@ -373,9 +369,8 @@ class _Tree:
   placeholders: list[np.ndarray]  # per leaf, per union device: both sides' placeholders
   members: list[np.ndarray]  # per leaf, which union devices it uses
   bound: int | None
-  # per leaf, per union device, the discarded destination blocks among its placeholders that
-  # a bucket assembling apart does not write, and the bytes it receives (empty where no bucket
-  # of the tree can assemble apart)
+  # per leaf and union device, what a bucket assembling apart does not write (its destination
+  # placeholder) and the bytes it receives; empty where no bucket may assemble apart
   discards: list[np.ndarray] = dataclasses.field(default_factory=list)
   receives: list[np.ndarray] = dataclasses.field(default_factory=list)
   options: Options = DEFAULT_OPTIONS  # the plan's: leaf cap, periods, whole operands, apart
@@ -497,14 +492,15 @@ def _whole_first(
   ``whole_operand_bytes``) that every payload of its round holds come first, in leaf order: sent
   as they are (``_cost.whole_segment_bytes``); then their offsets."""
   src, dst, leaf_of, transfer, nbytes = cols
+  new_pair = np.zeros(len(src), dtype=bool)
+  new_pair[first] = True
+  pid = np.cumsum(new_pair) - 1  # each piece's pair
   used, inv = np.unique(leaf_of, return_inverse=True)
   shard = [math.prod(tree.layouts[j][0].shard_shape()) * tree.itemsizes[j] for j in used.tolist()]
   least = tree.options.whole_operand_bytes  # see Options: smaller shards are packed
   whole = (nbytes == np.asarray(shard, dtype=np.int64)[inv]) & (nbytes >= least)
   if whole.any():
-    pid = np.cumsum(np.r_[True, (src[1:] != src[:-1]) | (dst[1:] != dst[:-1])][: len(src)]) - 1
-    piece_round = pair_round[pid]
-    key = piece_round * (int(leaf_of.max()) + 1) + leaf_of
+    key = pair_round[pid] * (int(leaf_of.max()) + 1) + leaf_of
     keys, inv, counts = np.unique(key[whole], return_inverse=True, return_counts=True)
     size = np.bincount(pair_round)  # pairs per round
     common = np.zeros(len(src), dtype=bool)
@@ -513,9 +509,7 @@ def _whole_first(
       order = np.lexsort((transfer, leaf_of, ~common, pid))
       src, dst, leaf_of, transfer, nbytes = (a[order] for a in cols)
   ends = np.cumsum(nbytes)
-  new_pair = np.zeros(len(src), dtype=bool)
-  new_pair[first] = True
-  offset = ends - nbytes - (ends[first] - nbytes[first])[np.cumsum(new_pair) - 1]
+  offset = ends - nbytes - (ends[first] - nbytes[first])[pid]
   return src, dst, leaf_of, transfer, nbytes, offset
 
 
