@@ -1,12 +1,9 @@
 """Which buckets of a schedule run the same program. NumPy only.
 
-A bucket's program (``_program``) is a function of its devices, its rounds and payload pieces,
-and of each of its leaves' layouts, element type and planned transfers, with leaves numbered
-by their position in the bucket. Buckets equal in all of that (the layers of a model, moved by
-the same devices) run one program and share one compiled executable, so the number of distinct
-programs, not of buckets, is what a plan compiles. The chunks of a leaf cut into windows of one
-width are equal too: their transfers are compared from the window's start (an argument of the
-program), as are the windows of one width of a leaf cut into windows of both sides.
+A bucket's program (``_program``) is a function of its devices, rounds and payload pieces, and
+of each leaf's layouts, element type and transfers, leaves numbered by their position in the
+bucket. Buckets equal in all of that (the layers of a model) share one compiled executable.
+Chunks of one width of a leaf are compared from their offsets' start (a program argument).
 """
 
 from __future__ import annotations
@@ -21,17 +18,11 @@ from jax_reshard._planner import LeafPlan
 from jax_reshard._schedule import (
   Bucket,
   Schedule,
-  both_window_start,
   chunk_shift,
   dst_slab_window,
-  is_grid,
+  leaf_key,
   slab_window,
 )
-
-
-def _leaf_key(plan: LeafPlan, layouts: tuple[Layout, Layout], kind: Any) -> tuple[Any, ...]:
-  arrays = (plan.src_device, plan.dst_device, plan.lo, plan.hi, plan.local)
-  return (layouts, kind, plan.lo.shape, *(np.ascontiguousarray(a).tobytes() for a in arrays))
 
 
 def bucket_classes(
@@ -61,7 +52,7 @@ def bucket_classes(
   for b, bucket in enumerate(schedule.buckets):
     for leaf in bucket.leaves:
       if leaf not in leaf_class:
-        key = _leaf_key(plans[leaf], layouts[leaf], kinds[leaf])
+        key = leaf_key(plans[leaf], layouts[leaf], kinds[leaf])
         leaf_class[leaf] = leaf_ids.setdefault(key, len(leaf_ids))
     position = np.zeros(max(bucket.leaves, default=0) + 1, dtype=np.int64)
     position[list(bucket.leaves)] = np.arange(len(bucket.leaves))
@@ -71,21 +62,8 @@ def bucket_classes(
       for leaf, chunks in zip(bucket.leaves, bucket.chunks, strict=True)
     ]
     transfer, chunks = _windowed(schedule, bucket, shifts, leaf_class, windows)
-    pieces = np.stack(
-      [
-        rel,
-        *(
-          np.asarray(a, dtype=np.int64)
-          for a in (
-            bucket.piece_src,
-            bucket.piece_dst,
-            transfer,
-            bucket.piece_offset,
-            bucket.piece_nbytes,
-          )
-        ),
-      ]
-    )
+    cols = (bucket.piece_src, bucket.piece_dst, transfer, bucket.piece_offset, bucket.piece_nbytes)
+    pieces = np.stack([rel, *(np.asarray(a, dtype=np.int64) for a in cols)])
     key = (
       bucket.union_device_ids,
       tuple(rounds.number(r) for r in bucket.rounds),
@@ -111,12 +89,15 @@ def _shifts(
   """Where the offsets of ``leaf`` in a bucket moving ``chunks`` of it start, per dimension
   ``(dim, start)``: a window's start (an argument, or a slab of both sides), both slabs' starts
   for a grid (see ``LeafView.dst_shift``); ``None`` where the offsets are the leaf's own."""
-  if schedule.leaf_slabs and is_grid(schedule, leaf):
-    src, dst = slab_window(schedule, leaf, chunks), dst_slab_window(schedule, leaf, chunks)
-    assert src is not None and dst is not None
-    return (dst[0], dst[1]), (src[0], src[1])
-  one = chunk_shift(schedule, leaf, chunks, layouts) or both_window_start(schedule, leaf, chunks)
-  return None if one is None else (one,)
+  shift, dst_shift = chunk_shift(schedule, leaf, chunks, layouts[0])
+  if dst_shift is not None:  # a grid
+    assert shift is not None
+    return shift, dst_shift
+  if shift is None:  # windows of both sides: offsets from the window's start
+    window = slab_window(schedule, leaf, chunks)
+    if window is not None and window == dst_slab_window(schedule, leaf, chunks):
+      shift = window[:2]
+  return None if shift is None else (shift,)
 
 
 class _Numbers:
@@ -142,10 +123,8 @@ def _windowed(
   seen: dict[tuple[Any, ...], tuple[np.ndarray, tuple[Any, ...]]],
 ) -> tuple[np.ndarray, tuple[Any, ...]]:
   """The pieces' transfers, and per leaf what the bucket moves of it: its chunks, or for a
-  leaf whose offsets start at a shift (``chunk_shift``), the rows it moves with offsets from
-  there (its transfers then numbered among those rows). ``seen``: those rows and what they
-  give by (leaf class, the chunk of each of its rows, chunks, shift), read and filled (leaves
-  of one class have equal transfers: the layers of a model)."""
+  shifted leaf the rows it moves with offsets from the shift (its transfers numbered among
+  them). ``seen``: those rows by (leaf class, row chunks, chunks, shift), read and filled."""
   transfer = np.asarray(bucket.piece_transfer, dtype=np.int64).copy()
   out: list[Any] = []
   for leaf, chunks, shift in zip(bucket.leaves, bucket.chunks, shifts, strict=True):
@@ -163,8 +142,6 @@ def _windowed(
       if order is not None and chunks[-1] - chunks[0] == len(chunks) - 1:
         a, b = np.searchsorted(by_chunk, [chunks[0], chunks[-1] + 1])
         rows = np.sort(order[a:b])
-      elif chunks[-1] - chunks[0] == len(chunks) - 1:  # consecutive, as buckets take them
-        rows = np.flatnonzero((rc >= chunks[0]) & (rc <= chunks[-1]))
       else:
         rows = np.flatnonzero(np.isin(rc, chunks))
       lo, hi = lp.lo[rows].copy(), lp.hi[rows].copy()
@@ -187,10 +164,9 @@ def _modes(
   leaves: Sequence[int],
   shifts: Sequence[tuple[tuple[int, int], ...] | None],
 ) -> tuple[tuple[bool, bool], ...]:
-  """Per leaf of bucket ``b``, whether the bucket is the first of the leaf's buckets, and
-  whether there are several: a leaf split over buckets is written in place, from the second
-  bucket on (from the first, for windows) into a destination input (whether the output is
-  carried on changes no program)."""
+  """Per leaf of bucket ``b``: whether this is its first bucket and it takes no destination
+  input there (a leaf of one shift does), and whether it spans several buckets (whether the
+  output is carried on changes no program)."""
   if not schedule.leaf_buckets:
     return ()
   spans = [schedule.leaf_buckets[leaf] for leaf in leaves]

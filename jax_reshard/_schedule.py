@@ -1,33 +1,12 @@
 """The schedule: buckets of leaves and chunks, per-pair byte payloads, and collective rounds.
 
 All remote transfers between one (source device, destination device) pair inside a bucket are
-packed into one byte payload. Pairs are grouped into rounds in which every device sends at most
-once and receives at most once: a bipartite edge colouring with as many colours as the maximum
-degree (first fit with per-device bitmasks when that reaches the optimum, else alternating-path
-recolouring: for a size class, only of the pairs first fit cannot colour). Every sender of a
-round sends the round's largest payload size, so colouring size classes apart pads little but
-can leave devices idle; that, one colouring of all pairs, and colourings of the largest pairs
-together apart from the rest (:data:`HEAVY_RATIOS`) are compared and the one with the smaller
-sum of round maxima (the time when devices run in parallel) is kept; the others are skipped
-where a lower bound of the sum shows they cannot be smaller.
-
-Buckets keep the staging memory of every device under ``max_bucket_bytes``, padding included:
-consecutive leaves share a bucket while their unpadded staging fits, and every bucket is then
-checked with its rounds (the quantity ``peak_staging_bytes`` reports) and shrunk if padding
-pushed it over. A leaf that does not fit alone is split into *chunks*: each of its remote
-transfers is cut into sub-boxes along one dimension, sub-box ``j`` going to chunk ``j``, so a
-leaf spans consecutive buckets and its destination shard is filled bucket by bucket. Where the
-leaf's placeholder blocks keep such chunks above the bound (a source replicated on few devices:
-every other device of the bucket stages a zero copy of the whole source block), the leaf is cut
-into *slabs* instead: chunk ``j`` covers the same window of local indices along one dimension of
-every source shard, every transfer and local copy is cut by its sender's windows, and a bucket
-stages only the windows of its chunks (cut from the source shards before it runs; placeholders
-of that size). Where the leaf's destination placeholder keeps even those above the bound (a
-destination replicated on few devices), the leaf is cut into *destination slabs*: chunk ``j``
-covers the same window of local indices of every destination shard, every transfer and local
-copy is cut by its receiver's windows, and a bucket outputs only the windows of its chunks
-(written into the destination shard after it runs; discarded blocks of that size elsewhere).
-Everything is NumPy over arrays of transfers."""
+packed into one byte payload, and the pairs into rounds (``_rounds``). Buckets keep the staging
+memory of every device under ``max_bucket_bytes``, padding included: consecutive leaves share a
+bucket while their unpadded staging fits, and every bucket is then checked with its rounds (the
+quantity ``peak_staging_bytes`` reports) and shrunk if padding pushed it over. A leaf that does
+not fit alone is cut into *chunks* over consecutive buckets (``_chunks``; docs/design.md
+"Chunks" says which way where). Everything is NumPy over arrays of transfers."""
 
 from __future__ import annotations
 
@@ -35,15 +14,26 @@ import dataclasses
 import itertools
 import math
 from collections import defaultdict
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
+from jax_reshard._chunks import (
+  Windows,
+  grid_dims,
+  grid_windows,
+  slab_dim,
+  split_grid,
+  split_rows,
+  split_slabs,
+  window_dim,
+)
 from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
 from jax_reshard._options import DEFAULT_OPTIONS, Options
 from jax_reshard._planner import LeafPlan
+from jax_reshard._rounds import Links, Round, make_rounds
 from jax_reshard._topology import Topology
 
 DEFAULT_MAX_BUCKET_BYTES = 1 << 30
@@ -52,12 +42,6 @@ DEFAULT_MAX_BUCKET_BYTES = 1 << 30
 # tens of MiB per device the allocator maps fresh pages each time (at 52 MB of staging per
 # device, ~100 MiB of page faults per call, half the call's time); at 16 MiB none.
 CPU_MAX_BUCKET_BYTES = 16 << 20
-# Rounds are also tried with the pairs of at least a 4th (a 16th) of the largest payload
-# coloured together apart from the rest: a few small payloads on many pairs (a norm one entry
-# forwards to every device of its domain) raise the colours first fit may spread large
-# payloads over (see _colour_rounds).
-HEAVY_RATIOS = (4, 16)
-SIZE_TOLERANCE = 0.02  # size classes: payloads within 2% of the class's largest
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -70,31 +54,20 @@ class Piece:
   nbytes: int
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Round:
-  """One collective round: every listed (src, dst) pair exchanges ``nbytes`` bytes."""
-
-  nbytes: int
-  pairs: tuple[tuple[int, int], ...]
-
-
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class Bucket:
   """Leaves (or chunks of leaves) executed together in one compiled program.
 
-  ``leaves`` and ``piece_leaf`` are positions in the list of leaves given to
-  :func:`make_schedule`. The ``piece_*`` arrays hold one row per remote transfer, sorted by
-  (source, destination, leaf, transfer): the payload of a (source, destination) pair is its rows
-  in that order, each at ``piece_offset`` bytes into the payload. ``piece_transfer`` indexes the
-  rows of :attr:`Schedule.leaf_plans`.
+  The ``piece_*`` arrays hold one row per remote transfer, sorted by (source, destination, leaf,
+  transfer): a pair's payload is its rows in that order, each ``piece_offset`` bytes in.
+  ``piece_leaf`` numbers the leaves given to :func:`make_schedule`, ``piece_transfer`` the rows
+  of :attr:`Schedule.leaf_plans`.
 
   Attributes:
     leaves: the leaves the bucket moves (a part of), in order.
-    chunks: per leaf of ``leaves``, the chunks of it the bucket moves. Chunk 0 of a leaf also
-      makes its device-local copies.
-    must_apart: the bucket's staging is in bound only where its assembly runs apart
-      (:func:`assembly_devices`: the devices without a destination shard write no discarded
-      blocks), which it then always does.
+    chunks: per leaf, the chunks of it the bucket moves (chunk 0 makes its local copies).
+    must_apart: in bound only where its assembly runs apart (:func:`assembly_devices`), which
+      it then always does.
   """
 
   leaves: tuple[int, ...]
@@ -112,17 +85,11 @@ class Bucket:
   def pieces(self) -> dict[tuple[int, int], list[Piece]]:
     """Per (source, destination) pair, its payload's pieces in order."""
     out: dict[tuple[int, int], list[Piece]] = defaultdict(list)
-    rows = zip(
-      self.piece_src.tolist(),
-      self.piece_dst.tolist(),
-      self.piece_leaf.tolist(),
-      self.piece_transfer.tolist(),
-      self.piece_offset.tolist(),
-      self.piece_nbytes.tolist(),
-      strict=True,
-    )
-    for s, d, leaf, t, off, nb in rows:
-      out[(s, d)].append(Piece(leaf, t, off, nb))
+    cols = (self.piece_leaf, self.piece_transfer, self.piece_offset, self.piece_nbytes)
+    for s, d, *piece in zip(
+      *(a.tolist() for a in (self.piece_src, self.piece_dst, *cols)), strict=True
+    ):
+      out[(s, d)].append(Piece(*piece))
     return out
 
 
@@ -137,18 +104,13 @@ class Schedule:
     max_send_bytes: most bytes one device sends (padding included).
     max_recv_bytes: most bytes one device receives (padding included).
     peak_staging_bytes: most staging bytes one device holds in a bucket (padding included).
-    leaf_plans: per leaf, its transfers as the buckets move them: the planner's, with the remote
-      transfers of split leaves cut into one sub-box per chunk (same bytes, more rows).
+    leaf_plans: per leaf, its rows as the buckets move them (a cut row replaced by its pieces).
     row_chunks: per leaf, the chunk of every row of its :attr:`leaf_plans` entry.
     leaf_buckets: per leaf, the buckets it runs in (consecutive).
-    leaf_slabs: per leaf, ``None``, or for a leaf cut into slabs ``(dim, bounds)``: chunk ``j``
-      covers local indices ``bounds[j]:bounds[j + 1]`` along ``dim`` of every source shard.
-    leaf_dst_slabs: the same for leaves cut into destination slabs: chunk ``j`` covers those
-      local indices of every destination shard.
-    leaf_windows: the same for leaves cut into *windows*: chunk ``j`` covers indices
-      ``bounds[j]:bounds[j + 1]`` along ``dim``, a dimension neither side shards (local indices
-      are global ones on both sides), of every source and destination shard; every window but
-      the last has one width, so the chunks' programs differ only by where the window starts.
+    leaf_slabs: per leaf, ``None`` or, cut into slabs of its source shards, ``(dim, bounds)``:
+      chunk ``j`` covers local indices ``bounds[j]:bounds[j + 1]`` of every source shard.
+    leaf_dst_slabs: the same of the destination shards.
+    leaf_windows: the same for windows along a dimension neither side shards.
   """
 
   buckets: tuple[Bucket, ...]
@@ -160,9 +122,9 @@ class Schedule:
   leaf_plans: tuple[LeafPlan, ...] = ()
   row_chunks: tuple[np.ndarray, ...] = ()
   leaf_buckets: tuple[tuple[int, ...], ...] = ()
-  leaf_slabs: tuple[tuple[int, tuple[int, ...]] | None, ...] = ()
-  leaf_dst_slabs: tuple[tuple[int, tuple[int, ...]] | None, ...] = ()
-  leaf_windows: tuple[tuple[int, tuple[int, ...]] | None, ...] = ()
+  leaf_slabs: tuple[Windows | None, ...] = ()
+  leaf_dst_slabs: tuple[Windows | None, ...] = ()
+  leaf_windows: tuple[Windows | None, ...] = ()
 
   @property
   def num_rounds(self) -> int:
@@ -204,11 +166,10 @@ def staged_block_shape(shard_shape: tuple[int, ...]) -> tuple[int, ...]:
 def placeholder_mask(layout: Layout, device_ids: np.ndarray) -> np.ndarray:
   """The placeholder rule: which of ``device_ids`` (a bucket's mesh) hold no shard of ``layout``.
 
-  A bucket's program runs on every device of its mesh with one block per leaf in and one out.
-  A device without a source shard of a leaf stages a zero *placeholder* block of the source
-  block's shape; a device without a destination shard returns a block of the destination
-  block's shape that is discarded. Both count as staging (the discarded block not where the
-  bucket must assemble apart, see :attr:`Bucket.must_apart`).
+  A bucket's program runs on every device of its mesh with one block per leaf in and one out: a
+  device without a source shard stages a zero placeholder block, one without a destination shard
+  returns a discarded block. Both count as staging (the discarded one not where the bucket
+  assembles apart).
   """
   ids = np.asarray(layout.device_ids, dtype=np.int64)  # ascending
   if not len(ids):
@@ -218,140 +179,74 @@ def placeholder_mask(layout: Layout, device_ids: np.ndarray) -> np.ndarray:
 
 
 def donated_mask(dst: Layout, device_ids: np.ndarray, fresh: bool) -> np.ndarray:
-  """Which of ``device_ids`` (a bucket's mesh) are given a zero destination block to donate for
-  a leaf with a destination input: those without a destination shard (:func:`placeholder_mask`),
-  or every device for a ``fresh`` leaf (see :class:`LeafMode`)."""
+  """Which of ``device_ids`` are given a zero destination block to donate for a leaf with a
+  destination input: those without a destination shard, or every device for a ``fresh`` leaf."""
   return np.ones(len(device_ids), dtype=bool) if fresh else placeholder_mask(dst, device_ids)
 
 
-def _placeholder_bytes(src: Layout, dst: Layout, itemsize: int, union: np.ndarray) -> np.ndarray:
-  """Per device of ``union``: the placeholder input and discarded output bytes a leaf costs
-  there if that device is on the leaf's mesh (see :func:`placeholder_mask`)."""
-  src_block = math.prod(staged_block_shape(src.shard_shape())) * itemsize
-  dst_block = math.prod(staged_block_shape(dst.shard_shape())) * itemsize
-  return placeholder_mask(src, union) * src_block + placeholder_mask(dst, union) * dst_block
+def _placeholder(layout: Layout, itemsize: int, union: np.ndarray) -> np.ndarray:
+  """Per device of ``union``, its placeholder bytes of ``layout`` on a bucket's mesh."""
+  block = math.prod(staged_block_shape(layout.shard_shape())) * itemsize
+  return placeholder_mask(layout, union) * block
 
 
-def grid_windows(
-  src_slab: tuple[int, tuple[int, ...]] | None,
-  dst_slab: tuple[int, tuple[int, ...]] | None,
-  first: int,
-  last: int,
-) -> tuple[tuple[int, int, int] | None, tuple[int, int, int] | None]:
-  """``(source window, destination window)``, each ``(dim, start, stop)`` or ``None``: the
-  local indices of every source and destination shard of a leaf that a bucket moving its
-  chunks ``first..last`` stages and outputs, given the leaf's slabs of either side.
-
-  Slabs of one side give chunk ``j`` window ``j``. Slabs of both sides that are the same
-  windows (:func:`_split_both`) do too. Slabs of both sides that differ form a *grid*
-  (:func:`_split_grid`): with ``ks`` source slabs, chunk ``c`` is source slab ``c % ks`` of
-  destination slab ``c // ks``; a bucket's windows are the smallest that cover its chunks'.
-  """
-  grid = src_slab is not None and dst_slab is not None and src_slab != dst_slab
-  windows: list[tuple[int, int, int] | None] = []
-  for side, slab in enumerate((src_slab, dst_slab)):
-    if slab is None:
-      windows.append(None)
-      continue
-    dim, bounds = slab
-    a, b = first, last
-    if grid:
-      assert src_slab is not None
-      ks = len(src_slab[1]) - 1
-      if side == 1:
-        a, b = first // ks, last // ks
-      elif first // ks == last // ks:
-        a, b = first % ks, last % ks
-      else:  # chunks of several destination slabs: every source slab
-        a, b = 0, ks - 1
-    windows.append((dim, bounds[a], bounds[b + 1]))
-  return windows[0], windows[1]
+def leaf_key(plan: LeafPlan, layouts: tuple[Layout, Layout], kind: object) -> tuple[object, ...]:
+  """Equal for leaves of equal layouts, ``kind`` (element type or itemsize) and transfers."""
+  arrays = (plan.src_device, plan.dst_device, plan.lo, plan.hi, plan.local)
+  return (layouts, kind, plan.lo.shape, *(np.ascontiguousarray(a).tobytes() for a in arrays))
 
 
-def _slabs(schedule: Schedule, leaf: int) -> tuple[Any, Any]:
+def _slabs(schedule: Schedule, leaf: int) -> tuple[Windows | None, Windows | None]:
   src = schedule.leaf_slabs[leaf] if schedule.leaf_slabs else None
-  dst = schedule.leaf_dst_slabs[leaf] if schedule.leaf_dst_slabs else None
-  return src, dst
-
-
-def is_grid(schedule: Schedule, leaf: int) -> bool:
-  """Whether ``leaf`` is cut into a grid of source and destination slabs (see
-  :func:`grid_windows`): each destination slab is filled over several buckets, in place."""
-  src, dst = _slabs(schedule, leaf)
-  return src is not None and dst is not None and src != dst
+  return src, schedule.leaf_dst_slabs[leaf] if schedule.leaf_dst_slabs else None
 
 
 def slab_window(
   schedule: Schedule, leaf: int, chunks: Sequence[int]
 ) -> tuple[int, int, int] | None:
   """``(dim, start, stop)``: the local indices of every source shard of ``leaf`` that a bucket
-  moving ``chunks`` (consecutive) of it stages, or ``None`` where the leaf is not cut into
-  slabs (the bucket stages the whole source block)."""
+  moving ``chunks`` (consecutive) of it stages; ``None``: it stages the whole source block."""
   src, dst = _slabs(schedule, leaf)
-  if src is None:
-    return None
-  return grid_windows(src, dst, min(chunks), max(chunks))[0]
+  return None if src is None else grid_windows(src, dst, min(chunks), max(chunks))[0]
 
 
 def dst_slab_window(
   schedule: Schedule, leaf: int, chunks: Sequence[int]
 ) -> tuple[int, int, int] | None:
-  """``(dim, start, stop)``: the local indices of every destination shard of ``leaf`` that a
-  bucket moving ``chunks`` (consecutive) of it outputs, or ``None`` where the leaf is not cut
-  into destination slabs (the bucket outputs the whole destination block)."""
+  """:func:`slab_window` of the destination shards, which the bucket outputs."""
   src, dst = _slabs(schedule, leaf)
-  if dst is None:
-    return None
-  return grid_windows(src, dst, min(chunks), max(chunks))[1]
-
-
-def window_start(schedule: Schedule, leaf: int, chunks: Sequence[int]) -> tuple[int, int] | None:
-  """``(dim, start)``: where the window of ``leaf`` that a bucket moving ``chunks``
-  (consecutive) of it starts in every source and destination shard, or ``None`` where the leaf
-  is not cut into windows (see :attr:`Schedule.leaf_windows`)."""
-  window = schedule.leaf_windows[leaf] if schedule.leaf_windows else None
-  if window is None:
-    return None
-  dim, bounds = window
-  return dim, bounds[min(chunks)]
-
-
-def both_window_start(
-  schedule: Schedule, leaf: int, chunks: Sequence[int]
-) -> tuple[int, int] | None:
-  """``(dim, start)``: where the window of ``leaf`` that a bucket moving ``chunks`` of it stages
-  and outputs starts, for a leaf cut into windows of both sides (its source and destination
-  slabs are the same windows, see :func:`_split_both`); ``None`` otherwise. The program of such
-  a bucket takes every offset from the windows, so windows of one width run one program."""
-  src, dst = slab_window(schedule, leaf, chunks), dst_slab_window(schedule, leaf, chunks)
-  if src is None or src != dst:
-    return None
-  return src[0], src[1]
+  return None if dst is None else grid_windows(src, dst, min(chunks), max(chunks))[1]
 
 
 def chunk_shift(
-  schedule: Schedule, leaf: int, chunks: Sequence[int], layouts: tuple[Layout, Layout]
-) -> tuple[int, int] | None:
-  """``(dim, start)`` where a bucket moving ``chunks`` of ``leaf`` (split over buckets) can
-  take its offsets from, so that chunks of one width run one program: the start of its window
-  (:func:`window_start`), or of its destination slab along a dimension the source does not
-  shard (the source rows it reads start there); ``None`` otherwise."""
+  schedule: Schedule, leaf: int, chunks: Sequence[int], src: Layout
+) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+  """``(shift, dst_shift)``, each ``(dim, start)`` or ``None``: where a bucket moving ``chunks``
+  of ``leaf`` takes its offsets from, so that chunks of one width run one program: a grid's
+  destination and source slab starts; for a leaf split over buckets, its window's start, or its
+  destination slab's along a dimension ``src`` does not shard (the source rows start there)."""
+  slabs = _slabs(schedule, leaf)
+  if slabs[0] is not None and slabs[1] is not None and slabs[0] != slabs[1]:  # a grid
+    window, dst_window = grid_windows(*slabs, min(chunks), max(chunks))
+    assert window is not None and dst_window is not None
+    return dst_window[:2], window[:2]
   if not schedule.leaf_buckets or len(schedule.leaf_buckets[leaf]) < 2:
-    return None
-  shift = window_start(schedule, leaf, chunks)
-  slab = dst_slab_window(schedule, leaf, chunks)
-  src_slab = schedule.leaf_slabs[leaf] if schedule.leaf_slabs else None
-  if shift is None and slab is not None and src_slab is None:
-    src = layouts[0]
-    if src.shard_shape()[slab[0]] == src.shape[slab[0]]:
-      shift = slab[0], slab[1]
-  return shift
+    return None, None
+  windows = schedule.leaf_windows[leaf] if schedule.leaf_windows else None
+  if windows is not None:
+    return (windows[0], windows[1][min(chunks)]), None
+  window = dst_slab_window(schedule, leaf, chunks)
+  if (
+    window is not None and slabs[0] is None and src.shard_shape()[window[0]] == src.shape[window[0]]
+  ):
+    return window[:2], None
+  return None, None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class LeafMode:
-  """How a bucket treats one leaf (see ``_program.LeafView``, whose fields of these names they
-  set): the program and the cost model read it alike."""
+  """How a bucket treats one leaf: the fields of ``_program.LeafView`` of these names, read by
+  the program and the cost model alike."""
 
   in_place: bool = False
   dst_input: bool = False
@@ -378,30 +273,24 @@ def leaf_modes(
   copies: bool = True,
 ) -> list[LeafMode]:
   """Per leaf of bucket ``bucket``, how the bucket treats it. ``layouts``: per leaf of the
-  plan; ``scheduled``: the leaves the schedule numbers; ``donate``: the call writes into
-  donated destination buffers; ``relayed``: leaves (of the plan) a relay stage completes, whose
-  parts a donated call writes in place; ``copies``: find which rows' local copies the bucket
-  makes (else ``True``, for a caller that does not read them)."""
+  plan; ``scheduled``: the leaves the schedule numbers; ``donate``: the call writes into donated
+  destination buffers; ``relayed``: leaves a relay stage completes; ``copies``: find which rows'
+  local copies the bucket makes (else ``True``)."""
   sched_bucket = schedule.buckets[bucket]
   out = []
   for j, chunks in zip(sched_bucket.leaves, sched_bucket.chunks, strict=True):
     spans = schedule.leaf_buckets[j] if schedule.leaf_buckets else (bucket,)
-    cut = any(s and s[j] is not None for s in (schedule.leaf_slabs, schedule.leaf_dst_slabs))
-    if len(spans) == 1 and not (cut or donate or copies):
+    if len(spans) == 1 and not (
+      donate or copies or any(s is not None for s in _slabs(schedule, j))
+    ):
       out.append(_PLAIN)  # moved whole by this bucket alone
       continue
-    row_chunks = schedule.row_chunks
     dst_window = dst_slab_window(schedule, j, chunks)
     whole = dst_window is None  # a destination slab is assembled whole, written in afterwards
+    shift, dst_shift = chunk_shift(schedule, j, chunks, layouts[scheduled[j]][0])
     # A grid's destination slab is filled by several buckets: each takes the slab so far
     # (zeros in the leaf's first bucket) and writes its parts into it.
-    grid = is_grid(schedule, j)
-    shift = chunk_shift(schedule, j, chunks, layouts[scheduled[j]])
-    dst_shift = None
-    if grid:  # offsets from both windows' starts: the grid's chunks share programs
-      src_window = slab_window(schedule, j, chunks)
-      assert src_window is not None and dst_window is not None
-      shift, dst_shift = dst_window[:2], src_window[:2]
+    grid = dst_shift is not None
     # A leaf cut into windows takes a destination input in its first bucket too (zero blocks on
     # every device), so that its first window runs the program of the others.
     fresh = shift is not None and whole and spans[0] == bucket and not donate
@@ -412,7 +301,7 @@ def leaf_modes(
         in_place=grid or (whole and (len(spans) > 1 or (donate and scheduled[j] in relayed))),
         dst_input=(whole or grid) and (donate or spans[0] != bucket or fresh),
         carry_out=spans[-1] != bucket,
-        copies=np.isin(row_chunks[j], chunks) if row_chunks and copies else True,
+        copies=np.isin(schedule.row_chunks[j], chunks) if schedule.row_chunks and copies else True,
         window=slab_window(schedule, j, chunks),
         dst_window=dst_window,
         shift=shift,
@@ -435,607 +324,37 @@ def assembly_devices(
   """The devices (ids, ascending) that may assemble bucket ``bucket``'s destination shards in a
   program of their own, or ``None`` where the bucket's one program over its union mesh does.
 
-  One program over the union mesh returns a block per leaf on every device, so each device
-  without a destination shard writes a discarded zero block of each leaf's destination shard
-  (a trainer device of a disjoint refit: as many bytes as a sampler device receives). A bucket
-  instead runs its rounds in a program over the union mesh that returns the received payloads,
-  and its assembly in a second program over the destination devices, where every leaf enters
-  and leaves the bucket whole (``modes``, the bucket's :func:`leaf_modes`: nothing split over
-  buckets, carried, cut into slabs or windows; a destination input only as the buffer of a
-  whole leaf refit with ``donate=``, which the assembly program takes, and writes the parts
-  into where a relay stage completes the leaf), all its leaves have one
-  destination device set, and some device of the bucket holds no destination shard (a
-  destination device that holds a source shard too copies its resident parts in the assembly
-  program, which takes its source blocks). The devices without a destination shard are then
-  given no blocks to donate. Where not ``split_assembly`` (the plan's
-  ``Options.split_assembly``), only a bucket scheduled so (``Bucket.must_apart``) may.
+  One program over the union mesh writes a discarded block of each leaf on every device without a
+  destination shard. Apart, the rounds run over the union mesh and return the payloads, and the
+  assembly over the destination devices. That needs every leaf whole in the bucket (``modes``:
+  nothing split, carried, cut or shifted), one destination device set, and some device of the
+  bucket without a destination shard. Without ``split_assembly``, only where
+  ``Bucket.must_apart``.
   """
   if not split_assembly and not schedule.buckets[bucket].must_apart:
     return None
   dst_ids: tuple[int, ...] | None = None
   for j, m in zip(schedule.buckets[bucket].leaves, modes, strict=True):
     spans = schedule.leaf_buckets[j] if schedule.leaf_buckets else (bucket,)
-    if m.carry_out or m.fresh or m.shift is not None or len(spans) > 1:
+    cut = m.shift is not None or m.window is not None or m.dst_window is not None
+    dst = layouts[scheduled[j]][1].device_ids
+    if m.carry_out or m.fresh or cut or len(spans) > 1 or dst_ids not in (None, dst):
       return None
-    if m.window is not None or m.dst_window is not None:
-      return None
-    dst = layouts[scheduled[j]][1]
-    if dst_ids is None:
-      dst_ids = dst.device_ids
-    elif dst.device_ids != dst_ids:
-      return None
+    dst_ids = dst
   # Some device of the bucket must hold no destination shard (else there is nothing to spare).
   if not dst_ids or set(schedule.buckets[bucket].union_device_ids) <= set(dst_ids):
     return None
   return dst_ids
 
 
-def window_dim(src: Layout, dst: Layout) -> int | None:
-  """The longest dimension (of extent 2 or more) that neither ``src`` nor ``dst`` shards, where
-  a leaf can be cut into windows, or ``None``."""
-  sizes = zip(src.shape, src.shard_shape(), dst.shard_shape(), strict=True)
-  full = [(n, -d) for d, (n, a, b) in enumerate(sizes) if n == a == b and n >= 2]
-  return -max(full)[1] if full else None
-
-
-def slab_dim(shard_shape: Sequence[int], k: int, spread: Sequence[bool] | None = None) -> int:
-  """The dimension slabs of ``k`` chunks cut: the first of extent at least ``k`` (so a slab is a
-  contiguous run of the shard's rows), else the longest. With ``spread`` (per dimension), the
-  first such dimension where it is true comes first: one the other side of the leaf does not
-  shard, so every chunk keeps all its devices busy."""
-  ext = np.asarray(shard_shape, dtype=np.int64)
-  if spread is not None and (pick := (ext >= k) & np.asarray(spread, dtype=bool)).any():
-    return int(np.argmax(pick))
-  return int(np.argmax(ext >= k)) if (ext >= k).any() else int(np.argmax(ext))
-
-
-def color_bipartite(edges: Sequence[tuple[int, int]]) -> list[int]:
-  """Colours the edges of a bipartite multigraph with max-degree colours.
-
-  Left vertices are senders, right vertices receivers (a device may be both). Edges sharing a
-  sender or a receiver get different colours, and the number of colours equals the maximum
-  degree (Konig's theorem). A first-fit pass with per-vertex bitmasks (O(1) an edge) is tried
-  first and kept when it is optimal, which it is for the regular refit patterns measured in
-  ``benchmarks/plan_scale.py``; otherwise alternating-path recolouring finishes the job.
-
-  Example:
-    >>> color_bipartite([(0, 1), (0, 2), (1, 2)])  # sender 0 twice, receiver 2 twice
-    [0, 1, 0]
-  """
-  if not edges:
-    return []
-  s, d = (np.asarray(v, dtype=np.int64) for v in zip(*edges, strict=True))
-  return _color_dense(_dense(s), _dense(d)).tolist()
-
-
-def _dense(ids: np.ndarray) -> np.ndarray:
-  """``ids`` renumbered ``0..n-1`` (equal ids equal numbers)."""
-  return np.unique(ids, return_inverse=True)[1].reshape(-1)
-
-
-def _color_dense(s: np.ndarray, d: np.ndarray, swap_late: bool = False) -> np.ndarray:
-  """:func:`color_bipartite` of the edges ``zip(s, d)``, vertices numbered from 0 on each side
-  (the colours depend only on which edges share a vertex, not on the vertices' numbers); with
-  ``swap_late``, where first fit fails, :func:`_first_fit_swapping`'s colouring instead."""
-  if len(s) <= 1:
-    return np.zeros(len(s), dtype=np.int64)
-  k = max(int(np.bincount(s).max()), int(np.bincount(d).max()))
-  if k == 1:  # a matching: first fit gives every edge colour 0
-    return np.zeros(len(s), dtype=np.int64)
-  sl, dl = s.tolist(), d.tolist()
-  prefix = _first_fit_prefix(sl, dl, k)
-  colour = prefix[0]
-  if len(colour) < len(sl):
-    colour = _first_fit_swapping(sl, dl, k, prefix) if swap_late else _alternating(sl, dl, k)
-  return np.asarray(colour, dtype=np.int64)
-
-
-def _color_first_fit(edges: Sequence[tuple[int, int]], k: int) -> list[int] | None:
-  """Each edge takes the lowest colour free at both ends; ``None`` as soon as one needs more
-  than ``k`` colours (first fit may need up to 2k - 1)."""
-  if not edges:
-    return []
-  s, d = (np.asarray(v, dtype=np.int64) for v in zip(*edges, strict=True))
-  return _first_fit(_dense(s).tolist(), _dense(d).tolist(), k)
-
-
-def _first_fit(s: list[int], d: list[int], k: int) -> list[int] | None:
-  """:func:`_color_first_fit` of the edges ``zip(s, d)``, vertices numbered from 0."""
-  out = _first_fit_prefix(s, d, k)[0]
-  return out if len(out) == len(s) else None
-
-
-def _first_fit_prefix(s: list[int], d: list[int], k: int) -> tuple[list[int], list[int], list[int]]:
-  """First fit of the edges ``zip(s, d)`` up to the first that needs more than ``k`` colours:
-  the colours of the edges before it, and per sender and receiver the bitmask of the colours
-  they took."""
-  used_s, used_d = [0] * (max(s) + 1), [0] * (max(d) + 1)
-  out = []
-  for u, v in zip(s, d, strict=True):
-    m = used_s[u] | used_d[v]
-    c = (~m & (m + 1)).bit_length() - 1
-    if c >= k:
-      break
-    used_s[u] |= 1 << c
-    used_d[v] |= 1 << c
-    out.append(c)
-  return out, used_s, used_d
-
-
-def _alternating(s: list[int], d: list[int], k: int) -> list[int]:
-  """Konig colouring of the edges ``zip(s, d)`` (vertices numbered from 0) with exactly ``k``
-  (the maximum degree) colours."""
-  at_s = [[-1] * k for _ in range(max(s) + 1)]  # per vertex, colour -> edge index
-  at_d = [[-1] * k for _ in range(max(d) + 1)]
-  colour = [-1] * len(s)
-  for e, (u, v) in enumerate(zip(s, d, strict=True)):
-    cs, cd = at_s[u], at_d[v]
-    a = cs.index(-1)
-    g = cd[a]
-    if g != -1:  # swap a and the colour b free at v on the path v -a- u1 -b- v2 -a- ...
-      b = cd.index(-1)  # :func:`_swap_path`'s walk, inlined (most edges take one)
-      cd[a], cd[b] = -1, g
-      while True:
-        colour[g] = b
-        tab = at_s[s[g]]  # a sender, entered by a: leave by b
-        f = tab[b]
-        tab[b], tab[a] = g, f
-        if f == -1:
-          break
-        colour[f] = a
-        tab = at_d[d[f]]  # a receiver, entered by b: leave by a
-        g = tab[a]
-        tab[a], tab[b] = f, g
-        if g == -1:
-          break
-    colour[e] = a
-    cs[a] = e
-    cd[a] = e
-  return colour
-
-
-def _first_fit_swapping(
-  s: list[int],
-  d: list[int],
-  k: int,
-  prefix: tuple[list[int], list[int], list[int]] | None = None,
-) -> list[int]:
-  """Another Konig colouring of the edges ``zip(s, d)`` (vertices numbered from 0) with exactly
-  ``k`` (the maximum degree) colours, faster than :func:`_alternating` where first fit fails
-  late: each edge takes the lowest colour free at both ends (first
-  fit) where one is below ``k``; else, with ``a`` free at its sender and ``b`` at its receiver,
-  ``a`` and ``b`` are swapped along the alternating path from the receiver, which frees ``a``
-  there. Paths are walked only for the edges first fit cannot colour. ``prefix``: what
-  :func:`_first_fit_prefix` returned for these edges (first fit up to its first failure,
-  which is this colouring's too), continued from there."""
-  done, used_s, used_d = prefix or ([], [0] * (max(s) + 1), [0] * (max(d) + 1))
-  used_s, used_d = list(used_s), list(used_d)  # per vertex, a bitmask of colours
-  at = []  # per side, per vertex, colour -> edge index
-  for ends, n in ((s, len(used_s)), (d, len(used_d))):
-    table = np.full((n, k), -1, dtype=np.int64)
-    table[ends[: len(done)], done] = np.arange(len(done))
-    at.append(table.tolist())
-  at_s, at_d = at
-  colour = done + [-1] * (len(s) - len(done))
-  for e, (u, v) in enumerate(zip(s[len(done) :], d[len(done) :], strict=True), len(done)):
-    m = used_s[u] | used_d[v]
-    c = (~m & (m + 1)).bit_length() - 1
-    if c >= k:
-      m = used_s[u]
-      c = (~m & (m + 1)).bit_length() - 1  # free at u, taken at v
-      m = used_d[v]
-      b = (~m & (m + 1)).bit_length() - 1  # free at v
-      _swap_path(s, d, colour, at_s, at_d, used_s, used_d, v, c, b)
-    colour[e] = c
-    at_s[u][c] = at_d[v][c] = e
-    used_s[u] |= 1 << c
-    used_d[v] |= 1 << c
-  return colour
-
-
-def _swap_path(
-  s: list[int],
-  d: list[int],
-  colour: list[int],
-  at_s: list[list[int]],
-  at_d: list[list[int]],
-  used_s: list[int],
-  used_d: list[int],
-  v: int,
-  a: int,
-  b: int,
-) -> None:
-  """Swaps colours ``a`` and ``b`` on the path from receiver ``v`` (``a`` taken there, ``b``
-  free) along edges coloured ``a``, ``b``, ``a``, ...; afterwards ``a`` is free at ``v``. The
-  path never reaches a sender with ``a`` free (it enters senders by ``a`` edges). One walk: a
-  vertex's two path edges trade their colours as it is passed (the path visits it once)."""
-  f, node = -1, v  # f: the path edge that reached node (-1 at v, where b is free)
-  while True:  # node is a receiver: leave by colour a
-    tab = at_d[node]
-    g = tab[a]
-    tab[a], tab[b] = f, g
-    if g == -1:
-      used_d[node] ^= (1 << a) | (1 << b)
-      break
-    colour[g] = b
-    node = s[g]
-    tab = at_s[node]  # a sender, entered by a: leave by colour b
-    f = tab[b]
-    tab[b], tab[a] = g, f
-    if f == -1:
-      used_s[node] ^= (1 << a) | (1 << b)
-      break
-    colour[f] = a
-    node = d[f]
-  used_d[v] ^= (1 << a) | (1 << b)  # inner vertices keep both colours; the two ends trade one
-
-
-def _make_rounds(
-  ps: np.ndarray,
-  pd: np.ndarray,
-  fill: np.ndarray,
-  links: _Links | None = None,
-  colourings: dict[tuple[bytes, bytes, bool], np.ndarray] | None = None,
-  heavy_ratios: Sequence[int] = HEAVY_RATIOS,
-) -> tuple[list[Round], np.ndarray, np.ndarray]:
-  """Rounds for pairs ``(ps[i], pd[i])`` of ``fill[i]`` bytes, each pair's round size, and
-  each pair's round (its index in the rounds; :func:`_colour_rounds`). With ``links`` (the
-  plan's topology) where the pairs cross domains and stay inside them both, the pairs of each
-  link class are also given rounds of their own, and that is kept where the topology's link
-  costs predict it faster: a round sends every pair the round's size, so a slow pair in a round
-  of large fast payloads sends that much over the slow link. ``colourings`` and
-  ``heavy_ratios``: see :func:`_colour_rounds`."""
-  rounds, per_pair, pair_round = _colour_rounds(ps, pd, fill, colourings, heavy_ratios)
-  if links is None:
-    return rounds, per_pair, pair_round
-  slow = links.crosses(ps, pd)
-  if slow.all() or not slow.any():
-    return rounds, per_pair, pair_round
-  mixed, time = links.time(rounds)
-  if not mixed:  # every round is of one link class already
-    return rounds, per_pair, pair_round
-  apart = [_colour_rounds(ps[m], pd[m], fill[m], colourings, heavy_ratios) for m in (slow, ~slow)]
-  if links.time(apart[0][0] + apart[1][0])[1] >= time:
-    return rounds, per_pair, pair_round
-  per_pair, pair_round = np.empty_like(per_pair), np.empty_like(pair_round)
-  per_pair[slow], per_pair[~slow] = apart[0][1], apart[1][1]
-  pair_round[slow], pair_round[~slow] = apart[0][2], apart[1][2] + len(apart[0][0])
-  return apart[0][0] + apart[1][0], per_pair, pair_round
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
-class _Links:
-  """The link costs rounds are compared by: each union device's domain, and the topology."""
+class _Cut:
+  """How a leaf's chunks cut its shards: slabs of the source shards, of the destination shards
+  (both: windows of both sides where equal, a grid where not), or windows of whole shards."""
 
-  union: np.ndarray
-  domain: np.ndarray  # per union device
-  topology: Topology
-
-  def crosses(self, ps: np.ndarray, pd: np.ndarray) -> np.ndarray:
-    """Per pair, whether it crosses domains."""
-    at = np.searchsorted(self.union, ps), np.searchsorted(self.union, pd)
-    return self.domain[at[0]] != self.domain[at[1]]
-
-  def time(self, rounds: Sequence[Round]) -> tuple[bool, float]:
-    """Whether a round mixes pairs across and inside domains, and the rounds' transfer time:
-    each round its slowest link's latency plus its size over that link's bandwidth."""
-    count = np.fromiter((len(r.pairs) for r in rounds), np.int64, len(rounds))
-    flat = itertools.chain.from_iterable(itertools.chain.from_iterable(r.pairs for r in rounds))
-    ends = np.fromiter(flat, np.int64, 2 * int(count.sum())).reshape(-1, 2)
-    rid = np.repeat(np.arange(len(rounds)), count)
-    crossing = np.bincount(rid, self.crosses(ends[:, 0], ends[:, 1]), minlength=len(rounds))
-    slow = crossing > 0
-    size = np.fromiter((r.nbytes for r in rounds), np.float64, len(rounds))
-    inter, intra = self.topology.inter, self.topology.intra
-    time = np.where(
-      slow, inter.latency + size / inter.bandwidth, intra.latency + size / intra.bandwidth
-    )
-    return bool((slow & (crossing < count)).any()), float(time.sum())
-
-
-def _links(union: np.ndarray, topology: Topology | None) -> _Links | None:
-  """The link costs of ``topology`` where its domains split ``union``, else ``None``."""
-  if topology is None or len(np.unique(domain := topology.domain_of(union))) <= 1:
-    return None
-  return _Links(union, domain, topology)
-
-
-def _colour_rounds(
-  ps: np.ndarray,
-  pd: np.ndarray,
-  fill: np.ndarray,
-  colourings: dict[tuple[bytes, bytes, bool], np.ndarray] | None = None,
-  heavy_ratios: Sequence[int] = HEAVY_RATIOS,
-) -> tuple[list[Round], np.ndarray, np.ndarray]:
-  """Rounds for pairs ``(ps[i], pd[i])`` of ``fill[i]`` bytes, each pair's round size, and
-  each pair's round (its index in the rounds).
-  ``colourings``: :func:`_color_dense`'s results by its arguments, read and filled (the
-  buckets of a tree colour the same pairs again and again).
-
-  Colourings are compared by the time they imply where devices run in parallel, the sum
-  over rounds of the round's largest payload: one that colours size classes (payloads within
-  SIZE_TOLERANCE of each other) separately, which pads little but may leave devices idle; one
-  that colours all pairs together, largest first; and, per ratio of ``heavy_ratios``, one
-  that colours the pairs of at least that fraction of the largest payload together, then the
-  rest together (:func:`_candidate_classes`). Ties go to less padding, then to the earlier.
-  None after the first is computed where a lower bound of any colouring's time
-  (:func:`_joint_time_bound`) shows it cannot win, nor one whose runs' bounds add up to more
-  than the best time so far. The heavy ones matter where a few small
-  payloads reach many devices (a norm its relay entry forwards to every other device of its
-  domain): the colours they need let first fit spread the large payloads over more rounds
-  than their own degree, which, coloured alone, they fill exactly (on GB200 racks, 4 GiB
-  buckets: Qwen3-235B 64 -> 64 predicted 701 -> 629 ms, DeepSeek-V3 128 colocated 1,609 ->
-  1,525 ms). All use max-degree colours; where first fit needs more, a run of several (a size
-  class, or the heavy pairs) is finished by :func:`_first_fit_swapping`, which walks
-  alternating paths only for the edges first fit cannot colour, and the joint colouring by
-  :func:`_alternating`.
-  """
-  if not len(fill):
-    return [], np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-  order = np.lexsort((pd, ps, -fill))
-  ps, pd, fill = ps[order], pd[order], fill[order]
-  s, d = _dense(ps), _dense(pd)
-  best, bound = None, None
-  for classes in _candidate_classes(fill, heavy_ratios):
-    if best is not None:
-      bound = _joint_time_bound(s, d, fill) if bound is None else bound
-      if best[0] <= (bound, 0):
-        break  # no colouring takes less time, nor pads less where equal
-      # Runs coloured apart take rounds of their own: their bounds add up (one run's is the
-      # bound above).
-      apart = len(classes) > 1
-      if (
-        apart and sum(_joint_time_bound(s[a:b], d[a:b], fill[a:b]) for a, b in classes) > best[0][0]
-      ):
-        continue
-    colour = np.empty(len(fill), dtype=np.int64)
-    base = 0
-    for a, b in classes:
-      key = (s[a:b].tobytes(), d[a:b].tobytes(), len(classes) > 1)
-      found = colourings.get(key) if colourings is not None else None
-      if found is None:
-        found = _color_dense(s[a:b], d[a:b], swap_late=key[2])
-        if colourings is not None:
-          colourings[key] = found
-      colour[a:b] = base + found
-      base = int(colour[a:b].max()) + 1
-    size = np.zeros(base, dtype=np.int64)
-    np.maximum.at(size, colour, fill)
-    cost = (int(size.sum()), int((size[colour] - fill).sum()))
-    if best is None or cost < best[0]:
-      best = (cost, colour, base, size)
-  assert best is not None
-  _, colour, base, size = best
-  by_round = np.lexsort((pd, ps, colour))
-  cuts = [0, *np.searchsorted(colour[by_round], np.arange(1, base)).tolist(), len(by_round)]
-  flat = list(zip(ps[by_round].tolist(), pd[by_round].tolist(), strict=True))
-  rounds = [
-    Round(nbytes=nbytes, pairs=tuple(flat[cuts[r] : cuts[r + 1]]))
-    for r, nbytes in enumerate(size.tolist())
-  ]
-  pair_round_bytes = np.empty(len(fill), dtype=np.int64)
-  pair_round_bytes[order] = size[colour]
-  pair_round = np.empty(len(fill), dtype=np.int64)
-  pair_round[order] = colour
-  return rounds, pair_round_bytes, pair_round
-
-
-def _candidate_classes(
-  fill: np.ndarray, heavy_ratios: Sequence[int] = HEAVY_RATIOS
-) -> list[list[tuple[int, int]]]:
-  """The colourings :func:`_colour_rounds` compares, in order, each as the runs of pairs
-  (``fill`` descending) coloured together: the size classes, all pairs, and per ratio of
-  ``heavy_ratios`` the pairs of at least that fraction of the largest payload and the
-  rest."""
-  bounds = [0]
-  while bounds[-1] < len(fill):  # fill is descending: classes are runs above a threshold
-    floor = (1 - SIZE_TOLERANCE) * fill[bounds[-1]]
-    bounds.append(int(np.searchsorted(-fill, -floor, side="right")))
-  out = [list(itertools.pairwise(bounds)), [(0, len(fill))]]
-  for r in heavy_ratios:
-    heavy = int(np.searchsorted(-fill, -fill[0] / r, side="right"))
-    if 0 < heavy < len(fill) and [(0, heavy), (heavy, len(fill))] not in out:
-      out.append([(0, heavy), (heavy, len(fill))])
-  return out
-
-
-def _joint_time_bound(s: np.ndarray, d: np.ndarray, fill: np.ndarray) -> int:
-  """A lower bound of the sum of round maxima of any colouring of pairs ``(s, d)`` of
-  ``fill`` bytes (descending): a device's pairs are in distinct rounds, so the sum is at least
-  its bytes; and a round holds at most ``m`` pairs (the fewer of senders and receivers), so the
-  ``j m + 1`` largest pairs span ``j + 1`` rounds and the ``(j + 1)``-th largest round maximum
-  is at least the ``(j m + 1)``-th largest payload. Vertices need not be numbered densely
-  (``m`` is then at least the fewer, and the bound still holds)."""
-  m = min(int(s.max()), int(d.max())) + 1
-  load = max(int(np.bincount(s, fill).max()), int(np.bincount(d, fill).max()))
-  return max(load, int(fill[::m].sum()))
-
-
-def split_rows(plan: LeafPlan, k: int, itemsize: int) -> tuple[LeafPlan, np.ndarray]:
-  """``plan`` with every remote transfer cut into up to ``k`` sub-boxes, and each row's chunk.
-
-  A transfer is cut along its first dimension of extent at least ``k`` (its longest where none
-  is), into ``k`` near-equal ranges; range ``j`` goes to chunk ``j``. Shorter dimensions give
-  fewer, one-index-thick ranges spread over the chunks. Local copies stay whole in chunk 0.
-  Rows keep the planner's order (each cut transfer replaced by its pieces), chunks are numbered
-  from 0 without gaps, and the pieces partition the transfers: the same bytes, more rows.
-
-  Example:
-    >>> from jax_reshard._planner import plan_leaf
-    >>> from jax_reshard._layout import Layout
-    >>> src = Layout.from_description((8, 4), mesh_shape=(2,), axis_names=("x",), spec=("x",))
-    >>> dst = Layout.from_description((8, 4), mesh_shape=(2,), axis_names=("y",),
-    ...                               spec=(None, "y"), device_ids=(2, 3))
-    >>> cut, chunk = split_rows(plan_leaf(src, dst, 4), 2, 4)
-    >>> len(cut.nbytes), chunk.tolist(), int(cut.nbytes.sum()) == 8 * 4 * 4
-    (8, [0, 1, 0, 1, 0, 1, 0, 1], True)
-  """
-  remote = ~plan.local & (plan.nbytes > 0)
-  if k <= 1 or not remote.any() or plan.lo.shape[1] == 0:
-    return plan, np.zeros(len(plan.nbytes), dtype=np.int64)
-  rows = np.flatnonzero(remote)
-  lo, hi = plan.lo[rows], plan.hi[rows]
-  ext = hi - lo
-  long_enough = ext >= k
-  dim = np.where(long_enough.any(axis=1), long_enough.argmax(axis=1), ext.argmax(axis=1))
-  e = ext[np.arange(len(rows)), dim]
-  m = np.minimum(e, k)  # pieces per transfer
-  rr = np.repeat(np.arange(len(rows)), m)
-  i = np.arange(len(rr)) - np.repeat(np.cumsum(m) - m, m)
-  whole = e[rr] >= k  # k ranges; else e unit ranges, range i in chunk ceil(i k / e)
-  a = np.where(whole, (i * e[rr]) // k, i)
-  b = np.where(whole, ((i + 1) * e[rr]) // k, i + 1)
-  chunk = np.where(whole, i, (i * k + e[rr] - 1) // e[rr])
-  piece_lo, piece_hi = lo[rr], hi[rr]
-  at = (np.arange(len(rr)), dim[rr])
-  base = lo[rr, dim[rr]]
-  piece_lo[at], piece_hi[at] = base + a, base + b
-  keep = np.flatnonzero(~remote)
-  order = np.lexsort((np.r_[np.zeros(len(keep), np.int64), chunk], np.r_[keep, rows[rr]]))
-
-  def cat(kept: np.ndarray, pieces: np.ndarray) -> np.ndarray:
-    return np.concatenate([kept, pieces])[order]
-
-  src, dst = plan.src_device[rows][rr], plan.dst_device[rows][rr]
-  nbytes = np.prod(piece_hi - piece_lo, axis=1, dtype=np.int64) * itemsize
-  out = LeafPlan(
-    src_device=cat(plan.src_device[keep], src),
-    dst_device=cat(plan.dst_device[keep], dst),
-    lo=cat(plan.lo[keep], piece_lo),
-    hi=cat(plan.hi[keep], piece_hi),
-    nbytes=cat(plan.nbytes[keep], nbytes),
-    local=cat(plan.local[keep], np.zeros(len(rr), dtype=bool)),
-    lower_bound_bytes=plan.lower_bound_bytes,
-    gather_broadcast_bytes=plan.gather_broadcast_bytes,
-  )
-  chunks = cat(np.zeros(len(keep), dtype=np.int64), chunk)
-  return out, np.unique(chunks, return_inverse=True)[1].reshape(-1)
-
-
-def split_slabs(
-  plan: LeafPlan,
-  src: Layout,
-  k: int,
-  itemsize: int,
-  *,
-  receiver: bool = False,
-  spread: Sequence[bool] | None = None,
-  dim: int | None = None,
-) -> tuple[LeafPlan, np.ndarray, tuple[int, tuple[int, ...]]]:
-  """``plan`` cut into up to ``k`` slabs of source-local indices, each row's chunk, and the
-  slabs ``(dim, bounds)``.
-
-  Chunk ``j`` covers local indices ``bounds[j]:bounds[j + 1]`` along ``dim`` (see
-  :func:`slab_dim`) of every source shard; every transfer with bytes, local copies included, is
-  cut by its sender's windows. With ``receiver``, ``src`` is the destination layout: the slabs
-  are of destination-local indices and every row is cut by its receiver's windows. ``spread``:
-  see :func:`slab_dim`. With ``dim``, the slabs cut that dimension into windows of one width
-  (the last narrower where ``k`` does not divide it). Rows keep
-  the planner's order (each cut row replaced by its
-  pieces, by chunk); the pieces partition the rows: the same bytes, more rows.
-
-  Example:
-    >>> from jax_reshard._planner import plan_leaf
-    >>> src = Layout.from_description((8, 4), mesh_shape=(2,), axis_names=("x",), spec=(None,))
-    >>> dst = Layout.from_description((8, 4), mesh_shape=(2,), axis_names=("y",),
-    ...                               spec=("y",), device_ids=(2, 3))
-    >>> cut, chunk, slabs = split_slabs(plan_leaf(src, dst, 4), src, 2, 4)
-    >>> slabs, chunk.tolist(), int(cut.nbytes.sum()) == 8 * 4 * 4
-    ((0, (0, 4, 8)), [0, 1], True)
-  """
-  shard = src.shard_shape()
-  if dim is None:
-    dim = slab_dim(shard, k, spread)
-    k = max(1, min(k, shard[dim]))
-    bounds = (np.arange(k + 1, dtype=np.int64) * shard[dim]) // k
-  else:
-    width = -(-shard[dim] // max(1, min(k, shard[dim])))
-    bounds = np.minimum(np.arange(-(-shard[dim] // width) + 1, dtype=np.int64) * width, shard[dim])
-  rows = np.flatnonzero(plan.nbytes > 0)
-  ids = np.asarray(src.device_ids, dtype=np.int64)
-  order_ids = np.argsort(ids)
-  holder = (plan.dst_device if receiver else plan.src_device)[rows]
-  at = order_ids[np.searchsorted(ids, holder, sorter=order_ids)]
-  start = src.box_arrays()[0][at, dim]
-  lo, hi = plan.lo[rows, dim] - start, plan.hi[rows, dim] - start
-  j0 = np.searchsorted(bounds, lo, side="right") - 1
-  m = np.searchsorted(bounds, hi - 1, side="right") - j0  # windows per row
-  rr = np.repeat(np.arange(len(rows)), m)
-  j = j0[rr] + np.arange(len(rr)) - np.repeat(np.cumsum(m) - m, m)
-  piece_lo, piece_hi = plan.lo[rows][rr], plan.hi[rows][rr]
-  piece_lo[:, dim] = start[rr] + np.maximum(lo[rr], bounds[j])
-  piece_hi[:, dim] = start[rr] + np.minimum(hi[rr], bounds[j + 1])
-  keep = np.flatnonzero(plan.nbytes <= 0)
-  order = np.lexsort((np.r_[np.zeros(len(keep), np.int64), j], np.r_[keep, rows[rr]]))
-
-  def cat(kept: np.ndarray, pieces: np.ndarray) -> np.ndarray:
-    return np.concatenate([kept, pieces])[order]
-
-  out = LeafPlan(
-    src_device=cat(plan.src_device[keep], plan.src_device[rows][rr]),
-    dst_device=cat(plan.dst_device[keep], plan.dst_device[rows][rr]),
-    lo=cat(plan.lo[keep], piece_lo),
-    hi=cat(plan.hi[keep], piece_hi),
-    nbytes=cat(plan.nbytes[keep], np.prod(piece_hi - piece_lo, axis=1, dtype=np.int64) * itemsize),
-    local=cat(plan.local[keep], plan.local[rows][rr]),
-    lower_bound_bytes=plan.lower_bound_bytes,
-    gather_broadcast_bytes=plan.gather_broadcast_bytes,
-  )
-  chunks = cat(np.zeros(len(keep), dtype=np.int64), j)
-  return out, chunks, (dim, tuple(bounds.tolist()))
-
-
-def grid_dims(layouts: tuple[Layout, Layout]) -> tuple[int, int]:
-  """The dimensions a grid (:func:`split_grid`) cuts: of the source shards, the longest the
-  destination does not shard (else the longest); of the destination shards, the longest the
-  source does not shard, other than that one where there is such (else the longest), so that
-  every chunk keeps all senders and receivers busy."""
-  src, dst = layouts
-
-  def pick(shard: Sequence[int], other: Layout, skip: int | None) -> int:
-    free = [
-      (n, -d)
-      for d, (n, a, b) in enumerate(zip(shard, other.shard_shape(), other.shape, strict=True))
-      if a == b and n >= 2 and d != skip
-    ]
-    return -max(free)[1] if free else int(np.argmax(shard))
-
-  dim_s = pick(src.shard_shape(), dst, None)
-  return dim_s, pick(dst.shard_shape(), src, dim_s)
-
-
-def split_grid(
-  plan: LeafPlan, layouts: tuple[Layout, Layout], ks: int, kd: int, itemsize: int
-) -> tuple[LeafPlan, np.ndarray, tuple[int, tuple[int, ...]], tuple[int, tuple[int, ...]]]:
-  """``plan`` cut into a grid of slabs of one width, up to ``ks`` of its source shards and
-  ``kd`` of its destination shards, along :func:`grid_dims`: the rows, each row's chunk (source
-  slab ``i`` of destination slab ``j`` is chunk ``j * ks + i`` with ``ks`` the slabs made, see
-  :func:`grid_windows`), and both sides' slabs. Every row with bytes is cut by its sender's
-  windows, then by its receiver's: the same bytes, more rows.
-
-  Example:
-    >>> from jax_reshard._planner import plan_leaf
-    >>> src = Layout.from_description((8, 8), mesh_shape=(2,), axis_names=("x",), spec=("x",))
-    >>> dst = Layout.from_description((8, 8), mesh_shape=(2,), axis_names=("y",),
-    ...                               spec=(None, "y"), device_ids=(2, 3))
-    >>> cut, chunk, src_slabs, dst_slabs = split_grid(plan_leaf(src, dst, 4), (src, dst), 2, 2, 4)
-    >>> src_slabs, dst_slabs, sorted(set(chunk.tolist())), int(cut.nbytes.sum()) == 8 * 8 * 4
-    ((0, (0, 2, 4)), (1, (0, 2, 4)), [0, 1, 2, 3], True)
-  """
-  src, dst = layouts
-  dim_s, dim_d = grid_dims(layouts)
-  plan, _, src_slabs = split_slabs(plan, src, ks, itemsize, dim=dim_s)
-  plan, chunk, dst_slabs = split_slabs(plan, dst, kd, itemsize, receiver=True, dim=dim_d)
-  # Each row now lies in one source slab of its sender: which one.
-  ids = np.asarray(src.device_ids, dtype=np.int64)
-  order = np.argsort(ids)
-  at = order[np.searchsorted(ids, plan.src_device, sorter=order)]
-  bounds = np.asarray(src_slabs[1])
-  local = plan.lo[:, dim_s] - src.box_arrays()[0][at, dim_s]
-  ks = len(bounds) - 1
-  i = np.clip(np.searchsorted(bounds, local, side="right") - 1, 0, ks - 1)
-  i = np.where(plan.nbytes > 0, i, 0)
-  return plan, chunk * ks + i, src_slabs, dst_slabs
+  src: Windows | None = None
+  dst: Windows | None = None
+  windows: Windows | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -1046,24 +365,20 @@ class _Tree:
   itemsizes: Sequence[int]
   names: Sequence[str]
   union: np.ndarray
-  placeholders: list[np.ndarray]  # per leaf, per union device (see _placeholder_bytes)
+  layouts: Sequence[tuple[Layout, Layout]]
+  placeholders: list[np.ndarray]  # per leaf, per union device: both sides' placeholders
   members: list[np.ndarray]  # per leaf, which union devices it uses
   bound: int | None
-  # per leaf, per union device, the discarded destination blocks among its placeholders that
-  # a bucket assembling apart does not write, and the bytes it receives (empty where no bucket
-  # of the tree can assemble apart)
+  # per leaf and union device, what a bucket assembling apart does not write (its destination
+  # placeholder) and the bytes it receives; empty where no bucket may assemble apart
   discards: list[np.ndarray] = dataclasses.field(default_factory=list)
   receives: list[np.ndarray] = dataclasses.field(default_factory=list)
   options: Options = DEFAULT_OPTIONS  # the plan's: leaf cap, periods, whole operands, apart
   kinds: list[int] = dataclasses.field(default_factory=list)  # per leaf, its kind of transfers
-  links: _Links | None = None  # with a topology of several domains (see _make_rounds)
-  layouts: Sequence[tuple[Layout, Layout]] = ()
+  links: Links | None = None  # with a topology of several domains (see make_rounds)
   allow_slabs: bool = False
-  slabs: dict[int, tuple[int, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
-  dst_slabs: dict[int, tuple[int, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
-  windows: dict[int, tuple[int, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
-  # per split key: its number, the rows, their chunks, the source and destination slabs and
-  # the windows (or None)
+  cuts: dict[int, _Cut] = dataclasses.field(default_factory=dict)
+  # per split key: its number, the rows, their chunks and the cut (or None)
   splits: dict[tuple[object, ...], tuple[Any, ...]] = dataclasses.field(default_factory=dict)
   plans: list[LeafPlan] = dataclasses.field(default_factory=list)
   chunks: list[np.ndarray] = dataclasses.field(default_factory=list)
@@ -1085,9 +400,6 @@ class _Tree:
     """Records ``leaf``'s rows and their chunks, and each chunk's payload bytes per device;
     ``state``: see :attr:`states` (default: a new number)."""
     state = ("fresh", next(self.fresh)) if state is None else state
-    if leaf == len(self.states):
-      self.states.append(state)
-    self.states[leaf] = state
     n, k = len(self.union), int(chunk.max(initial=0)) + 1
     remote = ~plan.local
     nb, c = plan.nbytes[remote], chunk[remote]
@@ -1095,71 +407,47 @@ class _Tree:
     d = np.searchsorted(self.union, plan.dst_device[remote])
     pay = np.bincount(c * n + s, nb, minlength=k * n) + np.bincount(c * n + d, nb, minlength=k * n)
     if leaf == len(self.plans):
+      self.states.append(state)
       self.plans.append(plan)
       self.chunks.append(chunk)
       self.payloads.append(pay)
-    self.plans[leaf], self.chunks[leaf] = plan, chunk
+    self.states[leaf], self.plans[leaf], self.chunks[leaf] = state, plan, chunk
     self.payloads[leaf] = pay.astype(np.int64).reshape(k, n)
 
   def state(self, leaf: int) -> tuple[Any, ...]:
-    """Equal for leaves whose chunks build equal buckets (up to their leaf numbers): their
-    kind, rows, chunks, slabs and windows."""
-    return (
-      self.kinds[leaf],
-      self.states[leaf],
-      self.slabs.get(leaf),
-      self.dst_slabs.get(leaf),
-      self.windows.get(leaf),
-    )
+    """Equal for leaves whose chunks build equal buckets (up to their leaf numbers)."""
+    return self.kinds[leaf], self.states[leaf], self.cuts.get(leaf)
 
   def items(self, leaf: int) -> list[tuple[int, int]]:
     return [(leaf, c) for c in range(len(self.payloads[leaf]))]
 
+  def placeholder(self, leaf: int, side: int) -> np.ndarray:
+    """Per union device, the placeholder bytes of ``leaf``'s source (``side`` 0) or
+    destination (1) block."""
+    return _placeholder(self.layouts[leaf][side], self.itemsizes[leaf], self.union)
+
   def staged(self, leaf: int, first: int, last: int) -> np.ndarray:
     """Per union device, the bytes a bucket moving chunks ``first..last`` of ``leaf`` stages
-    for it besides payloads: its placeholder blocks, or for a leaf cut into slabs, the slab
-    (cut from the source shard, or a zero placeholder of that size) and the destination
-    placeholder; for a leaf cut into destination slabs, the source placeholder and the slab
-    output (written into the destination shard, or discarded, after the bucket)."""
-    src_slab, dst_slab = self.slabs.get(leaf), self.dst_slabs.get(leaf)
-    if src_slab is None and dst_slab is None:
+    besides payloads: per side, its window where the leaf is cut into slabs of that side, else its
+    placeholder."""
+    cut = self.cuts.get(leaf)
+    if cut is None or (cut.src is None and cut.dst is None):
       return self.placeholders[leaf]
-    windows = grid_windows(src_slab, dst_slab, first, last)
     out = np.zeros(len(self.union), dtype=np.int64)
-    for side, window in enumerate(windows):
+    for side, window in enumerate(grid_windows(cut.src, cut.dst, first, last)):
       block = staged_block_shape(self.layouts[leaf][side].shard_shape())
-      if window is None:  # the other side's placeholder
-        out += self.dst_placeholder(leaf) if side == 1 else self.src_placeholder(leaf)
-      else:  # the window, on every device (cut from a shard, or a zero block of its size)
+      if window is None:
+        out += self.placeholder(leaf, side)
+      else:
         dim, start, stop = window
         out += math.prod(block) // block[dim] * (stop - start) * self.itemsizes[leaf]
     return out
 
   def apart(self, leaves: Collection[int]) -> bool:
-    """Whether a bucket of ``leaves`` may assemble apart (:func:`assembly_devices`): the tree
-    allows it (:attr:`discards`) and every one of them moves whole, not cut into chunks, slabs
-    or windows."""
+    """Whether a bucket of ``leaves`` may assemble apart: the tree allows it and all move whole."""
     return bool(self.discards) and all(
-      len(self.payloads[leaf]) == 1
-      and leaf not in self.slabs
-      and leaf not in self.dst_slabs
-      and leaf not in self.windows
-      for leaf in leaves
+      len(self.payloads[leaf]) == 1 and leaf not in self.cuts for leaf in leaves
     )
-
-  def src_placeholder(self, leaf: int) -> np.ndarray:
-    """Per union device, the source placeholder bytes of ``leaf`` (0 where it holds a source
-    shard)."""
-    src = self.layouts[leaf][0]
-    src_block = math.prod(staged_block_shape(src.shard_shape())) * self.itemsizes[leaf]
-    return placeholder_mask(src, self.union) * src_block
-
-  def dst_placeholder(self, leaf: int) -> np.ndarray:
-    """Per union device, the destination placeholder bytes of ``leaf`` (0 where it holds a
-    destination shard)."""
-    dst = self.layouts[leaf][1]
-    dst_block = math.prod(staged_block_shape(dst.shard_shape())) * self.itemsizes[leaf]
-    return placeholder_mask(dst, self.union) * dst_block
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -1180,21 +468,16 @@ class _Built:
 def _bucket_pieces(
   plans: Sequence[LeafPlan], leaves: Sequence[int], rows: Sequence[np.ndarray]
 ) -> tuple[np.ndarray, ...]:
-  """The remote transfers ``rows`` (a mask per leaf) of a bucket's leaves as payload pieces,
-  sorted by (source, destination, leaf, transfer): ``(src, dst, leaf, transfer, nbytes,
-  first)``, where ``first`` is the index of each pair's first piece (the offsets inside each
-  payload come from :func:`_whole_first`, which may reorder a payload's pieces)."""
-  cols: list[list[np.ndarray]] = [[], [], [], [], []]
+  """The remote rows ``rows`` (a mask per leaf) of a bucket's leaves as pieces sorted by (source,
+  destination, leaf, transfer): ``(src, dst, leaf, transfer, nbytes, first)``, ``first`` the
+  index of each pair's first piece."""
+  parts = []
   for leaf, mask in zip(leaves, rows, strict=True):
     p = plans[leaf]
     ts = np.nonzero(mask & ~p.local & (p.nbytes != 0))[0]
-    for col, v in zip(
-      cols,
-      (p.src_device[ts], p.dst_device[ts], np.full(len(ts), leaf), ts, p.nbytes[ts]),
-      strict=True,
-    ):
-      col.append(np.asarray(v, dtype=np.int64))
-  src, dst, leaf_of, transfer, nbytes = (np.concatenate(c) for c in cols)
+    cols = (p.src_device[ts], p.dst_device[ts], np.full(len(ts), leaf), ts, p.nbytes[ts])
+    parts.append([np.asarray(v, dtype=np.int64) for v in cols])
+  src, dst, leaf_of, transfer, nbytes = (np.concatenate(c) for c in zip(*parts, strict=True))
   order = np.lexsort((transfer, leaf_of, dst, src))
   src, dst, leaf_of, transfer, nbytes = (a[order] for a in (src, dst, leaf_of, transfer, nbytes))
   new_pair = np.r_[True, (src[1:] != src[:-1]) | (dst[1:] != dst[:-1])][: len(src)]
@@ -1204,25 +487,20 @@ def _bucket_pieces(
 def _whole_first(
   tree: _Tree, pair_round: np.ndarray, cols: tuple[np.ndarray, ...], first: np.ndarray
 ) -> tuple[np.ndarray, ...]:
-  """The pieces ``cols`` (src, dst, leaf, transfer, nbytes; sorted by pair, then leaf and
-  transfer; each pair, of those starting at ``first``, in round ``pair_round``) reordered
-  within each payload so that the whole source shards (of at least ``whole_operand_bytes``)
-  of the leaves whose whole source shard every payload of the round holds come first, in leaf
-  order: they lie at the same offsets of every payload of the round, and are sent as they are
-  (an operand of the round's ``ppermute`` each, see ``_cost.whole_segment_bytes``); then their
-  offsets."""
+  """The pieces ``cols`` (see :func:`_bucket_pieces`; pair ``i`` in round ``pair_round[i]``)
+  reordered so that in each payload the whole source shards (of at least
+  ``whole_operand_bytes``) that every payload of its round holds come first, in leaf order: sent
+  as they are (``_cost.whole_segment_bytes``); then their offsets."""
   src, dst, leaf_of, transfer, nbytes = cols
+  new_pair = np.zeros(len(src), dtype=bool)
+  new_pair[first] = True
+  pid = np.cumsum(new_pair) - 1  # each piece's pair
   used, inv = np.unique(leaf_of, return_inverse=True)
-  shard = [
-    math.prod(tree.layouts[j][0].shard_shape()) * tree.itemsizes[j] if tree.layouts else -1
-    for j in used.tolist()
-  ]
+  shard = [math.prod(tree.layouts[j][0].shard_shape()) * tree.itemsizes[j] for j in used.tolist()]
   least = tree.options.whole_operand_bytes  # see Options: smaller shards are packed
   whole = (nbytes == np.asarray(shard, dtype=np.int64)[inv]) & (nbytes >= least)
   if whole.any():
-    pid = np.cumsum(np.r_[True, (src[1:] != src[:-1]) | (dst[1:] != dst[:-1])][: len(src)]) - 1
-    piece_round = pair_round[pid]
-    key = piece_round * (int(leaf_of.max()) + 1) + leaf_of
+    key = pair_round[pid] * (int(leaf_of.max()) + 1) + leaf_of
     keys, inv, counts = np.unique(key[whole], return_inverse=True, return_counts=True)
     size = np.bincount(pair_round)  # pairs per round
     common = np.zeros(len(src), dtype=bool)
@@ -1231,16 +509,13 @@ def _whole_first(
       order = np.lexsort((transfer, leaf_of, ~common, pid))
       src, dst, leaf_of, transfer, nbytes = (a[order] for a in cols)
   ends = np.cumsum(nbytes)
-  new_pair = np.zeros(len(src), dtype=bool)
-  new_pair[first] = True
-  offset = ends - nbytes - (ends[first] - nbytes[first])[np.cumsum(new_pair) - 1]
+  offset = ends - nbytes - (ends[first] - nbytes[first])[pid]
   return src, dst, leaf_of, transfer, nbytes, offset
 
 
 def _build(tree: _Tree, items: Sequence[tuple[int, int]]) -> _Built:
-  """The bucket of ``items`` ((leaf, chunk), consecutive) with its rounds and byte counts. A
-  bucket like one built before (leaves of the same states in the same order, the layers of a
-  model) is that bucket with its leaves renumbered."""
+  """The bucket of ``items`` ((leaf, chunk), consecutive) with its rounds and byte counts; one
+  like a bucket built before (leaves in the same states, in order) is that one renumbered."""
   chunks: dict[int, list[int]] = {}
   for leaf, c in items:
     chunks.setdefault(leaf, []).append(c)
@@ -1274,7 +549,7 @@ def _build_new(tree: _Tree, leaves: list[int], chunks: dict[int, list[int]]) -> 
   ps, pd = src[first], dst[first]
   key = ps.tobytes() + b"|" + pd.tobytes() + b"|" + fill.tobytes()
   if key not in tree.round_cache:
-    tree.round_cache[key] = _make_rounds(ps, pd, fill, tree.links, tree.colourings)
+    tree.round_cache[key] = make_rounds(ps, pd, fill, tree.links, tree.colourings)
   rounds, round_bytes, pair_round = tree.round_cache[key]
   src, dst, leaf_of, transfer, nbytes, offset = _whole_first(
     tree, pair_round, (src, dst, leaf_of, transfer, nbytes), first
@@ -1315,8 +590,7 @@ def _build_new(tree: _Tree, leaves: list[int], chunks: dict[int, list[int]]) -> 
 
 def _unpadded_peaks(tree: _Tree, items: Sequence[tuple[int, int]], start: int) -> Iterator[int]:
   """For ``e = start + 1, start + 2, ...``, the most bytes one device stages, unpadded, in a
-  bucket of ``items[start:e]``: payloads plus each leaf's placeholders once, on the bucket's
-  devices."""
+  bucket of ``items[start:e]``."""
   n = len(tree.union)
   acc_ph, acc_pay, mask = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, bool)
   acc_discards, acc_recv, apart = np.zeros(n, np.int64), np.zeros(n, np.int64), bool(tree.discards)
@@ -1332,35 +606,12 @@ def _unpadded_peaks(tree: _Tree, items: Sequence[tuple[int, int]], start: int) -
         acc_discards, acc_recv = acc_discards + tree.discards[leaf], acc_recv + tree.receives[leaf]
     first[leaf] = (c0, ph)
     peak = int((acc_ph * mask + acc_pay).max())
-    if apart and tree.bound is not None and peak > tree.bound:  # see _build_new
-      peak = _apart_peak(acc_ph, acc_pay, acc_discards, acc_recv, mask)
+    if apart and tree.bound is not None and peak > tree.bound:
+      # Assembled apart (see _build_new): no discards, and the rounds' payloads the transfer
+      # program returns, at least the most one device receives.
+      returned = int(acc_recv.max(initial=0))
+      peak = int(((acc_ph - acc_discards + returned) * mask + acc_pay - acc_recv).max(initial=0))
     yield peak
-
-
-def _apart_peak(
-  placeholders: np.ndarray,
-  payloads: np.ndarray,
-  discards: np.ndarray,
-  received: np.ndarray,
-  mask: np.ndarray,
-) -> int:
-  """The most bytes one device (of ``mask``) stages, unpadded, in a bucket that assembles
-  apart (see :func:`_build_new`): its placeholders but the ``discards``, the payloads it sends,
-  and the rounds' payloads its transfer program returns, at least the most one device
-  receives."""
-  returned = int(received.max(initial=0))
-  return int(((placeholders - discards + returned) * mask + payloads - received).max(initial=0))
-
-
-def _greedy_end(tree: _Tree, items: Sequence[tuple[int, int]], start: int) -> int:
-  """One past the last item that joins ``items[start]``'s bucket while the unpadded staging
-  (:func:`_unpadded_peaks`) stays in bound."""
-  if tree.bound is None:
-    return len(items)
-  for e, peak in enumerate(_unpadded_peaks(tree, items, start), start + 1):
-    if e > start + 1 and peak > tree.bound:
-      return e - 1
-  return len(items)
 
 
 def _item_keys(tree: _Tree, items: Sequence[tuple[int, int]]) -> np.ndarray:
@@ -1373,14 +624,13 @@ def _repeat_end(
 ) -> int:
   """One past the last item of a bucket starting at item ``start`` under the leaf cap.
 
-  ``keys`` are :func:`_item_keys`. A *run* repeats with a period ``p`` over at least the cap's
-  length and two periods (the layers of a model). Where a run starts at ``start``, the bucket
-  takes whole periods: one if ``p`` is at least the tree's ``Options.min_period_leaves``, else
-  the same number ``t`` of periods for every bucket of the run (a divisor of its periods where
-  one lies between half the cap and the cap, so every bucket is equal), so the buckets of a
-  run share one program whatever the phase of ``start``. Elsewhere the bucket ends where a run
-  begins, or at the cap. ``runs`` carries a run's ``(p, t, end)`` from one bucket's end to the
-  next bucket."""
+  A *run* of ``keys`` (:func:`_item_keys`) repeats with a period ``p`` over at least the cap and
+  two periods (the layers of a model). A bucket where a run starts takes whole periods: one if
+  ``p >= Options.min_period_leaves``, else the same number for every bucket of the run (a
+  divisor of its periods where one lies between half the cap and the cap), so that they share a
+  program. Elsewhere it ends where a run begins, or at the cap. ``runs`` carries a run's ``(p,
+  t, end)`` to the next bucket.
+  """
   cap = tree.options.max_bucket_leaves
   if start in runs:
     p, t, run_end = runs.pop(start)
@@ -1419,19 +669,14 @@ def _repeat_end(
 def _largest_fitting(
   tree: _Tree, items: Sequence[tuple[int, int]], start: int, end: int, peak: int
 ) -> tuple[_Built, int] | None:
-  """An ``items[start:e]`` (``e < end``) whose padded staging is in bound while that of
-  ``items[start:e + 1]`` is not (or ``e + 1 == end``), with ``e``: the longest that fits
-  where no prefix fits once a shorter one does not; ``None`` when not even ``items[start]``
-  alone fits.
-  ``peak``: the padded staging of ``items[start:end]``, which is over the bound.
+  """``(bucket, e)`` for an ``items[start:e]`` (``e < end``) whose padded staging fits while
+  that of ``items[start:e + 1]`` does not (or ``e + 1 == end``); ``None`` where ``items[start]``
+  alone does not fit. ``peak``: the padded staging of ``items[start:end]``.
 
-  Each probe builds and colours a bucket. The first is where the unpadded staging
-  (:func:`_unpadded_peaks`), scaled by ``peak`` over that of ``items[start:end]``, reaches
-  the bound. If it fits, the next longer and then the longest below ``end`` are tried; if
-  not, the search gallops down. Then it bisects the bracket it has. With padding in
-  proportion to the bytes, that is two builds. Padded staging need not grow with the length
-  (a longer bucket's rounds may pad less), so a longer bucket than the one found may fit
-  too."""
+  The first probe is where the unpadded staging, scaled to ``peak``, reaches the bound; from
+  there it tries the next and the longest, or gallops down, then bisects: with padding in
+  proportion to the bytes, two builds.
+  """
   assert tree.bound is not None
   bound = tree.bound
   unpadded = list(itertools.islice(_unpadded_peaks(tree, items, start), end - start))
@@ -1473,15 +718,20 @@ def _largest_fitting(
 
 
 def _fill_buckets(tree: _Tree) -> list[_Built]:
-  """Consecutive items per bucket, every bucket's padded staging in bound. A whole leaf that
-  does not fit alone (its rounds padded past the bound) is split into chunks on the way."""
+  """Consecutive items per bucket, every bucket's padded staging in bound; a leaf that does not
+  fit alone is split on the way."""
   items = [item for leaf in range(len(tree.plans)) for item in tree.items(leaf)]
   keys = _item_keys(tree, items)
   runs: dict[int, tuple[int, int, int]] = {}  # see _repeat_end
   out: list[_Built] = []
   cap, i = tree.options.max_bucket_leaves, 0
   while i < len(items):
-    end = _greedy_end(tree, items, i)
+    end = len(items)  # where the unpadded staging leaves the bound
+    peaks = _unpadded_peaks(tree, items, i) if tree.bound is not None else ()
+    for e, peak in enumerate(peaks, i + 1):
+      if e > i + 1 and tree.bound is not None and peak > tree.bound:
+        end = e - 1
+        break
     if end - i > cap or i in runs:  # else the bucket the bytes allow is kept
       end = min(end, _repeat_end(tree, keys, i, runs))
     built = _build(tree, items[i:end])
@@ -1504,137 +754,213 @@ def _fill_buckets(tree: _Tree) -> list[_Built]:
 
 
 def _split_leaf(tree: _Tree, leaf: int, k: int) -> None:
-  """Splits ``leaf`` into the fewest chunks (from ``k`` up) that each fit the bound alone,
-  padded rounds and the leaf's placeholder blocks included: windows of one width along a
-  dimension neither side shards, where it has one (their chunks share one program), else
-  sub-boxes of its transfers, else (only where the schedule allows it) slabs of its source
-  shards, else slabs of its destination shards. A slab way is also tried where its placeholder
-  (source, destination) alone takes more than half the bound, and kept if it needs fewer chunks
-  (so fewer rounds) than the ways before it. Where both placeholders are heavy and the leaf has
-  a dimension neither side shards, windows along it that are slabs of both sides at once
-  (:func:`_split_both`) are tried last, kept on the same terms: both placeholders shrink with
-  them.
+  """Cuts ``leaf`` into the fewest chunks (from ``k`` up) that each fit the bound alone, padded
+  rounds and the leaf's placeholder blocks included (:func:`_best_split`); a leaf like one cut
+  before (the layers of a model) is cut alike."""
+  key = (tree.kinds[leaf], tree.original[leaf].nbytes.tobytes())
+  if key not in tree.splits:
+    tree.splits[key] = (len(tree.splits), *_best_split(tree, leaf, k))
+  number, plan, chunk, cut = tree.splits[key]
+  tree.set_chunks(leaf, plan, chunk, ("split", number))
+  if cut is not None:
+    tree.cuts[leaf] = cut
+
+
+def _best_split(tree: _Tree, leaf: int, k: int) -> tuple[LeafPlan, np.ndarray, _Cut | None]:
+  """The rows, their chunks and the cut :func:`_split_leaf` makes (the tree left without a cut).
+
+  The ways of docs/design.md "Chunks", in order: the first that fits is kept; a later one is
+  tried where a placeholder it shrinks takes over half the bound, and kept if it needs fewer
+  chunks; the grid only where nothing else fits.
 
   Raises:
-    BucketBoundError: if no way fits: the least bytes named are the smallest of the ways'
-      (a lower bound where a way was not tried because its lower bound exceeds the bound).
+    BucketBoundError: if no way fits, naming the least bytes of the ways.
   """
-  key = _split_key(tree, leaf)
-  if key not in tree.splits:  # else a leaf like one split before (the layers of a model)
-    tree.splits[key] = (len(tree.splits), *_best_split(tree, leaf, k))
-  number, plan, chunk, slabs, dst_slabs, windows = tree.splits[key]
-  tree.set_chunks(leaf, plan, chunk, ("split", number))
-  if windows is not None:
-    tree.windows[leaf] = windows
-  if slabs is not None:
-    tree.slabs[leaf] = slabs
-  if dst_slabs is not None:
-    tree.dst_slabs[leaf] = dst_slabs
-
-
-def _best_split(tree: _Tree, leaf: int, k: int) -> tuple[Any, ...]:
-  """The split :func:`_split_leaf` makes: ``(rows, their chunks, source slabs, destination
-  slabs, windows)``, the tree left without slabs or windows for ``leaf``. Windows come first
-  where the leaf has a dimension neither side shards: their chunks stage what sub-boxes do and
-  run one program."""
   assert tree.bound is not None
-  members = tree.members[leaf]
-  heavy = [False, False] + [
-    2 * int((ph * members).max(initial=0)) > tree.bound
-    for ph in (tree.src_placeholder(leaf), tree.dst_placeholder(leaf))
+  heavy = [
+    2 * int((tree.placeholder(leaf, side) * tree.members[leaf]).max(initial=0)) > tree.bound
+    for side in (0, 1)
   ]
-  ways: list[Any] = [_split_windows, _split_rows, _split_slabs, _split_dst_slabs, _split_both]
-  heavy.append(heavy[2] and heavy[3])
-  if not tree.allow_slabs:
-    ways, heavy = ways[:2], heavy[:2]
-  if not tree.layouts or window_dim(*tree.layouts[leaf]) is None:
-    ways, heavy = ways[1:4], heavy[1:4]
+  windows = window_dim(*tree.layouts[leaf]) is not None
+  ways: list[tuple[Callable[[], tuple[int, str] | None], bool]] = [
+    (lambda: _split_windows(tree, leaf, k), False),
+    (lambda: _split_rows(tree, leaf, k), False),
+  ][0 if windows else 1 :]
+  if tree.allow_slabs:
+    ways += [
+      (lambda: _split_slabs(tree, leaf, k, 0), heavy[0]),
+      (lambda: _split_slabs(tree, leaf, 2, 1), heavy[1]),  # from its own estimate
+    ]
+    if windows:
+      ways.append((lambda: _split_windows(tree, leaf, k, both=True), heavy[0] and heavy[1]))
+    if all(lay.shard_shape() for lay in tree.layouts[leaf]):
+      ways.append((lambda: _split_grid(tree, leaf, k), False))
   best: tuple[Any, ...] | None = None
   failed = []
-  for way, worth in zip(ways, heavy, strict=False):
+  for way, worth in ways:
     if best is not None and not worth:
       continue
-    found = way(tree, leaf, 2 if way is _split_dst_slabs else k)  # from its own estimate
+    found = way()
     if found is not None:
       failed.append(found)
     elif best is None or len(tree.payloads[leaf]) < best[0]:
-      best = (len(tree.payloads[leaf]), tree.plans[leaf], tree.chunks[leaf])
-      best += (tree.slabs.get(leaf), tree.dst_slabs.get(leaf), tree.windows.get(leaf))
-    tree.slabs.pop(leaf, None)
-    tree.dst_slabs.pop(leaf, None)
-    tree.windows.pop(leaf, None)
-  if best is None and tree.allow_slabs and all(lay.shard_shape() for lay in tree.layouts[leaf]):
-    # the last way: a grid of slabs of both sides
-    found = _split_grid(tree, leaf, k)
-    if found is None:
-      best = (len(tree.payloads[leaf]), tree.plans[leaf], tree.chunks[leaf])
-      best += (tree.slabs.pop(leaf), tree.dst_slabs.pop(leaf), None)
-    else:
-      failed.append(found)
-  if best is None:
-    minimum, qualifier = min(failed)
-    _raise_bound(tree, leaf, minimum, qualifier)
-  assert best is not None
-  return best[1:]
-
-
-def _split_key(tree: _Tree, leaf: int) -> tuple[object, ...]:
-  """What a leaf's split depends on: its transfers, layouts and itemsize (the bound and the
-  tree's devices are the same for every leaf of a tree)."""
-  p = tree.original[leaf]
-  arrays = (p.src_device, p.dst_device, p.lo, p.hi, p.nbytes, p.local)
-  return (
-    tree.layouts[leaf] if tree.layouts else leaf,
-    tree.itemsizes[leaf],
-    p.lo.shape,
-    *(np.ascontiguousarray(a).tobytes() for a in arrays),
+      best = (len(tree.payloads[leaf]), tree.plans[leaf], tree.chunks[leaf], tree.cuts.get(leaf))
+    tree.cuts.pop(leaf, None)
+  if best is not None:
+    return best[1], best[2], best[3]
+  minimum, qualifier = min(failed)
+  if minimum <= tree.bound:  # a lower bound the leaf does not fit at: it needs more
+    minimum, qualifier = tree.bound + 1, "at least "
+  raise BucketBoundError(
+    f"max_bucket_bytes={tree.bound} is below what leaf {tree.names[leaf]} needs per device "
+    f"in one bucket even split into its smallest chunks: {qualifier}{minimum} bytes (its "
+    "placeholder blocks on devices without a source or destination shard of it, plus the "
+    f"payloads of one chunk). Pass max_bucket_bytes={minimum} or more.",
+    leaf,
+    minimum,
   )
 
 
-def _split_windows(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
-  """Splits ``leaf`` into the fewest windows of one width along :func:`window_dim` that fit
-  (see :func:`_split_rows` for what it returns): every transfer and local copy cut by the
-  window, the whole shards staged as for sub-boxes."""
+def _fewest(
+  tree: _Tree, k: int, k_max: int, trial: Callable[[int], np.ndarray], floor: np.ndarray | None
+) -> tuple[int, str] | None:
+  """Cuts a leaf with ``trial(k)`` (which sets its rows, chunks and cut, and returns per chunk
+  tried alone the staging per device) into the fewest chunks from ``k`` up to ``k_max`` that
+  fit: ``None``, else the least staging found. Each try scales ``k`` by how far the staging
+  above ``floor`` (what no cut shrinks; ``None``: nothing) overshoots the bound."""
   assert tree.bound is not None
-  src, dst = tree.layouts[leaf]
-  dim = window_dim(src, dst)
-  assert dim is not None
-  ph = tree.placeholders[leaf] * tree.members[leaf]
-  if int(ph.max(initial=0)) > tree.bound:  # whole placeholders: no window fits
-    return int(ph.max(initial=0)), "at least "
-  k_max = src.shape[dim]
   k = max(2, min(k, k_max))
   while True:
-    stage = _staged_windows(tree, leaf, k, dim, (tree.windows,))
+    stage = trial(k)
     if int(stage.max()) <= tree.bound:
       return None
     if k >= k_max:
       return int(stage.max()), ""
-    ratio = float(((stage - ph) / np.maximum(tree.bound - ph, 1)).max())
-    k = min(k_max, max(k + 1, math.ceil(k * ratio)))
+    if floor is None:
+      grow = k * float(stage.max()) / tree.bound
+    else:
+      grow = k * float(((stage - floor) / np.maximum(tree.bound - floor, 1)).max())
+    k = min(k_max, max(k + 1, math.ceil(grow)))
 
 
-def _staged_windows(
-  tree: _Tree, leaf: int, k: int, dim: int, found: Sequence[dict[int, Any]]
-) -> np.ndarray:
-  """Cuts ``leaf`` into ``k`` windows of one width along ``dim`` (:func:`split_slabs` of its
-  source shards), records them in each of ``found`` (the tree's windows, or its source and
-  destination slabs), and returns per chunk checked and union device the staging of a bucket
-  of that chunk alone. Only one chunk of each kind is checked (:func:`_distinct_chunks`): most
-  windows of one width move the same pairs' bytes, but one across the boundary of two
-  shards has more pairs, whose rounds may pad more."""
+def _alone(tree: _Tree, leaf: int, chunks: Iterable[int]) -> np.ndarray:
+  """Per chunk of ``chunks``, the staging per union device of a bucket of it alone."""
+  return np.stack([_build(tree, [(leaf, c)]).stage for c in chunks])
+
+
+def _split_rows(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
+  """Sub-boxes of the remote transfers (``split_rows``), with whole placeholders: no fewer than a
+  placeholder plus the thinnest slab of one transfer of a device."""
+  assert tree.bound is not None
+  bound, orig = tree.bound, tree.original[leaf]
+  ph = tree.placeholders[leaf] * tree.members[leaf]
+  remote = ~orig.local & (orig.nbytes > 0)
+  ext = (orig.hi - orig.lo)[remote]
+  slab = orig.nbytes[remote] // np.maximum(ext.max(axis=1, initial=1), 1)
+  none = np.iinfo(np.int64).max
+  thinnest = np.full(len(tree.union), none)
+  for devs in (orig.src_device[remote], orig.dst_device[remote]):
+    np.minimum.at(thinnest, np.searchsorted(tree.union, devs), slab)
+  least = int((ph + np.where(thinnest == none, 0, thinnest)).max(initial=0))
+  if least > bound:
+    return least, "at least "
+
+  def trial(k: int) -> np.ndarray:
+    tree.set_chunks(leaf, *split_rows(orig, k, tree.itemsizes[leaf]))
+    stage = tree.payloads[leaf] + ph  # unpadded: built where that fits
+    return _alone(tree, leaf, range(len(stage))) if int(stage.max()) <= bound else stage
+
+  return _fewest(tree, k, int(ext.max(initial=1)) if ext.size else 1, trial, ph)
+
+
+def _split_slabs(tree: _Tree, leaf: int, k: int, side: int) -> tuple[int, str] | None:
+  """Slabs of the source (``side`` 0) or destination (1) shards (``split_slabs``); the other
+  side's placeholder is the floor."""
+  assert tree.bound is not None
+  orig, isz, lay = tree.original[leaf], tree.itemsizes[leaf], tree.layouts[leaf][side]
   src = tree.layouts[leaf][0]
-  plan, chunk, windows = split_slabs(tree.original[leaf], src, k, tree.itemsizes[leaf], dim=dim)
-  for where in found:
-    where[leaf] = windows
-  tree.set_chunks(leaf, plan, chunk)
-  return np.stack([_build(tree, [(leaf, c)]).stage for c in _distinct_chunks(tree, leaf)])
+  # Destination slabs are cut along a dimension the source does not shard where there is one.
+  spread = [a == b for a, b in zip(src.shard_shape(), src.shape, strict=True)] if side else None
+  shard = staged_block_shape(lay.shard_shape())
+  k_max = max(shard)
+  floor = tree.placeholder(leaf, 1 - side) * tree.members[leaf]  # staged by every slab
+  least = int((floor + math.prod(shard) // k_max * isz).max(initial=0))
+  if least > tree.bound or k_max < 2 or not lay.shard_shape():
+    return least, "at least "
+  room = tree.bound - floor
+  if (room > 0).all():
+    pay = tree.payloads[leaf].sum(axis=0)
+    k = max(k, math.ceil(float(((pay + math.prod(shard) * isz) / room).max())))
+
+  def trial(k: int) -> np.ndarray:
+    # Destination slabs along a dimension the source does not shard are of one width: their
+    # chunks then differ only by where the source rows start (see chunk_shift).
+    even = None
+    if spread is not None and spread[dim := slab_dim(shard, k, spread)]:
+      even = dim
+    plan, chunk, slabs = split_slabs(orig, lay, k, isz, receiver=side == 1, spread=spread, dim=even)
+    tree.cuts[leaf] = _Cut(dst=slabs) if side else _Cut(src=slabs)
+    tree.set_chunks(leaf, plan, chunk)
+    return _alone(tree, leaf, range(len(tree.payloads[leaf])))
+
+  return _fewest(tree, k, k_max, trial, floor)
+
+
+def _split_windows(tree: _Tree, leaf: int, k: int, both: bool = False) -> tuple[int, str] | None:
+  """Windows of one width along ``window_dim`` staged as whole shards, or with ``both`` as
+  slabs of both sides, so that both placeholders shrink with them."""
+  assert tree.bound is not None
+  src, dst = tree.layouts[leaf]
+  dim = window_dim(src, dst)
+  assert dim is not None
+  ph = None if both else tree.placeholders[leaf] * tree.members[leaf]
+  if ph is not None and int(ph.max(initial=0)) > tree.bound:  # no window fits
+    return int(ph.max(initial=0)), "at least "
+
+  def trial(k: int) -> np.ndarray:
+    plan, chunk, windows = split_slabs(tree.original[leaf], src, k, tree.itemsizes[leaf], dim=dim)
+    tree.cuts[leaf] = _Cut(src=windows, dst=windows) if both else _Cut(windows=windows)
+    tree.set_chunks(leaf, plan, chunk)
+    return _alone(tree, leaf, _distinct_chunks(tree, leaf))
+
+  return _fewest(tree, k, src.shape[dim], trial, ph)
+
+
+def _split_grid(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
+  """A grid of slabs of both sides (``split_grid``), at most ``Options.max_grid_slabs`` each."""
+  assert tree.bound is not None
+  src, dst = tree.layouts[leaf]
+  isz = tree.itemsizes[leaf]
+  blocks = [math.prod(staged_block_shape(lay.shard_shape())) * isz for lay in (src, dst)]
+  k_max = [
+    min(tree.options.max_grid_slabs, lay.shard_shape()[d])
+    for lay, d in zip((src, dst), grid_dims((src, dst)), strict=True)
+  ]
+  least = sum(b // m for b, m in zip(blocks, k_max, strict=True))
+  if least > tree.bound:
+    return least, "at least "
+  # Each side's window takes about half the bound (payloads are a fraction of a window).
+  ks, kd = (
+    min(m, max(2, math.ceil(2.2 * b / tree.bound))) for b, m in zip(blocks, k_max, strict=True)
+  )
+  while True:
+    plan, chunk, src_slabs, dst_slabs = split_grid(tree.original[leaf], (src, dst), ks, kd, isz)
+    peak = least
+    if src_slabs != dst_slabs:  # (equal slabs would read as windows of both sides)
+      tree.cuts[leaf] = _Cut(src=src_slabs, dst=dst_slabs)
+      tree.set_chunks(leaf, plan, chunk)
+      peak = int(_alone(tree, leaf, _distinct_chunks(tree, leaf)).max())
+      if peak <= tree.bound:
+        return None
+    if ks >= k_max[0] and kd >= k_max[1]:
+      return peak, ""
+    grow = max(1.1, peak / tree.bound)
+    ks, kd = (min(m, max(q + 1, math.ceil(q * grow))) for q, m in zip((ks, kd), k_max, strict=True))
 
 
 def _distinct_chunks(tree: _Tree, leaf: int) -> list[int]:
-  """The first chunk of ``leaf`` of each kind: chunks alike in what a bucket of one of them
-  alone stages (the bytes per sender and receiver pair, which give its rounds, and the
-  placeholder or slab bytes) stage alike."""
+  """The first chunk of ``leaf`` of each kind: chunks of equal pair bytes and placeholder or
+  slab bytes stage alike alone."""
   p, n = tree.plans[leaf], len(tree.payloads[leaf])
   rows = ~p.local & (p.nbytes != 0)
   c, s, d, nb = (a[rows] for a in (tree.chunks[leaf], p.src_device, p.dst_device, p.nbytes))
@@ -1653,171 +979,9 @@ def _distinct_chunks(tree: _Tree, leaf: int) -> list[int]:
   return list(kinds.values())
 
 
-def _split_rows(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
-  """Splits ``leaf`` by sub-boxes of its remote transfers (:func:`split_rows`) into the fewest
-  chunks that fit; ``None`` when they do, else the least staging found and its qualifier
-  (``"at least "`` for a lower bound)."""
-  assert tree.bound is not None
-  bound, orig = tree.bound, tree.original[leaf]
-  ph = tree.placeholders[leaf] * tree.members[leaf]
-  remote = ~orig.local & (orig.nbytes > 0)
-  ext = (orig.hi - orig.lo)[remote]
-  k_max = int(ext.max(initial=1)) if ext.size else 1
-  # No chunking goes below a placeholder plus the thinnest slab of one transfer of a device.
-  slab = orig.nbytes[remote] // np.maximum(ext.max(axis=1, initial=1), 1)
-  thinnest = np.full(len(tree.union), np.iinfo(np.int64).max)
-  for devs in (orig.src_device[remote], orig.dst_device[remote]):
-    np.minimum.at(thinnest, np.searchsorted(tree.union, devs), slab)
-  least = int((ph + np.where(thinnest == np.iinfo(np.int64).max, 0, thinnest)).max(initial=0))
-  if least > bound:
-    return least, "at least "
-  k = max(2, min(k, k_max))
-  while True:
-    tree.set_chunks(leaf, *split_rows(orig, k, tree.itemsizes[leaf]))
-    stage = tree.payloads[leaf] + ph
-    if int(stage.max()) <= bound:
-      stage = np.stack([_build(tree, [item]).stage for item in tree.items(leaf)])
-      if int(stage.max()) <= bound:
-        return None
-    if k >= k_max:
-      return int(stage.max()), ""
-    room = np.maximum(bound - ph, 1)
-    ratio = float(((stage - ph) / room).max())
-    k = min(k_max, max(k + 1, math.ceil(k * ratio)))
-
-
-def _split_slabs(
-  tree: _Tree, leaf: int, k: int, *, receiver: bool = False
-) -> tuple[int, str] | None:
-  """Splits ``leaf`` into the fewest slabs of its source shards (:func:`split_slabs`), or with
-  ``receiver`` of its destination shards, that fit (see :func:`_split_rows` for what it
-  returns). The other side's placeholder does not shrink: where it is the floor, this fails as
-  the sub-boxes do."""
-  assert tree.bound is not None
-  bound, orig, isz = tree.bound, tree.original[leaf], tree.itemsizes[leaf]
-  src, dst = tree.layouts[leaf]
-  side = dst if receiver else src
-  # Destination slabs are cut along a dimension the source does not shard where there is one.
-  spread = [a == b for a, b in zip(src.shard_shape(), src.shape, strict=True)] if receiver else None
-  found = tree.dst_slabs if receiver else tree.slabs
-  shard = staged_block_shape(side.shard_shape())
-  k_max = max(shard)
-  other = tree.src_placeholder(leaf) if receiver else tree.dst_placeholder(leaf)
-  floor = other * tree.members[leaf]  # what every slab split stages, and a slab
-  least = int((floor + math.prod(shard) // k_max * isz).max(initial=0))
-  if least > bound or k_max < 2 or not side.shard_shape():
-    return least, "at least "
-  room = bound - floor
-  if (room > 0).all():
-    pay = tree.payloads[leaf].sum(axis=0)
-    k = max(k, math.ceil(float(((pay + math.prod(shard) * isz) / room).max())))
-  k = max(2, min(k, k_max))
-  while True:
-    # Destination slabs along a dimension the source does not shard are of one width: their
-    # chunks then differ only by where the source rows start (see chunk_shift).
-    dim = slab_dim(shard, k, spread) if receiver else None
-    even = dim if dim is not None and spread is not None and spread[dim] else None
-    plan, chunk, slabs = split_slabs(orig, side, k, isz, receiver=receiver, spread=spread, dim=even)
-    found[leaf] = slabs
-    tree.set_chunks(leaf, plan, chunk)
-    stage = np.stack([_build(tree, [item]).stage for item in tree.items(leaf)])
-    if int(stage.max()) <= bound:
-      return None
-    if k >= k_max:
-      found.pop(leaf)
-      return int(stage.max()), ""
-    ratio = float(((stage - floor) / np.maximum(bound - floor, 1)).max())
-    k = min(k_max, max(k + 1, math.ceil(k * ratio)))
-
-
-def _split_both(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
-  """Splits ``leaf`` into the fewest windows of one width along :func:`window_dim` that fit,
-  as slabs of its source shards and of its destination shards at once (the dimension is whole
-  in both, so a window is a slab of each): a bucket stages the window of every source shard
-  and outputs the window of every destination shard, so the placeholders of both sides shrink
-  with the windows (see :func:`_split_rows` for what it returns)."""
-  assert tree.bound is not None
-  src, dst = tree.layouts[leaf]
-  dim = window_dim(src, dst)
-  assert dim is not None
-  k_max = src.shape[dim]
-  k = max(2, min(k, k_max))
-  while True:
-    stage = _staged_windows(tree, leaf, k, dim, (tree.slabs, tree.dst_slabs))
-    if int(stage.max()) <= tree.bound:
-      return None
-    if k >= k_max:
-      tree.slabs.pop(leaf)
-      tree.dst_slabs.pop(leaf)
-      return int(stage.max()), ""
-    k = min(k_max, max(k + 1, math.ceil(k * float(stage.max()) / tree.bound)))
-
-
-def _split_grid(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
-  """Splits ``leaf`` into a grid of slabs of its source shards and of its destination shards
-  (:func:`split_grid`), as few as fit (see :func:`_split_rows` for what it returns): a bucket
-  stages a window of every source shard and fills a window of every destination shard in
-  place, so both placeholders shrink with the slabs. The floor is a slab of
-  ``Options.max_grid_slabs`` or one index thick on each side (plus its payloads): a leaf both
-  of whose shards are many times the bound fits.
-  Tried where no other way fits: the grid moves each destination slab through several
-  buckets."""
-  assert tree.bound is not None
-  src, dst = tree.layouts[leaf]
-  isz = tree.itemsizes[leaf]
-  blocks = [math.prod(staged_block_shape(lay.shard_shape())) * isz for lay in (src, dst)]
-  dims = grid_dims((src, dst))
-  k_max = [
-    min(tree.options.max_grid_slabs, lay.shard_shape()[d])
-    for lay, d in zip((src, dst), dims, strict=True)
-  ]
-  least = sum(b // m for b, m in zip(blocks, k_max, strict=True))
-  if least > tree.bound:
-    return least, "at least "
-  # Each side's window takes about half the bound (payloads are a fraction of a window).
-  ks, kd = (
-    min(m, max(2, math.ceil(2.2 * b / tree.bound))) for b, m in zip(blocks, k_max, strict=True)
-  )
-  while True:
-    plan, chunk, src_slabs, dst_slabs = split_grid(tree.original[leaf], (src, dst), ks, kd, isz)
-    peak = least
-    if src_slabs != dst_slabs:  # (equal slabs would read as windows of both sides)
-      tree.slabs[leaf], tree.dst_slabs[leaf] = src_slabs, dst_slabs
-      tree.set_chunks(leaf, plan, chunk)
-      stage = np.stack([_build(tree, [(leaf, c)]).stage for c in _distinct_chunks(tree, leaf)])
-      peak = int(stage.max())
-      if peak <= tree.bound:
-        return None
-      tree.slabs.pop(leaf)
-      tree.dst_slabs.pop(leaf)
-    if ks >= k_max[0] and kd >= k_max[1]:
-      return peak, ""
-    grow = max(1.1, peak / tree.bound)
-    ks, kd = (min(m, max(q + 1, math.ceil(q * grow))) for q, m in zip((ks, kd), k_max, strict=True))
-
-
-def _split_dst_slabs(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
-  """:func:`_split_slabs` of the destination shards."""
-  return _split_slabs(tree, leaf, k, receiver=True)
-
-
-def _raise_bound(tree: _Tree, leaf: int, minimum: int, qualifier: str) -> None:
-  assert tree.bound is not None
-  if minimum <= tree.bound:  # a lower bound the leaf does not fit at: it needs more
-    minimum, qualifier = tree.bound + 1, "at least "
-  raise BucketBoundError(
-    f"max_bucket_bytes={tree.bound} is below what leaf {tree.names[leaf]} needs per device "
-    f"in one bucket even split into its smallest chunks: {qualifier}{minimum} bytes (its "
-    "placeholder blocks on devices without a source or destination shard of it, plus the "
-    f"payloads of one chunk). Pass max_bucket_bytes={minimum} or more.",
-    leaf,
-    minimum,
-  )
-
-
 def _presplit(tree: _Tree) -> None:
-  """Splits every leaf whose unpadded staging alone exceeds the bound, into as many chunks
-  as that excess suggests (checked with padding by :func:`_split_leaf`)."""
+  """Splits every leaf whose unpadded staging alone exceeds the bound, into as many chunks as
+  that excess suggests."""
   if tree.bound is None:
     return
   for leaf in range(len(tree.plans)):
@@ -1834,25 +998,10 @@ def _presplit(tree: _Tree) -> None:
     _split_leaf(tree, leaf, k)
 
 
-def _kinds(
-  plans: Sequence[LeafPlan], layouts: Sequence[tuple[Layout, Layout]], itemsizes: Sequence[int]
-) -> list[int]:
-  """Per leaf, a number equal for leaves with the same layouts, item size and transfers."""
-  ids: dict[tuple[object, ...], int] = {}
-  out = []
-  for plan, lay, isz in zip(plans, layouts, itemsizes, strict=True):
-    arrays = (plan.src_device, plan.dst_device, plan.lo, plan.hi, plan.local)
-    key = (lay, isz, plan.lo.shape, *(np.ascontiguousarray(a).tobytes() for a in arrays))
-    out.append(ids.setdefault(key, len(ids)))
-  return out
-
-
 def _apart_counts(tree: _Tree, apart: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
-  """Per leaf of ``tree``, per union device: the discarded destination blocks a bucket that
-  assembles apart does not write, and the bytes the device receives (:attr:`_Tree.discards`,
-  :attr:`_Tree.receives`), where ``apart`` (its programs can), the tree has a bound and its
-  leaves go to one destination device set holding none of their source shards (so that every
-  bucket of whole leaves may assemble apart, :func:`assembly_devices`), else empty lists."""
+  """:attr:`_Tree.discards` and :attr:`_Tree.receives` (per leaf and device, the destination
+  placeholder and the bytes received) where ``apart``, a bound, and one destination device set
+  holding no source shard let every bucket of whole leaves assemble apart; else empty."""
   layouts, union = tree.layouts, tree.union
   dst_sets = {dst.device_ids for _, dst in layouts}
   if not (apart and tree.options.split_assembly and tree.bound) or len(dst_sets) != 1:
@@ -1860,16 +1009,12 @@ def _apart_counts(tree: _Tree, apart: bool) -> tuple[list[np.ndarray], list[np.n
   (dst_ids,) = dst_sets
   if not dst_ids or any(not set(dst_ids).isdisjoint(src.device_ids) for src, _ in layouts):
     return [], []
-  discards = [
-    placeholder_mask(dst, union) * (math.prod(staged_block_shape(dst.shard_shape())) * isz)
-    for (_, dst), isz in zip(layouts, tree.itemsizes, strict=True)
-  ]
   receives = []
   for plan in tree.original:
     remote = ~plan.local
     at = np.searchsorted(union, plan.dst_device[remote])
     receives.append(np.bincount(at, plan.nbytes[remote], minlength=len(union)).astype(np.int64))
-  return discards, receives
+  return [tree.placeholder(leaf, 1) for leaf in range(len(layouts))], receives
 
 
 def make_schedule(
@@ -1890,19 +1035,14 @@ def make_schedule(
     plans: one :class:`LeafPlan` per leaf.
     layouts: ``(src, dst)`` layouts per leaf.
     itemsizes: bytes per element per leaf.
-    max_bucket_bytes: bound on staging bytes per device per bucket, padding included (no
-      discarded blocks where a bucket must assemble apart, see ``apart``); a leaf that does
-      not fit alone is split into chunks over consecutive buckets. ``None``: no bound.
+    max_bucket_bytes: bound on staging bytes per device per bucket, padding included; a leaf
+      that does not fit alone is split into chunks over consecutive buckets. ``None``: no bound.
     names: per leaf, a name for error messages (default ``#i``).
-    slabs: whether a leaf whose placeholder blocks keep sub-boxes of its transfers above the
-      bound may be cut into slabs of its source shards, or of its destination shards
-      (:func:`split_slabs`).
-    topology: where its domains split the devices, a bucket's pairs that cross domains and
-      those inside one may take rounds of their own (see :func:`_make_rounds`); ``None``:
-      rounds are made from the pairs' bytes alone.
+    slabs: whether a leaf may be cut into slabs of its shards (and grids).
+    topology: where its domains split the devices, pairs across and inside domains may take
+      rounds of their own (``make_rounds``).
     apart: whether a bucket may assemble apart where the bound needs it (its programs can).
-    options: the plan's :class:`Options`: a bucket's leaf cap and periods (:func:`_repeat_end`),
-      the whole source shards that lead payloads, and whether buckets may assemble apart.
+    options: the plan's :class:`Options`.
 
   Raises:
     BucketBoundError: if the bound is below what some leaf needs even in its smallest chunks.
@@ -1910,21 +1050,26 @@ def make_schedule(
   union = np.asarray(
     sorted({i for s, d in layouts for i in (*s.device_ids, *d.device_ids)}), dtype=np.int64
   )
+  kinds: dict[tuple[object, ...], int] = {}
   tree = _Tree(
     original=plans,
     itemsizes=itemsizes,
     names=names or [f"#{i}" for i in range(len(plans))],
     union=union,
+    layouts=layouts,
     placeholders=[
-      _placeholder_bytes(s, d, isz, union) for (s, d), isz in zip(layouts, itemsizes, strict=True)
+      _placeholder(s, isz, union) + _placeholder(d, isz, union)
+      for (s, d), isz in zip(layouts, itemsizes, strict=True)
     ],
     members=[np.isin(union, (*s.device_ids, *d.device_ids)) for s, d in layouts],
     bound=max_bucket_bytes,
     options=options,
-    kinds=_kinds(plans, layouts, itemsizes),
-    layouts=layouts,
+    kinds=[
+      kinds.setdefault(leaf_key(p, lay, isz), len(kinds))
+      for p, lay, isz in zip(plans, layouts, itemsizes, strict=True)
+    ],
     allow_slabs=slabs,
-    links=_links(union, topology),
+    links=Links.of(union, topology),
   )
   tree.discards, tree.receives = _apart_counts(tree, apart)
   for leaf, plan in enumerate(plans):
@@ -1938,6 +1083,7 @@ def make_schedule(
   zero = np.zeros(len(union), dtype=np.int64)
   sent = sum((bb.sent for bb in built), zero)
   received = sum((bb.received for bb in built), zero)
+  cuts = [tree.cuts.get(leaf, _Cut()) for leaf in range(len(plans))]
   return Schedule(
     buckets=tuple(bb.bucket for bb in built),
     union_device_ids=tuple(union.tolist()),
@@ -1948,7 +1094,7 @@ def make_schedule(
     leaf_plans=tuple(tree.plans),
     row_chunks=tuple(tree.chunks),
     leaf_buckets=tuple(tuple(b) for b in leaf_buckets),
-    leaf_slabs=tuple(tree.slabs.get(leaf) for leaf in range(len(plans))),
-    leaf_dst_slabs=tuple(tree.dst_slabs.get(leaf) for leaf in range(len(plans))),
-    leaf_windows=tuple(tree.windows.get(leaf) for leaf in range(len(plans))),
+    leaf_slabs=tuple(c.src for c in cuts),
+    leaf_dst_slabs=tuple(c.dst for c in cuts),
+    leaf_windows=tuple(c.windows for c in cuts),
   )

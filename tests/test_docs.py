@@ -21,6 +21,7 @@ import jax_reshard
 MODULES = sorted(m.name for m in pkgutil.iter_modules(jax_reshard.__path__, "jax_reshard."))
 WITH_EXAMPLES = {
   "jax_reshard._api",
+  "jax_reshard._chunks",
   "jax_reshard._cost",
   "jax_reshard._distributed",
   "jax_reshard._errors",
@@ -29,6 +30,7 @@ WITH_EXAMPLES = {
   "jax_reshard._pieces",
   "jax_reshard._plan",
   "jax_reshard._reshard",
+  "jax_reshard._rounds",
   "jax_reshard._schedule",
   "jax_reshard._topology",
   "jax_reshard._tplan",

@@ -13,16 +13,26 @@ from helpers import split_cases
 
 import jax_reshard as jr
 from jax_reshard import Layout, _schedule
+from jax_reshard._chunks import split_slabs
 from jax_reshard._options import Options
 from jax_reshard._planner import plan_leaves
+from jax_reshard._rounds import (
+  _alternating,
+  _candidate_classes,
+  _color_dense,
+  _dense,
+  _first_fit,
+  _first_fit_prefix,
+  _first_fit_swapping,
+  _joint_time_bound,
+  color_bipartite,
+  make_rounds,
+)
 from jax_reshard._schedule import (
   BucketBoundError,
-  _color_first_fit,
-  color_bipartite,
   dst_slab_window,
   make_schedule,
   slab_window,
-  split_slabs,
 )
 
 
@@ -76,8 +86,9 @@ def test_alternating_paths_when_first_fit_is_not_optimal() -> None:
   # finds colours 0 and 1 taken: the alternating-path pass must be used.
   edges = [(2, 1), (0, 0), (1, 1), (2, 2), (0, 2)]
 
-  assert _color_first_fit(edges, 2) is None  # gives up at the edge needing a third colour
-  assert max(_color_first_fit(edges, 3) or [-1]) + 1 == 3
+  s, d = ([e[i] for e in edges] for i in (0, 1))  # senders and receivers numbered from 0
+  assert _first_fit(s, d, 2) is None  # gives up at the edge needing a third colour
+  assert max(_first_fit(s, d, 3) or [-1]) + 1 == 3
   colours = color_bipartite(edges)
   assert max(colours) + 1 == 2
   seen = set()
@@ -89,12 +100,11 @@ def test_alternating_paths_when_first_fit_is_not_optimal() -> None:
 def test_rounds_minimise_parallel_time_over_padding() -> None:
   """16 pairs of 16 distinct sizes (more than 2% apart): colouring size classes apart would take
   16 rounds with 15 devices idle in each; one colouring of all pairs takes 4 rounds and pads."""
-  from jax_reshard._schedule import _make_rounds
 
   ps = np.repeat(np.arange(4), 4)
   pd = np.tile(np.arange(4, 8), 4)
   fill = (100 * 1.05 ** np.arange(16)).astype(np.int64)
-  rounds, round_bytes, _ = _make_rounds(ps, pd, fill)
+  rounds, round_bytes, _ = make_rounds(ps, pd, fill)
   assert len(rounds) == 4
   assert sum(r.nbytes for r in rounds) < fill.sum()  # less time than 16 one-pair rounds
   assert (round_bytes >= fill).all() and (round_bytes > fill).any()  # some padding is the price
@@ -107,19 +117,18 @@ def test_heavy_pairs_are_coloured_apart_from_a_star_of_small_ones() -> None:
   payloads from device 6 raises the colours first fit may use, so coloured with it, one large
   payload lands in a third round; size classes apart take four rounds of large payloads.
   Coloured apart from the star, the large ones take two rounds."""
-  from jax_reshard._schedule import _make_rounds
 
   ps = np.array([0, 0, 1, 1, 6, 6, 6, 6, 6])
   pd = np.array([3, 5, 5, 4, 3, 4, 5, 7, 8])
   fill = np.array([80, 80, 100, 100, 1, 1, 1, 1, 1])
-  rounds, round_bytes, _ = _make_rounds(ps, pd, fill)
+  rounds, round_bytes, _ = make_rounds(ps, pd, fill)
   assert sorted(r.nbytes for r in rounds if r.nbytes > 1) == [100, 100]
   assert sum(r.nbytes for r in rounds) == 205  # 2 large rounds, 5 of the star
   assert sorted((s, d) for r in rounds for s, d in r.pairs) == sorted(zip(ps, pd, strict=True))
   for r in rounds:
     assert len({s for s, _ in r.pairs}) == len({d for _, d in r.pairs}) == len(r.pairs)
   assert (round_bytes >= fill).all()
-  without = _make_rounds(ps, pd, fill, heavy_ratios=())[0]  # no heavy pairs coloured apart
+  without = make_rounds(ps, pd, fill, heavy_ratios=())[0]  # no heavy pairs coloured apart
   assert sum(r.nbytes for r in without) == 282  # 100 + 100 + 80 + ...
 
 
@@ -128,7 +137,6 @@ def test_rounds_from_colourings_kept_are_those_made_anew(seed: int) -> None:
   """Rounds made with the colourings of earlier pairs at hand (a tree's buckets colour the same
   pairs again and again) are those made without; the same pairs in another order colour
   apart."""
-  from jax_reshard._schedule import _make_rounds
 
   rng = np.random.default_rng(seed)
   kept: dict[tuple[bytes, bytes, bool], np.ndarray] = {}
@@ -137,8 +145,8 @@ def test_rounds_from_colourings_kept_are_those_made_anew(seed: int) -> None:
     ps, pd = rng.integers(0, 6, n), rng.integers(4, 12, n)
     fill = rng.choice([100, 101, 150, 400], n)
     for order in (np.arange(n), rng.permutation(n)):
-      got = _make_rounds(ps[order], pd[order], fill[order], colourings=kept)
-      want = _make_rounds(ps[order], pd[order], fill[order])
+      got = make_rounds(ps[order], pd[order], fill[order], colourings=kept)
+      want = make_rounds(ps[order], pd[order], fill[order])
       assert got[0] == want[0] and (got[1] == want[1]).all() and (got[2] == want[2]).all()
   assert kept
 
@@ -334,9 +342,8 @@ def test_replicated_to_replicated_is_cut_into_windows_of_both_sides() -> None:
 
 
 def _rounds_comparing_both(ps, pd, fill):
-  """The rounds of :func:`_make_rounds` with every colouring always computed and compared: the
+  """The rounds of :func:`make_rounds` with every colouring always computed and compared: the
   size classes apart, all pairs together, and the heavy pairs apart from the rest."""
-  from jax_reshard._schedule import _candidate_classes, _color_dense, _dense
 
   order = np.lexsort((pd, ps, -fill))
   ps, pd, fill = ps[order], pd[order], fill[order]
@@ -361,13 +368,12 @@ def _rounds_comparing_both(ps, pd, fill):
 def test_joint_colouring_is_skipped_only_where_it_cannot_win(seed: int) -> None:
   """The joint colouring's time bound is a lower bound, so skipping it where the class
   colouring reaches it (no padding) gives the rounds of computing and comparing both."""
-  from jax_reshard._schedule import _dense, _joint_time_bound, _make_rounds
 
   rng = np.random.default_rng(seed)
   n = int(rng.integers(1, 40))
   ps, pd = (rng.integers(0, int(rng.integers(1, 7)), n) for _ in range(2))
   fill = rng.choice([64, 100, 101, 4096, 1 << 20][: 1 + seed % 5], size=n).astype(np.int64)
-  rounds, round_bytes, _ = _make_rounds(ps, pd, fill)
+  rounds, round_bytes, _ = make_rounds(ps, pd, fill)
   got = sorted((r.nbytes, s, d) for r in rounds for s, d in r.pairs)
   assert got == _rounds_comparing_both(ps, pd, fill)
   assert sorted(round_bytes.tolist()) == sorted(b for b, _, _ in got)
@@ -379,7 +385,6 @@ def test_joint_colouring_is_skipped_only_where_it_cannot_win(seed: int) -> None:
 def test_first_fit_swapping_is_proper_and_optimal() -> None:
   """Dense random multigraphs, some on which first fit needs more than max-degree colours;
   continued from first fit's prefix (as the schedule does) or from scratch, the same."""
-  from jax_reshard._schedule import _first_fit, _first_fit_prefix, _first_fit_swapping
 
   swapped = 0
   for seed in range(60):
@@ -428,7 +433,6 @@ def test_alternating_paths_walked_once_give_the_textbook_colouring(seed: int) ->
   """The joint colouring swaps each alternating path in one walk (and the size classes'
   colouring, through :func:`_swap_path`, only where first fit fails): the same colours as
   walking the path first and swapping it afterwards, on dense and sparse multigraphs."""
-  from jax_reshard._schedule import _alternating, _first_fit, _first_fit_swapping
 
   rng = np.random.default_rng(seed)
   n_s, n_d = (int(rng.integers(1, 10)) for _ in range(2))

@@ -21,6 +21,8 @@ LAYERS = [
   "_topology",
   "_pieces",
   "_planner",
+  "_chunks",
+  "_rounds",
   "_schedule",
   "_classes",
   "_cost",
@@ -45,12 +47,14 @@ LAYERS = [
   "__main__",
 ]
 NUMPY_ONLY = {
+  "_chunks",
   "_errors",
   "_options",
   "_layout",
   "_topology",
   "_pieces",
   "_planner",
+  "_rounds",
   "_schedule",
   "_classes",
   "_cost",

@@ -1,0 +1,245 @@
+"""The ways a leaf's rows are cut into chunks (see docs/design.md "Chunks"). NumPy only.
+
+Every way replaces each row it cuts by its pieces, in the planner's order and then by chunk:
+the same bytes, more rows. A way that cuts by *windows* (local indices of one dimension,
+``(dim, bounds)``: chunk ``j`` covers ``bounds[j]:bounds[j + 1]``) returns them too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from jax_reshard._layout import Layout
+from jax_reshard._planner import LeafPlan
+
+Windows = tuple[int, tuple[int, ...]]  # (dim, bounds)
+
+
+def window_dim(src: Layout, dst: Layout) -> int | None:
+  """The longest dimension (of extent 2 or more) that neither ``src`` nor ``dst`` shards, where
+  a leaf can be cut into windows, or ``None``."""
+  sizes = zip(src.shape, src.shard_shape(), dst.shard_shape(), strict=True)
+  full = [(n, -d) for d, (n, a, b) in enumerate(sizes) if n == a == b and n >= 2]
+  return -max(full)[1] if full else None
+
+
+def slab_dim(shard_shape: Sequence[int], k: int, spread: Sequence[bool] | None = None) -> int:
+  """The dimension ``k`` slabs cut: the first of extent at least ``k`` (a slab is then a
+  contiguous run of the shard's rows), else the longest; with ``spread``, the first such where
+  it is true (a dimension the other side does not shard: every chunk keeps all devices busy)."""
+  ext = np.asarray(shard_shape, dtype=np.int64)
+  if spread is not None and (pick := (ext >= k) & np.asarray(spread, dtype=bool)).any():
+    return int(np.argmax(pick))
+  return int(np.argmax(ext >= k)) if (ext >= k).any() else int(np.argmax(ext))
+
+
+def grid_dims(layouts: tuple[Layout, Layout]) -> tuple[int, int]:
+  """The dimensions a grid (:func:`split_grid`) cuts: of the source shards, the longest the
+  destination does not shard (else the longest); of the destination shards, the longest the
+  source does not shard other than that one (else the longest)."""
+  src, dst = layouts
+
+  def pick(shard: Sequence[int], other: Layout, skip: int | None) -> int:
+    free = [
+      (n, -d)
+      for d, (n, a, b) in enumerate(zip(shard, other.shard_shape(), other.shape, strict=True))
+      if a == b and n >= 2 and d != skip
+    ]
+    return -max(free)[1] if free else int(np.argmax(shard))
+
+  dim_s = pick(src.shard_shape(), dst, None)
+  return dim_s, pick(dst.shard_shape(), src, dim_s)
+
+
+def grid_windows(
+  src_slabs: Windows | None, dst_slabs: Windows | None, first: int, last: int
+) -> tuple[tuple[int, int, int] | None, tuple[int, int, int] | None]:
+  """``(source window, destination window)``, each ``(dim, start, stop)`` or ``None``: the
+  local indices of every source and destination shard of a leaf that a bucket moving its
+  chunks ``first..last`` stages and outputs.
+
+  Slabs of one side, or the same windows on both sides, give chunk ``j`` window ``j``. Slabs
+  of both sides that differ form a grid (:func:`split_grid`): with ``ks`` source slabs, chunk
+  ``c`` is source slab ``c % ks`` of destination slab ``c // ks``; a bucket's windows are the
+  smallest that cover its chunks'.
+  """
+  grid = src_slabs is not None and dst_slabs is not None and src_slabs != dst_slabs
+  windows: list[tuple[int, int, int] | None] = []
+  for side, slabs in enumerate((src_slabs, dst_slabs)):
+    if slabs is None:
+      windows.append(None)
+      continue
+    dim, bounds = slabs
+    a, b = first, last
+    if grid:
+      assert src_slabs is not None
+      ks = len(src_slabs[1]) - 1
+      if side == 1:
+        a, b = first // ks, last // ks
+      elif first // ks == last // ks:
+        a, b = first % ks, last % ks
+      else:  # chunks of several destination slabs: every source slab
+        a, b = 0, ks - 1
+    windows.append((dim, bounds[a], bounds[b + 1]))
+  return windows[0], windows[1]
+
+
+def _with_pieces(
+  plan: LeafPlan,
+  rows: np.ndarray,
+  rr: np.ndarray,
+  lo: np.ndarray,
+  hi: np.ndarray,
+  chunk: np.ndarray,
+  itemsize: int,
+) -> tuple[LeafPlan, np.ndarray]:
+  """``plan`` with each of ``rows`` replaced by its pieces (piece ``i`` of row ``rows[rr[i]]``
+  spans ``lo[i]:hi[i]`` in chunk ``chunk[i]``), and each row's chunk (0 for rows kept)."""
+  keep = np.setdiff1d(np.arange(len(plan.nbytes)), rows)
+  order = np.lexsort((np.r_[np.zeros(len(keep), np.int64), chunk], np.r_[keep, rows[rr]]))
+
+  def cat(kept: np.ndarray, pieces: np.ndarray) -> np.ndarray:
+    return np.concatenate([kept, pieces])[order]
+
+  out = LeafPlan(
+    src_device=cat(plan.src_device[keep], plan.src_device[rows][rr]),
+    dst_device=cat(plan.dst_device[keep], plan.dst_device[rows][rr]),
+    lo=cat(plan.lo[keep], lo),
+    hi=cat(plan.hi[keep], hi),
+    nbytes=cat(plan.nbytes[keep], np.prod(hi - lo, axis=1, dtype=np.int64) * itemsize),
+    local=cat(plan.local[keep], plan.local[rows][rr]),
+    lower_bound_bytes=plan.lower_bound_bytes,
+    gather_broadcast_bytes=plan.gather_broadcast_bytes,
+  )
+  return out, cat(np.zeros(len(keep), dtype=np.int64), chunk)
+
+
+def split_rows(plan: LeafPlan, k: int, itemsize: int) -> tuple[LeafPlan, np.ndarray]:
+  """``plan`` with every remote transfer cut into up to ``k`` sub-boxes, and each row's chunk.
+
+  A transfer is cut along its first dimension of extent at least ``k`` (its longest where none
+  is) into ``k`` near-equal ranges, range ``j`` in chunk ``j``; shorter dimensions give fewer,
+  one-index-thick ranges spread over the chunks. Local copies stay whole in chunk 0. Chunks are
+  numbered from 0 without gaps.
+
+  Example:
+    >>> from jax_reshard._planner import plan_leaf
+    >>> src = Layout.from_description((8, 4), mesh_shape=(2,), axis_names=("x",), spec=("x",))
+    >>> dst = Layout.from_description((8, 4), mesh_shape=(2,), axis_names=("y",),
+    ...                               spec=(None, "y"), device_ids=(2, 3))
+    >>> cut, chunk = split_rows(plan_leaf(src, dst, 4), 2, 4)
+    >>> len(cut.nbytes), chunk.tolist(), int(cut.nbytes.sum()) == 8 * 4 * 4
+    (8, [0, 1, 0, 1, 0, 1, 0, 1], True)
+  """
+  remote = ~plan.local & (plan.nbytes > 0)
+  if k <= 1 or not remote.any() or plan.lo.shape[1] == 0:
+    return plan, np.zeros(len(plan.nbytes), dtype=np.int64)
+  rows = np.flatnonzero(remote)
+  lo, hi = plan.lo[rows], plan.hi[rows]
+  ext = hi - lo
+  long_enough = ext >= k
+  dim = np.where(long_enough.any(axis=1), long_enough.argmax(axis=1), ext.argmax(axis=1))
+  e = ext[np.arange(len(rows)), dim]
+  m = np.minimum(e, k)  # pieces per transfer
+  rr = np.repeat(np.arange(len(rows)), m)
+  i = np.arange(len(rr)) - np.repeat(np.cumsum(m) - m, m)
+  whole = e[rr] >= k  # k ranges; else e unit ranges, range i in chunk ceil(i k / e)
+  a = np.where(whole, (i * e[rr]) // k, i)
+  b = np.where(whole, ((i + 1) * e[rr]) // k, i + 1)
+  chunk = np.where(whole, i, (i * k + e[rr] - 1) // e[rr])
+  piece_lo, piece_hi = lo[rr], hi[rr]
+  at = (np.arange(len(rr)), dim[rr])
+  base = lo[rr, dim[rr]]
+  piece_lo[at], piece_hi[at] = base + a, base + b
+  out, chunks = _with_pieces(plan, rows, rr, piece_lo, piece_hi, chunk, itemsize)
+  return out, np.unique(chunks, return_inverse=True)[1].reshape(-1)
+
+
+def _shard_start(layout: Layout, devices: np.ndarray, dim: int) -> np.ndarray:
+  """Per device of ``devices`` (each holding a shard of ``layout``), where its shard starts
+  along ``dim``."""
+  ids = np.asarray(layout.device_ids, dtype=np.int64)
+  order = np.argsort(ids)
+  at = order[np.searchsorted(ids, devices, sorter=order)]
+  return layout.box_arrays()[0][at, dim]
+
+
+def split_slabs(
+  plan: LeafPlan,
+  src: Layout,
+  k: int,
+  itemsize: int,
+  *,
+  receiver: bool = False,
+  spread: Sequence[bool] | None = None,
+  dim: int | None = None,
+) -> tuple[LeafPlan, np.ndarray, Windows]:
+  """``plan`` cut into up to ``k`` slabs of source-local indices, each row's chunk, and the
+  slabs ``(dim, bounds)``.
+
+  Chunk ``j`` covers local indices ``bounds[j]:bounds[j + 1]`` along ``dim`` (see
+  :func:`slab_dim` and ``spread``) of every source shard; every row with bytes, local copies
+  included, is cut by its sender's windows. With ``receiver``, ``src`` is the destination
+  layout and rows are cut by their receiver's windows. With ``dim``, the windows are of one
+  width (the last narrower where ``k`` does not divide the dimension).
+
+  Example:
+    >>> from jax_reshard._planner import plan_leaf
+    >>> src = Layout.from_description((8, 4), mesh_shape=(2,), axis_names=("x",), spec=(None,))
+    >>> dst = Layout.from_description((8, 4), mesh_shape=(2,), axis_names=("y",),
+    ...                               spec=("y",), device_ids=(2, 3))
+    >>> cut, chunk, slabs = split_slabs(plan_leaf(src, dst, 4), src, 2, 4)
+    >>> slabs, chunk.tolist(), int(cut.nbytes.sum()) == 8 * 4 * 4
+    ((0, (0, 4, 8)), [0, 1], True)
+  """
+  shard = src.shard_shape()
+  if dim is None:
+    dim = slab_dim(shard, k, spread)
+    k = max(1, min(k, shard[dim]))
+    bounds = (np.arange(k + 1, dtype=np.int64) * shard[dim]) // k
+  else:
+    width = -(-shard[dim] // max(1, min(k, shard[dim])))
+    bounds = np.minimum(np.arange(-(-shard[dim] // width) + 1, dtype=np.int64) * width, shard[dim])
+  rows = np.flatnonzero(plan.nbytes > 0)
+  start = _shard_start(src, (plan.dst_device if receiver else plan.src_device)[rows], dim)
+  lo, hi = plan.lo[rows, dim] - start, plan.hi[rows, dim] - start
+  j0 = np.searchsorted(bounds, lo, side="right") - 1
+  m = np.searchsorted(bounds, hi - 1, side="right") - j0  # windows per row
+  rr = np.repeat(np.arange(len(rows)), m)
+  j = j0[rr] + np.arange(len(rr)) - np.repeat(np.cumsum(m) - m, m)
+  piece_lo, piece_hi = plan.lo[rows][rr], plan.hi[rows][rr]
+  piece_lo[:, dim] = start[rr] + np.maximum(lo[rr], bounds[j])
+  piece_hi[:, dim] = start[rr] + np.minimum(hi[rr], bounds[j + 1])
+  out, chunks = _with_pieces(plan, rows, rr, piece_lo, piece_hi, j, itemsize)
+  return out, chunks, (dim, tuple(bounds.tolist()))
+
+
+def split_grid(
+  plan: LeafPlan, layouts: tuple[Layout, Layout], ks: int, kd: int, itemsize: int
+) -> tuple[LeafPlan, np.ndarray, Windows, Windows]:
+  """``plan`` cut into a grid of slabs of one width, up to ``ks`` of its source shards and
+  ``kd`` of its destination shards, along :func:`grid_dims`: the rows (cut by their sender's
+  windows, then by their receiver's), each row's chunk (source slab ``i`` of destination slab
+  ``j`` is chunk ``j * ks + i``, ``ks`` the slabs made), and both sides' slabs.
+
+  Example:
+    >>> from jax_reshard._planner import plan_leaf
+    >>> src = Layout.from_description((8, 8), mesh_shape=(2,), axis_names=("x",), spec=("x",))
+    >>> dst = Layout.from_description((8, 8), mesh_shape=(2,), axis_names=("y",),
+    ...                               spec=(None, "y"), device_ids=(2, 3))
+    >>> cut, chunk, src_slabs, dst_slabs = split_grid(plan_leaf(src, dst, 4), (src, dst), 2, 2, 4)
+    >>> src_slabs, dst_slabs, sorted(set(chunk.tolist())), int(cut.nbytes.sum()) == 8 * 8 * 4
+    ((0, (0, 2, 4)), (1, (0, 2, 4)), [0, 1, 2, 3], True)
+  """
+  src, dst = layouts
+  dim_s, dim_d = grid_dims(layouts)
+  plan, _, src_slabs = split_slabs(plan, src, ks, itemsize, dim=dim_s)
+  plan, chunk, dst_slabs = split_slabs(plan, dst, kd, itemsize, receiver=True, dim=dim_d)
+  bounds = np.asarray(src_slabs[1])  # each row now lies in one source slab of its sender
+  local = plan.lo[:, dim_s] - _shard_start(src, plan.src_device, dim_s)
+  ks = len(bounds) - 1
+  i = np.clip(np.searchsorted(bounds, local, side="right") - 1, 0, ks - 1)
+  i = np.where(plan.nbytes > 0, i, 0)
+  return plan, chunk * ks + i, src_slabs, dst_slabs
