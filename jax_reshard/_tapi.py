@@ -17,8 +17,8 @@ from jax_reshard._edge import (
   donated_leaves,
   to_default_layout,
 )
-from jax_reshard._emit import BucketExecutable, InFlight, empty_like_sharded
 from jax_reshard._errors import ReshardError
+from jax_reshard._executable import BucketExecutable, InFlight, empty_like_sharded
 from jax_reshard._layout import Layout
 from jax_reshard._options import DEFAULT_OPTIONS
 from jax_reshard._plan import PlanStats, format_bytes
