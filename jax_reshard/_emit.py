@@ -49,10 +49,9 @@ Shifts = Sequence[tuple[int, Any] | None]
 
 
 def max_word_bytes(platform: str) -> int:
-  """The widest word data of ``platform``'s devices may move in: on CPU each leaf's own
-  element width (XLA:CPU builds wider words with shifts, a pass of its own: the ``make bench``
-  cases, all bfloat16, ran 1.26-1.64x faster in 16-bit words than in 32-bit ones); elsewhere 8
-  bytes with ``jax_enable_x64``, else 4."""
+  """The widest word ``platform``'s devices move data in: on CPU each leaf's own width (XLA:CPU
+  builds wider words with shifts, a pass of its own: bfloat16 cases ran 1.26-1.64x faster in
+  16-bit words), elsewhere 8 bytes with ``jax_enable_x64``, else 4."""
   if platform == "cpu":
     return 1
   return 8 if jax.config.read("jax_enable_x64") else 4
@@ -107,33 +106,29 @@ def _narrow(x: jax.Array, dtype: np.dtype) -> jax.Array:
 
 
 def _to_bytes(x: jax.Array) -> jax.Array:
-  """``x``'s bytes as a flat ``uint8`` vector (a bitcast)."""
   u = _to_uint(x)
   return (u if u.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(u, jnp.uint8)).reshape(-1)
 
 
+def concat_bytes(xs: Iterable[jax.Array]) -> jax.Array:
+  """The bytes of ``xs`` one after another, as one ``uint8`` vector (bitcasts)."""
+  return jnp.concatenate([_to_bytes(x) for x in xs])
+
+
 def from_bytes(b: jax.Array, dtype: np.dtype, shape: tuple[int, ...]) -> jax.Array:
-  """Inverse of :func:`_to_bytes`: a flat ``uint8`` vector as an array of ``dtype``."""
+  """Inverse of :func:`concat_bytes` for one array: a ``uint8`` vector as one of ``dtype``."""
   udtype = uint_dtype(np.dtype(dtype))
   if udtype != np.uint8:
     b = jax.lax.bitcast_convert_type(b.reshape(-1, udtype.itemsize), udtype)
   return _from_uint(b, np.dtype(dtype)).reshape(shape)
 
 
-def concat_bytes(xs: Iterable[jax.Array]) -> jax.Array:
-  """The bytes of ``xs`` one after another, as one ``uint8`` vector."""
-  return jnp.concatenate([_to_bytes(x) for x in xs])
-
-
 def _tile(
   parts: Sequence[tuple[tuple[int, ...], jax.Array]], shape: tuple[int, ...], dtype: np.dtype
 ) -> jax.Array:
-  """The array of ``shape`` made of ``parts`` (offset, value) that tile it.
-
-  Parts that form a product grid (always, for the tilings JAX shardings produce) are joined by
-  nested concatenation, which writes each element once; anything else (e.g. a first stage
-  that leaves relayed boxes to a second) falls back to ``dynamic_update_slice`` into zeros.
-  """
+  """The array of ``shape`` made of ``parts`` (offset, value) that tile it: by nested
+  concatenation where they form a product grid (always, for JAX shardings' tilings: each element
+  written once), else by ``dynamic_update_slice`` into zeros (a stage leaving boxes to a relay)."""
   if len(parts) == 1 and parts[0][1].shape == shape:
     return parts[0][1]
   if not parts:  # a relay stage fills this shard later
@@ -283,11 +278,10 @@ def _is_whole(cut: Cut, lf: LeafView) -> bool:
 
 def whole_segments(program: BucketProgram, rnd: SendRound) -> tuple[Segment, ...] | None:
   """For a packed round (not :func:`whole_block_leaves`') where every sender's payload holds
-  the whole source shard of a leaf, uncast (of a type that travels as it is, and of at least
-  :attr:`BucketProgram.whole_operand_bytes`) at the same words, the payload cut at those shards:
-  ``(start, stop, leaf)`` in unit words, ``leaf`` the position of the leaf whose staged block is
-  that segment (sent as it is, idle devices' placeholders too) or ``None`` for words packed
-  by the senders' roles (zeros on idle devices). ``None`` where there is no such shard."""
+  the whole source shard of a leaf, uncast, of a type that travels as it is and of at least
+  :attr:`BucketProgram.whole_operand_bytes`, at the same words: the payload cut there, as
+  ``(start, stop, leaf)`` in unit words (``leaf``: the staged block sent as it is, idle devices'
+  placeholders too; ``None``: words packed by the senders' roles). Else ``None``."""
   if not rnd.packs or whole_block_leaves(program, rnd) is not None:
     return None
   common: set[Segment] | None = None
@@ -316,11 +310,9 @@ def whole_segments(program: BucketProgram, rnd: SendRound) -> tuple[Segment, ...
 
 
 def whole_block_leaves(program: BucketProgram, rnd: SendRound) -> tuple[int, ...] | None:
-  """The leaves whose whole source shards every sender of ``rnd`` sends, uncast, in payload
-  order and unpadded (the same leaves for every sender), or ``None``. Such a round needs no
-  packing: every device (idle ones too, from their placeholder blocks) sends its blocks of
-  those leaves (see :func:`_operand`) as one ``ppermute`` of several operands, without packing,
-  a concatenation or a branch; receivers read each leaf's block as it came."""
+  """The leaves whose whole source shards every sender of ``rnd`` sends, uncast, unpadded, in
+  one payload order, or ``None``. Every device (idle ones from their placeholders) then sends
+  its blocks of them as one ``ppermute`` of several operands: no packing, no branch."""
   if not rnd.packs or any(p.pad_words for p in rnd.packs):
     return None
   leaves = tuple(c.leaf for c in rnd.packs[0].cuts)
@@ -335,10 +327,8 @@ def whole_block_leaves(program: BucketProgram, rnd: SendRound) -> tuple[int, ...
 
 
 def operand_layout(program: BucketProgram, rnd: SendRound) -> tuple[Segment, ...]:
-  """How a round's payload travels: per operand of its ``ppermute``, ``(start, stop, leaf)``
-  in unit words of the payload, ``leaf`` the position of the leaf whose staged block the
-  operand is (see :func:`_operand`: in its own shape, no packing), or ``None`` for unit
-  words (packed)."""
+  """Per operand of a round's ``ppermute``, ``(start, stop, leaf)`` in unit words of its payload:
+  ``leaf`` the staged block sent as it is (see :func:`_operand`), ``None`` for packed words."""
   whole = whole_block_leaves(program, rnd)
   if whole is None:
     return whole_segments(program, rnd) or ((0, rnd.words, None),)
@@ -352,11 +342,9 @@ def operand_layout(program: BucketProgram, rnd: SendRound) -> tuple[Segment, ...
 
 
 def received_whole(program: BucketProgram) -> dict[int, int]:
-  """Leaf position -> round, for every leaf whose destination shard each destination device
-  receives whole as one round's entire payload, or as one leaf of a round of whole source
-  shards (one part, landing as it is, no padding): its output is that payload viewed in the
-  leaf's type on every device, outside the assembly branches (no copy; devices without a shard
-  of it return their payload of that round, discarded)."""
+  """Leaf position -> round, for every leaf each destination device receives whole as one
+  round's payload (or one leaf of a round of whole source shards), landing as it is: its output
+  is that payload viewed in its type outside the assembly branches (no copy)."""
   out = {}
   for li, lf in enumerate(program.leaves):
     if lf.in_place or lf.dst_input:
@@ -383,10 +371,9 @@ def received_whole(program: BucketProgram) -> dict[int, int]:
 
 
 def _direct_value(program: BucketProgram, li: int, r: int, recv: Sequence[jax.Array]) -> jax.Array:
-  """The destination block of leaf ``li``, received whole in round ``r`` (see
-  :func:`received_whole`): an operand that is a staged block of the same size is that block
-  reshaped (no copy), or bitcast back where it travelled as unsigned integers of its width
-  (see :func:`_operand`); anything else is viewed from unit words."""
+  """The destination block of leaf ``li``, received whole in round ``r``: the staged block
+  that came, reshaped (bitcast back where it travelled as unsigned integers), else viewed from
+  the payload's unit words."""
   lf = program.leaves[li]
   p = next(
     ps[0]
@@ -402,10 +389,8 @@ def _direct_value(program: BucketProgram, li: int, r: int, recv: Sequence[jax.Ar
 
 
 def _operand(lf: LeafView, block: jax.Array) -> jax.Array:
-  """A staged block as a ``ppermute`` operand of its own: as it is where its type travels as
-  it is (:func:`travels_as_is`), else as unsigned integers of its width (bfloat16 as
-  ``uint16``, same shape: XLA's CPU collectives would widen bfloat16 to float32, and wider
-  words would cost shifts)."""
+  """A staged block as a ``ppermute`` operand: as it is where its type travels as it is, else
+  as unsigned integers of its width (XLA's CPU collectives would widen bfloat16 to float32)."""
   return block if travels_as_is(lf.dtype) else _to_uint(block)
 
 
@@ -418,11 +403,9 @@ def _emit_round(
   shifts: Shifts = (),
   packed: dict[tuple[object, ...], Any] | None = None,
 ) -> tuple[jax.Array, ...]:
-  """Packs the round's payload on every device and moves it by one ``ppermute``; returns what
-  this device got, one array per operand of :func:`operand_layout` (staged blocks sent as they
-  are, the rest packed by one switch on the senders' roles). ``packed``: the payloads packed by
-  earlier rounds of the program, by their size and packs; a round that repeats one sends it
-  again, packed once (``_cost.repeated_rounds``)."""
+  """Packs the round's payload on every device and moves it by one ``ppermute``; returns this
+  device's operands of :func:`operand_layout`. ``packed``: payloads packed by earlier rounds, by
+  size and packs: a round that repeats one sends it again (``_cost.repeated_rounds``)."""
   layout = operand_layout(program, rnd)
   ranges = [(a, b) for a, b, li in layout if li is None]
   key = (rnd.words, rnd.packs) if packed is not None and len(layout) == len(ranges) else None
@@ -445,7 +428,7 @@ def _emit_round(
 def _writable(block: jax.Array, dtype: np.dtype) -> jax.Array:
   """``block`` as parts are written into it: its unsigned view where its type does not travel
   as it is (XLA:CPU converts bfloat16 and float8 blocks to float32 and back around a
-  ``dynamic_update_slice``, two passes over the block that also quiet NaN payloads)."""
+  ``dynamic_update_slice``: two passes, NaN payloads quieted)."""
   return block if travels_as_is(dtype) else _to_uint(block)
 
 
@@ -461,9 +444,8 @@ def _write_parts(
   offset: Callable[[int], list[Any]],
   shift: tuple[int, Any] | None = None,
 ) -> jax.Array:
-  """``base`` (a destination block) with ``values`` (in words) written in place by
-  ``dynamic_update_slice`` (in :func:`_writable` form), value ``j`` at ``offset(j)`` (in
-  elements), from the window start ``shift`` where given (see :attr:`LeafView.dst_shift`)."""
+  """``base`` with ``values`` (words) written in, value ``j`` at ``offset(j)`` (elements)
+  from the window start ``shift`` (see :attr:`LeafView.dst_shift`), in :func:`_writable` form."""
   out = _writable(base.reshape(lf.dst_shard), lf.dtype)
   for j, value in enumerate(values):
     part = _narrow(value, lf.dtype)
@@ -485,9 +467,8 @@ def write_at(shard: jax.Array, slab: jax.Array, dtype: np.dtype, at: Sequence[in
 
 
 def _base(lf: LeafView, dst: jax.Array | None) -> jax.Array:
-  """The block a leaf's destination starts from where parts fill it in place, or that a device
-  without any destination shard of the bucket returns (discarded): its destination input, else
-  zeros. A donated block returned unchanged costs no write (XLA aliases it to the output)."""
+  """A leaf's destination input, else zeros: what parts are written into, or what a device
+  without a destination shard returns (a donated block returned unchanged costs no write)."""
   return dst if dst is not None else jnp.zeros(lf.dst_block, lf.dtype)
 
 
@@ -501,10 +482,8 @@ def _part_value(
   at: Sequence[Any] | None = None,
 ) -> jax.Array:
   """A destination part of leaf ``li`` in its words: payload words of a round (a
-  :class:`Received`, or a :class:`ChunkWrites` source of one), or a cut of the own source
-  shard (``shards``: those of the program's sources, in words, by position; ``at``: the window
-  start in words where the leaf has one), arranged as it lands where it has an
-  :class:`Arrange`."""
+  :class:`Received`), or a cut of the own source shard (``shards``, in words; ``at``: the window
+  start), arranged as it lands where it has an :class:`Arrange`."""
   lf = program.leaves[li]
   if isinstance(part, Received):
     words = _payload_words(program, part.round, recvs[part.round], part.start, part.stop)
@@ -520,9 +499,8 @@ def _part_value(
 def _payload_words(
   program: BucketProgram, r: int, recv: Sequence[jax.Array], start: int, stop: int
 ) -> jax.Array:
-  """Unit words ``start:stop`` of round ``r``'s received payload (its operands, see
-  :func:`operand_layout`: a part within one of them is that operand or a slice of it, a
-  staged block viewed in unit words where it is read)."""
+  """Unit words ``start:stop`` of round ``r``'s received operands (``recv``, see
+  :func:`operand_layout`): within one operand, that operand or a slice of it."""
   views = []
   for (a, b, li), v in zip(operand_layout(program, program.rounds[r]), recv, strict=True):
     words = v if li is None else _to_units(_local_view(program.sources[li], v), program.unit)
@@ -541,8 +519,8 @@ def _assemble_fn(
   dst_shifts: Shifts = (),
 ) -> Callable[..., tuple[jax.Array, ...]]:
   """The destination code of assembly role ``k``: the blocks of the leaves ``switched``, then
-  the slot values of the leaves in ``slots`` (written after the switch). ``shifts`` offset the
-  source cuts, ``dst_shifts`` the destination writes (see :attr:`LeafView.dst_shift`)."""
+  the slot values of ``slots`` (written after the switch); ``shifts`` offset the source cuts,
+  ``dst_shifts`` the destination writes."""
   role = program.assembles[k]
   read = [p for li in switched for p in role.parts[li] or ()]
   read += [p for w in slots.values() for p in w.fills[k] or () if p is not None]
@@ -600,9 +578,9 @@ def _write_chunks(
   me: jax.Array,
   shift: tuple[int, Any] | None = None,
 ) -> jax.Array:
-  """A split leaf's destination block: ``values`` (one per slot) written into ``base``, the
-  same code on every device (offsets read from a table at the mesh position): outside any
-  switch, XLA updates the donated block where it is."""
+  """A split leaf's destination block: ``values`` (one per slot) written into ``base`` by the
+  same code on every device (offsets read at the mesh position), so outside any switch XLA
+  updates the donated block where it is."""
   lf, n = program.leaves[li], len(program.device_ids)
 
   def offset(j: int) -> list[Any]:
@@ -617,11 +595,9 @@ def _write_chunks(
 
 
 def _shifts(program: BucketProgram, scalars: Sequence[Any] | None) -> tuple[Shifts, Shifts]:
-  """Per leaf, where its source offsets start and where its destination offsets start (see
-  :attr:`LeafView.shift`, :attr:`LeafView.dst_shift`): the program's ``scalars`` (its shift
-  arguments, in the order of :func:`shift_starts`), or its own starts where that is ``None``;
-  none where no leaf is shifted (a transformed program's cuts number its inputs, not its
-  leaves)."""
+  """Per leaf, where its source and its destination offsets start (:attr:`LeafView.shift`,
+  :attr:`LeafView.dst_shift`): the shift arguments ``scalars`` (see :func:`shift_starts`), or the
+  program's own starts; none where no leaf is shifted."""
   if not program.shifted and not program.dst_shifted:
     return [], []
   n = len(program.leaves)
@@ -646,16 +622,13 @@ def shift_starts(program: BucketProgram) -> list[int]:
 def emit_body(
   program: BucketProgram, axis: Any, *, shift_inputs: bool = False
 ) -> Callable[..., tuple[jax.Array, ...]]:
-  """The per-device body of ``program`` for a ``shard_map`` whose mesh positions ``axis``
-  (one axis name, or a tuple of all of them) enumerates in the order of ``device_ids``.
+  """The per-device body of ``program`` for a ``shard_map`` whose mesh positions ``axis`` (one
+  name, or all of them) enumerates in the order of ``device_ids``.
 
-  It takes one staged source block per source (:attr:`BucketProgram.sources`), then the
-  destination block of every leaf in :attr:`BucketProgram.dst_inputs`, then
-  (``shift_inputs``) the arguments of :func:`shift_starts` as int32 scalars (else the
-  program's own starts are constants), and returns one destination block per leaf. Split
-  leaves whose parts every device can write alike (:func:`chunk_writes`) are written after the
-  per-role switch, which then returns at most their parts.
-  """
+  It takes one staged block per source, then one per leaf of :attr:`BucketProgram.dst_inputs`,
+  then (``shift_inputs``) the :func:`shift_starts` as int32 scalars (else constants), and
+  returns one destination block per leaf. Split leaves whose parts every device writes alike
+  (:func:`chunk_writes`) are written after the per-role switch."""
   num_src, num_leaves = len(program.sources), len(program.leaves)
   # Parts that come out of the switch cost a pass: worth it only to spare a block-sized copy
   # of a destination input.
@@ -720,10 +693,9 @@ def emit_body(
 def split_outputs(
   program: BucketProgram,
 ) -> tuple[dict[int, int], tuple[int, ...], tuple[int, ...]]:
-  """How a bucket whose assembly runs in a program of its own (:attr:`BucketProgram.assemblers`)
-  splits its work: the leaves received whole (leaf position -> round, see
-  :func:`received_whole`), which the transfer program returns as they arrive; the leaves the
-  assembly program returns; and the rounds whose received payloads it takes."""
+  """How a bucket that assembles apart (:attr:`BucketProgram.assemblers`) splits its work: the
+  leaves received whole (position -> round), which the transfer program returns; the leaves the
+  assembly program returns; and the rounds whose operands it takes."""
   direct = received_whole(program)
   assembled = tuple(li for li in range(len(program.leaves)) if li not in direct)
   rounds = {
@@ -755,11 +727,9 @@ def donated(program: BucketProgram) -> list[int]:
 
 
 def emit_transfer_body(program: BucketProgram, axis: Any) -> Callable[..., tuple[jax.Array, ...]]:
-  """The per-device body of the transfer program of a bucket whose assembly runs on its own
-  (see :func:`split_outputs`): it takes one staged source block per leaf, runs the rounds and
-  returns the blocks of the leaves received whole, then the received operands (see
-  :func:`operand_layout`) of the rounds the assembly takes, in round order. Devices without a
-  destination shard return only what the collectives wrote there: no discarded blocks."""
+  """The per-device body of the transfer program (see :func:`split_outputs`): staged source
+  blocks in; the leaves received whole, then the received operands of the rounds the assembly
+  takes, out. Devices without a destination shard return no discarded blocks."""
   direct, _, rounds = split_outputs(program)
 
   def body(*blocks: jax.Array) -> tuple[jax.Array, ...]:
@@ -775,13 +745,11 @@ def emit_transfer_body(program: BucketProgram, axis: Any) -> Callable[..., tuple
 
 
 def emit_assembly_body(program: BucketProgram, axis: Any) -> Callable[..., tuple[jax.Array, ...]]:
-  """The per-device body of the assembly program of a bucket (see :func:`split_outputs`), for
-  a ``shard_map`` over the devices at :attr:`BucketProgram.assemblers`: it takes the received
-  operands the transfer program returns, then the staged source blocks of
-  :func:`resident_sources`, then the destination blocks of :func:`donated` (donated so that
-  each output is written into its block; read only for a leaf written in place, whose parts a
-  relay stage completes), and returns the destination blocks of the leaves it assembles, each
-  device by its role (offsets read at its position in the bucket's mesh)."""
+  """The per-device body of the assembly program (see :func:`split_outputs`) over the devices
+  at :attr:`BucketProgram.assemblers`: the received operands, the staged blocks of
+  :func:`resident_sources` and the destination blocks of :func:`donated` (each output written
+  into its block; read only where written in place) in; the assembled blocks out, each device by
+  its role at its position in the bucket's mesh."""
   _, assembled, rounds = split_outputs(program)
   assert program.assemblers is not None
   positions = np.asarray(program.assemblers, dtype=np.int32)
@@ -815,10 +783,8 @@ def emit_assembly_body(program: BucketProgram, axis: Any) -> Callable[..., tuple
 def bundled_body(
   program: BucketProgram, bundle: Bundle, body: Callable[..., tuple[jax.Array, ...]]
 ) -> Callable[..., tuple[jax.Array, ...]]:
-  """``body`` (see :func:`emit_body`) taking the source blocks of the leaves of ``bundle`` as
-  one byte vector (its first input; the other leaves' blocks and any further inputs follow)
-  and returning their destination blocks as one byte vector (its first output; the other
-  leaves' blocks follow)."""
+  """``body`` (see :func:`emit_body`) taking the blocks of the leaves of ``bundle`` as one byte
+  vector (its first input) and returning theirs as one (its first output)."""
   slot = {li: k for k, li in enumerate(bundle.leaves)}
   num_staged = len(program.leaves) - len(slot)
 
@@ -846,54 +812,35 @@ def emit_traced_move(
   dst_mesh: Mesh,
   dst_specs: Sequence[PartitionSpec],
 ) -> list[jax.Array]:
-  """Moves traced arrays inside a computation whose device list holds both meshes.
+  """Moves traced arrays inside a computation whose device list holds both meshes, in one
+  order (JAX requires it; ``program`` numbers mesh positions in it).
 
-  Both meshes list the same devices in the same order (JAX requires it inside one
-  computation), and ``program`` numbers mesh positions in that order. A ``shard_map`` over
-  ``src_mesh`` takes every source shard where it lives, runs the rounds and emits each device's
-  destination shard as one block per mesh position; a second ``shard_map`` over ``dst_mesh``
-  re-reads those blocks as destination shards, which moves no data because position ``i`` is
-  the same device in both meshes. Both run over the meshes' :func:`auto_mesh` (see there);
-  results on a mesh with ``Explicit`` axes are typed in their destination sharding.
+  A ``shard_map`` over ``src_mesh`` runs the rounds and emits each device's destination shard
+  as one block per mesh position; one per leaf over ``dst_mesh`` re-reads the blocks as
+  destination shards, which moves no data (position ``i`` is one device in both meshes). Both
+  run over :func:`auto_mesh`; on a destination mesh with ``Explicit`` axes the results are then
+  typed in their destination sharding (``jax.sharding.reshard`` between equal layouts: no data
+  moves; on a mesh of both axis types the type holds the ``Explicit`` axes only).
   """
   mesh = auto_mesh(src_mesh)
   axes = tuple(mesh.axis_names)
-  staged_spec = PartitionSpec(axes)
+  out_specs = tuple(PartitionSpec(axes) for _ in program.leaves)
   # Each shard_map runs under its own mesh, whatever mesh the caller entered with set_mesh.
   with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    body = emit_body(program, axes)
     moved = jax.shard_map(
-      emit_body(program, axes),
-      mesh=mesh,
-      in_specs=tuple(src_specs),
-      out_specs=tuple(staged_spec for _ in program.leaves),
-      check_vma=False,
+      body, mesh=mesh, in_specs=tuple(src_specs), out_specs=out_specs, check_vma=False
     )(*xs)
-  return _reread(moved, [lf.dst_shard for lf in program.leaves], dst_mesh, dst_specs)
-
-
-@functools.lru_cache(maxsize=64)
-def auto_mesh(mesh: Mesh) -> Mesh:
-  """``mesh`` (its devices and axis names) with every axis ``Auto``: the mesh the traced
-  programs' ``shard_map`` calls run over. On a mesh with ``Explicit`` axes (``jax.make_mesh``'s
-  default) the sharding is part of an array's type, and ``shard_map`` checks its inputs'
-  types against its mesh and ``in_specs``; the staged blocks cross from the source mesh to
-  the destination mesh, so no typed array could enter the second program. Over ``Auto``
-  axes the programs take arrays of either kind; :func:`_typed` types the results."""
-  if all(t == AxisType.Auto for t in mesh.axis_types):
-    return mesh
-  return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
-
-
-def _typed(ys: list[jax.Array], dst_mesh: Mesh, dst_specs: Sequence[PartitionSpec]) -> list[Any]:
-  """Results of a program over :func:`auto_mesh` typed in their destination sharding where
-  ``dst_mesh`` has ``Explicit`` axes (``jax.sharding.reshard`` between equal layouts of one
-  device list: no data moves; on a mesh of both axis types the type holds the ``Explicit``
-  axes only), else as they are."""
-  explicit = {
-    n
-    for n, t in zip(dst_mesh.axis_names, dst_mesh.axis_types, strict=True)
-    if t == AxisType.Explicit
-  }
+  mesh = auto_mesh(dst_mesh)
+  staged, ys = PartitionSpec(tuple(mesh.axis_names)), []
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    for y, lf, spec in zip(moved, program.leaves, dst_specs, strict=True):
+      reread = lambda b, shape=lf.dst_shard: b.reshape(shape)
+      ys.append(
+        jax.shard_map(reread, mesh=mesh, in_specs=staged, out_specs=spec, check_vma=False)(y)
+      )
+  pairs = zip(dst_mesh.axis_names, dst_mesh.axis_types, strict=True)
+  explicit = {n for n, t in pairs if t == AxisType.Explicit}
   if not explicit:
     return ys
   with jax.sharding.use_abstract_mesh(dst_mesh.abstract_mesh):
@@ -901,6 +848,17 @@ def _typed(ys: list[jax.Array], dst_mesh: Mesh, dst_specs: Sequence[PartitionSpe
       jax.sharding.reshard(y, NamedSharding(dst_mesh, _only_axes(spec, explicit)))
       for y, spec in zip(ys, dst_specs, strict=True)
     ]
+
+
+@functools.lru_cache(maxsize=64)
+def auto_mesh(mesh: Mesh) -> Mesh:
+  """``mesh`` with every axis ``Auto``: the mesh the traced programs' ``shard_map`` calls run
+  over. Over ``Explicit`` axes (``jax.make_mesh``'s default) ``shard_map`` checks its inputs'
+  sharding types against its mesh, and the staged blocks cross from the source mesh to the
+  destination mesh; over ``Auto`` axes the programs take arrays of either kind."""
+  if all(t == AxisType.Auto for t in mesh.axis_types):
+    return mesh
+  return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 
 def _only_axes(spec: PartitionSpec, axes: set[str]) -> PartitionSpec:
@@ -913,28 +871,3 @@ def _only_axes(spec: PartitionSpec, axes: set[str]) -> PartitionSpec:
     kept = tuple(n for n in names if n in axes)
     entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
   return PartitionSpec(*entries)
-
-
-def _reread(
-  moved: Sequence[jax.Array],
-  shards: Sequence[tuple[int, ...]],
-  dst_mesh: Mesh,
-  dst_specs: Sequence[PartitionSpec],
-) -> list[jax.Array]:
-  """Blocks staged one per mesh position re-read as destination shards (no data moves: the
-  position is the same device in both meshes), typed as :func:`_typed` does."""
-  mesh = auto_mesh(dst_mesh)
-  dst_axes = tuple(mesh.axis_names)
-  outs = []
-  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-    for y, shard, spec in zip(moved, shards, dst_specs, strict=True):
-      outs.append(
-        jax.shard_map(
-          lambda b, shape=shard: b.reshape(shape),
-          mesh=mesh,
-          in_specs=PartitionSpec(dst_axes),
-          out_specs=spec,
-          check_vma=False,
-        )(y)
-      )
-  return _typed(outs, dst_mesh, dst_specs)

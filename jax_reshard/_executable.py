@@ -114,10 +114,9 @@ def _compile_staged(
   scalars: int = 0,
   keep_unused: bool = False,
 ) -> Any:
-  """``body`` as a ``shard_map`` over ``devices``, compiled for staged arguments of one of
-  ``blocks`` per device each, then ``scalars`` replicated int32 scalars, with ``num_out`` staged
-  outputs and the arguments at ``donate`` donated (``keep_unused``: a donated block that is
-  only a buffer for the result is never read, yet must stay an argument to be aliased)."""
+  """``body`` as a ``shard_map`` over ``devices``, compiled for staged arguments of ``blocks``
+  (one per device each) and ``scalars`` replicated int32 scalars, ``num_out`` staged outputs, the
+  arguments at ``donate`` donated (``keep_unused``: a donated block only lends its buffer)."""
   staged, n, spec = _staged(devices), len(devices), PartitionSpec(AXIS)
   scalar = NamedSharding(staged.mesh, PartitionSpec())
   in_specs = (spec,) * len(blocks) + (PartitionSpec(),) * scalars
@@ -134,9 +133,8 @@ def _compile_staged(
 def _compiled_program(
   signature: BucketProgram, devices: tuple[Any, ...], bundle: Bundle | None = None
 ) -> Any:
-  """The compiled program (:func:`emit_body`) of a bucket on ``devices`` (one per mesh
-  position), the leaves of ``bundle`` (if any) in and out as byte vectors, the destination
-  blocks it takes donated (written in place)."""
+  """The compiled :func:`emit_body` of a bucket on ``devices``, the leaves of ``bundle`` (if
+  any) in and out as byte vectors, the destination blocks it takes donated."""
   body, bundled = emit_body(signature, AXIS, shift_inputs=True), bundle.leaves if bundle else ()
   blocks = [(lf.src_block, lf.dtype) for i, lf in enumerate(signature.sources) if i not in bundled]
   if bundle is not None:
@@ -165,7 +163,7 @@ def _transfer_program(signature: BucketProgram, devices: tuple[Any, ...]) -> Any
 def _assembly_program(
   signature: BucketProgram, devices: tuple[Any, ...], operands: tuple[Block, ...]
 ) -> Any:
-  """The compiled assembly program (:func:`emit_assembly_body`) on ``devices`` (those at
+  """The compiled :func:`emit_assembly_body` on ``devices`` (those at
   :attr:`BucketProgram.assemblers`), taking the received ``operands`` (one block per device)."""
   leaves = signature.leaves
   sources = [(leaves[li].src_block, leaves[li].dtype) for li in resident_sources(signature)]
@@ -181,8 +179,8 @@ def _assembly_program(
 def _direct_program(
   signature: BucketProgram, src_shardings: tuple[Any, ...], dst_shardings: tuple[Any, ...]
 ) -> Any:
-  """The compiled program of a bucket that takes its source arrays as they are and returns the
-  destination arrays (:meth:`BucketExecutable.direct`): the traced move."""
+  """The compiled traced move of a bucket taking its source arrays as they are (see
+  :meth:`BucketExecutable.direct`)."""
   src_mesh, dst_mesh = src_shardings[0].mesh, dst_shardings[0].mesh
   src_specs, dst_specs = [s.spec for s in src_shardings], [s.spec for s in dst_shardings]
 
@@ -196,8 +194,8 @@ def _direct_program(
 
 @_cached()
 def _bundle_in_program(leaves: tuple[BundleLeaf, ...]) -> tuple[Any, NamedSharding]:
-  """``(compiled function, its output's sharding)``: the source arrays ``leaves`` (one mesh)
-  in, one byte vector per device of that mesh out, its shards' bytes one after another."""
+  """``(compiled, output sharding)``: the source arrays ``leaves`` (one mesh) in, per device
+  its shards' bytes one after another out."""
   mesh = auto_mesh(leaves[0][2].mesh)  # takes arrays of either axis type
   out = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
   in_specs = tuple(s.spec for _, _, s in leaves)
@@ -219,9 +217,8 @@ def _bundle_out_program(
   shards: tuple[tuple[int, ...], ...],
   spans: tuple[tuple[int, int], ...],
 ) -> tuple[Any, NamedSharding]:
-  """``(compiled function, its input's sharding)``: one byte vector per device of the
-  destination mesh of ``leaves`` in (their blocks at ``spans``, see :attr:`Bundle.dst_spans`),
-  the destination arrays out (``shards``: their shard shapes)."""
+  """``(compiled, input sharding)``: per device of the destination mesh its blocks' bytes (at
+  ``spans``) in, the destination arrays (shards of ``shards``) out."""
   mesh = auto_mesh(leaves[0][2].mesh)  # out_shardings type the results (Explicit axes too)
   sharding = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
   out_specs = tuple(s.spec for _, _, s in leaves)
@@ -244,8 +241,7 @@ def _bundle_out_program(
 
 @_cached()
 def _placeholder_program(group: PlaceholderGroup, devices: tuple[Any, ...]) -> Any:
-  """A compiled function returning ``group``'s zero blocks, one array per block sharded over
-  ``devices``: one dispatch per distinct device set instead of one per device and leaf."""
+  """A compiled function making ``group``'s zero blocks, one array per block over ``devices``."""
   sharding = NamedSharding(Mesh(np.array(devices), ("p",)), PartitionSpec("p"))
   k = len(devices)
 
@@ -257,8 +253,7 @@ def _placeholder_program(group: PlaceholderGroup, devices: tuple[Any, ...]) -> A
 
 @_cached()
 def _slab_program(window: SourceWindow, dtype: np.dtype, devices: tuple[Any, ...]) -> Any:
-  """A compiled function cutting ``window`` out of every source shard of a leaf on ``devices``
-  (the source's), one block per device: one pass over the source blocks."""
+  """A compiled function cutting ``window`` out of every shard of a leaf on ``devices``."""
 
   def cut(block: jax.Array) -> jax.Array:
     return jax.lax.slice_in_dim(block, window.start, window.stop, axis=window.dim)
@@ -271,8 +266,7 @@ def _write_slab_program(
   window: DestinationWindow, dtype: np.dtype, devices: tuple[Any, ...]
 ) -> Any:
   """A compiled function writing a bucket's slab of every destination shard into the shard
-  (filled so far, or zeros; taken first and donated) on ``devices`` (the destination's): one
-  pass over the slab, the shard updated where it is."""
+  (filled so far, or zeros; donated) on ``devices``: one pass over the slab."""
   at = tuple(window.start if d == window.dim else 0 for d in range(len(window.shard)))
 
   def write(shard: jax.Array, slab: jax.Array) -> jax.Array:
@@ -295,8 +289,7 @@ def _by_device(keys: Sequence[Any], arrays: Sequence[jax.Array], fast: bool) -> 
 def _source_zeros(
   group: PlaceholderGroup, devices: tuple[Any, ...], *, fast: bool
 ) -> dict[tuple[Any, ...], jax.Array]:
-  """``group``'s zero source blocks keyed by (device id, block shape, dtype), made once (ready
-  before any bucket program is queued, see :func:`_stage_placeholders`)."""
+  """``group``'s zero source blocks by (device id, block shape, dtype), made once, ready."""
   return _by_device(
     group.blocks, jax.block_until_ready(_placeholder_program(group, devices)()), fast
   )
@@ -307,10 +300,9 @@ def _stage_placeholders(
   devices: dict[int, Any],
   kept_bytes: int = DEFAULT_OPTIONS.kept_zero_bytes,
 ) -> tuple[dict[tuple[Any, ...], jax.Array], bool]:
-  """Zero blocks for one call, keyed by (device id, block shape, dtype), or by (device id,
-  leaf position) for groups of donated blocks (one per leaf); and whether every group was of
-  source blocks small enough to be made once (read only, at most ``kept_bytes`` per device:
-  ``Options.kept_zero_bytes``), so the dict may be kept."""
+  """Zero blocks for one call, by (device id, block shape, dtype), or by (device id, leaf
+  position) for donated blocks; and whether all were source blocks of at most ``kept_bytes`` per
+  device (read only: made once), so the dict may be kept."""
   out, fast, made_once = {}, fast_path_available(), True
   for group in groups:
     mesh_devices = tuple(devices[i] for i in group.device_ids)
@@ -347,10 +339,9 @@ class _Slicer:
 
 
 class _SlabWriter:
-  """Writes a bucket's slab of a leaf's destination shards into them (see
-  :class:`DestinationWindow`), on the destination's devices alone. The first slab goes into
-  zero shards made first: written into zeros in one program, XLA:CPU pads the slab, which
-  quiets the NaN payloads of bfloat16 and float8 elements."""
+  """Writes a bucket's slab of a leaf's destination shards into them, on the destination's
+  devices. The first slab goes into zero shards made first: written into zeros in one program,
+  XLA:CPU pads the slab, which quiets bfloat16 and float8 NaN payloads."""
 
   def __init__(self, lf: LeafView, dst_sharding: Any, *, fast: bool) -> None:
     window, devices = lf.dst_window, _by_id(dst_sharding)
@@ -376,28 +367,26 @@ class _SlabWriter:
 
 
 def one_at_a_time(devices: Sequence[Any]) -> bool:
-  """Whether bucket programs on ``devices`` must be queued a few at a time: on the CPU backend
-  every device of a collective program takes a thread of one shared pool and blocks in the
-  ``ppermute`` rendezvous until all arrive, so independent programs queued faster than they
-  run can each hold some of the threads while none has all (seen as a 40 s rendezvous abort
-  with 200 buckets of 8 devices queued at once on 2 cores). A program is then queued once the
-  results of the bucket ``Options.in_flight_buckets`` before it are ready (:class:`InFlight`),
-  so that one bucket runs while the next is staged and queued."""
+  """Whether bucket programs on ``devices`` must be queued a few at a time (see
+  :class:`InFlight`): on the CPU backend every device of a collective program takes a thread of
+  one shared pool and blocks in the ``ppermute`` rendezvous, so programs queued faster than they
+  run can each hold some threads while none has all (a 40 s rendezvous abort with 200 buckets of
+  8 devices on 2 cores)."""
   return any(getattr(d, "platform", None) == "cpu" for d in devices)
 
 
 class InFlight:
-  """The results of the last ``depth`` buckets of a call (``Options.in_flight_buckets``): what
-  the next bucket waits for before its program is queued, where :func:`one_at_a_time`."""
+  """The results of the last ``depth`` buckets of a call: a bucket's program is queued once the
+  results of the bucket ``Options.in_flight_buckets`` before it are ready, where
+  :func:`one_at_a_time`, so one bucket runs while the next is staged."""
 
   def __init__(self, depth: int = DEFAULT_OPTIONS.in_flight_buckets) -> None:
     self.depth = depth
     self._recent: collections.deque[Any] = collections.deque(maxlen=depth)
 
   def wait_for(self, exe: Any) -> Any:
-    """What ``exe`` (a bucket's executable) waits for: ``None``, or one result of the bucket
-    :attr:`depth` before it (all of a program's results are ready together). A result carried
-    into a later bucket was donated there; then one of a later bucket's."""
+    """``None``, or a live result of the bucket :attr:`depth` before ``exe``'s (a result carried
+    into a later bucket was donated there: then a later one's)."""
     if not exe.one_at_a_time or len(self._recent) < self.depth:
       return None
     leaves = (y for ys in self._recent for y in jax.tree_util.tree_leaves(ys))  # oldest first
@@ -409,9 +398,8 @@ class InFlight:
 
 
 class _LeafIO:
-  """How one leaf enters and leaves a bucket's program, worked out once per bucket: which
-  buffer of the source array each mesh position stages, and which output buffer each
-  destination device keeps. A call only picks buffers and wraps them (:mod:`_buffers`)."""
+  """How one leaf enters and leaves a bucket's program, worked out once: which buffer each mesh
+  position stages and which output buffer each destination device keeps."""
 
   def __init__(
     self, lf: LeafView, src_sharding: Any, dst_sharding: Any, staged: Any, *, fast: bool
@@ -482,11 +470,10 @@ class _LeafIO:
     spares: dict[Any, list[jax.Array]] | None = None,
     carried: dict[int, jax.Array] | None = None,
   ) -> jax.Array | dict[int, jax.Array]:
-    """The destination array made of the leaf's output blocks (``held``, in staged order),
-    zero-copy, or (``carry_out``) the destination devices' blocks by device id. With
-    ``spares``, a leaf with a destination input leaves there its other positions' blocks (by
-    device id, block shape and dtype), for a later bucket to donate. A leaf cut into
-    destination slabs has its slab written into ``carried`` (donated), or into zeros."""
+    """The destination array of the leaf's output blocks (``held``, in staged order), or
+    (``carry_out``) its destination blocks by device id. With ``spares``, a leaf with a
+    destination input leaves there its other positions' blocks for a later bucket to donate. A
+    leaf cut into destination slabs has its slab written into ``carried``, or into zeros."""
     if self.writer is not None:
       # The slab writes wait for the bucket: on the CPU backend, queuing them behind a bucket
       # whose program the next bucket runs again stalled its collectives (a 40 s abort).
@@ -518,10 +505,8 @@ def _as_planned(x: jax.Array, sharding: Any) -> bool:
 
 
 class _BundleIO:
-  """How a :class:`Bundle` enters and leaves a bucket's program, worked out once: the compiled
-  calls that pack the source shards into bytes and cut the destination shards out of them,
-  which device's bytes each mesh position stages, and which output blocks each destination
-  device keeps."""
+  """How a :class:`Bundle` enters and leaves a bucket's program, worked out once: the pack and
+  cut programs and the bytes each mesh position stages and each destination device keeps."""
 
   def __init__(self, exe: BucketExecutable, bundle: Bundle, *, fast: bool) -> None:
     self.leaves = bundle.leaves
@@ -571,10 +556,9 @@ class _BundleIO:
 
 
 class _SplitIO:
-  """How a bucket whose assembly runs on its own (:attr:`BucketProgram.assemblers`) runs its two
-  programs, worked out once: the transfer program over the union mesh, then the assembly
-  program on the destination devices, which takes their blocks of the transfer program's
-  outputs. A process without a destination device runs the transfer program only."""
+  """How a bucket that assembles apart runs, worked out once: the transfer program over the
+  union mesh, then the assembly program on the destination devices of this process (none where
+  it has none), which takes their blocks of the transfer program's outputs."""
 
   def __init__(self, exe: BucketExecutable, *, fast: bool) -> None:
     program = exe.program
@@ -646,14 +630,11 @@ class _SplitIO:
 class BucketExecutable:
   """A bucket's program compiled over its union mesh; calling it moves the bucket's leaves.
 
-  Each leaf enters as a staged array whose block on a device is that device's source shard,
-  wrapped zero-copy from the source's buffers (devices without a source shard contribute a
-  placeholder); the destination blocks are re-wrapped zero-copy into the destination sharding.
-  A leaf with a destination input (split over buckets, or refit into donated buffers) also
-  enters with its destination blocks, donated, and is written in place. What to pick and wrap
-  is worked out once. A bucket may instead run :meth:`direct`, with a :meth:`bundle`, or
-  :meth:`split` in two programs, as ``options`` (the plan's) allow.
-  """
+  Each leaf enters as a staged array whose block on a device is its source shard (a zero block
+  where it has none), wrapped zero-copy, and leaves re-wrapped zero-copy in its destination
+  sharding; a leaf with a destination input also enters with its destination blocks, donated,
+  and is written in place. What to pick and wrap is worked out once. A bucket may instead run
+  :meth:`direct`, with a :meth:`bundle`, or :meth:`split`, as ``options`` (the plan's) allow."""
 
   def __init__(
     self,
@@ -699,11 +680,10 @@ class BucketExecutable:
     return [self.runner(bundled=self.bundle() is not None).compiled]
 
   def direct(self) -> Any:
-    """The compiled program that takes the source arrays as they are and returns the
-    destination arrays (one ``jax.jit`` call, no buffer taken apart or wrapped), where the
-    :attr:`options` allow direct calls, each side is on one mesh that lists the bucket's
-    devices in its mesh positions' order (a colocated trainer and sampler), every device holds
-    a source shard, and every leaf enters and leaves whole; else ``False``."""
+    """The compiled traced move that takes the source arrays as they are (one ``jax.jit`` call),
+    where the :attr:`options` allow it, each side is on one mesh listing the bucket's devices in
+    mesh position order (colocated), every device holds a source shard and every leaf enters and
+    leaves whole; else ``False``."""
 
     def make() -> Any:
       sig = program_signature(self.program)
@@ -735,13 +715,12 @@ class BucketExecutable:
     return self._once("split", lambda: _SplitIO(self, fast=self.fast) if allowed() else None)
 
   def bundle(self) -> Bundle | None:
-    """The leaves that enter and leave the program as one byte vector per device (a
-    :class:`Bundle`, packed by one compiled call on the source mesh and cut by one on the
-    destination mesh instead of per-leaf buffer work; each byte copied once more per side),
-    or ``None``: where the :attr:`options` allow, leaves of at most ``bundle_leaf_bytes`` per
-    block entering and leaving whole, on one source and one destination mesh of this process,
-    up to ``bundle_bytes`` per device and side, at least ``min_bundled_leaves`` of them (never
-    where the bucket must assemble apart: its one program would stage more than the bound)."""
+    """The leaves that enter and leave the program as one byte vector per device (packed and cut
+    by one compiled call per side instead of per-leaf buffer work), or ``None``: as the
+    :attr:`options` allow, leaves of at most ``bundle_leaf_bytes`` a block that enter and leave
+    whole on one source and one destination mesh, up to ``bundle_bytes`` a side, at least
+    ``min_bundled_leaves`` (never where it must assemble apart: it would stage more than the
+    bound)."""
     return self._once("bundle", self._choose_bundle)
 
   def _choose_bundle(self) -> Bundle | None:
@@ -764,11 +743,9 @@ class BucketExecutable:
     return make_bundle(program, chosen) if len(chosen) >= opts.min_bundled_leaves else None
 
   def bundle_pass_bytes(self) -> int:
-    """Bytes all devices read and write per call for the :meth:`bundle` beyond the staged
-    program's count (:func:`_plan.pass_bytes`): the pack and the cut (read and written on each
-    device of their mesh), the bundled blocks copied out of and into bytes in the program, and
-    where the bucket would otherwise assemble apart (which that count assumes), the discarded
-    blocks its one program writes on devices without a destination shard."""
+    """Bytes all devices read and write per call for the :meth:`bundle` beyond
+    :func:`_plan.pass_bytes`: the pack, the cut, the bundled blocks' copies in the program, and
+    where the bucket would otherwise assemble apart, the discarded blocks its one program writes."""
     bundle, p = self.bundle(), self.program
     if bundle is None:
       return 0
@@ -821,9 +798,8 @@ class BucketExecutable:
   def _placeholders(
     self, which: int, groups: Sequence[PlaceholderGroup] | None = None
   ) -> dict[tuple[Any, ...], jax.Array]:
-    """Zero blocks for this call (``which``: 0 source, 1 destination; ``groups``: those of
-    the program by default), keyed as :func:`_stage_placeholders` keys them; the program's
-    source blocks are kept where they are all made once."""
+    """Zero blocks for this call (``which``: 0 source, 1 destination; ``groups``: the program's
+    by default); the program's source blocks are kept where all were made once."""
     own = groups is None
     if not which and own and "placeholders" in self._memo:
       return self._memo["placeholders"]
@@ -835,9 +811,8 @@ class BucketExecutable:
     return out
 
   def _spare_blocks(self, spares: dict[Any, list[jax.Array]]) -> dict[Any, jax.Array]:
-    """Destination placeholders by (device id, leaf position): taken from ``spares`` (blocks
-    an earlier bucket left, never read) where there are, else made. ``spares`` is emptied, so
-    that what this bucket does not use is freed before it runs."""
+    """Destination placeholders by (device id, leaf position): from ``spares`` (blocks an earlier
+    bucket left) where there are, else made; ``spares`` is emptied (the rest freed)."""
     out: dict[Any, jax.Array] = {}
     for group in self.program.dst_placeholders:
       missing = []
@@ -911,7 +886,9 @@ class BucketExecutable:
   ) -> list[Any]:
     """:meth:`__call__` over staged blocks."""
     bundle = self.bundle()
-    if bundle and not all(_as_planned(xs[li], self.src_shardings[li]) for li in bundle.leaves):
+    if bundle is not None and not all(
+      _as_planned(xs[li], self.src_shardings[li]) for li in bundle.leaves
+    ):
       bundle = None  # arrays laid out equivalently, not equally: every leaf stages
     run = self.runner(bundled=bundle is not None)
     io, src_io, placeholders = self.leaf_io(), self.source_io(), self._placeholders(0)
