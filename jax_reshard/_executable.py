@@ -1,10 +1,7 @@
-"""Eager bucket runs: :class:`BucketExecutable` compiles a bucket's program (:mod:`_emit`) over
-its union mesh and runs it on per-device buffers taken apart and wrapped zero-copy
-(:mod:`_buffers`): direct (one call on the arrays as they are), bundled (small leaves as one
-byte vector per device), apart (rounds, then assembly on the destination devices) or staged.
-
-Compiled programs are cached per process, keyed by :func:`program_signature` and devices, so
-buckets that differ only in which leaves they carry (the layers of a model) compile once.
+"""Eager bucket runs: :class:`BucketExecutable` compiles a bucket's program (:mod:`_emit`) and
+runs it on per-device buffers taken apart and wrapped zero-copy (:mod:`_buffers`): direct,
+bundled, apart or staged. Compiled programs are cached per process by
+:func:`program_signature` and devices: buckets that differ only in their leaves compile once.
 """
 
 from __future__ import annotations
@@ -311,9 +308,8 @@ def _stage_placeholders(
       continue
     made_once = False
     keys: Sequence[Any] = [(k,) for k in group.leaves] if group.leaves else group.blocks
-    # Ready before the program is queued: on the CPU backend, a collective program whose
-    # inputs come from another in-flight program can starve the thread pool it shares with
-    # that program (seen as a 40 s rendezvous abort on 2 cores).
+    # Ready before the program is queued: on the CPU backend a collective program whose inputs
+    # come from another in-flight program can starve their shared thread pool (a 40 s abort).
     out.update(
       _by_device(keys, jax.block_until_ready(_placeholder_program(group, mesh_devices)()), fast)
     )
@@ -512,17 +508,12 @@ class _BundleIO:
     self.leaves = bundle.leaves
     # The program's other leaves, which stage on their own, in the order it takes them.
     self.others = tuple(li for li in range(len(exe.program.leaves)) if li not in bundle.leaves)
-    views = [exe.program.leaves[li] for li in bundle.leaves]
-
-    def leaves(shardings: Sequence[Any]) -> tuple[BundleLeaf, ...]:
-      pairs = zip(self.leaves, views, strict=True)
-      return tuple((lf.shape, lf.dtype, shardings[li]) for li, lf in pairs)
-
+    views = {li: exe.program.leaves[li] for li in bundle.leaves}
+    leaves = lambda shs: tuple((lf.shape, lf.dtype, shs[li]) for li, lf in views.items())
     pack, packed = _bundle_in_program(leaves(exe.src_shardings))
     self.pack = Runner(pack, len(self.leaves), fast=fast)
-    self.unpack, unpacked = _bundle_out_program(
-      leaves(exe.dst_shardings), tuple(lf.dst_shard for lf in views), bundle.dst_spans
-    )
+    shards = tuple(lf.dst_shard for lf in views.values())
+    self.unpack, unpacked = _bundle_out_program(leaves(exe.dst_shardings), shards, bundle.dst_spans)
     ids = addressable_order(exe.staged, fast=fast)
     self.src_pick = _index(addressable_order(packed, fast=fast), ids, -1)
     # Positions without a source shard stage zero bytes, made once and kept (read only).
@@ -776,24 +767,18 @@ class BucketExecutable:
 
     return self._once(("runner", bundled), make)
 
-  def leaf_io(self) -> list[_LeafIO]:
-    """Per leaf, its staging and unstaging worked out (once)."""
+  def leaf_io(self, *, sources: bool = False) -> list[_LeafIO]:
+    """Per leaf (``sources``: per source of the program, the leaves' own, or the
+    :attr:`BucketProgram.inputs`' of a transformed program), its staging worked out (once)."""
     p = self.program
+    if sources and not p.inputs:
+      return self.leaf_io()
     own = [None] * len(p.leaves) if p.inputs else self.src_shardings
     triples = zip(p.leaves, own, self.dst_shardings, strict=True)
-    return self._once(
-      "leaf_io", lambda: [_LeafIO(lf, s, d, self.staged, fast=self.fast) for lf, s, d in triples]
-    )
-
-  def source_io(self) -> list[_LeafIO]:
-    """Per source of the program, its staging worked out (once): the leaves' own
-    (:meth:`leaf_io`), or the :attr:`BucketProgram.inputs`' of a transformed program."""
-    if not self.program.inputs:
-      return self.leaf_io()
-    pairs = zip(self.program.inputs, self.src_shardings, strict=True)
-    return self._once(
-      "source_io", lambda: [_LeafIO(lf, s, s, self.staged, fast=self.fast) for lf, s in pairs]
-    )
+    if sources:
+      triples = zip(p.inputs, self.src_shardings, self.src_shardings, strict=True)
+    io = lambda: [_LeafIO(lf, s, d, self.staged, fast=self.fast) for lf, s, d in triples]
+    return self._once(("io", sources), io)
 
   def _placeholders(
     self, which: int, groups: Sequence[PlaceholderGroup] | None = None
@@ -891,7 +876,8 @@ class BucketExecutable:
     ):
       bundle = None  # arrays laid out equivalently, not equally: every leaf stages
     run = self.runner(bundled=bundle is not None)
-    io, src_io, placeholders = self.leaf_io(), self.source_io(), self._placeholders(0)
+    io, src_io = self.leaf_io(), self.leaf_io(sources=True)
+    placeholders = self._placeholders(0)
     wait = self.one_at_a_time
     staged, own = [], tuple(range(len(src_io)))  # the sources staged on their own
     if bundle is not None:
