@@ -24,7 +24,8 @@ from jax_reshard._edge import (
   needs_edges,
   refuse_edges_with_transform,
 )
-from jax_reshard._emit import BucketExecutable, InFlight, empty_like_sharded, plan_word_bytes
+from jax_reshard._emit import plan_word_bytes
+from jax_reshard._executable import BucketExecutable, InFlight, empty_like_sharded
 from jax_reshard._layout import Layout
 from jax_reshard._options import Options
 from jax_reshard._plan import (

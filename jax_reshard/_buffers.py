@@ -1,19 +1,14 @@
 """Per-device buffers in and out of ``jax.Array``s, with little host work per array.
 
 An eager bucket run takes every leaf apart into its per-device buffers and wraps buffers into
-new arrays (the staged inputs, the results), zero-copy. JAX's public way to do that,
-``addressable_shards`` and ``jax.make_array_from_single_device_arrays``, costs tens of
-microseconds per array (it builds ``Shard`` objects, then validates and reorders the buffers),
-which dominates a refit of many small leaves. Where this JAX has them, private members do the
-same with what a plan already knows: ``Array._arrays`` (the buffers, in the order of
-``Sharding._addressable_device_assignment``), ``ArrayImpl(aval, sharding, buffers,
-committed=True, _skip_checks=True)`` (buffers already in that order, nothing validated), and
-the loaded executable behind a ``jax.stages.Compiled`` (:class:`Runner`), whose
-``execute_sharded(...).disassemble_into_single_device_arrays()`` hands back every output's
-per-device buffers without first wrapping each output into an array of the staged sharding.
-Every function here falls back to the public API when they are missing
-(:func:`fast_path_available`) or when called with ``fast=False``; the plan checks shapes,
-dtypes and shardings before any buffer is touched, so skipping the checks changes nothing else.
+new arrays, zero-copy. JAX's public way (``addressable_shards``,
+``jax.make_array_from_single_device_arrays``) costs tens of microseconds per array, which
+dominates a refit of many small leaves. Where this JAX has them, private members do the same
+with what a plan already knows: ``Array._arrays`` (buffers in the order of
+``Sharding._addressable_device_assignment``), ``ArrayImpl(..., _skip_checks=True)``, and the
+loaded executable behind a ``jax.stages.Compiled`` (:class:`Runner`). Every function falls back
+to the public API where they are missing (:func:`fast_path_available`) or with ``fast=False``;
+the plan checks shapes, dtypes and shardings before any buffer is touched.
 """
 
 from __future__ import annotations
@@ -120,13 +115,9 @@ def loaded_executable(compiled: Any, num_args: int) -> Any:
 
 class Runner:
   """Runs a compiled program on staged arrays and hands back, per output, its single-device
-  arrays in :func:`addressable_order` of the output sharding.
-
-  On the fast path the program's loaded executable runs the arguments as given (they are
-  built in the shardings it was compiled for) and its results are taken apart straight into
-  per-device arrays; otherwise (``fast=False``, a JAX without these members, or
-  ``jax_debug_nans`` / ``jax_debug_infs`` set, which check outputs) ``compiled`` is called and
-  each output split with :func:`buffers`.
+  arrays in :func:`addressable_order` of the output sharding: on the fast path straight from
+  the loaded executable, else (``fast=False``, a JAX without it, or ``jax_debug_nans`` /
+  ``jax_debug_infs`` set, which check outputs) by calling ``compiled`` and :func:`buffers`.
 
   Attributes:
     compiled: the ``jax.stages.Compiled``.

@@ -363,7 +363,7 @@ def made_blocks(
 ) -> list[np.ndarray | None]:
   """Per bucket of every stage, in the order they run, per device of its union (ascending
   ids) the bytes of zero destination blocks a call makes for it (``None`` where it takes no
-  destination inputs): what :func:`estimate` charges, and what ``_emit`` makes."""
+  destination inputs): what :func:`estimate` charges, and what ``_executable`` makes."""
   return [made for _, _, made, _ in _walk(plan, donate, kinds)]
 
 
@@ -584,7 +584,7 @@ def _made_blocks(
   destination shard of it (on every device for a ``fresh`` one), taken from the blocks the last
   bucket that took destination inputs left on those devices (``spares``: per block shape and
   kind, a count per device id) where every device of the leaf's group has one, else made
-  (``_emit``'s ``BucketExecutable._spare_blocks``). Updates ``spares`` with the blocks this
+  (``_executable``'s ``BucketExecutable._spare_blocks``). Updates ``spares`` with the blocks this
   bucket leaves."""
   bucket = stage.schedule.buckets[b]
   union = np.asarray(bucket.union_device_ids, dtype=np.int64)

@@ -81,7 +81,7 @@ class Options:
       layer) is one bucket per period, so the program compiled for it is no larger than one
       period's. Default 8.
     in_flight_buckets: buckets; on CPU devices, how many bucket programs may be queued and not
-      yet finished (``_emit.one_at_a_time``): a bucket is queued once the results of the
+      yet finished (``_executable.one_at_a_time``): a bucket is queued once the results of the
       bucket this many before it are ready. Default 2: one bucket runs while the next is
       staged and queued (200 buckets of 8 devices queued at once on 2 cores starved the shared
       thread pool into a 40 s rendezvous abort).

@@ -292,7 +292,7 @@ class BucketProgram:
       in a program of their own, after the program over the whole mesh returns the received
       payloads (``_cost.assembles_apart``), or ``None`` where that program assembles them.
     must_apart: the bucket's staging is in bound only so (``Bucket.must_apart``): its leaves
-      are never bundled into one program (``_emit.BucketExecutable.bundle``).
+      are never bundled into one program (``_executable.BucketExecutable.bundle``).
     inputs: the source leaves the program takes, where they are not its leaves (a
       transformed plan's, :func:`make_transform_program`); empty: each leaf's own source.
     whole_operand_bytes: the plan's ``Options.whole_operand_bytes``: a leaf's whole source
@@ -991,7 +991,7 @@ def _common_sources(leaf: int, held: Sequence[Sequence[Part]]) -> tuple[Received
 @dataclasses.dataclass(frozen=True, slots=True)
 class Bundle:
   """Leaves of a bucket that enter and leave its program as one byte vector per device
-  (eager calls over a union mesh, see ``_emit.BucketExecutable``), instead of one staged
+  (eager calls over a union mesh, see ``_executable.BucketExecutable``), instead of one staged
   array per leaf: on each source device one compiled call concatenates the bytes of its
   source blocks, and on each destination device one compiled call cuts its destination
   shards out of the bytes the program returns.
@@ -1039,7 +1039,7 @@ def make_bundle(program: BucketProgram, leaves: Sequence[int]) -> Bundle:
 def enters_whole(lf: LeafView) -> bool:
   """Whether a leaf enters and leaves its bucket whole: not cut into slabs or windows, not
   split over buckets, not written into a destination input. Only such leaves may be bundled
-  or moved by a direct call (``_emit.BucketExecutable``)."""
+  or moved by a direct call (``_executable.BucketExecutable``)."""
   return not (
     lf.in_place
     or lf.dst_input

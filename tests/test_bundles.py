@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_reshard as jr
-from jax_reshard import _buffers, _emit
+from jax_reshard import _buffers, _executable
 from jax_reshard._options import Options
 
 PLACEMENTS = {"disjoint": (range(4), range(4, 8)), "overlap": (range(4), range(2, 6))}
@@ -98,7 +98,7 @@ def test_small_leaves_enter_and_leave_bundled(
 
   staged_leaves: list[int] = []
   args: list[int] = []
-  real_stage, real_run = _emit._LeafIO.stage, _buffers.Runner.__call__
+  real_stage, real_run = _executable._LeafIO.stage, _buffers.Runner.__call__
 
   def spy_stage(self: Any, xa: Any, placeholders: Any) -> Any:
     staged_leaves.append(xa.shape)
@@ -109,7 +109,7 @@ def test_small_leaves_enter_and_leave_bundled(
     return real_run(self, a)
 
   with monkeypatch.context() as m:
-    m.setattr(_emit._LeafIO, "stage", spy_stage)
+    m.setattr(_executable._LeafIO, "stage", spy_stage)
     m.setattr(_buffers.Runner, "__call__", spy_run)
     y = plan(x)
   assert staged_leaves == [hosts["e_big"].shape]
@@ -171,7 +171,7 @@ def test_identical_buckets_share_their_pack_cut_and_program() -> None:
   for k, h in hosts.items():
     assert_matches_oracle(y[k], h, dst)
   jr.plan_cache_clear()
-  _emit.clear_program_cache()
+  _executable.clear_program_cache()
   plan = jr.make_plan(x, dst, max_bucket_bytes=4 * one, options=options)
   with compile_events() as events:
     plan.executables()[0]([x["00"], x["01"], x["02"], x["03"]])
@@ -203,14 +203,14 @@ def test_leaves_stage_on_their_own_where_a_bundle_cannot_take_them(
     for k, h in hosts.items()
   }
   packs: list[int] = []
-  real = _emit._BundleIO.stage
+  real = _executable._BundleIO.stage
 
   def spy(self: Any, xs: Any, *, wait: bool) -> Any:
     packs.append(1)
     return real(self, xs, wait=wait)
 
   with monkeypatch.context() as m:
-    m.setattr(_emit._BundleIO, "stage", spy)
+    m.setattr(_executable._BundleIO, "stage", spy)
     y = plan(xr)
     assert packs == []
     z = plan(x)

@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_reshard as jr
-from jax_reshard import _buffers, _cost, _emit, _plan, _schedule
+from jax_reshard import _buffers, _cost, _emit, _executable, _plan, _schedule
 from jax_reshard._classes import bucket_classes
 from jax_reshard._cost import _bucket_cost, made_blocks
 from jax_reshard._options import Options
@@ -72,7 +72,7 @@ def test_identical_buckets_share_one_program() -> None:
     words = _emit.plan_word_bytes(plan.layout_plan)
     assert p == make_bucket_program(plan.layout_plan, b, dtypes, ids, max_word_bytes=words)
 
-  _emit.clear_program_cache()
+  _executable.clear_program_cache()
   exes = plan.executables()
   leaves = jax.tree_util.tree_leaves(x)
   firsts = {}
@@ -109,7 +109,7 @@ def test_buffer_paths_bit_for_bit(fast: bool, monkeypatch: pytest.MonkeyPatch) -
   but unequal sharding (another mesh over the same devices), bit for bit."""
   if fast:
     assert _buffers.fast_path_available()
-  monkeypatch.setattr(_emit, "fast_path_available", lambda: fast)
+  monkeypatch.setattr(_executable, "fast_path_available", lambda: fast)
   jr.plan_cache_clear()
   devs = np.array(jax.devices())
   a = Mesh(devs[:4], ("a",))
@@ -140,7 +140,7 @@ def test_buffer_paths_bit_for_bit(fast: bool, monkeypatch: pytest.MonkeyPatch) -
       for k, h in hosts.items():
         assert_matches_oracle(y[k], h, dst[k])
   jr.plan_cache_clear()
-  _emit.clear_program_cache()
+  _executable.clear_program_cache()
 
 
 def test_leaf_cap_splits_a_large_tree_into_buckets_sharing_programs() -> None:
@@ -178,15 +178,15 @@ def test_leaf_cap_cuts_buckets_at_layer_boundaries() -> None:
   # a_embed up to where the layers start repeating, one layer per bucket, then z_head.
   assert [len(b.leaves) for b in plan.schedule.buckets] == [1, 3, 3, 3, 3, 3, 1]
   assert plan.stats.num_programs == 3
-  _emit.clear_program_cache()
+  _executable.clear_program_cache()
   with compile_events() as events:
     y = plan(x)
   assert len([e for e in events if "backend_compile" in e]) >= 3
   # One bucket program per distinct bucket (disjoint: each a transfer program, with an
   # assembly program where a leaf is not received whole).
-  bucket_programs = _emit._compiled_program, _emit._transfer_program
+  bucket_programs = _executable._compiled_program, _executable._transfer_program
   assert sum(c.cache_info().currsize for c in bucket_programs) == 3
-  assert _emit._assembly_program.cache_info().currsize <= 3
+  assert _executable._assembly_program.cache_info().currsize <= 3
   for k, h in hosts.items():
     assert_matches_oracle(y[k], h, dst[k])
   jr.plan_cache_clear()
@@ -233,12 +233,12 @@ def test_chunks_of_repeated_layers_share_one_program(
   assert plan.stats.bytes_moved == plan.stats.lower_bound_bytes
   assert plan.stats.peak_staging_bytes <= bound
   assert len({program_signature(p) for p in plan.programs()}) == 1
-  _emit.clear_program_cache()
+  _executable.clear_program_cache()
   for _ in range(2):
     y = plan(x)
     for k, h in hosts.items():
       assert_matches_oracle(y[k], h, dst[k])
-  info = _emit._compiled_program.cache_info()
+  info = _executable._compiled_program.cache_info()
   assert (info.misses, info.hits) == (1, buckets - 1)
   # Into the sampler's current tree (donated): the first chunk writes into that buffer.
   flipped = {k: np.ascontiguousarray(h[::-1]) for k, h in hosts.items()}
@@ -249,7 +249,7 @@ def test_chunks_of_repeated_layers_share_one_program(
   uneven = jr.make_plan(x, dst, max_bucket_bytes=40000)
   assert uneven.stats.num_programs == 2 < uneven.stats.num_buckets == 9
   jr.plan_cache_clear()
-  _emit.clear_program_cache()
+  _executable.clear_program_cache()
   # Each bucket of a shared program stages its own zero blocks: a later window's bucket none
   # on the destination devices (it writes into the shard its first window assembled).
   if where == "windows":
@@ -275,7 +275,7 @@ def test_a_shared_window_program_stages_each_buckets_zero_blocks() -> None:
   plan = jr.make_plan(x, dst, max_bucket_bytes=25000)
   assert plan.schedule.buckets[0].leaves == (0, 1)  # "a" with the first window of "l0"
   assert plan.stats.num_programs < plan.stats.num_buckets
-  _emit.clear_program_cache()
+  _executable.clear_program_cache()
   y = plan(x)
   for k, h in hosts.items():
     assert_matches_oracle(y[k], h, dst[k])
@@ -283,7 +283,7 @@ def test_a_shared_window_program_stages_each_buckets_zero_blocks() -> None:
   for k, h in hosts.items():
     assert_matches_oracle(y[k], h, dst[k])
   jr.plan_cache_clear()
-  _emit.clear_program_cache()
+  _executable.clear_program_cache()
 
 
 def _made_by_the_eager_path(
@@ -292,7 +292,7 @@ def _made_by_the_eager_path(
   """Bytes of zero destination blocks (donated placeholders) ``call()`` makes, by device id,
   and what it returns."""
   made: dict[int, int] = {}
-  real = _emit._stage_placeholders
+  real = _executable._stage_placeholders
 
   def spy(groups: Any, devices: Any, *args: Any) -> Any:
     for g in groups:
@@ -303,9 +303,9 @@ def _made_by_the_eager_path(
           )
     return real(groups, devices, *args)
 
-  monkeypatch.setattr(_emit, "_stage_placeholders", spy)
+  monkeypatch.setattr(_executable, "_stage_placeholders", spy)
   out = call()
-  monkeypatch.setattr(_emit, "_stage_placeholders", real)
+  monkeypatch.setattr(_executable, "_stage_placeholders", real)
   return made, out
 
 
@@ -390,12 +390,12 @@ def test_small_source_placeholders_are_made_once() -> None:
   of both calls are bit for bit."""
   hosts, x, dst = _layers(1, seed=6)
   plan = jr.make_plan(x, dst)
-  _emit.clear_program_cache()
+  _executable.clear_program_cache()
   first = plan(x)
-  made = _emit._source_zeros.cache_info()
+  made = _executable._source_zeros.cache_info()
   assert made.misses >= 1
   second = plan(x)
-  again = _emit._source_zeros.cache_info()
+  again = _executable._source_zeros.cache_info()
   assert again.misses == made.misses and again.hits == made.hits
   for k, h in hosts.items():
     assert_matches_oracle(first[k], h, dst[k])
@@ -501,7 +501,7 @@ def test_whole_shards_move_without_pack_or_assembly() -> None:
     assert plan.stats.passes_per_moved_byte == 1.5
     assert pass_bytes(plan.layout_plan)["pack"] == pass_bytes(plan.layout_plan)["assemble"] == 0
     (program,) = plan.programs()
-    assert _emit.whole_block_leaf(program, program.rounds[0]) == 0
+    assert _emit.whole_block_leaves(program, program.rounds[0]) == (0,)
     assert _emit.received_whole(program) == {0: 0}
     assert "conditional" not in plan.executables()[0].compile().as_text()
     assert_matches_oracle(plan(jax.device_put(h, src)), h, dst)
@@ -729,9 +729,9 @@ def test_cpu_buckets_are_queued_a_few_at_a_time(
   jax.block_until_ready(plan(x))
   firsts: list[list[Any]] = []
   waited: list[Any] = []
-  real_run, real_wait = _buffers.Runner.__call__, _emit.InFlight.wait_for
+  real_run, real_wait = _buffers.Runner.__call__, _executable.InFlight.wait_for
 
-  real_direct = _emit.BucketExecutable.direct
+  real_direct = _executable.BucketExecutable.direct
 
   def ready_before_queueing() -> None:
     k = options.in_flight_buckets
@@ -759,8 +759,8 @@ def test_cpu_buckets_are_queued_a_few_at_a_time(
     return waited[-1]
 
   monkeypatch.setattr(_buffers.Runner, "__call__", spy_run)
-  monkeypatch.setattr(_emit.BucketExecutable, "direct", spy_direct)
-  monkeypatch.setattr(_emit.InFlight, "wait_for", spy_wait)
+  monkeypatch.setattr(_executable.BucketExecutable, "direct", spy_direct)
+  monkeypatch.setattr(_executable.InFlight, "wait_for", spy_wait)
   y = plan(x)
   assert len(firsts) == plan.stats.num_buckets
   assert all(bool(real_direct(exe)) == direct for exe in plan.executables())
@@ -820,7 +820,7 @@ def test_colocated_buckets_run_on_the_source_arrays_as_they_are(
     m.setattr(_buffers.Runner, "__call__", staged)
     m.setattr(_buffers.Wrapper, "__call__", staged)
     m.setattr(_buffers, "buffers", staged)
-    m.setattr(_emit, "buffers", staged)
+    m.setattr(_executable, "buffers", staged)
     y = plan(x)
     y = plan(x)  # and again, on kept executables
   for k, h in hosts.items():

@@ -32,6 +32,7 @@ LAYERS = [
   "_program",
   "_buffers",
   "_emit",
+  "_executable",
   "_tree",
   "_edge",
   "_transform",

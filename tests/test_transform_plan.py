@@ -432,7 +432,7 @@ def test_small_zero_source_blocks_are_made_once(
 ) -> None:
   """Disjoint devices: the sampler devices stage zero source blocks; small ones are made on
   the first call and kept by each executable, so later calls make and look up none."""
-  from jax_reshard import _emit
+  from jax_reshard import _executable
 
   devs = np.array(jax.devices())
   src = NamedSharding(make_mesh((-1,), ("x",), devs[:4], mesh_axis_type), P("x"))
@@ -444,7 +444,7 @@ def test_small_zero_source_blocks_are_made_once(
   executables = plan.executables()
   assert all(e.program.placeholders for e in executables)
   calls = []
-  monkeypatch.setattr(_emit, "_source_zeros", lambda *a, **k: calls.append(a) or {})
+  monkeypatch.setattr(_executable, "_source_zeros", lambda *a, **k: calls.append(a) or {})
   assert_matches_oracle(plan(x), host.astype(jnp.bfloat16), dst, exact=True)
   assert not calls
 

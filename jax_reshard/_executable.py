@@ -1,0 +1,907 @@
+"""Eager bucket runs: :class:`BucketExecutable` compiles a bucket's program (:mod:`_emit`) and
+runs it on per-device buffers taken apart and wrapped zero-copy (:mod:`_buffers`): direct,
+bundled, apart or staged. Compiled programs are cached per process by
+:func:`program_signature` and devices: buckets that differ only in their leaves compile once.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jax_reshard._buffers import (
+  Runner,
+  Wrapper,
+  addressable_order,
+  buffers,
+  buffers_by_device,
+  fast_path_available,
+)
+from jax_reshard._emit import (
+  AXIS,
+  auto_mesh,
+  bundled_body,
+  concat_bytes,
+  donated,
+  emit_assembly_body,
+  emit_body,
+  emit_traced_move,
+  emit_transfer_body,
+  from_bytes,
+  operand_layout,
+  received_whole,
+  resident_sources,
+  shift_starts,
+  split_outputs,
+  write_at,
+)
+from jax_reshard._options import DEFAULT_OPTIONS, Options
+from jax_reshard._program import (
+  BucketProgram,
+  Bundle,
+  DestinationWindow,
+  LeafView,
+  PlaceholderGroup,
+  SourceWindow,
+  block_bytes,
+  enters_whole,
+  make_bundle,
+  program_signature,
+)
+
+PROGRAM_CACHE_SIZE = 256  # compiled programs kept per process, per kind
+# Groups of zero source blocks kept (each of at most Options.kept_zero_bytes per device: they
+# are read, never written or donated, so they are made once instead of on every call).
+PLACEHOLDER_CACHE_SIZE = 64
+Block = tuple[tuple[int, ...], np.dtype]  # one device's block: shape, dtype
+BundleLeaf = tuple[tuple[int, ...], np.dtype, NamedSharding]  # global shape, dtype, sharding
+_CACHES: list[Any] = []  # every cache clear_program_cache clears
+
+
+def _cached(maxsize: int = PROGRAM_CACHE_SIZE) -> Callable[[Any], Any]:
+  """``functools.lru_cache(maxsize)``, cleared by :func:`clear_program_cache`."""
+
+  def wrap(fn: Any) -> Any:
+    _CACHES.append(functools.lru_cache(maxsize=maxsize)(fn))
+    return _CACHES[-1]
+
+  return wrap
+
+
+def clear_program_cache() -> None:
+  """Forgets the compiled programs shared between buckets and plans, and the zero blocks kept
+  for them (an executable keeps the blocks it already holds)."""
+  for cached in _CACHES:
+    cached.cache_clear()
+
+
+def _staged(devices: Sequence[Any]) -> NamedSharding:
+  """One block per device of ``devices`` (in mesh position order), along :data:`AXIS`."""
+  return NamedSharding(Mesh(np.array(devices), (AXIS,)), PartitionSpec(AXIS))
+
+
+def _staged_shape(block: tuple[int, ...], n: int) -> tuple[int, ...]:
+  return (n * block[0], *block[1:])
+
+
+def _by_id(sharding: Any) -> tuple[Any, ...]:
+  return tuple(sorted(sharding.device_set, key=lambda d: d.id))
+
+
+def _index(ids: Sequence[int], of: Sequence[int], missing: int | None = None) -> list[int]:
+  """Per id of ``of``, its index in ``ids`` (``missing`` where absent, if given)."""
+  at = {d: j for j, d in enumerate(ids)}
+  return [at[d] if missing is None else at.get(d, missing) for d in of]
+
+
+def _compile_staged(
+  body: Callable[..., Any],
+  devices: tuple[Any, ...],
+  blocks: Sequence[Block],
+  num_out: int | None,
+  *,
+  donate: tuple[int, ...] = (),
+  scalars: int = 0,
+  keep_unused: bool = False,
+) -> Any:
+  """``body`` as a ``shard_map`` over ``devices``, compiled for staged arguments of ``blocks``
+  (one per device each) and ``scalars`` replicated int32 scalars, ``num_out`` staged outputs, the
+  arguments at ``donate`` donated (``keep_unused``: a donated block only lends its buffer)."""
+  staged, n, spec = _staged(devices), len(devices), PartitionSpec(AXIS)
+  scalar = NamedSharding(staged.mesh, PartitionSpec())
+  in_specs = (spec,) * len(blocks) + (PartitionSpec(),) * scalars
+  out_specs = spec if num_out is None else (spec,) * num_out  # None: one output, no tuple
+  fn = jax.shard_map(
+    body, mesh=staged.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+  )
+  avals = [jax.ShapeDtypeStruct(_staged_shape(b, n), dt, sharding=staged) for b, dt in blocks]
+  avals += [jax.ShapeDtypeStruct((), np.int32, sharding=scalar)] * scalars
+  return jax.jit(fn, donate_argnums=donate, keep_unused=keep_unused).lower(*avals).compile()
+
+
+@_cached()
+def _compiled_program(
+  signature: BucketProgram, devices: tuple[Any, ...], bundle: Bundle | None = None
+) -> Any:
+  """The compiled :func:`emit_body` of a bucket on ``devices``, the leaves of ``bundle`` (if
+  any) in and out as byte vectors, the destination blocks it takes donated."""
+  body, bundled = emit_body(signature, AXIS, shift_inputs=True), bundle.leaves if bundle else ()
+  blocks = [(lf.src_block, lf.dtype) for i, lf in enumerate(signature.sources) if i not in bundled]
+  if bundle is not None:
+    body = bundled_body(signature, bundle, body)
+    blocks.insert(0, ((bundle.src_bytes,), np.dtype(np.uint8)))
+  first, leaves = len(blocks), signature.leaves
+  blocks += [(leaves[i].dst_block, leaves[i].dtype) for i in signature.dst_inputs]
+  num_out = len(leaves) - len(bundled) + (bundle is not None)
+  scalars = len(signature.shifted) + len(signature.dst_shifted)
+  donate = tuple(range(first, len(blocks)))
+  return _compile_staged(
+    body, devices, blocks, num_out, donate=donate, scalars=scalars, keep_unused=True
+  )
+
+
+@_cached()
+def _transfer_program(signature: BucketProgram, devices: tuple[Any, ...]) -> Any:
+  """The compiled transfer program (:func:`emit_transfer_body`) on ``devices``."""
+  direct, _, rounds = split_outputs(signature)
+  num_out = len(direct) + sum(len(operand_layout(signature, signature.rounds[r])) for r in rounds)
+  blocks = [(lf.src_block, lf.dtype) for lf in signature.leaves]
+  return _compile_staged(emit_transfer_body(signature, AXIS), devices, blocks, num_out)
+
+
+@_cached()
+def _assembly_program(
+  signature: BucketProgram, devices: tuple[Any, ...], operands: tuple[Block, ...]
+) -> Any:
+  """The compiled :func:`emit_assembly_body` on ``devices`` (those at
+  :attr:`BucketProgram.assemblers`), taking the received ``operands`` (one block per device)."""
+  leaves = signature.leaves
+  sources = [(leaves[li].src_block, leaves[li].dtype) for li in resident_sources(signature)]
+  dsts = [(leaves[li].dst_block, leaves[li].dtype) for li in donated(signature)]
+  first, body = len(operands) + len(sources), emit_assembly_body(signature, AXIS)
+  donate = tuple(range(first, first + len(dsts)))
+  num_out = len(split_outputs(signature)[1])
+  blocks = [*operands, *sources, *dsts]
+  return _compile_staged(body, devices, blocks, num_out, donate=donate, keep_unused=True)
+
+
+@_cached()
+def _direct_program(
+  signature: BucketProgram, src_shardings: tuple[Any, ...], dst_shardings: tuple[Any, ...]
+) -> Any:
+  """The compiled traced move of a bucket taking its source arrays as they are (see
+  :meth:`BucketExecutable.direct`)."""
+  src_mesh, dst_mesh = src_shardings[0].mesh, dst_shardings[0].mesh
+  src_specs, dst_specs = [s.spec for s in src_shardings], [s.spec for s in dst_shardings]
+
+  def move(*xs: jax.Array) -> list[jax.Array]:
+    return emit_traced_move(xs, signature, src_mesh, src_specs, dst_mesh, dst_specs)
+
+  pairs = zip(signature.leaves, src_shardings, strict=True)
+  avals = [jax.ShapeDtypeStruct(lf.shape, lf.dtype, sharding=s) for lf, s in pairs]
+  return jax.jit(move, out_shardings=list(dst_shardings)).lower(*avals).compile()
+
+
+@_cached()
+def _bundle_in_program(leaves: tuple[BundleLeaf, ...]) -> tuple[Any, NamedSharding]:
+  """``(compiled, output sharding)``: the source arrays ``leaves`` (one mesh) in, per device
+  its shards' bytes one after another out."""
+  mesh = auto_mesh(leaves[0][2].mesh)  # takes arrays of either axis type
+  out = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
+  in_specs = tuple(s.spec for _, _, s in leaves)
+
+  def pack(*xs: jax.Array) -> jax.Array:
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      fn = lambda *shards: concat_bytes(shards)
+      return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out.spec, check_vma=False)(
+        *xs
+      )
+
+  avals = [jax.ShapeDtypeStruct(shape, dtype, sharding=s) for shape, dtype, s in leaves]
+  return jax.jit(pack, out_shardings=out).lower(*avals).compile(), out
+
+
+@_cached()
+def _bundle_out_program(
+  leaves: tuple[BundleLeaf, ...],
+  shards: tuple[tuple[int, ...], ...],
+  spans: tuple[tuple[int, int], ...],
+) -> tuple[Any, NamedSharding]:
+  """``(compiled, input sharding)``: per device of the destination mesh its blocks' bytes (at
+  ``spans``) in, the destination arrays (shards of ``shards``) out."""
+  mesh = auto_mesh(leaves[0][2].mesh)  # out_shardings type the results (Explicit axes too)
+  sharding = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
+  out_specs = tuple(s.spec for _, _, s in leaves)
+
+  def cut(b: jax.Array) -> tuple[jax.Array, ...]:
+    triples = zip(leaves, shards, spans, strict=True)
+    return tuple(from_bytes(b[a:z], dtype, shard) for (_, dtype, _), shard, (a, z) in triples)
+
+  def unpack(b: jax.Array) -> tuple[jax.Array, ...]:
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      in_spec = sharding.spec
+      return jax.shard_map(cut, mesh=mesh, in_specs=in_spec, out_specs=out_specs, check_vma=False)(
+        b
+      )
+
+  aval = jax.ShapeDtypeStruct((mesh.size * spans[-1][1],), np.uint8, sharding=sharding)
+  out_shardings = tuple(s for _, _, s in leaves)
+  return jax.jit(unpack, out_shardings=out_shardings).lower(aval).compile(), sharding
+
+
+@_cached()
+def _placeholder_program(group: PlaceholderGroup, devices: tuple[Any, ...]) -> Any:
+  """A compiled function making ``group``'s zero blocks, one array per block over ``devices``."""
+  sharding = NamedSharding(Mesh(np.array(devices), ("p",)), PartitionSpec("p"))
+  k = len(devices)
+
+  def make() -> tuple[jax.Array, ...]:
+    return tuple(jnp.zeros((k * shape[0], *shape[1:]), dtype) for shape, dtype in group.blocks)
+
+  return jax.jit(make, out_shardings=tuple(sharding for _ in group.blocks)).lower().compile()
+
+
+@_cached()
+def _slab_program(window: SourceWindow, dtype: np.dtype, devices: tuple[Any, ...]) -> Any:
+  """A compiled function cutting ``window`` out of every shard of a leaf on ``devices``."""
+
+  def cut(block: jax.Array) -> jax.Array:
+    return jax.lax.slice_in_dim(block, window.start, window.stop, axis=window.dim)
+
+  return _compile_staged(cut, devices, [(window.shard, dtype)], None)
+
+
+@_cached()
+def _write_slab_program(
+  window: DestinationWindow, dtype: np.dtype, devices: tuple[Any, ...]
+) -> Any:
+  """A compiled function writing a bucket's slab of every destination shard into the shard
+  (filled so far, or zeros; donated) on ``devices``: one pass over the slab."""
+  at = tuple(window.start if d == window.dim else 0 for d in range(len(window.shard)))
+
+  def write(shard: jax.Array, slab: jax.Array) -> jax.Array:
+    return write_at(shard, slab, dtype, at)
+
+  blocks = [(window.shard, dtype), (window.shape(), dtype)]
+  return _compile_staged(write, devices, blocks, None, donate=(0,))
+
+
+def _by_device(keys: Sequence[Any], arrays: Sequence[jax.Array], fast: bool) -> dict[Any, Any]:
+  """The buffers of ``arrays`` keyed by ``(device id, *key)``, ``key`` the array's of ``keys``."""
+  out = {}
+  for key, arr in zip(keys, arrays, strict=True):
+    ids = addressable_order(arr.sharding, fast=fast)
+    out.update({(d, *key): b for d, b in zip(ids, buffers(arr, fast=fast), strict=True)})
+  return out
+
+
+@_cached(PLACEHOLDER_CACHE_SIZE)
+def _source_zeros(
+  group: PlaceholderGroup, devices: tuple[Any, ...], *, fast: bool
+) -> dict[tuple[Any, ...], jax.Array]:
+  """``group``'s zero source blocks by (device id, block shape, dtype), made once, ready."""
+  return _by_device(
+    group.blocks, jax.block_until_ready(_placeholder_program(group, devices)()), fast
+  )
+
+
+def _stage_placeholders(
+  groups: Sequence[PlaceholderGroup],
+  devices: dict[int, Any],
+  kept_bytes: int = DEFAULT_OPTIONS.kept_zero_bytes,
+) -> tuple[dict[tuple[Any, ...], jax.Array], bool]:
+  """Zero blocks for one call, by (device id, block shape, dtype), or by (device id, leaf
+  position) for donated blocks; and whether all were source blocks of at most ``kept_bytes`` per
+  device (read only: made once), so the dict may be kept."""
+  out, fast, made_once = {}, fast_path_available(), True
+  for group in groups:
+    mesh_devices = tuple(devices[i] for i in group.device_ids)
+    if not group.leaves and sum(block_bytes(*b) for b in group.blocks) <= kept_bytes:
+      out.update(_source_zeros(group, mesh_devices, fast=fast))  # read only: made once
+      continue
+    made_once = False
+    keys: Sequence[Any] = [(k,) for k in group.leaves] if group.leaves else group.blocks
+    # Ready before the program is queued: on the CPU backend a collective program whose inputs
+    # come from another in-flight program can starve their shared thread pool (a 40 s abort).
+    out.update(
+      _by_device(keys, jax.block_until_ready(_placeholder_program(group, mesh_devices)()), fast)
+    )
+  return out, made_once
+
+
+class _Slicer:
+  """Cuts a leaf's slab out of its source shards (see :class:`SourceWindow`), or out of its
+  destination shards filled so far (a grid's destination slab)."""
+
+  def __init__(self, window: SourceWindow, dtype: np.dtype, sharding: Any, *, fast: bool) -> None:
+    devices = _by_id(sharding)
+    self.compiled = _slab_program(window, dtype, devices)
+    self.ids = addressable_order(_staged(devices), fast=fast)
+    shape = _staged_shape(window.shard, len(devices))
+    self.wrap = Wrapper(shape, dtype, _staged(devices), fast=fast)
+
+  def __call__(self, x: jax.Array | dict[int, jax.Array]) -> dict[int, jax.Array]:
+    """The slabs of ``x``'s shards (or of the shards given by device id) by device id."""
+    held = x if isinstance(x, dict) else buffers_by_device(x)
+    slabs = self.compiled(self.wrap([held[i] for i in self.ids]))
+    return buffers_by_device(jax.block_until_ready(slabs))  # ready: see _stage_placeholders
+
+
+class _SlabWriter:
+  """Writes a bucket's slab of a leaf's destination shards into them, on the destination's
+  devices. The first slab goes into zero shards made first: written into zeros in one program,
+  XLA:CPU pads the slab, which quiets bfloat16 and float8 NaN payloads."""
+
+  def __init__(self, lf: LeafView, dst_sharding: Any, *, fast: bool) -> None:
+    window, devices = lf.dst_window, _by_id(dst_sharding)
+    assert window is not None
+    self.compiled = _write_slab_program(window, lf.dtype, devices)
+    group = PlaceholderGroup(tuple(d.id for d in devices), ((window.shard, lf.dtype),))
+    self.zeros = _placeholder_program(group, devices)
+    staged, n = _staged(devices), len(devices)
+    self.ids = addressable_order(staged, fast=fast)
+    self.shard_wrap = Wrapper(_staged_shape(window.shard, n), lf.dtype, staged, fast=fast)
+    self.slab_wrap = Wrapper(_staged_shape(window.shape(), n), lf.dtype, staged, fast=fast)
+
+  def __call__(
+    self, carried: dict[int, jax.Array] | None, slabs: dict[int, jax.Array]
+  ) -> dict[int, jax.Array]:
+    """The destination shards by device id: ``carried`` (donated) or zeros, with ``slabs``
+    (by device id) written in."""
+    if carried is None:
+      carried = buffers_by_device(self.zeros()[0])
+    shards = self.shard_wrap([carried[i] for i in self.ids])
+    out = self.compiled(shards, self.slab_wrap([slabs[i] for i in self.ids]))
+    return buffers_by_device(out)
+
+
+def one_at_a_time(devices: Sequence[Any]) -> bool:
+  """Whether bucket programs on ``devices`` must be queued a few at a time (see
+  :class:`InFlight`): on the CPU backend every device of a collective program takes a thread of
+  one shared pool and blocks in the ``ppermute`` rendezvous, so programs queued faster than they
+  run can each hold some threads while none has all (a 40 s rendezvous abort with 200 buckets of
+  8 devices on 2 cores)."""
+  return any(getattr(d, "platform", None) == "cpu" for d in devices)
+
+
+class InFlight:
+  """The results of the last ``depth`` buckets of a call: a bucket's program is queued once the
+  results of the bucket ``Options.in_flight_buckets`` before it are ready, where
+  :func:`one_at_a_time`, so one bucket runs while the next is staged."""
+
+  def __init__(self, depth: int = DEFAULT_OPTIONS.in_flight_buckets) -> None:
+    self.depth = depth
+    self._recent: collections.deque[Any] = collections.deque(maxlen=depth)
+
+  def wait_for(self, exe: Any) -> Any:
+    """``None``, or a live result of the bucket :attr:`depth` before ``exe``'s (a result carried
+    into a later bucket was donated there: then a later one's)."""
+    if not exe.one_at_a_time or len(self._recent) < self.depth:
+      return None
+    leaves = (y for ys in self._recent for y in jax.tree_util.tree_leaves(ys))  # oldest first
+    return next((y for y in leaves if not y.is_deleted()), None)
+
+  def add(self, ys: Sequence[Any]) -> None:
+    """Records a bucket's results ``ys``."""
+    self._recent.append(ys)
+
+
+class _LeafIO:
+  """How one leaf enters and leaves a bucket's program, worked out once: which buffer each mesh
+  position stages and which output buffer each destination device keeps."""
+
+  def __init__(
+    self, lf: LeafView, src_sharding: Any, dst_sharding: Any, staged: Any, *, fast: bool
+  ) -> None:
+    self.lf, self.src_sharding, self.fast = lf, src_sharding, fast
+    self.staged_ids = ids = addressable_order(staged, fast=fast)
+    self.ph_keys = [(i, lf.src_block, lf.dtype) for i in ids]
+    self.src_pick = self._pick(src_sharding) if src_sharding is not None else None
+    # A leaf cut into slabs stages the bucket's slab of each source shard; a grid's
+    # destination slab is cut from the shards filled so far, and written in afterwards.
+    self.slicer = self.dst_slicer = self.writer = None
+    if lf.src_window is not None and src_sharding is not None:
+      self.slicer = _Slicer(lf.src_window, lf.dtype, src_sharding, fast=fast)
+    if lf.dst_window is not None and lf.dst_input:
+      self.dst_slicer = _Slicer(lf.dst_window, lf.dtype, dst_sharding, fast=fast)
+    if lf.dst_window is not None:
+      self.writer = _SlabWriter(lf, dst_sharding, fast=fast)
+    self.dst_pick = _index(ids, addressable_order(dst_sharding, fast=fast))
+    # Output blocks of positions without a destination shard: spare buffers for a later call.
+    picked = set(self.dst_pick)
+    self.spare_at = [(j, (d, lf.dst_block, lf.dtype)) for j, d in enumerate(ids) if j not in picked]
+    n = len(staged.device_set)
+    self.stage_wrap = Wrapper(_staged_shape(lf.src_block, n), lf.dtype, staged, fast=fast)
+    self.dst_stage_wrap = Wrapper(_staged_shape(lf.dst_block, n), lf.dtype, staged, fast=fast)
+    self.unstage_wrap = Wrapper(lf.shape, lf.dtype, dst_sharding, fast=fast)
+
+  def _pick(self, sharding: Any) -> list[int]:
+    """Per staged position, the index of its buffer among ``sharding``'s, or -1."""
+    return _index(addressable_order(sharding, fast=self.fast), self.staged_ids, -1)
+
+  def stage(self, x: jax.Array, placeholders: dict[Any, jax.Array]) -> jax.Array:
+    """``x`` as a staged array: its own buffers (or their slabs) where it has them, zero
+    blocks (shared by leaves of one shape and dtype) elsewhere."""
+    if self.slicer is not None:
+      slabs = self.slicer(x)
+      keys = self.ph_keys
+      return self.stage_wrap([slabs[k[0]] if k[0] in slabs else placeholders[k] for k in keys])
+    s, pick = x.sharding, self.src_pick
+    if not (self.fast and pick is not None and (s is self.src_sharding or s == self.src_sharding)):
+      pick = self._pick(s)  # an equivalent sharding may list its devices in another order
+    held = buffers(x, fast=self.fast)
+    if not self.lf.src_shard:
+      held = [h.reshape(self.lf.src_block) for h in held]
+    pairs = zip(pick, self.ph_keys, strict=True)
+    return self.stage_wrap([placeholders[key] if j < 0 else held[j] for j, key in pairs])
+
+  def stage_dst(
+    self, held: dict[int, jax.Array], placeholders: dict[Any, jax.Array], position: int
+  ) -> jax.Array:
+    """The leaf's destination blocks as a staged array: ``held`` (by device id) where a device
+    has one, else its donated zero block ``placeholders[(device id, position)]``. A grid's
+    destination slab is cut from ``held``, the destination shards filled so far."""
+    if self.dst_slicer is not None and held:
+      held = self.dst_slicer(held)
+    blocks = []
+    for dev_id in self.staged_ids:
+      data = held.get(dev_id)
+      if data is None:
+        data = placeholders[(dev_id, position)]
+      elif data.shape != self.lf.dst_block:
+        data = data.reshape(self.lf.dst_block)
+      blocks.append(data)
+    return self.dst_stage_wrap(blocks)
+
+  def unstage(
+    self,
+    held: list[Any],
+    spares: dict[Any, list[jax.Array]] | None = None,
+    carried: dict[int, jax.Array] | None = None,
+  ) -> jax.Array | dict[int, jax.Array]:
+    """The destination array of the leaf's output blocks (``held``, in staged order), or
+    (``carry_out``) its destination blocks by device id. With ``spares``, a leaf with a
+    destination input leaves there its other positions' blocks for a later bucket to donate. A
+    leaf cut into destination slabs has its slab written into ``carried``, or into zeros."""
+    if self.writer is not None:
+      # The slab writes wait for the bucket: on the CPU backend, queuing them behind a bucket
+      # whose program the next bucket runs again stalled its collectives (a 40 s abort).
+      held = jax.block_until_ready(held)
+    if spares is not None and self.lf.dst_input:
+      for j, key in self.spare_at:
+        spares.setdefault(key, []).append(held[j])
+    if self.writer is not None:
+      shards = self.writer(carried, {self.staged_ids[j]: held[j] for j in self.dst_pick})
+      held = [shards.get(i) for i in self.staged_ids]
+    if self.lf.carry_out:
+      return {self.staged_ids[j]: held[j] for j in self.dst_pick}
+    return self.unstage_picked([held[j] for j in self.dst_pick])
+
+  def unstage_picked(self, blocks: list[Any]) -> jax.Array:
+    """The destination array of this process's destination blocks, zero-copy."""
+    return self.unstage_wrap([b.reshape(()) for b in blocks] if not self.lf.dst_shard else blocks)
+
+
+def _on_one_mesh(sharding: Any) -> bool:
+  """Whether ``sharding`` is a ``NamedSharding`` on a concrete mesh of this process's devices."""
+  named = isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, Mesh)
+  return named and sharding.is_fully_addressable
+
+
+def _as_planned(x: jax.Array, sharding: Any) -> bool:
+  """Whether ``x`` is laid out exactly as planned (``sharding``, not weakly typed)."""
+  return (x.sharding is sharding or x.sharding == sharding) and not x.weak_type
+
+
+class _BundleIO:
+  """How a :class:`Bundle` enters and leaves a bucket's program, worked out once: the pack and
+  cut programs and the bytes each mesh position stages and each destination device keeps."""
+
+  def __init__(self, exe: BucketExecutable, bundle: Bundle, *, fast: bool) -> None:
+    self.leaves = bundle.leaves
+    # The program's other leaves, which stage on their own, in the order it takes them.
+    self.others = tuple(li for li in range(len(exe.program.leaves)) if li not in bundle.leaves)
+    views = {li: exe.program.leaves[li] for li in bundle.leaves}
+    leaves = lambda shs: tuple((lf.shape, lf.dtype, shs[li]) for li, lf in views.items())
+    pack, packed = _bundle_in_program(leaves(exe.src_shardings))
+    self.pack = Runner(pack, len(self.leaves), fast=fast)
+    shards = tuple(lf.dst_shard for lf in views.values())
+    self.unpack, unpacked = _bundle_out_program(leaves(exe.dst_shardings), shards, bundle.dst_spans)
+    ids = addressable_order(exe.staged, fast=fast)
+    self.src_pick = _index(addressable_order(packed, fast=fast), ids, -1)
+    # Positions without a source shard stage zero bytes, made once and kept (read only).
+    missing = tuple(d for d, j in zip(ids, self.src_pick, strict=True) if j < 0)
+    key = ((bundle.src_bytes,), np.dtype(np.uint8))
+    zeros: dict[tuple[Any, ...], jax.Array] = {}
+    if missing:
+      group = PlaceholderGroup(missing, (key,))
+      zeros = _source_zeros(group, tuple(exe.devices[d] for d in missing), fast=fast)
+    self.zeros = [zeros.get((d, *key)) for d in ids]
+    self.stage_wrap = Wrapper((len(ids) * bundle.src_bytes,), key[1], exe.staged, fast=fast)
+    self.dst_pick = _index(ids, addressable_order(unpacked, fast=fast))
+    size = unpacked.mesh.size * bundle.dst_bytes
+    self.unstage_wrap = Wrapper((size,), key[1], unpacked, fast=fast)
+
+  def stage(self, xs: Sequence[jax.Array], *, wait: bool) -> jax.Array:
+    """The bundle's staged bytes, packed from the bucket's source arrays ``xs`` (per leaf of
+    the program); ``wait``: ready before the program that takes them is queued."""
+    [held] = self.pack([xs[li] for li in self.leaves])
+    if wait:
+      held = jax.block_until_ready(held)
+    pairs = zip(self.src_pick, self.zeros, strict=True)
+    return self.stage_wrap([held[j] if j >= 0 else z for j, z in pairs])
+
+  def unstage(self, held: Sequence[Any], *, wait: bool) -> list[jax.Array]:
+    """The bundled leaves' destination arrays, cut out of the program's first output
+    (``held``, in staged order); ``wait``: the program done before the cut is queued behind it
+    (see :meth:`_LeafIO.unstage`)."""
+    data = self.unstage_wrap([held[j] for j in self.dst_pick])
+    return list(self.unpack(jax.block_until_ready(data) if wait else data))
+
+
+class _SplitIO:
+  """How a bucket that assembles apart runs, worked out once: the transfer program over the
+  union mesh, then the assembly program on the destination devices of this process (none where
+  it has none), which takes their blocks of the transfer program's outputs."""
+
+  def __init__(self, exe: BucketExecutable, *, fast: bool) -> None:
+    program = exe.program
+    assert program.assemblers is not None
+    direct, self.assembled, _ = split_outputs(program)
+    self.direct, signature = tuple(direct), program_signature(program)
+    compiled = _transfer_program(signature, exe.mesh_devices)
+    self.transfer = Runner(compiled, len(program.leaves), fast=fast)
+    n = len(program.device_ids)
+    operands = tuple(
+      ((o.shape[0] // n, *o.shape[1:]), np.dtype(o.dtype))
+      for o in compiled.out_info[len(self.direct) :]
+    )
+    devices = tuple(exe.mesh_devices[q] for q in program.assemblers)
+    staged, k = _staged(devices), len(devices)
+    self.ids = addressable_order(staged, fast=fast)
+    self.in_pick = _index(addressable_order(exe.staged, fast=fast), self.ids)
+    wrap = lambda block, dtype: Wrapper(_staged_shape(block, k), dtype, staged, fast=fast)
+    self.in_wraps = [wrap(shape, dtype) for shape, dtype in operands]
+    # Leaves with parts copied from a destination device's own source shard (their staged
+    # source blocks), and leaves refit into donated buffers (their destination blocks).
+    self.src_leaves, self.dst_leaves = resident_sources(program), donated(program)
+    leaves = program.leaves
+    self.src_wraps = [wrap(leaves[li].src_block, leaves[li].dtype) for li in self.src_leaves]
+    self.dst_wraps = [wrap(leaves[li].dst_block, leaves[li].dtype) for li in self.dst_leaves]
+    self.assembly: Runner | None = None
+    if self.ids and self.assembled:
+      num_args = len(operands) + len(self.src_leaves) + len(self.dst_leaves)
+      self.assembly = Runner(_assembly_program(signature, devices, operands), num_args, fast=fast)
+    self.out_pick = {
+      li: _index(self.ids, addressable_order(exe.dst_shardings[li], fast=fast))
+      for li in self.assembled
+    }
+
+  def compiled(self) -> list[Any]:
+    """The compiled programs a call runs, in order."""
+    return [r.compiled for r in (self.transfer, self.assembly) if r is not None]
+
+  def __call__(
+    self,
+    staged: Sequence[jax.Array],
+    io: Sequence[_LeafIO],
+    dsts: Sequence[dict[int, jax.Array] | None] = (),
+  ) -> list[Any]:
+    """Per leaf, its destination array, from the leaves' ``staged`` source arrays (and, per
+    leaf with a destination input, its donated destination blocks by device id, ``dsts``)."""
+    outs = self.transfer(staged)
+    ys: list[Any] = [None] * len(io)
+    for li, held in zip(self.direct, outs, strict=False):
+      ys[li] = io[li].unstage(held)
+    if self.assembly is None:
+      for li in self.assembled:  # no destination device here
+        ys[li] = io[li].unstage_picked([])
+      return ys
+    received = zip(self.in_wraps, outs[len(self.direct) :], strict=True)
+    args = [wrap([held[j] for j in self.in_pick]) for wrap, held in received]
+    del outs, received  # the payloads of devices without a destination shard are freed
+    for li, wrap in zip(self.src_leaves, self.src_wraps, strict=True):
+      held = buffers(staged[li], fast=self.transfer.fast)
+      args.append(wrap([held[j] for j in self.in_pick]))
+    for li, wrap in zip(self.dst_leaves, self.dst_wraps, strict=True):
+      blocks, shape = [(dsts[li] or {})[d] for d in self.ids], io[li].lf.dst_block
+      args.append(wrap([b if b.shape == shape else b.reshape(shape) for b in blocks]))
+    for li, held in zip(self.assembled, self.assembly(args), strict=True):
+      ys[li] = io[li].unstage_picked([held[j] for j in self.out_pick[li]])
+    return ys
+
+
+class BucketExecutable:
+  """A bucket's program compiled over its union mesh; calling it moves the bucket's leaves.
+
+  Each leaf enters as a staged array whose block on a device is its source shard (a zero block
+  where it has none), wrapped zero-copy, and leaves re-wrapped zero-copy in its destination
+  sharding; a leaf with a destination input also enters with its destination blocks, donated,
+  and is written in place. What to pick and wrap is worked out once. A bucket may instead run
+  :meth:`direct`, with a :meth:`bundle`, or :meth:`split`, as ``options`` (the plan's) allow."""
+
+  def __init__(
+    self,
+    program: BucketProgram,
+    devices: dict[int, Any],
+    dst_shardings: Sequence[Any],
+    src_shardings: Sequence[Any] | None = None,
+    *,
+    options: Options,
+  ) -> None:
+    self.program, self.options, self.devices = program, options, devices
+    self.dst_shardings = list(dst_shardings)
+    self.src_shardings = list(src_shardings or [None] * len(program.sources))
+    self.mesh_devices = tuple(devices[i] for i in program.device_ids)
+    self.staged = _staged(self.mesh_devices)  # the staged arrays' sharding
+    self.fast = fast_path_available()
+    # Whether a call takes leaves' destination blocks (``dsts``).
+    self.takes_destinations = any(
+      lf.dst_input or lf.dst_window is not None for lf in program.leaves
+    )
+    self.one_at_a_time = one_at_a_time(self.mesh_devices)
+    self._memo: dict[Any, Any] = {}
+
+  def _once(self, key: Any, make: Callable[[], Any]) -> Any:
+    """``make()``, called on the first use of ``key`` only."""
+    if key not in self._memo:
+      self._memo[key] = make()
+    return self._memo[key]
+
+  def compile(self) -> Any:
+    """The (first) compiled XLA executable a call runs, see :meth:`compiled_programs`."""
+    return self.compiled_programs()[0]
+
+  def compiled_programs(self) -> list[Any]:
+    """The compiled XLA executables a call runs, in order (shared with identical buckets):
+    the :meth:`direct` program, the two of a :meth:`split` bucket (no assembly where this
+    process has no destination device), or the one over staged blocks (with the
+    :meth:`bundle`, if any)."""
+    if direct := self.direct():
+      return [direct]
+    if split := self.split():
+      return split.compiled()
+    return [self.runner(bundled=self.bundle() is not None).compiled]
+
+  def direct(self) -> Any:
+    """The compiled traced move that takes the source arrays as they are (one ``jax.jit`` call),
+    where the :attr:`options` allow it, each side is on one mesh listing the bucket's devices in
+    mesh position order (colocated), every device holds a source shard and every leaf enters and
+    leaves whole; else ``False``."""
+
+    def make() -> Any:
+      sig = program_signature(self.program)
+      src, dst = tuple(self.src_shardings), tuple(self.dst_shardings)
+      return self._direct_allowed() and _direct_program(sig, src, dst)
+
+    return self._once("direct", make)
+
+  def _direct_allowed(self) -> bool:
+    p = self.program
+    if p.inputs or not self.options.direct_calls or p.placeholders:  # inputs: transformed
+      return False
+    if not all(enters_whole(lf) for lf in p.leaves):
+      return False
+    for shardings in (self.src_shardings, self.dst_shardings):
+      if not all(_on_one_mesh(s) for s in shardings) or len({s.mesh for s in shardings}) != 1:
+        return False
+      if [d.id for d in shardings[0].mesh.devices.flat] != list(p.device_ids):
+        return False
+    return True
+
+  def split(self) -> _SplitIO | None:
+    """How the bucket runs its rounds and its assembly as two programs, where its program says
+    so (:attr:`BucketProgram.assemblers`) and it runs neither :meth:`direct` nor with a
+    :meth:`bundle`, else ``None``."""
+    allowed = lambda: (
+      self.program.assemblers is not None and not self.direct() and not self.bundle()
+    )
+    return self._once("split", lambda: _SplitIO(self, fast=self.fast) if allowed() else None)
+
+  def bundle(self) -> Bundle | None:
+    """The leaves that enter and leave the program as one byte vector per device (packed and cut
+    by one compiled call per side instead of per-leaf buffer work), or ``None``: as the
+    :attr:`options` allow, leaves of at most ``bundle_leaf_bytes`` a block that enter and leave
+    whole on one source and one destination mesh, up to ``bundle_bytes`` a side, at least
+    ``min_bundled_leaves`` (never where it must assemble apart: it would stage more than the
+    bound)."""
+    return self._once("bundle", self._choose_bundle)
+
+  def _choose_bundle(self) -> Bundle | None:
+    opts, program = self.options, self.program
+    if not opts.bundled_calls or program.must_apart or self._direct_allowed() or program.inputs:
+      return None
+    chosen: list[int] = []
+    meshes, totals = None, np.zeros(2, dtype=np.int64)
+    for li, lf in enumerate(program.leaves):
+      src, dst = self.src_shardings[li], self.dst_shardings[li]
+      if not (enters_whole(lf) and _on_one_mesh(src) and _on_one_mesh(dst)):
+        continue
+      sizes = np.array([block_bytes(lf.src_block, lf.dtype), block_bytes(lf.dst_block, lf.dtype)])
+      if sizes.max() > opts.bundle_leaf_bytes or (totals + sizes).max() > opts.bundle_bytes:
+        continue
+      meshes = meshes or (src.mesh, dst.mesh)
+      if (src.mesh, dst.mesh) == meshes:
+        chosen.append(li)
+        totals += sizes
+    return make_bundle(program, chosen) if len(chosen) >= opts.min_bundled_leaves else None
+
+  def bundle_pass_bytes(self) -> int:
+    """Bytes all devices read and write per call for the :meth:`bundle` beyond
+    :func:`_plan.pass_bytes`: the pack, the cut, the bundled blocks' copies in the program, and
+    where the bucket would otherwise assemble apart, the discarded blocks its one program writes."""
+    bundle, p = self.bundle(), self.program
+    if bundle is None:
+      return 0
+    first = bundle.leaves[0]
+    n_src, n_dst = self.src_shardings[first].mesh.size, self.dst_shardings[first].mesh.size
+    n = len(p.device_ids)
+    out = 2 * (bundle.src_bytes * (n_src + n) + bundle.dst_bytes * (n + n_dst))
+    if p.assemblers is not None:
+      direct = received_whole(p)
+      assembled = [lf for li, lf in enumerate(p.leaves) if li not in direct]
+      out += (n - len(p.assemblers)) * sum(block_bytes(lf.dst_block, lf.dtype) for lf in assembled)
+    return out
+
+  def bundle_io(self) -> _BundleIO:
+    """How the :meth:`bundle` enters and leaves the program (worked out once)."""
+    return self._once("bundle_io", lambda: _BundleIO(self, self.bundle(), fast=self.fast))  # type: ignore[arg-type]
+
+  def runner(self, *, bundled: bool = False) -> Runner:
+    """Runs the program over staged blocks (``bundled``: the one taking the :meth:`bundle`)
+    and splits its outputs into per-device blocks (made once)."""
+
+    def make() -> Runner:
+      p, bundle = self.program, self.bundle() if bundled else None
+      num_args = len(p.sources) + len(p.dst_inputs) + len(p.shifted) + len(p.dst_shifted)
+      num_args -= 0 if bundle is None else len(bundle.leaves) - 1
+      compiled = _compiled_program(program_signature(p), self.mesh_devices, bundle)
+      return Runner(compiled, num_args, fast=self.fast)
+
+    return self._once(("runner", bundled), make)
+
+  def leaf_io(self, *, sources: bool = False) -> list[_LeafIO]:
+    """Per leaf (``sources``: per source of the program, the leaves' own, or the
+    :attr:`BucketProgram.inputs`' of a transformed program), its staging worked out (once)."""
+    p = self.program
+    if sources and not p.inputs:
+      return self.leaf_io()
+    own = [None] * len(p.leaves) if p.inputs else self.src_shardings
+    triples = zip(p.leaves, own, self.dst_shardings, strict=True)
+    if sources:
+      triples = zip(p.inputs, self.src_shardings, self.src_shardings, strict=True)
+    io = lambda: [_LeafIO(lf, s, d, self.staged, fast=self.fast) for lf, s, d in triples]
+    return self._once(("io", sources), io)
+
+  def _placeholders(
+    self, which: int, groups: Sequence[PlaceholderGroup] | None = None
+  ) -> dict[tuple[Any, ...], jax.Array]:
+    """Zero blocks for this call (``which``: 0 source, 1 destination; ``groups``: the program's
+    by default); the program's source blocks are kept where all were made once."""
+    own = groups is None
+    if not which and own and "placeholders" in self._memo:
+      return self._memo["placeholders"]
+    if groups is None:
+      groups = (self.program.placeholders, self.program.dst_placeholders)[which]
+    out, made_once = _stage_placeholders(groups, self.devices, self.options.kept_zero_bytes)
+    if not which and own and made_once:
+      self._memo["placeholders"] = out
+    return out
+
+  def _spare_blocks(self, spares: dict[Any, list[jax.Array]]) -> dict[Any, jax.Array]:
+    """Destination placeholders by (device id, leaf position): from ``spares`` (blocks an earlier
+    bucket left) where there are, else made; ``spares`` is emptied (the rest freed)."""
+    out: dict[Any, jax.Array] = {}
+    for group in self.program.dst_placeholders:
+      missing = []
+      for li, block in zip(group.leaves, group.blocks, strict=True):
+        if all(spares.get((d, *block)) for d in group.device_ids):
+          out.update({(d, li): spares[(d, *block)].pop() for d in group.device_ids})
+        else:
+          missing.append((li, block))
+      if missing:  # compiled once per distinct set of missing blocks
+        blocks, leaves = tuple(b for _, b in missing), tuple(li for li, _ in missing)
+        out.update(self._placeholders(1, (PlaceholderGroup(group.device_ids, blocks, leaves),)))
+    spares.clear()
+    return out
+
+  def _shifts(self) -> list[jax.Array]:
+    """The program's shift arguments (:func:`shift_starts`) as int32 scalars replicated over
+    the mesh, ready before the program is queued (made once)."""
+
+    def make() -> list[jax.Array]:
+      scalar = NamedSharding(self.staged.mesh, PartitionSpec())
+      starts = shift_starts(self.program)
+      return jax.block_until_ready([jax.device_put(np.int32(s), scalar) for s in starts])
+
+    return self._once("shifts", make)
+
+  def __call__(
+    self,
+    xs: Sequence[jax.Array],
+    dsts: Sequence[dict[int, jax.Array] | None] = (),
+    spares: dict[Any, list[jax.Array]] | None = None,
+    wait_for: Any = None,
+  ) -> list[Any]:
+    """Moves the bucket's leaves: by the :meth:`direct` program where the bucket has one and
+    every source array is laid out as planned, else by the :meth:`split` programs, else over
+    staged blocks (with the :meth:`bundle` where its arrays are laid out as planned).
+
+    Args:
+      xs: per source of the program (:attr:`BucketProgram.sources`), its source array.
+      dsts: per leaf, its destination blocks by device id where it has a destination input
+        or is cut into destination slabs (donated: they are consumed), else ``None``.
+      spares: optional, buffers to donate as destination placeholders, by (device id, block
+        shape, dtype); consumed, then refilled with this call's blocks of positions without a
+        destination shard (see :meth:`_LeafIO.unstage`), for the caller's next bucket.
+      wait_for: optional, arrays (a pytree) to wait for after staging, before the program is
+        queued: an earlier bucket's results where :attr:`one_at_a_time`.
+
+    Returns:
+      Per leaf, the destination array, or (``carry_out``) its blocks by device id.
+    """
+    direct = self.direct()
+    if direct and all(_as_planned(x, s) for x, s in zip(xs, self.src_shardings, strict=True)):
+      if wait_for is not None:
+        jax.block_until_ready(wait_for)
+      return list(direct(*xs))
+    if split := self.split():
+      io, placeholders = self.leaf_io(), self._placeholders(0)
+      staged = [io[li].stage(x, placeholders) for li, x in enumerate(xs)]
+      if spares is not None:
+        spares.clear()  # nothing donated where no destination shard is: free them
+      if wait_for is not None:
+        jax.block_until_ready(wait_for)
+      return split(staged, io, dsts)
+    return self._run_staged(xs, dsts, spares, wait_for)
+
+  def _run_staged(
+    self,
+    xs: Sequence[jax.Array],
+    dsts: Sequence[dict[int, jax.Array] | None],
+    spares: dict[Any, list[jax.Array]] | None,
+    wait_for: Any,
+  ) -> list[Any]:
+    """:meth:`__call__` over staged blocks."""
+    bundle = self.bundle()
+    if bundle is not None and not all(
+      _as_planned(xs[li], self.src_shardings[li]) for li in bundle.leaves
+    ):
+      bundle = None  # arrays laid out equivalently, not equally: every leaf stages
+    run = self.runner(bundled=bundle is not None)
+    io, src_io = self.leaf_io(), self.leaf_io(sources=True)
+    placeholders = self._placeholders(0)
+    wait = self.one_at_a_time
+    staged, own = [], tuple(range(len(src_io)))  # the sources staged on their own
+    if bundle is not None:
+      staged, own = [self.bundle_io().stage(xs, wait=wait)], self.bundle_io().others
+    staged += [src_io[k].stage(xs[k], placeholders) for k in own]
+    if self.program.dst_inputs:
+      dst_ph = self._placeholders(1) if spares is None else self._spare_blocks(spares)
+      staged += [io[li].stage_dst(dsts[li] or {}, dst_ph, li) for li in self.program.dst_inputs]
+    if wait_for is not None:
+      jax.block_until_ready(wait_for)
+    outs = run([*staged, *self._shifts()])
+    ys: list[Any] = [None] * len(io)
+    if bundle is not None:
+      ys_bundled = self.bundle_io().unstage(outs[0], wait=wait)
+      for li, y in zip(bundle.leaves, ys_bundled, strict=True):
+        ys[li] = y
+      outs = outs[1:]
+    for li, held in zip(range(len(io)) if bundle is None else own, outs, strict=True):
+      carried = dsts[li] if dsts and io[li].writer is not None else None
+      ys[li] = io[li].unstage(held, spares, carried)
+    return ys
+
+
+def empty_like_sharded(shape: tuple[int, ...], dtype: np.dtype, sharding: Any) -> jax.Array:
+  """A zero-element array in ``sharding`` (nothing to move)."""
+  zeros = np.zeros(shape, dtype)
+  return jax.make_array_from_callback(shape, sharding, lambda idx: zeros[idx], dtype=dtype)
