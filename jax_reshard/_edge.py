@@ -1,25 +1,10 @@
 """Leaves the engine does not move as they are, and how they get in and out of it.
 
-The planner and the programs move arrays of byte-wide (or wider) element types in device
-memory, in the backend's default layout. Arrays JAX users have also come as:
-
-- host data (NumPy arrays, Python scalars) and uncommitted arrays: placed by
-  ``jax.device_put`` straight into the destination layout, in the same call;
-- typed PRNG keys (``jax.random.key``): moved as their key data (``uint32`` words in a
-  trailing dimension) and wrapped back into keys of the same implementation;
-- sub-byte types (``int2``, ``uint2``, ``int4``, ``uint4``, ``float4_e2m1fn``): moved as 8-bit
-  words (never as sub-byte collective operands, which XLA:CPU corrupts) and narrowed back;
-- complex numbers: moved as the bits of their two parts in a trailing dimension;
-- weak types: moved as they are, the result weakly typed again (as ``jax.device_put``);
-- arrays in another memory (``pinned_host``, ``unpinned_host``): copied into device memory of
-  the same devices first; a destination in another memory gets the result copied there;
-- arrays in a non-default device-local layout (``x.format``): copied into the default layout of
-  the same devices first (every path reads and writes device buffers in the default layout); a
-  ``Format(layout, sharding)`` destination gets the result laid out so.
-
-Each way in is a device-local step with its inverse, so values move bit for bit. A plan keeps
-one :class:`LeafEdge` per source leaf; leaves without any step (nearly always all of them) run
-on the fast path unchanged.
+The engine moves byte-wide (or wider) arrays in device memory and the default layout. Host
+data is placed by ``jax.device_put``; PRNG keys, sub-byte and complex types move as carriers
+(key data, 8-bit words, the bits of both parts) and are converted back; weak types, other
+memory kinds and non-default layouts are restored on the result. Each step is device-local
+with an inverse, so values move bit for bit.
 """
 
 from __future__ import annotations
@@ -44,18 +29,9 @@ _FLOAT4 = {"float4_e2m1fn": ("uint4", "uint8")}  # bitcast to the unsigned type,
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class LeafEdge:
-  """How one source leaf gets into the engine and its result out of it.
-
-  Attributes:
-    host: placed by ``jax.device_put`` into ``dst_sharding`` (host data, uncommitted arrays).
-    key_impl: a typed PRNG key array of this implementation, moved as its key data.
-    carrier: the element type the leaf moves in (8-bit words for sub-byte types, unsigned words
-      of a part for complex types), or ``None``.
-    weak: the result is weakly typed, as the source.
-    src_memory: the source's memory kind where it is not device memory.
-    dst_sharding: the destination as given (its memory kind included).
-    dst_layout: a non-default device-local layout the result must have.
-  """
+  """How one source leaf gets into the engine and its result out of it: placed by
+  ``jax.device_put`` (``host``), moved as key data (``key_impl``) or in a ``carrier`` type,
+  and restored to weak type, memory kind and layout."""
 
   host: bool = False
   key_impl: Any = None
@@ -64,10 +40,6 @@ class LeafEdge:
   src_memory: str | None = None
   dst_sharding: Any = None
   dst_layout: Any = None
-
-  @property
-  def dst_memory(self) -> str | None:
-    return _non_device_kind(self.dst_sharding)
 
 
 @functools.cache
@@ -80,9 +52,7 @@ def _dtype_class(dtype: Any) -> str:
     return "sub"
   if name in _FLOAT4:
     return "float4"
-  if np.dtype(dtype).kind == "c":
-    return "complex"
-  return ""
+  return "complex" if np.dtype(dtype).kind == "c" else ""
 
 
 def is_host_leaf(x: Any) -> bool:
@@ -113,30 +83,26 @@ def default_layout(dtype: Any, shard_shape: tuple[int, ...], device: Any) -> Any
     return None
 
 
+def _default_of(a: jax.Array) -> Any:
+  s = a.sharding
+  return default_layout(a.dtype, tuple(s.shard_shape(a.shape)), next(iter(s.device_set)))
+
+
 def has_default_layout(x: jax.Array) -> bool:
   """Whether ``x``'s buffers are in the backend's default layout (the engine reads them so)."""
   if not x.size or _dtype_class(x.dtype) == "key":
     return True
-  layout = x.format.layout  # type: ignore[attr-defined]
-  s = x.sharding
-  device = next(iter(s.device_set))
-  default = default_layout(x.dtype, tuple(s.shard_shape(x.shape)), device)
-  return default is None or layout == default
+  default = _default_of(x)
+  return default is None or x.format.layout == default  # type: ignore[attr-defined]
 
 
 def to_default_layout(x: jax.Array) -> jax.Array:
   """``x`` in the default layout of the same devices (itself when it already is)."""
-  if has_default_layout(x):
-    return x
-  return jax.device_put(x, Format(None, x.sharding))
+  return x if has_default_layout(x) else jax.device_put(x, Format(None, x.sharding))
 
 
 def check_out_layouts(names: Sequence[str], old: Sequence[jax.Array]) -> None:
-  """The previous result (``out=``) must be in the default layout: the programs write it so.
-
-  Raises:
-    ReshardError: naming the leaves in another layout (nothing is donated or deleted).
-  """
+  """Raises a ``ReshardError`` naming the ``out=`` leaves not in the default layout."""
   bad = [name for name, a in zip(names, old, strict=True) if not has_default_layout(a)]
   if bad:
     raise ReshardError(
@@ -156,46 +122,33 @@ class DefaultLayouts:
   def __call__(self, arrays: Sequence[jax.Array]) -> list[jax.Array]:
     if self._defaults is None:
       self._defaults = [
-        None if not a.size or _dtype_class(a.dtype) else default_layout(
-          a.dtype, tuple(a.sharding.shard_shape(a.shape)), next(iter(a.sharding.device_set))
-        )
-        for a in arrays
-      ]  # fmt: skip
+        None if not a.size or _dtype_class(a.dtype) else _default_of(a) for a in arrays
+      ]
     return [
       a if d is None or a.format.layout == d else to_default_layout(a)  # type: ignore[attr-defined]
       for a, d in zip(arrays, self._defaults, strict=True)
     ]
 
 
-def _check_layout_supported(path: str, layout: Any, what: str) -> None:
-  tiling = getattr(layout, "tiling", None)
-  if tiling:
-    raise ReshardError(
-      f"the {what} of leaf {path or '<root>'} has a tiled device-local layout {layout}; "
-      "jax_reshard moves arrays in the backend's default layout or an untiled permutation. "
-      "Relayout first with jax.device_put(x, Format(Layout(major_to_minor=...), sharding))."
-    )
-
-
 def leaf_edge(path: str, x: Any, dst: Any) -> LeafEdge:
-  """The edge of source leaf ``x`` going to ``dst`` (a Sharding, template or ``Format``).
-
-  Raises:
-    ReshardError: a memory kind a destination device lacks, a tiled layout, or a key array
-      whose sharding cannot carry its key data.
-  """
+  """The edge of source leaf ``x`` going to ``dst`` (a Sharding, template or ``Format``)."""
   dst_sharding = dst.sharding if isinstance(dst, Format) else dst
   layout = dst.layout if isinstance(dst, Format) else None
   if layout is not None and isinstance(dst_sharding, Sharding):
-    _check_layout_supported(path, layout, "destination")
-    shape = tuple(np.shape(x))
-    device = next(iter(dst_sharding.device_set))
+    if getattr(layout, "tiling", None):
+      raise ReshardError(
+        f"the destination of leaf {path or '<root>'} has a tiled device-local layout {layout}; "
+        "jax_reshard moves arrays in the backend's default layout or an untiled permutation. "
+        "Relayout first with jax.device_put(x, Format(Layout(major_to_minor=...), sharding))."
+      )
     dtype = _dtype_of(x)
     if _dtype_class(dtype) == "" and layout == default_layout(
-      np.dtype(dtype), tuple(dst_sharding.shard_shape(shape)), device
+      np.dtype(dtype),
+      tuple(dst_sharding.shard_shape(tuple(np.shape(x)))),
+      next(iter(dst_sharding.device_set)),
     ):
       layout = None
-  dst_kind = _non_device_kind(dst_sharding) if isinstance(dst_sharding, Sharding) else None
+  dst_kind = _non_device_kind(dst_sharding)
   if dst_kind is not None and isinstance(dst_sharding, Sharding):
     for d in dst_sharding.device_set:
       if dst_kind not in memory_kinds(d):
@@ -210,36 +163,38 @@ def leaf_edge(path: str, x: Any, dst: Any) -> LeafEdge:
   if not isinstance(x, (jax.Array, jax.ShapeDtypeStruct, jax.core.Tracer)):
     return LeafEdge(**fields)  # the engine's own checks name what is wrong
   cls = _dtype_class(x.dtype)
-  if cls == "key":
-    fields["key_impl"] = _key_impl(x)
+  if cls == "key":  # a ShapeDtypeStruct's dtype knows the implementation
+    fields["key_impl"] = (
+      jax.random.key_impl(x) if isinstance(x, jax.Array) else key_impl_name(x.dtype)
+    )
   elif cls in ("sub", "float4"):
-    fields["carrier"] = np.dtype(_carrier_of(x.dtype))
+    name = np.dtype(x.dtype).name
+    fields["carrier"] = np.dtype(_SUB_BYTE[name] if name in _SUB_BYTE else _FLOAT4[name][1])
   elif cls == "complex":
     fields["carrier"] = np.dtype(f"uint{4 * np.dtype(x.dtype).itemsize}")
-  if _weak(x):
-    fields["weak"] = True
   src_sharding = None if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
   if isinstance(src_sharding, Sharding) and (kind := _non_device_kind(src_sharding)):
     fields["src_memory"] = kind
-  return LeafEdge(**fields)
+  return LeafEdge(weak=_weak(x), **fields)
+
+
+def _edged(v: Any) -> str:
+  """What makes source leaf ``v`` need a step in or out of the engine, or ``""``."""
+  traced = isinstance(v, jax.core.Tracer)
+  if not traced and (is_host_leaf(v) or not isinstance(v, (jax.Array, jax.ShapeDtypeStruct))):
+    return f"host data ({type(v).__name__})"
+  if _dtype_class(v.dtype):
+    return f"of dtype {v.dtype}"
+  if _weak(v):
+    return "weakly typed"
+  kind = None if traced else _non_device_kind(v.sharding)
+  return "" if kind is None else f"in memory kind {kind!r}"
 
 
 def _weak(x: Any) -> bool:
   if isinstance(x, jax.core.Tracer):
     return bool(getattr(jax.typeof(x), "weak_type", False))
   return bool(getattr(x, "weak_type", False))
-
-
-def _key_impl(x: Any) -> Any:
-  """The implementation of a key array or of a key ``ShapeDtypeStruct`` (hashable)."""
-  if isinstance(x, jax.Array):
-    return jax.random.key_impl(x)
-  return key_impl_name(x.dtype)  # a ShapeDtypeStruct: its dtype knows the implementation
-
-
-def _carrier_of(dtype: Any) -> str:
-  name = np.dtype(dtype).name
-  return _SUB_BYTE[name] if name in _SUB_BYTE else _FLOAT4[name][1]
 
 
 def carrier_sharding(s: Any, ndim: int, path: str) -> Any:
@@ -263,16 +218,16 @@ def carrier_sharding(s: Any, ndim: int, path: str) -> Any:
   )
 
 
-# The conversions, for concrete arrays and tracers alike.
+def _widened(e: LeafEdge, x: Any) -> bool:
+  """Whether the carrier of ``x`` has one more trailing dimension (key data, complex parts)."""
+  return e.key_impl is not None or (e.carrier is not None and np.dtype(x.dtype).kind == "c")
 
 
 def into_carrier(e: LeafEdge, x: jax.Array) -> jax.Array:
   """The array the engine moves for ``x`` (same devices, same layout of the leading dims)."""
   if e.key_impl is not None:
     return jax.random.key_data(x)
-  if e.carrier is None:
-    return x
-  return _into_carrier_fn(np.dtype(x.dtype))(x)
+  return x if e.carrier is None else _carrier_fns(np.dtype(x.dtype))[0](x)
 
 
 def from_carrier(e: LeafEdge, y: jax.Array, dtype: Any) -> jax.Array:
@@ -280,46 +235,33 @@ def from_carrier(e: LeafEdge, y: jax.Array, dtype: Any) -> jax.Array:
   if e.key_impl is not None:
     return jax.random.wrap_key_data(y, impl=e.key_impl)
   if e.carrier is not None:
-    y = _from_carrier_fn(np.dtype(dtype))(y)
-  if e.weak:
-    y = weakly_typed(y)
-  return y
+    y = _carrier_fns(np.dtype(dtype))[1](y)
+  return weakly_typed(y) if e.weak else y
 
 
 @functools.cache
-def _into_carrier_fn(dtype: np.dtype) -> Callable[[jax.Array], jax.Array]:
+def _carrier_fns(dtype: np.dtype) -> tuple[Callable[..., jax.Array], Callable[..., jax.Array]]:
+  """The jitted conversions of ``dtype`` into its carrier and back."""
   name = dtype.name
   if name in _SUB_BYTE:
-    return jax.jit(lambda x: x.astype(_SUB_BYTE[name]))
+    return jax.jit(lambda x: x.astype(_SUB_BYTE[name])), jax.jit(lambda y: y.astype(dtype))
   if name in _FLOAT4:
     mid, wide = _FLOAT4[name]
-    return jax.jit(lambda x: jax.lax.bitcast_convert_type(x, mid).astype(wide))
+    return (
+      jax.jit(lambda x: jax.lax.bitcast_convert_type(x, mid).astype(wide)),
+      jax.jit(lambda y: jax.lax.bitcast_convert_type(y.astype(mid), dtype)),
+    )
   word = np.dtype(f"uint{4 * dtype.itemsize}")
+  part = np.dtype(f"float{4 * dtype.itemsize}")
+  bits = jax.lax.bitcast_convert_type
 
   def split(x: jax.Array) -> jax.Array:
-    re = jax.lax.bitcast_convert_type(jax.lax.real(x), word)
-    im = jax.lax.bitcast_convert_type(jax.lax.imag(x), word)
-    return jax.numpy.stack([re, im], axis=-1)
-
-  return jax.jit(split)
-
-
-@functools.cache
-def _from_carrier_fn(dtype: np.dtype) -> Callable[[jax.Array], jax.Array]:
-  name = dtype.name
-  if name in _SUB_BYTE:
-    return jax.jit(lambda y: y.astype(dtype))
-  if name in _FLOAT4:
-    mid, _ = _FLOAT4[name]
-    return jax.jit(lambda y: jax.lax.bitcast_convert_type(y.astype(mid), dtype))
-  part = np.dtype(f"float{4 * dtype.itemsize}")
+    return jax.numpy.stack([bits(jax.lax.real(x), word), bits(jax.lax.imag(x), word)], axis=-1)
 
   def join(y: jax.Array) -> jax.Array:
-    re = jax.lax.bitcast_convert_type(y[..., 0], part)
-    im = jax.lax.bitcast_convert_type(y[..., 1], part)
-    return jax.lax.complex(re, im)
+    return jax.lax.complex(bits(y[..., 0], part), bits(y[..., 1], part))
 
-  return jax.jit(join)
+  return jax.jit(split), jax.jit(join)
 
 
 def carrier_leaf(e: LeafEdge, path: str, x: Any) -> Any:
@@ -329,7 +271,7 @@ def carrier_leaf(e: LeafEdge, path: str, x: Any) -> Any:
   sharding = getattr(x, "sharding", None)
   if e.key_impl is not None:
     shape, dtype = _key_data_type(shape, x.dtype)
-  elif e.carrier is not None and np.dtype(x.dtype).kind == "c":
+  elif _widened(e, x):
     shape = (*shape, 2)
   if isinstance(sharding, Sharding):
     if len(shape) != len(x.shape):
@@ -351,37 +293,14 @@ def carrier_dst(e: LeafEdge, path: str, x: Any) -> Any:
   d = e.dst_sharding
   if _non_device_kind(d) is not None:
     d = d.with_memory_kind("device")
-  if e.key_impl is not None or (e.carrier is not None and np.dtype(x.dtype).kind == "c"):
-    return carrier_sharding(d, len(x.shape), path)
-  return d
-
-
-def check_template(e: LeafEdge, path: str, x: Any, dst: Any) -> None:
-  """A destination array / ShapeDtypeStruct of an edged leaf matches its shape and dtype."""
-  if isinstance(dst, (Sharding, PartitionSpec, Format)) or not hasattr(dst, "shape"):
-    return
-  shape = tuple(np.shape(x))
-  dtype = _dtype_of(x)
-  if tuple(dst.shape) != shape or str(dst.dtype) != str(dtype):
-    raise ReshardError(
-      f"the destination of leaf {path or '<root>'} is {dst.dtype}{list(dst.shape)} but the "
-      f"source is {dtype}{list(shape)}; reshard moves data, it does not reshape or cast "
-      "(cast with transform=)."
-    )
-
-
-def place_host(e: LeafEdge, x: Any) -> jax.Array:
-  """A host leaf placed as ``jax.device_put`` places it, in the destination's layout."""
-  target = Format(e.dst_layout, e.dst_sharding) if e.dst_layout is not None else e.dst_sharding
-  return jax.device_put(x, target)
+  return carrier_sharding(d, len(x.shape), path) if _widened(e, x) else d
 
 
 def into_engine(e: LeafEdge, x: jax.Array) -> jax.Array:
   """The carrier the engine moves for concrete ``x``: device memory, default layout."""
   if e.src_memory is not None:
     x = jax.device_put(x, x.sharding.with_memory_kind("device"))
-  x = to_default_layout(x)
-  return into_carrier(e, x)
+  return into_carrier(e, to_default_layout(x))
 
 
 def out_of_engine(e: LeafEdge, y: jax.Array, dtype: Any) -> jax.Array:
@@ -389,19 +308,14 @@ def out_of_engine(e: LeafEdge, y: jax.Array, dtype: Any) -> jax.Array:
   y = from_carrier(e, y, dtype)
   if e.dst_layout is not None:
     y = jax.device_put(y, Format(e.dst_layout, y.sharding))
-  if e.dst_memory is not None:
+  if _non_device_kind(e.dst_sharding) is not None:
     y = jax.device_put(y, e.dst_sharding)
   return y
 
 
 def donated_leaves(donate: Any, x: Any, paths: Sequence[str]) -> list[bool]:
   """Per source leaf, whether ``donate`` (a bool or a pytree prefix of ``x`` of bools) donates
-  it.
-
-  Raises:
-    ReshardError: a tree of arrays (the sampler's old buffers: that is ``out=``), or anything
-      but bools.
-  """
+  it."""
   n = len(paths)
   if isinstance(donate, (bool, np.bool_)):
     return [bool(donate)] * n
@@ -433,32 +347,16 @@ def delete_donated(values: Sequence[Any], flags: Sequence[bool], keep: Sequence[
   """Deletes every donated source array that the result does not hold."""
   held = {id(v) for v in keep}
   for v, f in zip(values, flags, strict=True):
-    if (
-      f
-      and isinstance(v, jax.Array)
-      and not isinstance(v, jax.core.Tracer)
-      and id(v) not in held
-      and not v.is_deleted()
-    ):
+    live = isinstance(v, jax.Array) and not isinstance(v, jax.core.Tracer)
+    if f and live and id(v) not in held and not v.is_deleted():
       v.delete()
 
 
 def needs_edges(src: Any, dst: Any) -> bool:
   """Whether any leaf of ``src`` (or of ``dst``) needs a step in or out of the engine; cheap,
   since every eager ``jr.reshard`` asks."""
-  for v in jax.tree_util.tree_leaves(src):
-    if isinstance(v, jax.core.Tracer):
-      if _dtype_class(v.dtype) or _weak(v):
-        return True
-      continue
-    if not isinstance(v, (jax.Array, jax.ShapeDtypeStruct)):
-      return True
-    if isinstance(v, jax.Array) and not v.committed:
-      return True
-    if _dtype_class(v.dtype) or v.weak_type:
-      return True
-    if _non_device_kind(v.sharding) is not None:
-      return True
+  if any(_edged(v) for v in jax.tree_util.tree_leaves(src)):
+    return True
   if isinstance(dst, Sharding):
     return _non_device_kind(dst) is not None
   is_leaf = lambda d: isinstance(d, (Sharding, PartitionSpec, Format))
@@ -470,18 +368,9 @@ def needs_edges(src: Any, dst: Any) -> bool:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Edges:
-  """The source tree as the user passes it, and how each of its leaves meets the engine.
-
-  The engine's plan is made for the carrier tree: the same structure, every host leaf an empty
-  subtree (``()``), every other leaf its carrier.
-
-  Attributes:
-    treedef: the source tree's structure.
-    paths: per leaf, its ``keystr``.
-    edges: per leaf, its :class:`LeafEdge`.
-    shapes, dtypes: per leaf, its shape and element type (``str`` for key types).
-    src_shardings: per leaf, its sharding (``None`` for host leaves).
-  """
+  """The source tree as the user passes it, and per leaf its path, :class:`LeafEdge`, shape,
+  dtype and sharding (``None`` for host leaves). The engine's plan is made for the carrier
+  tree: host leaves become empty subtrees, the others their carriers."""
 
   treedef: Any
   paths: tuple[str, ...]
@@ -502,17 +391,12 @@ class Edges:
       self.paths, self.edges, self.shapes, self.dtypes, self.src_shardings, values, strict=True
     ):
       name = path or "<root>"
-      got_shape, got_dtype = tuple(np.shape(v)), _dtype_of(v)
       if e.host != is_host_leaf(v):
         problems.append(f"{name}: the plan was made for {'host' if e.host else 'device'} data")
       elif isinstance(v, jax.Array) and v.is_deleted():
         problems.append(f"{name}: the array has been deleted (donated?)")
-      elif got_shape != shape or str(got_dtype) != str(dtype):
-        problems.append(
-          f"{name}: {got_dtype}{list(got_shape)} but the plan was made for {dtype}{list(shape)}"
-        )
-      elif s is not None and not (v.sharding == s or v.sharding.is_equivalent_to(s, len(shape))):
-        problems.append(f"{name}: placed as {v.sharding} but the plan was made for {s}")
+      elif problem := _unlike(name, v, shape, dtype, s, "the plan was made for"):
+        problems.append(problem)
     if problems:
       raise ReshardError(
         "input does not match the plan:\n  "
@@ -532,16 +416,11 @@ class Edges:
     for path, shape, dtype, e, a in zip(
       self.paths, self.shapes, self.dtypes, self.edges, arrays, strict=True
     ):
-      d = e.dst_sharding
       name = path or "<root>"
       if not isinstance(a, jax.Array) or a.is_deleted():
         problems.append(f"{name}: not a live jax.Array")
-      elif tuple(a.shape) != shape or str(a.dtype) != str(dtype):
-        problems.append(
-          f"{name}: {a.dtype}{list(a.shape)} but the destination is {dtype}{list(shape)}"
-        )
-      elif not (a.sharding == d or a.sharding.is_equivalent_to(d, len(shape))):
-        problems.append(f"{name}: placed as {a.sharding} but the destination is {d}")
+      elif problem := _unlike(name, a, shape, dtype, e.dst_sharding, "the destination is"):
+        problems.append(problem)
     if problems:
       raise ReshardError(
         "out= does not match the plan's destination; nothing was donated or deleted:\n  "
@@ -558,9 +437,27 @@ class Edges:
     """Per leaf, the result: host leaves placed, the engine's leaves out of their carriers."""
     flat = iter(jax.tree_util.tree_leaves(moved))
     return [
-      place_host(e, v) if e.host else out_of_engine(e, next(flat), dtype)
+      (
+        jax.device_put(
+          v, e.dst_sharding if e.dst_layout is None else Format(e.dst_layout, e.dst_sharding)
+        )
+        if e.host
+        else out_of_engine(e, next(flat), dtype)
+      )
       for e, v, dtype in zip(self.edges, values, self.dtypes, strict=True)
     ]
+
+
+def _unlike(name: str, v: Any, shape: Any, dtype: Any, sharding: Any, expected: str) -> str:
+  """How ``v`` differs from ``shape``, ``dtype`` and ``sharding`` (if given), or ``""``."""
+  got_shape, got_dtype = tuple(np.shape(v)), _dtype_of(v)
+  if got_shape != shape or str(got_dtype) != str(dtype):
+    return f"{name}: {got_dtype}{list(got_shape)} but {expected} {dtype}{list(shape)}"
+  if sharding is not None and not (
+    v.sharding == sharding or v.sharding.is_equivalent_to(sharding, len(shape))
+  ):
+    return f"{name}: placed as {v.sharding} but {expected} {sharding}"
+  return ""
 
 
 def _check_host_leaf(path: str, shape: tuple[int, ...], dst: Sharding) -> None:
@@ -598,35 +495,30 @@ def make_edges(src: Any, dst_leaves: Sequence[Any]) -> tuple[Edges, Any, Any]:
       )
     final = as_sharding(path, d.sharding if isinstance(d, Format) else d)
     e = leaf_edge(path, x, Format(d.layout, final) if isinstance(d, Format) else final)
-    check_template(e, path, x, d)
+    dtype = _dtype_of(x)
+    template = not isinstance(d, (Sharding, PartitionSpec, Format)) and hasattr(d, "shape")
+    if template and (tuple(d.shape) != tuple(np.shape(x)) or str(d.dtype) != str(dtype)):
+      raise ReshardError(
+        f"the destination of leaf {path or '<root>'} is {d.dtype}{list(d.shape)} but the "
+        f"source is {dtype}{list(np.shape(x))}; reshard moves data, it does not reshape or "
+        "cast (cast with transform=)."
+      )
     edges.append(e)
     shapes.append(tuple(int(n) for n in np.shape(x)))
-    dtype = _dtype_of(x)
     dtypes.append(dtype if _dtype_class(dtype) == "key" else np.dtype(dtype))
     shardings.append(None if e.host else getattr(x, "sharding", None))
     if e.host:
       _check_host_leaf(path, shapes[-1], e.dst_sharding)
-      c_src.append(())
-      c_dst.append(())
-    else:
-      c_src.append(carrier_leaf(e, path, x))
-      c_dst.append(carrier_dst(e, path, x))
+    c_src.append(() if e.host else carrier_leaf(e, path, x))
+    c_dst.append(() if e.host else carrier_dst(e, path, x))
   edged = Edges(treedef, paths, tuple(edges), tuple(shapes), tuple(dtypes), tuple(shardings))
-  return (
-    edged,
-    jax.tree_util.tree_unflatten(treedef, c_src),
-    jax.tree_util.tree_unflatten(treedef, c_dst),
-  )
+  unflatten = functools.partial(jax.tree_util.tree_unflatten, treedef)
+  return edged, unflatten(c_src), unflatten(c_dst)
 
 
 def reshard_traced_edged(x: Any, dst: Any, src: Any, move: Callable[..., Any]) -> Any:
-  """``reshard`` of a traced tree with leaves that need edge steps: host data placed with
-  ``jax.device_put`` (a constant of the computation), keys, sub-byte, complex and weak types
-  through their carriers, the rest by ``move(carrier_tree, dst_tree, src_tree)``.
-
-  Raises:
-    ReshardError: memory kinds other than device memory, or a destination ``Format``.
-  """
+  """``reshard`` of a traced tree with edged leaves: host data placed by ``jax.device_put``,
+  the others moved as carriers by ``move(carrier_tree, dst_tree, src_tree)``."""
   flat, treedef = jax.tree_util.tree_flatten_with_path(x)
   n = len(flat)
   dst_list = broadcast_shardings(dst, x, treedef, n, "destination")
@@ -644,23 +536,15 @@ def reshard_traced_edged(x: Any, dst: Any, src: Any, move: Callable[..., Any]) -
       )
     e = leaf_edge(path, v, as_sharding(path, d))
     edges.append(e)
-    if e.host:
-      c_x.append(())
-      c_dst.append(())
-      c_src.append(())
-      continue
-    c_x.append(into_carrier(e, v))
-    c_dst.append(carrier_dst(e, path, v))
-    if s is not None and (e.key_impl is not None or np.dtype(v.dtype).kind == "c"):
+    if s is not None and not e.host and _widened(e, v):
       s = carrier_sharding(s, v.ndim, path)
-    c_src.append(s)
+    c_x.append(() if e.host else into_carrier(e, v))
+    c_dst.append(() if e.host else carrier_dst(e, path, v))
+    c_src.append(() if e.host else s)
+  unflatten = functools.partial(jax.tree_util.tree_unflatten, treedef)
   moved = iter(
     jax.tree_util.tree_leaves(
-      move(
-        jax.tree_util.tree_unflatten(treedef, c_x),
-        jax.tree_util.tree_unflatten(treedef, c_dst),
-        None if src is None else jax.tree_util.tree_unflatten(treedef, c_src),
-      )
+      move(unflatten(c_x), unflatten(c_dst), None if src is None else unflatten(c_src))
     )
   )
   out = [
@@ -676,23 +560,14 @@ def refuse_edges_with_transform(src: Any, dst: Any) -> None:
   if not needs_edges(src, dst):
     return
   for path, v in jax.tree_util.tree_flatten_with_path(src)[0]:
-    name = jax.tree_util.keystr(path) or "<root>"
-    if is_host_leaf(v) or not isinstance(v, (jax.Array, jax.ShapeDtypeStruct)):
-      what = f"host data ({type(v).__name__})"
-    elif _dtype_class(v.dtype):
-      what = f"of dtype {v.dtype}"
-    elif _weak(v):
-      what = "weakly typed"
-    elif (kind := _non_device_kind(v.sharding)) is not None:
-      what = f"in memory kind {kind!r}"
-    else:
-      continue
-    raise ReshardError(
-      f"source leaf {name} is {what}, which transform= does not take yet (it moves committed "
-      "device arrays of byte-wide, non-complex types in device memory). Reshard such leaves "
-      "without transform= (jr.reshard places host data, keys, sub-byte and complex types, "
-      "weak types and every memory kind), or put them on devices with jax.device_put first."
-    )
+    if what := _edged(v):
+      raise ReshardError(
+        f"source leaf {jax.tree_util.keystr(path) or '<root>'} is {what}, which transform= does "
+        "not take yet (it moves committed device arrays of byte-wide, non-complex types in "
+        "device memory). Reshard such leaves without transform= (jr.reshard places host data, "
+        "keys, sub-byte and complex types, weak types and every memory kind), or put them on "
+        "devices with jax.device_put first."
+      )
   raise ReshardError(
     "transform= takes destinations in device memory and the default device-local layout; "
     "reshard, then jax.device_put(y, Format(layout, sharding)) or into another memory kind."

@@ -1,10 +1,5 @@
-"""Layouts: which box of a global array every device holds.
-
-A :class:`Layout` is a plain value (tuples of ints) built either from a real
-``jax.sharding.Sharding`` through ``Sharding.devices_indices_map`` (JAX's own tiling rules,
-never re-derived) or from a plain description of a ``NamedSharding`` (mesh shape, axis names,
-device ids, partition spec) so that plans can be made for clusters that are not present.
-This module imports no JAX tracing code; ``from_sharding`` only queries the sharding object.
+"""Layouts: which box of a global array every device holds, from a real sharding (JAX's own
+``devices_indices_map``) or from a description of a ``NamedSharding`` (clusters not present).
 """
 
 from __future__ import annotations
@@ -72,10 +67,7 @@ class Layout:
     return len(self.device_ids)
 
   def shard_shape(self) -> tuple[int, ...]:
-    """The shape every device holds (shardings tile evenly, so it is the same for all).
-
-    Returns:
-      The shard shape; ``shape`` itself for a layout without devices.
+    """The shape every device holds (shardings tile evenly); ``shape`` without devices.
 
     Example:
       >>> lay = Layout.from_description((8, 4), mesh_shape=(2, 2), axis_names=("x", "y"),
@@ -88,10 +80,7 @@ class Layout:
     return tuple(b - a for a, b in zip(self.starts[0], self.stops[0], strict=True))
 
   def box_arrays(self) -> tuple[np.ndarray, np.ndarray]:
-    """The index boxes as arrays: ``(starts, stops)``, ``int64`` of shape ``(num_devices, ndim)``.
-
-    Returns:
-      Row ``i`` of each array is the box of device ``device_ids[i]``.
+    """The index boxes as ``(starts, stops)``, ``int64`` arrays of one row per device.
 
     Example:
       >>> lay = Layout.from_description((8, 4), mesh_shape=(2,), axis_names=("x",), spec=("x",))
@@ -99,9 +88,10 @@ class Layout:
       >>> starts.tolist(), stops.tolist()
       ([[0, 0], [4, 0]], [[4, 4], [8, 4]])
     """
-    n, d = self.num_devices, self.ndim
-    starts = np.asarray(self.starts, dtype=np.int64).reshape(n, d)
-    stops = np.asarray(self.stops, dtype=np.int64).reshape(n, d)
+    shape = (self.num_devices, self.ndim)
+    starts, stops = (
+      np.asarray(b, dtype=np.int64).reshape(shape) for b in (self.starts, self.stops)
+    )
     return starts, stops
 
   @classmethod
@@ -111,9 +101,6 @@ class Layout:
     Args:
       sharding: any ``jax.sharding.Sharding``.
       shape: the global array shape.
-
-    Returns:
-      The layout, with a description of the sharding for messages.
 
     Raises:
       ReshardError: if the sharding does not tile ``shape`` evenly, or uses strided shards.
@@ -134,24 +121,18 @@ class Layout:
     devices = sorted(index_map, key=lambda d: d.id)
     starts, stops = [], []
     for d in devices:
-      idx = index_map[d]
-      lo, hi = [], []
-      for sl, size in zip(idx, shape, strict=True):
-        a, b, step = sl.indices(size)
-        if step != 1:
-          raise ReshardError(f"sharding {sharding} uses strided shards, which are not supported")
-        lo.append(a)
-        hi.append(max(a, b))
-      starts.append(tuple(lo))
-      stops.append(tuple(hi))
-    platforms = {d.platform for d in devices}
+      bounds = [sl.indices(size) for sl, size in zip(index_map[d], shape, strict=True)]
+      if any(step != 1 for _, _, step in bounds):
+        raise ReshardError(f"sharding {sharding} uses strided shards, which are not supported")
+      starts.append(tuple(a for a, _, _ in bounds))
+      stops.append(tuple(max(a, b) for a, b, _ in bounds))
     return cls(
       shape=shape,
       device_ids=tuple(int(d.id) for d in devices),
       starts=tuple(starts),
       stops=tuple(stops),
       process_indices=tuple(int(d.process_index) for d in devices),
-      platform=platforms.pop() if len(platforms) == 1 else ",".join(sorted(platforms)),
+      platform=",".join(sorted({d.platform for d in devices})),
       description=describe_sharding(sharding),
     )
 
@@ -170,30 +151,19 @@ class Layout:
   ) -> Layout:
     """Builds the layout a ``NamedSharding(Mesh(...), P(*spec))`` would have, without devices.
 
-    Follows ``NamedSharding``'s tiling: dimension ``i`` is split into the product of the sizes
-    of the mesh axes named by ``spec[i]`` (the first named axis is the most major), and the
-    remaining mesh axes replicate.
-
     Args:
       shape: global array shape.
       mesh_shape: sizes of the mesh axes.
       axis_names: names of the mesh axes.
-      spec: one entry per array dimension (missing trailing entries mean ``None``): ``None``,
-        an axis name, or a tuple of axis names.
-      device_ids: device ids in mesh order (row-major over ``mesh_shape``); default ``0..n-1``.
-      process_indices: owning process per device, in the order of ``device_ids``. Default:
-        ``device_id // devices_per_process`` when that is given, else 0.
+      spec: per array dimension (missing trailing ones ``None``): ``None``, an axis name, or a
+        tuple of axis names.
+      device_ids: device ids in mesh order (row-major); default ``0..n-1``.
+      process_indices: owning process per device; default ``id // devices_per_process`` or 0.
       devices_per_process: devices per process (host), for the default ``process_indices``.
-      platform: platform name recorded in the layout (compared, e.g. in plan fingerprints,
-        never used to plan).
-
-    Returns:
-      The layout, ordered by device id.
+      platform: platform name recorded in the layout (compared, never used to plan).
 
     Raises:
-      ReshardError: mesh and axis names differ in length, device ids are not distinct, or the
-        spec names an unknown or repeated axis, has too many entries or does not divide
-        ``shape`` evenly.
+      ReshardError: an inconsistent mesh, repeated device ids, or a spec that does not fit.
 
     Example:
       >>> lay = Layout.from_description((8, 4), mesh_shape=(2, 2), axis_names=("x", "y"),
@@ -240,10 +210,8 @@ def _tile_boxes(
   entries: tuple[SpecEntry, ...],
   spec: tuple[SpecEntry, ...],
 ) -> tuple[np.ndarray, np.ndarray]:
-  """``(starts, stops)`` of every device in mesh order, as ``NamedSharding`` tiles them.
-
-  ``entries``: one spec entry per dimension; ``spec``: the spec as given (for messages).
-  """
+  """``(starts, stops)`` of every device in mesh order, as ``NamedSharding`` tiles them (the
+  first axis of an entry most major); ``spec`` is the spec as given, for messages."""
   n = math.prod(mesh_shape)
   coords = np.indices(mesh_shape).reshape(len(mesh_shape), n)  # (naxes, n), row-major
   starts = np.zeros((n, len(shape)), dtype=np.int64)

@@ -1,13 +1,6 @@
-"""Topologies: which devices share a fast domain, and what each class of link costs. NumPy only.
-
-A *domain* is a set of devices joined by fast links (an NVLink domain, a host, a TPU slice);
-links between domains are slow (the network). A :class:`Topology` maps device ids to domains
-and gives each link class (inside a domain, between domains) a bandwidth per device and
-direction and a latency per transfer, plus the memory bandwidth at which a device packs and
-assembles payloads. The planner uses the domains (relays: a region crosses into a domain once);
-:func:`jax_reshard.estimate` uses the costs (predicted time). Presets describe common machines
-from their published link speeds; :meth:`Topology.cpu` is calibrated by
-``benchmarks/calibrate_cpu.py``. Devices need not be present: ids are plain integers.
+"""Topologies: which devices share a fast domain (NVLink domain, host, TPU slice), and what
+links inside and between domains cost. The planner uses the domains (a region crosses into a
+domain once), :func:`jax_reshard.estimate` the costs. NumPy only; ids are plain integers.
 """
 
 from __future__ import annotations
@@ -44,30 +37,22 @@ class Link:
 class Topology:
   """Fast domains of devices and the cost of moving bytes inside and between them.
 
-  A device's domain is, in order: its entry in ``domain_map``; else ``id //
-  devices_per_domain``; else 0 (one domain: every plan is exactly the plan without a topology).
+  A device's domain is its entry in ``domain_map``, else ``id // devices_per_domain``, else 0.
 
   Attributes:
     name: for messages and tables.
     intra: links between devices of one domain (NVLink, shared host memory, ICI).
     inter: links between domains (the network: NIC bandwidth per device).
-    memory_bandwidth: payload bytes per second a device writes when packing a payload or
-      assembling a shard (slicing and concatenating in its own memory).
+    memory_bandwidth: payload bytes per second a device packs or assembles.
     devices_per_domain: consecutive device ids per domain, or ``None``.
     domain_map: explicit ``(device id, domain)`` pairs, sorted by id; they take precedence.
     call_latency: seconds of fixed cost per compiled program (one per bucket).
-    max_parallel: how many devices can copy at once (simulated CPU devices share the host's
-      cores); ``None`` where every device has its own engines and memory (GPUs, TPUs).
-    leaf_latency: seconds of host work per leaf of a program call (staging and unwrapping its
-      arrays); measured for the CPU preset, 0 in the GPU and TPU presets (not measured there).
-    fill_bandwidth: bytes per second a device writes zeros (placeholder blocks, discarded
-      outputs); ``None``: ``memory_bandwidth``. Measured for the CPU preset only.
-    contiguous_bandwidth: bytes per second a device copies long contiguous runs when packing
-      or assembling; a copy then costs its bytes at this rate plus ``run_latency`` per
-      contiguous run, at most its bytes at ``memory_bandwidth`` (the rate of short runs).
-      ``None``: every copy at ``memory_bandwidth``, whatever its runs (the GPU and TPU
-      presets, whose packing was measured at one rate for rows and strided columns). Measured
-      for the CPU preset only.
+    max_parallel: how many devices copy at once (CPU devices share cores); ``None``: all.
+    leaf_latency: seconds of host work per leaf of a program call (0 where not measured).
+    fill_bandwidth: bytes per second a device writes zeros; ``None``: ``memory_bandwidth``.
+    contiguous_bandwidth: bytes per second of long contiguous runs when packing (a copy then
+      costs this plus ``run_latency`` per run, at most its bytes at ``memory_bandwidth``);
+      ``None``: every copy at ``memory_bandwidth``.
     run_latency: seconds per contiguous run copied, with ``contiguous_bandwidth``.
 
   Example:
@@ -97,9 +82,6 @@ class Topology:
     Args:
       device_ids: device ids (plain integers; the devices need not be present).
 
-    Returns:
-      One domain per id, in the order given.
-
     Raises:
       ReshardError: if ``domain_map`` is given and lacks one of the ids.
 
@@ -109,8 +91,7 @@ class Topology:
     """
     ids = np.asarray(device_ids, dtype=np.int64).reshape(-1)
     if self.domain_map:
-      keys = np.fromiter((k for k, _ in self.domain_map), np.int64, len(self.domain_map))
-      vals = np.fromiter((v for _, v in self.domain_map), np.int64, len(self.domain_map))
+      keys, vals = np.asarray(self.domain_map, dtype=np.int64).reshape(-1, 2).T
       pos = np.clip(np.searchsorted(keys, ids), 0, len(keys) - 1)
       found = keys[pos] == ids
       if not found.all():
@@ -130,9 +111,6 @@ class Topology:
     Args:
       domains: ``{device id: domain}``, or ``(device id, domain)`` pairs; every device of a
         plan needs one.
-
-    Returns:
-      A copy whose ``domain_map`` holds ``domains`` (and no ``devices_per_domain``).
 
     Raises:
       ReshardError: if a device id appears twice.
@@ -154,9 +132,6 @@ class Topology:
     Args:
       **changes: new values of fields, by name (see the class's attributes).
 
-    Returns:
-      The changed copy; this topology is unchanged.
-
     Example:
       >>> slow = Topology.h100_nodes().replace(name="H100, 200 Gb/s", inter=Link(25e9, 20e-6))
       >>> slow.inter.bandwidth / 1e9, slow.intra.bandwidth / 1e9
@@ -168,20 +143,14 @@ class Topology:
   def from_devices(cls, devices: Iterable[Any], preset: Topology | None = None) -> Topology:
     """The domains JAX reports for real devices, with the link costs of a preset.
 
-    Devices of one slice share a domain where JAX gives a ``slice_index`` (TPU slices; on
-    GPUs, XLA's client numbers hosts by boot id unless every process sets a slice index, so a
-    host's GPUs share a domain: an 8-GPU NVLink node, but only part of a GB200 NVL72 rack, for
-    which pass :meth:`gb200_nvl72` or :meth:`with_domains`); otherwise, and always for CPU
-    devices (whose ``slice_index`` is 0 in every process of a ``jax.distributed`` job), devices
-    of one process (host) do.
+    Devices share a domain when they share a ``slice_index`` (TPU slices; on GPUs a host,
+    so use :meth:`gb200_nvl72` or :meth:`with_domains` for NVL72 racks), else, and always on
+    CPUs, a process.
 
     Args:
       devices: the devices, e.g. ``jax.devices()``.
       preset: the link costs (default: :meth:`h100_nodes` for GPUs, :meth:`cpu` for CPUs,
         :meth:`tpu_slices` for TPUs).
-
-    Returns:
-      ``preset`` with one domain per device id (:meth:`with_domains`).
 
     Example:
       >>> import jax
@@ -192,11 +161,8 @@ class Topology:
     devices = list(devices)
     keys = {}
     for d in devices:
-      slice_index = getattr(d, "slice_index", None)
-      if slice_index is None or getattr(d, "platform", None) == "cpu":
-        keys[int(d.id)] = (0, int(d.process_index))
-      else:
-        keys[int(d.id)] = (int(slice_index), 0)
+      s = None if getattr(d, "platform", None) == "cpu" else getattr(d, "slice_index", None)
+      keys[int(d.id)] = (0, int(d.process_index)) if s is None else (int(s), 0)
     numbered = {k: i for i, k in enumerate(sorted(set(keys.values())))}
     if preset is None:
       platform = devices[0].platform if devices else "cpu"
@@ -207,16 +173,12 @@ class Topology:
 
   @classmethod
   def h100_nodes(cls, devices_per_node: int = 8) -> Topology:
-    """H100 SXM nodes: NVLink 4 inside a node, one 400 Gb/s NIC per GPU between nodes.
+    """H100 SXM nodes: NVLink 4 (450 GB/s) inside a node, a 400 Gb/s NIC per GPU between nodes.
 
-    NVLink 4 moves 450 GB/s per direction per GPU. Packing runs at the H200's measured
-    0.8 TB/s scaled by HBM bandwidth (3.35 / 4.8 TB/s).
+    Packing runs at the H200's measured rate scaled by HBM bandwidth (3.35 / 4.8 TB/s).
 
     Args:
       devices_per_node: consecutive device ids per node (domain).
-
-    Returns:
-      The topology; device ``i`` is in node ``i // devices_per_node``.
 
     Example:
       >>> topo = Topology.h100_nodes()
@@ -234,16 +196,10 @@ class Topology:
 
   @classmethod
   def h200_nodes(cls, devices_per_node: int = 8) -> Topology:
-    """H200 nodes: NVLink 4 inside a node, one 400 Gb/s NIC per GPU between nodes.
-
-    Packing and assembly run at 0.8 TB/s of payload, and a program call costs 60 us, both
-    measured on one H200.
+    """H200 nodes: as :meth:`h100_nodes`, packing at 0.8 TB/s (measured on one H200).
 
     Args:
       devices_per_node: consecutive device ids per node (domain).
-
-    Returns:
-      The topology; device ``i`` is in node ``i // devices_per_node``.
 
     Example:
       >>> topo = Topology.h200_nodes(devices_per_node=4)
@@ -258,45 +214,33 @@ class Topology:
 
   @classmethod
   def gb200_nvl72(cls, devices_per_domain: int = 72) -> Topology:
-    """GB200 NVL72 racks: 72 GPUs on NVLink 5, one 400 Gb/s NIC per GPU between racks.
+    """GB200 NVL72 racks: NVLink 5 (900 GB/s) inside, a 400 Gb/s NIC per GPU between racks.
 
-    NVLink 5 moves 900 GB/s per direction per GPU. Packing runs at the H200's measured rate
-    scaled by HBM bandwidth (8 / 4.8 TB/s).
+    Packing runs at the H200's measured rate scaled by HBM bandwidth (8 / 4.8 TB/s).
 
     Args:
       devices_per_domain: consecutive device ids per NVLink domain (a rack, or the part of it
         the job holds).
-
-    Returns:
-      The topology; device ``i`` is in domain ``i // devices_per_domain``.
 
     Example:
       >>> topo = Topology.gb200_nvl72(devices_per_domain=64)  # 64 GPUs of each rack
       >>> topo.domain_of([63, 64]).tolist(), topo.intra.bandwidth / 1e9
       ([0, 1], 900.0)
     """
-    return cls(
+    return dataclasses.replace(
+      cls.h100_nodes(devices_per_domain),
       name=f"GB200 NVL{devices_per_domain}",
       intra=Link(900e9, 10e-6),
-      inter=Link(50e9, 20e-6),
       memory_bandwidth=0.8e12 * 8 / 4.8,
-      devices_per_domain=devices_per_domain,
-      call_latency=60e-6,
     )
 
   @classmethod
   def tpu_slices(cls, devices_per_slice: int | None = None) -> Topology:
-    """TPU v5p-like slices: ICI inside a slice, the data-centre network between slices.
-
-    ICI moves about 90 GB/s per direction per chip on a link, the network about 25 GB/s per
-    chip.
+    """TPU v5p-like slices: ICI (90 GB/s per chip) inside, the network (25 GB/s) between.
 
     Args:
       devices_per_slice: consecutive device ids per slice; ``None``: one slice (or use
         :meth:`from_devices`, which reads the slices JAX reports).
-
-    Returns:
-      The topology.
 
     Example:
       >>> topo = Topology.tpu_slices(devices_per_slice=256)
@@ -322,28 +266,16 @@ class Topology:
   ) -> Topology:
     """Simulated CPU devices of one host (``jax_num_cpu_devices``), sharing ``cores`` cores.
 
-    Constants measured by ``benchmarks/calibrate_cpu.py`` (AMD EPYC, 2 cores, jax 0.10.2):
-    a device's ``ppermute`` copies at ``CPU_CORE_BANDWIDTH`` bytes/s, its packing and assembly
-    (slices and concatenations) at ``CPU_PACK_BANDWIDTH``; ``cores`` devices work at once; a
-    round costs ``CPU_ROUND_LATENCY`` s on top, a program call ``CPU_CALL_LATENCY`` s, and
-    each leaf of a call ``CPU_LEAF_LATENCY`` s of host work; zero blocks are written at
-    ``CPU_FILL_BANDWIDTH``. Copies of long contiguous runs go at ``CPU_CONTIGUOUS_BANDWIDTH``
-    plus ``CPU_RUN_LATENCY`` per run (``CPU_PACK_BANDWIDTH`` is their rate at 512-byte runs,
-    and the rate of shorter ones).
+    Its costs are the ``CPU_*`` constants measured by ``benchmarks/calibrate_cpu.py``.
 
     Args:
-      devices_per_domain: simulates domains of consecutive device ids (the "slow" links are
-        then as fast as the others, so only the byte counts differ); ``None``: one domain.
+      devices_per_domain: simulates domains of consecutive device ids (links as fast as
+        inside); ``None``: one domain.
       cores: how many devices copy at once (the host's cores).
-      constants: values of those constants measured on another machine, by name (what
-        ``benchmarks/calibrate_cpu.py`` prints), in place of the preset's; a name not given
-        keeps the preset's value.
-
-    Returns:
-      The topology.
+      constants: constants measured on another machine, by name, in place of the preset's.
 
     Raises:
-      ValueError: a name in ``constants`` that is none of the constants above.
+      ValueError: a name in ``constants`` that is not in ``CPU_CONSTANTS``.
 
     Example:
       >>> Topology.cpu(cores=8).max_parallel
@@ -373,20 +305,16 @@ class Topology:
     )
 
 
-# Measured by benchmarks/calibrate_cpu.py on a 2-core AMD EPYC with 8 simulated devices and
-# nothing else running (see Topology.cpu): medians of five runs (ppermute 2.85-9.27 GB/s,
-# packing 1.87-2.16 GB/s, zero fills 3.9-4.9 GB/s per core).
+# Medians of benchmarks/calibrate_cpu.py on a 2-core AMD EPYC, 8 simulated devices (jax 0.10.2):
+# ppermute bytes/s, packing bytes/s, round, call and per-leaf seconds, zero-fill bytes/s.
 CPU_CORE_BANDWIDTH = 3.4e9
 CPU_PACK_BANDWIDTH = 2.0e9
 CPU_ROUND_LATENCY = 140e-6
 CPU_CALL_LATENCY = 165e-6
 CPU_LEAF_LATENCY = 56e-6
 CPU_FILL_BANDWIDTH = 4.7e9
-# Packing 8 slices of 64 KiB runs against 512-byte ones (benchmarks/calibrate_cpu.py; see
-# Topology.cpu), from CPU time (bytes per CPU second, CPU seconds per run; on an idle machine
-# the wall-time rates per core agree, as the packing rate's 1.83-2.27 GB/s per CPU second in
-# the same runs shows): medians of eleven runs on the same 2 cores, shared with other work
-# (3.47-4.25 GB/s, 89-143 ns). At 512-byte runs they give 2.1 GB/s, as CPU_PACK_BANDWIDTH.
+# Packing 64 KiB runs against 512-byte ones, from CPU time: bytes/s of long runs and seconds per
+# run (at 512-byte runs they give 2.1 GB/s, as CPU_PACK_BANDWIDTH).
 CPU_CONTIGUOUS_BANDWIDTH = 3.7e9
 CPU_RUN_LATENCY = 110e-9
 CPU_CONSTANTS = (

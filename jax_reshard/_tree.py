@@ -1,9 +1,7 @@
 """Trees in, leaves out: validation and flattening shared by the eager and the traced path.
 
-A :class:`Leaf` is one array of a source tree together with its source and destination
-sharding. Every check here runs before any device work and raises a :class:`ReshardError` that
-names the leaf (``jax.tree_util.keystr`` of its path), shows both layouts and says how to fix
-the call.
+Every check runs before any device work and raises a :class:`ReshardError` that names the leaf,
+shows both layouts and says how to fix the call.
 """
 
 from __future__ import annotations
@@ -71,14 +69,10 @@ def is_traced(x: Any) -> bool:
 
 
 def as_sharding(path: str, d: Any) -> Sharding:
-  """The concrete Sharding a destination leaf stands for (itself, its ``.sharding``, or a
-  PartitionSpec / abstract sharding resolved by :func:`resolve_sharding`)."""
-  if isinstance(d, Sharding):
+  """The concrete Sharding a destination leaf stands for (itself or its ``.sharding``)."""
+  if isinstance(d, (Sharding, PartitionSpec)):
     return resolve_sharding(d, path, "destination")
-  if isinstance(d, PartitionSpec):
-    return resolve_sharding(d, path, "destination")
-  sharding = getattr(d, "sharding", None)
-  if isinstance(sharding, Sharding):
+  if isinstance(sharding := getattr(d, "sharding", None), Sharding):
     return resolve_sharding(sharding, path, "destination")
   raise ReshardTypeError(
     f"destination for leaf {path or '<root>'} is {type(d).__name__}, not a "
@@ -89,13 +83,8 @@ def as_sharding(path: str, d: Any) -> Sharding:
 
 
 def resolve_sharding(s: Sharding | PartitionSpec, path: str, which: str) -> Sharding:
-  """A concrete sharding for ``s``.
-
-  Flax and ``jax.eval_shape`` describe layouts without devices: a ``NamedSharding`` over an
-  ``AbstractMesh``, or a bare ``PartitionSpec``. Those resolve against the concrete mesh of the
-  enclosing ``jax.set_mesh(...)`` when its axis names and sizes match; anything else raises a
-  :class:`ReshardError` that says how to fix the call. Concrete shardings pass through.
-  """
+  """A concrete sharding for ``s``: an abstract-mesh ``NamedSharding`` or a bare
+  ``PartitionSpec`` resolves against the mesh of the enclosing ``jax.set_mesh(...)``."""
   mesh = getattr(s, "mesh", None)
   if isinstance(s, Sharding) and not isinstance(mesh, AbstractMesh):
     return s
@@ -121,7 +110,8 @@ def resolve_sharding(s: Sharding | PartitionSpec, path: str, which: str) -> Shar
   ):
     raise ReshardError(
       f"the {which} of leaf {name} is {what}, but the mesh of the enclosing jax.set_mesh "
-      f"has other axes: {dict(context.shape)} against {_axes(mesh)}. "
+      f"has other axes: {dict(context.shape)} against "
+      f"{dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))}. "
       "Enter the mesh these shardings were made for (jax.set_mesh(sampler_mesh)), or pass "
       "concrete shardings."
     )
@@ -144,17 +134,9 @@ def _context_mesh() -> Mesh:
     return mesh_lib.get_concrete_mesh()
 
 
-def _axes(mesh: Any) -> dict[str, int]:
-  return dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
-
-
 def _leaves_if_same_paths(tree: Any, full: Any, is_leaf: Any) -> list[Any] | None:
-  """``tree``'s leaves when it has exactly the leaf paths of ``full``, else ``None``.
-
-  Trees whose nodes carry different metadata (a Flax NNX trainer state and the sampler's
-  abstract state, whose ``Param`` nodes record other sharding annotations) do not broadcast,
-  yet correspond leaf for leaf.
-  """
+  """``tree``'s leaves when it has exactly the leaf paths of ``full`` (trees whose node
+  metadata differs, as Flax ``Param`` sharding annotations, do not broadcast), else ``None``."""
   flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
   full_paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(full)[0]]
   if [jax.tree_util.keystr(p) for p, _ in flat] != full_paths:
@@ -194,18 +176,8 @@ def broadcast_shardings(prefix: Any, full: Any, treedef: Any, n: int, what: str)
 def flatten_tree(
   src: Any, dst: Any, src_shardings: Sequence[Any] | None = None
 ) -> tuple[Any, list[Leaf]]:
-  """Validates ``src``/``dst`` and returns the source treedef and one :class:`Leaf` per leaf.
-
-  Args:
-    src: pytree of ``jax.Array``, ``jax.ShapeDtypeStruct`` or tracers.
-    dst: one Sharding for every leaf, or a pytree prefix of ``src`` whose leaves are Shardings
-      (or arrays / ShapeDtypeStructs carrying ``.sharding``).
-    src_shardings: per leaf, the source Sharding to use instead of the leaf's own
-      ``.sharding`` (for traced values).
-
-  Raises:
-    ReshardError: a bad tree, leaf, shape, dtype, platform or sharding (nothing is moved).
-  """
+  """Validates ``src``/``dst`` (a Sharding or a prefix tree of them) and returns the source
+  treedef and one :class:`Leaf` per leaf; ``src_shardings`` overrides the leaves' own."""
   src_leaves, treedef = jax.tree_util.tree_flatten_with_path(src)
   dst_leaves = broadcast_shardings(dst, src, treedef, len(src_leaves), "destination")
   leaves = []
@@ -275,16 +247,8 @@ def _leaf_errors(errors: Sequence[tuple[str, ReshardError]], n: int) -> ReshardE
       f"{first}\n" + _wrap(f"(The same holds for {len(others)} more of the {n} leaves: {listed}.)")
     )
   lines = [f"{nm}: {_first_clause(str(e))}" for nm, e in errors]
-  return kind(
-    "\n".join(
-      [
-        f"{len(errors)} of the {n} leaves cannot be resharded as given; nothing was moved:",
-        *capped(lines),
-        f"The first, {name}, in full:",
-        _wrap(str(first)),
-      ]
-    )
-  )
+  head = f"{len(errors)} of the {n} leaves cannot be resharded as given; nothing was moved:"
+  return kind(_listing(head, lines, f"The first, {name}, in full:", _wrap(str(first))))
 
 
 def _check_template(leaf: Leaf, dst_template: Any) -> None:
@@ -313,15 +277,12 @@ _JNP_DTYPES = {"bfloat16", "float16", "float32", "float64", "int8", "int16", "in
 def _check_shardings(leaf: Leaf) -> None:
   """One platform, no reduced or unreduced axes, specs no longer than the rank, and shards
   that tile the shape evenly."""
-  for which, sharding in (("source", leaf.src_sharding), ("destination", leaf.dst_sharding)):
+  pairs = (("source", leaf.src_sharding), ("destination", leaf.dst_sharding))
+  for which, sharding in pairs:
     spec = getattr(sharding, "spec", None)
-    pending = {
-      kind: sorted(axes)
-      for kind in ("unreduced", "reduced")
-      if (axes := getattr(spec, kind, None) or ())
-    }
-    if pending:
-      axes = " and ".join(f"{kind}={set(a)}" for kind, a in pending.items())
+    kinds = ("unreduced", "reduced")
+    if pending := [f"{k}={set(sorted(a))}" for k in kinds if (a := getattr(spec, k, None))]:
+      axes = " and ".join(pending)
       raise ReshardError(
         _wrap(
           f"the {which} sharding of leaf {leaf.name} has {axes} axes: along an unreduced axis "
@@ -332,15 +293,15 @@ def _check_shardings(leaf: Leaf) -> None:
         )
         + leaf.describe()
       )
-  src_platforms = {getattr(d, "platform", "?") for d in leaf.src_sharding.device_set}
-  dst_platforms = {getattr(d, "platform", "?") for d in leaf.dst_sharding.device_set}
+  platforms = [{getattr(d, "platform", "?") for d in s.device_set} for _, s in pairs]
+  src_platforms, dst_platforms = platforms
   if src_platforms != dst_platforms or len(src_platforms) != 1:
     raise ReshardError(
       f"source devices are on {sorted(src_platforms)} but destination devices on "
       f"{sorted(dst_platforms)}; reshard moves data between devices of one platform. Use "
       "jax.device_put to cross platforms." + leaf.describe()
     )
-  for which, sharding in (("source", leaf.src_sharding), ("destination", leaf.dst_sharding)):
+  for which, sharding in pairs:
     spec = getattr(sharding, "spec", None)
     if spec is not None and len(spec) > len(leaf.shape):
       raise ReshardError(
@@ -389,25 +350,33 @@ def _indivisible(sharding: Any, shape: tuple[int, ...]) -> str:
   return ""
 
 
-def check_arrays(treedef: Any, leaves: Sequence[Leaf], x: Any) -> list[Any]:
-  """The arrays of ``x`` if ``x`` is a tree of live arrays laid out as ``leaves`` say.
-
-  Raises:
-    ReshardError: listing every leaf that does not match (tree, type, deleted, shape, dtype or
-      placement), with the likely cause of each kind present.
-  """
+def _flatten_as(treedef: Any, x: Any, full_name: str, other_name: str, fix: str) -> list[Any]:
+  """The leaves of ``x``, which must have the structure ``treedef``."""
   arrays, x_treedef = jax.tree_util.tree_flatten(x)
   if x_treedef != treedef:
     raise tree_mismatch(
       None,
       x,
-      full_name="planned source",
-      other_name="input",
+      full_name=full_name,
+      other_name=other_name,
       prefix=False,
       full_treedef=treedef,
-      fix="The input tree does not match the plan's tree. Call the plan with a tree built like "
-      "the one it was made for, or call jr.reshard(x, dst) (it plans per tree and caches).",
+      fix=fix,
     )
+  return arrays
+
+
+def check_arrays(treedef: Any, leaves: Sequence[Leaf], x: Any) -> list[Any]:
+  """The arrays of ``x`` if ``x`` is a tree of live arrays laid out as ``leaves`` say; else a
+  ``ReshardError`` listing every leaf that does not match, with the likely causes."""
+  arrays = _flatten_as(
+    treedef,
+    x,
+    "planned source",
+    "input",
+    "The input tree does not match the plan's tree. Call the plan with a tree built like "
+    "the one it was made for, or call jr.reshard(x, dst) (it plans per tree and caches).",
+  )
   problems = [
     problem
     for lf, a in zip(leaves, arrays, strict=True)
@@ -431,22 +400,14 @@ def check_arrays(treedef: Any, leaves: Sequence[Leaf], x: Any) -> list[Any]:
       "Make a plan for this input (jr.make_plan(x, dst)), or call jr.reshard(x, dst), which "
       "plans per input and caches."
     )
-  raise ReshardError(
-    "\n".join(
-      [
-        f"input does not match the plan ({len(problems)} of {len(leaves)} leaves); nothing was "
-        "moved:",
-        *capped([text for _, text in problems]),
-        *map(_wrap, hints),
-      ]
-    )
-  )
+  head = f"input does not match the plan ({len(problems)} of {len(leaves)} leaves)"
+  texts = [text for _, text in problems]
+  raise ReshardError(_listing(f"{head}; nothing was moved:", texts, *map(_wrap, hints)))
 
 
 def _array_problem(lf: Leaf, a: Any, sharding: Any, expected: str) -> tuple[str, str] | None:
-  """What is wrong with ``a`` as leaf ``lf`` laid out in ``sharding``: ``(kind, text)``, kind
-  one of ``type``, ``deleted``, ``shape`` (shape or dtype), ``placement``; ``None`` if
-  nothing."""
+  """``(kind, text)`` of what is wrong with ``a`` as ``lf`` laid out in ``sharding``, or
+  ``None``."""
   if not isinstance(a, jax.Array):
     return "type", f"{lf.name}: {type(a).__name__} is not a jax.Array"
   if a.is_deleted():
@@ -472,29 +433,17 @@ def _buffers(a: jax.Array) -> set[tuple[int, int]]:
 def check_donated(
   treedef: Any, leaves: Sequence[Leaf], donate: Any, sources: Sequence[Any]
 ) -> list[Any]:
-  """The arrays of ``donate`` (the ``out=`` tree) if it can give its buffers to the result of
-  moving ``leaves``.
-
-  ``donate`` must be a tree of live arrays with the plan's structure, every leaf with the
-  leaf's shape and dtype, laid out in its destination sharding; none may share a buffer with
-  the source (which is never donated) or with another leaf of the tree.
-
-  Raises:
-    ReshardError: listing every leaf that does not match; nothing is donated or deleted.
-  """
-  arrays, d_treedef = jax.tree_util.tree_flatten(donate)
-  if d_treedef != treedef:
-    raise tree_mismatch(
-      None,
-      donate,
-      full_name="planned result",
-      other_name="out=",
-      prefix=False,
-      full_treedef=treedef,
-      fix="Pass out= the sampler's current tree: what the previous call of this plan returned "
-      "(the same tree, shapes and dtypes, in the destination layouts); nothing was donated or "
-      "deleted.",
-    )
+  """The arrays of ``donate`` (the ``out=`` tree) if they can give their buffers to the result:
+  live, laid out as the destination, sharing no buffer with the source or each other."""
+  arrays = _flatten_as(
+    treedef,
+    donate,
+    "planned result",
+    "out=",
+    "Pass out= the sampler's current tree: what the previous call of this plan returned "
+    "(the same tree, shapes and dtypes, in the destination layouts); nothing was donated or "
+    "deleted.",
+  )
   source_buffers = set().union(*(_buffers(a) for a in sources if isinstance(a, jax.Array)))
   seen: set[tuple[int, int]] = set()
   problems = []
@@ -512,19 +461,12 @@ def check_donated(
     else:
       seen |= held
   if problems:
-    raise ReshardError(
-      "\n".join(
-        [
-          f"out= does not match the plan's destination ({len(problems)} of {len(leaves)} "
-          "leaves); nothing was donated or deleted:",
-          *capped(problems),
-          _wrap(
-            "Pass out= the sampler's current tree (the result of the previous refit): the same "
-            "tree structure, shapes and dtypes, laid out in the destination shardings."
-          ),
-        ]
-      )
+    head = f"out= does not match the plan's destination ({len(problems)} of {len(leaves)} leaves)"
+    fix = (
+      "Pass out= the sampler's current tree (the result of the previous refit): the same "
+      "tree structure, shapes and dtypes, laid out in the destination shardings."
     )
+    raise ReshardError(_listing(f"{head}; nothing was donated or deleted:", problems, _wrap(fix)))
   return arrays
 
 
@@ -543,6 +485,11 @@ def capped(items: Sequence[str], indent: str = "  ") -> list[str]:
   if len(items) > MAX_LISTED:
     lines.append(f"{indent}... and {len(items) - MAX_LISTED} more")
   return lines
+
+
+def _listing(head: str, items: Sequence[str], *tail: str) -> str:
+  """``head``, the :func:`capped` ``items``, then the ``tail`` lines."""
+  return "\n".join([head, *capped(items), *tail])
 
 
 def _path_str(path: _KeyPath) -> str:
@@ -591,10 +538,7 @@ def _strip_value(path: _KeyPath) -> _KeyPath:
 
 
 def _node_label(data: Any) -> str:
-  if data is None:
-    return "a leaf"
-  kind = getattr(data[0], "__name__", str(data[0]))
-  return kind
+  return "a leaf" if data is None else getattr(data[0], "__name__", str(data[0]))
 
 
 def _node_difference(a: Any, b: Any) -> str:
@@ -666,20 +610,10 @@ def tree_mismatch(
   full_treedef: Any = None,
   fix: str,
 ) -> ReshardError:
-  """A :class:`ReshardError` saying how ``other`` differs from ``full``, in at most ~20 lines.
-
-  It lists the first differing paths (``jax.tree_util.keystr``), grouped by the subtree one
-  side lacks, how many there are, and the likely cause; never the trees themselves.
-
-  Args:
-    full: the reference tree (the source, or the plan's tree); ``None`` with ``full_treedef``.
-    other: the tree given for it (the destination, the input, ``out=``).
-    full_name, other_name: what to call them in the message.
-    prefix: whether a leaf of ``other`` may stand for a whole subtree of ``full``.
-    is_leaf: the leaves of ``other`` (for prefix trees of Shardings).
-    full_treedef: the reference's treedef when the tree itself is gone (a plan keeps only it).
-    fix: the last line: what to pass instead.
-  """
+  """A :class:`ReshardError` saying how ``other`` differs from ``full`` (or ``full_treedef``)
+  in at most ~20 lines: the first differing paths grouped by the subtree one side lacks, their
+  count and the likely cause, then ``fix``. With ``prefix``, a leaf of ``other`` may stand for
+  a subtree of ``full``."""
   if full_treedef is None:
     full_treedef = jax.tree_util.tree_structure(full)
     full_paths = _key_paths(full)

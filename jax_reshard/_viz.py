@@ -1,9 +1,7 @@
 """Pictures of a plan: who sends how many bytes to whom, and in which round.
 
-``traffic_matrix`` and ``round_table`` turn a :class:`~jax_reshard.ReshardPlan` into NumPy
-tables; ``plot_traffic`` and ``plot_rounds`` draw them with matplotlib, an optional extra
-(``pip install 'jax_reshard[viz]'``) imported only when a plot is made; ``plan_html`` is the
-plan's summary as an HTML table for Jupyter. Nothing here touches devices or traces JAX.
+Tables in NumPy, plots with matplotlib (an optional extra, imported only to plot), and the
+plan's summary as HTML for Jupyter. Nothing here touches devices or traces JAX.
 """
 
 from __future__ import annotations
@@ -67,17 +65,9 @@ _STAT_MEANINGS = {
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class TrafficMatrix:
-  """Bytes per (source device, destination device) pair of a plan, summed over its leaves.
-
-  Attributes:
-    src_ids: every device that holds a source shard of some leaf, ascending (rows).
-    dst_ids: every device that holds a destination shard of some leaf, ascending (columns).
-    bytes: ``(len(src_ids), len(dst_ids))`` int64, bytes the source device sends to the
-      destination device (padding excluded). Sums to ``plan.stats.bytes_moved``.
-    local: same shape, bytes a device copies from its own source shard into its destination
-      shard (nonzero only where the row and column are the same device). Sums to
-      ``plan.stats.local_copy_bytes``.
-  """
+  """Bytes per (source device, destination device) pair of a plan, summed over its leaves:
+  ``bytes`` sent (padding excluded), ``local`` copied within a device; rows are ``src_ids``,
+  columns ``dst_ids``, every device of some source or destination shard, ascending."""
 
   src_ids: tuple[int, ...]
   dst_ids: tuple[int, ...]
@@ -87,16 +77,9 @@ class TrafficMatrix:
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class RoundTable:
-  """One row per (round, sending pair) of a plan's schedule, in execution order.
-
-  Attributes:
-    bucket: index of the bucket (compiled program) the round belongs to.
-    round: index of the round over the whole plan (buckets run one after another).
-    src: sending device id.
-    dst: receiving device id.
-    payload: bytes of data the pair's payload carries in that round.
-    padding: bytes sent only to fill the payload up to the round's size.
-  """
+  """One row per (round, sending pair) of a plan's schedule, in execution order: the bucket,
+  the round (numbered over the whole plan), the sending and receiving device, and the bytes of
+  payload and of padding (sent only to fill the round's size)."""
 
   bucket: np.ndarray
   round: np.ndarray
@@ -140,12 +123,12 @@ def traffic_matrix(plan: PlanLike) -> TrafficMatrix:
   shape = (len(src_ids), len(dst_ids))
   remote = np.zeros(shape, dtype=np.int64)
   local = np.zeros(shape, dtype=np.int64)
-  lps = plan.leaf_plans
-  if lps:
-    src = np.concatenate([np.asarray(p.src_device, np.int64) for p in lps])
-    dst = np.concatenate([np.asarray(p.dst_device, np.int64) for p in lps])
-    nbytes = np.concatenate([np.asarray(p.nbytes, np.int64) for p in lps])
-    is_local = np.concatenate([np.asarray(p.local, bool) for p in lps])
+  if lps := plan.leaf_plans:
+    src, dst, nbytes, is_local = (
+      np.concatenate([np.asarray(getattr(p, f), np.int64) for p in lps])
+      for f in ("src_device", "dst_device", "nbytes", "local")
+    )
+    is_local = is_local.astype(bool)
     row, col = np.searchsorted(src_ids, src), np.searchsorted(dst_ids, dst)
     np.add.at(remote, (row[~is_local], col[~is_local]), nbytes[~is_local])
     np.add.at(local, (row[is_local], col[is_local]), nbytes[is_local])
@@ -155,18 +138,9 @@ def traffic_matrix(plan: PlanLike) -> TrafficMatrix:
 
 
 def round_table(plan: PlanLike) -> RoundTable:
-  """Every (source, destination) pair of every round, with its payload and padding bytes.
-
-  A round sends ``Round.nbytes`` from every listed pair; a pair whose pieces fill less than
-  that is padded. The padding column sums to ``plan.stats.padding_bytes``.
-
-  Args:
-    plan: a plan from :func:`jax_reshard.make_plan` or :func:`jax_reshard.plan_layouts`.
-
-  Returns:
-    A :class:`RoundTable`, rows ordered by round, then source, then destination.
-  """
-  cols: list[list[np.ndarray]] = [[], [], [], [], [], []]
+  """Every (source, destination) pair of every round, with its payload and padding bytes (the
+  fill up to ``Round.nbytes``; they sum to ``plan.stats.padding_bytes``), in round order."""
+  rows: list[np.ndarray] = []  # per round, (6, pairs): the RoundTable's columns
   base = 0
   for b, bucket in enumerate(plan.schedule.buckets):
     if not bucket.rounds:
@@ -185,22 +159,10 @@ def round_table(plan: PlanLike) -> RoundTable:
       found = keys[pos] == want if len(keys) else np.zeros(len(want), bool)
       payload = np.where(found, fill[pos] if len(keys) else 0, 0)
       n = len(pairs)
-      for col, v in zip(
-        cols,
-        (
-          np.full(n, b),
-          np.full(n, base + r),
-          pairs[:, 0],
-          pairs[:, 1],
-          payload,
-          rnd.nbytes - payload,
-        ),
-        strict=True,
-      ):
-        col.append(np.asarray(v, dtype=np.int64))
+      columns = (np.full(n, b), np.full(n, base + r), *pairs.T, payload, rnd.nbytes - payload)
+      rows.append(np.stack([np.asarray(c, dtype=np.int64) for c in columns]))
     base += len(bucket.rounds)
-  arrays = [np.concatenate(c) if c else np.zeros(0, dtype=np.int64) for c in cols]
-  return RoundTable(*arrays)
+  return RoundTable(*(np.concatenate(rows, axis=1) if rows else np.zeros((6, 0), np.int64)))
 
 
 def _unit(n: float) -> tuple[str, int]:
@@ -243,9 +205,8 @@ def _ticks(ids: tuple[int, ...], limit: int = 32) -> tuple[list[int], list[str]]
 def plot_traffic(plan: PlanLike, ax: Axes | None = None) -> Axes:
   """Draws the traffic matrix: bytes each source device (row) sends each destination (column).
 
-  Empty cells send nothing; hatched, outlined cells are local copies (data the device already
-  holds, copied without traffic). Small matrices get each cell's bytes written in it. The title
-  compares the bytes moved with the lower bound and with gather-and-broadcast.
+  Hatched cells are local copies; the title compares the bytes moved with the lower bound and
+  with gather-and-broadcast.
 
   Args:
     plan: a plan from :func:`jax_reshard.make_plan` or :func:`jax_reshard.plan_layouts`.
@@ -270,8 +231,6 @@ def plot_traffic(plan: PlanLike, ax: Axes | None = None) -> Axes:
     >>> plt.close(ax.figure)
   """
   plt = _pyplot()
-  from matplotlib.patches import Patch, Rectangle
-
   m = traffic_matrix(plan)
   n_src, n_dst = m.bytes.shape
   if ax is None:
@@ -279,44 +238,18 @@ def plot_traffic(plan: PlanLike, ax: Axes | None = None) -> Axes:
       figsize=(min(14.0, 4.5 + 0.22 * n_dst), min(12.0, 3.5 + 0.2 * n_src)), layout="constrained"
     )
   assert ax is not None
-  unit, scale = _unit(float(max(m.bytes.max(initial=0), m.local.max(initial=0), 1)))
-  data = np.ma.masked_equal(m.bytes, 0).astype(np.float64) / scale
-  cmap = plt.get_cmap("viridis").with_extremes(bad="#f2f2f2")
-  vmax = float(m.bytes.max(initial=0)) / scale or 1.0
-  image = ax.imshow(
-    data, cmap=cmap, vmin=0.0, vmax=vmax, aspect="auto", interpolation="nearest", origin="upper"
-  )
-  ax.figure.colorbar(image, ax=ax, label=f"bytes sent ({unit})")
-
+  top = max(m.bytes.max(initial=0), m.local.max(initial=0), 1)
+  scale, vmax = _heatmap(plt, ax, m.bytes, m.bytes == 0, top, "bytes sent")
   rows, cols = np.nonzero(m.local)
-  for r, c in zip(rows.tolist(), cols.tolist(), strict=True):
-    ax.add_patch(
-      Rectangle(
-        (c - 0.5, r - 0.5), 1, 1, fill=False, hatch="///", edgecolor="tab:red", linewidth=1.5
-      )
-    )
+  below = -0.08 if n_src <= 16 else -0.04
+  _mark(ax, cols, rows, ("///", "tab:red", 1.5), "local copy (no traffic)", below)
   if n_src * n_dst <= 144:  # small enough to write every cell's bytes
     for r, c in zip(*np.nonzero((m.bytes > 0) | (m.local > 0)), strict=True):
       sent, kept = int(m.bytes[r, c]), int(m.local[r, c])
       text = _short_bytes(sent) if sent else f"local\n{_short_bytes(kept)}"
       dark = sent and sent / scale < 0.6 * vmax
       ax.text(c, r, text, ha="center", va="center", fontsize=8, color="white" if dark else "black")
-  xpos, xlab = _ticks(m.dst_ids, limit=16)
-  ypos, ylab = _ticks(m.src_ids)
-  ax.set_xticks(xpos, xlab, fontsize=8)
-  ax.set_yticks(ypos, ylab, fontsize=8)
-  ax.set_xlabel("destination device")
-  ax.set_ylabel("source device")
-  if len(rows):
-    ax.legend(
-      handles=[
-        Patch(facecolor="none", edgecolor="tab:red", hatch="///", label="local copy (no traffic)")
-      ],
-      loc="upper left",
-      bbox_to_anchor=(0.0, -0.08 if n_src <= 16 else -0.04),
-      fontsize=8,
-      frameon=False,
-    )
+  _device_ticks(ax, m.dst_ids, m.src_ids, 16, "destination device")
   st = plan.stats
   ratio = f" ({st.gather_broadcast_bytes / st.bytes_moved:.1f}x)" if st.bytes_moved else ""
   ax.set_title(
@@ -333,14 +266,9 @@ def plot_rounds(
 ) -> Axes:
   """Draws the round schedule: which (source -> destination) pair sends how much, per round.
 
-  Two pictures, chosen by ``kind`` (default: bars up to 96 pairs in all, else the grid):
-
-  - ``"bars"``: one bar per sending pair, grouped by round (left to right, in execution
-    order). A bar's height is the pair's payload; the padding that fills it up to the round's
-    size is stacked on top in another colour. Pairs are labelled ``src→dst`` when few.
-  - ``"grid"``: source devices (rows) by rounds (columns); a cell's colour is the payload the
-    device sends in that round and its text the receiving device; cells with padding are
-    hatched; blank cells are idle.
+  ``"bars"``: one bar per pair, grouped by round, payload with its padding stacked on top.
+  ``"grid"``: source devices by rounds, coloured by payload, with the receiving device written
+  in each cell and padded cells hatched. By default bars up to 96 pairs, else the grid.
 
   Args:
     plan: a plan from :func:`jax_reshard.make_plan` or :func:`jax_reshard.plan_layouts`.
@@ -434,19 +362,12 @@ def _draw_round_bars(ax: Axes, t: RoundTable) -> None:
   else:
     ax.text(0.5, 0.5, "no remote traffic", ha="center", va="center", transform=ax.transAxes)
   for start in first[1:].tolist():
-    same_bucket = t.bucket[start] == t.bucket[start - 1]
-    ax.axvline(
-      x[start] - 1,
-      color="grey" if same_bucket else "black",
-      linestyle=":" if same_bucket else "--",
-      linewidth=0.8,
-    )
+    color, line = ("grey", ":") if t.bucket[start] == t.bucket[start - 1] else ("black", "--")
+    ax.axvline(x[start] - 1, color=color, linestyle=line, linewidth=0.8)
   ax.legend(loc="upper right", ncols=2, fontsize=8)
 
 
 def _draw_round_grid(plt: Any, ax: Axes, t: RoundTable) -> None:
-  from matplotlib.patches import Patch, Rectangle
-
   if not len(t):
     ax.text(0.5, 0.5, "no remote traffic", ha="center", va="center", transform=ax.transAxes)
     return
@@ -457,31 +378,9 @@ def _draw_round_grid(plt: Any, ax: Axes, t: RoundTable) -> None:
   busy = np.zeros((n_src, n_rounds), dtype=bool)
   payload[row, t.round] = t.payload  # a device sends at most once per round
   busy[row, t.round] = True
-  unit, scale = _unit(float(payload.max(initial=1)))
-  cmap = plt.get_cmap("viridis").with_extremes(bad="#f2f2f2")
-  vmax = float(payload.max(initial=0)) / scale or 1.0
-  image = ax.imshow(
-    np.ma.masked_array(payload / scale, ~busy),
-    cmap=cmap,
-    vmin=0.0,
-    vmax=vmax,
-    aspect="auto",
-    interpolation="nearest",
-  )
-  ax.figure.colorbar(image, ax=ax, label=f"payload sent ({unit})")
+  scale, vmax = _heatmap(plt, ax, payload, ~busy, payload.max(initial=1), "payload sent")
   padded = np.flatnonzero(t.padding > 0)
-  for i in padded.tolist():
-    ax.add_patch(
-      Rectangle(
-        (int(t.round[i]) - 0.5, int(row[i]) - 0.5),
-        1,
-        1,
-        fill=False,
-        hatch="xx",
-        edgecolor="tab:orange",
-        linewidth=1.2,
-      )
-    )
+  _mark(ax, t.round[padded], row[padded], ("xx", "tab:orange", 1.2), "padded", -0.06)
   if n_src <= 64 and n_rounds <= 32:  # the receiving device, written in each busy cell
     for i in range(len(t)):
       dark = t.payload[i] / scale < 0.6 * vmax
@@ -497,32 +396,65 @@ def _draw_round_grid(plt: Any, ax: Axes, t: RoundTable) -> None:
   for start in _round_starts(t)[1:].tolist():
     if t.bucket[start] != t.bucket[start - 1]:
       ax.axvline(int(t.round[start]) - 0.5, color="black", linestyle="--", linewidth=1.0)
-  xpos, xlab = _ticks(tuple(range(n_rounds)), limit=24)
-  ypos, ylab = _ticks(tuple(senders.tolist()))
-  ax.set_xticks(xpos, xlab, fontsize=8)
-  ax.set_yticks(ypos, ylab, fontsize=8)
-  ax.set_xlabel("round (cell text: receiving device)")
-  ax.set_ylabel("source device")
-  if len(padded):
+  xlabel = "round (cell text: receiving device)"
+  _device_ticks(ax, tuple(range(n_rounds)), tuple(senders.tolist()), 24, xlabel)
+
+
+def _heatmap(
+  plt: Any, ax: Axes, values: np.ndarray, blank: np.ndarray, top: Any, label: str
+) -> tuple[float, float]:
+  """Draws ``values`` (bytes; ``blank`` cells grey) with a colour bar in the unit of ``top``;
+  returns the unit's size and the top of the colour scale in that unit."""
+  unit, scale = _unit(float(top))
+  vmax = float(values.max(initial=0)) / scale or 1.0
+  image = ax.imshow(
+    np.ma.masked_array(values / scale, blank),
+    cmap=plt.get_cmap("viridis").with_extremes(bad="#f2f2f2"),
+    vmin=0.0,
+    vmax=vmax,
+    aspect="auto",
+    interpolation="nearest",
+  )
+  ax.figure.colorbar(image, ax=ax, label=f"{label} ({unit})")
+  return scale, vmax
+
+
+def _mark(
+  ax: Axes, cols: Any, rows: Any, style: tuple[str, str, float], label: str, below: float
+) -> None:
+  """Outlines the ``(column, row)`` cells, hatched in ``style``, and names them in a legend."""
+  from matplotlib.patches import Patch, Rectangle
+
+  hatch, color, width = style
+  for c, r in zip(np.asarray(cols).tolist(), np.asarray(rows).tolist(), strict=True):
+    ax.add_patch(
+      Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, hatch=hatch, edgecolor=color, linewidth=width)
+    )
+  if len(cols):
     ax.legend(
-      handles=[Patch(facecolor="none", edgecolor="tab:orange", hatch="xx", label="padded")],
+      handles=[Patch(facecolor="none", edgecolor=color, hatch=hatch, label=label)],
       loc="upper left",
-      bbox_to_anchor=(0.0, -0.06),
+      bbox_to_anchor=(0.0, below),
       fontsize=8,
       frameon=False,
     )
 
 
+def _device_ticks(
+  ax: Axes, x_ids: tuple[int, ...], src_ids: tuple[int, ...], limit: int, xlabel: str
+) -> None:
+  """Ticks for ``x_ids`` (at most ``limit``) and the source devices (rows), and axis labels."""
+  xpos, xlab = _ticks(x_ids, limit=limit)
+  ypos, ylab = _ticks(src_ids)
+  ax.set_xticks(xpos, xlab, fontsize=8)
+  ax.set_yticks(ypos, ylab, fontsize=8)
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel("source device")
+
+
 def plan_html(plan: PlanLike) -> str:
-  """The plan's summary as HTML, for Jupyter: its stats, then one row per layout group.
-
-  Args:
-    plan: a plan from :func:`jax_reshard.make_plan` or :func:`jax_reshard.plan_layouts`.
-
-  Returns:
-    An HTML fragment: a table of the ``PlanStats`` fields (readable value and meaning), and a
-    table of (source layout -> destination layout) groups with their moved and local bytes.
-  """
+  """The plan's summary as HTML for Jupyter: a table of its stats (value and meaning), then one
+  of its (source layout, destination layout) groups with their moved and local bytes."""
   esc = html.escape
   st = plan.stats
   groups: dict[tuple[str, str], list[int]] = {}
