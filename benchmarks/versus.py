@@ -65,6 +65,19 @@ for _ in range(9):
   t = time.perf_counter(); jax.block_until_ready(plan(x)); ts.append(time.perf_counter() - t)
 out = statistics.median(ts)
 """,
+  "make_plan transform 60 layers": """
+import time, jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import jax_reshard as jr
+devs = jax.devices()
+src = NamedSharding(Mesh(np.array(devs[:4]).reshape(2, 2), ("f", "t")), P("f", "t"))
+dst = NamedSharding(Mesh(np.array(devs[4:]), ("t",)), P(None, None, "t"))
+shapes = {"q": (256, 256), "k": (256, 128), "v": (256, 128)}
+x = [{n: jax.ShapeDtypeStruct(s, np.float32, sharding=src) for n, s in shapes.items()}] * 60
+fuse = lambda p: jnp.stack([jnp.concatenate([w["q"], w["k"], w["v"]], 1) for w in p])
+f = lambda p: fuse(p).astype(jnp.bfloat16)
+t = time.perf_counter(); jr.make_plan(x, dst, transform=f); out = time.perf_counter() - t
+""",
 }
 PRELUDE = """
 import jax
