@@ -226,14 +226,7 @@ def _differentiable_move(
         out[i] = jax.device_put(jnp.zeros(lf.shape, lf.dtype), lf.dst_sharding)
     return tuple(out)
 
-  @jax.custom_vjp
-  def fn(*xs: jax.Array) -> tuple[jax.Array, ...]:
-    return move(*xs)
-
-  def fwd(*xs: jax.Array) -> tuple[tuple[jax.Array, ...], None]:
-    return move(*xs), None
-
-  def bwd(_: None, cts: tuple[Any, ...]) -> tuple[Any, ...]:
+  def bwd(cts: tuple[Any, ...]) -> tuple[Any, ...]:
     # Integer leaves carry float0 cotangents: pass them through, move only the others.
     real = [
       ct if ct.dtype != jax.dtypes.float0 else jnp.zeros(ct.shape, leaves[i].dtype)
@@ -244,7 +237,20 @@ def _differentiable_move(
       ct if ct.dtype == jax.dtypes.float0 else b for ct, b in zip(cts, back, strict=True)
     )
 
-  fn.defvjp(fwd, bwd)
+  return _with_vjp(move, bwd)
+
+
+def _with_vjp(
+  move: Callable[..., tuple[Any, ...]], bwd: Callable[[tuple[Any, ...]], tuple[Any, ...]]
+) -> Callable[..., tuple[Any, ...]]:
+  """``move`` as a ``jax.custom_vjp`` whose backward pass maps the output cotangents to the
+  input ones with ``bwd`` (no residuals: every move here is linear)."""
+
+  @jax.custom_vjp
+  def fn(*xs: jax.Array) -> tuple[jax.Array, ...]:
+    return move(*xs)
+
+  fn.defvjp(lambda *xs: (move(*xs), None), lambda _, cts: bwd(cts))
   return fn
 
 
@@ -371,14 +377,7 @@ def _with_pullback(
   ``pullback``: the output cotangents untyped (:func:`untyped`), pulled back, and laid out as
   the sources (:func:`place_cotangent`); integer leaves' float0 cotangents stay JAX's zeros."""
 
-  @jax.custom_vjp
-  def fn(*xs: jax.Array) -> tuple[jax.Array, ...]:
-    return move(*xs)
-
-  def fwd(*xs: jax.Array) -> tuple[tuple[jax.Array, ...], None]:
-    return move(*xs), None
-
-  def bwd(_: None, cts: tuple[Any, ...]) -> tuple[Any, ...]:
+  def bwd(cts: tuple[Any, ...]) -> tuple[Any, ...]:
     real = [
       None if ct.dtype == jax.dtypes.float0 else untyped(ct, lf.dst_sharding)
       for ct, lf in zip(cts, outs, strict=True)
@@ -388,8 +387,7 @@ def _with_pullback(
       for b, lf in zip(pullback(real), leaves, strict=True)
     )
 
-  fn.defvjp(fwd, bwd)
-  return fn
+  return _with_vjp(move, bwd)
 
 
 @functools.lru_cache(maxsize=512)
