@@ -463,8 +463,9 @@ class ReshardPlan:
     """
     if self._edges is not None:
       return self._call_edged(x, donate, out)
-    paths = [lf.path for lf in self._src_leaves]
-    flags = None if donate is False else donated_leaves(donate, x, paths)
+    flags = (
+      None if donate is False else donated_leaves(donate, x, [lf.path for lf in self._src_leaves])
+    )
     arrays = check_arrays(self._src_treedef, self._src_leaves, x)
     old = None if out is None else check_donated(self._treedef, self.leaves, out, arrays)
     if old is not None:
