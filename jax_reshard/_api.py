@@ -50,12 +50,12 @@ from jax_reshard._program import (
 )
 from jax_reshard._schedule import CPU_MAX_BUCKET_BYTES, DEFAULT_MAX_BUCKET_BYTES, Schedule
 from jax_reshard._topology import Topology
-from jax_reshard._tplan import plan_transform_layouts
 from jax_reshard._transform import (
   TransformAnalysis,
   analysis_cache_clear,
   analyze,
   output_leaves,
+  plan_transform,
 )
 from jax_reshard._tree import (
   Leaf,
@@ -640,10 +640,10 @@ class TransformPlan(ReshardPlan):
   ) -> None:
     self.src_leaves = src_leaves
     self.analysis = analysis
-    layout_plan = plan_transform_layouts(
-      analysis.leaves,
-      [Layout.from_sharding(lf.src_sharding, lf.shape) for lf in src_leaves],
-      [Layout.from_sharding(lf.dst_sharding, lf.shape) for lf in out_leaves],
+    layout_plan = plan_transform(
+      analysis,
+      src_leaves,
+      out_leaves,
       max_bucket_bytes=max_bucket_bytes,
       topology=topology,
       relays=relays,

@@ -621,7 +621,7 @@ def plan_leaves(
   bucket was a program of its own (DeepSeek-V3 128 -> 128 on GB200 racks, 4 GiB buckets: 296
   distinct programs, against 50).
   """
-  one_domain = _one_domain(layouts, topology)
+  one = one_domain(layouts, topology)
   load: dict[int, int] = {}
   entry: dict[int, int] = {}
   tasks: dict[tuple[object, ...], list[tuple[np.ndarray, np.ndarray, bool]]] = {}
@@ -630,7 +630,7 @@ def plan_leaves(
   made: dict[tuple[Layout, Layout, int], LeafPlan] = {}
   plans = []
   for (s, d), isz in zip(layouts, itemsizes, strict=True):
-    if one_domain:
+    if one:
       plans.append(
         plan_leaf(s, d, isz, load, topology=topology, entry_load=entry, relays=relays, tasks=tasks)
       )
@@ -641,12 +641,13 @@ def plan_leaves(
         s, d, isz, {}, topology=topology, entry_load={}, relays=relays, tasks=tasks, fanout=True
       )
     plans.append(lp)
-  if one_domain:  # with several domains, senders follow the domains
+  if one:  # with several domains, senders follow the domains
     plans = _join_pairs(plans, layouts, load)
   return plans
 
 
-def _one_domain(layouts: Sequence[tuple[Layout, Layout]], topology: Topology | None) -> bool:
+def one_domain(layouts: Sequence[tuple[Layout, Layout]], topology: Topology | None) -> bool:
+  """Whether every device of ``layouts`` lies in one domain of ``topology`` (or there is none)."""
   if topology is None:
     return True
   ids = sorted({i for s, d in layouts for i in (*s.device_ids, *d.device_ids)})

@@ -26,7 +26,7 @@ from jax_reshard._layout import Layout
 from jax_reshard._options import Options
 from jax_reshard._pieces import OutputLeaf, Piece, lower_bound_bytes, restrict, restrict_source
 from jax_reshard._plan import LayoutPlan, plan_transformed
-from jax_reshard._planner import Geometry, LeafPlan, plan_regions
+from jax_reshard._planner import Geometry, LeafPlan, one_domain, plan_regions
 from jax_reshard._schedule import DEFAULT_MAX_BUCKET_BYTES
 from jax_reshard._topology import Topology
 
@@ -175,13 +175,6 @@ def _senders_layout(leaf: OutputLeaf, src_layouts: Sequence[Layout], dst: Layout
   )
 
 
-def _one_domain(layouts: Sequence[Layout], topology: Topology | None) -> bool:
-  if topology is None:
-    return True
-  ids = sorted({i for lay in layouts for i in lay.device_ids})
-  return len(np.unique(topology.domain_of(ids))) <= 1
-
-
 def plan_transform_layouts(
   leaves: Sequence[OutputLeaf],
   src_layouts: Sequence[Layout],
@@ -221,7 +214,7 @@ def plan_transform_layouts(
     True
   """
   leaves, src_layouts, dst_layouts = tuple(leaves), tuple(src_layouts), tuple(dst_layouts)
-  one = _one_domain((*src_layouts, *dst_layouts), topology)
+  one = one_domain([(s, s) for s in (*src_layouts, *dst_layouts)], topology)
 
   def transfers(relay: bool) -> tuple[tuple[LeafPlan, ...], tuple[tuple[Piece, ...], ...]]:
     load: dict[int, int] = {}

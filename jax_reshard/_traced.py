@@ -21,12 +21,10 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, Sharding
 
 from jax_reshard._emit import auto_mesh, emit_traced_move, plan_word_bytes
 from jax_reshard._errors import ReshardError
-from jax_reshard._layout import Layout
 from jax_reshard._plan import plan_layouts, resolve_relays
 from jax_reshard._program import BucketProgram, make_bucket_program, make_transform_program
 from jax_reshard._topology import Topology
-from jax_reshard._tplan import plan_transform_layouts
-from jax_reshard._transform import analyze, output_leaves
+from jax_reshard._transform import analyze, output_leaves, plan_transform
 from jax_reshard._tree import Leaf, broadcast_shardings, flatten_tree
 
 
@@ -328,13 +326,8 @@ def _transform_fn(
   analysis = analyze(transform, treedef, leaves)
   src_mesh = leaves[0].src_sharding.mesh  # type: ignore[attr-defined]
   dst_mesh = outs[0].dst_sharding.mesh  # type: ignore[attr-defined]
-  plan = plan_transform_layouts(
-    analysis.leaves,
-    [Layout.from_sharding(lf.src_sharding, lf.shape) for lf in leaves],
-    [Layout.from_sharding(lf.dst_sharding, lf.shape) for lf in outs],
-    max_bucket_bytes=None,
-    topology=topology,
-    relays=relays,
+  plan = plan_transform(
+    analysis, leaves, outs, max_bucket_bytes=None, topology=topology, relays=relays
   )
   ids = [d.id for d in src_mesh.devices.flat]
   out_dtypes = [lf.dtype for lf in outs]

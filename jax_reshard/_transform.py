@@ -48,6 +48,8 @@ from jax_reshard._pieces import (
   squeeze_pieces,
   transpose_pieces,
 )
+from jax_reshard._plan import LayoutPlan
+from jax_reshard._tplan import plan_transform_layouts
 from jax_reshard._tree import Leaf, flatten_tree
 
 # Concrete values larger than this are not evaluated (they could only be data, not indices).
@@ -465,6 +467,22 @@ def _analysis(transform: Callable[[Any], Any], treedef: Any, leaves: tuple[Leaf,
     treedef, [jax.ShapeDtypeStruct(lf.shape, lf.dtype) for lf in leaves]
   )
   return analyze_transform(transform, src)
+
+
+def plan_transform(
+  analysis: TransformAnalysis,
+  src_leaves: Sequence[Leaf],
+  out_leaves: Sequence[Leaf],
+  **kwargs: Any,
+) -> LayoutPlan:
+  """:func:`~jax_reshard._tplan.plan_transform_layouts` of ``analysis`` between the leaves'
+  shardings (``kwargs``: its bound, topology, relays and options)."""
+  return plan_transform_layouts(
+    analysis.leaves,
+    [Layout.from_sharding(lf.src_sharding, lf.shape) for lf in src_leaves],
+    [Layout.from_sharding(lf.dst_sharding, lf.shape) for lf in out_leaves],
+    **kwargs,
+  )
 
 
 def analysis_cache_clear() -> None:
