@@ -1,7 +1,5 @@
 """Command line: ``python -m jax_reshard demo [--devices N] [--layers L] [--repeats R]``."""
 
-from __future__ import annotations
-
 import argparse
 import sys
 
@@ -14,7 +12,6 @@ def main(argv: list[str] | None = None) -> int:
   demo.add_argument("--layers", type=int, default=4, help="transformer layers")
   demo.add_argument("--repeats", type=int, default=7, help="timed repetitions per method")
   args = parser.parse_args(argv)
-
   import jax
 
   jax.config.update("jax_platforms", "cpu")

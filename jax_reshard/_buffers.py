@@ -1,14 +1,10 @@
 """Per-device buffers in and out of ``jax.Array``s, with little host work per array.
 
-An eager bucket run takes every leaf apart into its per-device buffers and wraps buffers into
-new arrays, zero-copy. JAX's public way (``addressable_shards``,
-``jax.make_array_from_single_device_arrays``) costs tens of microseconds per array, which
-dominates a refit of many small leaves. Where this JAX has them, private members do the same
-with what a plan already knows: ``Array._arrays`` (buffers in the order of
-``Sharding._addressable_device_assignment``), ``ArrayImpl(..., _skip_checks=True)``, and the
-loaded executable behind a ``jax.stages.Compiled`` (:class:`Runner`). Every function falls back
-to the public API where they are missing (:func:`fast_path_available`) or with ``fast=False``;
-the plan checks shapes, dtypes and shardings before any buffer is touched.
+JAX's public way (``addressable_shards``, ``jax.make_array_from_single_device_arrays``) costs
+tens of microseconds per array. Where this JAX has them, private members do the same with what
+a plan knows: ``Array._arrays``, ``ArrayImpl(..., _skip_checks=True)`` and the loaded
+executable of a ``jax.stages.Compiled``; every function falls back to the public API where
+they are missing (:func:`fast_path_available`) or with ``fast=False``.
 """
 
 from __future__ import annotations
@@ -23,13 +19,15 @@ _core: Any
 _ArrayImpl: Any
 _dispatch: Any
 _ExecuteReplicated: Any
+_lax: Any
 try:  # private: the constructor jax's own transformations use for their outputs
   from jax._src import core as _core
   from jax._src import dispatch as _dispatch
   from jax._src.array import ArrayImpl as _ArrayImpl
   from jax._src.interpreters.pxla import ExecuteReplicated as _ExecuteReplicated
+  from jax._src.lax import lax as _lax
 except ImportError:  # pragma: no cover - depends on the JAX version
-  _core = _ArrayImpl = _dispatch = _ExecuteReplicated = None
+  _core = _ArrayImpl = _dispatch = _ExecuteReplicated = _lax = None
 
 
 def fast_path_available() -> bool:
@@ -42,8 +40,8 @@ def fast_path_available() -> bool:
 
 
 def addressable_order(sharding: Any, *, fast: bool) -> list[int]:
-  """Ids of this process's devices of ``sharding``, in the order :func:`buffers` returns an
-  array's buffers and :func:`wrap` takes them (fast path), else ascending ids."""
+  """Ids of this process's devices of ``sharding`` in the order of an array's buffers (fast
+  path: ``_addressable_device_assignment``), else ascending."""
   if fast:
     return [d.id for d in sharding._addressable_device_assignment]
   return sorted(d.id for d in sharding.addressable_devices)
@@ -64,43 +62,31 @@ def buffers(x: Any, *, fast: bool) -> list[Any]:
 
 
 class Wrapper:
-  """Wraps single-device arrays into arrays of one shape, dtype and sharding.
-
-  Attributes:
-    shape: global shape.
-    dtype: element type.
-    sharding: the arrays' sharding.
-    fast: whether the private constructor is used (buffers in :func:`addressable_order`).
-  """
+  """Wraps single-device arrays (in :func:`addressable_order`) into arrays of one global
+  ``shape``, ``dtype`` and ``sharding``; ``fast``: with the private constructor."""
 
   __slots__ = ("_aval", "dtype", "fast", "shape", "sharding")
 
   def __init__(self, shape: tuple[int, ...], dtype: np.dtype, sharding: Any, *, fast: bool):
     self.shape, self.dtype, self.sharding, self.fast = shape, dtype, sharding, fast
-    self._aval: Any = None
-    if fast:
-      aval = _core.ShapedArray(shape, dtype, weak_type=False)
-      self._aval = _core.update_aval_with_sharding(aval, sharding)
+    aval = _core.ShapedArray(shape, dtype, weak_type=False) if fast else None
+    self._aval = _core.update_aval_with_sharding(aval, sharding) if fast else None
 
   def __call__(self, arrays: Sequence[Any]) -> jax.Array:
-    """The array made of ``arrays`` (one per addressable device, in :func:`addressable_order`)."""
     if self.fast:
       return _ArrayImpl(self._aval, self.sharding, arrays, committed=True, _skip_checks=True)
-    # dtype=: a process may hold no shard (multi-process), then arrays is empty.
+    # dtype=: a process may hold no shard (multi-process), then arrays is empty
     return jax.make_array_from_single_device_arrays(
       self.shape, self.sharding, list(arrays), dtype=self.dtype
     )
 
 
 def loaded_executable(compiled: Any, num_args: int) -> Any:
-  """The loaded XLA executable of ``compiled`` (a ``jax.stages.Compiled`` of ``num_args``
-  arguments), when running it directly does what calling ``compiled`` does: every argument
-  kept, no effects, host callbacks or mutable arrays (no tokens to thread through, nothing to
-  write back). ``None`` otherwise, or where this JAX lacks the members used."""
-  if _ExecuteReplicated is None or _dispatch is None:
-    return None
+  """The loaded executable of ``compiled`` (of ``num_args`` arguments) where running it does
+  what calling ``compiled`` does (every argument kept; no effects, host callbacks or mutable
+  arrays); else ``None``, as where this JAX lacks the members used."""
   call = getattr(getattr(compiled, "_executable", None), "unsafe_call", None)
-  if not isinstance(call, _ExecuteReplicated):
+  if _ExecuteReplicated is None or not isinstance(call, _ExecuteReplicated):
     return None
   if call.ordered_effects or call.has_unordered_effects or call.has_host_callbacks:
     return None
@@ -114,15 +100,9 @@ def loaded_executable(compiled: Any, num_args: int) -> Any:
 
 
 class Runner:
-  """Runs a compiled program on staged arrays and hands back, per output, its single-device
-  arrays in :func:`addressable_order` of the output sharding: on the fast path straight from
-  the loaded executable, else (``fast=False``, a JAX without it, or ``jax_debug_nans`` /
-  ``jax_debug_infs`` set, which check outputs) by calling ``compiled`` and :func:`buffers`.
-
-  Attributes:
-    compiled: the ``jax.stages.Compiled``.
-    loaded: its loaded executable on the fast path, else ``None``.
-  """
+  """Runs a ``jax.stages.Compiled`` and hands back per output its single-device arrays in
+  :func:`addressable_order`: from the loaded executable on the fast path, else (also with
+  ``jax_debug_nans`` / ``jax_debug_infs``, which check outputs) by calling it."""
 
   __slots__ = ("compiled", "fast", "loaded")
 
@@ -131,35 +111,28 @@ class Runner:
     self.loaded = loaded_executable(compiled, num_args) if fast else None
 
   def __call__(self, args: Sequence[Any]) -> list[list[Any]]:
-    """Per output of the program run on ``args``, its single-device arrays."""
     if self.loaded is not None and not _dispatch.needs_check_special():
       return self.loaded.execute_sharded(args).disassemble_into_single_device_arrays()
     return [buffers(y, fast=self.fast) for y in self.compiled(*args)]
 
 
 def key_impl_name(dtype: Any) -> str:
-  """The PRNG implementation of a typed key element type (``jax.random.key_impl`` takes key
-  arrays only; a ``ShapeDtypeStruct`` of keys has just this type)."""
+  """The PRNG implementation of a key element type (``jax.random.key_impl`` takes arrays)."""
   return str(dtype._impl.name)
 
 
 def weakly_typed(y: jax.Array) -> jax.Array:
-  """``y`` weakly typed, as ``jax.device_put`` keeps a weakly typed source (concrete or
-  traced; the concrete case compiles a copy, which weakly typed values, scalars from Python
-  numbers, can afford)."""
-  from jax._src.lax import lax as lax_internal
-
-  if isinstance(y, jax.core.Tracer):
-    mesh = getattr(jax.typeof(y).sharding, "mesh", None)
-    if mesh is None or mesh.empty:
-      return lax_internal._convert_element_type(y, weak_type=True)
-    with jax.sharding.use_abstract_mesh(mesh):  # a value typed on the destination's mesh
-      return lax_internal._convert_element_type(y, weak_type=True)
-  return _weaken(y)
+  """``y`` weakly typed, as ``jax.device_put`` keeps a weakly typed source (a concrete one
+  through a compiled copy: weak values are scalars)."""
+  if not isinstance(y, jax.core.Tracer):
+    return _weaken(y)
+  mesh = getattr(jax.typeof(y).sharding, "mesh", None)
+  if mesh is None or mesh.empty:
+    return _lax._convert_element_type(y, weak_type=True)
+  with jax.sharding.use_abstract_mesh(mesh):  # a value typed on the destination's mesh
+    return _lax._convert_element_type(y, weak_type=True)
 
 
 @jax.jit
 def _weaken(y: jax.Array) -> jax.Array:
-  from jax._src.lax import lax as lax_internal
-
-  return lax_internal._convert_element_type(y, weak_type=True)
+  return _lax._convert_element_type(y, weak_type=True)

@@ -1,9 +1,8 @@
-"""Which buckets of a schedule run the same program. NumPy only.
+"""Which buckets of a schedule run the same program (share one executable). NumPy only.
 
-A bucket's program (``_program``) is a function of its devices, rounds and payload pieces, and
-of each leaf's layouts, element type and transfers, leaves numbered by their position in the
-bucket. Buckets equal in all of that (the layers of a model) share one compiled executable.
-Chunks of one width of a leaf are compared from their offsets' start (a program argument).
+A bucket's program is a function of its devices, rounds and payload pieces, and of each leaf's
+layouts, element type and transfers (leaves numbered by position in the bucket); chunks of one
+width of a leaf are compared from their offsets' start (a program argument).
 """
 
 from __future__ import annotations
@@ -31,21 +30,13 @@ def bucket_classes(
   layouts: Sequence[tuple[Layout, Layout]],
   kinds: Sequence[Any],
 ) -> tuple[int, ...]:
-  """Per bucket, the index of the first bucket that runs the same program.
-
-  Args:
-    schedule: the schedule.
-    plans: per scheduled leaf (positions as in ``Bucket.leaves``), its planned transfers.
-    layouts: per scheduled leaf, its ``(source, destination)`` layouts.
-    kinds: per scheduled leaf, what else its program depends on (its element type, or its
-      itemsize where types are not known).
-  """
+  """Per bucket, the index of the first bucket that runs the same program; ``plans``,
+  ``layouts`` and ``kinds`` (element type, or itemsize) per scheduled leaf."""
   leaf_ids: dict[tuple[Any, ...], int] = {}
   leaf_class: dict[int, int] = {}
   rounds = _Numbers()
-  # Buckets by everything but their pieces; per such group, each distinct pieces' bytes and
-  # the first bucket with them (bytes compared only where all else is equal: faster than
-  # hashing them).
+  # Per key of all but the pieces: each distinct pieces' bytes and its first bucket (bytes
+  # compared only where all else is equal: faster than hashing them).
   first: dict[tuple[Any, ...], list[tuple[bytes, int]]] = {}
   windows: dict[tuple[Any, ...], tuple[np.ndarray, tuple[Any, ...]]] = {}  # see _windowed
   out = []
@@ -71,12 +62,11 @@ def bucket_classes(
       chunks,  # which local copies, which slab of a leaf cut into slabs, or a window's rows
       _modes(schedule, b, bucket.leaves, shifts),
     )
-    data = pieces.tobytes()
-    group = first.setdefault(key, [])
-    same = [c for other, c in group if other == data]
-    if not same:
+    data, group = pieces.tobytes(), first.setdefault(key, [])
+    same = next((c for other, c in group if other == data), None)
+    if same is None:
       group.append((data, b))
-    out.append(same[0] if same else b)
+    out.append(b if same is None else same)
   return tuple(out)
 
 
@@ -86,9 +76,8 @@ _MANY_ROWS = 4096  # a leaf with more rows looks its chunks' rows up in its rows
 def _shifts(
   schedule: Schedule, leaf: int, chunks: tuple[int, ...], layouts: tuple[Layout, Layout]
 ) -> tuple[tuple[int, int], ...] | None:
-  """Where the offsets of ``leaf`` in a bucket moving ``chunks`` of it start, per dimension
-  ``(dim, start)``: a window's start (an argument, or a slab of both sides), both slabs' starts
-  for a grid (see ``LeafView.dst_shift``); ``None`` where the offsets are the leaf's own."""
+  """Where the offsets of ``leaf`` in a bucket moving ``chunks`` start, per dimension ``(dim,
+  start)``: a window's start, or both slabs' for a grid; ``None``: the leaf's own offsets."""
   shift, dst_shift = chunk_shift(schedule, leaf, chunks, layouts[0])
   if dst_shift is not None:  # a grid
     assert shift is not None
@@ -108,10 +97,8 @@ class _Numbers:
     self.by_object: dict[int, tuple[Any, int]] = {}  # id -> (the object, kept alive; number)
 
   def number(self, value: Any) -> int:
-    seen = self.by_object.get(id(value))
-    if seen is None:
-      seen = value, self.by_value.setdefault(value, len(self.by_value))
-      self.by_object[id(value)] = seen
+    if (seen := self.by_object.get(id(value))) is None:
+      seen = self.by_object[id(value)] = value, self.by_value.setdefault(value, len(self.by_value))
     return seen[1]
 
 
@@ -123,8 +110,8 @@ def _windowed(
   seen: dict[tuple[Any, ...], tuple[np.ndarray, tuple[Any, ...]]],
 ) -> tuple[np.ndarray, tuple[Any, ...]]:
   """The pieces' transfers, and per leaf what the bucket moves of it: its chunks, or for a
-  shifted leaf the rows it moves with offsets from the shift (its transfers numbered among
-  them). ``seen``: those rows by (leaf class, row chunks, chunks, shift), read and filled."""
+  shifted leaf its rows with offsets from the shift (transfers renumbered among them);
+  ``seen`` caches those rows."""
   transfer = np.asarray(bucket.piece_transfer, dtype=np.int64).copy()
   out: list[Any] = []
   for leaf, chunks, shift in zip(bucket.leaves, bucket.chunks, shifts, strict=True):
@@ -164,15 +151,11 @@ def _modes(
   leaves: Sequence[int],
   shifts: Sequence[tuple[tuple[int, int], ...] | None],
 ) -> tuple[tuple[bool, bool], ...]:
-  """Per leaf of bucket ``b``: whether this is its first bucket and it takes no destination
-  input there (a leaf of one shift does), and whether it spans several buckets (whether the
-  output is carried on changes no program)."""
+  """Per leaf of bucket ``b``: whether ``b`` is its first bucket and it has no shift or two (a
+  grid), and whether it spans several buckets (what its program reads of its buckets)."""
   if not schedule.leaf_buckets:
     return ()
   spans = [schedule.leaf_buckets[leaf] for leaf in leaves]
-  # A window takes a destination input in its leaf's first bucket too (see _program), and a
-  # destination slab (of windows of both sides too) takes none in any; a grid (two shifts)
-  # takes one from its second bucket on.
   return tuple(
     (span[0] == b and (shift is None or len(shift) == 2), len(span) > 1)
     for span, shift in zip(spans, shifts, strict=True)
@@ -186,8 +169,8 @@ def stage_classes(
   schedule: Schedule,
   kinds: Sequence[object],
 ) -> tuple[int, ...]:
-  """The :func:`bucket_classes` of a stage: its ``leaf_plans``, ``layouts`` and ``kinds`` per
-  leaf of the plan, ``scheduled`` the leaves its ``schedule`` numbers."""
+  """:func:`bucket_classes` of a stage, its arguments per leaf of the plan; ``scheduled``: the
+  leaves its ``schedule`` numbers."""
   return bucket_classes(
     schedule,
     [leaf_plans[i] for i in scheduled],

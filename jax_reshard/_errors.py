@@ -1,7 +1,4 @@
-"""Exception types raised by jax_reshard.
-
-Every error is raised before any device work starts and leaves the source untouched.
-"""
+"""Exception types of jax_reshard: raised before any device work, leaving the source untouched."""
 
 from __future__ import annotations
 
@@ -10,9 +7,9 @@ class ReshardError(ValueError):
   """A reshard request that cannot be carried out as given.
 
   Raised by every entry point (``reshard``, ``make_plan``, a plan's call, ``plan_layouts``,
-  ``Layout``) before any device work: the message names the offending leaf
-  (``jax.tree_util.keystr`` of its path), shows the source and destination layouts, and says
-  how to fix the call. A ``ValueError``, so code that catches those keeps working.
+  ``Layout``) before any device work; the message names the offending leaf
+  (``jax.tree_util.keystr`` of its path), shows both layouts and says how to fix the call. A
+  ``ValueError``, so code that catches those keeps working.
 
   Example:
     >>> import jax_reshard as jr
@@ -30,11 +27,8 @@ class ReshardTypeError(ReshardError, TypeError):
   Both a :class:`ReshardError` and a ``TypeError``; raised before any device work.
 
   Example:
-    >>> import jax, numpy as np
-    >>> import jax_reshard as jr
-    >>> from jax.sharding import NamedSharding, PartitionSpec as P
-    >>> mesh = jax.make_mesh((8,), ("x",))
-    >>> x = jax.device_put(np.zeros(8, np.float32), NamedSharding(mesh, P("x")))
+    >>> import jax, numpy as np, jax_reshard as jr
+    >>> x = jax.device_put(np.zeros(8, np.float32), jax.devices()[0])
     >>> try:
     ...   jr.make_plan({"w": x}, "tp")
     ... except jr.ReshardTypeError as e:

@@ -28,46 +28,35 @@ def reshard(
   """Moves ``x`` into the destination layout(s), sending each device only what it lacks.
 
   Args:
-    x: a ``jax.Array`` or pytree of them. NumPy arrays, Python scalars and uncommitted
-      arrays are placed as ``jax.device_put`` places them; PRNG key arrays, sub-byte, complex
-      and weak types, other memory kinds and device-local layouts move bit for bit.
-    dst: one Sharding for every leaf, or a pytree prefix of ``x`` with Sharding leaves (or
-      arrays / ShapeDtypeStructs carrying ``.sharding``, or ``Format(layout, sharding)`` for a
-      device-local layout; a sharding's ``memory_kind`` is honoured).
-    src: only for traced ``x`` (inside ``jax.jit``): the source Sharding(s), one or a pytree
-      prefix of ``x``. Needed when JAX does not know the layout of the traced value (meshes
-      whose axes are not ``Explicit``). Under eager ``jax.grad`` / ``jax.vjp`` the values are
-      concrete: the move runs eagerly between any meshes (cotangents move back into the
-      source layouts), and ``src=``, if given, must be where the values are.
+    x: a ``jax.Array`` or pytree of them. NumPy arrays, Python scalars and uncommitted arrays
+      are placed as ``jax.device_put`` places them; PRNG keys, sub-byte, complex and weak
+      types, other memory kinds and device-local layouts move bit for bit.
+    dst: one Sharding for every leaf, or a pytree prefix of ``x`` of Shardings (or of leaves
+      carrying ``.sharding``, or ``Format(layout, sharding)`` for a device-local layout; a
+      sharding's ``memory_kind`` is honoured).
+    src: traced ``x`` only (inside ``jax.jit``): the source Sharding(s), one or a pytree prefix
+      of ``x``, needed where JAX does not know the layout (axes not ``Explicit``). Under eager
+      ``jax.grad`` / ``jax.vjp`` the move runs eagerly between any meshes (cotangents move back
+      into the source layouts), and ``src=``, if given, must be where the values are.
     donate: as in ``jax.device_put``, the SOURCE: ``True`` (or a pytree prefix of ``x`` of
-      bools) deletes the donated source arrays after the call (``is_deleted()`` is then true
-      on every backend). Only for concrete ``x``; inside ``jax.jit`` use
-      ``jax.jit(..., donate_argnums=...)``.
-    out: only for concrete ``x``: the sampler's current tree in the destination layouts. Its
-      buffers are donated and reused for the result, and its arrays are deleted after the
-      call; peak extra device memory is then the staging alone. A tree that does not match
-      raises before any device work. Inside ``jax.jit``, donate it with ``donate_argnums``.
-    max_bucket_bytes: bound on transient staging bytes per device per compiled program
-      (eager calls; ``None``: as ``make_plan``; a sequence: the bound the cost model predicts
-      fastest on ``topology``, as ``make_plan``; inside ``jax.jit`` XLA schedules the memory
-      of the whole computation).
+      bools) deletes the donated arrays after the call (``is_deleted()`` true on every
+      backend). Concrete ``x`` only; inside ``jax.jit`` use ``donate_argnums``.
+    out: concrete ``x`` only: the current tree in the destination layouts, whose buffers the
+      result reuses and whose arrays are deleted (peak extra memory: the staging alone); one
+      that does not match raises before any device work. Inside ``jax.jit``: donate it.
+    max_bucket_bytes: as in ``make_plan`` (eager calls; inside ``jax.jit`` XLA schedules the
+      memory of the whole computation).
     transform: convert while resharding (casts, slices, concatenate, stack, reshape,
-      transpose, renames; see ``make_plan``); ``dst`` then matches the transform's output.
-      Inside ``jax.jit`` it needs ``src=``, one source mesh and one destination mesh.
-      Differentiable eagerly and inside ``jax.jit``: the gradient is the transform's own,
-      laid out as the source.
-    topology: device domains (``jr.Topology``): with several, a region that several devices
-      of a domain need and none there holds crosses into the domain once and is forwarded
-      inside it (relays), eagerly and inside ``jax.jit`` alike, with ``transform=`` too (see
-      ``jr.plan_layouts``).
-    relays: with ``topology``: ``True`` (what ``None``, the default, means) relays,
-      ``False`` sends every region directly from a source replica, ``"auto"`` keeps whichever
-      the cost model predicts faster on ``topology``; eagerly and inside ``jax.jit`` alike.
-      ``True`` or ``"auto"`` without a topology raise ``ReshardError``.
+      transpose, renames; see ``make_plan``); ``dst`` then matches its output. Inside
+      ``jax.jit`` it needs ``src=``, one source mesh and one destination mesh. Differentiable
+      eagerly and inside ``jax.jit``: the gradient is the transform's, laid out as the source.
+    topology: device domains (``jr.Topology``): with several, a region several devices of a
+      domain need and none there holds crosses into it once and is forwarded inside (relays),
+      eagerly and inside ``jax.jit``, with ``transform=`` too.
+    relays: as in ``make_plan``, eagerly and inside ``jax.jit``.
 
   Returns:
-    A pytree like ``x`` whose leaves are laid out as ``dst``. ``x`` is left untouched unless
-    donated.
+    A pytree like ``x`` laid out as ``dst``; ``x`` is left untouched unless donated.
 
   Raises:
     ReshardError: invalid trees, shapes, dtypes, devices, shardings or options (as
@@ -76,8 +65,7 @@ def reshard(
       is moved and nothing deleted.
 
   Example:
-    >>> import jax, numpy as np
-    >>> import jax_reshard as jr
+    >>> import jax, jax.numpy as jnp, numpy as np, jax_reshard as jr
     >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     >>> devs = np.array(jax.devices()[:8])
     >>> x = jax.device_put(np.arange(16.0), NamedSharding(Mesh(devs[:4], ("a",)), P("a")))
@@ -85,12 +73,7 @@ def reshard(
     >>> y = jr.reshard(x, sampler)
     >>> y.sharding == sampler, [s.data.shape for s in y.addressable_shards]
     (True, [(8,), (8,), (8,), (8,)])
-
-    Differentiable, with ``transform=`` too: the gradient is the transform's, in ``x``'s
-    layout.
-
-    >>> import jax.numpy as jnp
-    >>> to_bf16 = lambda w: w.astype(jnp.bfloat16)
+    >>> to_bf16 = lambda w: w.astype(jnp.bfloat16)  # the gradient is the transform's
     >>> loss = lambda w: jnp.sum(jr.reshard(w, sampler, transform=to_bf16).astype(float) * 3)
     >>> g = jax.grad(loss)(x)
     >>> g.sharding == x.sharding, g.dtype, float(g[0])
@@ -103,7 +86,18 @@ def reshard(
         "donate the arrays to the jitted function instead:\n"
         "  >>> step = jax.jit(refit, donate_argnums=(0, 1))"
       )
-    return _reshard_traced(x, dst, src, transform, max_bucket_bytes, topology, relays)
+    if (values := _vjp.concrete_leaves(x)) is not None:  # eager jax.vjp / jax.grad
+      if transform is not None:
+        return _vjp.reshard_transform_vjp(
+          x, dst, src, values, transform, max_bucket_bytes, topology, relays
+        )
+      return _vjp.reshard_vjp(x, dst, src, values, max_bucket_bytes, topology, relays)
+    if transform is not None:
+      return _traced.reshard_traced_transform(x, dst, src, transform, topology, relays)
+    if needs_edges(x, dst):
+      move = lambda c_x, c_dst, c_src: _traced.reshard_traced(c_x, c_dst, c_src, topology, relays)
+      return reshard_traced_edged(x, dst, src, move)
+    return _traced.reshard_traced(x, dst, src, topology, relays)
   if src is not None:
     raise ReshardError("src= is only for traced values; concrete arrays carry their sharding")
   plan = make_plan(
@@ -111,28 +105,3 @@ def reshard(
     transform=transform,
   )  # fmt: skip
   return plan(x, donate=donate, out=out)
-
-
-def _reshard_traced(
-  x: Any,
-  dst: Any,
-  src: Any,
-  transform: Callable[[Any], Any] | None,
-  max_bucket_bytes: int | Sequence[int] | None,
-  topology: Topology | None,
-  relays: bool | Literal["auto"] | None,
-) -> Any:
-  """``reshard`` of a tree with tracers (inside ``jax.jit``, ``scan``, ``grad``...)."""
-  if (values := _vjp.concrete_leaves(x)) is not None:
-    # eager jax.vjp / jax.grad: the eager move, differentiable
-    if transform is not None:
-      return _vjp.reshard_transform_vjp(
-        x, dst, src, values, transform, max_bucket_bytes, topology, relays
-      )
-    return _vjp.reshard_vjp(x, dst, src, values, max_bucket_bytes, topology, relays)
-  if transform is not None:
-    return _traced.reshard_traced_transform(x, dst, src, transform, topology, relays)
-  if needs_edges(x, dst):
-    move = lambda c_x, c_dst, c_src: _traced.reshard_traced(c_x, c_dst, c_src, topology, relays)
-    return reshard_traced_edged(x, dst, src, move)
-  return _traced.reshard_traced(x, dst, src, topology, relays)
