@@ -78,8 +78,8 @@ class ReshardPlan:
     src_treedef: Any = None,
     src_leaves: tuple[Leaf, ...] | None = None,
   ) -> None:
-    """The plan of ``leaves`` (the result's, in ``treedef``) as ``layout_plan`` plans them;
-    ``src_treedef`` and ``src_leaves``: the source's, where a transform makes them differ."""
+    """The plan of ``leaves`` (in ``treedef``) as ``layout_plan`` plans them; the source's
+    treedef and leaves where a transform makes them differ."""
     self._treedef, self.leaves, self.layout_plan = treedef, leaves, layout_plan
     self.schedule: Schedule = layout_plan.schedule
     self.leaf_plans: tuple[LeafPlan, ...] = layout_plan.leaf_plans
@@ -232,10 +232,10 @@ class ReshardPlan:
   def memory_analysis(self, *, out: bool = False) -> list[Any]:
     """XLA's ``memory_analysis()`` of every compiled program, in the order they run.
 
-    ``CompiledMemoryStats``, one per bucket (two where its assembly runs apart), compiled if
-    needed; per device ``argument_size_in_bytes`` (staged blocks or received payloads),
+    XLA's ``CompiledMemoryStats``, one per bucket (two where its assembly runs apart), compiled
+    if needed; per device ``argument_size_in_bytes`` (staged blocks or received payloads),
     ``output_size_in_bytes``, ``alias_size_in_bytes`` (written into donated inputs) and
-    ``temp_size_in_bytes`` (payloads and other scratch).
+    ``temp_size_in_bytes`` (payloads, scratch).
 
     Args:
       out: those of calls with ``out=``.
