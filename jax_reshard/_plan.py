@@ -1,18 +1,14 @@
-"""Plans from layouts: the planner and the schedule of a whole tree, and their byte counts.
-
-:func:`plan_layouts` plans plain :class:`Layout` values (from shardings, or descriptions of
-clusters that are not present) into a :class:`LayoutPlan`; ``make_plan`` and the traced path
-call it. NumPy only.
-"""
+"""Plans of whole trees from layouts (:func:`plan_layouts`): stages, schedule, byte counts."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
 import math
-from collections.abc import Callable, Collection, Sequence
-from typing import Literal
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import numpy as np
 
@@ -45,13 +41,11 @@ from jax_reshard._schedule import (
 )
 from jax_reshard._topology import Topology
 
-# Per leaf and transfer of a transformed tree, the piece it carries (``None``: a plain tree).
-_Pieces = tuple[tuple[Piece, ...], ...] | None
-# The leaf plans of a transformed tree with relays or not, and their pieces.
-_Transfers = Callable[[bool], tuple[tuple[LeafPlan, ...], _Pieces]]
+_Pieces = tuple[tuple[Piece, ...], ...] | None  # per leaf and transfer, its piece (transformed)
+_Transfers = Callable[[bool], tuple[tuple[LeafPlan, ...], _Pieces]]  # with relays or not
 _Relays = bool | Literal["auto"] | None
 _Bound = int | Sequence[int] | None
-_Pairs = tuple[tuple[Layout, Layout], ...]
+_Layouts = Sequence[tuple[Layout, Layout]]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -60,38 +54,27 @@ class PlanStats:
 
   Attributes:
     bytes_moved: bytes devices receive from other devices (without padding).
-    lower_bound_bytes: over destination devices, their shard bytes minus what they already
-      hold; ``bytes_moved`` equals it for every plan.
-    padding_bytes: extra bytes sent only to make a round's payloads one size.
+    lower_bound_bytes: destination shard bytes devices lack; equal to ``bytes_moved``.
+    padding_bytes: extra bytes sent to make a round's payloads one size.
     local_copy_bytes: bytes copied device-locally.
-    gather_broadcast_bytes: what devices would receive in an all-gather over the source devices
-      followed by the full tensor sent to every destination device that is not a source one.
+    gather_broadcast_bytes: bytes received in an all-gather plus a broadcast to the rest.
     num_rounds: ``ppermute`` rounds over all buckets.
     num_buckets: compiled programs the plan runs, one after another.
     max_send_bytes: most bytes one device sends (padding included).
     max_recv_bytes: most bytes one device receives (padding included).
-    peak_staging_bytes: most transient bytes one device holds in a bucket: payloads plus
-      placeholder blocks for leaves it has no shard of (in a bucket that assembles apart, every
-      round's received payload and no discarded destination blocks).
+    peak_staging_bytes: most transient bytes one device holds in a bucket.
     slow_link_bytes: bytes received over links between domains of the topology (0 without).
-    slow_link_lower_bound_bytes: per region and destination domain that needs it and holds no
-      source replica, its bytes once; relay plans meet it.
+    slow_link_lower_bound_bytes: what must cross into domains; relay plans meet it.
     relay_bytes: bytes forwarded inside domains by relays (part of ``bytes_moved``).
-    num_programs: distinct bucket programs, each compiled once (buckets that differ only in
-      which leaves they carry share one; :func:`plan_layouts` knows itemsizes only, a plan of
-      arrays also tells types apart; a bucket that assembles apart compiles two).
-    passes_per_moved_byte: bytes all devices read and write in the bucket programs (packing,
-      transfer, assembly, zero fills; see :func:`pass_bytes`), over twice ``bytes_moved``.
+    num_programs: distinct bucket programs, each compiled once.
+    passes_per_moved_byte: bytes the programs read and write, over twice ``bytes_moved``.
 
   Example:
-    >>> import jax_reshard as jr
-    >>> lay = lambda spec: jr.Layout.from_description(
+    >>> lay = lambda spec: Layout.from_description(
     ...   (1024, 1024), mesh_shape=(8,), axis_names=("x",), spec=spec)
-    >>> st = jr.plan_layouts([(lay(("x",)), lay((None, "x")))], [4]).stats
-    >>> st.bytes_moved == st.lower_bound_bytes, st.local_copy_bytes // 1024  # KiB kept in place
-    (True, 512)
-    >>> st.gather_broadcast_bytes // st.bytes_moved, st.num_rounds
-    (8, 7)
+    >>> st = plan_layouts([(lay(("x",)), lay((None, "x")))], [4]).stats
+    >>> st.bytes_moved == st.lower_bound_bytes, st.local_copy_bytes // 1024, st.num_rounds
+    (True, 512, 7)
   """
 
   bytes_moved: int
@@ -118,41 +101,27 @@ class LayoutPlan:
   Attributes:
     layouts: per leaf, its ``(source, destination)`` layouts.
     itemsizes: per leaf, bytes per element.
-    leaf_plans: per leaf, its transfers (a leaf split over buckets has its remote transfers cut
-      into one sub-box per chunk, ``schedule.row_chunks``).
-    scheduled: the leaves with elements, in the order ``schedule.buckets[b].leaves`` numbers
-      them; leaves without elements are in no bucket.
+    leaf_plans: per leaf, its transfers (cut into chunks where split over buckets).
+    scheduled: the leaves with elements, in the order ``schedule.buckets[b].leaves`` numbers.
     schedule: the buckets and rounds.
     stats: byte and round counts of the whole tree (relay stage included).
     max_bucket_bytes: the staging bound of the schedule (``None``: one bucket).
     topology: the topology the plan was made for, or ``None``.
-    relay: with relays, the second stage: a plan of every relayed leaf from its destination
-      layout to itself whose remote transfers are the forwards and whose local ones keep what
-      each device already holds; ``None`` without relays.
-    bucket_classes: per bucket, the first bucket of the stage that runs the same program
-      (itemsizes as element kinds), or ``None`` where not known.
-    options: the :class:`Options` the plan (and its relay stage) was made with.
-    pieces: for a transformed tree, per output leaf and transfer of this stage, the piece it
-      carries; ``None``: every transfer carries its box as it is.
+    relay: with relays, the second stage (the forwards), else ``None``.
+    bucket_classes: per bucket, the first bucket with the same program, if known.
+    options: the :class:`Options` the plan was made with.
+    pieces: for a transformed tree, per output leaf and transfer, the piece it carries.
     inputs: for a transformed tree, per source leaf, its layout.
 
   Example:
-    >>> import jax_reshard as jr
-    >>> lay = lambda spec: jr.Layout.from_description(
+    >>> lay = lambda spec: Layout.from_description(
     ...   (1024, 1024), mesh_shape=(8,), axis_names=("x",), spec=spec)
-    >>> plan = jr.plan_layouts([(lay(("x",)), lay((None, "x")))], [4])
-    >>> print(plan)
-    LayoutPlan: 1 leaves, 1 layout groups
-         1 leaves  mesh (x=8) spec P('x', None)
-                 -> mesh (x=8) spec P(None, 'x')
-                 moved 3.50 MiB, local 512.00 KiB
-      bytes moved        3.50 MiB (lower bound 3.50 MiB, padding 0 B)
-    ...
+    >>> plan = plan_layouts([(lay(("x",)), lay((None, "x")))], [4])
     >>> len(plan.schedule.buckets), plan.relay is None
     (1, True)
   """
 
-  layouts: _Pairs
+  layouts: tuple[tuple[Layout, Layout], ...]
   itemsizes: tuple[int, ...]
   leaf_plans: tuple[LeafPlan, ...]
   scheduled: tuple[int, ...]
@@ -171,7 +140,7 @@ class LayoutPlan:
     return (self,) if self.relay is None else (self, self.relay)
 
   def estimate(
-    self, topology: Topology | None = None, as_is: Collection[int] | None = None, *, out=False
+    self, topology: Topology | None = None, as_is=None, *, out: bool = False
   ) -> Estimate:
     """The predicted time on ``topology`` (default: the plan's), with ``out=`` where ``out``."""
     known = [st.bucket_classes for st in self.stages() if st.bucket_classes is not None]
@@ -197,102 +166,55 @@ def plan_layouts(
   max_bucket_bytes: int | Sequence[int] | None = DEFAULT_MAX_BUCKET_BYTES,
   topology: Topology | None = None,
   relays: bool | Literal["auto"] | None = None,
-  interleave: bool = True,
   leaf_names: Sequence[str] | None = None,
   options: Options | None = None,
 ) -> LayoutPlan:
   """Plans moving a tree of leaves from their source to their destination layouts.
 
-  No device is needed: the layouts may come from shardings (:meth:`Layout.from_sharding`) or
-  from descriptions of meshes that are not present (:meth:`Layout.from_description`). It runs
-  the planner and schedule of :func:`make_plan`.
+  No device is needed (:meth:`Layout.from_description`); it plans as :func:`make_plan` does.
 
   Args:
     layouts: per leaf, its ``(source, destination)`` layouts (same global shape).
     itemsizes: per leaf, bytes per element.
-    max_bucket_bytes: bound on transient staging bytes per device per bucket (compiled
-      program), padding included; a leaf that does not fit alone is split into chunks over
-      consecutive buckets. ``None``: one bucket. A sequence of candidates: the plan the cost
-      model predicts fastest on ``topology``.
-    topology: which devices share a fast domain (:class:`Topology`). With several domains,
-      senders in the receiver's domain are preferred, the stats count slow-link bytes, and
-      (with ``relays``) a region several devices of a domain need but none holds crosses into
-      it once and is forwarded in a second stage (:attr:`LayoutPlan.relay`). ``None`` or one
-      domain: the plan without topology.
-    relays: ``True`` (``None``, the default, with a topology) relays; ``False`` sends every
-      need from a source replica; ``"auto"`` keeps whichever the cost model predicts faster
-      (relays on a tie).
-    interleave: with several domains, order leaves round-robin over their source device sets
-      before bucketing.
+    max_bucket_bytes: bound on staging bytes per device per bucket; ``None``: one bucket; a
+      sequence: the candidate the cost model predicts fastest on ``topology``.
+    topology: the devices' domains (:class:`Topology`); with several, a region crosses into a
+      domain once and is forwarded there (with ``relays``).
+    relays: ``True`` (``None`` with a topology) relays; ``False`` does not; ``"auto"`` keeps
+      whichever the cost model predicts faster.
     leaf_names: per leaf, a name for error messages (default ``#i``).
     options: the plan's :class:`Options`; ``None``: the defaults.
 
-  Returns:
-    A :class:`LayoutPlan`: per-leaf transfers, the schedule and :class:`PlanStats`.
-
   Raises:
-    ReshardError: if ``relays`` or ``options`` is invalid; if layouts differ in shape; if
-      ``max_bucket_bytes`` is below what a leaf needs even in its smallest chunks (the message
-      names the leaf and the least bound that works; for candidates, if every one is); if
-      candidates are given without a topology, or are not positive integers.
+    ReshardError: invalid arguments, layouts of different shapes, or a bound below a leaf's need.
 
   Example:
-    >>> import jax_reshard as jr
-    >>> trainer = jr.Layout.from_description(
-    ...   (1024, 1024), mesh_shape=(4, 2), axis_names=("fsdp", "tp"), spec=("fsdp", "tp"))
-    >>> sampler = jr.Layout.from_description(  # 8 and 9 hold the same half, so do 10 and 11
-    ...   (1024, 1024), mesh_shape=(2, 2), axis_names=("tp", "dp"), spec=(None, "tp"),
-    ...   device_ids=range(8, 12))
-    >>> topo = jr.Topology.h100_nodes(devices_per_node=2)  # hosts {8, 9} and {10, 11}
-    >>> direct = jr.plan_layouts([(trainer, sampler)], [2], topology=topo, relays=False)
-    >>> relayed = jr.plan_layouts([(trainer, sampler)], [2], topology=topo)
-    >>> [p.stats.slow_link_bytes // 2**20 for p in (direct, relayed)]  # MiB
-    [4, 2]
-    >>> st = relayed.stats
-    >>> st.slow_link_bytes == st.slow_link_lower_bound_bytes, st.bytes_moved == st.lower_bound_bytes
-    (True, True)
+    >>> lay = lambda spec, ids: Layout.from_description(
+    ...   (1024, 1024), mesh_shape=(4,), axis_names=("x",), spec=spec, device_ids=ids)
+    >>> plan = plan_layouts([(lay(("x",), range(4)), lay((None, "x"), range(4, 8)))], [2])
+    >>> plan.stats.bytes_moved == plan.stats.lower_bound_bytes == 2 * 1024 * 1024
+    True
   """
-  return _plan_layouts(
-    layouts, itemsizes, max_bucket_bytes, topology, relays, interleave, leaf_names, options
-  )
+  return _plan_layouts(layouts, itemsizes, max_bucket_bytes, topology, relays, leaf_names, options)
 
 
-def plan_transformed(
-  layouts: Sequence[tuple[Layout, Layout]],
-  itemsizes: Sequence[int],
-  inputs: Sequence[Layout],
-  transfers: _Transfers,
-  *,
-  max_bucket_bytes: _Bound,
-  topology: Topology | None,
-  relays: _Relays,
-  leaf_names: Sequence[str],
-  options: Options | None,
-) -> LayoutPlan:
-  """:func:`plan_layouts` of a transformed tree: per output leaf its layouts (source: the
-  devices it reads, holding nothing) and item size; ``inputs``: the source leaves' layouts;
-  ``transfers``: its leaf plans and pieces, with relays or not."""
-  plan = _plan_layouts(
-    layouts, itemsizes, max_bucket_bytes, topology, relays, True, leaf_names, options, transfers
-  )
+def plan_transformed(layouts, itemsizes, inputs, transfers: _Transfers, **kw: Any) -> LayoutPlan:
+  """:func:`plan_layouts` of a transformed tree (``inputs``: source layouts)."""
+  plan = _plan_layouts(layouts, itemsizes, transfers=transfers, **kw)
   return dataclasses.replace(plan, inputs=tuple(inputs))
 
 
 def _plan_layouts(
-  layouts: Sequence[tuple[Layout, Layout]],
+  layouts: _Layouts,
   itemsizes: Sequence[int],
-  max_bucket_bytes: _Bound,
-  topology: Topology | None,
-  relays: _Relays,
-  interleave: bool,
-  leaf_names: Sequence[str] | None,
-  options: Options | None,
+  max_bucket_bytes: _Bound = DEFAULT_MAX_BUCKET_BYTES,
+  topology: Topology | None = None,
+  relays: _Relays = None,
+  leaf_names: Sequence[str] | None = None,
+  options: Options | None = None,
   transfers: _Transfers | None = None,
 ) -> LayoutPlan:
-  """:func:`plan_layouts` with ``transfers``: a transformed tree's leaf plans (default:
-  :func:`plan_leaves`). Leaf plans and the direct plans' lower bound are made once per call,
-  whatever the bound; the plan without relays is not scheduled for ``"auto"`` where that
-  bound is no less than the relay plan's predicted time."""
+  """:func:`plan_layouts`; ``transfers``: a transformed tree's leaf plans and pieces."""
   lays = tuple((s, d) for s, d in layouts)
   sizes = tuple(int(i) for i in itemsizes)
   names = tuple(leaf_names) if leaf_names is not None else tuple(f"#{i}" for i in range(len(lays)))
@@ -312,7 +234,7 @@ def _plan_layouts(
     return time_lower_bound(leaf_plans(False)[0], topology)
 
   def plan_for(bound: int | None, timed: bool = True) -> tuple[LayoutPlan, float | None]:
-    args = (lays, sizes, bound, topology, opts, interleave, names)
+    args = (lays, sizes, bound, topology, opts, names)
     relayed = _plan_tree(*args, *leaf_plans(resolved is not False))
     if resolved != "auto" or relayed.relay is None:
       return relayed, relayed.estimate().seconds if timed else None
@@ -326,25 +248,22 @@ def _plan_layouts(
   if candidates is None:
     assert not isinstance(max_bucket_bytes, Sequence)
     plan = plan_for(max_bucket_bytes, timed=False)[0]
-  else:
-    plan = choose_bucket_bytes(plan_for, candidates)
+  else:  # the fastest predicted, the smaller bound on a tie; bounds too small passed over
+    made = []
+    for bound in candidates:
+      with contextlib.suppress(BucketBoundError):
+        made.append(plan_for(bound))
+    plan = min(made, key=lambda m: m[1] or 0.0)[0] if made else plan_for(candidates[-1])[0]
   classes = [st.bucket_classes for st in plan.stages()]  # passes of the plan kept only
   passes = passes_per_moved_byte(plan.stages(), plan.stats.bytes_moved, None, classes)
-  return dataclasses.replace(
-    plan, stats=dataclasses.replace(plan.stats, passes_per_moved_byte=passes)
-  )
+  stats = dataclasses.replace(plan.stats, passes_per_moved_byte=passes)
+  return dataclasses.replace(plan, stats=stats)
 
 
 def bucket_candidates(
   max_bucket_bytes: _Bound, topology: Topology | None
 ) -> tuple[int, ...] | None:
-  """The candidate bounds of a sequence ``max_bucket_bytes``, ascending and distinct; ``None``
-  for one bound (an int or ``None``).
-
-  Raises:
-    ReshardError: an empty sequence, an entry that is not a positive integer, or candidates
-      without a topology.
-  """
+  """The sorted distinct candidates of a sequence ``max_bucket_bytes``, else ``None``."""
   if max_bucket_bytes is None or isinstance(max_bucket_bytes, (int, np.integer)):
     return None
   if isinstance(max_bucket_bytes, (str, bytes)) or not isinstance(max_bucket_bytes, Sequence):
@@ -368,52 +287,17 @@ def bucket_candidates(
   return tuple(sorted({int(b) for b in max_bucket_bytes}))
 
 
-def choose_bucket_bytes(
-  plan_for: Callable[[int], tuple[LayoutPlan, float | None]], candidates: Sequence[int]
-) -> LayoutPlan:
-  """Of the plans ``plan_for`` makes (with predicted seconds) for the ascending
-  ``candidates``, the fastest, the smaller bound on a tie. Bounds below what a leaf needs are
-  passed over; if every one is, the largest's :class:`BucketBoundError` is raised."""
-  best: tuple[float, LayoutPlan] | None = None
-  error: BucketBoundError | None = None
-  for bound in candidates:
-    try:
-      plan, seconds = plan_for(bound)
-    except BucketBoundError as e:
-      error = e
-      continue
-    assert seconds is not None
-    if best is None or seconds < best[0]:
-      best = (seconds, plan)
-  if best is None:
-    assert error is not None
-    raise error
-  return best[1]
-
-
 def resolve_options(options: Options | None) -> Options:
-  """The ``options=`` of the planning calls, checked: ``None`` means the defaults.
-
-  Raises:
-    ReshardError: ``options`` is neither ``None`` nor an :class:`Options`.
-  """
-  if options is None:
-    return DEFAULT_OPTIONS
-  if not isinstance(options, Options):
+  """The ``options=`` of the planning calls (``None``: the defaults); else ReshardError."""
+  if options is not None and not isinstance(options, Options):
     raise ReshardError(
       f"options must be a jax_reshard._options.Options (or None: the defaults), got {options!r}"
     )
-  return options
+  return DEFAULT_OPTIONS if options is None else options
 
 
 def resolve_relays(relays: _Relays, topology: Topology | None) -> bool | Literal["auto"]:
-  """The ``relays=`` of the planning calls, checked: ``None`` means ``True`` with a topology;
-  without one, ``False``.
-
-  Raises:
-    ReshardError: ``relays`` is not ``None``, a bool or ``"auto"``, or is ``True`` or
-      ``"auto"`` without a topology.
-  """
+  """The ``relays=`` argument, checked; ``None`` means ``True`` with a topology."""
   if isinstance(relays, (bool, np.bool_)):
     relays = bool(relays)
   elif relays is not None and not (isinstance(relays, str) and relays == "auto"):
@@ -432,19 +316,9 @@ def resolve_relays(relays: _Relays, topology: Topology | None) -> bool | Literal
 
 
 def _plan_tree(
-  layouts: _Pairs,
-  itemsizes: tuple[int, ...],
-  max_bucket_bytes: int | None,
-  topology: Topology | None,
-  options: Options,
-  interleave: bool,
-  names: tuple[str, ...],
-  full: tuple[LeafPlan, ...],
-  pieces: _Pieces = None,
+  layouts, itemsizes, max_bucket_bytes, topology, options, names, full, pieces=None
 ) -> LayoutPlan:
-  """The plan of the leaf plans ``full`` (with relays or not) and, for a transformed tree,
-  their ``pieces``: its first stage and relay stage (passes left at 0)."""
-  interleave = interleave and not one_domain(layouts, topology)
+  """The plan (both stages, passes left at 0) of leaf plans ``full`` (and ``pieces``)."""
   split_of: dict[int, tuple[LeafPlan, LeafPlan | None]] = {}  # equal leaves share a plan
   for lp, (_, d), isz in zip(full, layouts, itemsizes, strict=True):
     if id(lp) not in split_of:
@@ -452,16 +326,13 @@ def _plan_tree(
   split = [split_of[id(lp)] for lp in full]
   scheduled = tuple(i for i, (s, _) in enumerate(layouts) if math.prod(s.shape) > 0)
   relayed = tuple(i for i, (_, second) in enumerate(split) if second is not None)
-  if interleave:
+  if not one_domain(layouts, topology):
     scheduled = interleave_by_source(scheduled, layouts)
     relayed = interleave_by_source(relayed, layouts)
-  first_pieces = None
-  if pieces is not None:  # the pieces of the first stage's transfers
-    first_pieces = tuple(
-      ps if second is None else tuple(ps[i] for i in np.flatnonzero(lp.hop == 0))
-      for lp, ps, (_, second) in zip(full, pieces, split, strict=True)
-    )
-  # Each stage needs its own least bound: where both fail, the error names the larger.
+  first_pieces = pieces and tuple(  # None, or the pieces of the first stage's transfers
+    ps if second is None else tuple(ps[i] for i in np.flatnonzero(lp.hop == 0))
+    for lp, ps, (_, second) in zip(full, pieces, split, strict=True)
+  )
   errors: list[BucketBoundError] = []
   rest = (max_bucket_bytes, topology, options, names)
   try:
@@ -474,8 +345,7 @@ def _plan_tree(
   try:
     if relayed:
       seconds = tuple(
-        second if second is not None else _empty_leaf_plan(d.ndim)
-        for (_, second), (_, d) in zip(split, layouts, strict=True)
+        s or _empty_leaf_plan(d.ndim) for (_, s), (_, d) in zip(split, layouts, strict=True)
       )
       relay = _stage_plan(tuple((d, d) for _, d in layouts), itemsizes, seconds, relayed, *rest)
   except BucketBoundError as e:
@@ -486,23 +356,9 @@ def _plan_tree(
 
 
 def _stage_plan(
-  layouts: _Pairs,
-  itemsizes: tuple[int, ...],
-  leaf_plans: tuple[LeafPlan, ...],
-  scheduled: tuple[int, ...],
-  max_bucket_bytes: int | None,
-  topology: Topology | None,
-  options: Options,
-  names: Sequence[str],
-  pieces: _Pieces = None,
+  layouts, itemsizes, leaf_plans, scheduled, max_bucket_bytes, topology, options, names, pieces=None
 ) -> LayoutPlan:
-  """One stage: its leaf plans scheduled (those split over buckets cut into chunks), with the
-  stats of this stage alone and its bucket classes. With ``pieces`` (a transformed stage) no
-  leaf may be cut and every bucket is a program of its own.
-
-  Raises:
-    ReshardError: a transformed leaf does not fit ``max_bucket_bytes`` alone.
-  """
+  """One stage scheduled with its stats and bucket classes (``pieces``: transformed)."""
   schedule = make_schedule(
     [leaf_plans[i] for i in scheduled],
     [layouts[i] for i in scheduled],
@@ -529,17 +385,12 @@ def _stage_plan(
     )
   else:
     classes = tuple(range(len(schedule.buckets)))
+  sums = ("bytes_moved", "lower_bound_bytes", "local_copy_bytes", "gather_broadcast_bytes")
+  rounds = ("padding_bytes", "num_rounds", "max_send_bytes", "max_recv_bytes", "peak_staging_bytes")
   stats = PlanStats(
-    bytes_moved=sum(p.bytes_moved for p in chunked),
-    lower_bound_bytes=sum(p.lower_bound_bytes for p in chunked),
-    padding_bytes=schedule.padding_bytes,
-    local_copy_bytes=sum(p.local_copy_bytes for p in chunked),
-    gather_broadcast_bytes=sum(p.gather_broadcast_bytes for p in chunked),
-    num_rounds=schedule.num_rounds,
+    **{f: sum(getattr(p, f) for p in chunked) for f in sums},
+    **{f: getattr(schedule, f) for f in rounds},
     num_buckets=len(schedule.buckets),
-    max_send_bytes=schedule.max_send_bytes,
-    max_recv_bytes=schedule.max_recv_bytes,
-    peak_staging_bytes=schedule.peak_staging_bytes,
     num_programs=len(set(classes)),
   )
   return LayoutPlan(
@@ -548,9 +399,7 @@ def _stage_plan(
   )  # fmt: skip
 
 
-def _stats(
-  first: LayoutPlan, relay: LayoutPlan | None, full: Sequence[LeafPlan], topology: Topology | None
-) -> PlanStats:
+def _stats(first: LayoutPlan, relay: LayoutPlan | None, full, topology) -> PlanStats:
   """The stats of both stages together, with the slow-link counts of ``topology``."""
   slow = 0
   if topology is not None:
@@ -566,32 +415,20 @@ def _stats(
   if relay is not None:
     rs = relay.stats
     union = np.asarray(first.schedule.union_device_ids, dtype=np.int64)
-    send, recv = (
-      a + b for a, b in zip(_per_device(first, union), _per_device(relay, union), strict=True)
-    )
+    send, recv = np.zeros(len(union), dtype=np.int64), np.zeros(len(union), dtype=np.int64)
+    for bucket in (*first.schedule.buckets, *relay.schedule.buckets):
+      rid, ps, pd, size = round_pairs(bucket.rounds)
+      np.add.at(send, np.searchsorted(union, ps), size[rid])
+      np.add.at(recv, np.searchsorted(union, pd), size[rid])
+    added = ("bytes_moved", "padding_bytes", "num_rounds", "num_buckets", "num_programs")
+    changes.update({f: getattr(st, f) + getattr(rs, f) for f in added})
     changes.update(
-      bytes_moved=st.bytes_moved + rs.bytes_moved,
       relay_bytes=rs.bytes_moved,
-      padding_bytes=st.padding_bytes + rs.padding_bytes,
-      num_rounds=st.num_rounds + rs.num_rounds,
-      num_buckets=st.num_buckets + rs.num_buckets,
-      num_programs=st.num_programs + rs.num_programs,
       max_send_bytes=int(send.max(initial=0)),
       max_recv_bytes=int(recv.max(initial=0)),
       peak_staging_bytes=max(st.peak_staging_bytes, rs.peak_staging_bytes),
     )
   return dataclasses.replace(st, **changes)
-
-
-def _per_device(plan: LayoutPlan, union: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """Bytes each device of ``union`` (ascending) sends and receives in ``plan``'s rounds."""
-  send = np.zeros(len(union), dtype=np.int64)
-  recv = np.zeros(len(union), dtype=np.int64)
-  for bucket in plan.schedule.buckets:
-    rid, ps, pd, size = round_pairs(bucket.rounds)
-    np.add.at(send, np.searchsorted(union, ps), size[rid])
-    np.add.at(recv, np.searchsorted(union, pd), size[rid])
-  return send, recv
 
 
 def _empty_leaf_plan(ndim: int) -> LeafPlan:
@@ -600,9 +437,7 @@ def _empty_leaf_plan(ndim: int) -> LeafPlan:
 
 
 def _split_relays(lp: LeafPlan, dst: Layout, itemsize: int) -> tuple[LeafPlan, LeafPlan | None]:
-  """A leaf plan as two stages: its hop-0 transfers, then (``None`` without relays) the
-  forwards plus, as local copies, what each device holds after the first stage: its hop-0
-  boxes where it receives forwards, its whole destination shard elsewhere."""
+  """A leaf plan's hop-0 transfers, and its forwards with what devices hold (or None)."""
   if lp.hop is None or not (lp.hop == 1).any():
     return lp, None
   fwd, first = lp.hop == 1, lp.hop == 0
@@ -628,19 +463,8 @@ def _split_relays(lp: LeafPlan, dst: Layout, itemsize: int) -> tuple[LeafPlan, L
   return stage0, stage1
 
 
-def pass_bytes(
-  plan: LayoutPlan, as_is: Collection[int] | None = None, classes: Sequence[int] | None = None
-) -> dict[str, int]:
-  """Bytes all devices read and write per call (without ``out=``) of one stage's bucket
-  programs, by step: ``pack`` (pieces read plus payloads written), ``transfer`` (payloads read
-  and written), ``assemble`` (parts read plus destination shards written) and ``zero_fill``
-  (payload zeros of idle devices, discarded output blocks). It mirrors the program builder:
-  rounds sent as they are, whole-shard operands (:func:`whole_segment_bytes`), repeated rounds
-  packed once (:func:`repeated_rounds`), leaves received whole (:func:`direct_steps`),
-  assembly apart (:func:`assembles_apart`) and destination slabs; placeholders are left out.
-  ``as_is``: the leaves whose types travel as they are (``None``: all); ``classes``: the
-  stage's bucket classes, if known: buckets alike in everything counted are counted once.
-  """
+def pass_bytes(plan: LayoutPlan, as_is=None, classes=None) -> dict[str, int]:
+  """Bytes one stage's programs read and write per call, by step, as the builder lowers."""
   out = dict.fromkeys(("pack", "transfer", "assemble", "zero_fill"), 0)
   keys = count_keys(plan, classes, as_is) if classes is not None else None
   done: dict[tuple[object, ...], dict[str, int]] = {}
@@ -658,10 +482,8 @@ def pass_bytes(
   return out
 
 
-def _bucket_pass_bytes(
-  plan: LayoutPlan, bucket: Bucket, as_is: Collection[int] | None, split: bool
-) -> dict[str, int]:
-  """:func:`pass_bytes` of one bucket (``split``: its assembly runs on its own)."""
+def _bucket_pass_bytes(plan: LayoutPlan, bucket: Bucket, as_is, split: bool) -> dict[str, int]:
+  """:func:`pass_bytes` of one bucket (``split``: it assembles apart)."""
   out = dict.fromkeys(("pack", "transfer", "assemble", "zero_fill"), 0)
   spans = plan.schedule.leaf_buckets
   n = len(bucket.union_device_ids)
@@ -706,14 +528,8 @@ def _bucket_pass_bytes(
   return out
 
 
-def passes_per_moved_byte(
-  stages: Sequence[LayoutPlan],
-  moved: int,
-  as_is: Collection[int] | None = None,
-  classes: Sequence[Sequence[int] | None] | None = None,
-) -> float:
-  """:attr:`PlanStats.passes_per_moved_byte` of ``stages`` run in turn (``as_is``, and per
-  stage its ``classes`` if known: see :func:`pass_bytes`)."""
+def passes_per_moved_byte(stages, moved: int, as_is=None, classes=None) -> float:
+  """:attr:`PlanStats.passes_per_moved_byte` of ``stages`` (see pass_bytes)."""
   total = sum(
     sum(pass_bytes(st, as_is, None if classes is None else classes[k]).values())
     for k, st in enumerate(stages)
@@ -721,28 +537,8 @@ def passes_per_moved_byte(
   return total / (2 * moved) if moved else 0.0
 
 
-def interleave_by_source(
-  leaves: Sequence[int], layouts: Sequence[tuple[Layout, Layout]]
-) -> tuple[int, ...]:
-  """``leaves`` round-robin over their source device sets (tree order within each), the sets
-  in the order of their first leaves with the first and second half alternating, and aligned
-  by kind (:func:`_align_queues`): so every bucket draws on every pipeline stage's senders, in
-  both halves of the cluster, with the same weight from each.
-
-  Example:
-    >>> import jax_reshard as jr
-    >>> a, b = (jr.Layout.from_description((4,), mesh_shape=(1,), axis_names=("x",), spec=(),
-    ...                                    device_ids=[i]) for i in (0, 1))
-    >>> interleave_by_source([0, 1, 2, 3], [(a, b), (a, b), (b, a), (b, a)])
-    (0, 2, 1, 3)
-    >>> c, d = (dataclasses.replace(a, device_ids=(i,)) for i in (2, 3))  # four stages
-    >>> interleave_by_source(range(8), [(x, a) for x in (a, b, c, d)] * 2)
-    (0, 2, 1, 3, 4, 6, 5, 7)
-    >>> e = jr.Layout.from_description((8,), mesh_shape=(1,), axis_names=("x",), spec=(),
-    ...                                device_ids=[0])  # on the first set, with no like: first
-    >>> interleave_by_source(range(5), [(e, e), (a, b), (a, b), (b, a), (b, a)])
-    (0, 1, 3, 2, 4)
-  """
+def interleave_by_source(leaves: Sequence[int], layouts: _Layouts) -> tuple[int, ...]:
+  """``leaves`` round-robin over their source device sets (halves alternating), aligned by kind."""
   groups: dict[tuple[int, ...], list[int]] = {}
   for i in leaves:
     groups.setdefault(layouts[i][0].device_ids, []).append(i)
@@ -758,51 +554,29 @@ def interleave_by_source(
   return tuple(out)
 
 
-def _align_queues(
-  queues: Sequence[Sequence[int]], layouts: Sequence[tuple[Layout, Layout]]
-) -> tuple[list[Sequence[int]], list[Sequence[int]]]:
-  """Each queue cut into a head and a body so that the bodies agree in kind (layouts without
-  devices) position by position, from :func:`_body_start` against the reference queue under
-  which they agree over the most leaves."""
+def _align_queues(queues, layouts: _Layouts) -> tuple[list[Sequence[int]], list[Sequence[int]]]:
+  """Each queue cut into a head and a body whose kinds agree with a reference's."""
   if len(queues) < 2:
     return [[] for _ in queues], list(queues)
   ids: dict[tuple[object, ...], int] = {}
-  kinds = [
-    np.asarray(
-      [
-        ids.setdefault(
-          (s.shape, s.shard_shape(), d.shard_shape(), len(s.device_ids), len(d.device_ids)),
-          len(ids),
-        )
-        for s, d in (layouts[i] for i in q)
-      ],
-      dtype=np.int64,
-    )
-    for q in queues
-  ]
-  best: tuple[int, list[int]] | None = None
-  tried: set[bytes] = set()
-  for ref in kinds:
-    if ref.tobytes() in tried:
-      continue
-    tried.add(ref.tobytes())
-    found = [_body_start(kq, ref) for kq in kinds]
-    agree = sum(n for _, n in found)
-    if best is None or agree > best[0]:
-      best = (agree, [o for o, _ in found])
-  assert best is not None
-  return [q[:o] for q, o in zip(queues, best[1], strict=True)], [
-    q[o:] for q, o in zip(queues, best[1], strict=True)
-  ]
+
+  def kind(s: Layout, d: Layout) -> int:
+    key = (s.shape, s.shard_shape(), d.shard_shape(), len(s.device_ids), len(d.device_ids))
+    return ids.setdefault(key, len(ids))
+
+  kinds = [np.asarray([kind(*layouts[i]) for i in q], dtype=np.int64) for q in queues]
+  refs = {k.tobytes(): k for k in kinds}.values()  # the first of equal ones wins a tie
+  tries = ([_body_start(k, ref) for k in kinds] for ref in refs)
+  starts = [o for o, _ in max(tries, key=lambda found: sum(n for _, n in found))]
+  cut = list(zip(queues, starts, strict=True))
+  return [q[:o] for q, o in cut], [q[o:] for q, o in cut]
 
 
-# The most offsets :func:`_body_start` tries: heads are short (an embedding, a few dense layers).
-MAX_BODY_STARTS = 64
+MAX_BODY_STARTS = 64  # the most offsets :func:`_body_start` tries (heads are short)
 
 
 def _body_start(kinds: np.ndarray, ref: np.ndarray) -> tuple[int, int]:
-  """The first offset (of :data:`MAX_BODY_STARTS` at most) from which ``kinds`` equal ``ref``
-  for as long as both last, over at least half of ``ref``, and that length; else ``(0, 0)``."""
+  """The first offset from which ``kinds`` equal ``ref`` over half of it, and the length."""
   least = (len(ref) + 1) // 2
   starts = np.flatnonzero(kinds[: max(len(kinds) - least + 1, 0)] == ref[0])
   for o in starts[:MAX_BODY_STARTS].tolist():
@@ -813,8 +587,7 @@ def _body_start(kinds: np.ndarray, ref: np.ndarray) -> tuple[int, int]:
 
 
 def format_plan(plan: LayoutPlan, title: str, stats: PlanStats | None = None) -> str:
-  """A short summary: per (source -> destination layout) group its lines, then totals
-  (``stats``: the plan's, where they differ from ``plan.stats``)."""
+  """A summary per layout group, then totals (``stats``: where not ``plan.stats``)."""
   groups: dict[tuple[str, str], list[int]] = {}
   for i, (s, d) in enumerate(plan.layouts):
     groups.setdefault((s.description, d.description), []).append(i)
@@ -833,9 +606,8 @@ def format_plan(plan: LayoutPlan, title: str, stats: PlanStats | None = None) ->
     f"  local copies       {format_bytes(st.local_copy_bytes)}",
     f"  gather+broadcast   {format_bytes(st.gather_broadcast_bytes)} ({ratio:.1f}x ours)",
     f"  rounds {st.num_rounds} in {st.num_buckets} bucket(s), {st.num_programs} distinct "
-    f"program(s); per device max send "
-    f"{format_bytes(st.max_send_bytes)}, recv {format_bytes(st.max_recv_bytes)}, staging "
-    f"{format_bytes(st.peak_staging_bytes)}",
+    f"program(s); per device max send {format_bytes(st.max_send_bytes)}, recv "
+    f"{format_bytes(st.max_recv_bytes)}, staging {format_bytes(st.peak_staging_bytes)}",
     f"  memory passes      {st.passes_per_moved_byte:.2f} per moved byte (pack, transfer, "
     "assemble, zero fills)",
   ]

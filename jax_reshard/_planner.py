@@ -1,12 +1,7 @@
 """The planner: which device sends which box to which device. Pure NumPy, deterministic.
 
-Per leaf, the unique source and destination boxes intersect into *regions*; every destination
-device of a region's destination box needs it. A device holding the region in its source shard
-copies it locally; otherwise one source replica sends it, balancing send load and preferring the
-receiver's process (then, with a :class:`Topology`, its domain). *Relays* (several domains): a
-region that several devices of a domain need and no device there holds crosses into the domain
-once, to an *entry*, which forwards it (``hop`` 1). *Fan-out* does the same inside a domain where
-more devices need a region than :data:`FANOUT_NEEDS` times its replicas there.
+Source and destination boxes intersect into regions; each is copied where held, else sent by one
+source replica (load balanced), and with domains relayed into each domain once.
 """
 
 from __future__ import annotations
@@ -15,6 +10,7 @@ import dataclasses
 import functools
 import heapq
 from collections.abc import MutableMapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -22,35 +18,17 @@ from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
 from jax_reshard._topology import Topology
 
-# Up to this many needs of one size, :func:`_assign_lpt` pops a heap in Python (faster than its
-# array form at this size); :func:`_member` takes the same cutoff.
-SMALL_LPT = 16
-# With several domains, a region more than this many devices of a domain need per replica it
-# has there is fanned out.
-FANOUT_NEEDS = 2
+SMALL_LPT = 16  # up to this many equal needs, a heap in Python beats arrays (:func:`_assign_lpt`)
+FANOUT_NEEDS = 2  # a region needed by more devices of a domain per replica there is fanned out
 
 _Tasks = MutableMapping[tuple[object, ...], list[tuple[np.ndarray, np.ndarray, bool]]]
+_Load = MutableMapping[int, int]
+_Arr = np.ndarray
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class LeafPlan:
-  """Transfers for one leaf; row ``i`` of each array is one transfer.
-
-  Attributes:
-    src_device: sending device id (``dst_device`` for local copies).
-    dst_device: receiving device id.
-    lo: ``(k, ndim)`` first global index of the box.
-    hi: ``(k, ndim)`` one past the last global index of the box.
-    nbytes: bytes in the box.
-    local: whether the transfer is a device-local copy.
-    lower_bound_bytes: over destination devices, the shard bytes they do not already hold.
-    gather_broadcast_bytes: what devices would receive in an all-gather on the source plus a
-      broadcast of the full tensor to every destination device not holding it.
-    hop: per transfer, 0 when the sender holds the box in its source shard, 1 for a relay
-      forward (the sender received it at hop 0); ``None``: every transfer is hop 0.
-    slow_lower_bound_bytes: with a topology, per region and destination domain that needs it
-      and holds no source replica, its bytes once.
-  """
+  """One leaf's transfers, a row each (sender, receiver, box, bytes, local, ``hop`` 1: forward)."""
 
   src_device: np.ndarray
   dst_device: np.ndarray
@@ -74,12 +52,7 @@ class LeafPlan:
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class Geometry:
-  """The regions of one leaf and who needs and holds each (itemsize-independent).
-
-  A region is a box of the destination leaf read from one source box. :func:`plan_leaf` makes
-  it from two layouts; a transformed leaf from its pieces (``_tplan``), its source boxes then
-  being boxes of several source leaves.
-  """
+  """The regions of one leaf (destination boxes read from one source box): who needs, holds each."""
 
   region_lo: np.ndarray  # (r, ndim)
   region_hi: np.ndarray
@@ -98,8 +71,7 @@ class Geometry:
 
 @functools.lru_cache(maxsize=4096)
 def unique_boxes(layout: Layout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """A layout's distinct boxes ``(lo, hi)``, ascending, each with a trailing unit dimension
-  (rank 0 alike), and per device the index of its box."""
+  """A layout's distinct boxes (a trailing unit dimension added) and each device's box."""
   lo, hi = layout.box_arrays()
   one = np.ones((lo.shape[0], 1), dtype=np.int64)
   uniq, inv = np.unique(np.concatenate([lo, one * 0, hi, one], axis=1), axis=0, return_inverse=True)
@@ -107,13 +79,13 @@ def unique_boxes(layout: Layout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   return uniq[:, :nd], uniq[:, nd:], inv.reshape(-1)
 
 
-def _csr(groups: np.ndarray, num: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _csr(groups: _Arr, num: int) -> tuple[_Arr, _Arr, _Arr]:
   order = np.argsort(groups, kind="stable")
   counts = np.bincount(groups, minlength=num)
   return order, counts, np.concatenate([[0], np.cumsum(counts)[:-1]])
 
 
-def _find(ids: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _find(ids: _Arr, values: _Arr) -> tuple[_Arr, _Arr]:
   """Per value, its position in the ascending ``ids`` and whether it is there."""
   pos = np.clip(np.searchsorted(ids, values), 0, max(len(ids) - 1, 0))
   return pos, (ids[pos] == values) if len(ids) else np.zeros(len(values), bool)
@@ -129,26 +101,22 @@ def _geometry(src: Layout, dst: Layout) -> Geometry:
   hi = np.minimum(us_hi[:, None, :], ud_hi[None, :, :])
   u_idx, v_idx = np.nonzero(np.all(hi > lo, axis=-1))
   region_lo, region_hi = lo[u_idx, v_idx, :-1], hi[u_idx, v_idx, :-1]
-  # Every destination device of box v needs every region (u, v).
   d_ids = np.asarray(dst.device_ids, dtype=np.int64)
   d_order, d_counts, d_offsets = _csr(d_inv, len(ud_lo))
   reps = d_counts[v_idx]
   need_region = np.repeat(np.arange(len(u_idx)), reps)
   within = np.arange(len(need_region)) - np.repeat(np.cumsum(reps) - reps, reps)
   need_dst = d_ids[d_order[d_offsets[v_idx][need_region] + within]]
-  # A destination device that holds source box u copies the region locally.
   s_ids = np.asarray(src.device_ids, dtype=np.int64)
   pos, in_src = _find(s_ids, need_dst)
   s_procs = np.asarray(src.process_indices, dtype=np.int64)
   s_order, s_counts, s_offsets = _csr(s_inv, len(us_lo))
   spans = list(zip(s_offsets, s_counts, strict=True))
-  # Independent of the regions: what each destination device lacks.
   held = np.zeros(len(d_ids), dtype=np.int64)
   dpos, d_in_src = _find(s_ids, d_ids)
-  if d_in_src.any():
-    olo = np.maximum(d_lo[d_in_src], s_lo[dpos[d_in_src]])
-    ohi = np.minimum(d_hi[d_in_src], s_hi[dpos[d_in_src]])
-    held[d_in_src] = np.prod(np.maximum(ohi - olo, 0), axis=1, dtype=np.int64)
+  olo = np.maximum(d_lo[d_in_src], s_lo[dpos[d_in_src]])
+  ohi = np.minimum(d_hi[d_in_src], s_hi[dpos[d_in_src]])
+  held[d_in_src] = np.prod(np.maximum(ohi - olo, 0), axis=1, dtype=np.int64)
   total = int(np.prod(src.shape, dtype=np.int64))
   s_elems = np.prod(s_hi - s_lo, axis=1, dtype=np.int64)
   return Geometry(
@@ -168,54 +136,14 @@ def _geometry(src: Layout, dst: Layout) -> Geometry:
   )
 
 
-def plan_leaf(
-  src: Layout,
-  dst: Layout,
-  itemsize: int,
-  send_load: MutableMapping[int, int] | None = None,
-  *,
-  topology: Topology | None = None,
-  entry_load: MutableMapping[int, int] | None = None,
-  relays: bool = True,
-  tasks: _Tasks | None = None,
-  fanout: bool = False,
-) -> LeafPlan:
-  """Plans the transfers of one leaf.
-
-  Args:
-    src: source layout.
-    dst: destination layout (same global shape).
-    itemsize: bytes per element.
-    send_load: bytes each device already sends (earlier leaves); updated in place.
-    topology: device domains; with several, senders in the receiver's domain are preferred and
-      regions a domain lacks are relayed. ``None`` or one domain: the plan without a topology.
-    entry_load: bytes each device already receives as a relay entry; updated in place.
-    relays: whether to relay (the slow-link lower bound is computed either way).
-    tasks: which needs go to which replicas, kept across leaves of equal layouts.
-    fanout: with ``relays``, also fan out (:data:`FANOUT_NEEDS`).
-
-  Returns:
-    A :class:`LeafPlan` in which every element a destination device lacks arrives exactly once.
-
-  Raises:
-    ReshardError: if the layouts differ in shape.
-  """
+def plan_leaf(src: Layout, dst: Layout, itemsize: int, send_load=None, **kw: Any) -> LeafPlan:
+  """Plans one leaf from ``src`` to ``dst`` (same shape); keywords as :func:`plan_regions`."""
   if src.shape != dst.shape:
     raise ReshardError(f"layouts of different shapes: {src.shape} vs {dst.shape}")
   g = _geometry(src, dst)
-  return plan_regions(
-    g,
-    g.region_elems * itemsize,
-    g.lower_bound_elems * itemsize,
-    g.gather_broadcast_elems * itemsize,
-    send_load,
-    topology=topology,
-    entry_load=entry_load,
-    relays=relays,
-    tasks=tasks,
-    task_key=(src, dst, topology, itemsize > 0),
-    fanout=fanout,
-  )
+  lower, gather = g.lower_bound_elems * itemsize, g.gather_broadcast_elems * itemsize
+  key = (src, dst, kw.get("topology"), itemsize > 0)
+  return plan_regions(g, g.region_elems * itemsize, lower, gather, send_load, task_key=key, **kw)
 
 
 def plan_regions(
@@ -223,45 +151,38 @@ def plan_regions(
   region_bytes: np.ndarray,
   lower_bound_bytes: int,
   gather_broadcast_bytes: int,
-  send_load: MutableMapping[int, int] | None = None,
+  send_load: _Load | None = None,
   *,
   topology: Topology | None = None,
-  entry_load: MutableMapping[int, int] | None = None,
+  entry_load: _Load | None = None,
   relays: bool = True,
   tasks: _Tasks | None = None,
   task_key: tuple[object, ...] = (),
   fanout: bool = False,
 ) -> LeafPlan:
-  """Plans the needs of ``g`` (arguments as :func:`plan_leaf`'s; ``region_bytes``: each
-  region's bytes, ``task_key``: what identifies the geometry in ``tasks``)."""
-  load: MutableMapping[int, int] = {} if send_load is None else send_load
-  need_u = g.region_src_box[g.need_region]
+  """Plans ``g``'s needs: senders balancing ``send_load``, relays over ``topology``'s domains."""
+  load: _Load = {} if send_load is None else send_load
   need_bytes = np.asarray(region_bytes, dtype=np.int64)[g.need_region]
   sender = g.need_dst.copy()  # local copies send to themselves
-  hop, slow_bound, need_dom, rep_doms = None, 0, None, None
+  hop, slow_bound, doms = None, 0, None
   if topology is not None and len(g.need_dst):
-    need_dom = topology.domain_of(g.need_dst)
-    rep_doms = _replica_domains(g, topology)
-    entry: MutableMapping[int, int] = {} if entry_load is None else entry_load
-    hop, slow_bound = _relays(
-      g, need_dom, rep_doms, need_bytes, region_bytes, entry, sender, relays, fanout
-    )
+    cuts = np.cumsum([len(ids) for ids in g.replica_ids])[:-1]  # one domain_of call for all
+    rep_doms = tuple(np.split(topology.domain_of(np.concatenate(g.replica_ids)), cuts))
+    doms = (topology.domain_of(g.need_dst), rep_doms)
+    entry = {} if entry_load is None else entry_load
+    hop, slow_bound = _relays(g, doms, region_bytes, entry, sender, relays, fanout)
   remote = np.nonzero(~g.need_local & (hop != 1 if hop is not None else True))[0]
   if len(remote):
     key = (*task_key, remote.tobytes())
     todo = None if tasks is None else tasks.get(key)
     if todo is None:
-      todo = _sender_tasks(remote, g, need_u, need_bytes, need_dom, rep_doms)
+      todo = _sender_tasks(remote, g, g.region_src_box[g.need_region], need_bytes, doms)
       if tasks is not None:
         tasks[key] = todo
     slow_load: dict[int, int] = {}  # with domains: sends over slow links, balanced apart
     for needs, ids, slow in todo:
-      if slow:
-        _assign_tied(needs, ids, need_bytes, slow_load, load, sender)
-      elif slow_load:
-        _assign_tied(needs, ids, need_bytes, load, slow_load, sender)
-      else:
-        _assign_lpt(needs, ids, need_bytes, load, sender)
+      main, tie = (slow_load, load) if slow else (load, slow_load)
+      _assign_tied(needs, ids, need_bytes, main, tie, sender)
   return LeafPlan(
     src_device=sender,
     dst_device=g.need_dst,
@@ -276,31 +197,9 @@ def plan_regions(
   )
 
 
-def _replica_domains(g: Geometry, topology: Topology) -> tuple[np.ndarray, ...]:
-  """Per unique source box, the domain of each of its replicas (one ``domain_of`` call)."""
-  counts = np.fromiter((len(ids) for ids in g.replica_ids), np.int64, len(g.replica_ids))
-  if not len(counts):
-    return ()
-  doms = topology.domain_of(np.concatenate(g.replica_ids))
-  return tuple(np.split(doms, np.cumsum(counts)[:-1]))
-
-
-def _relays(
-  g: Geometry,
-  need_dom: np.ndarray,
-  rep_doms: tuple[np.ndarray, ...],
-  need_bytes: np.ndarray,
-  region_bytes: np.ndarray,
-  entry_load: MutableMapping[int, int],
-  sender: np.ndarray,
-  relays: bool,
-  fanout: bool = False,
-) -> tuple[np.ndarray | None, int]:
-  """The hop of every need (forwards get their entry in ``sender``) and the slow-link lower
-  bound. A need is *foreign* where its domain holds no replica of its source box; per (region,
-  domain) of two or more foreign needs (or, with ``fanout``, of more remote needs than
-  :data:`FANOUT_NEEDS` times the replicas there), the needing device of least ``entry_load``
-  (largest regions first) is the entry and the others are forwarded from it."""
+def _relays(g, doms, region_bytes, entry, sender, relays, fanout) -> tuple[_Arr | None, int]:
+  """Relay entries and forwards (``hop`` 1, sender in ``sender``); the slow-link lower bound."""
+  need_dom, rep_doms = doms
   span = int(max(need_dom.max(), *(int(d.max()) for d in rep_doms if len(d)))) + 1
   rep_u = np.repeat(np.arange(len(rep_doms)), [len(d) for d in rep_doms])
   held, held_count = np.unique(
@@ -333,43 +232,30 @@ def _relays(
   hop = np.zeros(len(g.need_dst), dtype=np.int8)
   # Groups of one destination box in one domain share their devices: entries per such cluster.
   grp_need = cand[first[multi]]
-  grp_bytes = need_bytes[grp_need]
+  grp_bytes = region_bytes[g.need_region[grp_need]]
   cluster = g.region_dst_box[g.need_region[grp_need]] * span + need_dom[grp_need]
   corder = np.lexsort((g.need_region[grp_need], -grp_bytes, cluster))
   starts = np.flatnonzero(np.r_[True, np.diff(cluster[corder]) != 0])
   k = multi[corder[starts]]  # per cluster, its devices: those of its first group
   counts = sizes[k]
   at = np.repeat(first[k] - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
-  entry = np.zeros(len(multi), dtype=np.int64)
+  chosen = np.zeros(len(multi), dtype=np.int64)
   shift = min((int(ids.min()) for ids in g.replica_ids if len(ids)), default=0)
-  _choose_entries(corder, starts, g.need_dst[cand[at]], counts, grp_bytes, entry_load, entry, shift)
-  # Every candidate of a multi group is forwarded from its entry unless it is the entry.
+  _choose_entries(corder, starts, g.need_dst[cand[at]], counts, grp_bytes, entry, chosen, shift)
   owner = np.repeat(np.arange(len(first)), sizes)
   rank_of = np.full(len(first), -1)
   rank_of[multi] = np.arange(len(multi))
   in_multi = rank_of[owner] >= 0
   relayed = cand[in_multi]
-  their_entry = entry[rank_of[owner[in_multi]]]
+  their_entry = chosen[rank_of[owner[in_multi]]]
   fwd = g.need_dst[relayed] != their_entry
   hop[relayed[fwd]] = 1
   sender[relayed[fwd]] = their_entry[fwd]
   return hop, slow_bound
 
 
-def _choose_entries(
-  order: np.ndarray,
-  starts: np.ndarray,
-  ids: np.ndarray,
-  counts: np.ndarray,
-  nbytes: np.ndarray,
-  load: MutableMapping[int, int],
-  entry: np.ndarray,
-  shift: int = 0,
-) -> None:
-  """Each group of relayed needs (``order``, cut into clusters at ``starts``) gets its entry as
-  :func:`_assign_rotated` over its cluster's devices (``ids``, ``counts`` per cluster) would
-  give, cluster after cluster. Disjoint clusters of one group (most) take their least
-  (load, tie) device at once, with arrays; the rest go one by one."""
+def _choose_entries(order, starts, ids, counts, nbytes, load, entry, shift) -> None:
+  """Each cluster's entry as :func:`_assign_rotated` gives, disjoint clusters at once."""
   members = np.split(order, starts[1:])
   owner = np.repeat(np.arange(len(starts)), counts)
   single = np.diff(np.r_[starts, len(order)]) == 1
@@ -379,8 +265,7 @@ def _choose_entries(
     _assign_rotated(members[c], ids[owner == c], nbytes, load, entry, shift)
   if not single.any():
     return
-  mine = single[owner]
-  dev_ids, dev_owner = ids[mine], owner[mine]
+  dev_ids, dev_owner = ids[single[owner]], owner[single[owner]]
   loads = np.fromiter((load.get(i, 0) for i in dev_ids.tolist()), np.int64, len(dev_ids))
   size = np.bincount(dev_owner)
   place = np.empty(len(dev_ids), np.int64)  # each device's place in its cluster, by id
@@ -396,30 +281,15 @@ def _choose_entries(
   load.update(zip(dev_ids[best].tolist(), (loads[best] + nbytes[groups]).tolist(), strict=True))
 
 
-def _assign_rotated(
-  needs: np.ndarray,
-  ids: np.ndarray,
-  nbytes: np.ndarray,
-  load: MutableMapping[int, int],
-  entry: np.ndarray,
-  shift: int,
-) -> None:
-  """:func:`_assign_lpt`, ties going to the device whose place among ``ids`` (by id) is next
-  from ``shift`` modulo their number (a leaf's lowest source id: pipeline stages enter their
-  domains through different devices, equal leaves through the same)."""
+def _assign_rotated(needs, ids, nbytes, load, entry, shift) -> None:
+  """:func:`_assign_lpt`, ties going to the id next after ``shift`` (modulo)."""
   if shift % len(ids) == 0 or len(np.unique(ids)) < len(ids):
     _assign_lpt(needs, ids, nbytes, load, entry)
     return
   _assign_in_order(needs, np.roll(np.sort(ids), -(shift % len(ids))), nbytes, load, entry)
 
 
-def _assign_in_order(
-  needs: np.ndarray,
-  ordered: np.ndarray,
-  nbytes: np.ndarray,
-  load: MutableMapping[int, int],
-  out: np.ndarray,
-) -> None:
+def _assign_in_order(needs, ordered, nbytes, load, out) -> None:
   """:func:`_assign_lpt` over the distinct ids ``ordered``, ties going to the first of them."""
   ids = ordered.tolist()
   at = {k: load[i] for k, i in enumerate(ids) if i in load}
@@ -428,41 +298,31 @@ def _assign_in_order(
   load.update({ids[k]: v for k, v in at.items()})
 
 
-def _sender_tasks(
-  remote: np.ndarray,
-  g: Geometry,
-  need_u: np.ndarray,
-  need_bytes: np.ndarray,
-  need_dom: np.ndarray | None,
-  rep_doms: tuple[np.ndarray, ...] | None,
-) -> list[tuple[np.ndarray, np.ndarray, bool]]:
-  """The :func:`_assign_lpt` calls that give the ``remote`` needs senders, in order: per source
-  box (largest needs first, ties by receiver), the needs whose process (and domain) holds a
-  replica go to those replicas, then with domains those whose domain does, then the rest to any
-  replica; the flag marks the last with domains (sends over slow links, balanced apart)."""
+def _sender_tasks(remote, g, need_u, need_bytes, doms) -> list[tuple[_Arr, _Arr, bool]]:
+  """Per source box, the :func:`_assign_lpt` calls: same process (domain) first; slow flag."""
   order = remote[np.lexsort((g.need_dst[remote], -need_bytes[remote], need_u[remote]))]
   out = []
   for group in np.split(order, np.nonzero(np.diff(need_u[order]))[0] + 1):
     u = int(need_u[group[0]])
     ids, procs, need_procs = g.replica_ids[u], g.replica_procs[u], g.need_proc[group]
-    if need_dom is not None and rep_doms is not None:  # the same process inside the same domain
-      procs = procs * (1 << 32) + rep_doms[u]
-      need_procs = need_procs * (1 << 32) + need_dom[group]
+    if doms is not None:  # the same process inside the same domain
+      procs = procs * (1 << 32) + doms[1][u]
+      need_procs = need_procs * (1 << 32) + doms[0][group]
     matched = _member(need_procs, procs)
     for p in np.unique(need_procs[matched]).tolist():
       out.append((group[need_procs == p], ids[procs == p], False))
-    if need_dom is not None and rep_doms is not None and not matched.all():
-      doms, nd = rep_doms[u], need_dom[group]
-      in_dom = ~matched & _member(nd, doms)
+    if doms is not None and not matched.all():
+      rep_dom, nd = doms[1][u], doms[0][group]
+      in_dom = ~matched & _member(nd, rep_dom)
       for dom in np.unique(nd[in_dom]).tolist():
-        out.append((group[in_dom & (nd == dom)], ids[doms == dom], False))
+        out.append((group[in_dom & (nd == dom)], ids[rep_dom == dom], False))
       matched |= in_dom
     if not matched.all():
-      out.append((group[~matched], ids, need_dom is not None))
+      out.append((group[~matched], ids, doms is not None))
   return out
 
 
-def _member(values: np.ndarray, pool: np.ndarray) -> np.ndarray:
+def _member(values: _Arr, pool: _Arr) -> _Arr:
   """``np.isin(values, pool)``, faster for short arrays (a set, or every pair)."""
   if len(values) <= SMALL_LPT and len(pool) <= SMALL_LPT:
     found = set(pool.tolist())
@@ -472,15 +332,9 @@ def _member(values: np.ndarray, pool: np.ndarray) -> np.ndarray:
   return np.isin(values, pool)
 
 
-def _assign_lpt(
-  needs: np.ndarray,
-  ids: np.ndarray,
-  need_bytes: np.ndarray,
-  load: MutableMapping[int, int],
-  sender: np.ndarray,
-) -> None:
+def _assign_lpt(needs, ids, nbytes, load, sender) -> None:
   """Assigns ``needs`` (in order) one by one to the replica of least (load, id)."""
-  sizes = need_bytes[needs]
+  sizes = nbytes[needs]
   k, r = len(needs), len(ids)
   if r == 1:
     dev = int(ids[0])
@@ -509,50 +363,34 @@ def _assign_lpt(
     heapq.heappush(heap, (cur + nb, dev))
 
 
-def _assign_tied(
-  needs: np.ndarray,
-  ids: np.ndarray,
-  need_bytes: np.ndarray,
-  load: MutableMapping[int, int],
-  tie: MutableMapping[int, int],
-  sender: np.ndarray,
-) -> None:
+def _assign_tied(needs, ids, nbytes, load, tie, sender) -> None:
   """:func:`_assign_lpt`, ties in ``load`` going to the least ``tie`` (the other link class)."""
-  ties = np.fromiter((tie.get(i, 0) for i in ids.tolist()), np.int64, len(ids))
-  if len(ids) == 1 or not ties.any():
-    _assign_lpt(needs, ids, need_bytes, load, sender)
+  ties = np.fromiter((tie.get(i, 0) for i in ids.tolist()), np.int64, len(ids)) if tie else None
+  if ties is None or len(ids) == 1 or not ties.any():
+    _assign_lpt(needs, ids, nbytes, load, sender)
     return
-  _assign_in_order(needs, ids[np.lexsort((ids, ties))], need_bytes, load, sender)
+  _assign_in_order(needs, ids[np.lexsort((ids, ties))], nbytes, load, sender)
 
 
 def plan_leaves(
-  layouts: Sequence[tuple[Layout, Layout]],
-  itemsizes: Sequence[int],
-  *,
-  topology: Topology | None = None,
-  relays: bool = True,
+  layouts, itemsizes, *, topology: Topology | None = None, relays=True
 ) -> list[LeafPlan]:
-  """Plans every leaf of a tree, balancing send (and entry) load across all of them; with
-  several domains each leaf balances its own, so equal leaves (a model's layers) get one plan
-  and equal buckets that share a program."""
-  one = one_domain(layouts, topology)
+  """Plans a tree's leaves, load balanced across the tree (per leaf across domains)."""
   load: dict[int, int] = {}
   entry: dict[int, int] = {}
   tasks: _Tasks = {}
-  made: dict[tuple[Layout, Layout, int], LeafPlan] = {}  # equal leaves: one plan
-  plans = []
-  for (s, d), isz in zip(layouts, itemsizes, strict=True):
-    if one:
-      plans.append(
-        plan_leaf(s, d, isz, load, topology=topology, entry_load=entry, relays=relays, tasks=tasks)
-      )
-    elif (s, d, isz) not in made:
-      made[s, d, isz] = plan_leaf(
+  if not one_domain(layouts, topology):  # equal leaves: one plan
+    once = functools.cache(
+      lambda s, d, isz: plan_leaf(
         s, d, isz, {}, topology=topology, entry_load={}, relays=relays, tasks=tasks, fanout=True
       )
-    if not one:
-      plans.append(made[s, d, isz])
-  return _join_pairs(plans, layouts, load) if one else plans
+    )
+    return [once(s, d, isz) for (s, d), isz in zip(layouts, itemsizes, strict=True)]
+  plans = [
+    plan_leaf(s, d, isz, load, topology=topology, entry_load=entry, relays=relays, tasks=tasks)
+    for (s, d), isz in zip(layouts, itemsizes, strict=True)
+  ]
+  return _join_pairs(plans, layouts, load)
 
 
 def one_domain(layouts: Sequence[tuple[Layout, Layout]], topology: Topology | None) -> bool:
@@ -566,17 +404,13 @@ def one_domain(layouts: Sequence[tuple[Layout, Layout]], topology: Topology | No
 def _join_pairs(
   plans: list[LeafPlan], layouts: Sequence[tuple[Layout, Layout]], load: dict[int, int]
 ) -> list[LeafPlan]:
-  """Moves needs several replicas (of one process) could send onto (sender, receiver) pairs
-  that carry data anyway, where no sender ends up more than 1% over the busiest one before:
-  every distinct pair costs a round slot."""
+  """Moves needs onto (sender, receiver) pairs that carry data anyway, within 1% load."""
   fixed: list[np.ndarray] = []  # pairs of needs that only one replica can send
   movable = []
   for k, (lp, (src, dst)) in enumerate(zip(plans, layouts, strict=True)):
     g = _geometry(src, dst)
     remote = ~lp.local
-    n_rep = np.asarray([len(r) for r in g.replica_ids], dtype=np.int64)[
-      g.region_src_box[g.need_region]
-    ]
+    n_rep = np.fromiter(map(len, g.replica_ids), np.int64)[g.region_src_box[g.need_region]]
     one = remote & (n_rep == 1)
     fixed.append(lp.src_device[one] * (1 << 32) + lp.dst_device[one])
     idx = np.nonzero(remote & (n_rep > 1))[0]
@@ -596,18 +430,13 @@ def _join_pairs(
       if s * (1 << 32) + d in anchors:
         continue
       reps = g.replica_ids[int(g.region_src_box[g.need_region[t]])].tolist()
-      best = min(
-        (
-          (load.get(r, 0), r)
-          for r in reps
-          if r * (1 << 32) + d in anchors and procs[r] == procs[s] and load.get(r, 0) + nb <= top
-        ),
-        default=None,
-      )
-      if best is not None:
-        sender[t] = best[1]
+      fits = [(load.get(r, 0), r) for r in reps if r * (1 << 32) + d in anchors]
+      fits = [(n, r) for n, r in fits if procs[r] == procs[s] and n + nb <= top]
+      if fits:
+        r = min(fits)[1]
+        sender[t] = r
         load[s] -= nb
-        load[best[1]] = load.get(best[1], 0) + nb
+        load[r] = load.get(r, 0) + nb
     if not np.array_equal(sender, lp.src_device):
       out[k] = dataclasses.replace(lp, src_device=sender)
   return out

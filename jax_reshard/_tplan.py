@@ -1,36 +1,25 @@
-"""Plans of transformed trees: the planner's regions made of pieces. NumPy only.
-
-With ``transform=``, every output leaf is a union of pieces (:mod:`_pieces`). Each piece, cut
-to each distinct destination box and then to each source shard box it meets, is a *region* of
-the planner (:class:`~jax_reshard._planner.Geometry`) whose source box is a box of one source
-leaf and whose bytes count in the piece's *wire* dtype (the narrowest of its cast chain). From
-there a transformed leaf is planned and scheduled like any other, so ``bytes_moved`` equals
-:func:`jax_reshard._pieces.lower_bound_bytes` (plus relay forwards, in the output dtype).
-"""
+"""Plans of transformed trees: each piece cut to destination and source boxes is a region."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any
 
 import numpy as np
 
 from jax_reshard._layout import Layout
-from jax_reshard._options import Options
 from jax_reshard._pieces import OutputLeaf, Piece, lower_bound_bytes, restrict, restrict_source
 from jax_reshard._plan import LayoutPlan, plan_transformed
 from jax_reshard._planner import Geometry, LeafPlan, one_domain, plan_regions, unique_boxes
-from jax_reshard._schedule import DEFAULT_MAX_BUCKET_BYTES
 from jax_reshard._topology import Topology
 
 
 def output_geometry(
-  leaf: OutputLeaf, src_layouts: Sequence[Layout], dst: Layout
+  leaf: OutputLeaf, src_layouts, dst: Layout
 ) -> tuple[Geometry, np.ndarray, tuple[Piece, ...]]:
-  """The planner's regions of ``leaf`` laid out as ``dst`` (element counts left at 0), each
-  region's bytes in its wire dtype, and each region's piece."""
+  """A leaf's planner regions in ``dst``, their wire bytes, and their pieces."""
   d_lo, d_hi, d_inv = unique_boxes(dst)
   d_ids = np.asarray(dst.device_ids, np.int64)
   boxes: dict[tuple[int, int], int] = {}  # (source leaf, its unique box): source box index
@@ -81,8 +70,7 @@ def output_geometry(
 
 
 def _senders_layout(leaf: OutputLeaf, src_layouts: Sequence[Layout], dst: Layout) -> Layout:
-  """A layout over every source device of the leaf's pieces holding nothing: the schedule
-  learns the devices of the leaf's bucket from it (and stages no placeholder for it)."""
+  """A layout over the devices the leaf reads, holding nothing (for the schedule)."""
   ids = sorted({i for p in leaf.pieces for i in src_layouts[p.src_leaf].device_ids})
   procs = {i: p for s in src_layouts for i, p in zip(s.device_ids, s.process_indices, strict=True)}
   zero = ((0,) * dst.ndim,) * len(ids)
@@ -94,26 +82,12 @@ def plan_transform_layouts(
   src_layouts: Sequence[Layout],
   dst_layouts: Sequence[Layout],
   *,
-  max_bucket_bytes: int | Sequence[int] | None = DEFAULT_MAX_BUCKET_BYTES,
   topology: Topology | None = None,
-  relays: bool | Literal["auto"] | None = None,
-  options: Options | None = None,
+  **kw: Any,
 ) -> LayoutPlan:
-  """Plans a transformed tree: a :class:`LayoutPlan` of the output leaves with its pieces.
-
-  Args:
-    leaves: the transform's output leaves.
-    src_layouts: per source leaf, its layout.
-    dst_layouts: per output leaf, its layout.
-    max_bucket_bytes, topology, relays, options: as :func:`~jax_reshard.plan_layouts` (a
-      transformed leaf that does not fit the bound alone raises).
-
-  Returns:
-    A :class:`LayoutPlan` of the output leaves (source layouts: the devices each reads, holding
-    nothing), with each transfer's piece in ``pieces`` and the source layouts in ``inputs``.
+  """A :class:`LayoutPlan` of a transform's output ``leaves`` (keywords as ``plan_layouts``').
 
   Example:
-    >>> import numpy as np
     >>> from jax_reshard._pieces import cast_pieces, source_piece
     >>> src = Layout.from_description((8, 8), mesh_shape=(2,), axis_names=("x",), spec=("x",))
     >>> dst = Layout.from_description(
@@ -124,11 +98,9 @@ def plan_transform_layouts(
     >>> plan.stats.bytes_moved == plan.stats.lower_bound_bytes == 8 * 8 * 2
     True
   """
-  leaves, src_layouts, dst_layouts = tuple(leaves), tuple(src_layouts), tuple(dst_layouts)
   one = one_domain([(s, s) for s in (*src_layouts, *dst_layouts)], topology)
 
   def transfers(relay: bool) -> tuple[tuple[LeafPlan, ...], tuple[tuple[Piece, ...], ...]]:
-    """Per output leaf its plan (send load balanced over the tree in one domain) and pieces."""
     load: dict[int, int] = {}
     entry: dict[int, int] = {}
     plans, pieces = [], []
@@ -157,9 +129,7 @@ def plan_transform_layouts(
     [f.dtype.itemsize for f in leaves],
     src_layouts,
     transfers,
-    max_bucket_bytes=max_bucket_bytes,
     topology=topology,
-    relays=relays,
     leaf_names=[f.path or "<root>" for f in leaves],
-    options=options,
+    **kw,
   )
