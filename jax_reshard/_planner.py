@@ -1,23 +1,7 @@
 """The planner: which device sends which box to which device. Pure NumPy, deterministic.
 
-For one leaf, the source layout and the destination layout are each grouped into unique boxes
-(a box held by several devices is replicated). Every non-empty intersection of a source box
-with a destination box is a *region*; every destination device of that destination box needs
-it. A device that already holds the region in its source shard copies it locally; otherwise
-exactly one source replica sends it, chosen to keep per-device send load balanced and
-preferring a replica in the receiving device's process (then, with a :class:`Topology`, in its
-domain). The unique-box intersection is vectorised over all box pairs, and the intersection
-geometry is cached per layout pair.
-
-*Relays* (only with a topology of several domains): when a region is needed by several devices
-of a domain that holds no source replica of it, one of them (the *entry*, chosen to balance
-what devices receive over slow links) receives it from a source replica, and the others get it
-from the entry afterwards (transfers of ``hop`` 1, whose sender holds the region in its
-destination shard). So each region crosses into each domain once. *Fan-out* works the same
-way inside a domain: where more devices of a domain need a region than twice its replicas
-there (:data:`FANOUT_NEEDS`), one of them receives it and forwards it to the others, so that a
-replica that is the only one of its domain (a pipeline stage split over two racks) does not
-send every region it holds to every device of its domain that needs it.
+Source and destination boxes intersect into regions; each is copied where held, else sent by one
+source replica (load balanced), and with domains relayed into each domain once.
 """
 
 from __future__ import annotations
@@ -26,6 +10,7 @@ import dataclasses
 import functools
 import heapq
 from collections.abc import MutableMapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -33,34 +18,17 @@ from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
 from jax_reshard._topology import Topology
 
-# Up to this many needs of one size, :func:`_assign_lpt` pops a heap in Python (faster than
-# its array form at this size; the same senders); :func:`_member` takes the same cutoff.
-SMALL_LPT = 16
-# With a topology of several domains, a region that more than this many devices of a domain
-# need per replica it has there is fanned out: one of them receives it, then forwards it.
-FANOUT_NEEDS = 2
+SMALL_LPT = 16  # up to this many equal needs, a heap in Python beats arrays (:func:`_assign_lpt`)
+FANOUT_NEEDS = 2  # a region needed by more devices of a domain per replica there is fanned out
+
+_Tasks = MutableMapping[tuple[object, ...], list[tuple[np.ndarray, np.ndarray, bool]]]
+_Load = MutableMapping[int, int]
+_Arr = np.ndarray
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class LeafPlan:
-  """Transfers for one leaf. Row ``i`` of each array describes one transfer.
-
-  Attributes:
-    src_device: sending device id (equal to ``dst_device`` for local copies).
-    dst_device: receiving device id.
-    lo: ``(k, ndim)`` first global index of the box, per dimension.
-    hi: ``(k, ndim)`` one past the last global index of the box.
-    nbytes: bytes in the box.
-    local: whether the transfer is a device-local copy (no traffic).
-    lower_bound_bytes: sum over destination devices of shard bytes they do not already hold.
-    gather_broadcast_bytes: bytes an all-gather on the source plus a broadcast of the full
-      tensor to every destination device (not already holding it) would make devices receive.
-    hop: per transfer, 0 when the sender holds the box in its source shard, 1 for a relay
-      forward whose sender receives the box (at ``hop`` 0) into its destination shard first.
-      ``None``: every transfer is hop 0.
-    slow_lower_bound_bytes: with a topology, the bytes that must cross into a domain: per
-      region and destination domain that needs it but holds no source replica, once.
-  """
+  """One leaf's transfers, a row each (sender, receiver, box, bytes, local, ``hop`` 1: forward)."""
 
   src_device: np.ndarray
   dst_device: np.ndarray
@@ -84,13 +52,7 @@ class LeafPlan:
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
 class Geometry:
-  """The regions of one leaf and who needs and holds each (itemsize-independent).
-
-  A region is a box of the destination (output) leaf whose elements come from one source box;
-  every destination device of the region's destination box needs it. :func:`plan_leaf` makes
-  it from two layouts (cached per layout pair); a transformed leaf makes it from its pieces
-  (``jax_reshard._tplan``), its source boxes then being boxes of several source leaves.
-  """
+  """The regions of one leaf (destination boxes read from one source box): who needs, holds each."""
 
   region_lo: np.ndarray  # (r, ndim)
   region_hi: np.ndarray
@@ -107,141 +69,81 @@ class Geometry:
   gather_broadcast_elems: int
 
 
-def _unique_boxes(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  # A trailing unit dimension keeps rank-0 arrays in the same code path.
+@functools.lru_cache(maxsize=4096)
+def unique_boxes(layout: Layout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """A layout's distinct boxes (a trailing unit dimension added) and each device's box."""
+  lo, hi = layout.box_arrays()
   one = np.ones((lo.shape[0], 1), dtype=np.int64)
-  key = np.concatenate([lo, one * 0, hi, one], axis=1)
-  uniq, inv = np.unique(key, axis=0, return_inverse=True)
+  uniq, inv = np.unique(np.concatenate([lo, one * 0, hi, one], axis=1), axis=0, return_inverse=True)
   nd = lo.shape[1] + 1
   return uniq[:, :nd], uniq[:, nd:], inv.reshape(-1)
 
 
-def _csr(groups: np.ndarray, num: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _csr(groups: _Arr, num: int) -> tuple[_Arr, _Arr, _Arr]:
   order = np.argsort(groups, kind="stable")
   counts = np.bincount(groups, minlength=num)
-  offsets = np.concatenate([[0], np.cumsum(counts)[:-1]])
-  return order, counts, offsets
+  return order, counts, np.concatenate([[0], np.cumsum(counts)[:-1]])
+
+
+def _find(ids: _Arr, values: _Arr) -> tuple[_Arr, _Arr]:
+  """Per value, its position in the ascending ``ids`` and whether it is there."""
+  pos = np.clip(np.searchsorted(ids, values), 0, max(len(ids) - 1, 0))
+  return pos, (ids[pos] == values) if len(ids) else np.zeros(len(values), bool)
 
 
 @functools.lru_cache(maxsize=4096)
 def _geometry(src: Layout, dst: Layout) -> Geometry:
   s_lo, s_hi = src.box_arrays()
   d_lo, d_hi = dst.box_arrays()
-  us_lo, us_hi, s_inv = _unique_boxes(s_lo, s_hi)
-  ud_lo, ud_hi, d_inv = _unique_boxes(d_lo, d_hi)
+  us_lo, us_hi, s_inv = unique_boxes(src)
+  ud_lo, ud_hi, d_inv = unique_boxes(dst)
   lo = np.maximum(us_lo[:, None, :], ud_lo[None, :, :])
   hi = np.minimum(us_hi[:, None, :], ud_hi[None, :, :])
   u_idx, v_idx = np.nonzero(np.all(hi > lo, axis=-1))
-  region_lo = lo[u_idx, v_idx, :-1]
-  region_hi = hi[u_idx, v_idx, :-1]
-  region_elems = np.prod(region_hi - region_lo, axis=1, dtype=np.int64)
-
-  # Every destination device of box v needs every region (u, v).
+  region_lo, region_hi = lo[u_idx, v_idx, :-1], hi[u_idx, v_idx, :-1]
   d_ids = np.asarray(dst.device_ids, dtype=np.int64)
   d_order, d_counts, d_offsets = _csr(d_inv, len(ud_lo))
   reps = d_counts[v_idx]
   need_region = np.repeat(np.arange(len(u_idx)), reps)
   within = np.arange(len(need_region)) - np.repeat(np.cumsum(reps) - reps, reps)
   need_dst = d_ids[d_order[d_offsets[v_idx][need_region] + within]]
-
-  # A destination device that holds source box u copies the region locally.
   s_ids = np.asarray(src.device_ids, dtype=np.int64)
-  pos = np.clip(np.searchsorted(s_ids, need_dst), 0, max(len(s_ids) - 1, 0))
-  in_src = (s_ids[pos] == need_dst) if len(s_ids) else np.zeros(len(need_dst), bool)
-  need_local = in_src & (s_inv[pos] == u_idx[need_region])
-
+  pos, in_src = _find(s_ids, need_dst)
   s_procs = np.asarray(src.process_indices, dtype=np.int64)
   s_order, s_counts, s_offsets = _csr(s_inv, len(us_lo))
-  replica_ids = tuple(s_ids[s_order[a : a + c]] for a, c in zip(s_offsets, s_counts, strict=True))
-  replica_procs = tuple(
-    s_procs[s_order[a : a + c]] for a, c in zip(s_offsets, s_counts, strict=True)
-  )
-
-  # Independent of the regions: what each destination device lacks.
-  d_elems = np.prod(d_hi - d_lo, axis=1, dtype=np.int64)
+  spans = list(zip(s_offsets, s_counts, strict=True))
   held = np.zeros(len(d_ids), dtype=np.int64)
-  dpos = np.clip(np.searchsorted(s_ids, d_ids), 0, max(len(s_ids) - 1, 0))
-  d_in_src = (s_ids[dpos] == d_ids) if len(s_ids) else np.zeros(len(d_ids), bool)
-  if d_in_src.any():
-    olo = np.maximum(d_lo[d_in_src], s_lo[dpos[d_in_src]])
-    ohi = np.minimum(d_hi[d_in_src], s_hi[dpos[d_in_src]])
-    held[d_in_src] = np.prod(np.maximum(ohi - olo, 0), axis=1, dtype=np.int64)
+  dpos, d_in_src = _find(s_ids, d_ids)
+  olo = np.maximum(d_lo[d_in_src], s_lo[dpos[d_in_src]])
+  ohi = np.minimum(d_hi[d_in_src], s_hi[dpos[d_in_src]])
+  held[d_in_src] = np.prod(np.maximum(ohi - olo, 0), axis=1, dtype=np.int64)
   total = int(np.prod(src.shape, dtype=np.int64))
   s_elems = np.prod(s_hi - s_lo, axis=1, dtype=np.int64)
-  gather = int((total - s_elems).sum()) + total * int((~d_in_src).sum())
-  need_proc = np.asarray(dst.process_indices, dtype=np.int64)[np.searchsorted(d_ids, need_dst)]
   return Geometry(
     region_lo=region_lo,
     region_hi=region_hi,
-    region_elems=region_elems,
+    region_elems=np.prod(region_hi - region_lo, axis=1, dtype=np.int64),
     region_src_box=u_idx,
     region_dst_box=v_idx,
     need_region=need_region,
     need_dst=need_dst,
-    need_local=need_local,
-    replica_ids=replica_ids,
-    replica_procs=replica_procs,
-    need_proc=need_proc,
-    lower_bound_elems=int((d_elems - held).sum()),
-    gather_broadcast_elems=gather,
+    need_local=in_src & (s_inv[pos] == u_idx[need_region]),
+    replica_ids=tuple(s_ids[s_order[a : a + c]] for a, c in spans),
+    replica_procs=tuple(s_procs[s_order[a : a + c]] for a, c in spans),
+    need_proc=np.asarray(dst.process_indices, dtype=np.int64)[np.searchsorted(d_ids, need_dst)],
+    lower_bound_elems=int((np.prod(d_hi - d_lo, axis=1, dtype=np.int64) - held).sum()),
+    gather_broadcast_elems=int((total - s_elems).sum()) + total * int((~d_in_src).sum()),
   )
 
 
-def plan_leaf(
-  src: Layout,
-  dst: Layout,
-  itemsize: int,
-  send_load: MutableMapping[int, int] | None = None,
-  *,
-  topology: Topology | None = None,
-  entry_load: MutableMapping[int, int] | None = None,
-  relays: bool = True,
-  tasks: MutableMapping[tuple[object, ...], list[tuple[np.ndarray, np.ndarray, bool]]]
-  | None = None,
-  fanout: bool = False,
-) -> LeafPlan:
-  """Plans the transfers of one leaf.
-
-  Args:
-    src: source layout.
-    dst: destination layout (same global shape).
-    itemsize: bytes per element.
-    send_load: bytes already assigned to each sending device by earlier leaves; updated in
-      place so that load stays balanced across a whole tree.
-    topology: device domains; with several, senders in the receiver's domain are preferred
-      and regions a domain lacks are relayed (see the module docstring). ``None`` or one
-      domain: the plan without a topology.
-    entry_load: bytes each device already receives as a relay entry; updated in place.
-    relays: whether to relay (else every need comes from a source replica; the slow-link
-      lower bound is computed all the same).
-    tasks: which needs go to which replicas, kept across leaves (the layers of a model have
-      equal layouts, so they balance the same groups of needs over the same replicas).
-    fanout: with ``relays``, also forward the regions a domain holds too few replicas of
-      (:data:`FANOUT_NEEDS`); :func:`plan_leaves` sets it where the devices span several
-      domains.
-
-  Returns:
-    A :class:`LeafPlan` in which every element a destination device lacks arrives exactly once.
-
-  Raises:
-    ReshardError: if the layouts differ in shape.
-  """
+def plan_leaf(src: Layout, dst: Layout, itemsize: int, send_load=None, **kw: Any) -> LeafPlan:
+  """Plans one leaf from ``src`` to ``dst`` (same shape); keywords as :func:`plan_regions`."""
   if src.shape != dst.shape:
     raise ReshardError(f"layouts of different shapes: {src.shape} vs {dst.shape}")
   g = _geometry(src, dst)
-  return plan_regions(
-    g,
-    g.region_elems * itemsize,
-    g.lower_bound_elems * itemsize,
-    g.gather_broadcast_elems * itemsize,
-    send_load,
-    topology=topology,
-    entry_load=entry_load,
-    relays=relays,
-    tasks=tasks,
-    task_key=(src, dst, topology, itemsize > 0),
-    fanout=fanout,
-  )
+  lower, gather = g.lower_bound_elems * itemsize, g.gather_broadcast_elems * itemsize
+  key = (src, dst, kw.get("topology"), itemsize > 0)
+  return plan_regions(g, g.region_elems * itemsize, lower, gather, send_load, task_key=key, **kw)
 
 
 def plan_regions(
@@ -249,47 +151,38 @@ def plan_regions(
   region_bytes: np.ndarray,
   lower_bound_bytes: int,
   gather_broadcast_bytes: int,
-  send_load: MutableMapping[int, int] | None = None,
+  send_load: _Load | None = None,
   *,
   topology: Topology | None = None,
-  entry_load: MutableMapping[int, int] | None = None,
+  entry_load: _Load | None = None,
   relays: bool = True,
-  tasks: MutableMapping[tuple[object, ...], list[tuple[np.ndarray, np.ndarray, bool]]]
-  | None = None,
+  tasks: _Tasks | None = None,
   task_key: tuple[object, ...] = (),
   fanout: bool = False,
 ) -> LeafPlan:
-  """Plans the needs of ``g``: a sender for each, relays with a topology (see
-  :func:`plan_leaf`, whose arguments these are; ``region_bytes``: the bytes of each region,
-  ``task_key``: what identifies the geometry in ``tasks``)."""
-  load: MutableMapping[int, int] = {} if send_load is None else send_load
-  need_u = g.region_src_box[g.need_region]
+  """Plans ``g``'s needs: senders balancing ``send_load``, relays over ``topology``'s domains."""
+  load: _Load = {} if send_load is None else send_load
   need_bytes = np.asarray(region_bytes, dtype=np.int64)[g.need_region]
   sender = g.need_dst.copy()  # local copies send to themselves
-  hop, slow_bound, need_dom, rep_doms = None, 0, None, None
+  hop, slow_bound, doms = None, 0, None
   if topology is not None and len(g.need_dst):
-    need_dom = topology.domain_of(g.need_dst)
-    rep_doms = _replica_domains(g, topology)
-    entry: MutableMapping[int, int] = {} if entry_load is None else entry_load
-    hop, slow_bound = _relays(
-      g, need_dom, rep_doms, need_bytes, region_bytes, entry, sender, relays, fanout
-    )
+    cuts = np.cumsum([len(ids) for ids in g.replica_ids])[:-1]  # one domain_of call for all
+    rep_doms = tuple(np.split(topology.domain_of(np.concatenate(g.replica_ids)), cuts))
+    doms = (topology.domain_of(g.need_dst), rep_doms)
+    entry = {} if entry_load is None else entry_load
+    hop, slow_bound = _relays(g, doms, region_bytes, entry, sender, relays, fanout)
   remote = np.nonzero(~g.need_local & (hop != 1 if hop is not None else True))[0]
   if len(remote):
     key = (*task_key, remote.tobytes())
     todo = None if tasks is None else tasks.get(key)
     if todo is None:
-      todo = _sender_tasks(remote, g, need_u, need_bytes, need_dom, rep_doms)
+      todo = _sender_tasks(remote, g, g.region_src_box[g.need_region], need_bytes, doms)
       if tasks is not None:
         tasks[key] = todo
     slow_load: dict[int, int] = {}  # with domains: sends over slow links, balanced apart
     for needs, ids, slow in todo:
-      if slow:
-        _assign_tied(needs, ids, need_bytes, slow_load, load, sender)
-      elif slow_load:
-        _assign_tied(needs, ids, need_bytes, load, slow_load, sender)
-      else:
-        _assign_lpt(needs, ids, need_bytes, load, sender)
+      main, tie = (slow_load, load) if slow else (load, slow_load)
+      _assign_tied(needs, ids, need_bytes, main, tie, sender)
   return LeafPlan(
     src_device=sender,
     dst_device=g.need_dst,
@@ -304,45 +197,15 @@ def plan_regions(
   )
 
 
-def _replica_domains(g: Geometry, topology: Topology | None) -> tuple[np.ndarray, ...]:
-  """Per unique source box, the domain of each of its replicas (one ``domain_of`` call)."""
-  assert topology is not None
-  counts = np.fromiter((len(ids) for ids in g.replica_ids), np.int64, len(g.replica_ids))
-  if not len(counts):
-    return ()
-  doms = topology.domain_of(np.concatenate(g.replica_ids))
-  return tuple(np.split(doms, np.cumsum(counts)[:-1]))
-
-
-def _relays(
-  g: Geometry,
-  need_dom: np.ndarray,
-  rep_doms: tuple[np.ndarray, ...],
-  need_bytes: np.ndarray,
-  region_bytes: np.ndarray,
-  entry_load: MutableMapping[int, int],
-  sender: np.ndarray,
-  relays: bool,
-  fanout: bool = False,
-) -> tuple[np.ndarray | None, int]:
-  """Chooses relay entries; returns the hop of every need and the slow-link lower bound (in
-  bytes). Forwards get their entry as sender in ``sender``; entries keep theirs unset.
-
-  A need is *foreign* when its domain holds no replica of its source box. Per (region,
-  domain) of foreign needs, the region must cross into the domain once (the lower bound); with
-  two or more such needs one of them is the entry, chosen by least ``entry_load`` among the
-  needing devices (largest regions first), and the others are forwarded from it. With
-  ``fanout``, so are the needs of a (region, domain) whose remote needs outnumber
-  :data:`FANOUT_NEEDS` times the replicas of the region's source box in the domain (the entry
-  then gets it from one of them).
-  """
+def _relays(g, doms, region_bytes, entry, sender, relays, fanout) -> tuple[_Arr | None, int]:
+  """Relay entries and forwards (``hop`` 1, sender in ``sender``); the slow-link lower bound."""
+  need_dom, rep_doms = doms
   span = int(max(need_dom.max(), *(int(d.max()) for d in rep_doms if len(d)))) + 1
   rep_u = np.repeat(np.arange(len(rep_doms)), [len(d) for d in rep_doms])
   held, held_count = np.unique(
     rep_u * span + np.concatenate([*rep_doms, np.zeros(0, np.int64)]), return_counts=True
   )
-  need_u = g.region_src_box[g.need_region]
-  at_dom = need_u * span + need_dom
+  at_dom = g.region_src_box[g.need_region] * span + need_dom
   pos = np.minimum(np.searchsorted(held, at_dom), len(held) - 1)
   reps = np.where(held[pos] == at_dom, held_count[pos], 0)  # replicas in the need's domain
   remote = ~g.need_local
@@ -353,7 +216,7 @@ def _relays(
     needs_there = np.zeros(len(reps), dtype=np.int64)
     needs_there[remote] = count[inverse.reshape(-1)]
     is_cand |= remote & (needs_there > FANOUT_NEEDS * reps)
-  cand = np.nonzero(is_cand)[0]  # candidates: the foreign needs, and those fanned out
+  cand = np.nonzero(is_cand)[0]  # the foreign needs, and those fanned out
   if not len(cand):
     return None, 0
   key = g.need_region[cand] * span + need_dom[cand]
@@ -367,51 +230,32 @@ def _relays(
   if not relays or not len(multi):
     return None, slow_bound
   hop = np.zeros(len(g.need_dst), dtype=np.int8)
-  # Groups of one destination box in one domain share their members: choose entries per such
-  # cluster, largest regions first, by least load.
+  # Groups of one destination box in one domain share their devices: entries per such cluster.
   grp_need = cand[first[multi]]
-  grp_bytes = need_bytes[grp_need]
+  grp_bytes = region_bytes[g.need_region[grp_need]]
   cluster = g.region_dst_box[g.need_region[grp_need]] * span + need_dom[grp_need]
   corder = np.lexsort((g.need_region[grp_need], -grp_bytes, cluster))
   starts = np.flatnonzero(np.r_[True, np.diff(cluster[corder]) != 0])
-  # Per cluster, its needing devices: those of its first group.
-  k = multi[corder[starts]]
+  k = multi[corder[starts]]  # per cluster, its devices: those of its first group
   counts = sizes[k]
   at = np.repeat(first[k] - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
-  entry = np.zeros(len(multi), dtype=np.int64)
+  chosen = np.zeros(len(multi), dtype=np.int64)
   shift = min((int(ids.min()) for ids in g.replica_ids if len(ids)), default=0)
-  _choose_entries(corder, starts, g.need_dst[cand[at]], counts, grp_bytes, entry_load, entry, shift)
-  # Every candidate of a multi group: forwarded from the entry unless it is the entry.
+  _choose_entries(corder, starts, g.need_dst[cand[at]], counts, grp_bytes, entry, chosen, shift)
   owner = np.repeat(np.arange(len(first)), sizes)
   rank_of = np.full(len(first), -1)
   rank_of[multi] = np.arange(len(multi))
   in_multi = rank_of[owner] >= 0
   relayed = cand[in_multi]
-  their_entry = entry[rank_of[owner[in_multi]]]
+  their_entry = chosen[rank_of[owner[in_multi]]]
   fwd = g.need_dst[relayed] != their_entry
   hop[relayed[fwd]] = 1
   sender[relayed[fwd]] = their_entry[fwd]
   return hop, slow_bound
 
 
-def _choose_entries(
-  order: np.ndarray,
-  starts: np.ndarray,
-  ids: np.ndarray,
-  counts: np.ndarray,
-  nbytes: np.ndarray,
-  load: MutableMapping[int, int],
-  entry: np.ndarray,
-  shift: int = 0,
-) -> None:
-  """Gives each group of relayed needs (``order``, cut into clusters at ``starts``) its entry
-  by :func:`_assign_lpt` over its cluster's devices (``ids``, ``counts`` per cluster), cluster
-  after cluster. A device holds one destination box, so clusters (a box in a domain) share no
-  device and do not wait on one another: every cluster of one group (most of them) takes its
-  least loaded device at once, with array operations, ties going to the device whose place in
-  the cluster (by id) is next from ``shift`` (the leaf's lowest source device id) modulo the
-  cluster's size: balanced per leaf, leaves of different source devices (pipeline stages)
-  enter their domains through different devices, and equal leaves through the same."""
+def _choose_entries(order, starts, ids, counts, nbytes, load, entry, shift) -> None:
+  """Each cluster's entry as :func:`_assign_rotated` gives, disjoint clusters at once."""
   members = np.split(order, starts[1:])
   owner = np.repeat(np.arange(len(starts)), counts)
   single = np.diff(np.r_[starts, len(order)]) == 1
@@ -421,8 +265,7 @@ def _choose_entries(
     _assign_rotated(members[c], ids[owner == c], nbytes, load, entry, shift)
   if not single.any():
     return
-  mine = single[owner]
-  dev_ids, dev_owner = ids[mine], owner[mine]
+  dev_ids, dev_owner = ids[single[owner]], owner[single[owner]]
   loads = np.fromiter((load.get(i, 0) for i in dev_ids.tolist()), np.int64, len(dev_ids))
   size = np.bincount(dev_owner)
   place = np.empty(len(dev_ids), np.int64)  # each device's place in its cluster, by id
@@ -438,32 +281,16 @@ def _choose_entries(
   load.update(zip(dev_ids[best].tolist(), (loads[best] + nbytes[groups]).tolist(), strict=True))
 
 
-def _assign_rotated(
-  needs: np.ndarray,
-  ids: np.ndarray,
-  nbytes: np.ndarray,
-  load: MutableMapping[int, int],
-  entry: np.ndarray,
-  shift: int,
-) -> None:
-  """:func:`_assign_lpt` with ties going to the device whose place among ``ids`` (by id) is
-  next from ``shift`` modulo their number, rather than to the lowest id (``ids`` distinct)."""
+def _assign_rotated(needs, ids, nbytes, load, entry, shift) -> None:
+  """:func:`_assign_lpt`, ties going to the id next after ``shift`` (modulo)."""
   if shift % len(ids) == 0 or len(np.unique(ids)) < len(ids):
     _assign_lpt(needs, ids, nbytes, load, entry)
     return
   _assign_in_order(needs, np.roll(np.sort(ids), -(shift % len(ids))), nbytes, load, entry)
 
 
-def _assign_in_order(
-  needs: np.ndarray,
-  ordered: np.ndarray,
-  nbytes: np.ndarray,
-  load: MutableMapping[int, int],
-  out: np.ndarray,
-) -> None:
-  """:func:`_assign_lpt` over the distinct device ids ``ordered``, ties going to the one
-  first in that order rather than to the lowest id (run on their positions, then mapped
-  back)."""
+def _assign_in_order(needs, ordered, nbytes, load, out) -> None:
+  """:func:`_assign_lpt` over the distinct ids ``ordered``, ties going to the first of them."""
   ids = ordered.tolist()
   at = {k: load[i] for k, i in enumerate(ids) if i in load}
   _assign_lpt(needs, np.arange(len(ids)), nbytes, at, out)
@@ -471,54 +298,32 @@ def _assign_in_order(
   load.update({ids[k]: v for k, v in at.items()})
 
 
-def _sender_tasks(
-  remote: np.ndarray,
-  g: Geometry,
-  need_u: np.ndarray,
-  need_bytes: np.ndarray,
-  need_dom: np.ndarray | None,
-  rep_doms: tuple[np.ndarray, ...] | None,
-) -> list[tuple[np.ndarray, np.ndarray, bool]]:
-  """The calls of :func:`_assign_lpt` that give the ``remote`` needs their senders, in order:
-  per source box (largest needs first; ties by destination id), its needs, replicas and
-  whether they cross domains.
-
-  Needs of a receiver go to the least-loaded replica in the receiver's process (and domain,
-  with a topology; ties: lowest device id); then, with domains, to one in the receiver's
-  domain; needs without such a replica are balanced over all replicas afterwards. With
-  domains, those cross them: a device's sends over slow links and inside its domain take
-  different links (NICs and NVLink), so they are balanced apart (the third element).
-  """
-  need_proc = g.need_proc
+def _sender_tasks(remote, g, need_u, need_bytes, doms) -> list[tuple[_Arr, _Arr, bool]]:
+  """Per source box, the :func:`_assign_lpt` calls: same process (domain) first; slow flag."""
   order = remote[np.lexsort((g.need_dst[remote], -need_bytes[remote], need_u[remote]))]
-  bounds = np.nonzero(np.diff(need_u[order]))[0] + 1
   out = []
-  for group in np.split(order, bounds):
+  for group in np.split(order, np.nonzero(np.diff(need_u[order]))[0] + 1):
     u = int(need_u[group[0]])
-    ids = g.replica_ids[u]
-    procs = g.replica_procs[u]
-    need_procs = need_proc[group]
-    if need_dom is not None and rep_doms is not None:  # the same process inside the same domain
-      procs = procs * (1 << 32) + rep_doms[u]
-      need_procs = need_procs * (1 << 32) + need_dom[group]
+    ids, procs, need_procs = g.replica_ids[u], g.replica_procs[u], g.need_proc[group]
+    if doms is not None:  # the same process inside the same domain
+      procs = procs * (1 << 32) + doms[1][u]
+      need_procs = need_procs * (1 << 32) + doms[0][group]
     matched = _member(need_procs, procs)
     for p in np.unique(need_procs[matched]).tolist():
       out.append((group[need_procs == p], ids[procs == p], False))
-    if need_dom is not None and rep_doms is not None and not matched.all():
-      doms, nd = rep_doms[u], need_dom[group]
-      in_dom = ~matched & _member(nd, doms)
+    if doms is not None and not matched.all():
+      rep_dom, nd = doms[1][u], doms[0][group]
+      in_dom = ~matched & _member(nd, rep_dom)
       for dom in np.unique(nd[in_dom]).tolist():
-        out.append((group[in_dom & (nd == dom)], ids[doms == dom], False))
+        out.append((group[in_dom & (nd == dom)], ids[rep_dom == dom], False))
       matched |= in_dom
-    if not matched.all():  # no replica in the receiver's process: balance over all replicas
-      out.append((group[~matched], ids, need_dom is not None))
+    if not matched.all():
+      out.append((group[~matched], ids, doms is not None))
   return out
 
 
-def _member(values: np.ndarray, pool: np.ndarray) -> np.ndarray:
-  """``np.isin(values, pool)``: through a set where both are short (at most ``SMALL_LPT``), by
-  comparing every pair where only the pool is (up to 4x that); both are faster than
-  ``np.isin`` at those sizes."""
+def _member(values: _Arr, pool: _Arr) -> _Arr:
+  """``np.isin(values, pool)``, faster for short arrays (a set, or every pair)."""
   if len(values) <= SMALL_LPT and len(pool) <= SMALL_LPT:
     found = set(pool.tolist())
     return np.fromiter((v in found for v in values.tolist()), dtype=bool, count=len(values))
@@ -527,15 +332,9 @@ def _member(values: np.ndarray, pool: np.ndarray) -> np.ndarray:
   return np.isin(values, pool)
 
 
-def _assign_lpt(
-  needs: np.ndarray,
-  ids: np.ndarray,
-  need_bytes: np.ndarray,
-  load: MutableMapping[int, int],
-  sender: np.ndarray,
-) -> None:
+def _assign_lpt(needs, ids, nbytes, load, sender) -> None:
   """Assigns ``needs`` (in order) one by one to the replica of least (load, id)."""
-  sizes = need_bytes[needs]
+  sizes = nbytes[needs]
   k, r = len(needs), len(ids)
   if r == 1:
     dev = int(ids[0])
@@ -543,42 +342,19 @@ def _assign_lpt(
     load[dev] = load.get(dev, 0) + int(sizes.sum())
     return
   b = int(sizes[0])
-  if k == 1:  # one need: the least (load, id), as the heap below would pop
-    id_list = ids.tolist()
-    for i in id_list:  # every replica gets an entry, as in the equal-size case below
-      load.setdefault(i, 0)
-    cur, dev = min((load[i], i) for i in id_list)
-    sender[needs[0]] = dev
-    load[dev] = cur + b
-    return
-  if k <= SMALL_LPT and (sizes == b).all():  # few needs: the heap below, without arrays
-    id_list = ids.tolist()
-    for i in id_list:  # every replica gets an entry, as in the equal-size case below
-      load.setdefault(i, 0)
-    heap = [(load[i], i) for i in id_list]
-    heapq.heapify(heap)
-    for kk in needs.tolist():
-      cur, dev = heapq.heappop(heap)
-      sender[kk] = dev
-      load[dev] = cur + b
-      heapq.heappush(heap, (cur + b, dev))
-    return
-  loads = np.fromiter((load.get(i, 0) for i in ids.tolist()), dtype=np.int64, count=r)
-  if (sizes == b).all():
-    # Equal sizes: a heap that pops the least (load, id) and pushes it back b bytes heavier
-    # pops, in order, the smallest k of the merged sequences load_i + j * b (ties by id).
+  if k > SMALL_LPT and (sizes == b).all():
+    # Equal sizes: the heap below would pop the smallest k of load_i + j * b (ties by id).
+    loads = np.fromiter((load.get(i, 0) for i in ids.tolist()), dtype=np.int64, count=r)
     top = int(loads.max()) + -(-k // r) * b  # at least k candidates are <= top
     counts = np.minimum((top - loads) // b + 1, k)
     rep = np.repeat(np.arange(r), counts)
     j = np.arange(len(rep)) - np.repeat(np.cumsum(counts) - counts, counts)
-    keys = loads[rep] + j * b
-    chosen = rep[np.lexsort((ids[rep], keys))[:k]]
+    chosen = rep[np.lexsort((ids[rep], loads[rep] + j * b))[:k]]
     sender[needs] = ids[chosen]
     loads += np.bincount(chosen, minlength=r) * b
-    for i, v in zip(ids.tolist(), loads.tolist(), strict=True):
-      load[i] = v
+    load.update(zip(ids.tolist(), loads.tolist(), strict=True))
     return
-  heap = list(zip(loads.tolist(), ids.tolist(), strict=True))
+  heap = [(load.setdefault(i, 0), i) for i in ids.tolist()]  # every replica gets an entry
   heapq.heapify(heap)
   for kk, nb in zip(needs.tolist(), sizes.tolist(), strict=True):
     cur, dev = heapq.heappop(heap)
@@ -587,63 +363,34 @@ def _assign_lpt(
     heapq.heappush(heap, (cur + nb, dev))
 
 
-def _assign_tied(
-  needs: np.ndarray,
-  ids: np.ndarray,
-  need_bytes: np.ndarray,
-  load: MutableMapping[int, int],
-  tie: MutableMapping[int, int],
-  sender: np.ndarray,
-) -> None:
-  """:func:`_assign_lpt` with ties in ``load`` going to the replica of least ``tie`` (the load
-  on the other link class), then least id."""
-  ties = np.fromiter((tie.get(i, 0) for i in ids.tolist()), np.int64, len(ids))
-  if len(ids) == 1 or not ties.any():
-    _assign_lpt(needs, ids, need_bytes, load, sender)
+def _assign_tied(needs, ids, nbytes, load, tie, sender) -> None:
+  """:func:`_assign_lpt`, ties in ``load`` going to the least ``tie`` (the other link class)."""
+  ties = np.fromiter((tie.get(i, 0) for i in ids.tolist()), np.int64, len(ids)) if tie else None
+  if ties is None or len(ids) == 1 or not ties.any():
+    _assign_lpt(needs, ids, nbytes, load, sender)
     return
-  _assign_in_order(needs, ids[np.lexsort((ids, ties))], need_bytes, load, sender)
+  _assign_in_order(needs, ids[np.lexsort((ids, ties))], nbytes, load, sender)
 
 
 def plan_leaves(
-  layouts: Sequence[tuple[Layout, Layout]],
-  itemsizes: Sequence[int],
-  *,
-  topology: Topology | None = None,
-  relays: bool = True,
+  layouts, itemsizes, *, topology: Topology | None = None, relays=True
 ) -> list[LeafPlan]:
-  """Plans every leaf of a tree, balancing send (and relay entry) load across all of them; with
-  a topology of several domains, each leaf balances its own.
-
-  Across domains a bucket's time is that of its busiest device over the slow links, and a
-  bucket holds a few leaves: balancing each leaf balances each bucket, and equal leaves (the
-  layers of a model) get equal plans, hence equal buckets that share one program and one
-  schedule. Balanced over the whole tree, the relay entries of every layer differed, so every
-  bucket was a program of its own (DeepSeek-V3 128 -> 128 on GB200 racks, 4 GiB buckets: 296
-  distinct programs, against 50).
-  """
-  one = one_domain(layouts, topology)
+  """Plans a tree's leaves, load balanced across the tree (per leaf across domains)."""
   load: dict[int, int] = {}
   entry: dict[int, int] = {}
-  tasks: dict[tuple[object, ...], list[tuple[np.ndarray, np.ndarray, bool]]] = {}
-  # Balanced leaf by leaf, a leaf's plan depends on its layouts and itemsize alone: equal
-  # leaves share one plan, made once (the layers of one pipeline stage).
-  made: dict[tuple[Layout, Layout, int], LeafPlan] = {}
-  plans = []
-  for (s, d), isz in zip(layouts, itemsizes, strict=True):
-    if one:
-      plans.append(
-        plan_leaf(s, d, isz, load, topology=topology, entry_load=entry, relays=relays, tasks=tasks)
-      )
-      continue
-    lp = made.get((s, d, isz))
-    if lp is None:
-      lp = made[s, d, isz] = plan_leaf(
+  tasks: _Tasks = {}
+  if not one_domain(layouts, topology):  # equal leaves: one plan
+    once = functools.cache(
+      lambda s, d, isz: plan_leaf(
         s, d, isz, {}, topology=topology, entry_load={}, relays=relays, tasks=tasks, fanout=True
       )
-    plans.append(lp)
-  if one:  # with several domains, senders follow the domains
-    plans = _join_pairs(plans, layouts, load)
-  return plans
+    )
+    return [once(s, d, isz) for (s, d), isz in zip(layouts, itemsizes, strict=True)]
+  plans = [
+    plan_leaf(s, d, isz, load, topology=topology, entry_load=entry, relays=relays, tasks=tasks)
+    for (s, d), isz in zip(layouts, itemsizes, strict=True)
+  ]
+  return _join_pairs(plans, layouts, load)
 
 
 def one_domain(layouts: Sequence[tuple[Layout, Layout]], topology: Topology | None) -> bool:
@@ -657,33 +404,22 @@ def one_domain(layouts: Sequence[tuple[Layout, Layout]], topology: Topology | No
 def _join_pairs(
   plans: list[LeafPlan], layouts: Sequence[tuple[Layout, Layout]], load: dict[int, int]
 ) -> list[LeafPlan]:
-  """Moves needs that several replicas could send onto (sender, receiver) pairs that carry
-  data anyway, where no sender ends up more than 1% over the busiest one before.
-
-  Every distinct pair is a payload and costs its devices a round slot; a small replicated leaf
-  (a norm) balanced onto a pair of its own can cost a whole round. Only the choice between
-  replicas in the same process changes, so bytes and their lower bound stay as they are.
-  """
+  """Moves needs onto (sender, receiver) pairs that carry data anyway, within 1% load."""
   fixed: list[np.ndarray] = []  # pairs of needs that only one replica can send
   movable = []
   for k, (lp, (src, dst)) in enumerate(zip(plans, layouts, strict=True)):
     g = _geometry(src, dst)
     remote = ~lp.local
-    n_rep = np.asarray([len(r) for r in g.replica_ids], dtype=np.int64)[
-      g.region_src_box[g.need_region]
-    ]
-    fixed.append(
-      lp.src_device[remote & (n_rep == 1)] * (1 << 32) + lp.dst_device[remote & (n_rep == 1)]
-    )
+    n_rep = np.fromiter(map(len, g.replica_ids), np.int64)[g.region_src_box[g.need_region]]
+    one = remote & (n_rep == 1)
+    fixed.append(lp.src_device[one] * (1 << 32) + lp.dst_device[one])
     idx = np.nonzero(remote & (n_rep > 1))[0]
     if len(idx):
       movable.append((k, idx, g))
-  if not movable:
-    return plans
-  anchors = set(np.unique(np.concatenate(fixed)).tolist()) if fixed else set()
+  anchors = set(np.unique(np.concatenate(fixed)).tolist()) if movable and fixed else set()
   if not anchors:
     return plans
-  top = max(load.values(), default=0) * 101 // 100  # 1% over the busiest sender at most
+  top = max(load.values(), default=0) * 101 // 100
   out = list(plans)
   for k, idx, g in movable:
     lp, (src, _) = out[k], layouts[k]
@@ -694,16 +430,10 @@ def _join_pairs(
       if s * (1 << 32) + d in anchors:
         continue
       reps = g.replica_ids[int(g.region_src_box[g.need_region[t]])].tolist()
-      best = min(
-        (
-          (load.get(r, 0), r)
-          for r in reps
-          if r * (1 << 32) + d in anchors and procs[r] == procs[s] and load.get(r, 0) + nb <= top
-        ),
-        default=None,
-      )
-      if best is not None:
-        r = best[1]
+      fits = [(load.get(r, 0), r) for r in reps if r * (1 << 32) + d in anchors]
+      fits = [(n, r) for n, r in fits if procs[r] == procs[s] and n + nb <= top]
+      if fits:
+        r = min(fits)[1]
         sender[t] = r
         load[s] -= nb
         load[r] = load.get(r, 0) + nb
