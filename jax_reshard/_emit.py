@@ -41,6 +41,7 @@ Segment = tuple[int, int, int | None]  # unit words start, stop; the leaf sent w
 # Per leaf, None or (dim, start) of the window it moves (a traced int32 or a constant).
 Shifts = Sequence[tuple[int, Any] | None]
 Fn = Callable[..., tuple[jax.Array, ...]]
+Leaves = tuple[int, ...]
 
 
 def max_word_bytes(platform: str) -> int:
@@ -56,22 +57,17 @@ def plan_word_bytes(plan: LayoutPlan) -> int:
 
 
 def _to_uint(x: jax.Array) -> jax.Array:
-  if x.dtype == jnp.bool_:
-    return x.astype(jnp.uint8)
-  return jax.lax.bitcast_convert_type(x, uint_dtype(np.dtype(x.dtype)))
+  u = uint_dtype(np.dtype(x.dtype))
+  return x.astype(u) if x.dtype == jnp.bool_ else jax.lax.bitcast_convert_type(x, u)
 
 
 def _from_uint(x: jax.Array, dtype: np.dtype) -> jax.Array:
-  if dtype == np.bool_:
-    return x != 0
-  return jax.lax.bitcast_convert_type(x, dtype)
+  return x != 0 if dtype == np.bool_ else jax.lax.bitcast_convert_type(x, dtype)
 
 
 def _to_units(x: jax.Array, unit: np.dtype) -> jax.Array:
   """An unsigned-integer array as a flat vector of ``unit`` words (``unit`` no wider)."""
-  if x.dtype == unit:
-    return x.reshape(-1)
-  return jax.lax.bitcast_convert_type(x, unit).reshape(-1)
+  return (x if x.dtype == unit else jax.lax.bitcast_convert_type(x, unit)).reshape(-1)
 
 
 def _from_units(b: jax.Array, udtype: np.dtype, shape: tuple[int, ...]) -> jax.Array:
@@ -558,20 +554,12 @@ def emit_body(program: BucketProgram, axis: Any, *, shift_inputs: bool = False) 
   return body
 
 
-def split_outputs(
-  program: BucketProgram,
-) -> tuple[dict[int, int], tuple[int, ...], tuple[int, ...]]:
+def split_outputs(program: BucketProgram) -> tuple[dict[int, int], Leaves, Leaves]:
   """A bucket assembling apart: the leaves received whole, those assembled, the rounds read."""
   direct = received_whole(program)
   assembled = tuple(li for li in range(len(program.leaves)) if li not in direct)
-  rounds = {
-    p.round
-    for role in program.assembles
-    for li in assembled
-    for p in role.parts[li] or ()
-    if isinstance(p, Received)
-  }
-  return direct, assembled, tuple(sorted(rounds))
+  parts = [p for a in program.assembles for li in assembled for p in a.parts[li] or ()]
+  return direct, assembled, tuple(sorted({p.round for p in parts if isinstance(p, Received)}))
 
 
 def resident_sources(program: BucketProgram) -> tuple[int, ...]:
@@ -617,17 +605,14 @@ def emit_assembly_body(program: BucketProgram, axis: Any) -> Fn:
     q = jax.lax.axis_index(axis)
     me = jnp.asarray(positions)[q]
     recvs: list[Any] = [()] * len(program.rounds)
-    at = 0
+    it = iter(inputs)
     for r, k in zip(rounds, operands, strict=True):
-      recvs[r], at = tuple(inputs[at : at + k]), at + k
+      recvs[r] = tuple(next(it) for _ in range(k))
     roles = [None, *range(len(program.assembles))]
     fns = [_assemble_fn(program, k, assembled, {}, (), ()) for k in roles]
-    blocks: list[Any] = [None] * len(program.sources)
-    for li in sources:
-      blocks[li], at = inputs[at], at + 1
-    dsts: list[Any] = [None] * len(program.leaves)  # the others only lend their buffers
-    for li, block in zip(donated(program), inputs[at:], strict=True):
-      dsts[li] = block if program.leaves[li].in_place else None
+    blocks = [next(it) if li in sources else None for li in range(len(program.sources))]
+    given = dict(zip(donated(program), it, strict=True))  # the others only lend their buffers
+    dsts = [given.get(li) if lf.in_place else None for li, lf in enumerate(program.leaves)]
     return tuple(_switch(q, local, fns, me, blocks, dsts, recvs))
 
   return body
@@ -639,14 +624,13 @@ def bundled_body(program: BucketProgram, bundle: Bundle, body: Fn) -> Fn:
   num_staged = len(program.leaves) - len(slot)
 
   def wrapped(src_bytes: jax.Array, *rest: jax.Array) -> tuple[jax.Array, ...]:
-    staged = iter(rest[:num_staged])
-    blocks = []
-    for li, lf in enumerate(program.leaves):
-      if li in slot:
-        a, b = bundle.src_spans[slot[li]]
-        blocks.append(from_bytes(src_bytes[a:b], lf.dtype, lf.src_block))
-      else:
-        blocks.append(next(staged))
+    staged, spans = iter(rest[:num_staged]), bundle.src_spans
+    blocks = [
+      from_bytes(src_bytes[slice(*spans[slot[li]])], lf.dtype, lf.src_block)
+      if li in slot
+      else next(staged)
+      for li, lf in enumerate(program.leaves)
+    ]
     outs = body(*blocks, *rest[num_staged:])
     dst_bytes = concat_bytes(outs[li] for li in bundle.leaves)
     return (dst_bytes, *(y for li, y in enumerate(outs) if li not in slot))
