@@ -1,14 +1,8 @@
-"""Emitters: the per-device code of a :class:`BucketProgram`, traced into ``shard_map`` bodies.
+"""Emitters: a :class:`BucketProgram` traced into per-device ``shard_map`` code.
 
-:func:`emit_body` turns a bucket's program into the per-device body of a ``shard_map``: per
-round, a ``lax.switch`` on the device's mesh position picks its :class:`Pack` role (offsets
-read from a constant table at that position), and ``lax.ppermute`` moves the round; then each
-device assembles its destination blocks by nested concatenation of received words and resident
-data, again one branch per role. :func:`emit_traced_move` runs it inside a computation;
-``_executable.BucketExecutable`` compiles it to run eagerly.
-
-Data moves as unsigned integers of the element width, so no backend pass that upcasts floats
-(e.g. bf16 to f32 on CPU) can canonicalise NaN payloads.
+Per round a ``lax.switch`` on the mesh position picks the device's :class:`Pack` role and one
+``ppermute`` moves the payloads; then each role assembles its blocks. Data moves as unsigned
+integers, so no backend pass canonicalises NaN payloads.
 """
 
 from __future__ import annotations
@@ -25,7 +19,6 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jax_reshard._plan import LayoutPlan
 from jax_reshard._program import (
-  Arrange,
   BucketProgram,
   Bundle,
   ChunkWrites,
@@ -36,6 +29,8 @@ from jax_reshard._program import (
   Resident,
   SendRound,
   chunk_writes,
+  in_words,
+  offset_table,
   role_table,
   travels_as_is,
   uint_dtype,
@@ -43,42 +38,36 @@ from jax_reshard._program import (
 
 AXIS = "u"
 Segment = tuple[int, int, int | None]  # unit words start, stop; the leaf sent whole, or None
-# Per leaf, ``None`` or ``(dim, start)``: where the window the bucket moves starts (a traced
-# int32 scalar, or a constant; in elements), see LeafView.shift.
+# Per leaf, None or (dim, start) of the window it moves (a traced int32 or a constant).
 Shifts = Sequence[tuple[int, Any] | None]
+Fn = Callable[..., tuple[jax.Array, ...]]
+Leaves = tuple[int, ...]
 
 
 def max_word_bytes(platform: str) -> int:
-  """The widest word ``platform``'s devices move data in: on CPU each leaf's own width (XLA:CPU
-  builds wider words with shifts, a pass of its own: bfloat16 cases ran 1.26-1.64x faster in
-  16-bit words), elsewhere 8 bytes with ``jax_enable_x64``, else 4."""
+  """The widest word ``platform``'s devices move data in (on CPU each leaf's own width)."""
   if platform == "cpu":
     return 1
   return 8 if jax.config.read("jax_enable_x64") else 4
 
 
 def plan_word_bytes(plan: LayoutPlan) -> int:
-  """:func:`max_word_bytes` of the devices of ``plan`` (the eager and the traced path alike)."""
+  """:func:`max_word_bytes` of the devices of ``plan``."""
   return max_word_bytes(plan.layouts[0][0].platform) if plan.layouts else 1
 
 
 def _to_uint(x: jax.Array) -> jax.Array:
-  if x.dtype == jnp.bool_:
-    return x.astype(jnp.uint8)
-  return jax.lax.bitcast_convert_type(x, uint_dtype(np.dtype(x.dtype)))
+  u = uint_dtype(np.dtype(x.dtype))
+  return x.astype(u) if x.dtype == jnp.bool_ else jax.lax.bitcast_convert_type(x, u)
 
 
 def _from_uint(x: jax.Array, dtype: np.dtype) -> jax.Array:
-  if dtype == np.bool_:
-    return x != 0
-  return jax.lax.bitcast_convert_type(x, dtype)
+  return x != 0 if dtype == np.bool_ else jax.lax.bitcast_convert_type(x, dtype)
 
 
 def _to_units(x: jax.Array, unit: np.dtype) -> jax.Array:
   """An unsigned-integer array as a flat vector of ``unit`` words (``unit`` no wider)."""
-  if x.dtype == unit:
-    return x.reshape(-1)
-  return jax.lax.bitcast_convert_type(x, unit).reshape(-1)
+  return (x if x.dtype == unit else jax.lax.bitcast_convert_type(x, unit)).reshape(-1)
 
 
 def _from_units(b: jax.Array, udtype: np.dtype, shape: tuple[int, ...]) -> jax.Array:
@@ -105,14 +94,9 @@ def _narrow(x: jax.Array, dtype: np.dtype) -> jax.Array:
   return y.reshape(*y.shape[:-2], y.shape[-2] * y.shape[-1])
 
 
-def _to_bytes(x: jax.Array) -> jax.Array:
-  u = _to_uint(x)
-  return (u if u.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(u, jnp.uint8)).reshape(-1)
-
-
 def concat_bytes(xs: Iterable[jax.Array]) -> jax.Array:
   """The bytes of ``xs`` one after another, as one ``uint8`` vector (bitcasts)."""
-  return jnp.concatenate([_to_bytes(x) for x in xs])
+  return jnp.concatenate([_to_units(_to_uint(x), np.dtype(np.uint8)) for x in xs])
 
 
 def from_bytes(b: jax.Array, dtype: np.dtype, shape: tuple[int, ...]) -> jax.Array:
@@ -126,12 +110,10 @@ def from_bytes(b: jax.Array, dtype: np.dtype, shape: tuple[int, ...]) -> jax.Arr
 def _tile(
   parts: Sequence[tuple[tuple[int, ...], jax.Array]], shape: tuple[int, ...], dtype: np.dtype
 ) -> jax.Array:
-  """The array of ``shape`` made of ``parts`` (offset, value) that tile it: by nested
-  concatenation where they form a product grid (always, for JAX shardings' tilings: each element
-  written once), else by ``dynamic_update_slice`` into zeros (a stage leaving boxes to a relay)."""
+  """The array of ``shape`` tiled by ``parts`` (offset, value), concatenated where they can be."""
   if len(parts) == 1 and parts[0][1].shape == shape:
     return parts[0][1]
-  if not parts:  # a relay stage fills this shard later
+  if not parts:
     return jnp.zeros(shape, dtype)
   if not shape:
     raise AssertionError("a rank-0 shard has exactly one part")
@@ -155,9 +137,7 @@ def _tile(
   return out
 
 
-def _switch(
-  me: jax.Array, index_table: np.ndarray, branches: list[Callable[..., Any]], *operands: Any
-) -> Any:
+def _switch(me: jax.Array, index_table: np.ndarray, branches: list[Fn], *operands: Any) -> Any:
   """Runs ``branches[index_table[me]]`` (``me``: mesh position); one branch needs no switch."""
   if len(set(index_table.tolist())) == 1:
     return branches[int(index_table[0])](*operands)
@@ -166,33 +146,30 @@ def _switch(
 
 def _leaf_at(program: BucketProgram, shifts: Shifts, li: int, ndim: int) -> list[Any] | None:
   """Leaf ``li``'s window start (``shifts``) as an offset vector in its words, or ``None``."""
-  shift = shifts[li] if shifts else None
-  if shift is None:
+  if not shifts or shifts[li] is None:
     return None
-  dim, start = shift
+  dim, start = shifts[li]  # type: ignore[misc]
   at: list[Any] = [0] * ndim
   at[dim] = start // program.leaves[li].word_ratio if dim == ndim - 1 else start
   return at
 
 
-def _slice(
-  cut: Cut, x: jax.Array, me: jax.Array, num_positions: int, at: Sequence[Any] | None = None
-) -> jax.Array:
-  """The cut of ``x``: a static slice, or one at an offset read from a table at ``me``; with
-  ``at``, at that offset added (a window start, see :func:`_leaf_at`)."""
-  lo = cut.static_offset
+def _cut(program: BucketProgram, cut: Cut, shards: Any, me: jax.Array, at: Any = None) -> Any:
+  """The words of ``cut`` of ``shards``, cast: at a static offset, or one read at ``me``."""
+  x, lo = shards[cut.leaf], cut.static_offset
   if lo is not None and at is None:
-    if lo == (0,) * x.ndim and cut.shape == x.shape:
-      return x
-    return jax.lax.slice(x, lo, tuple(a + b for a, b in zip(lo, cut.shape, strict=True)))
-  if lo is not None:
-    row: Any = lo
+    if not (lo == (0,) * x.ndim and cut.shape == x.shape):
+      x = jax.lax.slice(x, lo, tuple(a + b for a, b in zip(lo, cut.shape, strict=True)))
   else:
-    table = jnp.asarray(cut.offset_table(num_positions))[me]
-    row = [table[j] for j in range(len(cut.shape))]
-  if at is not None:
-    row = [r + a for r, a in zip(row, at, strict=True)]
-  return jax.lax.dynamic_slice(x, list(row), cut.shape)
+    if lo is not None:
+      row: Any = lo
+    else:
+      table = jnp.asarray(offset_table(cut.offsets, len(cut.shape), len(program.device_ids)))[me]
+      row = [table[j] for j in range(len(cut.shape))]
+    if at is not None:
+      row = [r + a for r, a in zip(row, at, strict=True)]
+    x = jax.lax.dynamic_slice(x, list(row), cut.shape)
+  return _cast_words(x, program.sources[cut.leaf].dtype, cut.casts)
 
 
 def _local_view(lf: LeafView, block: jax.Array) -> jax.Array:
@@ -200,9 +177,7 @@ def _local_view(lf: LeafView, block: jax.Array) -> jax.Array:
   return _widen(_to_uint(block.reshape(lf.src_shard)), lf.word)
 
 
-def _read_views(
-  program: BucketProgram, blocks: Sequence[Any], cuts: Iterable[Cut]
-) -> dict[int, jax.Array]:
+def _read_views(program: BucketProgram, blocks: Sequence[Any], cuts: Iterable[Cut]) -> dict:
   """The staged blocks of the sources ``cuts`` read, by position, as :func:`_local_view` s."""
   return {k: _local_view(program.sources[k], blocks[k]) for k in sorted({c.leaf for c in cuts})}
 
@@ -214,8 +189,7 @@ def _cut_words(program: BucketProgram, cut: Cut) -> int:
 
 
 def _cast_words(x: jax.Array, dtype: np.dtype, casts: Sequence[np.dtype]) -> jax.Array:
-  """Words of elements of ``dtype`` (in its own width) cast in value by ``casts`` in order, as
-  words of the last; without casts, ``x`` unchanged. A cast keeps no NaN payload."""
+  """Words of ``dtype`` elements cast by ``casts`` in order, as words of the last."""
   if not casts:
     return x
   y = _from_uint(x, dtype)
@@ -224,64 +198,36 @@ def _cast_words(x: jax.Array, dtype: np.dtype, casts: Sequence[np.dtype]) -> jax
   return _to_uint(y)
 
 
-def _cut_value(program: BucketProgram, cut: Cut, x: jax.Array) -> jax.Array:
-  """The words ``x`` of ``cut``, cast by its casts where it has any."""
-  return _cast_words(x, program.sources[cut.leaf].dtype, cut.casts)
-
-
-def _arranged(x: jax.Array, arrange: Arrange) -> jax.Array:
-  """A part's words ``x`` (of its wire dtype) as they land (see :class:`Arrange`)."""
-  x = x.reshape(arrange.extents)
-  if arrange.perm != tuple(range(len(arrange.perm))):
-    x = jnp.transpose(x, arrange.perm)
-  return _cast_words(x.reshape(arrange.shape), arrange.wire, arrange.casts)
-
-
-def _pack_fn(
-  program: BucketProgram, pack: Pack, ranges: Sequence[tuple[int, int]], shifts: Shifts
-) -> Callable[..., tuple[jax.Array, ...]]:
-  """The code of one sender role: per unit-word range of the payload (``ranges``), the cuts
-  that lie in it concatenated, zero padded to its end."""
-  n, unit = len(program.device_ids), program.unit
+def _pack_fn(program: BucketProgram, pack: Pack, ranges: Any, shifts: Shifts) -> Fn:
+  """The code of one sender role: per unit-word range of the payload, its cuts, zero padded."""
 
   def branch(me: jax.Array, *blocks: jax.Array) -> tuple[jax.Array, ...]:
-    shards = _read_views(program, blocks, pack.cuts)
-    outs = []
+    shards, outs = _read_views(program, blocks, pack.cuts), []
     for start, stop in ranges:
       parts, at = [], 0
       for c in pack.cuts:
         size = _cut_words(program, c)
         if start <= at and at + size <= stop:
           lo = _leaf_at(program, shifts, c.leaf, len(c.shape))
-          parts.append(
-            _to_units(_cut_value(program, c, _slice(c, shards[c.leaf], me, n, lo)), unit)
-          )
+          parts.append(_to_units(_cut(program, c, shards, me, lo), program.unit))
         at += size
-      filled = sum(int(v.shape[0]) for v in parts)
-      if filled < stop - start:
-        parts.append(jnp.zeros((stop - start - filled,), unit))
+      if (filled := sum(int(v.shape[0]) for v in parts)) < stop - start:
+        parts.append(jnp.zeros((stop - start - filled,), program.unit))
       outs.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts))
     return tuple(outs)
 
   return branch
 
 
-def _words(shard: tuple[int, ...], lf: LeafView) -> tuple[int, ...]:
-  """A shard shape of ``lf`` in its words (last dimension divided)."""
-  return (*shard[:-1], shard[-1] // lf.word_ratio) if shard else shard
-
-
 def _is_whole(cut: Cut, lf: LeafView) -> bool:
   """Whether ``cut`` is the whole source shard of ``lf``."""
-  return cut.static_offset == (0,) * len(cut.shape) and cut.shape == _words(lf.src_shard, lf)
+  shape = in_words(lf.src_shard, lf.word_ratio)
+  return cut.static_offset == (0,) * len(cut.shape) and cut.shape == shape
 
 
 def whole_segments(program: BucketProgram, rnd: SendRound) -> tuple[Segment, ...] | None:
-  """For a packed round (not :func:`whole_block_leaves`') where every sender's payload holds
-  the whole source shard of a leaf, uncast, of a type that travels as it is and of at least
-  :attr:`BucketProgram.whole_operand_bytes`, at the same words: the payload cut there, as
-  ``(start, stop, leaf)`` in unit words (``leaf``: the staged block sent as it is, idle devices'
-  placeholders too; ``None``: words packed by the senders' roles). Else ``None``."""
+  """A packed round's payload cut at the big whole source shards every sender sends at the same
+  words, as ``(start, stop, leaf)`` (``None``: packed words), or ``None``."""
   if not rnd.packs or whole_block_leaves(program, rnd) is not None:
     return None
   common: set[Segment] | None = None
@@ -300,19 +246,14 @@ def whole_segments(program: BucketProgram, rnd: SendRound) -> tuple[Segment, ...
   out: list[Segment] = []
   at = 0
   for start, stop, li in sorted(common):
-    if start > at:
-      out.append((at, start, None))
+    out += [(at, start, None)] if start > at else []
     out.append((start, stop, li))
     at = stop
-  if at < rnd.words:
-    out.append((at, rnd.words, None))
-  return tuple(out)
+  return tuple(out + ([(at, rnd.words, None)] if at < rnd.words else []))
 
 
 def whole_block_leaves(program: BucketProgram, rnd: SendRound) -> tuple[int, ...] | None:
-  """The leaves whose whole source shards every sender of ``rnd`` sends, uncast, unpadded, in
-  one payload order, or ``None``. Every device (idle ones from their placeholders) then sends
-  its blocks of them as one ``ppermute`` of several operands: no packing, no branch."""
+  """The leaves whose whole source shards every sender of ``rnd`` sends, uncast, in one order."""
   if not rnd.packs or any(p.pad_words for p in rnd.packs):
     return None
   leaves = tuple(c.leaf for c in rnd.packs[0].cuts)
@@ -327,31 +268,27 @@ def whole_block_leaves(program: BucketProgram, rnd: SendRound) -> tuple[int, ...
 
 
 def operand_layout(program: BucketProgram, rnd: SendRound) -> tuple[Segment, ...]:
-  """Per operand of a round's ``ppermute``, ``(start, stop, leaf)`` in unit words of its payload:
-  ``leaf`` the staged block sent as it is (see :func:`_operand`), ``None`` for packed words."""
+  """Per operand of a round's ``ppermute``, ``(start, stop, leaf)`` (``None``: packed words)."""
   whole = whole_block_leaves(program, rnd)
   if whole is None:
     return whole_segments(program, rnd) or ((0, rnd.words, None),)
   out, at = [], 0
   for li in whole:
     lf = program.sources[li]
-    size = math.prod(_words(lf.src_shard, lf)) * lf.word.itemsize // program.unit.itemsize
-    out.append((at, at + size, li))
-    at += size
+    size = math.prod(in_words(lf.src_shard, lf.word_ratio)) * lf.word.itemsize
+    out.append((at, at := at + size // program.unit.itemsize, li))
   return tuple(out)
 
 
 def received_whole(program: BucketProgram) -> dict[int, int]:
-  """Leaf position -> round, for every leaf each destination device receives whole as one
-  round's payload (or one leaf of a round of whole source shards), landing as it is: its output
-  is that payload viewed in its type outside the assembly branches (no copy)."""
+  """Leaf -> round, for the leaves every destination device receives whole in one round's
+  payload (or operand), landing as it is."""
   out = {}
   for li, lf in enumerate(program.leaves):
     if lf.in_place or lf.dst_input:
       continue
     rounds = set()
-    for role in program.assembles:
-      parts = role.parts[li]
+    for parts in (role.parts[li] for role in program.assembles):
       if parts is None:
         continue
       p = parts[0] if len(parts) == 1 else None
@@ -371,9 +308,7 @@ def received_whole(program: BucketProgram) -> dict[int, int]:
 
 
 def _direct_value(program: BucketProgram, li: int, r: int, recv: Sequence[jax.Array]) -> jax.Array:
-  """The destination block of leaf ``li``, received whole in round ``r``: the staged block
-  that came, reshaped (bitcast back where it travelled as unsigned integers), else viewed from
-  the payload's unit words."""
+  """Leaf ``li``'s block, received whole in round ``r``."""
   lf = program.leaves[li]
   p = next(
     ps[0]
@@ -388,64 +323,43 @@ def _direct_value(program: BucketProgram, li: int, r: int, recv: Sequence[jax.Ar
   return _from_uint(_narrow(words, lf.dtype), lf.dtype).reshape(lf.dst_block)
 
 
-def _operand(lf: LeafView, block: jax.Array) -> jax.Array:
-  """A staged block as a ``ppermute`` operand: as it is where its type travels as it is, else
-  as unsigned integers of its width (XLA's CPU collectives would widen bfloat16 to float32)."""
-  return block if travels_as_is(lf.dtype) else _to_uint(block)
+def _emit_rounds(program: BucketProgram, axis: Any, me: Any, blocks: Any, shifts: Shifts) -> list:
+  """Per round, packs the payload on every device (a packed round repeating an earlier one sends
+  its payload again) and moves it by one ``ppermute``: this device's received operands."""
+  packed: dict[tuple[object, ...], Any] = {}
+  recvs = []
+  for rnd in program.rounds:
+    layout = operand_layout(program, rnd)
+    ranges = [(a, b) for a, b, li in layout if li is None]
+    key = (rnd.words, rnd.packs) if len(layout) == len(ranges) else None
+    values = () if key is None else packed.get(key, ())
+    if ranges and not values:
+      idle: Fn = lambda me, *_, rs=ranges: tuple(jnp.zeros((b - a,), program.unit) for a, b in rs)
+      branches = [idle, *(_pack_fn(program, p, ranges, shifts) for p in rnd.packs)]
+      values = _switch(me, role_table(len(program.device_ids), rnd.packs), branches, me, *blocks)
+      if key is not None:
+        packed[key] = values
+    it = iter(values)
+    operands = [
+      next(it) if li is None else _writable(blocks[li], program.sources[li].dtype)
+      for _, _, li in layout
+    ]
+    recvs.append(tuple(jax.lax.ppermute(operands, axis, list(rnd.pairs))))
+  return recvs
 
 
-def _emit_round(
-  program: BucketProgram,
-  rnd: SendRound,
-  axis: Any,
-  me: jax.Array,
-  blocks: Sequence[jax.Array],
-  shifts: Shifts = (),
-  packed: dict[tuple[object, ...], Any] | None = None,
-) -> tuple[jax.Array, ...]:
-  """Packs the round's payload on every device and moves it by one ``ppermute``; returns this
-  device's operands of :func:`operand_layout`. ``packed``: payloads packed by earlier rounds, by
-  size and packs: a round that repeats one sends it again (``_cost.repeated_rounds``)."""
-  layout = operand_layout(program, rnd)
-  ranges = [(a, b) for a, b, li in layout if li is None]
-  key = (rnd.words, rnd.packs) if packed is not None and len(layout) == len(ranges) else None
-  values = () if key is None else packed.get(key, ())  # type: ignore[union-attr]
-  if ranges and not values:
-    idle: Callable[..., tuple[jax.Array, ...]] = lambda me, *_: tuple(
-      jnp.zeros((b - a,), program.unit) for a, b in ranges
-    )
-    branches = [idle, *(_pack_fn(program, p, ranges, shifts) for p in rnd.packs)]
-    values = _switch(me, role_table(len(program.device_ids), rnd.packs), branches, me, *blocks)
-    if key is not None:
-      packed[key] = values  # type: ignore[index]
-  it = iter(values)
-  operands = [
-    next(it) if li is None else _operand(program.sources[li], blocks[li]) for _, _, li in layout
-  ]
-  return tuple(jax.lax.ppermute(operands, axis, list(rnd.pairs)))
-
-
-def _writable(block: jax.Array, dtype: np.dtype) -> jax.Array:
-  """``block`` as parts are written into it: its unsigned view where its type does not travel
-  as it is (XLA:CPU converts bfloat16 and float8 blocks to float32 and back around a
-  ``dynamic_update_slice``: two passes, NaN payloads quieted)."""
-  return block if travels_as_is(dtype) else _to_uint(block)
-
-
-def _written(block: jax.Array, dtype: np.dtype) -> jax.Array:
-  """A block parts were written into (see :func:`_writable`), in ``dtype``."""
-  return block if travels_as_is(dtype) else _from_uint(block, dtype)
+def _writable(block: jax.Array, dtype: np.dtype, back: bool = False) -> jax.Array:
+  """``block`` as sent or written into: unsigned where its type does not travel as it is
+  (``back``: such a block back in ``dtype``)."""
+  if travels_as_is(dtype):
+    return block
+  return _from_uint(block, dtype) if back else _to_uint(block)
 
 
 def _write_parts(
-  lf: LeafView,
-  base: jax.Array,
-  values: Sequence[jax.Array],
-  offset: Callable[[int], list[Any]],
-  shift: tuple[int, Any] | None = None,
+  lf: LeafView, base: jax.Array, values: Sequence[jax.Array], offset: Callable, shift: Any
 ) -> jax.Array:
-  """``base`` with ``values`` (words) written in, value ``j`` at ``offset(j)`` (elements)
-  from the window start ``shift`` (see :attr:`LeafView.dst_shift`), in :func:`_writable` form."""
+  """``base`` with ``values`` (words) written in at ``offset(j)`` (elements) from ``shift``."""
   out = _writable(base.reshape(lf.dst_shard), lf.dtype)
   for j, value in enumerate(values):
     part = _narrow(value, lf.dtype)
@@ -457,50 +371,44 @@ def _write_parts(
     if shift is not None:
       at[shift[0]] = at[shift[0]] + shift[1]
     out = jax.lax.dynamic_update_slice(out, part, at)
-  return _written(out, lf.dtype).reshape(lf.dst_block)
+  return _writable(out, lf.dtype, back=True).reshape(lf.dst_block)
 
 
 def write_at(shard: jax.Array, slab: jax.Array, dtype: np.dtype, at: Sequence[int]) -> jax.Array:
-  """``slab`` written into ``shard`` (both of ``dtype``) at ``at``, in :func:`_writable` form."""
+  """``slab`` written into ``shard`` (both of ``dtype``) at ``at``."""
   out = jax.lax.dynamic_update_slice(_writable(shard, dtype), _writable(slab, dtype), at)
-  return _written(out, dtype)
+  return _writable(out, dtype, back=True)
 
 
 def _base(lf: LeafView, dst: jax.Array | None) -> jax.Array:
-  """A leaf's destination input, else zeros: what parts are written into, or what a device
-  without a destination shard returns (a donated block returned unchanged costs no write)."""
+  """A leaf's destination input, else zeros."""
   return dst if dst is not None else jnp.zeros(lf.dst_block, lf.dtype)
 
 
 def _part_value(
-  program: BucketProgram,
-  li: int,
-  part: Any,
-  shards: Any,
-  recvs: Sequence[Any],
-  me: jax.Array,
-  at: Sequence[Any] | None = None,
+  program: BucketProgram, li: int, part: Any, shards: Any, recvs: Any, me: jax.Array, at: Any
 ) -> jax.Array:
-  """A destination part of leaf ``li`` in its words: payload words of a round (a
-  :class:`Received`), or a cut of the own source shard (``shards``, in words; ``at``: the window
-  start), arranged as it lands where it has an :class:`Arrange`."""
-  lf = program.leaves[li]
+  """A part of leaf ``li`` in its words, arranged where it says so."""
+  lf, arrange = program.leaves[li], None if isinstance(part, Cut) else part.arrange
   if isinstance(part, Received):
     words = _payload_words(program, part.round, recvs[part.round], part.start, part.stop)
-    if part.arrange is None:
+    if arrange is None:
       return _from_units(words, lf.word, part.shape)
-    return _arranged(_from_units(words, uint_dtype(part.arrange.wire), (-1,)), part.arrange)
-  cut = part if isinstance(part, Cut) else part.cut
-  value = _cut_value(program, cut, _slice(cut, shards[cut.leaf], me, len(program.device_ids), at))
-  arrange = None if isinstance(part, Cut) else part.arrange
-  return value if arrange is None else _arranged(value, arrange)
+    value = _from_units(words, uint_dtype(arrange.wire), (-1,))
+  else:
+    value = _cut(program, part if isinstance(part, Cut) else part.cut, shards, me, at)
+  if arrange is None:
+    return value
+  value = value.reshape(arrange.extents)  # to the piece's axes, transposed, reshaped, cast
+  if arrange.perm != tuple(range(len(arrange.perm))):
+    value = jnp.transpose(value, arrange.perm)
+  return _cast_words(value.reshape(arrange.shape), arrange.wire, arrange.casts)
 
 
 def _payload_words(
   program: BucketProgram, r: int, recv: Sequence[jax.Array], start: int, stop: int
 ) -> jax.Array:
-  """Unit words ``start:stop`` of round ``r``'s received operands (``recv``, see
-  :func:`operand_layout`): within one operand, that operand or a slice of it."""
+  """Unit words ``start:stop`` of round ``r``'s received operands."""
   views = []
   for (a, b, li), v in zip(operand_layout(program, program.rounds[r]), recv, strict=True):
     words = v if li is None else _to_units(_local_view(program.sources[li], v), program.unit)
@@ -511,30 +419,20 @@ def _payload_words(
 
 
 def _assemble_fn(
-  program: BucketProgram,
-  k: int,
-  switched: Sequence[int],
-  slots: dict[int, ChunkWrites],
-  shifts: Shifts = (),
-  dst_shifts: Shifts = (),
-) -> Callable[..., tuple[jax.Array, ...]]:
-  """The destination code of assembly role ``k``: the blocks of the leaves ``switched``, then
-  the slot values of ``slots`` (written after the switch); ``shifts`` offset the source cuts,
-  ``dst_shifts`` the destination writes."""
-  role = program.assembles[k]
-  read = [p for li in switched for p in role.parts[li] or ()]
-  read += [p for w in slots.values() for p in w.fills[k] or () if p is not None]
+  program: BucketProgram, k: Any, switched: Any, slots: Any, shifts: Shifts, dst_shifts: Shifts
+) -> Fn:
+  """The code of assembly role ``k`` (``None``: devices without a destination shard): the
+  blocks of the leaves ``switched``, then the values of ``slots`` (:class:`ChunkWrites`)."""
+  role = None if k is None else program.assembles[k]
+  parts_of = {li: None if role is None else role.parts[li] for li in switched}
+  fills = {li: None if role is None else w.fills[k] for li, w in slots.items()}
+  read = [p for parts in (*parts_of.values(), *fills.values()) for p in parts or ()]
   resident = [p.cut for p in read if isinstance(p, Resident)]
 
-  def branch(
-    me: jax.Array, blocks: Sequence[jax.Array], dsts: Sequence[Any], recvs: Sequence[jax.Array]
-  ) -> tuple[jax.Array, ...]:
-    # An assembly program (emit_assembly_body) has the source blocks of the leaves with
-    # resident parts only (None for the others).
-    shards = _read_views(program, blocks, resident)
-    outs = []
-    for li in switched:
-      lf, parts = program.leaves[li], role.parts[li]
+  def branch(me: jax.Array, blocks: Any, dsts: Any, recvs: Any) -> tuple[jax.Array, ...]:
+    shards, outs = _read_views(program, blocks, resident), []
+    for li, parts in parts_of.items():
+      lf = program.leaves[li]
       if parts is None:  # zeros unless in place: aliasing here costs XLA scratch elsewhere
         outs.append(_base(lf, dsts[li] if lf.in_place else None))
         continue
@@ -545,46 +443,39 @@ def _assemble_fn(
         dst_shift = dst_shifts[li] if dst_shifts else None
         base = _base(lf, dsts[li])
         outs.append(_write_parts(lf, base, [v for _, v in values], offset, dst_shift))
-        continue
-      out = _tile(values, lf.dst_words, lf.word)
-      outs.append(_from_uint(_narrow(out, lf.dtype), lf.dtype).reshape(lf.dst_block))
+      else:
+        out = _tile(values, lf.dst_words, lf.word)
+        outs.append(_from_uint(_narrow(out, lf.dtype), lf.dtype).reshape(lf.dst_block))
     for li, w in slots.items():
-      lf, fill = program.leaves[li], w.fills[k]
+      lf, fill = program.leaves[li], fills[li]
       if fill is None:
         outs += [jnp.zeros(shape, lf.word) for shape in w.shapes]
         continue
       at = _leaf_at(program, shifts, li, len(lf.src_shard))
       for p, shape in zip(fill, w.shapes, strict=True):
-        if p is None:  # written back unchanged, before this role's own writes
-          words = _widen(_to_uint(_base(lf, dsts[li]).reshape(lf.dst_shard)), lf.word)
-          dst_at = _leaf_at(program, dst_shifts, li, len(shape))
-          if dst_at is None:
-            outs.append(jax.lax.slice(words, (0,) * len(shape), shape))
-          else:
-            outs.append(jax.lax.dynamic_slice(words, dst_at, shape))
-        else:
+        if p is not None:
           outs.append(_part_value(program, li, p, shards, recvs, me, at))
+          continue
+        # Written back unchanged, before this role's own writes.
+        words = _widen(_to_uint(_base(lf, dsts[li]).reshape(lf.dst_shard)), lf.word)
+        dst_at = _leaf_at(program, dst_shifts, li, len(shape))
+        if dst_at is None:
+          outs.append(jax.lax.slice(words, (0,) * len(shape), shape))
+        else:
+          outs.append(jax.lax.dynamic_slice(words, dst_at, shape))
     return tuple(outs)
 
   return branch
 
 
 def _write_chunks(
-  program: BucketProgram,
-  li: int,
-  w: ChunkWrites,
-  base: jax.Array,
-  values: Sequence[jax.Array],
-  me: jax.Array,
-  shift: tuple[int, Any] | None = None,
+  program: BucketProgram, li: int, w: ChunkWrites, base: jax.Array, values: Any, me: Any, shift: Any
 ) -> jax.Array:
-  """A split leaf's destination block: ``values`` (one per slot) written into ``base`` by the
-  same code on every device (offsets read at the mesh position), so outside any switch XLA
-  updates the donated block where it is."""
+  """A split leaf's block: ``values`` (one per slot) written into ``base`` by every device."""
   lf, n = program.leaves[li], len(program.device_ids)
 
   def offset(j: int) -> list[Any]:
-    table = w.offset_table(j, n)
+    table = offset_table(w.offsets[j], len(w.shapes[j]), n)
     table[:, -1] *= lf.word_ratio  # words to elements
     if len({tuple(r) for r in table.tolist()}) == 1:
       return [int(v) for v in table[0]]
@@ -595,14 +486,11 @@ def _write_chunks(
 
 
 def _shifts(program: BucketProgram, scalars: Sequence[Any] | None) -> tuple[Shifts, Shifts]:
-  """Per leaf, where its source and its destination offsets start (:attr:`LeafView.shift`,
-  :attr:`LeafView.dst_shift`): the shift arguments ``scalars`` (see :func:`shift_starts`), or the
-  program's own starts; none where no leaf is shifted."""
+  """Per leaf, where its source and destination offsets start (``scalars``, else constants)."""
   if not program.shifted and not program.dst_shifted:
     return [], []
-  n = len(program.leaves)
-  shifts: list[tuple[int, Any] | None] = [None] * n
-  dst_shifts: list[tuple[int, Any] | None] = [None] * n
+  shifts: list[tuple[int, Any] | None] = [None] * len(program.leaves)
+  dst_shifts = list(shifts)
   for k, li in enumerate(program.shifted):
     dim, start = program.leaves[li].shift  # type: ignore[misc]
     shifts[li] = dst_shifts[li] = (dim, start if scalars is None else scalars[k])
@@ -613,25 +501,15 @@ def _shifts(program: BucketProgram, scalars: Sequence[Any] | None) -> tuple[Shif
 
 
 def shift_starts(program: BucketProgram) -> list[int]:
-  """The values of a program's shift arguments: the window starts of its :attr:`shifted`
-  leaves, then the destination starts of its :attr:`dst_shifted` leaves."""
+  """The shift arguments: the starts of the shifted, then of the dst_shifted leaves."""
   starts = [program.leaves[li].shift[1] for li in program.shifted]  # type: ignore[index]
   return starts + [program.leaves[li].dst_shift[1] for li in program.dst_shifted]  # type: ignore[index]
 
 
-def emit_body(
-  program: BucketProgram, axis: Any, *, shift_inputs: bool = False
-) -> Callable[..., tuple[jax.Array, ...]]:
-  """The per-device body of ``program`` for a ``shard_map`` whose mesh positions ``axis`` (one
-  name, or all of them) enumerates in the order of ``device_ids``.
-
-  It takes one staged block per source, then one per leaf of :attr:`BucketProgram.dst_inputs`,
-  then (``shift_inputs``) the :func:`shift_starts` as int32 scalars (else constants), and
-  returns one destination block per leaf. Split leaves whose parts every device writes alike
-  (:func:`chunk_writes`) are written after the per-role switch."""
+def emit_body(program: BucketProgram, axis: Any, *, shift_inputs: bool = False) -> Fn:
+  """The per-device body of ``program`` over mesh ``axis``: source blocks, destination inputs
+  and (``shift_inputs``) the :func:`shift_starts` in; one block per leaf out."""
   num_src, num_leaves = len(program.sources), len(program.leaves)
-  # Parts that come out of the switch cost a pass: worth it only to spare a block-sized copy
-  # of a destination input.
   writes = {
     li: w
     for li, lf in enumerate(program.leaves)
@@ -642,37 +520,23 @@ def emit_body(
   direct = received_whole(program)
   switched = [li for li in range(num_leaves) if li not in writes and li not in direct]
   valued = {li: w for li, w in writes.items() if w.sources is None}
-
-  # Devices without a destination shard return zeros for discarded blocks (of leaves not
-  # written in place): returning their donated blocks there costs XLA more scratch.
-  def idle(me: jax.Array, blocks: Any, dsts: Any, recvs: Any) -> tuple[jax.Array, ...]:
-    leaves = {li: program.leaves[li] for li in switched}
-    outs = [_base(lf, dsts[li] if lf.in_place else None) for li, lf in leaves.items()]
-    for li, w in valued.items():
-      outs += [jnp.zeros(shape, program.leaves[li].word) for shape in w.shapes]
-    return tuple(outs)
+  roles = [None, *range(len(program.assembles))]
 
   def body(*inputs: jax.Array) -> tuple[jax.Array, ...]:
-    blocks = inputs[:num_src]
-    num_dst = len(program.dst_inputs)
-    dsts: list[Any] = [None] * num_leaves
-    for li, d in zip(program.dst_inputs, inputs[num_src : num_src + num_dst], strict=True):
-      dsts[li] = d
+    blocks, num_dst = inputs[:num_src], len(program.dst_inputs)
+    given = dict(zip(program.dst_inputs, inputs[num_src : num_src + num_dst], strict=True))
+    dsts = [given.get(li) for li in range(num_leaves)]
     shifts, dst_shifts = _shifts(program, inputs[num_src + num_dst :] if shift_inputs else None)
     me = jax.lax.axis_index(axis)
-    packed: dict[tuple[object, ...], Any] = {}
-    recvs = [_emit_round(program, rnd, axis, me, blocks, shifts, packed) for rnd in program.rounds]
+    recvs = _emit_rounds(program, axis, me, blocks, shifts)
     outs: list[Any] = [None] * num_leaves
     for li, r in direct.items():
       outs[li] = _direct_value(program, li, r, recvs[r])
     ys: list[Any] = []
     if switched or valued:
-      fns = [
-        _assemble_fn(program, k, switched, valued, shifts, dst_shifts)
-        for k in range(len(program.assembles))
-      ]
+      fns = [_assemble_fn(program, k, switched, valued, shifts, dst_shifts) for k in roles]
       table = role_table(len(program.device_ids), program.assembles)
-      ys = list(_switch(me, table, [idle, *fns], me, list(blocks), dsts, recvs))
+      ys = list(_switch(me, table, fns, me, list(blocks), dsts, recvs))
     for li in switched:
       outs[li] = ys.pop(0)
     for li, w in writes.items():
@@ -690,27 +554,16 @@ def emit_body(
   return body
 
 
-def split_outputs(
-  program: BucketProgram,
-) -> tuple[dict[int, int], tuple[int, ...], tuple[int, ...]]:
-  """How a bucket that assembles apart (:attr:`BucketProgram.assemblers`) splits its work: the
-  leaves received whole (position -> round), which the transfer program returns; the leaves the
-  assembly program returns; and the rounds whose operands it takes."""
+def split_outputs(program: BucketProgram) -> tuple[dict[int, int], Leaves, Leaves]:
+  """A bucket assembling apart: the leaves received whole, those assembled, the rounds read."""
   direct = received_whole(program)
   assembled = tuple(li for li in range(len(program.leaves)) if li not in direct)
-  rounds = {
-    p.round
-    for role in program.assembles
-    for li in assembled
-    for p in role.parts[li] or ()
-    if isinstance(p, Received)
-  }
-  return direct, assembled, tuple(sorted(rounds))
+  parts = [p for a in program.assembles for li in assembled for p in a.parts[li] or ()]
+  return direct, assembled, tuple(sorted({p.round for p in parts if isinstance(p, Received)}))
 
 
 def resident_sources(program: BucketProgram) -> tuple[int, ...]:
-  """The leaves an assembly program (:func:`emit_assembly_body`) takes the staged source blocks
-  of: those it assembles with a part copied from a device's own source shard."""
+  """The leaves whose source blocks an assembly program takes (for resident parts)."""
   _, assembled, _ = split_outputs(program)
   return tuple(
     li
@@ -720,36 +573,27 @@ def resident_sources(program: BucketProgram) -> tuple[int, ...]:
 
 
 def donated(program: BucketProgram) -> list[int]:
-  """The leaves an assembly program (:func:`emit_assembly_body`) takes a donated destination
-  block of, in the order it takes them: those it assembles that have a destination input."""
+  """The leaves an assembly program takes a donated destination block of, in order."""
   _, assembled, _ = split_outputs(program)
   return [li for li in assembled if program.leaves[li].dst_input]
 
 
-def emit_transfer_body(program: BucketProgram, axis: Any) -> Callable[..., tuple[jax.Array, ...]]:
-  """The per-device body of the transfer program (see :func:`split_outputs`): staged source
-  blocks in; the leaves received whole, then the received operands of the rounds the assembly
-  takes, out. Devices without a destination shard return no discarded blocks."""
+def emit_transfer_body(program: BucketProgram, axis: Any) -> Fn:
+  """The transfer program's body: the leaves received whole, then the operands assembled."""
   direct, _, rounds = split_outputs(program)
 
   def body(*blocks: jax.Array) -> tuple[jax.Array, ...]:
     me = jax.lax.axis_index(axis)
-    packed: dict[tuple[object, ...], Any] = {}
-    recvs = [_emit_round(program, rnd, axis, me, blocks, (), packed) for rnd in program.rounds]
+    recvs = _emit_rounds(program, axis, me, blocks, ())
     outs = [_direct_value(program, li, r, recvs[r]) for li, r in direct.items()]
-    for r in rounds:
-      outs.extend(recvs[r])
-    return tuple(outs)
+    return tuple(outs + [v for r in rounds for v in recvs[r]])
 
   return body
 
 
-def emit_assembly_body(program: BucketProgram, axis: Any) -> Callable[..., tuple[jax.Array, ...]]:
-  """The per-device body of the assembly program (see :func:`split_outputs`) over the devices
-  at :attr:`BucketProgram.assemblers`: the received operands, the staged blocks of
-  :func:`resident_sources` and the destination blocks of :func:`donated` (each output written
-  into its block; read only where written in place) in; the assembled blocks out, each device by
-  its role at its position in the bucket's mesh."""
+def emit_assembly_body(program: BucketProgram, axis: Any) -> Fn:
+  """The assembly program's body over the assemblers: operands, resident sources and donated
+  blocks in; assembled blocks out."""
   _, assembled, rounds = split_outputs(program)
   assert program.assemblers is not None
   positions = np.asarray(program.assemblers, dtype=np.int32)
@@ -757,46 +601,36 @@ def emit_assembly_body(program: BucketProgram, axis: Any) -> Callable[..., tuple
   operands = [len(operand_layout(program, program.rounds[r])) for r in rounds]
   sources = resident_sources(program)
 
-  def idle(me: jax.Array, blocks: Any, dsts: Any, recvs: Any) -> tuple[jax.Array, ...]:
-    return tuple(_base(program.leaves[li], dsts[li]) for li in assembled)
-
   def body(*inputs: jax.Array) -> tuple[jax.Array, ...]:
     q = jax.lax.axis_index(axis)
     me = jnp.asarray(positions)[q]
     recvs: list[Any] = [()] * len(program.rounds)
-    at = 0
+    it = iter(inputs)
     for r, k in zip(rounds, operands, strict=True):
-      recvs[r], at = tuple(inputs[at : at + k]), at + k
-    fns = [_assemble_fn(program, k, assembled, {}) for k in range(len(program.assembles))]
-    blocks: list[Any] = [None] * len(program.sources)
-    for li in sources:
-      blocks[li], at = inputs[at], at + 1
-    # The other donated blocks only lend their buffers.
-    dsts: list[Any] = [None] * len(program.leaves)
-    for li, block in zip(donated(program), inputs[at:], strict=True):
-      dsts[li] = block if program.leaves[li].in_place else None
-    return tuple(_switch(q, local, [idle, *fns], me, blocks, dsts, recvs))
+      recvs[r] = tuple(next(it) for _ in range(k))
+    roles = [None, *range(len(program.assembles))]
+    fns = [_assemble_fn(program, k, assembled, {}, (), ()) for k in roles]
+    blocks = [next(it) if li in sources else None for li in range(len(program.sources))]
+    given = dict(zip(donated(program), it, strict=True))  # the others only lend their buffers
+    dsts = [given.get(li) if lf.in_place else None for li, lf in enumerate(program.leaves)]
+    return tuple(_switch(q, local, fns, me, blocks, dsts, recvs))
 
   return body
 
 
-def bundled_body(
-  program: BucketProgram, bundle: Bundle, body: Callable[..., tuple[jax.Array, ...]]
-) -> Callable[..., tuple[jax.Array, ...]]:
-  """``body`` (see :func:`emit_body`) taking the blocks of the leaves of ``bundle`` as one byte
-  vector (its first input) and returning theirs as one (its first output)."""
+def bundled_body(program: BucketProgram, bundle: Bundle, body: Fn) -> Fn:
+  """``body`` taking and returning the blocks of ``bundle``'s leaves as one byte vector."""
   slot = {li: k for k, li in enumerate(bundle.leaves)}
   num_staged = len(program.leaves) - len(slot)
 
   def wrapped(src_bytes: jax.Array, *rest: jax.Array) -> tuple[jax.Array, ...]:
-    staged = iter(rest[:num_staged])
-    blocks = []
-    for li, lf in enumerate(program.leaves):
-      if li in slot:
-        a, b = bundle.src_spans[slot[li]]
-        blocks.append(from_bytes(src_bytes[a:b], lf.dtype, lf.src_block))
-      else:
-        blocks.append(next(staged))
+    staged, spans = iter(rest[:num_staged]), bundle.src_spans
+    blocks = [
+      from_bytes(src_bytes[slice(*spans[slot[li]])], lf.dtype, lf.src_block)
+      if li in slot
+      else next(staged)
+      for li, lf in enumerate(program.leaves)
+    ]
     outs = body(*blocks, *rest[num_staged:])
     dst_bytes = concat_bytes(outs[li] for li in bundle.leaves)
     return (dst_bytes, *(y for li, y in enumerate(outs) if li not in slot))
@@ -812,20 +646,11 @@ def emit_traced_move(
   dst_mesh: Mesh,
   dst_specs: Sequence[PartitionSpec],
 ) -> list[jax.Array]:
-  """Moves traced arrays inside a computation whose device list holds both meshes, in one
-  order (JAX requires it; ``program`` numbers mesh positions in it).
-
-  A ``shard_map`` over ``src_mesh`` runs the rounds and emits each device's destination shard
-  as one block per mesh position; one per leaf over ``dst_mesh`` re-reads the blocks as
-  destination shards, which moves no data (position ``i`` is one device in both meshes). Both
-  run over :func:`auto_mesh`; on a destination mesh with ``Explicit`` axes the results are then
-  typed in their destination sharding (``jax.sharding.reshard`` between equal layouts: no data
-  moves; on a mesh of both axis types the type holds the ``Explicit`` axes only).
-  """
+  """Moves traced arrays inside a computation over both meshes' devices (in one order): a
+  ``shard_map`` runs the program, one per leaf re-reads its blocks as destination shards."""
   mesh = auto_mesh(src_mesh)
   axes = tuple(mesh.axis_names)
   out_specs = tuple(PartitionSpec(axes) for _ in program.leaves)
-  # Each shard_map runs under its own mesh, whatever mesh the caller entered with set_mesh.
   with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
     body = emit_body(program, axes)
     moved = jax.shard_map(
@@ -852,10 +677,7 @@ def emit_traced_move(
 
 @functools.lru_cache(maxsize=64)
 def auto_mesh(mesh: Mesh) -> Mesh:
-  """``mesh`` with every axis ``Auto``: the mesh the traced programs' ``shard_map`` calls run
-  over. Over ``Explicit`` axes (``jax.make_mesh``'s default) ``shard_map`` checks its inputs'
-  sharding types against its mesh, and the staged blocks cross from the source mesh to the
-  destination mesh; over ``Auto`` axes the programs take arrays of either kind."""
+  """``mesh`` with every axis ``Auto`` (the traced ``shard_map`` calls take either type)."""
   if all(t == AxisType.Auto for t in mesh.axis_types):
     return mesh
   return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
@@ -867,7 +689,6 @@ def _only_axes(spec: PartitionSpec, axes: set[str]) -> PartitionSpec:
     return spec
   entries: list[Any] = []
   for e in spec:
-    names = () if e is None else (e,) if isinstance(e, str) else tuple(e)
-    kept = tuple(n for n in names if n in axes)
+    kept = tuple(n for n in (() if e is None else (e,) if isinstance(e, str) else e) if n in axes)
     entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
   return PartitionSpec(*entries)
