@@ -1,9 +1,8 @@
-"""The ways a leaf's rows are cut into chunks (see docs/design.md "Chunks"). NumPy only.
+"""The ways a leaf's rows are cut into chunks (docs/design.md "Chunks"). NumPy only.
 
-Every way replaces each row it cuts by its pieces, in the planner's order and then by chunk:
-the same bytes, more rows. A way that cuts by *windows* (local indices of one dimension,
-``(dim, bounds)``: chunk ``j`` covers ``bounds[j]:bounds[j + 1]``) returns them too.
-"""
+Each way replaces every row it cuts by its pieces, in the planner's order then by chunk. A way
+that cuts by *windows* (``(dim, bounds)``: chunk ``j`` covers local indices
+``bounds[j]:bounds[j + 1]`` of ``dim``) returns them too."""
 
 from __future__ import annotations
 
@@ -15,20 +14,19 @@ from jax_reshard._layout import Layout
 from jax_reshard._planner import LeafPlan
 
 Windows = tuple[int, tuple[int, ...]]  # (dim, bounds)
+Window = tuple[int, int, int]  # (dim, start, stop)
 
 
 def window_dim(src: Layout, dst: Layout) -> int | None:
-  """The longest dimension (of extent 2 or more) that neither ``src`` nor ``dst`` shards, where
-  a leaf can be cut into windows, or ``None``."""
+  """The longest dimension (of extent 2 or more) neither ``src`` nor ``dst`` shards, or ``None``."""
   sizes = zip(src.shape, src.shard_shape(), dst.shard_shape(), strict=True)
   full = [(n, -d) for d, (n, a, b) in enumerate(sizes) if n == a == b and n >= 2]
   return -max(full)[1] if full else None
 
 
 def slab_dim(shard_shape: Sequence[int], k: int, spread: Sequence[bool] | None = None) -> int:
-  """The dimension ``k`` slabs cut: the first of extent at least ``k`` (a slab is then a
-  contiguous run of the shard's rows), else the longest; with ``spread``, the first such where
-  it is true (a dimension the other side does not shard: every chunk keeps all devices busy)."""
+  """The dimension ``k`` slabs cut: the first of extent at least ``k`` (where ``spread`` is true
+  if any such), else the longest."""
   ext = np.asarray(shard_shape, dtype=np.int64)
   if spread is not None and (pick := (ext >= k) & np.asarray(spread, dtype=bool)).any():
     return int(np.argmax(pick))
@@ -36,9 +34,8 @@ def slab_dim(shard_shape: Sequence[int], k: int, spread: Sequence[bool] | None =
 
 
 def grid_dims(layouts: tuple[Layout, Layout]) -> tuple[int, int]:
-  """The dimensions a grid (:func:`split_grid`) cuts: of the source shards, the longest the
-  destination does not shard (else the longest); of the destination shards, the longest the
-  source does not shard other than that one (else the longest)."""
+  """The dimensions a grid cuts: per side, the longest the other side does not shard (for the
+  destination, not the source's), else the longest."""
   src, dst = layouts
 
   def pick(shard: Sequence[int], other: Layout, skip: int | None) -> int:
@@ -55,35 +52,21 @@ def grid_dims(layouts: tuple[Layout, Layout]) -> tuple[int, int]:
 
 def grid_windows(
   src_slabs: Windows | None, dst_slabs: Windows | None, first: int, last: int
-) -> tuple[tuple[int, int, int] | None, tuple[int, int, int] | None]:
-  """``(source window, destination window)``, each ``(dim, start, stop)`` or ``None``: the
-  local indices of every source and destination shard of a leaf that a bucket moving its
-  chunks ``first..last`` stages and outputs.
+) -> tuple[Window | None, Window | None]:
+  """``(source window, destination window)``, each ``(dim, start, stop)`` or ``None``: what a
+  bucket moving chunks ``first..last`` stages of every source shard and outputs of every
+  destination shard. Chunk ``j`` is window ``j``, but in a grid (slabs of both sides that
+  differ) source slab ``c % ks`` of destination slab ``c // ks``; windows cover the chunks'."""
+  span = dst_span = (first, last)
+  if src_slabs is not None and dst_slabs is not None and src_slabs != dst_slabs:  # a grid
+    ks = len(src_slabs[1]) - 1
+    dst_span = (first // ks, last // ks)
+    span = (first % ks, last % ks) if dst_span[0] == dst_span[1] else (0, ks - 1)
+  return _window(src_slabs, *span), _window(dst_slabs, *dst_span)
 
-  Slabs of one side, or the same windows on both sides, give chunk ``j`` window ``j``. Slabs
-  of both sides that differ form a grid (:func:`split_grid`): with ``ks`` source slabs, chunk
-  ``c`` is source slab ``c % ks`` of destination slab ``c // ks``; a bucket's windows are the
-  smallest that cover its chunks'.
-  """
-  grid = src_slabs is not None and dst_slabs is not None and src_slabs != dst_slabs
-  windows: list[tuple[int, int, int] | None] = []
-  for side, slabs in enumerate((src_slabs, dst_slabs)):
-    if slabs is None:
-      windows.append(None)
-      continue
-    dim, bounds = slabs
-    a, b = first, last
-    if grid:
-      assert src_slabs is not None
-      ks = len(src_slabs[1]) - 1
-      if side == 1:
-        a, b = first // ks, last // ks
-      elif first // ks == last // ks:
-        a, b = first % ks, last % ks
-      else:  # chunks of several destination slabs: every source slab
-        a, b = 0, ks - 1
-    windows.append((dim, bounds[a], bounds[b + 1]))
-  return windows[0], windows[1]
+
+def _window(slabs: Windows | None, a: int, b: int) -> Window | None:
+  return None if slabs is None else (slabs[0], slabs[1][a], slabs[1][b + 1])
 
 
 def _with_pieces(
@@ -95,8 +78,8 @@ def _with_pieces(
   chunk: np.ndarray,
   itemsize: int,
 ) -> tuple[LeafPlan, np.ndarray]:
-  """``plan`` with each of ``rows`` replaced by its pieces (piece ``i`` of row ``rows[rr[i]]``
-  spans ``lo[i]:hi[i]`` in chunk ``chunk[i]``), and each row's chunk (0 for rows kept)."""
+  """``plan`` with each of ``rows`` replaced by its pieces (piece ``i``: row ``rows[rr[i]]``'s
+  ``lo[i]:hi[i]`` in chunk ``chunk[i]``), and each row's chunk (0 for rows kept)."""
   keep = np.setdiff1d(np.arange(len(plan.nbytes)), rows)
   order = np.lexsort((np.r_[np.zeros(len(keep), np.int64), chunk], np.r_[keep, rows[rr]]))
 
@@ -119,10 +102,9 @@ def _with_pieces(
 def split_rows(plan: LeafPlan, k: int, itemsize: int) -> tuple[LeafPlan, np.ndarray]:
   """``plan`` with every remote transfer cut into up to ``k`` sub-boxes, and each row's chunk.
 
-  A transfer is cut along its first dimension of extent at least ``k`` (its longest where none
-  is) into ``k`` near-equal ranges, range ``j`` in chunk ``j``; shorter dimensions give fewer,
-  one-index-thick ranges spread over the chunks. Local copies stay whole in chunk 0. Chunks are
-  numbered from 0 without gaps.
+  A transfer is cut along its first dimension of extent at least ``k`` (else its longest) into
+  ``k`` near-equal ranges, or fewer one-index ranges spread over the chunks. Local copies stay
+  in chunk 0; chunks are numbered without gaps.
 
   Example:
     >>> from jax_reshard._planner import plan_leaf
@@ -158,8 +140,7 @@ def split_rows(plan: LeafPlan, k: int, itemsize: int) -> tuple[LeafPlan, np.ndar
 
 
 def _shard_start(layout: Layout, devices: np.ndarray, dim: int) -> np.ndarray:
-  """Per device of ``devices`` (each holding a shard of ``layout``), where its shard starts
-  along ``dim``."""
+  """Per device of ``devices``, where its shard of ``layout`` starts along ``dim``."""
   ids = np.asarray(layout.device_ids, dtype=np.int64)
   order = np.argsort(ids)
   at = order[np.searchsorted(ids, devices, sorter=order)]
@@ -176,24 +157,9 @@ def split_slabs(
   spread: Sequence[bool] | None = None,
   dim: int | None = None,
 ) -> tuple[LeafPlan, np.ndarray, Windows]:
-  """``plan`` cut into up to ``k`` slabs of source-local indices, each row's chunk, and the
-  slabs ``(dim, bounds)``.
-
-  Chunk ``j`` covers local indices ``bounds[j]:bounds[j + 1]`` along ``dim`` (see
-  :func:`slab_dim` and ``spread``) of every source shard; every row with bytes, local copies
-  included, is cut by its sender's windows. With ``receiver``, ``src`` is the destination
-  layout and rows are cut by their receiver's windows. With ``dim``, the windows are of one
-  width (the last narrower where ``k`` does not divide the dimension).
-
-  Example:
-    >>> from jax_reshard._planner import plan_leaf
-    >>> src = Layout.from_description((8, 4), mesh_shape=(2,), axis_names=("x",), spec=(None,))
-    >>> dst = Layout.from_description((8, 4), mesh_shape=(2,), axis_names=("y",),
-    ...                               spec=("y",), device_ids=(2, 3))
-    >>> cut, chunk, slabs = split_slabs(plan_leaf(src, dst, 4), src, 2, 4)
-    >>> slabs, chunk.tolist(), int(cut.nbytes.sum()) == 8 * 4 * 4
-    ((0, (0, 4, 8)), [0, 1], True)
-  """
+  """``plan`` cut into up to ``k`` slabs of every source shard (along :func:`slab_dim`, or of
+  one width along ``dim``), each row's chunk, and the slabs. Every row with bytes is cut by its
+  sender's slabs; with ``receiver``, ``src`` is the destination layout and by its receiver's."""
   shard = src.shard_shape()
   if dim is None:
     dim = slab_dim(shard, k, spread)
@@ -219,20 +185,9 @@ def split_slabs(
 def split_grid(
   plan: LeafPlan, layouts: tuple[Layout, Layout], ks: int, kd: int, itemsize: int
 ) -> tuple[LeafPlan, np.ndarray, Windows, Windows]:
-  """``plan`` cut into a grid of slabs of one width, up to ``ks`` of its source shards and
-  ``kd`` of its destination shards, along :func:`grid_dims`: the rows (cut by their sender's
-  windows, then by their receiver's), each row's chunk (source slab ``i`` of destination slab
-  ``j`` is chunk ``j * ks + i``, ``ks`` the slabs made), and both sides' slabs.
-
-  Example:
-    >>> from jax_reshard._planner import plan_leaf
-    >>> src = Layout.from_description((8, 8), mesh_shape=(2,), axis_names=("x",), spec=("x",))
-    >>> dst = Layout.from_description((8, 8), mesh_shape=(2,), axis_names=("y",),
-    ...                               spec=(None, "y"), device_ids=(2, 3))
-    >>> cut, chunk, src_slabs, dst_slabs = split_grid(plan_leaf(src, dst, 4), (src, dst), 2, 2, 4)
-    >>> src_slabs, dst_slabs, sorted(set(chunk.tolist())), int(cut.nbytes.sum()) == 8 * 8 * 4
-    ((0, (0, 2, 4)), (1, (0, 2, 4)), [0, 1, 2, 3], True)
-  """
+  """``plan`` cut into a grid of slabs of one width (up to ``ks`` of the source shards, ``kd`` of
+  the destination shards, along :func:`grid_dims`), each row's chunk (source slab ``i`` of
+  destination slab ``j``: ``j * ks + i``), and both sides' slabs."""
   src, dst = layouts
   dim_s, dim_d = grid_dims(layouts)
   plan, _, src_slabs = split_slabs(plan, src, ks, itemsize, dim=dim_s)
