@@ -50,17 +50,14 @@ def _color_dense(s: np.ndarray, d: np.ndarray, swap_late: bool = False) -> np.nd
   return np.asarray(prefix[0], dtype=np.int64)
 
 
-def _lowest_free(mask: int) -> int:
-  return (~mask & (mask + 1)).bit_length() - 1
-
-
 def _first_fit_prefix(s: list[int], d: list[int], k: int) -> tuple[list[int], list[int], list[int]]:
   """First fit (the lowest colour free at both ends) up to the first edge that needs more than
   ``k`` colours: the colours before it, and per sender and receiver a bitmask of those taken."""
   used_s, used_d = [0] * (max(s) + 1), [0] * (max(d) + 1)
   out = []
   for u, v in zip(s, d, strict=True):
-    c = _lowest_free(used_s[u] | used_d[v])
+    m = used_s[u] | used_d[v]
+    c = (~m & (m + 1)).bit_length() - 1
     if c >= k:
       break
     used_s[u] |= 1 << c
@@ -78,10 +75,10 @@ def _konig(
 ) -> list[int]:
   """Konig colouring with exactly ``k`` colours, continuing ``prefix`` (:func:`_first_fit_prefix`
   of these edges): each edge takes the lowest colour free at both ends (with ``fit``), else the
-  lowest ``a`` free at its sender, swapped where taken at its receiver with the lowest ``b``
-  free there along the alternating path (:func:`_swap_path`)."""
+  lowest ``a`` free at its sender; where ``a`` is taken at its receiver, ``a`` and the lowest
+  ``b`` free there are swapped along the alternating path from it, in one walk."""
   done, used_s, used_d = prefix or ([], [0] * (max(s) + 1), [0] * (max(d) + 1))
-  used_s, used_d = list(used_s), list(used_d)
+  used_s, used_d = list(used_s), list(used_d)  # per vertex, a bitmask of colours
   at = []  # per side, per vertex, colour -> edge index
   for ends, n in ((s, len(used_s)), (d, len(used_d))):
     table = np.full((n, k), -1, dtype=np.int64)
@@ -91,51 +88,38 @@ def _konig(
   colour = done + [-1] * (len(s) - len(done))
   for e in range(len(done), len(s)):
     u, v = s[e], d[e]
-    c = _lowest_free(used_s[u] | used_d[v]) if fit else k
-    if c >= k:
-      c = _lowest_free(used_s[u])
-      if used_d[v] >> c & 1:
-        _swap_path(s, d, colour, at_s, at_d, used_s, used_d, v, c, _lowest_free(used_d[v]))
-    colour[e] = c
-    at_s[u][c] = at_d[v][c] = e
-    used_s[u] |= 1 << c
-    used_d[v] |= 1 << c
+    m = used_s[u] | used_d[v]
+    a = (~m & (m + 1)).bit_length() - 1 if fit else k
+    if a >= k:
+      m = used_s[u]
+      a = (~m & (m + 1)).bit_length() - 1
+      if used_d[v] >> a & 1:
+        m = used_d[v]
+        b = (~m & (m + 1)).bit_length() - 1
+        flip, f, node = (1 << a) | (1 << b), -1, v  # f: the path edge that reached node
+        while True:  # node is a receiver: leave by colour a
+          tab = at_d[node]
+          g = tab[a]
+          tab[a], tab[b] = f, g
+          if g == -1:
+            used_d[node] ^= flip
+            break
+          colour[g] = b
+          node = s[g]
+          tab = at_s[node]  # a sender, entered by a: leave by colour b
+          f = tab[b]
+          tab[b], tab[a] = g, f
+          if f == -1:
+            used_s[node] ^= flip
+            break
+          colour[f] = a
+          node = d[f]
+        used_d[v] ^= flip  # inner vertices keep both colours; the ends trade one
+    colour[e] = a
+    at_s[u][a] = at_d[v][a] = e
+    used_s[u] |= 1 << a
+    used_d[v] |= 1 << a
   return colour
-
-
-def _swap_path(
-  s: list[int],
-  d: list[int],
-  colour: list[int],
-  at_s: list[list[int]],
-  at_d: list[list[int]],
-  used_s: list[int],
-  used_d: list[int],
-  v: int,
-  a: int,
-  b: int,
-) -> None:
-  """Swaps colours ``a`` and ``b`` on the path from receiver ``v`` (``a`` taken there, ``b``
-  free) along edges coloured ``a``, ``b``, ``a``, ... in one walk; then ``a`` is free at ``v``."""
-  f, node = -1, v  # f: the path edge that reached node
-  while True:  # node is a receiver: leave by colour a
-    tab = at_d[node]
-    g = tab[a]
-    tab[a], tab[b] = f, g
-    if g == -1:
-      used_d[node] ^= (1 << a) | (1 << b)
-      break
-    colour[g] = b
-    node = s[g]
-    tab = at_s[node]  # a sender, entered by a: leave by colour b
-    f = tab[b]
-    tab[b], tab[a] = g, f
-    if f == -1:
-      used_s[node] ^= (1 << a) | (1 << b)
-      break
-    colour[f] = a
-    node = d[f]
-  used_d[v] ^= (1 << a) | (1 << b)  # inner vertices keep both colours; the ends trade one
 
 
 def make_rounds(
