@@ -1,9 +1,5 @@
-"""The schedule: buckets of leaves and chunks, per-pair byte payloads, and collective rounds.
-
-A bucket packs each (source, destination) pair's remote transfers into one payload and the
-pairs into rounds (``_rounds``), keeping every device's staging, padding included, under
-``max_bucket_bytes``; a leaf that does not fit alone is cut into chunks over consecutive
-buckets (``_chunks``; docs/design.md "Chunks"). NumPy only."""
+"""Buckets of leaves (or chunks of leaves) under a per-device staging bound, their per-pair
+payloads and collective rounds (``_rounds``); chunks: ``_chunks``, docs/design.md. NumPy only."""
 
 from __future__ import annotations
 
@@ -45,11 +41,9 @@ class Piece:
 class Bucket:
   """Leaves (or chunks of leaves) executed together in one compiled program.
 
-  The ``piece_*`` arrays hold one row per remote transfer, sorted by (source, destination,
-  leaf, transfer): a pair's payload is its rows in order, each ``piece_offset`` bytes in.
-  ``piece_transfer`` numbers the rows of :attr:`Schedule.leaf_plans`. ``chunks``: per leaf,
-  the chunks moved (chunk 0 makes the local copies). ``must_apart``: in bound only assembled
-  apart (:func:`assembly_devices`), which it then always is.
+  ``piece_*``: one row per remote transfer, sorted by (source, destination, leaf, transfer); a
+  pair's payload is its rows in order, each ``piece_offset`` bytes in. ``chunks``: per leaf, the
+  chunks moved (chunk 0 makes the local copies). ``must_apart``: fits only assembled apart.
   """
 
   leaves: tuple[int, ...]
@@ -77,19 +71,11 @@ class Bucket:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Schedule:
-  """Buckets plus the per-device byte counts they imply (bytes with padding).
+  """Buckets plus the per-device byte counts they imply, padding included.
 
-  Attributes:
-    buckets: the compiled programs, in the order they run.
-    union_device_ids: every device of every leaf, ascending.
-    padding_bytes: bytes sent only to make the payloads of a round one size.
-    max_send_bytes: most bytes one device sends; ``max_recv_bytes``: receives.
-    peak_staging_bytes: most staging bytes one device holds in a bucket.
-    leaf_plans: per leaf, its rows as the buckets move them (a cut row replaced by its pieces);
-      ``row_chunks``: each row's chunk; ``leaf_buckets``: the buckets it runs in.
-    leaf_slabs: per leaf, ``None`` or its source shards' slabs ``(dim, bounds)``: chunk ``j``
-      covers their local indices ``bounds[j]:bounds[j + 1]``; ``leaf_dst_slabs`` the
-      destination's; ``leaf_windows`` windows along a dimension neither side shards.
+  Per leaf: ``leaf_plans`` its rows as the buckets move them, ``row_chunks`` each row's chunk,
+  ``leaf_buckets`` the buckets it runs in, ``leaf_slabs`` (``leaf_dst_slabs``) ``None`` or the
+  slabs ``(dim, bounds)`` of its source (destination) shards, ``leaf_windows`` its windows.
   """
 
   buckets: tuple[Bucket, ...]
@@ -144,8 +130,7 @@ def staged_block_shape(shard_shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def placeholder_mask(layout: Layout, device_ids: np.ndarray) -> np.ndarray:
   """Which of ``device_ids`` (a bucket's mesh) hold no shard of ``layout``: they stage a zero
-  placeholder block (source) or return a discarded one (destination), both counted as staging
-  (the discarded one not where the bucket assembles apart)."""
+  placeholder (source) or return a discarded block (destination), both counted as staging."""
   ids = np.asarray(layout.device_ids, dtype=np.int64)  # ascending
   if not len(ids):
     return np.ones(np.shape(device_ids), dtype=bool)
@@ -153,8 +138,8 @@ def placeholder_mask(layout: Layout, device_ids: np.ndarray) -> np.ndarray:
 
 
 def donated_mask(dst: Layout, device_ids: np.ndarray, fresh: bool) -> np.ndarray:
-  """Which of ``device_ids`` are given a zero destination block to donate for a leaf with a
-  destination input: those without a destination shard, or every device for a ``fresh`` leaf."""
+  """Which of ``device_ids`` get a zero destination block to donate: those without a
+  destination shard, or every device for a ``fresh`` leaf."""
   return np.ones(len(device_ids), dtype=bool) if fresh else placeholder_mask(dst, device_ids)
 
 
@@ -165,8 +150,8 @@ def leaf_key(plan: LeafPlan, layouts: tuple[Layout, Layout], kind: object) -> tu
 
 
 def slab_window(schedule: Schedule, leaf: int, chunks: Sequence[int]) -> Window | None:
-  """``(dim, start, stop)``: the local indices of every source shard of ``leaf`` that a bucket
-  moving ``chunks`` (consecutive) of it stages; ``None``: the whole source block."""
+  """``(dim, start, stop)`` of every source shard of ``leaf`` that a bucket moving ``chunks``
+  stages, or ``None`` (the whole block)."""
   return _windows(schedule, leaf, chunks)[0]
 
 
@@ -185,10 +170,8 @@ def _windows(
 def chunk_shift(
   schedule: Schedule, leaf: int, chunks: Sequence[int], src: Layout
 ) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
-  """``(shift, dst_shift)``, each ``(dim, start)`` or ``None``: where a bucket moving ``chunks``
-  of ``leaf`` takes its offsets from, so that chunks of one width run one program: a grid's
-  destination and source slab starts; for a leaf split over buckets, its window's start, or its
-  destination slab's along a dimension ``src`` does not shard (the source rows start there)."""
+  """``(shift, dst_shift)``, each ``(dim, start)`` or ``None``: where a bucket moving ``chunks`` of
+  ``leaf`` takes its offsets from, so that chunks of one width share a program."""
   slabs, dst_slabs = schedule.leaf_slabs[leaf], schedule.leaf_dst_slabs[leaf]
   window, dst_window = _windows(schedule, leaf, chunks)
   if slabs is not None and dst_slabs is not None and slabs != dst_slabs:  # a grid
@@ -206,8 +189,7 @@ def chunk_shift(
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class LeafMode:
-  """How a bucket treats one leaf: the fields of ``_program.LeafView`` of these names, read by
-  the program and the cost model alike."""
+  """How a bucket treats one leaf: ``_program.LeafView``'s fields of these names."""
 
   in_place: bool = False
   dst_input: bool = False
@@ -230,10 +212,9 @@ def leaf_modes(
   relayed: Collection[int] = frozenset(),
   copies: bool = True,
 ) -> list[LeafMode]:
-  """Per leaf of bucket ``bucket``, how the bucket treats it. ``layouts``: per leaf of the
-  plan; ``scheduled``: the leaves the schedule numbers; ``donate``: the call writes into donated
-  destination buffers; ``relayed``: leaves a relay stage completes; ``copies``: find which rows'
-  local copies the bucket makes (else ``True``)."""
+  """Per leaf of bucket ``bucket``, how it treats it. ``scheduled``: the plan's leaf of each
+  scheduled one; ``donate``: writing into donated buffers; ``relayed``: leaves a relay stage
+  completes; ``copies``: find which rows' local copies the bucket makes (else ``True``)."""
   sched_bucket = schedule.buckets[bucket]
   out = []
   for j, chunks in zip(sched_bucket.leaves, sched_bucket.chunks, strict=True):
@@ -249,21 +230,13 @@ def leaf_modes(
     # A leaf cut into windows takes a destination input in its first bucket too (zero blocks on
     # every device), so that its first window runs the program of the others.
     fresh = shift is not None and whole and spans[0] == bucket and not donate
-    out.append(
-      LeafMode(
-        # A relayed leaf refit into its donated buffer gets its first-stage parts written where
-        # they go; the relay stage writes the rest.
-        in_place=grid or (whole and (len(spans) > 1 or (donate and scheduled[j] in relayed))),
-        dst_input=(whole or grid) and (donate or spans[0] != bucket or fresh),
-        carry_out=spans[-1] != bucket,
-        copies=np.isin(schedule.row_chunks[j], chunks) if copies else True,
-        window=window,
-        dst_window=dst_window,
-        shift=shift,
-        fresh=fresh,
-        dst_shift=dst_shift,
-      )
-    )
+    # A relayed leaf refit into its donated buffer gets its first-stage parts written where
+    # they go; the relay stage writes the rest.
+    in_place = grid or (whole and (len(spans) > 1 or (donate and scheduled[j] in relayed)))
+    dst_input = (whole or grid) and (donate or spans[0] != bucket or fresh)
+    carry, rows = spans[-1] != bucket, np.isin(schedule.row_chunks[j], chunks) if copies else True
+    mode = (in_place, dst_input, carry, rows, window, dst_window, shift, fresh, dst_shift)
+    out.append(LeafMode(*mode))
   return out
 
 
@@ -276,11 +249,9 @@ def assembly_devices(
   *,
   split_assembly: bool,
 ) -> tuple[int, ...] | None:
-  """The devices (ids, ascending) that may assemble bucket ``bucket``'s destination shards in a
-  program of their own (the rounds run over the union mesh and return the payloads), or
-  ``None`` where its one program over the union mesh does. That needs every leaf whole
-  (``modes``: nothing carried, cut or shifted), one destination device set, and a device of the
-  bucket without a destination shard; without ``split_assembly``, ``Bucket.must_apart`` too."""
+  """The devices that may assemble bucket ``bucket``'s destination shards in a program of
+  their own (every leaf whole, one destination set, some other device), else ``None``; without
+  ``split_assembly`` only where ``Bucket.must_apart``."""
   b = schedule.buckets[bucket]
   if not split_assembly and not b.must_apart:
     return None
@@ -297,8 +268,8 @@ def assembly_devices(
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Cut:
-  """How a leaf's chunks cut its shards: slabs of the source shards, of the destination shards
-  (both: windows of both sides where equal, a grid where not), or windows of whole shards."""
+  """How a leaf's chunks cut its shards: source slabs, destination slabs (both: a grid, or
+  windows of both sides where equal), or windows of whole shards."""
 
   src: Windows | None = None
   dst: Windows | None = None
@@ -306,8 +277,7 @@ class _Cut:
 
 
 class _Tree:
-  """The leaves being scheduled, with their current rows, chunks and cuts (mutable while
-  scheduling), and what scheduling caches: splits, rounds, colourings and built buckets."""
+  """The leaves being scheduled (rows, chunks, cuts; mutable) and scheduling's caches."""
 
   def __init__(
     self,
@@ -318,9 +288,11 @@ class _Tree:
     bound: int | None,
     options: Options,
     topology: Topology | None,
+    slabs: bool,
+    apart: bool,
   ) -> None:
     self.original, self.layouts, self.itemsizes, self.names = plans, layouts, itemsizes, names
-    self.bound, self.options, self.allow_slabs = bound, options, False
+    self.bound, self.options, self.allow_slabs = bound, options, slabs
     ids = {i for s, d in layouts for i in (*s.device_ids, *d.device_ids)}
     self.union = np.asarray(sorted(ids), dtype=np.int64)
     self.links = Links.of(self.union, topology)
@@ -332,10 +304,6 @@ class _Tree:
       kinds.setdefault(leaf_key(p, lay, isz), len(kinds))
       for p, lay, isz in zip(plans, layouts, itemsizes, strict=True)
     ]
-    # per leaf and union device, what a bucket assembling apart does not write (its destination
-    # placeholder) and the bytes it receives; empty where no bucket may assemble apart
-    self.discards: list[np.ndarray] = []
-    self.receives: list[np.ndarray] = []
     self.cuts: dict[int, _Cut] = {}
     self.splits: dict[tuple[object, ...], tuple[Any, ...]] = {}  # number, rows, chunks, cut
     self.round_cache: dict[bytes, tuple[list[Round], np.ndarray, np.ndarray]] = {}
@@ -347,17 +315,18 @@ class _Tree:
     self.plans, self.chunks = list(plans), [np.zeros_like(p.nbytes) for p in plans]
     self.payloads = [self._payloads(p, c) for p, c in zip(plans, self.chunks, strict=True)]
     self.states: list[tuple[Any, ...]] = [("orig", p.nbytes.tobytes()) for p in plans]
+    self.discards, self.receives = _apart_counts(self, apart)
 
   def set_chunks(
     self, leaf: int, plan: LeafPlan, chunk: np.ndarray, state: tuple[Any, ...] | None = None
   ) -> None:
-    """Records ``leaf``'s rows and their chunks, in ``state`` (default: a new number)."""
+    """Records ``leaf``'s rows and chunks in ``state`` (default: a new one)."""
     self.states[leaf] = ("fresh", next(self.fresh)) if state is None else state
     self.plans[leaf], self.chunks[leaf] = plan, chunk
     self.payloads[leaf] = self._payloads(plan, chunk)
 
   def _payloads(self, plan: LeafPlan, chunk: np.ndarray) -> np.ndarray:
-    """Per chunk and union device, the payload bytes it sends and receives."""
+    """Per chunk and union device, the payload bytes sent and received."""
     n, k = len(self.union), int(chunk.max(initial=0)) + 1
     remote = ~plan.local
     nb, c = plan.nbytes[remote], chunk[remote]
@@ -374,15 +343,14 @@ class _Tree:
     return [(leaf, c) for c in range(len(self.payloads[leaf]))]
 
   def placeholder(self, leaf: int, side: int) -> np.ndarray:
-    """Per union device, its placeholder bytes of ``leaf``'s source (``side`` 0) or
-    destination (1) block."""
+    """Per union device, the placeholder bytes of ``leaf``'s ``side`` (0: source)."""
     layout = self.layouts[leaf][side]
     block = math.prod(staged_block_shape(layout.shard_shape())) * self.itemsizes[leaf]
     return placeholder_mask(layout, self.union) * block
 
   def staged(self, leaf: int, first: int, last: int) -> np.ndarray:
-    """Per union device, what a bucket moving chunks ``first..last`` of ``leaf`` stages besides
-    payloads: per side its window where cut into slabs of that side, else its placeholder."""
+    """Per union device, what a bucket of chunks ``first..last`` of ``leaf`` stages besides
+    payloads: per side its window where cut into slabs, else its placeholder."""
     cut = self.cuts.get(leaf)
     if cut is None or (cut.src is None and cut.dst is None):
       return self.placeholders[leaf]
@@ -397,7 +365,7 @@ class _Tree:
     return out
 
   def apart(self, leaves: Collection[int]) -> bool:
-    """Whether a bucket of ``leaves`` may assemble apart: the tree allows it and all move whole."""
+    """Whether a bucket of ``leaves`` may assemble apart."""
     return bool(self.discards) and all(
       len(self.payloads[leaf]) == 1 and leaf not in self.cuts for leaf in leaves
     )
@@ -421,8 +389,8 @@ class _Built:
 def _bucket_pieces(
   plans: Sequence[LeafPlan], leaves: Sequence[int], rows: Sequence[np.ndarray]
 ) -> tuple[np.ndarray, np.ndarray]:
-  """The remote rows ``rows`` (a mask per leaf) of a bucket's leaves as pieces, rows ``(src,
-  dst, leaf, transfer, nbytes)`` sorted by the first four, and each pair's first piece."""
+  """The remote rows ``rows`` of ``leaves`` as pieces ``(src, dst, leaf, transfer, nbytes)``
+  sorted by the first four, and each pair's first piece."""
   parts = []
   for leaf, mask in zip(leaves, rows, strict=True):
     p = plans[leaf]
@@ -439,10 +407,8 @@ def _bucket_pieces(
 def _whole_first(
   tree: _Tree, pair_round: np.ndarray, cols: np.ndarray, first: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-  """The pieces ``cols`` (:func:`_bucket_pieces`; pair ``i`` in round ``pair_round[i]``)
-  reordered so that in each payload the whole source shards (of at least
-  ``whole_operand_bytes``) that every payload of its round holds come first, in leaf order:
-  sent as they are (``_cost.whole_segment_bytes``); and each piece's offset."""
+  """The pieces with the whole source shards every payload of a round holds first (sent as
+  they are: ``_cost.whole_segment_bytes``), and each piece's offset."""
   _, _, leaf_of, transfer, nbytes = cols
   pid = np.repeat(np.arange(len(first)), np.diff(np.r_[first, len(nbytes)]))  # each's pair
   used, inv = np.unique(leaf_of, return_inverse=True)
@@ -462,8 +428,8 @@ def _whole_first(
 
 
 def _build(tree: _Tree, items: Sequence[tuple[int, int]]) -> _Built:
-  """The bucket of ``items`` ((leaf, chunk), consecutive) with its rounds and byte counts; one
-  like a bucket built before (leaves in the same states, in order) is that one renumbered."""
+  """The bucket of ``items`` ((leaf, chunk), consecutive); one like a bucket built before (same
+  leaf states) is that one renumbered."""
   chunks: dict[int, list[int]] = {}
   for leaf, c in items:
     chunks.setdefault(leaf, []).append(c)
@@ -486,7 +452,7 @@ def _build(tree: _Tree, items: Sequence[tuple[int, int]]) -> _Built:
 
 
 def _build_new(tree: _Tree, leaves: list[int], chunks: dict[int, list[int]]) -> _Built:
-  """:func:`_build` of ``leaves`` (their ``chunks``, consecutive), from scratch."""
+  """:func:`_build` from scratch."""
   rows = [(tree.chunks[j] >= chunks[j][0]) & (tree.chunks[j] <= chunks[j][-1]) for j in leaves]
   cols, first = _bucket_pieces(tree.plans, leaves, rows)
   fill = np.add.reduceat(cols[4], first) if len(first) else cols[4]
@@ -517,8 +483,7 @@ def _build_new(tree: _Tree, leaves: list[int], chunks: dict[int, list[int]]) -> 
 
 
 def _unpadded_peaks(tree: _Tree, items: Sequence[tuple[int, int]], start: int) -> Iterator[int]:
-  """For ``e = start + 1, start + 2, ...``, the most bytes one device stages, unpadded, in a
-  bucket of ``items[start:e]``."""
+  """Per ``e > start``, the most bytes one device stages unpadded in ``items[start:e]``."""
   n = len(tree.union)
   acc_ph, acc_pay, mask = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, bool)
   acc_discards, acc_recv, apart = np.zeros(n, np.int64), np.zeros(n, np.int64), bool(tree.discards)
@@ -550,14 +515,11 @@ def _item_keys(tree: _Tree, items: Sequence[tuple[int, int]]) -> np.ndarray:
 def _repeat_end(
   tree: _Tree, keys: np.ndarray, start: int, runs: dict[int, tuple[int, int, int]]
 ) -> int:
-  """One past the last item of a bucket starting at item ``start`` under the leaf cap.
+  """One past the last item of a bucket starting at ``start`` under the leaf cap.
 
-  A *run* of ``keys`` repeats with a period ``p`` over at least the cap and two periods (the
-  layers of a model). A bucket where a run starts takes whole periods: one if ``p >=
-  Options.min_period_leaves``, else as many for every bucket of the run (a divisor of its
-  periods between half the cap and the cap where one is), so that they share a program.
-  Elsewhere it ends where a run begins, or at the cap. ``runs`` carries a run's ``(p, t, end)``
-  to the next bucket.
+  Where a run of ``keys`` repeats with a period ``p`` (a model's layers), buckets take whole
+  periods, as many in every bucket of the run (so that they share a program); elsewhere a bucket
+  ends where a run begins or at the cap. ``runs`` carries ``(p, t, end)`` to the next bucket.
   """
   cap = tree.options.max_bucket_leaves
   if start in runs:
@@ -595,11 +557,8 @@ def _repeat_end(
 def _largest_fitting(
   tree: _Tree, items: Sequence[tuple[int, int]], start: int, end: int, peak: int
 ) -> tuple[_Built, int] | None:
-  """``(bucket, e)`` for an ``items[start:e]`` (``e < end``) whose padded staging fits while
-  that of ``items[start:e + 1]`` does not (or ``e + 1 == end``); ``None`` where ``items[start]``
-  alone does not fit. ``peak``: the padded staging of ``items[start:end]``. The first probe is
-  where the unpadded staging scaled to ``peak`` reaches the bound; then the next and the
-  longest, or galloping down, then bisection."""
+  """``(bucket, e)`` for ``items[start:e]`` that fits while one more item does not, or ``None``
+  where ``items[start]`` alone does not: a guess from the unpadded staging, then gallop, bisect."""
   assert tree.bound is not None
   bound = tree.bound
   unpadded = list(itertools.islice(_unpadded_peaks(tree, items, start), end - start))
@@ -639,8 +598,7 @@ def _largest_fitting(
 
 
 def _fill_buckets(tree: _Tree) -> list[_Built]:
-  """Consecutive items per bucket, every bucket's padded staging in bound; a leaf that does not
-  fit alone is split on the way."""
+  """Consecutive items per bucket in bound; a leaf that does not fit alone is split."""
   items = [item for leaf in range(len(tree.plans)) for item in tree.items(leaf)]
   keys = _item_keys(tree, items)
   runs: dict[int, tuple[int, int, int]] = {}  # see _repeat_end
@@ -674,8 +632,7 @@ def _fill_buckets(tree: _Tree) -> list[_Built]:
 
 
 def _split_leaf(tree: _Tree, leaf: int, k: int) -> None:
-  """Cuts ``leaf`` into the fewest chunks (from ``k`` up) that each fit the bound alone
-  (:func:`_best_split`); a leaf like one cut before (a model's layers) is cut alike."""
+  """Cuts ``leaf`` into the fewest chunks (from ``k``) that fit alone, alike for like leaves."""
   key = (tree.kinds[leaf], tree.original[leaf].nbytes.tobytes())
   if key not in tree.splits:
     tree.splits[key] = (len(tree.splits), *_best_split(tree, leaf, k))
@@ -686,12 +643,11 @@ def _split_leaf(tree: _Tree, leaf: int, k: int) -> None:
 
 
 def _best_split(tree: _Tree, leaf: int, k: int) -> tuple[LeafPlan, np.ndarray, _Cut | None]:
-  """The rows, their chunks and the cut :func:`_split_leaf` makes (the tree left without a cut):
-  the ways of docs/design.md "Chunks" in order, the first that fits kept; a later one tried
-  where a placeholder it shrinks takes over half the bound, and kept if it needs fewer chunks.
+  """The rows, chunks and cut of the first way that fits (a later way tried where a
+  placeholder it shrinks takes over half the bound, kept if fewer chunks).
 
   Raises:
-    BucketBoundError: if no way fits, naming the least bytes of the ways.
+    BucketBoundError: if no way fits.
   """
   assert tree.bound is not None
   heavy = [
@@ -740,10 +696,8 @@ def _best_split(tree: _Tree, leaf: int, k: int) -> tuple[LeafPlan, np.ndarray, _
 def _fewest(
   tree: _Tree, k: int, k_max: int, trial: Callable[[int], np.ndarray], floor: np.ndarray | None
 ) -> tuple[int, str] | None:
-  """Cuts a leaf with ``trial(k)`` (which sets its rows, chunks and cut, and returns each
-  chunk's staging alone per device) into the fewest chunks from ``k`` up to ``k_max`` that fit:
-  ``None``, else the least staging found. Each try scales ``k`` by how far the staging above
-  ``floor`` (what no cut shrinks) overshoots the bound."""
+  """The fewest chunks from ``k`` to ``k_max`` that fit with ``trial`` (``None``), else the least
+  staging found; ``k`` grows by how far the staging above ``floor`` overshoots."""
   assert tree.bound is not None
   k = max(2, min(k, k_max))
   while True:
@@ -765,8 +719,7 @@ def _alone(tree: _Tree, leaf: int, chunks: Iterable[int]) -> np.ndarray:
 
 
 def _split_rows(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
-  """Sub-boxes of the remote transfers, with whole placeholders: no fewer than a placeholder
-  plus the thinnest slab of one transfer of a device."""
+  """Sub-boxes of the remote transfers, with whole placeholders."""
   assert tree.bound is not None
   bound, orig = tree.bound, tree.original[leaf]
   ph = tree.placeholders[leaf] * tree.members[leaf]
@@ -789,8 +742,7 @@ def _split_rows(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
 
 
 def _split_slabs(tree: _Tree, leaf: int, k: int, side: int) -> tuple[int, str] | None:
-  """Slabs of the source (``side`` 0) or destination (1) shards; the other side's placeholder
-  is the floor."""
+  """Slabs of the source (``side`` 0) or destination shards."""
   assert tree.bound is not None
   orig, isz, lay = tree.original[leaf], tree.itemsizes[leaf], tree.layouts[leaf][side]
   src = tree.layouts[leaf][0]
@@ -821,8 +773,7 @@ def _split_slabs(tree: _Tree, leaf: int, k: int, side: int) -> tuple[int, str] |
 
 
 def _split_windows(tree: _Tree, leaf: int, k: int, both: bool = False) -> tuple[int, str] | None:
-  """Windows of one width along ``window_dim`` staged as whole shards, or with ``both`` as
-  slabs of both sides, so that both placeholders shrink with them."""
+  """Windows along ``window_dim`` of whole shards, or with ``both`` slabs of both sides."""
   assert tree.bound is not None
   src, dst = tree.layouts[leaf]
   dim = _chunks.window_dim(src, dst)
@@ -872,8 +823,7 @@ def _split_grid(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
 
 
 def _distinct_chunks(tree: _Tree, leaf: int) -> list[int]:
-  """The first chunk of ``leaf`` of each kind: chunks of equal pair bytes and placeholder or
-  slab bytes stage alike alone."""
+  """The first chunk of ``leaf`` of each kind of staging alone."""
   p, n = tree.plans[leaf], len(tree.payloads[leaf])
   rows = ~p.local & (p.nbytes != 0)
   c, s, d, nb = (a[rows] for a in (tree.chunks[leaf], p.src_device, p.dst_device, p.nbytes))
@@ -893,8 +843,7 @@ def _distinct_chunks(tree: _Tree, leaf: int) -> list[int]:
 
 
 def _presplit(tree: _Tree) -> None:
-  """Splits every leaf whose unpadded staging alone exceeds the bound, into as many chunks as
-  that excess suggests."""
+  """Splits every leaf whose unpadded staging alone exceeds the bound."""
   if tree.bound is None:
     return
   for leaf in range(len(tree.plans)):
@@ -912,9 +861,8 @@ def _presplit(tree: _Tree) -> None:
 
 
 def _apart_counts(tree: _Tree, apart: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
-  """:attr:`_Tree.discards` and :attr:`_Tree.receives` where ``apart``, a bound, and one
-  destination device set holding no source shard let every bucket of whole leaves assemble
-  apart; else empty."""
+  """Per leaf and union device, the destination placeholder and the bytes received, where
+  every bucket of whole leaves may assemble apart; else empty."""
   layouts, union = tree.layouts, tree.union
   dst_sets = {dst.device_ids for _, dst in layouts}
   if not (apart and tree.options.split_assembly and tree.bound) or len(dst_sets) != 1:
@@ -949,21 +897,18 @@ def make_schedule(
     layouts: ``(src, dst)`` layouts per leaf.
     itemsizes: bytes per element per leaf.
     max_bucket_bytes: bound on staging bytes per device per bucket, padding included; a leaf
-      that does not fit alone is split into chunks over consecutive buckets. ``None``: no bound.
+      that does not fit alone is split into chunks. ``None``: no bound.
     names: per leaf, a name for error messages (default ``#i``).
     slabs: whether a leaf may be cut into slabs of its shards (and grids).
-    topology: where its domains split the devices, pairs across and inside domains may take
-      rounds of their own (``make_rounds``).
-    apart: whether a bucket may assemble apart where the bound needs it (its programs can).
+    topology: pairs across and inside its domains may take rounds of their own.
+    apart: whether a bucket may assemble apart where the bound needs it.
     options: the plan's :class:`Options`.
 
   Raises:
     BucketBoundError: if the bound is below what some leaf needs even in its smallest chunks.
   """
   names = names or [f"#{i}" for i in range(len(plans))]
-  tree = _Tree(plans, layouts, itemsizes, names, max_bucket_bytes, options, topology)
-  tree.allow_slabs = slabs
-  tree.discards, tree.receives = _apart_counts(tree, apart)
+  tree = _Tree(plans, layouts, itemsizes, names, max_bucket_bytes, options, topology, slabs, apart)
   _presplit(tree)
   built = _fill_buckets(tree)
   leaf_buckets: list[list[int]] = [[] for _ in plans]
