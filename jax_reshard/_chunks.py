@@ -1,8 +1,6 @@
-"""The ways a leaf's rows are cut into chunks (docs/design.md "Chunks"). NumPy only.
-
-Each way replaces every row it cuts by its pieces, in the planner's order then by chunk. A way
-that cuts by *windows* (``(dim, bounds)``: chunk ``j`` covers local indices
-``bounds[j]:bounds[j + 1]`` of ``dim``) returns them too."""
+"""The ways a leaf's rows are cut into chunks (docs/design.md "Chunks"), each row replaced
+by its pieces; windows ``(dim, bounds)``: chunk ``j`` covers ``bounds[j]:bounds[j + 1]``. NumPy
+only."""
 
 from __future__ import annotations
 
@@ -25,8 +23,8 @@ def window_dim(src: Layout, dst: Layout) -> int | None:
 
 
 def slab_dim(shard_shape: Sequence[int], k: int, spread: Sequence[bool] | None = None) -> int:
-  """The dimension ``k`` slabs cut: the first of extent at least ``k`` (where ``spread`` is true
-  if any such), else the longest."""
+  """The dimension ``k`` slabs cut: the first of extent ``k`` or more (where ``spread``), else
+  the longest."""
   ext = np.asarray(shard_shape, dtype=np.int64)
   if spread is not None and (pick := (ext >= k) & np.asarray(spread, dtype=bool)).any():
     return int(np.argmax(pick))
@@ -34,8 +32,7 @@ def slab_dim(shard_shape: Sequence[int], k: int, spread: Sequence[bool] | None =
 
 
 def grid_dims(layouts: tuple[Layout, Layout]) -> tuple[int, int]:
-  """The dimensions a grid cuts: per side, the longest the other side does not shard (for the
-  destination, not the source's), else the longest."""
+  """Per side, the longest dimension the other side does not shard, else the longest."""
   src, dst = layouts
 
   def pick(shard: Sequence[int], other: Layout, skip: int | None) -> int:
@@ -53,10 +50,9 @@ def grid_dims(layouts: tuple[Layout, Layout]) -> tuple[int, int]:
 def grid_windows(
   src_slabs: Windows | None, dst_slabs: Windows | None, first: int, last: int
 ) -> tuple[Window | None, Window | None]:
-  """``(source window, destination window)``, each ``(dim, start, stop)`` or ``None``: what a
-  bucket moving chunks ``first..last`` stages of every source shard and outputs of every
-  destination shard. Chunk ``j`` is window ``j``, but in a grid (slabs of both sides that
-  differ) source slab ``c % ks`` of destination slab ``c // ks``; windows cover the chunks'."""
+  """``(source window, destination window)`` (``(dim, start, stop)`` or ``None``) of a bucket of
+  chunks ``first..last``: in a grid, chunk ``c`` is source slab ``c % ks`` of destination slab
+  ``c // ks``; else chunk ``j`` is window ``j``."""
   span = dst_span = (first, last)
   if src_slabs is not None and dst_slabs is not None and src_slabs != dst_slabs:  # a grid
     ks = len(src_slabs[1]) - 1
@@ -70,41 +66,28 @@ def _window(slabs: Windows | None, a: int, b: int) -> Window | None:
 
 
 def _with_pieces(
-  plan: LeafPlan,
-  rows: np.ndarray,
-  rr: np.ndarray,
-  lo: np.ndarray,
-  hi: np.ndarray,
-  chunk: np.ndarray,
-  itemsize: int,
+  plan: LeafPlan, at: np.ndarray, lo: np.ndarray, hi: np.ndarray, chunk: np.ndarray, isz: int
 ) -> tuple[LeafPlan, np.ndarray]:
-  """``plan`` with each of ``rows`` replaced by its pieces (piece ``i``: row ``rows[rr[i]]``'s
-  ``lo[i]:hi[i]`` in chunk ``chunk[i]``), and each row's chunk (0 for rows kept)."""
-  keep = np.setdiff1d(np.arange(len(plan.nbytes)), rows)
-  order = np.lexsort((np.r_[np.zeros(len(keep), np.int64), chunk], np.r_[keep, rows[rr]]))
-
-  def cat(kept: np.ndarray, pieces: np.ndarray) -> np.ndarray:
-    return np.concatenate([kept, pieces])[order]
-
+  """``plan`` with rows ``at`` (ascending, each at least once) replaced by pieces ``lo:hi`` in
+  ``chunk``, and each row's chunk."""
+  keep = np.ones(len(plan.nbytes), dtype=bool)
+  keep[at] = False
+  keep = np.flatnonzero(keep)
+  order = np.lexsort((np.r_[np.zeros(len(keep), np.int64), chunk], np.r_[keep, at]))
+  pieces = {"lo": lo, "hi": hi, "nbytes": np.prod(hi - lo, axis=1, dtype=np.int64) * isz}
+  cols = [
+    np.concatenate([getattr(plan, f)[keep], pieces[f] if f in pieces else getattr(plan, f)[at]])
+    for f in ("src_device", "dst_device", "lo", "hi", "nbytes", "local")
+  ]
+  src, dst, lo, hi, nbytes, local = (c[order] for c in cols)
   out = LeafPlan(
-    src_device=cat(plan.src_device[keep], plan.src_device[rows][rr]),
-    dst_device=cat(plan.dst_device[keep], plan.dst_device[rows][rr]),
-    lo=cat(plan.lo[keep], lo),
-    hi=cat(plan.hi[keep], hi),
-    nbytes=cat(plan.nbytes[keep], np.prod(hi - lo, axis=1, dtype=np.int64) * itemsize),
-    local=cat(plan.local[keep], plan.local[rows][rr]),
-    lower_bound_bytes=plan.lower_bound_bytes,
-    gather_broadcast_bytes=plan.gather_broadcast_bytes,
+    src, dst, lo, hi, nbytes, local, plan.lower_bound_bytes, plan.gather_broadcast_bytes
   )
-  return out, cat(np.zeros(len(keep), dtype=np.int64), chunk)
+  return out, np.r_[np.zeros(len(keep), dtype=np.int64), chunk][order]
 
 
 def split_rows(plan: LeafPlan, k: int, itemsize: int) -> tuple[LeafPlan, np.ndarray]:
   """``plan`` with every remote transfer cut into up to ``k`` sub-boxes, and each row's chunk.
-
-  A transfer is cut along its first dimension of extent at least ``k`` (else its longest) into
-  ``k`` near-equal ranges, or fewer one-index ranges spread over the chunks. Local copies stay
-  in chunk 0; chunks are numbered without gaps.
 
   Example:
     >>> from jax_reshard._planner import plan_leaf
@@ -135,7 +118,7 @@ def split_rows(plan: LeafPlan, k: int, itemsize: int) -> tuple[LeafPlan, np.ndar
   at = (np.arange(len(rr)), dim[rr])
   base = lo[rr, dim[rr]]
   piece_lo[at], piece_hi[at] = base + a, base + b
-  out, chunks = _with_pieces(plan, rows, rr, piece_lo, piece_hi, chunk, itemsize)
+  out, chunks = _with_pieces(plan, rows[rr], piece_lo, piece_hi, chunk, itemsize)
   return out, np.unique(chunks, return_inverse=True)[1].reshape(-1)
 
 
@@ -157,9 +140,8 @@ def split_slabs(
   spread: Sequence[bool] | None = None,
   dim: int | None = None,
 ) -> tuple[LeafPlan, np.ndarray, Windows]:
-  """``plan`` cut into up to ``k`` slabs of every source shard (along :func:`slab_dim`, or of
-  one width along ``dim``), each row's chunk, and the slabs. Every row with bytes is cut by its
-  sender's slabs; with ``receiver``, ``src`` is the destination layout and by its receiver's."""
+  """``plan`` cut into up to ``k`` slabs of every source shard (of its sender; with ``receiver``,
+  ``src`` is the destination, of its receiver), each row's chunk, and the slabs."""
   shard = src.shard_shape()
   if dim is None:
     dim = slab_dim(shard, k, spread)
@@ -178,15 +160,14 @@ def split_slabs(
   piece_lo, piece_hi = plan.lo[rows][rr], plan.hi[rows][rr]
   piece_lo[:, dim] = start[rr] + np.maximum(lo[rr], bounds[j])
   piece_hi[:, dim] = start[rr] + np.minimum(hi[rr], bounds[j + 1])
-  out, chunks = _with_pieces(plan, rows, rr, piece_lo, piece_hi, j, itemsize)
+  out, chunks = _with_pieces(plan, rows[rr], piece_lo, piece_hi, j, itemsize)
   return out, chunks, (dim, tuple(bounds.tolist()))
 
 
 def split_grid(
   plan: LeafPlan, layouts: tuple[Layout, Layout], ks: int, kd: int, itemsize: int
 ) -> tuple[LeafPlan, np.ndarray, Windows, Windows]:
-  """``plan`` cut into a grid of slabs of one width (up to ``ks`` of the source shards, ``kd`` of
-  the destination shards, along :func:`grid_dims`), each row's chunk (source slab ``i`` of
+  """``plan`` cut into a grid of slabs of both sides, each row's chunk (source slab ``i`` of
   destination slab ``j``: ``j * ks + i``), and both sides' slabs."""
   src, dst = layouts
   dim_s, dim_d = grid_dims(layouts)

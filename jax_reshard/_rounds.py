@@ -1,7 +1,6 @@
-"""Collective rounds: a bucket's pairs grouped so that every device sends and receives at most
-once a round, by bipartite edge colouring with max-degree colours. Every sender of a round
-sends its largest payload, so colourings are compared by the sum of round maxima. NumPy only.
-"""
+"""Collective rounds: a bucket's pairs coloured (bipartite, max-degree colours) so that every
+device sends and receives at most once a round; colourings compared by the sum of round maxima.
+NumPy only."""
 
 from __future__ import annotations
 
@@ -33,9 +32,8 @@ def _dense(ids: np.ndarray) -> np.ndarray:
 
 
 def _color_dense(s: np.ndarray, d: np.ndarray, swap_late: bool = False) -> np.ndarray:
-  """Colours of the edges ``zip(s, d)`` (vertices numbered from 0, sharing an end: different
-  colours), as many as the maximum degree: first fit, else :func:`_konig` from scratch, or with
-  ``swap_late`` continuing first fit.
+  """Colours of the edges ``zip(s, d)`` (vertices numbered from 0), max-degree many: first
+  fit, else :func:`_konig` from scratch (or with ``swap_late`` continuing first fit).
 
   Example:
     >>> _color_dense(np.array([0, 0, 1]), np.array([0, 1, 1])).tolist()
@@ -51,8 +49,8 @@ def _color_dense(s: np.ndarray, d: np.ndarray, swap_late: bool = False) -> np.nd
 
 
 def _first_fit_prefix(s: list[int], d: list[int], k: int) -> tuple[list[int], list[int], list[int]]:
-  """First fit (the lowest colour free at both ends) up to the first edge that needs more than
-  ``k`` colours: the colours before it, and per sender and receiver a bitmask of those taken."""
+  """First fit up to the first edge needing more than ``k`` colours: the colours so far and
+  per sender and receiver a bitmask of those taken."""
   used_s, used_d = [0] * (max(s) + 1), [0] * (max(d) + 1)
   out = []
   for u, v in zip(s, d, strict=True):
@@ -73,10 +71,9 @@ def _konig(
   prefix: tuple[list[int], list[int], list[int]] | None = None,
   fit: bool = True,
 ) -> list[int]:
-  """Konig colouring with exactly ``k`` colours, continuing ``prefix`` (:func:`_first_fit_prefix`
-  of these edges): each edge takes the lowest colour free at both ends (with ``fit``), else the
-  lowest ``a`` free at its sender; where ``a`` is taken at its receiver, ``a`` and the lowest
-  ``b`` free there are swapped along the alternating path from it, in one walk."""
+  """Konig colouring with ``k`` colours, continuing ``prefix``: each edge takes the lowest
+  colour free at both ends (``fit``) or at its sender, ``a``; where ``a`` is taken at its
+  receiver, ``a`` and the lowest ``b`` free there swap along the alternating path, in one walk."""
   done, used_s, used_d = prefix or ([], [0] * (max(s) + 1), [0] * (max(d) + 1))
   used_s, used_d = list(used_s), list(used_d)  # per vertex, a bitmask of colours
   at = []  # per side, per vertex, colour -> edge index
@@ -129,9 +126,8 @@ def make_rounds(
   links: Links | None = None,
   colourings: dict[tuple[bytes, bytes, bool], np.ndarray] | None = None,
 ) -> tuple[list[Round], np.ndarray, np.ndarray]:
-  """Rounds for pairs ``(ps[i], pd[i])`` of ``fill[i]`` bytes, each pair's round size and each
-  pair's round (:func:`_colour_rounds`). With ``links`` where some pairs cross domains, each
-  link class also gets rounds of its own, kept where the link costs predict them faster."""
+  """Rounds for pairs ``(ps[i], pd[i])`` of ``fill[i]`` bytes, each pair's round size and
+  round; with ``links``, each link class is also given rounds of its own, kept where faster."""
   out = _colour_rounds(ps, pd, fill, colourings)
   if links is None or (slow := links.crosses(ps, pd)).all() or not slow.any():
     return out
@@ -169,8 +165,7 @@ class Links:
     )
 
   def time(self, rounds: Sequence[Round]) -> tuple[bool, float]:
-    """Whether a round mixes pairs across and inside domains, and the rounds' time: each its
-    slowest link's latency plus its size over that link's bandwidth."""
+    """Whether a round mixes link classes, and the rounds' time over their slowest links."""
     count = np.fromiter((len(r.pairs) for r in rounds), np.int64, len(rounds))
     flat = itertools.chain.from_iterable(itertools.chain.from_iterable(r.pairs for r in rounds))
     ends = np.fromiter(flat, np.int64, 2 * int(count.sum())).reshape(-1, 2)
@@ -191,10 +186,8 @@ def _colour_rounds(
   fill: np.ndarray,
   colourings: dict[tuple[bytes, bytes, bool], np.ndarray] | None = None,
 ) -> tuple[list[Round], np.ndarray, np.ndarray]:
-  """:func:`make_rounds` without links. ``colourings``: :func:`_color_dense`'s results by its
-  arguments, read and filled. The colourings of :func:`_candidate_classes` are compared by the
-  sum of round maxima, then padding, then order; one is skipped where a lower bound of its time
-  (:func:`_joint_time_bound`) shows it cannot win."""
+  """:func:`make_rounds` without links: the fastest of :func:`_candidate_classes`'s colourings
+  (then less padding), skipping those :func:`_joint_time_bound` shows cannot win."""
   if not len(fill):
     return [], np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
   colourings = {} if colourings is None else colourings
@@ -237,9 +230,8 @@ def _colour_rounds(
 
 
 def _candidate_classes(fill: np.ndarray) -> list[list[tuple[int, int]]]:
-  """The colourings :func:`_colour_rounds` compares, each as runs of pairs (``fill``
-  descending) coloured together: the size classes (:data:`SIZE_TOLERANCE`), all pairs, and per
-  ratio of :data:`HEAVY_RATIOS` the pairs of at least that fraction of the largest and the rest."""
+  """The colourings compared, as runs of pairs (``fill`` descending) coloured together: the
+  size classes, all pairs, and per ratio of :data:`HEAVY_RATIOS` the heavy pairs and the rest."""
   bounds = [0]
   while bounds[-1] < len(fill):
     floor = (1 - SIZE_TOLERANCE) * fill[bounds[-1]]
@@ -253,9 +245,8 @@ def _candidate_classes(fill: np.ndarray) -> list[list[tuple[int, int]]]:
 
 
 def _joint_time_bound(s: np.ndarray, d: np.ndarray, fill: np.ndarray) -> int:
-  """A lower bound of the sum of round maxima of pairs ``(s, d)`` of ``fill`` bytes
-  (descending): the most bytes of one device, and (a round holding at most ``m`` pairs, the
-  fewer of senders and receivers) the sum of the ``j m + 1``-th largest payloads."""
+  """A lower bound of the sum of round maxima: one device's bytes, and the ``j m + 1``-th
+  largest payloads (``m`` pairs at most a round)."""
   m = min(int(s.max()), int(d.max())) + 1
   load = max(int(np.bincount(s, fill).max()), int(np.bincount(d, fill).max()))
   return max(load, int(fill[::m].sum()))
