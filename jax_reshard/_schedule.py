@@ -890,19 +890,14 @@ def make_schedule(
   apart: bool = True,
   options: Options = DEFAULT_OPTIONS,
 ) -> Schedule:
-  """Packs the remote transfers of all leaves into buckets, payloads and rounds.
+  """Packs the remote transfers of all leaves (``plans``, ``(src, dst)`` ``layouts``, bytes per
+  element ``itemsizes``) into buckets, payloads and rounds.
 
-  Args:
-    plans: one :class:`LeafPlan` per leaf.
-    layouts: ``(src, dst)`` layouts per leaf.
-    itemsizes: bytes per element per leaf.
-    max_bucket_bytes: bound on staging bytes per device per bucket, padding included; a leaf
-      that does not fit alone is split into chunks. ``None``: no bound.
-    names: per leaf, a name for error messages (default ``#i``).
-    slabs: whether a leaf may be cut into slabs of its shards (and grids).
-    topology: pairs across and inside its domains may take rounds of their own.
-    apart: whether a bucket may assemble apart where the bound needs it.
-    options: the plan's :class:`Options`.
+  Each bucket's staging per device, padding included, stays within ``max_bucket_bytes``
+  (``None``: no bound), a leaf that does not fit alone split into chunks (into slabs and grids
+  only with ``slabs``). ``names`` name leaves in errors (default ``#i``); with ``topology``,
+  pairs across and inside domains may take rounds of their own; ``apart``: a bucket may
+  assemble apart where the bound needs it.
 
   Raises:
     BucketBoundError: if the bound is below what some leaf needs even in its smallest chunks.
@@ -919,17 +914,9 @@ def make_schedule(
   sent = sum((bb.sent for bb in built), zero)
   received = sum((bb.received for bb in built), zero)
   cuts = [tree.cuts.get(leaf, _Cut()) for leaf in range(len(plans))]
-  return Schedule(
-    buckets=tuple(bb.bucket for bb in built),
-    union_device_ids=tuple(tree.union.tolist()),
-    padding_bytes=sum(bb.padding for bb in built),
-    max_send_bytes=int(sent.max(initial=0)),
-    max_recv_bytes=int(received.max(initial=0)),
-    peak_staging_bytes=max((bb.peak for bb in built), default=0),
-    leaf_plans=tuple(tree.plans),
-    row_chunks=tuple(tree.chunks),
-    leaf_buckets=tuple(tuple(b) for b in leaf_buckets),
-    leaf_slabs=tuple(c.src for c in cuts),
-    leaf_dst_slabs=tuple(c.dst for c in cuts),
-    leaf_windows=tuple(c.windows for c in cuts),
-  )
+  peak = max((bb.peak for bb in built), default=0)
+  sums = (sum(bb.padding for bb in built), int(sent.max(initial=0)), int(received.max(initial=0)))
+  rows = (tuple(tree.plans), tuple(tree.chunks), tuple(tuple(b) for b in leaf_buckets))
+  cut = (tuple(c.src for c in cuts), tuple(c.dst for c in cuts), tuple(c.windows for c in cuts))
+  buckets = tuple(bb.bucket for bb in built)
+  return Schedule(buckets, tuple(tree.union.tolist()), *sums, peak, *rows, *cut)
