@@ -137,7 +137,8 @@ def test_heavy_pairs_are_coloured_apart_from_a_star_of_small_ones(
   for r in rounds:
     assert len({s for s, _ in r.pairs}) == len({d for _, d in r.pairs}) == len(r.pairs)
   assert (round_bytes >= fill).all()
-  monkeypatch.setattr(_rounds, "HEAVY_RATIOS", ())  # no heavy pairs coloured apart
+  classes = _rounds._candidate_classes  # without the heavy pairs coloured apart (appended last)
+  monkeypatch.setattr(_rounds, "_candidate_classes", lambda fill: classes(fill)[:2])
   without = make_rounds(ps, pd, fill)[0]
   assert sum(r.nbytes for r in without) == 282  # 100 + 100 + 80 + ...
 
