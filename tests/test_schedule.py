@@ -442,7 +442,7 @@ def _konig_two_pass(s: list[int], d: list[int], k: int) -> list[int]:
 @pytest.mark.parametrize("seed", range(40))
 def test_alternating_paths_walked_once_give_the_textbook_colouring(seed: int) -> None:
   """The joint colouring swaps each alternating path in one walk (and the size classes'
-  colouring, through ``_swap_path``, only where first fit fails): the same colours as
+  colouring only where first fit fails): the same colours as
   walking the path first and swapping it afterwards, on dense and sparse multigraphs."""
 
   rng = np.random.default_rng(seed)
