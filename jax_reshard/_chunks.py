@@ -1,9 +1,6 @@
-"""The ways a leaf's rows are cut into chunks (see docs/design.md "Chunks"). NumPy only.
-
-Every way replaces each row it cuts by its pieces, in the planner's order and then by chunk:
-the same bytes, more rows. A way that cuts by *windows* (local indices of one dimension,
-``(dim, bounds)``: chunk ``j`` covers ``bounds[j]:bounds[j + 1]``) returns them too.
-"""
+"""The ways a leaf's rows are cut into chunks (docs/design.md "Chunks"), each row replaced
+by its pieces; windows ``(dim, bounds)``: chunk ``j`` covers ``bounds[j]:bounds[j + 1]``. NumPy
+only."""
 
 from __future__ import annotations
 
@@ -15,20 +12,19 @@ from jax_reshard._layout import Layout
 from jax_reshard._planner import LeafPlan
 
 Windows = tuple[int, tuple[int, ...]]  # (dim, bounds)
+Window = tuple[int, int, int]  # (dim, start, stop)
 
 
 def window_dim(src: Layout, dst: Layout) -> int | None:
-  """The longest dimension (of extent 2 or more) that neither ``src`` nor ``dst`` shards, where
-  a leaf can be cut into windows, or ``None``."""
+  """The longest dimension (of extent 2 or more) neither ``src`` nor ``dst`` shards, or ``None``."""
   sizes = zip(src.shape, src.shard_shape(), dst.shard_shape(), strict=True)
   full = [(n, -d) for d, (n, a, b) in enumerate(sizes) if n == a == b and n >= 2]
   return -max(full)[1] if full else None
 
 
 def slab_dim(shard_shape: Sequence[int], k: int, spread: Sequence[bool] | None = None) -> int:
-  """The dimension ``k`` slabs cut: the first of extent at least ``k`` (a slab is then a
-  contiguous run of the shard's rows), else the longest; with ``spread``, the first such where
-  it is true (a dimension the other side does not shard: every chunk keeps all devices busy)."""
+  """The dimension ``k`` slabs cut: the first of extent ``k`` or more (where ``spread``), else
+  the longest."""
   ext = np.asarray(shard_shape, dtype=np.int64)
   if spread is not None and (pick := (ext >= k) & np.asarray(spread, dtype=bool)).any():
     return int(np.argmax(pick))
@@ -36,9 +32,7 @@ def slab_dim(shard_shape: Sequence[int], k: int, spread: Sequence[bool] | None =
 
 
 def grid_dims(layouts: tuple[Layout, Layout]) -> tuple[int, int]:
-  """The dimensions a grid (:func:`split_grid`) cuts: of the source shards, the longest the
-  destination does not shard (else the longest); of the destination shards, the longest the
-  source does not shard other than that one (else the longest)."""
+  """Per side, the longest dimension the other side does not shard, else the longest."""
   src, dst = layouts
 
   def pick(shard: Sequence[int], other: Layout, skip: int | None) -> int:
@@ -55,74 +49,45 @@ def grid_dims(layouts: tuple[Layout, Layout]) -> tuple[int, int]:
 
 def grid_windows(
   src_slabs: Windows | None, dst_slabs: Windows | None, first: int, last: int
-) -> tuple[tuple[int, int, int] | None, tuple[int, int, int] | None]:
-  """``(source window, destination window)``, each ``(dim, start, stop)`` or ``None``: the
-  local indices of every source and destination shard of a leaf that a bucket moving its
-  chunks ``first..last`` stages and outputs.
+) -> tuple[Window | None, Window | None]:
+  """``(source window, destination window)`` (``(dim, start, stop)`` or ``None``) of a bucket of
+  chunks ``first..last``: in a grid, chunk ``c`` is source slab ``c % ks`` of destination slab
+  ``c // ks``; else chunk ``j`` is window ``j``."""
+  span = dst_span = (first, last)
+  if src_slabs is not None and dst_slabs is not None and src_slabs != dst_slabs:  # a grid
+    ks = len(src_slabs[1]) - 1
+    dst_span = (first // ks, last // ks)
+    span = (first % ks, last % ks) if dst_span[0] == dst_span[1] else (0, ks - 1)
+  return _window(src_slabs, *span), _window(dst_slabs, *dst_span)
 
-  Slabs of one side, or the same windows on both sides, give chunk ``j`` window ``j``. Slabs
-  of both sides that differ form a grid (:func:`split_grid`): with ``ks`` source slabs, chunk
-  ``c`` is source slab ``c % ks`` of destination slab ``c // ks``; a bucket's windows are the
-  smallest that cover its chunks'.
-  """
-  grid = src_slabs is not None and dst_slabs is not None and src_slabs != dst_slabs
-  windows: list[tuple[int, int, int] | None] = []
-  for side, slabs in enumerate((src_slabs, dst_slabs)):
-    if slabs is None:
-      windows.append(None)
-      continue
-    dim, bounds = slabs
-    a, b = first, last
-    if grid:
-      assert src_slabs is not None
-      ks = len(src_slabs[1]) - 1
-      if side == 1:
-        a, b = first // ks, last // ks
-      elif first // ks == last // ks:
-        a, b = first % ks, last % ks
-      else:  # chunks of several destination slabs: every source slab
-        a, b = 0, ks - 1
-    windows.append((dim, bounds[a], bounds[b + 1]))
-  return windows[0], windows[1]
+
+def _window(slabs: Windows | None, a: int, b: int) -> Window | None:
+  return None if slabs is None else (slabs[0], slabs[1][a], slabs[1][b + 1])
 
 
 def _with_pieces(
-  plan: LeafPlan,
-  rows: np.ndarray,
-  rr: np.ndarray,
-  lo: np.ndarray,
-  hi: np.ndarray,
-  chunk: np.ndarray,
-  itemsize: int,
+  plan: LeafPlan, at: np.ndarray, lo: np.ndarray, hi: np.ndarray, chunk: np.ndarray, isz: int
 ) -> tuple[LeafPlan, np.ndarray]:
-  """``plan`` with each of ``rows`` replaced by its pieces (piece ``i`` of row ``rows[rr[i]]``
-  spans ``lo[i]:hi[i]`` in chunk ``chunk[i]``), and each row's chunk (0 for rows kept)."""
-  keep = np.setdiff1d(np.arange(len(plan.nbytes)), rows)
-  order = np.lexsort((np.r_[np.zeros(len(keep), np.int64), chunk], np.r_[keep, rows[rr]]))
-
-  def cat(kept: np.ndarray, pieces: np.ndarray) -> np.ndarray:
-    return np.concatenate([kept, pieces])[order]
-
+  """``plan`` with rows ``at`` (ascending, each at least once) replaced by pieces ``lo:hi`` in
+  ``chunk``, and each row's chunk."""
+  keep = np.ones(len(plan.nbytes), dtype=bool)
+  keep[at] = False
+  keep = np.flatnonzero(keep)
+  order = np.lexsort((np.r_[np.zeros(len(keep), np.int64), chunk], np.r_[keep, at]))
+  pieces = {"lo": lo, "hi": hi, "nbytes": np.prod(hi - lo, axis=1, dtype=np.int64) * isz}
+  cols = [
+    np.concatenate([getattr(plan, f)[keep], pieces[f] if f in pieces else getattr(plan, f)[at]])
+    for f in ("src_device", "dst_device", "lo", "hi", "nbytes", "local")
+  ]
+  src, dst, lo, hi, nbytes, local = (c[order] for c in cols)
   out = LeafPlan(
-    src_device=cat(plan.src_device[keep], plan.src_device[rows][rr]),
-    dst_device=cat(plan.dst_device[keep], plan.dst_device[rows][rr]),
-    lo=cat(plan.lo[keep], lo),
-    hi=cat(plan.hi[keep], hi),
-    nbytes=cat(plan.nbytes[keep], np.prod(hi - lo, axis=1, dtype=np.int64) * itemsize),
-    local=cat(plan.local[keep], plan.local[rows][rr]),
-    lower_bound_bytes=plan.lower_bound_bytes,
-    gather_broadcast_bytes=plan.gather_broadcast_bytes,
+    src, dst, lo, hi, nbytes, local, plan.lower_bound_bytes, plan.gather_broadcast_bytes
   )
-  return out, cat(np.zeros(len(keep), dtype=np.int64), chunk)
+  return out, np.r_[np.zeros(len(keep), dtype=np.int64), chunk][order]
 
 
 def split_rows(plan: LeafPlan, k: int, itemsize: int) -> tuple[LeafPlan, np.ndarray]:
   """``plan`` with every remote transfer cut into up to ``k`` sub-boxes, and each row's chunk.
-
-  A transfer is cut along its first dimension of extent at least ``k`` (its longest where none
-  is) into ``k`` near-equal ranges, range ``j`` in chunk ``j``; shorter dimensions give fewer,
-  one-index-thick ranges spread over the chunks. Local copies stay whole in chunk 0. Chunks are
-  numbered from 0 without gaps.
 
   Example:
     >>> from jax_reshard._planner import plan_leaf
@@ -153,13 +118,12 @@ def split_rows(plan: LeafPlan, k: int, itemsize: int) -> tuple[LeafPlan, np.ndar
   at = (np.arange(len(rr)), dim[rr])
   base = lo[rr, dim[rr]]
   piece_lo[at], piece_hi[at] = base + a, base + b
-  out, chunks = _with_pieces(plan, rows, rr, piece_lo, piece_hi, chunk, itemsize)
+  out, chunks = _with_pieces(plan, rows[rr], piece_lo, piece_hi, chunk, itemsize)
   return out, np.unique(chunks, return_inverse=True)[1].reshape(-1)
 
 
 def _shard_start(layout: Layout, devices: np.ndarray, dim: int) -> np.ndarray:
-  """Per device of ``devices`` (each holding a shard of ``layout``), where its shard starts
-  along ``dim``."""
+  """Per device of ``devices``, where its shard of ``layout`` starts along ``dim``."""
   ids = np.asarray(layout.device_ids, dtype=np.int64)
   order = np.argsort(ids)
   at = order[np.searchsorted(ids, devices, sorter=order)]
@@ -176,24 +140,8 @@ def split_slabs(
   spread: Sequence[bool] | None = None,
   dim: int | None = None,
 ) -> tuple[LeafPlan, np.ndarray, Windows]:
-  """``plan`` cut into up to ``k`` slabs of source-local indices, each row's chunk, and the
-  slabs ``(dim, bounds)``.
-
-  Chunk ``j`` covers local indices ``bounds[j]:bounds[j + 1]`` along ``dim`` (see
-  :func:`slab_dim` and ``spread``) of every source shard; every row with bytes, local copies
-  included, is cut by its sender's windows. With ``receiver``, ``src`` is the destination
-  layout and rows are cut by their receiver's windows. With ``dim``, the windows are of one
-  width (the last narrower where ``k`` does not divide the dimension).
-
-  Example:
-    >>> from jax_reshard._planner import plan_leaf
-    >>> src = Layout.from_description((8, 4), mesh_shape=(2,), axis_names=("x",), spec=(None,))
-    >>> dst = Layout.from_description((8, 4), mesh_shape=(2,), axis_names=("y",),
-    ...                               spec=("y",), device_ids=(2, 3))
-    >>> cut, chunk, slabs = split_slabs(plan_leaf(src, dst, 4), src, 2, 4)
-    >>> slabs, chunk.tolist(), int(cut.nbytes.sum()) == 8 * 4 * 4
-    ((0, (0, 4, 8)), [0, 1], True)
-  """
+  """``plan`` cut into up to ``k`` slabs of every source shard (of its sender; with ``receiver``,
+  ``src`` is the destination, of its receiver), each row's chunk, and the slabs."""
   shard = src.shard_shape()
   if dim is None:
     dim = slab_dim(shard, k, spread)
@@ -212,27 +160,15 @@ def split_slabs(
   piece_lo, piece_hi = plan.lo[rows][rr], plan.hi[rows][rr]
   piece_lo[:, dim] = start[rr] + np.maximum(lo[rr], bounds[j])
   piece_hi[:, dim] = start[rr] + np.minimum(hi[rr], bounds[j + 1])
-  out, chunks = _with_pieces(plan, rows, rr, piece_lo, piece_hi, j, itemsize)
+  out, chunks = _with_pieces(plan, rows[rr], piece_lo, piece_hi, j, itemsize)
   return out, chunks, (dim, tuple(bounds.tolist()))
 
 
 def split_grid(
   plan: LeafPlan, layouts: tuple[Layout, Layout], ks: int, kd: int, itemsize: int
 ) -> tuple[LeafPlan, np.ndarray, Windows, Windows]:
-  """``plan`` cut into a grid of slabs of one width, up to ``ks`` of its source shards and
-  ``kd`` of its destination shards, along :func:`grid_dims`: the rows (cut by their sender's
-  windows, then by their receiver's), each row's chunk (source slab ``i`` of destination slab
-  ``j`` is chunk ``j * ks + i``, ``ks`` the slabs made), and both sides' slabs.
-
-  Example:
-    >>> from jax_reshard._planner import plan_leaf
-    >>> src = Layout.from_description((8, 8), mesh_shape=(2,), axis_names=("x",), spec=("x",))
-    >>> dst = Layout.from_description((8, 8), mesh_shape=(2,), axis_names=("y",),
-    ...                               spec=(None, "y"), device_ids=(2, 3))
-    >>> cut, chunk, src_slabs, dst_slabs = split_grid(plan_leaf(src, dst, 4), (src, dst), 2, 2, 4)
-    >>> src_slabs, dst_slabs, sorted(set(chunk.tolist())), int(cut.nbytes.sum()) == 8 * 8 * 4
-    ((0, (0, 2, 4)), (1, (0, 2, 4)), [0, 1, 2, 3], True)
-  """
+  """``plan`` cut into a grid of slabs of both sides, each row's chunk (source slab ``i`` of
+  destination slab ``j``: ``j * ks + i``), and both sides' slabs."""
   src, dst = layouts
   dim_s, dim_d = grid_dims(layouts)
   plan, _, src_slabs = split_slabs(plan, src, ks, itemsize, dim=dim_s)

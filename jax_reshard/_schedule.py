@@ -1,12 +1,5 @@
-"""The schedule: buckets of leaves and chunks, per-pair byte payloads, and collective rounds.
-
-All remote transfers between one (source device, destination device) pair inside a bucket are
-packed into one byte payload, and the pairs into rounds (``_rounds``). Buckets keep the staging
-memory of every device under ``max_bucket_bytes``, padding included: consecutive leaves share a
-bucket while their unpadded staging fits, and every bucket is then checked with its rounds (the
-quantity ``peak_staging_bytes`` reports) and shrunk if padding pushed it over. A leaf that does
-not fit alone is cut into *chunks* over consecutive buckets (``_chunks``; docs/design.md
-"Chunks" says which way where). Everything is NumPy over arrays of transfers."""
+"""Buckets of leaves (or chunks of leaves) under a per-device staging bound, their per-pair
+payloads and collective rounds (``_rounds``); chunks: ``_chunks``, docs/design.md. NumPy only."""
 
 from __future__ import annotations
 
@@ -19,16 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from jax_reshard._chunks import (
-  Windows,
-  grid_dims,
-  grid_windows,
-  slab_dim,
-  split_grid,
-  split_rows,
-  split_slabs,
-  window_dim,
-)
+from jax_reshard import _chunks
+from jax_reshard._chunks import Window, Windows, grid_windows
 from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
 from jax_reshard._options import DEFAULT_OPTIONS, Options
@@ -37,10 +22,8 @@ from jax_reshard._rounds import Links, Round, make_rounds
 from jax_reshard._topology import Topology
 
 DEFAULT_MAX_BUCKET_BYTES = 1 << 30
-# The default bound where every device of a plan is a CPU: XLA:CPU allocates a program's
-# temporaries (its received payloads) from the host allocator on every call, and above a few
-# tens of MiB per device the allocator maps fresh pages each time (at 52 MB of staging per
-# device, ~100 MiB of page faults per call, half the call's time); at 16 MiB none.
+# Where every device is a CPU: above a few tens of MiB of staging per device, XLA:CPU's host
+# allocator maps fresh pages on every call (half the call's time at 52 MB); at 16 MiB none.
 CPU_MAX_BUCKET_BYTES = 16 << 20
 
 
@@ -58,16 +41,9 @@ class Piece:
 class Bucket:
   """Leaves (or chunks of leaves) executed together in one compiled program.
 
-  The ``piece_*`` arrays hold one row per remote transfer, sorted by (source, destination, leaf,
-  transfer): a pair's payload is its rows in that order, each ``piece_offset`` bytes in.
-  ``piece_leaf`` numbers the leaves given to :func:`make_schedule`, ``piece_transfer`` the rows
-  of :attr:`Schedule.leaf_plans`.
-
-  Attributes:
-    leaves: the leaves the bucket moves (a part of), in order.
-    chunks: per leaf, the chunks of it the bucket moves (chunk 0 makes its local copies).
-    must_apart: in bound only where its assembly runs apart (:func:`assembly_devices`), which
-      it then always does.
+  ``piece_*``: one row per remote transfer, sorted by (source, destination, leaf, transfer); a
+  pair's payload is its rows in order, each ``piece_offset`` bytes in. ``chunks``: per leaf, the
+  chunks moved (chunk 0 makes the local copies). ``must_apart``: fits only assembled apart.
   """
 
   leaves: tuple[int, ...]
@@ -85,9 +61,9 @@ class Bucket:
   def pieces(self) -> dict[tuple[int, int], list[Piece]]:
     """Per (source, destination) pair, its payload's pieces in order."""
     out: dict[tuple[int, int], list[Piece]] = defaultdict(list)
-    cols = (self.piece_leaf, self.piece_transfer, self.piece_offset, self.piece_nbytes)
+    cols = (self.piece_src, self.piece_dst, self.piece_leaf, self.piece_transfer)
     for s, d, *piece in zip(
-      *(a.tolist() for a in (self.piece_src, self.piece_dst, *cols)), strict=True
+      *(a.tolist() for a in (*cols, self.piece_offset, self.piece_nbytes)), strict=True
     ):
       out[(s, d)].append(Piece(*piece))
     return out
@@ -95,22 +71,11 @@ class Bucket:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Schedule:
-  """Buckets plus the per-device byte counts they imply.
+  """Buckets plus the per-device byte counts they imply, padding included.
 
-  Attributes:
-    buckets: the compiled programs, in the order they run.
-    union_device_ids: every device of every leaf, ascending.
-    padding_bytes: bytes sent only to make the payloads of a round one size.
-    max_send_bytes: most bytes one device sends (padding included).
-    max_recv_bytes: most bytes one device receives (padding included).
-    peak_staging_bytes: most staging bytes one device holds in a bucket (padding included).
-    leaf_plans: per leaf, its rows as the buckets move them (a cut row replaced by its pieces).
-    row_chunks: per leaf, the chunk of every row of its :attr:`leaf_plans` entry.
-    leaf_buckets: per leaf, the buckets it runs in (consecutive).
-    leaf_slabs: per leaf, ``None`` or, cut into slabs of its source shards, ``(dim, bounds)``:
-      chunk ``j`` covers local indices ``bounds[j]:bounds[j + 1]`` of every source shard.
-    leaf_dst_slabs: the same of the destination shards.
-    leaf_windows: the same for windows along a dimension neither side shards.
+  Per leaf: ``leaf_plans`` its rows as the buckets move them, ``row_chunks`` each row's chunk,
+  ``leaf_buckets`` the buckets it runs in, ``leaf_slabs`` (``leaf_dst_slabs``) ``None`` or the
+  slabs ``(dim, bounds)`` of its source (destination) shards, ``leaf_windows`` its windows.
   """
 
   buckets: tuple[Bucket, ...]
@@ -119,12 +84,12 @@ class Schedule:
   max_send_bytes: int
   max_recv_bytes: int
   peak_staging_bytes: int
-  leaf_plans: tuple[LeafPlan, ...] = ()
-  row_chunks: tuple[np.ndarray, ...] = ()
-  leaf_buckets: tuple[tuple[int, ...], ...] = ()
-  leaf_slabs: tuple[Windows | None, ...] = ()
-  leaf_dst_slabs: tuple[Windows | None, ...] = ()
-  leaf_windows: tuple[Windows | None, ...] = ()
+  leaf_plans: tuple[LeafPlan, ...]
+  row_chunks: tuple[np.ndarray, ...]
+  leaf_buckets: tuple[tuple[int, ...], ...]
+  leaf_slabs: tuple[Windows | None, ...]
+  leaf_dst_slabs: tuple[Windows | None, ...]
+  leaf_windows: tuple[Windows | None, ...]
 
   @property
   def num_rounds(self) -> int:
@@ -134,8 +99,8 @@ class Schedule:
 class BucketBoundError(ReshardError):
   """``max_bucket_bytes`` is below what one leaf needs even split into its smallest chunks.
 
-  Raised by ``make_plan``, ``reshard`` and ``plan_layouts`` before any device work; the message
-  names the leaf and the least bound that works. A :class:`ReshardError`.
+  A :class:`ReshardError` raised by ``make_plan``, ``reshard`` and ``plan_layouts`` before any
+  device work; the message names the leaf and the least bound that works.
 
   Attributes:
     leaf: position of the leaf in the list given to :func:`make_schedule`.
@@ -164,30 +129,18 @@ def staged_block_shape(shard_shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def placeholder_mask(layout: Layout, device_ids: np.ndarray) -> np.ndarray:
-  """The placeholder rule: which of ``device_ids`` (a bucket's mesh) hold no shard of ``layout``.
-
-  A bucket's program runs on every device of its mesh with one block per leaf in and one out: a
-  device without a source shard stages a zero placeholder block, one without a destination shard
-  returns a discarded block. Both count as staging (the discarded one not where the bucket
-  assembles apart).
-  """
+  """Which of ``device_ids`` (a bucket's mesh) hold no shard of ``layout``: they stage a zero
+  placeholder (source) or return a discarded block (destination), both counted as staging."""
   ids = np.asarray(layout.device_ids, dtype=np.int64)  # ascending
   if not len(ids):
     return np.ones(np.shape(device_ids), dtype=bool)
-  at = np.minimum(np.searchsorted(ids, device_ids), len(ids) - 1)
-  return ids[at] != device_ids
+  return ids[np.minimum(np.searchsorted(ids, device_ids), len(ids) - 1)] != device_ids
 
 
 def donated_mask(dst: Layout, device_ids: np.ndarray, fresh: bool) -> np.ndarray:
-  """Which of ``device_ids`` are given a zero destination block to donate for a leaf with a
-  destination input: those without a destination shard, or every device for a ``fresh`` leaf."""
+  """Which of ``device_ids`` get a zero destination block to donate: those without a
+  destination shard, or every device for a ``fresh`` leaf."""
   return np.ones(len(device_ids), dtype=bool) if fresh else placeholder_mask(dst, device_ids)
-
-
-def _placeholder(layout: Layout, itemsize: int, union: np.ndarray) -> np.ndarray:
-  """Per device of ``union``, its placeholder bytes of ``layout`` on a bucket's mesh."""
-  block = math.prod(staged_block_shape(layout.shard_shape())) * itemsize
-  return placeholder_mask(layout, union) * block
 
 
 def leaf_key(plan: LeafPlan, layouts: tuple[Layout, Layout], kind: object) -> tuple[object, ...]:
@@ -196,70 +149,57 @@ def leaf_key(plan: LeafPlan, layouts: tuple[Layout, Layout], kind: object) -> tu
   return (layouts, kind, plan.lo.shape, *(np.ascontiguousarray(a).tobytes() for a in arrays))
 
 
-def _slabs(schedule: Schedule, leaf: int) -> tuple[Windows | None, Windows | None]:
-  src = schedule.leaf_slabs[leaf] if schedule.leaf_slabs else None
-  return src, schedule.leaf_dst_slabs[leaf] if schedule.leaf_dst_slabs else None
+def slab_window(schedule: Schedule, leaf: int, chunks: Sequence[int]) -> Window | None:
+  """``(dim, start, stop)`` of every source shard of ``leaf`` that a bucket moving ``chunks``
+  stages, or ``None`` (the whole block)."""
+  return _windows(schedule, leaf, chunks)[0]
 
 
-def slab_window(
-  schedule: Schedule, leaf: int, chunks: Sequence[int]
-) -> tuple[int, int, int] | None:
-  """``(dim, start, stop)``: the local indices of every source shard of ``leaf`` that a bucket
-  moving ``chunks`` (consecutive) of it stages; ``None``: it stages the whole source block."""
-  src, dst = _slabs(schedule, leaf)
-  return None if src is None else grid_windows(src, dst, min(chunks), max(chunks))[0]
-
-
-def dst_slab_window(
-  schedule: Schedule, leaf: int, chunks: Sequence[int]
-) -> tuple[int, int, int] | None:
+def dst_slab_window(schedule: Schedule, leaf: int, chunks: Sequence[int]) -> Window | None:
   """:func:`slab_window` of the destination shards, which the bucket outputs."""
-  src, dst = _slabs(schedule, leaf)
-  return None if dst is None else grid_windows(src, dst, min(chunks), max(chunks))[1]
+  return _windows(schedule, leaf, chunks)[1]
+
+
+def _windows(
+  schedule: Schedule, leaf: int, chunks: Sequence[int]
+) -> tuple[Window | None, Window | None]:
+  src, dst = schedule.leaf_slabs[leaf], schedule.leaf_dst_slabs[leaf]
+  return grid_windows(src, dst, min(chunks), max(chunks))
 
 
 def chunk_shift(
   schedule: Schedule, leaf: int, chunks: Sequence[int], src: Layout
 ) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
-  """``(shift, dst_shift)``, each ``(dim, start)`` or ``None``: where a bucket moving ``chunks``
-  of ``leaf`` takes its offsets from, so that chunks of one width run one program: a grid's
-  destination and source slab starts; for a leaf split over buckets, its window's start, or its
-  destination slab's along a dimension ``src`` does not shard (the source rows start there)."""
-  slabs = _slabs(schedule, leaf)
-  if slabs[0] is not None and slabs[1] is not None and slabs[0] != slabs[1]:  # a grid
-    window, dst_window = grid_windows(*slabs, min(chunks), max(chunks))
+  """``(shift, dst_shift)``, each ``(dim, start)`` or ``None``: where a bucket moving ``chunks`` of
+  ``leaf`` takes its offsets from, so that chunks of one width share a program."""
+  slabs, dst_slabs = schedule.leaf_slabs[leaf], schedule.leaf_dst_slabs[leaf]
+  window, dst_window = _windows(schedule, leaf, chunks)
+  if slabs is not None and dst_slabs is not None and slabs != dst_slabs:  # a grid
     assert window is not None and dst_window is not None
     return dst_window[:2], window[:2]
-  if not schedule.leaf_buckets or len(schedule.leaf_buckets[leaf]) < 2:
+  if len(schedule.leaf_buckets[leaf]) < 2:
     return None, None
-  windows = schedule.leaf_windows[leaf] if schedule.leaf_windows else None
-  if windows is not None:
+  if (windows := schedule.leaf_windows[leaf]) is not None:
     return (windows[0], windows[1][min(chunks)]), None
-  window = dst_slab_window(schedule, leaf, chunks)
-  if (
-    window is not None and slabs[0] is None and src.shard_shape()[window[0]] == src.shape[window[0]]
-  ):
-    return window[:2], None
+  if dst_window is not None and slabs is None:
+    dim = dst_window[0]
+    return (dst_window[:2] if src.shard_shape()[dim] == src.shape[dim] else None), None
   return None, None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class LeafMode:
-  """How a bucket treats one leaf: the fields of ``_program.LeafView`` of these names, read by
-  the program and the cost model alike."""
+  """How a bucket treats one leaf: ``_program.LeafView``'s fields of these names."""
 
   in_place: bool = False
   dst_input: bool = False
   carry_out: bool = False
   copies: np.ndarray | bool = True  # which rows' local copies the bucket makes
-  window: tuple[int, int, int] | None = None
-  dst_window: tuple[int, int, int] | None = None
+  window: Window | None = None
+  dst_window: Window | None = None
   shift: tuple[int, int] | None = None
   fresh: bool = False  # a destination input on every device, nothing carried into it yet
   dst_shift: tuple[int, int] | None = None
-
-
-_PLAIN = LeafMode()
 
 
 def leaf_modes(
@@ -272,43 +212,31 @@ def leaf_modes(
   relayed: Collection[int] = frozenset(),
   copies: bool = True,
 ) -> list[LeafMode]:
-  """Per leaf of bucket ``bucket``, how the bucket treats it. ``layouts``: per leaf of the
-  plan; ``scheduled``: the leaves the schedule numbers; ``donate``: the call writes into donated
-  destination buffers; ``relayed``: leaves a relay stage completes; ``copies``: find which rows'
-  local copies the bucket makes (else ``True``)."""
+  """Per leaf of bucket ``bucket``, how it treats it. ``scheduled``: the plan's leaf of each
+  scheduled one; ``donate``: writing into donated buffers; ``relayed``: leaves a relay stage
+  completes; ``copies``: find which rows' local copies the bucket makes (else ``True``)."""
   sched_bucket = schedule.buckets[bucket]
   out = []
   for j, chunks in zip(sched_bucket.leaves, sched_bucket.chunks, strict=True):
-    spans = schedule.leaf_buckets[j] if schedule.leaf_buckets else (bucket,)
-    if len(spans) == 1 and not (
-      donate or copies or any(s is not None for s in _slabs(schedule, j))
-    ):
-      out.append(_PLAIN)  # moved whole by this bucket alone
+    spans = schedule.leaf_buckets[j]
+    cut = schedule.leaf_slabs[j] is not None or schedule.leaf_dst_slabs[j] is not None
+    if len(spans) == 1 and not (donate or copies or cut):
+      out.append(LeafMode())  # moved whole by this bucket alone
       continue
-    dst_window = dst_slab_window(schedule, j, chunks)
+    window, dst_window = _windows(schedule, j, chunks)
     whole = dst_window is None  # a destination slab is assembled whole, written in afterwards
     shift, dst_shift = chunk_shift(schedule, j, chunks, layouts[scheduled[j]][0])
-    # A grid's destination slab is filled by several buckets: each takes the slab so far
-    # (zeros in the leaf's first bucket) and writes its parts into it.
-    grid = dst_shift is not None
+    grid = dst_shift is not None  # its destination slab is filled over several buckets
     # A leaf cut into windows takes a destination input in its first bucket too (zero blocks on
     # every device), so that its first window runs the program of the others.
     fresh = shift is not None and whole and spans[0] == bucket and not donate
-    out.append(
-      LeafMode(
-        # A relayed leaf refit into its donated buffer gets only its first-stage parts here,
-        # written where they go; the relay stage writes the rest.
-        in_place=grid or (whole and (len(spans) > 1 or (donate and scheduled[j] in relayed))),
-        dst_input=(whole or grid) and (donate or spans[0] != bucket or fresh),
-        carry_out=spans[-1] != bucket,
-        copies=np.isin(schedule.row_chunks[j], chunks) if schedule.row_chunks and copies else True,
-        window=slab_window(schedule, j, chunks),
-        dst_window=dst_window,
-        shift=shift,
-        fresh=fresh,
-        dst_shift=dst_shift,
-      )
-    )
+    # A relayed leaf refit into its donated buffer gets its first-stage parts written where
+    # they go; the relay stage writes the rest.
+    in_place = grid or (whole and (len(spans) > 1 or (donate and scheduled[j] in relayed)))
+    dst_input = (whole or grid) and (donate or spans[0] != bucket or fresh)
+    carry, rows = spans[-1] != bucket, np.isin(schedule.row_chunks[j], chunks) if copies else True
+    mode = (in_place, dst_input, carry, rows, window, dst_window, shift, fresh, dst_shift)
+    out.append(LeafMode(*mode))
   return out
 
 
@@ -321,98 +249,91 @@ def assembly_devices(
   *,
   split_assembly: bool,
 ) -> tuple[int, ...] | None:
-  """The devices (ids, ascending) that may assemble bucket ``bucket``'s destination shards in a
-  program of their own, or ``None`` where the bucket's one program over its union mesh does.
-
-  One program over the union mesh writes a discarded block of each leaf on every device without a
-  destination shard. Apart, the rounds run over the union mesh and return the payloads, and the
-  assembly over the destination devices. That needs every leaf whole in the bucket (``modes``:
-  nothing split, carried, cut or shifted), one destination device set, and some device of the
-  bucket without a destination shard. Without ``split_assembly``, only where
-  ``Bucket.must_apart``.
-  """
-  if not split_assembly and not schedule.buckets[bucket].must_apart:
+  """The devices that may assemble bucket ``bucket``'s destination shards in a program of
+  their own (every leaf whole, one destination set, some other device), else ``None``; without
+  ``split_assembly`` only where ``Bucket.must_apart``."""
+  b = schedule.buckets[bucket]
+  if not split_assembly and not b.must_apart:
     return None
-  dst_ids: tuple[int, ...] | None = None
-  for j, m in zip(schedule.buckets[bucket].leaves, modes, strict=True):
-    spans = schedule.leaf_buckets[j] if schedule.leaf_buckets else (bucket,)
-    cut = m.shift is not None or m.window is not None or m.dst_window is not None
-    dst = layouts[scheduled[j]][1].device_ids
-    if m.carry_out or m.fresh or cut or len(spans) > 1 or dst_ids not in (None, dst):
-      return None
-    dst_ids = dst
-  # Some device of the bucket must hold no destination shard (else there is nothing to spare).
-  if not dst_ids or set(schedule.buckets[bucket].union_device_ids) <= set(dst_ids):
+  dst_sets = {layouts[scheduled[j]][1].device_ids for j in b.leaves}
+  cut = any(
+    m.carry_out or m.fresh or m.shift is not None or m.window is not None or m.dst_window
+    for m in modes
+  )
+  if cut or len(dst_sets) != 1 or any(len(schedule.leaf_buckets[j]) > 1 for j in b.leaves):
     return None
-  return dst_ids
+  (dst_ids,) = dst_sets
+  return dst_ids if dst_ids and not set(b.union_device_ids) <= set(dst_ids) else None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Cut:
-  """How a leaf's chunks cut its shards: slabs of the source shards, of the destination shards
-  (both: windows of both sides where equal, a grid where not), or windows of whole shards."""
+  """How a leaf's chunks cut its shards: source slabs, destination slabs (both: a grid, or
+  windows of both sides where equal), or windows of whole shards."""
 
   src: Windows | None = None
   dst: Windows | None = None
   windows: Windows | None = None
 
 
-@dataclasses.dataclass(eq=False)
 class _Tree:
-  """The leaves being scheduled, with their current chunks (mutable while scheduling)."""
+  """The leaves being scheduled (rows, chunks, cuts; mutable) and scheduling's caches."""
 
-  original: Sequence[LeafPlan]
-  itemsizes: Sequence[int]
-  names: Sequence[str]
-  union: np.ndarray
-  layouts: Sequence[tuple[Layout, Layout]]
-  placeholders: list[np.ndarray]  # per leaf, per union device: both sides' placeholders
-  members: list[np.ndarray]  # per leaf, which union devices it uses
-  bound: int | None
-  # per leaf and union device, what a bucket assembling apart does not write (its destination
-  # placeholder) and the bytes it receives; empty where no bucket may assemble apart
-  discards: list[np.ndarray] = dataclasses.field(default_factory=list)
-  receives: list[np.ndarray] = dataclasses.field(default_factory=list)
-  options: Options = DEFAULT_OPTIONS  # the plan's: leaf cap, periods, whole operands, apart
-  kinds: list[int] = dataclasses.field(default_factory=list)  # per leaf, its kind of transfers
-  links: Links | None = None  # with a topology of several domains (see make_rounds)
-  allow_slabs: bool = False
-  cuts: dict[int, _Cut] = dataclasses.field(default_factory=dict)
-  # per split key: its number, the rows, their chunks and the cut (or None)
-  splits: dict[tuple[object, ...], tuple[Any, ...]] = dataclasses.field(default_factory=dict)
-  plans: list[LeafPlan] = dataclasses.field(default_factory=list)
-  chunks: list[np.ndarray] = dataclasses.field(default_factory=list)
-  payloads: list[np.ndarray] = dataclasses.field(default_factory=list)  # (chunks, devices)
-  round_cache: dict[bytes, tuple[list[Round], np.ndarray, np.ndarray]] = dataclasses.field(
-    default_factory=dict
-  )
-  colourings: dict[tuple[bytes, bytes, bool], np.ndarray] = dataclasses.field(default_factory=dict)
-  # per leaf, what its rows and chunks are: ("orig", its transfers' bytes) as planned,
-  # ("split", i) the split numbered i of tree.splits (shared by leaves of one split key), else
-  # ("fresh", a number of its own)
-  states: list[tuple[Any, ...]] = dataclasses.field(default_factory=list)
-  fresh: Iterator[int] = dataclasses.field(default_factory=itertools.count)
-  built: dict[tuple[Any, ...], tuple[_Built, np.ndarray]] = dataclasses.field(default_factory=dict)
+  def __init__(
+    self,
+    plans: Sequence[LeafPlan],
+    layouts: Sequence[tuple[Layout, Layout]],
+    itemsizes: Sequence[int],
+    names: Sequence[str],
+    bound: int | None,
+    options: Options,
+    topology: Topology | None,
+    slabs: bool,
+    apart: bool,
+  ) -> None:
+    self.original, self.layouts, self.itemsizes, self.names = plans, layouts, itemsizes, names
+    self.bound, self.options, self.allow_slabs = bound, options, slabs
+    ids = {i for s, d in layouts for i in (*s.device_ids, *d.device_ids)}
+    self.union = np.asarray(sorted(ids), dtype=np.int64)
+    self.links = Links.of(self.union, topology)
+    # per leaf and union device: both sides' placeholders, and whether the leaf uses it
+    self.placeholders = [self.placeholder(j, 0) + self.placeholder(j, 1) for j in range(len(plans))]
+    self.members = [np.isin(self.union, (*s.device_ids, *d.device_ids)) for s, d in layouts]
+    kinds: dict[tuple[object, ...], int] = {}  # per leaf, its kind of transfers
+    self.kinds = [
+      kinds.setdefault(leaf_key(p, lay, isz), len(kinds))
+      for p, lay, isz in zip(plans, layouts, itemsizes, strict=True)
+    ]
+    self.cuts: dict[int, _Cut] = {}
+    self.splits: dict[tuple[object, ...], tuple[Any, ...]] = {}  # number, rows, chunks, cut
+    self.round_cache: dict[bytes, tuple[list[Round], np.ndarray, np.ndarray]] = {}
+    self.colourings: dict[tuple[bytes, bytes, bool], np.ndarray] = {}
+    self.built: dict[tuple[Any, ...], tuple[_Built, np.ndarray]] = {}
+    self.fresh = itertools.count()
+    # Per leaf its rows, their chunks, per chunk and device its payload bytes, and its state:
+    # ("orig", its bytes) as planned, ("split", i) split i of splits, else ("fresh", a number).
+    self.plans, self.chunks = list(plans), [np.zeros_like(p.nbytes) for p in plans]
+    self.payloads = [self._payloads(p, c) for p, c in zip(plans, self.chunks, strict=True)]
+    self.states: list[tuple[Any, ...]] = [("orig", p.nbytes.tobytes()) for p in plans]
+    self.discards, self.receives = _apart_counts(self, apart)
 
   def set_chunks(
     self, leaf: int, plan: LeafPlan, chunk: np.ndarray, state: tuple[Any, ...] | None = None
   ) -> None:
-    """Records ``leaf``'s rows and their chunks, and each chunk's payload bytes per device;
-    ``state``: see :attr:`states` (default: a new number)."""
-    state = ("fresh", next(self.fresh)) if state is None else state
+    """Records ``leaf``'s rows and chunks in ``state`` (default: a new one)."""
+    self.states[leaf] = ("fresh", next(self.fresh)) if state is None else state
+    self.plans[leaf], self.chunks[leaf] = plan, chunk
+    self.payloads[leaf] = self._payloads(plan, chunk)
+
+  def _payloads(self, plan: LeafPlan, chunk: np.ndarray) -> np.ndarray:
+    """Per chunk and union device, the payload bytes sent and received."""
     n, k = len(self.union), int(chunk.max(initial=0)) + 1
     remote = ~plan.local
     nb, c = plan.nbytes[remote], chunk[remote]
     s = np.searchsorted(self.union, plan.src_device[remote])
     d = np.searchsorted(self.union, plan.dst_device[remote])
     pay = np.bincount(c * n + s, nb, minlength=k * n) + np.bincount(c * n + d, nb, minlength=k * n)
-    if leaf == len(self.plans):
-      self.states.append(state)
-      self.plans.append(plan)
-      self.chunks.append(chunk)
-      self.payloads.append(pay)
-    self.states[leaf], self.plans[leaf], self.chunks[leaf] = state, plan, chunk
-    self.payloads[leaf] = pay.astype(np.int64).reshape(k, n)
+    return pay.astype(np.int64).reshape(k, n)
 
   def state(self, leaf: int) -> tuple[Any, ...]:
     """Equal for leaves whose chunks build equal buckets (up to their leaf numbers)."""
@@ -422,29 +343,29 @@ class _Tree:
     return [(leaf, c) for c in range(len(self.payloads[leaf]))]
 
   def placeholder(self, leaf: int, side: int) -> np.ndarray:
-    """Per union device, the placeholder bytes of ``leaf``'s source (``side`` 0) or
-    destination (1) block."""
-    return _placeholder(self.layouts[leaf][side], self.itemsizes[leaf], self.union)
+    """Per union device, the placeholder bytes of ``leaf``'s ``side`` (0: source)."""
+    layout = self.layouts[leaf][side]
+    block = math.prod(staged_block_shape(layout.shard_shape())) * self.itemsizes[leaf]
+    return placeholder_mask(layout, self.union) * block
 
   def staged(self, leaf: int, first: int, last: int) -> np.ndarray:
-    """Per union device, the bytes a bucket moving chunks ``first..last`` of ``leaf`` stages
-    besides payloads: per side, its window where the leaf is cut into slabs of that side, else its
-    placeholder."""
+    """Per union device, what a bucket of chunks ``first..last`` of ``leaf`` stages besides
+    payloads: per side its window where cut into slabs, else its placeholder."""
     cut = self.cuts.get(leaf)
     if cut is None or (cut.src is None and cut.dst is None):
       return self.placeholders[leaf]
     out = np.zeros(len(self.union), dtype=np.int64)
     for side, window in enumerate(grid_windows(cut.src, cut.dst, first, last)):
-      block = staged_block_shape(self.layouts[leaf][side].shard_shape())
       if window is None:
         out += self.placeholder(leaf, side)
       else:
+        block = staged_block_shape(self.layouts[leaf][side].shard_shape())
         dim, start, stop = window
         out += math.prod(block) // block[dim] * (stop - start) * self.itemsizes[leaf]
     return out
 
   def apart(self, leaves: Collection[int]) -> bool:
-    """Whether a bucket of ``leaves`` may assemble apart: the tree allows it and all move whole."""
+    """Whether a bucket of ``leaves`` may assemble apart."""
     return bool(self.discards) and all(
       len(self.payloads[leaf]) == 1 and leaf not in self.cuts for leaf in leaves
     )
@@ -467,62 +388,55 @@ class _Built:
 
 def _bucket_pieces(
   plans: Sequence[LeafPlan], leaves: Sequence[int], rows: Sequence[np.ndarray]
-) -> tuple[np.ndarray, ...]:
-  """The remote rows ``rows`` (a mask per leaf) of a bucket's leaves as pieces sorted by (source,
-  destination, leaf, transfer): ``(src, dst, leaf, transfer, nbytes, first)``, ``first`` the
-  index of each pair's first piece."""
+) -> tuple[np.ndarray, np.ndarray]:
+  """The remote rows ``rows`` of ``leaves`` as pieces ``(src, dst, leaf, transfer, nbytes)``
+  sorted by the first four, and each pair's first piece."""
   parts = []
   for leaf, mask in zip(leaves, rows, strict=True):
     p = plans[leaf]
     ts = np.nonzero(mask & ~p.local & (p.nbytes != 0))[0]
-    cols = (p.src_device[ts], p.dst_device[ts], np.full(len(ts), leaf), ts, p.nbytes[ts])
-    parts.append([np.asarray(v, dtype=np.int64) for v in cols])
-  src, dst, leaf_of, transfer, nbytes = (np.concatenate(c) for c in zip(*parts, strict=True))
-  order = np.lexsort((transfer, leaf_of, dst, src))
-  src, dst, leaf_of, transfer, nbytes = (a[order] for a in (src, dst, leaf_of, transfer, nbytes))
+    row = (p.src_device[ts], p.dst_device[ts], np.full(len(ts), leaf), ts, p.nbytes[ts])
+    parts.append(np.array(row, dtype=np.int64))
+  cols = np.concatenate(parts, axis=1)
+  cols = cols[:, np.lexsort(cols[3::-1])]
+  src, dst = cols[0], cols[1]
   new_pair = np.r_[True, (src[1:] != src[:-1]) | (dst[1:] != dst[:-1])][: len(src)]
-  return src, dst, leaf_of, transfer, nbytes, np.flatnonzero(new_pair)
+  return cols, np.flatnonzero(new_pair)
 
 
 def _whole_first(
-  tree: _Tree, pair_round: np.ndarray, cols: tuple[np.ndarray, ...], first: np.ndarray
-) -> tuple[np.ndarray, ...]:
-  """The pieces ``cols`` (see :func:`_bucket_pieces`; pair ``i`` in round ``pair_round[i]``)
-  reordered so that in each payload the whole source shards (of at least
-  ``whole_operand_bytes``) that every payload of its round holds come first, in leaf order: sent
-  as they are (``_cost.whole_segment_bytes``); then their offsets."""
-  src, dst, leaf_of, transfer, nbytes = cols
-  new_pair = np.zeros(len(src), dtype=bool)
-  new_pair[first] = True
-  pid = np.cumsum(new_pair) - 1  # each piece's pair
+  tree: _Tree, pair_round: np.ndarray, cols: np.ndarray, first: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+  """The pieces with the whole source shards every payload of a round holds first (sent as
+  they are: ``_cost.whole_segment_bytes``), and each piece's offset."""
+  _, _, leaf_of, transfer, nbytes = cols
+  pid = np.repeat(np.arange(len(first)), np.diff(np.r_[first, len(nbytes)]))  # each's pair
   used, inv = np.unique(leaf_of, return_inverse=True)
   shard = [math.prod(tree.layouts[j][0].shard_shape()) * tree.itemsizes[j] for j in used.tolist()]
   least = tree.options.whole_operand_bytes  # see Options: smaller shards are packed
   whole = (nbytes == np.asarray(shard, dtype=np.int64)[inv]) & (nbytes >= least)
   if whole.any():
-    key = pair_round[pid] * (int(leaf_of.max()) + 1) + leaf_of
+    n = int(leaf_of.max()) + 1
+    key = pair_round[pid] * n + leaf_of
     keys, inv, counts = np.unique(key[whole], return_inverse=True, return_counts=True)
-    size = np.bincount(pair_round)  # pairs per round
-    common = np.zeros(len(src), dtype=bool)
-    common[np.flatnonzero(whole)] = counts[inv] == size[keys[inv] // (int(leaf_of.max()) + 1)]
+    common = np.zeros(len(nbytes), dtype=bool)
+    common[whole] = counts[inv] == np.bincount(pair_round)[keys[inv] // n]  # pairs per round
     if common.any():
-      order = np.lexsort((transfer, leaf_of, ~common, pid))
-      src, dst, leaf_of, transfer, nbytes = (a[order] for a in cols)
-  ends = np.cumsum(nbytes)
-  offset = ends - nbytes - (ends[first] - nbytes[first])[pid]
-  return src, dst, leaf_of, transfer, nbytes, offset
+      cols = cols[:, np.lexsort((transfer, leaf_of, ~common, pid))]
+  ends = np.cumsum(cols[4])
+  return cols, ends - cols[4] - (ends[first] - cols[4][first])[pid]
 
 
 def _build(tree: _Tree, items: Sequence[tuple[int, int]]) -> _Built:
-  """The bucket of ``items`` ((leaf, chunk), consecutive) with its rounds and byte counts; one
-  like a bucket built before (leaves in the same states, in order) is that one renumbered."""
+  """The bucket of ``items`` ((leaf, chunk), consecutive); one like a bucket built before (same
+  leaf states) is that one renumbered."""
   chunks: dict[int, list[int]] = {}
   for leaf, c in items:
     chunks.setdefault(leaf, []).append(c)
   leaves = list(chunks)
-  # Pieces sort by leaf number: renumbering keeps their order where both ascend.
+  # Pieces sort by leaf number: renumbering keeps their order where both ascend. A leaf of a
+  # trial split ("fresh") is never built again in that state: not kept.
   ascending = all(a < b for a, b in itertools.pairwise(leaves))
-  # A leaf of a trial split ("fresh") is never built again under that state: not kept.
   kept = ascending and all(tree.states[leaf][0] != "fresh" for leaf in leaves)
   key = tuple((tree.state(leaf), tuple(chunks[leaf])) for leaf in leaves) if kept else None
   if key is not None and key in tree.built:
@@ -538,59 +452,38 @@ def _build(tree: _Tree, items: Sequence[tuple[int, int]]) -> _Built:
 
 
 def _build_new(tree: _Tree, leaves: list[int], chunks: dict[int, list[int]]) -> _Built:
-  """:func:`_build` of ``leaves`` (their ``chunks``), from scratch."""
-  # A bucket's chunks of a leaf are consecutive.
-  rows = [
-    (tree.chunks[leaf] >= chunks[leaf][0]) & (tree.chunks[leaf] <= chunks[leaf][-1])
-    for leaf in leaves
-  ]
-  src, dst, leaf_of, transfer, nbytes, first = _bucket_pieces(tree.plans, leaves, rows)
-  fill = np.add.reduceat(nbytes, first) if len(src) else nbytes
-  ps, pd = src[first], dst[first]
+  """:func:`_build` from scratch."""
+  rows = [(tree.chunks[j] >= chunks[j][0]) & (tree.chunks[j] <= chunks[j][-1]) for j in leaves]
+  cols, first = _bucket_pieces(tree.plans, leaves, rows)
+  fill = np.add.reduceat(cols[4], first) if len(first) else cols[4]
+  ps, pd = cols[0][first], cols[1][first]
   key = ps.tobytes() + b"|" + pd.tobytes() + b"|" + fill.tobytes()
   if key not in tree.round_cache:
     tree.round_cache[key] = make_rounds(ps, pd, fill, tree.links, tree.colourings)
   rounds, round_bytes, pair_round = tree.round_cache[key]
-  src, dst, leaf_of, transfer, nbytes, offset = _whole_first(
-    tree, pair_round, (src, dst, leaf_of, transfer, nbytes), first
-  )
+  cols, offset = _whole_first(tree, pair_round, cols, first)
   n, union = len(tree.union), tree.union
   sent = np.bincount(np.searchsorted(union, ps), round_bytes, minlength=n).astype(np.int64)
   received = np.bincount(np.searchsorted(union, pd), round_bytes, minlength=n).astype(np.int64)
-  in_bucket = np.logical_or.reduce([tree.members[leaf] for leaf in leaves])
-  placeholders = sum(
-    (tree.staged(leaf, min(chunks[leaf]), max(chunks[leaf])) for leaf in leaves),
-    np.zeros(n, dtype=np.int64),
-  )
-  stage = placeholders * in_bucket + sent + received
-  must_apart = False
-  if tree.bound is not None and int(stage.max(initial=0)) > tree.bound and tree.apart(leaves):
-    # In bound only without the discarded blocks: the bucket assembles apart. Its transfer
-    # program returns every round's received payload on every device (zeros where a device
-    # receives nothing in the round): all of them count.
-    discards = sum((tree.discards[leaf] for leaf in leaves), np.zeros(n, dtype=np.int64))
-    returned = sum(r.nbytes for r in rounds)
-    stage = (placeholders - discards + returned) * in_bucket + sent
-    must_apart = True
-  bucket = Bucket(
-    leaves=tuple(leaves),
-    chunks=tuple(tuple(chunks[leaf]) for leaf in leaves),
-    rounds=tuple(rounds),
-    union_device_ids=tuple(union[in_bucket].tolist()),
-    piece_src=src,
-    piece_dst=dst,
-    piece_leaf=leaf_of,
-    piece_transfer=transfer,
-    piece_offset=offset,
-    piece_nbytes=nbytes,
-    must_apart=must_apart,
-  )
+  in_bucket = np.logical_or.reduce([tree.members[j] for j in leaves])
+  zero = np.zeros(n, dtype=np.int64)
+  staged = sum((tree.staged(j, min(chunks[j]), max(chunks[j])) for j in leaves), zero)
+  stage = staged * in_bucket + sent + received
+  bound = tree.bound
+  must_apart = bound is not None and int(stage.max(initial=0)) > bound and tree.apart(leaves)
+  if must_apart:
+    # In bound only without the discarded blocks: assembled apart, its transfer program returns
+    # every round's payload on every device (zeros where one receives nothing): all count.
+    discards = sum((tree.discards[j] for j in leaves), zero)
+    stage = (staged - discards + sum(r.nbytes for r in rounds)) * in_bucket + sent
+  head = (tuple(leaves), tuple(tuple(chunks[j]) for j in leaves), tuple(rounds))
+  pieces = (cols[0], cols[1], cols[2], cols[3], offset, cols[4])
+  bucket = Bucket(*head, tuple(union[in_bucket].tolist()), *pieces, must_apart)
   return _Built(bucket, stage, sent, received, int((round_bytes - fill).sum()))
 
 
 def _unpadded_peaks(tree: _Tree, items: Sequence[tuple[int, int]], start: int) -> Iterator[int]:
-  """For ``e = start + 1, start + 2, ...``, the most bytes one device stages, unpadded, in a
-  bucket of ``items[start:e]``."""
+  """Per ``e > start``, the most bytes one device stages unpadded in ``items[start:e]``."""
   n = len(tree.union)
   acc_ph, acc_pay, mask = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, bool)
   acc_discards, acc_recv, apart = np.zeros(n, np.int64), np.zeros(n, np.int64), bool(tree.discards)
@@ -607,8 +500,8 @@ def _unpadded_peaks(tree: _Tree, items: Sequence[tuple[int, int]], start: int) -
     first[leaf] = (c0, ph)
     peak = int((acc_ph * mask + acc_pay).max())
     if apart and tree.bound is not None and peak > tree.bound:
-      # Assembled apart (see _build_new): no discards, and the rounds' payloads the transfer
-      # program returns, at least the most one device receives.
+      # Assembled apart (see _build_new): no discards, and the payloads the transfer program
+      # returns, at least the most one device receives.
       returned = int(acc_recv.max(initial=0))
       peak = int(((acc_ph - acc_discards + returned) * mask + acc_pay - acc_recv).max(initial=0))
     yield peak
@@ -622,20 +515,16 @@ def _item_keys(tree: _Tree, items: Sequence[tuple[int, int]]) -> np.ndarray:
 def _repeat_end(
   tree: _Tree, keys: np.ndarray, start: int, runs: dict[int, tuple[int, int, int]]
 ) -> int:
-  """One past the last item of a bucket starting at item ``start`` under the leaf cap.
+  """One past the last item of a bucket starting at ``start`` under the leaf cap.
 
-  A *run* of ``keys`` (:func:`_item_keys`) repeats with a period ``p`` over at least the cap and
-  two periods (the layers of a model). A bucket where a run starts takes whole periods: one if
-  ``p >= Options.min_period_leaves``, else the same number for every bucket of the run (a
-  divisor of its periods where one lies between half the cap and the cap), so that they share a
-  program. Elsewhere it ends where a run begins, or at the cap. ``runs`` carries a run's ``(p,
-  t, end)`` to the next bucket.
+  Where a run of ``keys`` repeats with a period ``p`` (a model's layers), buckets take whole
+  periods, as many in every bucket of the run (so that they share a program); elsewhere a bucket
+  ends where a run begins or at the cap. ``runs`` carries ``(p, t, end)`` to the next bucket.
   """
   cap = tree.options.max_bucket_leaves
   if start in runs:
     p, t, run_end = runs.pop(start)
-    take = min(t, (run_end - start) // p)
-    if take:
+    if take := min(t, (run_end - start) // p):
       runs[start + p * take] = (p, t, run_end)
       return start + p * take
   if len(keys) - start <= cap:
@@ -643,8 +532,7 @@ def _repeat_end(
   window = keys[start : start + 3 * cap]
   first_t, p = cap, 0  # earliest offset where a run repeating with period p starts
   for q in range(1, cap + 1):
-    # A run: at least the cap's length, and two periods, repeating with period q.
-    span = max(2 * q, cap) - q
+    span = max(2 * q, cap) - q  # a run: the cap's length and two periods, with period q
     same = np.r_[0, np.cumsum(window[q:] == window[:-q])]  # same[t]: matches among t' < t
     at = np.arange(max(min(first_t, len(same) - span), 0))
     hits = np.flatnonzero(same[at + span] - same[at] == span)
@@ -669,23 +557,15 @@ def _repeat_end(
 def _largest_fitting(
   tree: _Tree, items: Sequence[tuple[int, int]], start: int, end: int, peak: int
 ) -> tuple[_Built, int] | None:
-  """``(bucket, e)`` for an ``items[start:e]`` (``e < end``) whose padded staging fits while
-  that of ``items[start:e + 1]`` does not (or ``e + 1 == end``); ``None`` where ``items[start]``
-  alone does not fit. ``peak``: the padded staging of ``items[start:end]``.
-
-  The first probe is where the unpadded staging, scaled to ``peak``, reaches the bound; from
-  there it tries the next and the longest, or gallops down, then bisects: with padding in
-  proportion to the bytes, two builds.
-  """
+  """``(bucket, e)`` for ``items[start:e]`` that fits while one more item does not, or ``None``
+  where ``items[start]`` alone does not: a guess from the unpadded staging, then gallop, bisect."""
   assert tree.bound is not None
   bound = tree.bound
   unpadded = list(itertools.islice(_unpadded_peaks(tree, items, start), end - start))
   scale = peak / max(unpadded[-1], 1)
-  guess = start + 1
-  for e in range(end - 1, start, -1):
-    if unpadded[e - start - 1] * scale <= bound:
-      guess = e
-      break
+  guess = next(
+    (e for e in range(end - 1, start, -1) if unpadded[e - start - 1] * scale <= bound), start + 1
+  )
   tried: dict[int, _Built] = {}
 
   def fits(e: int) -> bool:
@@ -718,8 +598,7 @@ def _largest_fitting(
 
 
 def _fill_buckets(tree: _Tree) -> list[_Built]:
-  """Consecutive items per bucket, every bucket's padded staging in bound; a leaf that does not
-  fit alone is split on the way."""
+  """Consecutive items per bucket in bound; a leaf that does not fit alone is split."""
   items = [item for leaf in range(len(tree.plans)) for item in tree.items(leaf)]
   keys = _item_keys(tree, items)
   runs: dict[int, tuple[int, int, int]] = {}  # see _repeat_end
@@ -739,8 +618,7 @@ def _fill_buckets(tree: _Tree) -> list[_Built]:
       out.append(built)
       i = end
       continue
-    fitting = _largest_fitting(tree, items, i, end, built.peak) if end - i > 1 else None
-    if fitting is not None:
+    if fitting := _largest_fitting(tree, items, i, end, built.peak) if end - i > 1 else None:
       out.append(fitting[0])
       i = fitting[1]
       continue
@@ -754,9 +632,7 @@ def _fill_buckets(tree: _Tree) -> list[_Built]:
 
 
 def _split_leaf(tree: _Tree, leaf: int, k: int) -> None:
-  """Cuts ``leaf`` into the fewest chunks (from ``k`` up) that each fit the bound alone, padded
-  rounds and the leaf's placeholder blocks included (:func:`_best_split`); a leaf like one cut
-  before (the layers of a model) is cut alike."""
+  """Cuts ``leaf`` into the fewest chunks (from ``k``) that fit alone, alike for like leaves."""
   key = (tree.kinds[leaf], tree.original[leaf].nbytes.tobytes())
   if key not in tree.splits:
     tree.splits[key] = (len(tree.splits), *_best_split(tree, leaf, k))
@@ -767,21 +643,18 @@ def _split_leaf(tree: _Tree, leaf: int, k: int) -> None:
 
 
 def _best_split(tree: _Tree, leaf: int, k: int) -> tuple[LeafPlan, np.ndarray, _Cut | None]:
-  """The rows, their chunks and the cut :func:`_split_leaf` makes (the tree left without a cut).
-
-  The ways of docs/design.md "Chunks", in order: the first that fits is kept; a later one is
-  tried where a placeholder it shrinks takes over half the bound, and kept if it needs fewer
-  chunks; the grid only where nothing else fits.
+  """The rows, chunks and cut of the first way that fits (a later way tried where a
+  placeholder it shrinks takes over half the bound, kept if fewer chunks).
 
   Raises:
-    BucketBoundError: if no way fits, naming the least bytes of the ways.
+    BucketBoundError: if no way fits.
   """
   assert tree.bound is not None
   heavy = [
     2 * int((tree.placeholder(leaf, side) * tree.members[leaf]).max(initial=0)) > tree.bound
     for side in (0, 1)
   ]
-  windows = window_dim(*tree.layouts[leaf]) is not None
+  windows = _chunks.window_dim(*tree.layouts[leaf]) is not None
   ways: list[tuple[Callable[[], tuple[int, str] | None], bool]] = [
     (lambda: _split_windows(tree, leaf, k), False),
     (lambda: _split_rows(tree, leaf, k), False),
@@ -800,8 +673,7 @@ def _best_split(tree: _Tree, leaf: int, k: int) -> tuple[LeafPlan, np.ndarray, _
   for way, worth in ways:
     if best is not None and not worth:
       continue
-    found = way()
-    if found is not None:
+    if (found := way()) is not None:
       failed.append(found)
     elif best is None or len(tree.payloads[leaf]) < best[0]:
       best = (len(tree.payloads[leaf]), tree.plans[leaf], tree.chunks[leaf], tree.cuts.get(leaf))
@@ -824,10 +696,8 @@ def _best_split(tree: _Tree, leaf: int, k: int) -> tuple[LeafPlan, np.ndarray, _
 def _fewest(
   tree: _Tree, k: int, k_max: int, trial: Callable[[int], np.ndarray], floor: np.ndarray | None
 ) -> tuple[int, str] | None:
-  """Cuts a leaf with ``trial(k)`` (which sets its rows, chunks and cut, and returns per chunk
-  tried alone the staging per device) into the fewest chunks from ``k`` up to ``k_max`` that
-  fit: ``None``, else the least staging found. Each try scales ``k`` by how far the staging
-  above ``floor`` (what no cut shrinks; ``None``: nothing) overshoots the bound."""
+  """The fewest chunks from ``k`` to ``k_max`` that fit with ``trial`` (``None``), else the least
+  staging found; ``k`` grows by how far the staging above ``floor`` overshoots."""
   assert tree.bound is not None
   k = max(2, min(k, k_max))
   while True:
@@ -849,8 +719,7 @@ def _alone(tree: _Tree, leaf: int, chunks: Iterable[int]) -> np.ndarray:
 
 
 def _split_rows(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
-  """Sub-boxes of the remote transfers (``split_rows``), with whole placeholders: no fewer than a
-  placeholder plus the thinnest slab of one transfer of a device."""
+  """Sub-boxes of the remote transfers, with whole placeholders."""
   assert tree.bound is not None
   bound, orig = tree.bound, tree.original[leaf]
   ph = tree.placeholders[leaf] * tree.members[leaf]
@@ -861,12 +730,11 @@ def _split_rows(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
   thinnest = np.full(len(tree.union), none)
   for devs in (orig.src_device[remote], orig.dst_device[remote]):
     np.minimum.at(thinnest, np.searchsorted(tree.union, devs), slab)
-  least = int((ph + np.where(thinnest == none, 0, thinnest)).max(initial=0))
-  if least > bound:
+  if (least := int((ph + np.where(thinnest == none, 0, thinnest)).max(initial=0))) > bound:
     return least, "at least "
 
   def trial(k: int) -> np.ndarray:
-    tree.set_chunks(leaf, *split_rows(orig, k, tree.itemsizes[leaf]))
+    tree.set_chunks(leaf, *_chunks.split_rows(orig, k, tree.itemsizes[leaf]))
     stage = tree.payloads[leaf] + ph  # unpadded: built where that fits
     return _alone(tree, leaf, range(len(stage))) if int(stage.max()) <= bound else stage
 
@@ -874,8 +742,7 @@ def _split_rows(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
 
 
 def _split_slabs(tree: _Tree, leaf: int, k: int, side: int) -> tuple[int, str] | None:
-  """Slabs of the source (``side`` 0) or destination (1) shards (``split_slabs``); the other
-  side's placeholder is the floor."""
+  """Slabs of the source (``side`` 0) or destination shards."""
   assert tree.bound is not None
   orig, isz, lay = tree.original[leaf], tree.itemsizes[leaf], tree.layouts[leaf][side]
   src = tree.layouts[leaf][0]
@@ -887,8 +754,7 @@ def _split_slabs(tree: _Tree, leaf: int, k: int, side: int) -> tuple[int, str] |
   least = int((floor + math.prod(shard) // k_max * isz).max(initial=0))
   if least > tree.bound or k_max < 2 or not lay.shard_shape():
     return least, "at least "
-  room = tree.bound - floor
-  if (room > 0).all():
+  if ((room := tree.bound - floor) > 0).all():
     pay = tree.payloads[leaf].sum(axis=0)
     k = max(k, math.ceil(float(((pay + math.prod(shard) * isz) / room).max())))
 
@@ -896,30 +762,29 @@ def _split_slabs(tree: _Tree, leaf: int, k: int, side: int) -> tuple[int, str] |
     # Destination slabs along a dimension the source does not shard are of one width: their
     # chunks then differ only by where the source rows start (see chunk_shift).
     even = None
-    if spread is not None and spread[dim := slab_dim(shard, k, spread)]:
+    if spread is not None and spread[dim := _chunks.slab_dim(shard, k, spread)]:
       even = dim
-    plan, chunk, slabs = split_slabs(orig, lay, k, isz, receiver=side == 1, spread=spread, dim=even)
-    tree.cuts[leaf] = _Cut(dst=slabs) if side else _Cut(src=slabs)
-    tree.set_chunks(leaf, plan, chunk)
+    cut = _chunks.split_slabs(orig, lay, k, isz, receiver=side == 1, spread=spread, dim=even)
+    tree.cuts[leaf] = _Cut(dst=cut[2]) if side else _Cut(src=cut[2])
+    tree.set_chunks(leaf, *cut[:2])
     return _alone(tree, leaf, range(len(tree.payloads[leaf])))
 
   return _fewest(tree, k, k_max, trial, floor)
 
 
 def _split_windows(tree: _Tree, leaf: int, k: int, both: bool = False) -> tuple[int, str] | None:
-  """Windows of one width along ``window_dim`` staged as whole shards, or with ``both`` as
-  slabs of both sides, so that both placeholders shrink with them."""
+  """Windows along ``window_dim`` of whole shards, or with ``both`` slabs of both sides."""
   assert tree.bound is not None
   src, dst = tree.layouts[leaf]
-  dim = window_dim(src, dst)
+  dim = _chunks.window_dim(src, dst)
   assert dim is not None
   ph = None if both else tree.placeholders[leaf] * tree.members[leaf]
   if ph is not None and int(ph.max(initial=0)) > tree.bound:  # no window fits
     return int(ph.max(initial=0)), "at least "
 
   def trial(k: int) -> np.ndarray:
-    plan, chunk, windows = split_slabs(tree.original[leaf], src, k, tree.itemsizes[leaf], dim=dim)
-    tree.cuts[leaf] = _Cut(src=windows, dst=windows) if both else _Cut(windows=windows)
+    plan, chunk, w = _chunks.split_slabs(tree.original[leaf], src, k, tree.itemsizes[leaf], dim=dim)
+    tree.cuts[leaf] = _Cut(src=w, dst=w) if both else _Cut(windows=w)
     tree.set_chunks(leaf, plan, chunk)
     return _alone(tree, leaf, _distinct_chunks(tree, leaf))
 
@@ -927,30 +792,29 @@ def _split_windows(tree: _Tree, leaf: int, k: int, both: bool = False) -> tuple[
 
 
 def _split_grid(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
-  """A grid of slabs of both sides (``split_grid``), at most ``Options.max_grid_slabs`` each."""
+  """A grid of slabs of both sides, at most ``Options.max_grid_slabs`` each."""
   assert tree.bound is not None
-  src, dst = tree.layouts[leaf]
-  isz = tree.itemsizes[leaf]
-  blocks = [math.prod(staged_block_shape(lay.shard_shape())) * isz for lay in (src, dst)]
+  layouts, isz = tree.layouts[leaf], tree.itemsizes[leaf]
+  blocks = [math.prod(staged_block_shape(lay.shard_shape())) * isz for lay in layouts]
   k_max = [
     min(tree.options.max_grid_slabs, lay.shard_shape()[d])
-    for lay, d in zip((src, dst), grid_dims((src, dst)), strict=True)
+    for lay, d in zip(layouts, _chunks.grid_dims(layouts), strict=True)
   ]
-  least = sum(b // m for b, m in zip(blocks, k_max, strict=True))
-  if least > tree.bound:
+  if (least := sum(b // m for b, m in zip(blocks, k_max, strict=True))) > tree.bound:
     return least, "at least "
   # Each side's window takes about half the bound (payloads are a fraction of a window).
   ks, kd = (
     min(m, max(2, math.ceil(2.2 * b / tree.bound))) for b, m in zip(blocks, k_max, strict=True)
   )
   while True:
-    plan, chunk, src_slabs, dst_slabs = split_grid(tree.original[leaf], (src, dst), ks, kd, isz)
+    plan, chunk, src_slabs, dst_slabs = _chunks.split_grid(
+      tree.original[leaf], layouts, ks, kd, isz
+    )
     peak = least
     if src_slabs != dst_slabs:  # (equal slabs would read as windows of both sides)
       tree.cuts[leaf] = _Cut(src=src_slabs, dst=dst_slabs)
       tree.set_chunks(leaf, plan, chunk)
-      peak = int(_alone(tree, leaf, _distinct_chunks(tree, leaf)).max())
-      if peak <= tree.bound:
+      if (peak := int(_alone(tree, leaf, _distinct_chunks(tree, leaf)).max())) <= tree.bound:
         return None
     if ks >= k_max[0] and kd >= k_max[1]:
       return peak, ""
@@ -959,8 +823,7 @@ def _split_grid(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
 
 
 def _distinct_chunks(tree: _Tree, leaf: int) -> list[int]:
-  """The first chunk of ``leaf`` of each kind: chunks of equal pair bytes and placeholder or
-  slab bytes stage alike alone."""
+  """The first chunk of ``leaf`` of each kind of staging alone."""
   p, n = tree.plans[leaf], len(tree.payloads[leaf])
   rows = ~p.local & (p.nbytes != 0)
   c, s, d, nb = (a[rows] for a in (tree.chunks[leaf], p.src_device, p.dst_device, p.nbytes))
@@ -980,8 +843,7 @@ def _distinct_chunks(tree: _Tree, leaf: int) -> list[int]:
 
 
 def _presplit(tree: _Tree) -> None:
-  """Splits every leaf whose unpadded staging alone exceeds the bound, into as many chunks as
-  that excess suggests."""
+  """Splits every leaf whose unpadded staging alone exceeds the bound."""
   if tree.bound is None:
     return
   for leaf in range(len(tree.plans)):
@@ -990,8 +852,8 @@ def _presplit(tree: _Tree) -> None:
     if int((pay + ph).max(initial=0)) <= tree.bound:
       continue
     if tree.apart((leaf,)) and int((pay + ph - tree.discards[leaf]).max(initial=0)) <= tree.bound:
-      # It may fit assembled apart: if not, the bucket filling splits it into the fewest
-      # chunks that fit (this split, sized by the staging with discards, would cut it finer).
+      # It may fit assembled apart: if not, filling the buckets splits it into the fewest
+      # chunks that fit (this split, sized with discards, would cut it finer).
       continue
     room = tree.bound - ph
     k = math.ceil(float((pay / np.maximum(room, 1)).max())) if (room > 0).all() else 2
@@ -999,9 +861,8 @@ def _presplit(tree: _Tree) -> None:
 
 
 def _apart_counts(tree: _Tree, apart: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
-  """:attr:`_Tree.discards` and :attr:`_Tree.receives` (per leaf and device, the destination
-  placeholder and the bytes received) where ``apart``, a bound, and one destination device set
-  holding no source shard let every bucket of whole leaves assemble apart; else empty."""
+  """Per leaf and union device, the destination placeholder and the bytes received, where
+  every bucket of whole leaves may assemble apart; else empty."""
   layouts, union = tree.layouts, tree.union
   dst_sets = {dst.device_ids for _, dst in layouts}
   if not (apart and tree.options.split_assembly and tree.bound) or len(dst_sets) != 1:
@@ -1029,72 +890,33 @@ def make_schedule(
   apart: bool = True,
   options: Options = DEFAULT_OPTIONS,
 ) -> Schedule:
-  """Packs the remote transfers of all leaves into buckets, payloads and rounds.
+  """Packs the remote transfers of all leaves (``plans``, ``(src, dst)`` ``layouts``, bytes per
+  element ``itemsizes``) into buckets, payloads and rounds.
 
-  Args:
-    plans: one :class:`LeafPlan` per leaf.
-    layouts: ``(src, dst)`` layouts per leaf.
-    itemsizes: bytes per element per leaf.
-    max_bucket_bytes: bound on staging bytes per device per bucket, padding included; a leaf
-      that does not fit alone is split into chunks over consecutive buckets. ``None``: no bound.
-    names: per leaf, a name for error messages (default ``#i``).
-    slabs: whether a leaf may be cut into slabs of its shards (and grids).
-    topology: where its domains split the devices, pairs across and inside domains may take
-      rounds of their own (``make_rounds``).
-    apart: whether a bucket may assemble apart where the bound needs it (its programs can).
-    options: the plan's :class:`Options`.
+  Each bucket's staging per device, padding included, stays within ``max_bucket_bytes``
+  (``None``: no bound), a leaf that does not fit alone split into chunks (into slabs and grids
+  only with ``slabs``). ``names`` name leaves in errors (default ``#i``); with ``topology``,
+  pairs across and inside domains may take rounds of their own; ``apart``: a bucket may
+  assemble apart where the bound needs it.
 
   Raises:
     BucketBoundError: if the bound is below what some leaf needs even in its smallest chunks.
   """
-  union = np.asarray(
-    sorted({i for s, d in layouts for i in (*s.device_ids, *d.device_ids)}), dtype=np.int64
-  )
-  kinds: dict[tuple[object, ...], int] = {}
-  tree = _Tree(
-    original=plans,
-    itemsizes=itemsizes,
-    names=names or [f"#{i}" for i in range(len(plans))],
-    union=union,
-    layouts=layouts,
-    placeholders=[
-      _placeholder(s, isz, union) + _placeholder(d, isz, union)
-      for (s, d), isz in zip(layouts, itemsizes, strict=True)
-    ],
-    members=[np.isin(union, (*s.device_ids, *d.device_ids)) for s, d in layouts],
-    bound=max_bucket_bytes,
-    options=options,
-    kinds=[
-      kinds.setdefault(leaf_key(p, lay, isz), len(kinds))
-      for p, lay, isz in zip(plans, layouts, itemsizes, strict=True)
-    ],
-    allow_slabs=slabs,
-    links=Links.of(union, topology),
-  )
-  tree.discards, tree.receives = _apart_counts(tree, apart)
-  for leaf, plan in enumerate(plans):
-    tree.set_chunks(leaf, plan, np.zeros_like(plan.nbytes), ("orig", plan.nbytes.tobytes()))
+  names = names or [f"#{i}" for i in range(len(plans))]
+  tree = _Tree(plans, layouts, itemsizes, names, max_bucket_bytes, options, topology, slabs, apart)
   _presplit(tree)
   built = _fill_buckets(tree)
   leaf_buckets: list[list[int]] = [[] for _ in plans]
   for b, bb in enumerate(built):
     for leaf in bb.bucket.leaves:
       leaf_buckets[leaf].append(b)
-  zero = np.zeros(len(union), dtype=np.int64)
+  zero = np.zeros(len(tree.union), dtype=np.int64)
   sent = sum((bb.sent for bb in built), zero)
   received = sum((bb.received for bb in built), zero)
   cuts = [tree.cuts.get(leaf, _Cut()) for leaf in range(len(plans))]
-  return Schedule(
-    buckets=tuple(bb.bucket for bb in built),
-    union_device_ids=tuple(union.tolist()),
-    padding_bytes=sum(bb.padding for bb in built),
-    max_send_bytes=int(sent.max(initial=0)),
-    max_recv_bytes=int(received.max(initial=0)),
-    peak_staging_bytes=max((bb.peak for bb in built), default=0),
-    leaf_plans=tuple(tree.plans),
-    row_chunks=tuple(tree.chunks),
-    leaf_buckets=tuple(tuple(b) for b in leaf_buckets),
-    leaf_slabs=tuple(c.src for c in cuts),
-    leaf_dst_slabs=tuple(c.dst for c in cuts),
-    leaf_windows=tuple(c.windows for c in cuts),
-  )
+  peak = max((bb.peak for bb in built), default=0)
+  sums = (sum(bb.padding for bb in built), int(sent.max(initial=0)), int(received.max(initial=0)))
+  rows = (tuple(tree.plans), tuple(tree.chunks), tuple(tuple(b) for b in leaf_buckets))
+  cut = (tuple(c.src for c in cuts), tuple(c.dst for c in cuts), tuple(c.windows for c in cuts))
+  buckets = tuple(bb.bucket for bb in built)
+  return Schedule(buckets, tuple(tree.union.tolist()), *sums, peak, *rows, *cut)

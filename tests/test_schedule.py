@@ -12,20 +12,17 @@ import pytest
 from helpers import split_cases
 
 import jax_reshard as jr
-from jax_reshard import Layout, _schedule
+from jax_reshard import Layout, _rounds, _schedule
 from jax_reshard._chunks import split_slabs
 from jax_reshard._options import Options
 from jax_reshard._planner import plan_leaves
 from jax_reshard._rounds import (
-  _alternating,
   _candidate_classes,
   _color_dense,
   _dense,
-  _first_fit,
   _first_fit_prefix,
-  _first_fit_swapping,
   _joint_time_bound,
-  color_bipartite,
+  _konig,
   make_rounds,
 )
 from jax_reshard._schedule import (
@@ -34,6 +31,16 @@ from jax_reshard._schedule import (
   make_schedule,
   slab_window,
 )
+
+
+def color_bipartite(edges: list[tuple[int, int]]) -> list[int]:
+  s, d = (np.asarray(v, dtype=np.int64) for v in zip(*edges, strict=True))
+  return _color_dense(_dense(s), _dense(d)).tolist()
+
+
+def _first_fit(s: list[int], d: list[int], k: int) -> list[int] | None:
+  out = _first_fit_prefix(s, d, k)[0]
+  return out if len(out) == len(s) else None
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -112,7 +119,9 @@ def test_rounds_minimise_parallel_time_over_padding() -> None:
     assert len({s for s, _ in r.pairs}) == len({d for _, d in r.pairs}) == len(r.pairs) == 4
 
 
-def test_heavy_pairs_are_coloured_apart_from_a_star_of_small_ones() -> None:
+def test_heavy_pairs_are_coloured_apart_from_a_star_of_small_ones(
+  monkeypatch: pytest.MonkeyPatch,
+) -> None:
   """Four large payloads need two rounds (devices 0 and 1 send two each), but a star of tiny
   payloads from device 6 raises the colours first fit may use, so coloured with it, one large
   payload lands in a third round; size classes apart take four rounds of large payloads.
@@ -128,7 +137,9 @@ def test_heavy_pairs_are_coloured_apart_from_a_star_of_small_ones() -> None:
   for r in rounds:
     assert len({s for s, _ in r.pairs}) == len({d for _, d in r.pairs}) == len(r.pairs)
   assert (round_bytes >= fill).all()
-  without = make_rounds(ps, pd, fill, heavy_ratios=())[0]  # no heavy pairs coloured apart
+  classes = _rounds._candidate_classes  # without the heavy pairs coloured apart (appended last)
+  monkeypatch.setattr(_rounds, "_candidate_classes", lambda fill: classes(fill)[:2])
+  without = make_rounds(ps, pd, fill)[0]
   assert sum(r.nbytes for r in without) == 282  # 100 + 100 + 80 + ...
 
 
@@ -392,14 +403,14 @@ def test_first_fit_swapping_is_proper_and_optimal() -> None:
     n = int(rng.integers(3, 9))
     s, d = (rng.integers(0, n, 8 * n).tolist() for _ in range(2))
     k = max(max(Counter(s).values()), max(Counter(d).values()))
-    colours = _first_fit_swapping(s, d, k)
+    colours = _konig(s, d, k)
     assert max(colours) + 1 == k
     assert len(set(zip(s, colours, strict=True))) == len(s)
     assert len(set(zip(d, colours, strict=True))) == len(s)
     fit = _first_fit(s, d, k)
     swapped += fit is None
     assert fit is None or colours == fit  # where first fit suffices, its colouring is kept
-    assert _first_fit_swapping(s, d, k, _first_fit_prefix(s, d, k)) == colours
+    assert _konig(s, d, k, _first_fit_prefix(s, d, k)) == colours
   assert swapped >= 5
 
 
@@ -431,7 +442,7 @@ def _konig_two_pass(s: list[int], d: list[int], k: int) -> list[int]:
 @pytest.mark.parametrize("seed", range(40))
 def test_alternating_paths_walked_once_give_the_textbook_colouring(seed: int) -> None:
   """The joint colouring swaps each alternating path in one walk (and the size classes'
-  colouring, through :func:`_swap_path`, only where first fit fails): the same colours as
+  colouring only where first fit fails): the same colours as
   walking the path first and swapping it afterwards, on dense and sparse multigraphs."""
 
   rng = np.random.default_rng(seed)
@@ -440,8 +451,8 @@ def test_alternating_paths_walked_once_give_the_textbook_colouring(seed: int) ->
   s, d = rng.integers(0, n_s, m), rng.integers(0, n_d, m)
   s, d = (np.unique(v, return_inverse=True)[1].tolist() for v in (s, d))
   k = max(max(Counter(s).values()), max(Counter(d).values()))
-  assert _alternating(s, d, k) == _konig_two_pass(s, d, k)
-  late = _first_fit_swapping(s, d, k)
+  assert _konig(s, d, k, fit=False) == _konig_two_pass(s, d, k)
+  late = _konig(s, d, k)
   assert len(set(zip(s, late, strict=True))) == len(set(zip(d, late, strict=True))) == m
   assert max(late) + 1 == k and (_first_fit(s, d, k) in (None, late))
 
