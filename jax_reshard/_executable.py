@@ -57,9 +57,7 @@ from jax_reshard._program import (
 )
 
 PROGRAM_CACHE_SIZE = 256  # compiled programs kept per process, per kind
-# Groups of zero source blocks kept (each of at most Options.kept_zero_bytes per device: they
-# are read, never written or donated, so they are made once instead of on every call).
-PLACEHOLDER_CACHE_SIZE = 64
+PLACEHOLDER_CACHE_SIZE = 64  # groups of zero source blocks kept (read only: made once)
 Block = tuple[tuple[int, ...], np.dtype]  # one device's block: shape, dtype
 BundleLeaf = tuple[tuple[int, ...], np.dtype, NamedSharding]  # global shape, dtype, sharding
 _CACHES: list[Any] = []  # every cache clear_program_cache clears
@@ -91,6 +89,11 @@ def _staged_shape(block: tuple[int, ...], n: int) -> tuple[int, ...]:
   return (n * block[0], *block[1:])
 
 
+def _wrapper(block: tuple[int, ...], dtype: Any, staged: NamedSharding, fast: bool) -> Wrapper:
+  """Wraps one ``block`` per device of ``staged`` into a staged array."""
+  return Wrapper(_staged_shape(block, staged.mesh.size), dtype, staged, fast=fast)
+
+
 def _by_id(sharding: Any) -> tuple[Any, ...]:
   return tuple(sorted(sharding.device_set, key=lambda d: d.id))
 
@@ -112,16 +115,18 @@ def _compile_staged(
   keep_unused: bool = False,
 ) -> Any:
   """``body`` as a ``shard_map`` over ``devices``, compiled for staged arguments of ``blocks``
-  (one per device each) and ``scalars`` replicated int32 scalars, ``num_out`` staged outputs, the
-  arguments at ``donate`` donated (``keep_unused``: a donated block only lends its buffer)."""
-  staged, n, spec = _staged(devices), len(devices), PartitionSpec(AXIS)
-  scalar = NamedSharding(staged.mesh, PartitionSpec())
+  and ``scalars`` replicated int32 scalars, ``num_out`` staged outputs (``None``: one, not a
+  tuple), the arguments at ``donate`` donated (``keep_unused``: one only lends its buffer)."""
+  staged, spec = _staged(devices), PartitionSpec(AXIS)
   in_specs = (spec,) * len(blocks) + (PartitionSpec(),) * scalars
-  out_specs = spec if num_out is None else (spec,) * num_out  # None: one output, no tuple
+  out_specs = spec if num_out is None else (spec,) * num_out
   fn = jax.shard_map(
     body, mesh=staged.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
   )
-  avals = [jax.ShapeDtypeStruct(_staged_shape(b, n), dt, sharding=staged) for b, dt in blocks]
+  avals = [
+    jax.ShapeDtypeStruct(_staged_shape(b, len(devices)), t, sharding=staged) for b, t in blocks
+  ]
+  scalar = NamedSharding(staged.mesh, PartitionSpec())
   avals += [jax.ShapeDtypeStruct((), np.int32, sharding=scalar)] * scalars
   return jax.jit(fn, donate_argnums=donate, keep_unused=keep_unused).lower(*avals).compile()
 
@@ -160,8 +165,8 @@ def _transfer_program(signature: BucketProgram, devices: tuple[Any, ...]) -> Any
 def _assembly_program(
   signature: BucketProgram, devices: tuple[Any, ...], operands: tuple[Block, ...]
 ) -> Any:
-  """The compiled :func:`emit_assembly_body` on ``devices`` (those at
-  :attr:`BucketProgram.assemblers`), taking the received ``operands`` (one block per device)."""
+  """The compiled :func:`emit_assembly_body` on the assembling ``devices``, taking the
+  received ``operands`` (one block per device)."""
   leaves = signature.leaves
   sources = [(leaves[li].src_block, leaves[li].dtype) for li in resident_sources(signature)]
   dsts = [(leaves[li].dst_block, leaves[li].dtype) for li in donated(signature)]
@@ -176,8 +181,7 @@ def _assembly_program(
 def _direct_program(
   signature: BucketProgram, src_shardings: tuple[Any, ...], dst_shardings: tuple[Any, ...]
 ) -> Any:
-  """The compiled traced move of a bucket taking its source arrays as they are (see
-  :meth:`BucketExecutable.direct`)."""
+  """The compiled traced move of a bucket taking its source arrays as they are."""
   src_mesh, dst_mesh = src_shardings[0].mesh, dst_shardings[0].mesh
   src_specs, dst_specs = [s.spec for s in src_shardings], [s.spec for s in dst_shardings]
 
@@ -195,14 +199,12 @@ def _bundle_in_program(leaves: tuple[BundleLeaf, ...]) -> tuple[Any, NamedShardi
   its shards' bytes one after another out."""
   mesh = auto_mesh(leaves[0][2].mesh)  # takes arrays of either axis type
   out = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
-  in_specs = tuple(s.spec for _, _, s in leaves)
+  smap = functools.partial(jax.shard_map, mesh=mesh, out_specs=out.spec, check_vma=False)
 
   def pack(*xs: jax.Array) -> jax.Array:
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
       fn = lambda *shards: concat_bytes(shards)
-      return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out.spec, check_vma=False)(
-        *xs
-      )
+      return smap(fn, in_specs=tuple(s.spec for _, _, s in leaves))(*xs)
 
   avals = [jax.ShapeDtypeStruct(shape, dtype, sharding=s) for shape, dtype, s in leaves]
   return jax.jit(pack, out_shardings=out).lower(*avals).compile(), out
@@ -218,7 +220,7 @@ def _bundle_out_program(
   ``spans``) in, the destination arrays (shards of ``shards``) out."""
   mesh = auto_mesh(leaves[0][2].mesh)  # out_shardings type the results (Explicit axes too)
   sharding = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
-  out_specs = tuple(s.spec for _, _, s in leaves)
+  smap = functools.partial(jax.shard_map, mesh=mesh, in_specs=sharding.spec, check_vma=False)
 
   def cut(b: jax.Array) -> tuple[jax.Array, ...]:
     triples = zip(leaves, shards, spans, strict=True)
@@ -226,10 +228,7 @@ def _bundle_out_program(
 
   def unpack(b: jax.Array) -> tuple[jax.Array, ...]:
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-      in_spec = sharding.spec
-      return jax.shard_map(cut, mesh=mesh, in_specs=in_spec, out_specs=out_specs, check_vma=False)(
-        b
-      )
+      return smap(cut, out_specs=tuple(s.spec for _, _, s in leaves))(b)
 
   aval = jax.ShapeDtypeStruct((mesh.size * spans[-1][1],), np.uint8, sharding=sharding)
   out_shardings = tuple(s for _, _, s in leaves)
@@ -262,8 +261,8 @@ def _slab_program(window: SourceWindow, dtype: np.dtype, devices: tuple[Any, ...
 def _write_slab_program(
   window: DestinationWindow, dtype: np.dtype, devices: tuple[Any, ...]
 ) -> Any:
-  """A compiled function writing a bucket's slab of every destination shard into the shard
-  (filled so far, or zeros; donated) on ``devices``: one pass over the slab."""
+  """A compiled function writing a slab of every destination shard on ``devices`` into the
+  shard (donated): one pass over the slab."""
   at = tuple(window.start if d == window.dim else 0 for d in range(len(window.shard)))
 
   def write(shard: jax.Array, slab: jax.Array) -> jax.Array:
@@ -282,14 +281,19 @@ def _by_device(keys: Sequence[Any], arrays: Sequence[jax.Array], fast: bool) -> 
   return out
 
 
+def _zeros(group: PlaceholderGroup, devices: tuple[Any, ...], keys: Any, fast: bool) -> dict:
+  """``group``'s zero blocks by ``(device id, *key)`` (``keys``: per block), made ready: on the
+  CPU backend, a collective program whose inputs come from another in-flight program can
+  starve their shared thread pool (a 40 s abort)."""
+  return _by_device(keys, jax.block_until_ready(_placeholder_program(group, devices)()), fast)
+
+
 @_cached(PLACEHOLDER_CACHE_SIZE)
 def _source_zeros(
   group: PlaceholderGroup, devices: tuple[Any, ...], *, fast: bool
 ) -> dict[tuple[Any, ...], jax.Array]:
-  """``group``'s zero source blocks by (device id, block shape, dtype), made once, ready."""
-  return _by_device(
-    group.blocks, jax.block_until_ready(_placeholder_program(group, devices)()), fast
-  )
+  """``group``'s zero source blocks by (device id, block shape, dtype), made once."""
+  return _zeros(group, devices, group.blocks, fast)
 
 
 def _stage_placeholders(
@@ -304,77 +308,64 @@ def _stage_placeholders(
   for group in groups:
     mesh_devices = tuple(devices[i] for i in group.device_ids)
     if not group.leaves and sum(block_bytes(*b) for b in group.blocks) <= kept_bytes:
-      out.update(_source_zeros(group, mesh_devices, fast=fast))  # read only: made once
-      continue
-    made_once = False
-    keys: Sequence[Any] = [(k,) for k in group.leaves] if group.leaves else group.blocks
-    # Ready before the program is queued: on the CPU backend a collective program whose inputs
-    # come from another in-flight program can starve their shared thread pool (a 40 s abort).
-    out.update(
-      _by_device(keys, jax.block_until_ready(_placeholder_program(group, mesh_devices)()), fast)
-    )
+      out.update(_source_zeros(group, mesh_devices, fast=fast))
+    else:
+      made_once = False
+      keys = [(k,) for k in group.leaves] if group.leaves else group.blocks
+      out.update(_zeros(group, mesh_devices, keys, fast))
   return out, made_once
 
 
-class _Slicer:
-  """Cuts a leaf's slab out of its source shards (see :class:`SourceWindow`), or out of its
-  destination shards filled so far (a grid's destination slab)."""
+def _slicer(window: SourceWindow, dtype: np.dtype, sharding: Any, *, fast: bool) -> Callable:
+  """Cuts ``window`` out of a leaf's shards (an array, or buffers by device id, e.g. the
+  destination shards filled so far): the slabs by device id."""
+  devices = _by_id(sharding)
+  staged, compiled = _staged(devices), _slab_program(window, dtype, devices)
+  ids, wrap = addressable_order(staged, fast=fast), _wrapper(window.shard, dtype, staged, fast)
 
-  def __init__(self, window: SourceWindow, dtype: np.dtype, sharding: Any, *, fast: bool) -> None:
-    devices = _by_id(sharding)
-    self.compiled = _slab_program(window, dtype, devices)
-    self.ids = addressable_order(_staged(devices), fast=fast)
-    shape = _staged_shape(window.shard, len(devices))
-    self.wrap = Wrapper(shape, dtype, _staged(devices), fast=fast)
-
-  def __call__(self, x: jax.Array | dict[int, jax.Array]) -> dict[int, jax.Array]:
-    """The slabs of ``x``'s shards (or of the shards given by device id) by device id."""
+  def cut(x: jax.Array | dict[int, jax.Array]) -> dict[int, jax.Array]:
     held = x if isinstance(x, dict) else buffers_by_device(x)
-    slabs = self.compiled(self.wrap([held[i] for i in self.ids]))
-    return buffers_by_device(jax.block_until_ready(slabs))  # ready: see _stage_placeholders
+    slabs = compiled(wrap([held[i] for i in ids]))
+    return buffers_by_device(jax.block_until_ready(slabs))  # ready: see _zeros
+
+  return cut
 
 
-class _SlabWriter:
-  """Writes a bucket's slab of a leaf's destination shards into them, on the destination's
-  devices. The first slab goes into zero shards made first: written into zeros in one program,
-  XLA:CPU pads the slab, which quiets bfloat16 and float8 NaN payloads."""
+def _slab_writer(lf: LeafView, dst_sharding: Any, *, fast: bool) -> Callable:
+  """Writes a bucket's slabs (by device id) of a leaf's destination shards into them (given
+  by device id and donated; else zero shards, made first: written into zeros in one program,
+  XLA:CPU pads the slab, which quiets bfloat16 and float8 NaN payloads)."""
+  window, devices = lf.dst_window, _by_id(dst_sharding)
+  assert window is not None
+  compiled = _write_slab_program(window, lf.dtype, devices)
+  zeros = _placeholder_program(
+    PlaceholderGroup(tuple(d.id for d in devices), ((window.shard, lf.dtype),)), devices
+  )
+  staged = _staged(devices)
+  ids = addressable_order(staged, fast=fast)
+  shard_wrap = _wrapper(window.shard, lf.dtype, staged, fast)
+  slab_wrap = _wrapper(window.shape(), lf.dtype, staged, fast)
 
-  def __init__(self, lf: LeafView, dst_sharding: Any, *, fast: bool) -> None:
-    window, devices = lf.dst_window, _by_id(dst_sharding)
-    assert window is not None
-    self.compiled = _write_slab_program(window, lf.dtype, devices)
-    group = PlaceholderGroup(tuple(d.id for d in devices), ((window.shard, lf.dtype),))
-    self.zeros = _placeholder_program(group, devices)
-    staged, n = _staged(devices), len(devices)
-    self.ids = addressable_order(staged, fast=fast)
-    self.shard_wrap = Wrapper(_staged_shape(window.shard, n), lf.dtype, staged, fast=fast)
-    self.slab_wrap = Wrapper(_staged_shape(window.shape(), n), lf.dtype, staged, fast=fast)
-
-  def __call__(
-    self, carried: dict[int, jax.Array] | None, slabs: dict[int, jax.Array]
-  ) -> dict[int, jax.Array]:
-    """The destination shards by device id: ``carried`` (donated) or zeros, with ``slabs``
-    (by device id) written in."""
+  def write(carried: dict | None, slabs: dict[int, jax.Array]) -> dict[int, jax.Array]:
     if carried is None:
-      carried = buffers_by_device(self.zeros()[0])
-    shards = self.shard_wrap([carried[i] for i in self.ids])
-    out = self.compiled(shards, self.slab_wrap([slabs[i] for i in self.ids]))
-    return buffers_by_device(out)
+      carried = buffers_by_device(zeros()[0])
+    shards = shard_wrap([carried[i] for i in ids])
+    return buffers_by_device(compiled(shards, slab_wrap([slabs[i] for i in ids])))
+
+  return write
 
 
 def one_at_a_time(devices: Sequence[Any]) -> bool:
-  """Whether bucket programs on ``devices`` must be queued a few at a time (see
-  :class:`InFlight`): on the CPU backend every device of a collective program takes a thread of
-  one shared pool and blocks in the ``ppermute`` rendezvous, so programs queued faster than they
-  run can each hold some threads while none has all (a 40 s rendezvous abort with 200 buckets of
-  8 devices on 2 cores)."""
+  """Whether bucket programs on ``devices`` must be queued a few at a time (:class:`InFlight`):
+  on the CPU backend every device of a collective program takes a thread of one shared pool
+  and blocks in the ``ppermute`` rendezvous, so programs queued faster than they run can each
+  hold some threads while none has all (a 40 s abort, 200 buckets of 8 devices on 2 cores)."""
   return any(getattr(d, "platform", None) == "cpu" for d in devices)
 
 
 class InFlight:
-  """The results of the last ``depth`` buckets of a call: a bucket's program is queued once the
-  results of the bucket ``Options.in_flight_buckets`` before it are ready, where
-  :func:`one_at_a_time`, so one bucket runs while the next is staged."""
+  """The results of the last ``depth`` buckets of a call: where :func:`one_at_a_time`, a
+  bucket's program is queued once the results of the bucket ``depth`` before it are ready."""
 
   def __init__(self, depth: int = DEFAULT_OPTIONS.in_flight_buckets) -> None:
     self.depth = depth
@@ -404,22 +395,21 @@ class _LeafIO:
     self.staged_ids = ids = addressable_order(staged, fast=fast)
     self.ph_keys = [(i, lf.src_block, lf.dtype) for i in ids]
     self.src_pick = self._pick(src_sharding) if src_sharding is not None else None
-    # A leaf cut into slabs stages the bucket's slab of each source shard; a grid's
-    # destination slab is cut from the shards filled so far, and written in afterwards.
+    # A source slab is cut from the source shards; a grid's destination slab from the shards
+    # filled so far, and written in afterwards.
     self.slicer = self.dst_slicer = self.writer = None
     if lf.src_window is not None and src_sharding is not None:
-      self.slicer = _Slicer(lf.src_window, lf.dtype, src_sharding, fast=fast)
+      self.slicer = _slicer(lf.src_window, lf.dtype, src_sharding, fast=fast)
     if lf.dst_window is not None and lf.dst_input:
-      self.dst_slicer = _Slicer(lf.dst_window, lf.dtype, dst_sharding, fast=fast)
+      self.dst_slicer = _slicer(lf.dst_window, lf.dtype, dst_sharding, fast=fast)
     if lf.dst_window is not None:
-      self.writer = _SlabWriter(lf, dst_sharding, fast=fast)
+      self.writer = _slab_writer(lf, dst_sharding, fast=fast)
     self.dst_pick = _index(ids, addressable_order(dst_sharding, fast=fast))
     # Output blocks of positions without a destination shard: spare buffers for a later call.
     picked = set(self.dst_pick)
     self.spare_at = [(j, (d, lf.dst_block, lf.dtype)) for j, d in enumerate(ids) if j not in picked]
-    n = len(staged.device_set)
-    self.stage_wrap = Wrapper(_staged_shape(lf.src_block, n), lf.dtype, staged, fast=fast)
-    self.dst_stage_wrap = Wrapper(_staged_shape(lf.dst_block, n), lf.dtype, staged, fast=fast)
+    self.stage_wrap = _wrapper(lf.src_block, lf.dtype, staged, fast)
+    self.dst_stage_wrap = _wrapper(lf.dst_block, lf.dtype, staged, fast)
     self.unstage_wrap = Wrapper(lf.shape, lf.dtype, dst_sharding, fast=fast)
 
   def _pick(self, sharding: Any) -> list[int]:
@@ -431,8 +421,9 @@ class _LeafIO:
     blocks (shared by leaves of one shape and dtype) elsewhere."""
     if self.slicer is not None:
       slabs = self.slicer(x)
-      keys = self.ph_keys
-      return self.stage_wrap([slabs[k[0]] if k[0] in slabs else placeholders[k] for k in keys])
+      return self.stage_wrap(
+        [slabs[k[0]] if k[0] in slabs else placeholders[k] for k in self.ph_keys]
+      )
     s, pick = x.sharding, self.src_pick
     if not (self.fast and pick is not None and (s is self.src_sharding or s == self.src_sharding)):
       pick = self._pick(s)  # an equivalent sharding may list its devices in another order
@@ -445,20 +436,13 @@ class _LeafIO:
   def stage_dst(
     self, held: dict[int, jax.Array], placeholders: dict[Any, jax.Array], position: int
   ) -> jax.Array:
-    """The leaf's destination blocks as a staged array: ``held`` (by device id) where a device
-    has one, else its donated zero block ``placeholders[(device id, position)]``. A grid's
-    destination slab is cut from ``held``, the destination shards filled so far."""
+    """The leaf's destination blocks staged: ``held`` (by device id; a grid's slab of it) where
+    a device has one, else its donated zero block ``placeholders[(device id, position)]``."""
     if self.dst_slicer is not None and held:
       held = self.dst_slicer(held)
-    blocks = []
-    for dev_id in self.staged_ids:
-      data = held.get(dev_id)
-      if data is None:
-        data = placeholders[(dev_id, position)]
-      elif data.shape != self.lf.dst_block:
-        data = data.reshape(self.lf.dst_block)
-      blocks.append(data)
-    return self.dst_stage_wrap(blocks)
+    blocks = [held[d] if d in held else placeholders[(d, position)] for d in self.staged_ids]
+    block = self.lf.dst_block
+    return self.dst_stage_wrap([b if b.shape == block else b.reshape(block) for b in blocks])
 
   def unstage(
     self,
@@ -467,12 +451,12 @@ class _LeafIO:
     carried: dict[int, jax.Array] | None = None,
   ) -> jax.Array | dict[int, jax.Array]:
     """The destination array of the leaf's output blocks (``held``, in staged order), or
-    (``carry_out``) its destination blocks by device id. With ``spares``, a leaf with a
-    destination input leaves there its other positions' blocks for a later bucket to donate. A
-    leaf cut into destination slabs has its slab written into ``carried``, or into zeros."""
+    (``carry_out``) its blocks by device id. With ``spares``, a leaf with a destination input
+    leaves there its other positions' blocks for a later bucket to donate. A destination slab
+    is written into ``carried``, or into zeros."""
     if self.writer is not None:
-      # The slab writes wait for the bucket: on the CPU backend, queuing them behind a bucket
-      # whose program the next bucket runs again stalled its collectives (a 40 s abort).
+      # Wait for the bucket: on the CPU backend, slab writes queued behind a bucket whose
+      # program the next bucket runs again stalled its collectives (a 40 s abort).
       held = jax.block_until_ready(held)
     if spares is not None and self.lf.dst_input:
       for j, key in self.spare_at:
@@ -539,17 +523,16 @@ class _BundleIO:
     return self.stage_wrap([held[j] if j >= 0 else z for j, z in pairs])
 
   def unstage(self, held: Sequence[Any], *, wait: bool) -> list[jax.Array]:
-    """The bundled leaves' destination arrays, cut out of the program's first output
-    (``held``, in staged order); ``wait``: the program done before the cut is queued behind it
-    (see :meth:`_LeafIO.unstage`)."""
+    """The bundled leaves' destination arrays, cut out of the program's first output (``held``,
+    in staged order); ``wait``: the program done first (see :meth:`_LeafIO.unstage`)."""
     data = self.unstage_wrap([held[j] for j in self.dst_pick])
     return list(self.unpack(jax.block_until_ready(data) if wait else data))
 
 
 class _SplitIO:
   """How a bucket that assembles apart runs, worked out once: the transfer program over the
-  union mesh, then the assembly program on the destination devices of this process (none where
-  it has none), which takes their blocks of the transfer program's outputs."""
+  union mesh, then the assembly program on this process's destination devices (if any),
+  taking their blocks of the transfer program's outputs."""
 
   def __init__(self, exe: BucketExecutable, *, fast: bool) -> None:
     program = exe.program
@@ -564,17 +547,20 @@ class _SplitIO:
       for o in compiled.out_info[len(self.direct) :]
     )
     devices = tuple(exe.mesh_devices[q] for q in program.assemblers)
-    staged, k = _staged(devices), len(devices)
+    staged = _staged(devices)
     self.ids = addressable_order(staged, fast=fast)
     self.in_pick = _index(addressable_order(exe.staged, fast=fast), self.ids)
-    wrap = lambda block, dtype: Wrapper(_staged_shape(block, k), dtype, staged, fast=fast)
-    self.in_wraps = [wrap(shape, dtype) for shape, dtype in operands]
-    # Leaves with parts copied from a destination device's own source shard (their staged
-    # source blocks), and leaves refit into donated buffers (their destination blocks).
+    self.in_wraps = [_wrapper(shape, dtype, staged, fast) for shape, dtype in operands]
+    # Leaves with parts from a destination device's own source shard (their source blocks),
+    # and leaves refit into donated buffers (their destination blocks).
     self.src_leaves, self.dst_leaves = resident_sources(program), donated(program)
     leaves = program.leaves
-    self.src_wraps = [wrap(leaves[li].src_block, leaves[li].dtype) for li in self.src_leaves]
-    self.dst_wraps = [wrap(leaves[li].dst_block, leaves[li].dtype) for li in self.dst_leaves]
+    self.src_wraps = [
+      _wrapper(leaves[li].src_block, leaves[li].dtype, staged, fast) for li in self.src_leaves
+    ]
+    self.dst_wraps = [
+      _wrapper(leaves[li].dst_block, leaves[li].dtype, staged, fast) for li in self.dst_leaves
+    ]
     self.assembly: Runner | None = None
     if self.ids and self.assembled:
       num_args = len(operands) + len(self.src_leaves) + len(self.dst_leaves)
@@ -616,6 +602,26 @@ class _SplitIO:
     for li, held in zip(self.assembled, self.assembly(args), strict=True):
       ys[li] = io[li].unstage_picked([held[j] for j in self.out_pick[li]])
     return ys
+
+
+def _choose_bundle(
+  program: BucketProgram, src_shardings: list[Any], dst_shardings: list[Any], opts: Options
+) -> Bundle | None:
+  """See :meth:`BucketExecutable.bundle` (where it runs neither direct nor apart)."""
+  chosen: list[int] = []
+  meshes, totals = None, np.zeros(2, dtype=np.int64)
+  for li, lf in enumerate(program.leaves):
+    src, dst = src_shardings[li], dst_shardings[li]
+    if not (enters_whole(lf) and _on_one_mesh(src) and _on_one_mesh(dst)):
+      continue
+    sizes = np.array([block_bytes(lf.src_block, lf.dtype), block_bytes(lf.dst_block, lf.dtype)])
+    if sizes.max() > opts.bundle_leaf_bytes or (totals + sizes).max() > opts.bundle_bytes:
+      continue
+    meshes = meshes or (src.mesh, dst.mesh)
+    if (src.mesh, dst.mesh) == meshes:
+      chosen.append(li)
+      totals += sizes
+  return make_bundle(program, chosen) if len(chosen) >= opts.min_bundled_leaves else None
 
 
 class BucketExecutable:
@@ -660,10 +666,9 @@ class BucketExecutable:
     return self.compiled_programs()[0]
 
   def compiled_programs(self) -> list[Any]:
-    """The compiled XLA executables a call runs, in order (shared with identical buckets):
-    the :meth:`direct` program, the two of a :meth:`split` bucket (no assembly where this
-    process has no destination device), or the one over staged blocks (with the
-    :meth:`bundle`, if any)."""
+    """The compiled XLA executables a call runs, in order (shared with identical buckets): the
+    :meth:`direct` program, the two of a :meth:`split` bucket (no assembly where this process
+    has no destination device), or the one over staged blocks (with the :meth:`bundle`)."""
     if direct := self.direct():
       return [direct]
     if split := self.split():
@@ -671,10 +676,10 @@ class BucketExecutable:
     return [self.runner(bundled=self.bundle() is not None).compiled]
 
   def direct(self) -> Any:
-    """The compiled traced move that takes the source arrays as they are (one ``jax.jit`` call),
-    where the :attr:`options` allow it, each side is on one mesh listing the bucket's devices in
-    mesh position order (colocated), every device holds a source shard and every leaf enters and
-    leaves whole; else ``False``."""
+    """The compiled traced move taking the source arrays as they are (one ``jax.jit`` call),
+    where the :attr:`options` allow it, each side is on one mesh listing the bucket's devices
+    in order, every device holds a source shard and every leaf enters and leaves whole; else
+    ``False``."""
 
     def make() -> Any:
       sig = program_signature(self.program)
@@ -707,36 +712,23 @@ class BucketExecutable:
 
   def bundle(self) -> Bundle | None:
     """The leaves that enter and leave the program as one byte vector per device (packed and cut
-    by one compiled call per side instead of per-leaf buffer work), or ``None``: as the
-    :attr:`options` allow, leaves of at most ``bundle_leaf_bytes`` a block that enter and leave
-    whole on one source and one destination mesh, up to ``bundle_bytes`` a side, at least
-    ``min_bundled_leaves`` (never where it must assemble apart: it would stage more than the
-    bound)."""
-    return self._once("bundle", self._choose_bundle)
+    by one compiled call per side), or ``None``: as the :attr:`options` allow, leaves of at most
+    ``bundle_leaf_bytes`` a block that enter and leave whole on one source and one destination
+    mesh, up to ``bundle_bytes`` a side, at least ``min_bundled_leaves`` (never where it must
+    assemble apart: it would stage more than the bound)."""
 
-  def _choose_bundle(self) -> Bundle | None:
-    opts, program = self.options, self.program
-    if not opts.bundled_calls or program.must_apart or self._direct_allowed() or program.inputs:
-      return None
-    chosen: list[int] = []
-    meshes, totals = None, np.zeros(2, dtype=np.int64)
-    for li, lf in enumerate(program.leaves):
-      src, dst = self.src_shardings[li], self.dst_shardings[li]
-      if not (enters_whole(lf) and _on_one_mesh(src) and _on_one_mesh(dst)):
-        continue
-      sizes = np.array([block_bytes(lf.src_block, lf.dtype), block_bytes(lf.dst_block, lf.dtype)])
-      if sizes.max() > opts.bundle_leaf_bytes or (totals + sizes).max() > opts.bundle_bytes:
-        continue
-      meshes = meshes or (src.mesh, dst.mesh)
-      if (src.mesh, dst.mesh) == meshes:
-        chosen.append(li)
-        totals += sizes
-    return make_bundle(program, chosen) if len(chosen) >= opts.min_bundled_leaves else None
+    def make() -> Bundle | None:
+      p, opts = self.program, self.options
+      if not opts.bundled_calls or p.must_apart or self._direct_allowed() or p.inputs:
+        return None
+      return _choose_bundle(p, self.src_shardings, self.dst_shardings, opts)
+
+    return self._once("bundle", make)
 
   def bundle_pass_bytes(self) -> int:
     """Bytes all devices read and write per call for the :meth:`bundle` beyond
-    :func:`_plan.pass_bytes`: the pack, the cut, the bundled blocks' copies in the program, and
-    where the bucket would otherwise assemble apart, the discarded blocks its one program writes."""
+    ``_plan.pass_bytes``: the pack, the cut, the bundled blocks' copies in the program, and
+    where the bucket would otherwise assemble apart, the discarded blocks it writes."""
     bundle, p = self.bundle(), self.program
     if bundle is None:
       return 0
@@ -813,8 +805,8 @@ class BucketExecutable:
     return out
 
   def _shifts(self) -> list[jax.Array]:
-    """The program's shift arguments (:func:`shift_starts`) as int32 scalars replicated over
-    the mesh, ready before the program is queued (made once)."""
+    """The program's shift arguments (:func:`shift_starts`), int32 scalars replicated over the
+    mesh, ready before the program is queued (made once)."""
 
     def make() -> list[jax.Array]:
       scalar = NamedSharding(self.staged.mesh, PartitionSpec())
@@ -840,7 +832,7 @@ class BucketExecutable:
         or is cut into destination slabs (donated: they are consumed), else ``None``.
       spares: optional, buffers to donate as destination placeholders, by (device id, block
         shape, dtype); consumed, then refilled with this call's blocks of positions without a
-        destination shard (see :meth:`_LeafIO.unstage`), for the caller's next bucket.
+        destination shard, for the caller's next bucket.
       wait_for: optional, arrays (a pytree) to wait for after staging, before the program is
         queued: an earlier bucket's results where :attr:`one_at_a_time`.
 
