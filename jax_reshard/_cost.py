@@ -1,15 +1,13 @@
 """The cost model: the predicted time of a plan on a :class:`Topology`. NumPy only.
 
-Each bucket of each stage runs as one program (two where it assembles apart,
-:func:`assembles_apart`), its rounds one after another. Charged: ``call_latency`` per program
-and ``leaf_latency`` per leaf; per round, the slowest pair's ``latency + nbytes / bandwidth``
-and the senders' packing (less whole source shards sent as they are and repeated rounds, plus
-the padding); per bucket, the assembly of destination shards and the placeholder blocks, written
-at ``fill_bandwidth``. A copy costs its bytes at ``memory_bandwidth``, or with a
-``contiguous_bandwidth``, at that rate plus ``run_latency`` per contiguous run, at most the
-former. Where devices share ``max_parallel`` cores, a phase takes at least the devices' summed
-work (idle devices' zero payloads included) over ``max_parallel``. Nothing overlaps: the model
-errs long, and is monotone in every round's size and in the number of rounds and buckets.
+Per program (two for a bucket that :func:`assembles_apart`) ``call_latency``, per leaf
+``leaf_latency``; per round the slowest pair's ``latency + nbytes / bandwidth`` and the packing
+(less whole shards sent as they are and repeated rounds); per bucket the assembly and the
+placeholder blocks (zeros at ``fill_bandwidth``). A copy runs at ``memory_bandwidth``, or at
+``contiguous_bandwidth`` plus ``run_latency`` per contiguous run where faster. With
+``max_parallel`` shared cores a phase takes at least the devices' summed work (idle devices'
+zeros included) over it. Nothing overlaps: the model errs long, monotone in rounds' sizes and in
+the numbers of rounds and buckets.
 """
 
 from __future__ import annotations
@@ -107,14 +105,12 @@ def estimate(
     plan: a :class:`LayoutPlan` (or a ``ReshardPlan``'s ``layout_plan``).
     topology: link and memory costs; a plan made without a topology needs one here.
     as_is: the leaves whose whole source shards travel as they are; ``None``: all.
-    classes: per stage, its bucket classes (of ``kinds``), if known; else they are found.
-    kinds: per leaf, its element kind (its dtype), which tells apart the zero source blocks a
-      device stages; item sizes where ``None``.
-    out: the time of a call with ``out=``: the first stage writes each relayed leaf's parts
-      into the shard of ``out=`` (the relay stage completes it).
+    classes: per stage, its bucket classes (of ``kinds``), if known.
+    kinds: per leaf, its element kind (dtype) for zero source blocks; else item sizes.
+    out: the time of a call with ``out=`` (relayed leaves written into their shards).
 
   Returns:
-    An :class:`Estimate`: a prediction from the model in this module's docstring.
+    An :class:`Estimate` from the model in this module's docstring.
 
   Raises:
     ValueError: if neither the plan nor the call gives a topology.
@@ -133,11 +129,33 @@ def estimate(
   topo = topology or plan.topology
   if topo is None:
     raise ValueError("estimate needs a topology: plan.estimate(jr.Topology.h100_nodes())")
-  parts, assembles = _bucket_costs(plan, topo, as_is, classes, kinds, out)
-  leaves = [len(bucket.leaves) for stage in plan.stages() for bucket in stage.schedule.buckets]
-  calls = [
-    topo.call_latency * c.calls + topo.leaf_latency * n for c, n in zip(parts, leaves, strict=True)
-  ]
+  parts: list[_BucketCost] = []
+  calls, assembles = [], []
+  fill_bw = topo.fill_bandwidth or topo.memory_bandwidth
+  classes_of: list[Sequence[tuple[object, ...]]] = []  # per stage, its buckets' keys
+  walk = _walk(plan, out, kinds, classes_of)
+  for k, stage in enumerate(plan.stages()):
+    known = None if classes is None else classes[k]
+    if known is None:
+      of = stage.itemsizes if kinds is None else kinds
+      known = stage_classes(stage.leaf_plans, stage.layouts, stage.scheduled, stage.schedule, of)
+    keys = count_keys(stage, known, as_is)
+    classes_of.append(keys)  # read by the walk as it reaches the stage's buckets
+    done: dict[tuple[object, ...], _BucketCost] = {}  # buckets that cost alike, costed once
+    for b, key in enumerate(keys):
+      relayed, through, made, split = next(walk)
+      leaves = stage.schedule.buckets[b].leaves
+      key = (*key, split is not None)
+      if relayed or through:
+        key = (*key, tuple(j in through for j in leaves))
+        key = (*key, tuple(i in relayed for i in stage.bucket_leaves(b)))
+      if key not in done:
+        apart = split is not None
+        done[key] = _bucket_cost(stage, b, topo, as_is, kinds, relayed, through, split=apart)
+      parts.append(c := done[key])
+      calls.append(topo.call_latency * c.calls + topo.leaf_latency * len(leaves))
+      per_device = c.assemble if made is None else c.assemble + made / fill_bw
+      assembles.append(_at_once(per_device, topo.max_parallel))
   call = sum(calls)
   transfer = sum(float(c.transfer.sum()) for c in parts)
   pack = sum(float(c.pack.sum()) for c in parts)
@@ -159,72 +177,23 @@ def estimate(
   )
 
 
-def _bucket_costs(
-  plan: _Stage,
-  topo: Topology,
-  as_is: Collection[int] | None,
-  classes: Sequence[Sequence[int]] | None,
-  kinds: Sequence[object] | None,
-  donate: bool,
-) -> tuple[list[_BucketCost], list[float]]:
-  """Per bucket of every stage, in order, its costs (once per key of :func:`count_keys` and of
-  what :func:`_walk` says of it) and its assembly seconds with the blocks it makes."""
-  parts, assembles = [], []
-  fill_bw = topo.fill_bandwidth or topo.memory_bandwidth
-  classes_of: list[Sequence[tuple[object, ...]]] = []  # per stage, its buckets' keys
-  walk = _walk(plan, donate, kinds, classes_of)
-  for k, stage in enumerate(plan.stages()):
-    known = None if classes is None else classes[k]
-    if known is None:
-      of = stage.itemsizes if kinds is None else kinds
-      known = stage_classes(stage.leaf_plans, stage.layouts, stage.scheduled, stage.schedule, of)
-    keys = count_keys(stage, known, as_is)
-    classes_of.append(keys)  # read by the walk as it reaches the stage's buckets
-    done: dict[tuple[object, ...], _BucketCost] = {}
-    for b, key in enumerate(keys):
-      relayed, through, made, split = next(walk)
-      key = (*key, split is not None)
-      if relayed or through:
-        leaves = stage.schedule.buckets[b].leaves
-        key = (*key, tuple(j in through for j in leaves))
-        key = (*key, tuple(i in relayed for i in stage.bucket_leaves(b)))
-      if key not in done:
-        apart = split is not None
-        done[key] = _bucket_cost(stage, b, topo, as_is, kinds, relayed, through, split=apart)
-      cost = done[key]
-      parts.append(cost)
-      per_device = cost.assemble if made is None else cost.assemble + made / fill_bw
-      assembles.append(_at_once(per_device, topo.max_parallel))
-  return parts, assembles
-
-
 def _walk(
   plan: _Stage,
   donate: bool,
   kinds: Sequence[object] | None,
   classes_of: Sequence[Sequence[tuple[object, ...]]] = (),
 ) -> Iterator[tuple[frozenset[int], frozenset[int], np.ndarray | None, tuple[int, ...] | None]]:
-  """Per bucket of every stage, in order: the plan's leaves whose parts it writes into their
-  donated shards (``donate``: the relayed leaves, first stage), the schedule's leaves whose
-  discarded blocks pass through (written in place into a destination input), per device the
-  zero destination blocks' bytes the eager path makes (:func:`_made_blocks`; ``None`` without
-  destination inputs) and the devices that assemble apart. With ``classes_of`` (per stage,
-  its :func:`count_keys`, known before the walk gets there), apart pays is found once a key."""
+  """Per bucket of every stage: the leaves written into donated shards (``donate``: relayed
+  ones, first stage), the leaves whose discarded blocks pass through, the zero destination
+  bytes made per device (``None``: no destination inputs) and :func:`assembles_apart`."""
   pays: dict[object, bool] = {}
   spares: dict[tuple[object, ...], np.ndarray] = {}
   for k, stage in enumerate(plan.stages()):
     first = donate and k == 0
     relayed = plan.relayed_leaves() if first else frozenset()
     for b, bucket in enumerate(stage.schedule.buckets):
-      modes = leaf_modes(
-        stage.schedule,
-        stage.layouts,
-        stage.scheduled,
-        b,
-        donate=first,
-        relayed=relayed,
-        copies=False,
-      )
+      where = stage.schedule, stage.layouts, stage.scheduled
+      modes = leaf_modes(*where, b, donate=first, relayed=relayed, copies=False)
       key = (k, *classes_of[k][b]) if k < len(classes_of) else (k, b)
       apart = assembles_apart(stage, b, modes, pays, key)
       if apart is not None and first:  # no blocks donated where no shard is
@@ -245,18 +214,12 @@ def assembles_apart(
   memo: dict[object, bool] | None = None,
   key: object = None,
 ) -> tuple[int, ...] | None:
-  """The devices (ids, ascending) that assemble bucket ``b`` of ``stage`` in a program of
-  their own, after the union mesh's program returns the payloads, or ``None``: where
-  ``_schedule.assembly_devices`` allows it (of ``modes``; those of a call without ``donate=``
-  where ``None``) and the bucket must (``Bucket.must_apart``) or it pays (:func:`_apart_pays`;
-  with ``memo``, found once per ``key``). The program builder, the model and
-  ``_plan.pass_bytes`` all ask this."""
-  if modes is None:
-    modes = leaf_modes(stage.schedule, stage.layouts, stage.scheduled, b, copies=False)
-  split_assembly = stage.options.split_assembly
-  ids = assembly_devices(
-    stage.schedule, stage.layouts, stage.scheduled, b, modes, split_assembly=split_assembly
-  )
+  """The devices that assemble bucket ``b`` in a program of their own (after the union mesh's
+  returns the payloads), or ``None``: where ``assembly_devices`` allows and the bucket must, or
+  it pays (found once per ``key`` with ``memo``). Builder, model and pass count ask this."""
+  where = stage.schedule, stage.layouts, stage.scheduled
+  modes = leaf_modes(*where, b, copies=False) if modes is None else modes
+  ids = assembly_devices(*where, b, modes, split_assembly=stage.options.split_assembly)
   if ids is None or stage.schedule.buckets[b].must_apart:
     return ids
   memo = {} if memo is None else memo
@@ -266,9 +229,8 @@ def assembles_apart(
 
 
 def _apart_pays(stage: _Stage, b: int) -> bool:
-  """Whether bucket ``b`` is better off assembling apart: always where every leaf arrives
-  whole; on the stage's topology, where its assembly without the discarded blocks plus one
-  ``call_latency`` is shorter; without one, where a device discards ``apart_min_bytes``."""
+  """Whether bucket ``b`` assembles apart: where all leaves arrive whole; where that plus a
+  ``call_latency`` is faster; without a topology, where a device discards ``apart_min_bytes``."""
   bucket, topo = stage.schedule.buckets[b], stage.topology
   _, received_whole = direct_steps(stage, bucket)
   if set(bucket.leaves) <= received_whole:
@@ -288,15 +250,13 @@ def _apart_pays(stage: _Stage, b: int) -> bool:
 def made_blocks(
   plan: _Stage, *, donate: bool = False, kinds: Sequence[object] | None = None
 ) -> list[np.ndarray | None]:
-  """Per bucket of every stage, per device of its union, the bytes of zero destination blocks
-  a call makes (``None`` without destination inputs): what ``_executable`` makes."""
+  """Per bucket, per device, the bytes of zero destination blocks a call makes (or ``None``)."""
   return [made for _, _, made, _ in _walk(plan, donate, kinds)]
 
 
 def time_lower_bound(leaf_plans: Sequence[LeafPlan], topology: Topology) -> float:
-  """A lower bound of :func:`estimate` for every one-stage plan of ``leaf_plans``, whatever
-  its buckets and rounds: per device, each link's latency plus its bytes over bandwidth, or
-  with ``max_parallel``, all bytes over it; plus one ``call_latency``."""
+  """A lower bound of :func:`estimate` for any one-stage plan of ``leaf_plans``: per device its
+  links' latency plus bytes over bandwidth (or all bytes over ``max_parallel``), and a call."""
   remote = [lp for lp in leaf_plans if (~lp.local).any()]
   if not remote:
     return 0.0
@@ -324,10 +284,8 @@ def time_lower_bound(leaf_plans: Sequence[LeafPlan], topology: Topology) -> floa
 def count_keys(
   plan: _Stage, classes: Sequence[int], as_is: Collection[int] | None = None
 ) -> list[tuple[object, ...]]:
-  """Per bucket of ``plan``, a key equal for buckets whose byte counts (``_plan.pass_bytes``)
-  and costs are equal: its ``classes`` entry (the same program) and per leaf a number for what
-  those read of it (its transfers' bytes, chunks, slabs, windows, spans, whether it travels
-  as it is), with the chunks of a leaf cut into slabs (only the first fills zeros)."""
+  """Per bucket, a key equal for buckets of equal costs and pass counts: its ``classes`` entry
+  and per leaf a number for what those read of it (and its chunks, for a leaf cut in slabs)."""
   sch = plan.schedule
   ids: dict[tuple[object, ...], int] = {}
   extras = []
@@ -368,8 +326,7 @@ def _phase(
   parallel: int | None,
   idle: np.ndarray | float = 0.0,
 ) -> np.ndarray:
-  """Per group (round), the slowest device's seconds, or with ``parallel`` shared cores at
-  least their sum (plus the ``idle`` devices' seconds) over ``parallel``."""
+  """Per group, the slowest device's seconds, or their sum (and ``idle``) over ``parallel``."""
   out = np.zeros(num)
   np.maximum.at(out, groups, per_device)
   if parallel:
@@ -405,19 +362,16 @@ def _bucket_cost(
   *,
   split: bool = False,
 ) -> _BucketCost:
-  """The costs of bucket ``b`` but for the destination blocks it makes. ``in_place``: the
-  plan's leaves written into their donated shards; ``through``: the schedule's leaves whose
-  discarded blocks pass through (no zeros); ``split``: it assembles apart (no discarded
-  blocks, a second call unless every leaf arrives whole)."""
+  """The costs of bucket ``b`` but for the destination blocks it makes; ``split``: it
+  assembles apart (no discarded blocks; a second call unless every leaf arrives whole)."""
   bucket = stage.schedule.buckets[b]
   n = len(bucket.rounds)
   pairs = round_pairs(bucket.rounds)
   rid, src, dst, nbytes = pairs
   cross = topo.domain_of(src) != topo.domain_of(dst)
   lat = np.where(cross, topo.inter.latency, topo.intra.latency)
-  data = nbytes.astype(np.float64)[rid] / np.where(
-    cross, topo.inter.bandwidth, topo.intra.bandwidth
-  )
+  bw = np.where(cross, topo.inter.bandwidth, topo.intra.bandwidth)
+  data = nbytes.astype(np.float64)[rid] / bw
   fill_bw = topo.fill_bandwidth or topo.memory_bandwidth
   slowest_cross = _phase(np.where(cross, lat + data, 0.0), rid, n, None)
   sent_whole, received_whole = direct_steps(stage, bucket, pairs)
@@ -453,11 +407,9 @@ def _made_blocks(
   spares: dict[tuple[object, ...], np.ndarray],
   kinds: Sequence[object] | None,
 ) -> np.ndarray:
-  """Per device of bucket ``b``, the bytes of zero destination blocks the eager path makes
-  (``BucketExecutable._spare_blocks``): a block per leaf with a destination input on each
-  device without its destination shard (every device where ``fresh``), unless the last such
-  bucket left one (``spares``: per block shape and kind, a count per device id) on every
-  device of the leaf's group. ``spares`` becomes the blocks this bucket leaves."""
+  """Per device, the zero destination blocks' bytes the eager path makes for bucket ``b``
+  (``BucketExecutable._spare_blocks``): those ``spares`` (counts per block key and device id,
+  left by the last such bucket) lack; ``spares`` becomes the blocks this bucket leaves."""
   bucket = stage.schedule.buckets[b]
   union = np.asarray(bucket.union_device_ids, dtype=np.int64)
   made = np.zeros(len(union), dtype=np.float64)
@@ -486,16 +438,14 @@ def _made_blocks(
 def idle_zero_bytes(
   bucket: Bucket, pairs: tuple[np.ndarray, ...], kept: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-  """Per round of ``bucket`` (its :func:`round_pairs`), the zeros its idle devices write: each
-  receives a zero payload of the round's size and, less the ``kept`` bytes, packs one."""
+  """Per round, the zeros idle devices receive, and pack (less the ``kept`` bytes)."""
   rid, _, _, size = pairs
   idle = len(bucket.union_device_ids) - np.bincount(rid, minlength=len(size))
   return idle * size, np.where(kept < size, idle * (size - kept), 0)
 
 
 def run_bytes(extent: np.ndarray, shard: Sequence[int], itemsize: int) -> np.ndarray:
-  """Per box (rows of ``extent``) in a C-order shard of shape ``shard``: its contiguous runs'
-  bytes (the trailing dimensions it spans whole times its extent in the next)."""
+  """Per box (rows of ``extent``) in a C-order ``shard``: the bytes of its contiguous runs."""
   run = np.full(len(extent), itemsize, dtype=np.float64)
   done = np.zeros(len(extent), dtype=bool)
   for d in reversed(range(len(shard))):
@@ -514,7 +464,7 @@ def copy_seconds(nbytes: np.ndarray, run: np.ndarray, topo: Topology) -> np.ndar
 
 
 def _moved_plan(stage: _Stage, j: int) -> LeafPlan:
-  """Leaf ``j`` (of the schedule) as its buckets move it (the rows ``piece_transfer`` indexes)."""
+  """Leaf ``j``'s plan as its buckets move it (the rows ``piece_transfer`` indexes)."""
   plans = stage.schedule.leaf_plans
   return plans[j] if plans else stage.leaf_plans[stage.scheduled[j]]
 
@@ -522,8 +472,7 @@ def _moved_plan(stage: _Stage, j: int) -> LeafPlan:
 def _pack_seconds(
   stage: _Stage, bucket: Bucket, pairs: tuple[np.ndarray, ...], kept: np.ndarray, topo: Topology
 ) -> np.ndarray:
-  """Per pair (:func:`round_pairs`), its sender's packing: its pieces copied at their source
-  runs less the round's ``kept`` bytes (one run each), and the padding; none if all kept."""
+  """Per pair, the sender's packing: its pieces less the round's ``kept`` bytes, and padding."""
   rid, ps, pd, size = pairs
   sizes = size.astype(np.float64)
   nbytes = np.asarray(bucket.piece_nbytes, dtype=np.float64)
@@ -547,11 +496,8 @@ def _pack_seconds(
 def _assembled_seconds(
   stage: _Stage, b: int, direct: set[int], topo: Topology, in_place: Collection[int] = ()
 ) -> np.ndarray:
-  """Per device of bucket ``b``, its seconds copying parts into destination shards: none for
-  a shard kept whole from one resident part or a leaf of ``direct`` (received whole); of a
-  leaf split over buckets, the bucket's parts, and of one ``in_place`` (the plan's leaves),
-  its parts, written in place; of one cut into destination slabs, the slab, assembled at the
-  mean cost per byte of the leaf's parts, then written into the shard at its runs."""
+  """Per device, its seconds assembling bucket ``b``'s destination shards, but for leaves
+  ``direct`` (received whole); a destination slab is assembled, then written into its shard."""
   bucket = stage.schedule.buckets[b]
   union = np.asarray(bucket.union_device_ids, dtype=np.int64)
   out = np.zeros(len(union), dtype=np.float64)
@@ -595,13 +541,9 @@ def _assembled_seconds(
 def _placeholder_bytes(
   stage: _Stage, b: int, direct: set[int], kinds: Sequence[object] | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-  """Per device of bucket ``b``, the zero bytes it writes and the slab bytes it copies.
-
-  Zeros: one source block per distinct (block shape, ``kinds`` entry or item size) among the
-  leaves it has no source shard of, unless they total at most ``Options.kept_zero_bytes``
-  (made once); a discarded output block (or slab) per leaf it has no destination shard of,
-  but for the leaves ``direct``; in a leaf's first destination slab, its zero-filled shards.
-  Slabs: a leaf cut into source slabs stages the bucket's slab on every device."""
+  """Per device of bucket ``b``, the zeros it writes (source blocks by shape and kind, unless
+  within ``kept_zero_bytes``; discarded blocks but for leaves ``direct``; zero-filled shards
+  of a first destination slab) and the source slab bytes it copies."""
   bucket = stage.schedule.buckets[b]
   union = np.asarray(bucket.union_device_ids, dtype=np.int64)
   out = np.zeros(len(union), dtype=np.float64)
@@ -635,8 +577,7 @@ def _placeholder_bytes(
 
 
 def pair_runs(bucket: Bucket) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """Per (sender, receiver) pair of a bucket's pieces (sorted by pair): its key
-  ``src << 32 | dst``, its first piece and its number of pieces."""
+  """Per (sender, receiver) pair: its key ``src << 32 | dst``, first piece and piece count."""
   pair = np.asarray(bucket.piece_src, dtype=np.int64) * (1 << 32) + bucket.piece_dst
   if not len(pair):
     return pair, pair, pair
@@ -649,9 +590,8 @@ def pair_runs(bucket: Bucket) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def repeated_rounds(
   stage: _Stage, bucket: Bucket, kept: np.ndarray, pairs: tuple[np.ndarray, ...] | None = None
 ) -> list[int]:
-  """The packed rounds of ``bucket`` (none of it ``kept``) whose payloads equal, sender by
-  sender, those of an earlier such round (same size, same pieces of the same leaves): packed
-  once and sent again (``_emit._emit_round``). ``pairs``: its :func:`round_pairs`, if known."""
+  """The packed rounds (none ``kept``) whose payloads equal an earlier one's, sender by
+  sender: packed once and sent again (``_emit._emit_round``)."""
   rid, ps, pd, size = round_pairs(bucket.rounds) if pairs is None else pairs
   order = np.lexsort((pd, ps, rid))  # each round's pairs by sender
   rid, ps, pd = rid[order], ps[order], pd[order]
@@ -680,8 +620,7 @@ def repeated_rounds(
 
 
 def _piece_boxes(stage: _Stage, bucket: Bucket) -> np.ndarray:
-  """Per piece of ``bucket``, a row of its leaf and its transfer's box (``lo``, ``hi``, padded
-  with -1 to the largest rank): equal for pieces of one region sent to several receivers."""
+  """Per piece, its leaf and its transfer's box (``lo``, ``hi``; -1 past its rank)."""
   leaf = np.asarray(bucket.piece_leaf, dtype=np.int64)
   transfer = np.asarray(bucket.piece_transfer, dtype=np.int64)
   used = np.unique(leaf).tolist()
@@ -699,10 +638,9 @@ def _piece_boxes(stage: _Stage, bucket: Bucket) -> np.ndarray:
 def direct_steps(
   plan: _Stage, bucket: Bucket, pairs: tuple[np.ndarray, ...] | None = None
 ) -> tuple[set[int], set[int]]:
-  """The steps of ``bucket`` that move data without a copy: the rounds whose every payload is
-  the whole source shards of the same leaves, unpadded (:func:`_whole_rounds`), and the leaves
-  (of the schedule, moved by this bucket alone) whose every destination shard is one round's
-  entire payload. ``pairs``: the bucket's :func:`round_pairs`, if known."""
+  """The rounds whose payloads are whole source shards sent as they are (:func:`_whole_rounds`),
+  and the leaves (moved by this bucket alone) whose every destination shard is one round's
+  entire payload."""
   keys, first, count = pair_runs(bucket)
   sizes = np.asarray(bucket.piece_nbytes, dtype=np.int64)
   piece_leaf = np.asarray(bucket.piece_leaf, dtype=np.int64)
@@ -751,10 +689,8 @@ def direct_steps(
 def whole_segment_bytes(
   plan: _Stage, bucket: Bucket, as_is: Collection[int] | None = None
 ) -> dict[int, int]:
-  """Round -> bytes sent as they are, for the packed rounds of ``bucket`` where every payload
-  holds the whole source shard of a leaf (of at least ``Options.whole_operand_bytes``) at the
-  same offset: each such segment is its own ``ppermute`` operand, only the rest is packed.
-  ``as_is``: the leaves (of ``plan.layouts``) whose types travel as they are; ``None``: all."""
+  """Round -> bytes of the whole source shards (of ``whole_operand_bytes`` or more, of leaves
+  ``as_is``) that every payload holds at the same offset: ``ppermute`` operands, not packed."""
   src_bytes = {
     j: math.prod(plan.layouts[plan.scheduled[j]][0].shard_shape())
     * plan.itemsizes[plan.scheduled[j]]
@@ -799,9 +735,8 @@ def _whole_rounds(
   rid: np.ndarray,
   size: np.ndarray,
 ) -> np.ndarray:
-  """Per round, whether every payload (pairs in round order ``rid``, pieces from ``fst``,
-  ``cnt`` each) is the whole source shards of the same distinct leaves in the same order,
-  unpadded: one ``ppermute`` of several operands."""
+  """Per round, whether every payload (pieces from ``fst``, ``cnt`` each) is the whole source
+  shards of the same distinct leaves in one order, unpadded."""
   n = len(size)
   if not len(rid):
     return np.zeros(n, dtype=bool)

@@ -114,9 +114,8 @@ def _compile_staged(
   scalars: int = 0,
   keep_unused: bool = False,
 ) -> Any:
-  """``body`` as a ``shard_map`` over ``devices``, compiled for staged arguments of ``blocks``
-  and ``scalars`` replicated int32 scalars, ``num_out`` staged outputs (``None``: one, not a
-  tuple), the arguments at ``donate`` donated (``keep_unused``: one only lends its buffer)."""
+  """``body`` as a ``shard_map`` over ``devices``, compiled for staged ``blocks``, ``scalars``
+  int32 scalars and ``num_out`` staged outputs (``None``: one, not a tuple)."""
   staged, spec = _staged(devices), PartitionSpec(AXIS)
   in_specs = (spec,) * len(blocks) + (PartitionSpec(),) * scalars
   out_specs = spec if num_out is None else (spec,) * num_out
@@ -135,8 +134,7 @@ def _compile_staged(
 def _compiled_program(
   signature: BucketProgram, devices: tuple[Any, ...], bundle: Bundle | None = None
 ) -> Any:
-  """The compiled :func:`emit_body` of a bucket on ``devices``, the leaves of ``bundle`` (if
-  any) in and out as byte vectors, the destination blocks it takes donated."""
+  """The compiled :func:`emit_body` on ``devices`` (``bundle``: its leaves as byte vectors)."""
   body, bundled = emit_body(signature, AXIS, shift_inputs=True), bundle.leaves if bundle else ()
   blocks = [(lf.src_block, lf.dtype) for i, lf in enumerate(signature.sources) if i not in bundled]
   if bundle is not None:
@@ -165,8 +163,7 @@ def _transfer_program(signature: BucketProgram, devices: tuple[Any, ...]) -> Any
 def _assembly_program(
   signature: BucketProgram, devices: tuple[Any, ...], operands: tuple[Block, ...]
 ) -> Any:
-  """The compiled :func:`emit_assembly_body` on the assembling ``devices``, taking the
-  received ``operands`` (one block per device)."""
+  """The compiled :func:`emit_assembly_body` on ``devices``, taking the received ``operands``."""
   leaves = signature.leaves
   sources = [(leaves[li].src_block, leaves[li].dtype) for li in resident_sources(signature)]
   dsts = [(leaves[li].dst_block, leaves[li].dtype) for li in donated(signature)]
@@ -195,8 +192,7 @@ def _direct_program(
 
 @_cached()
 def _bundle_in_program(leaves: tuple[BundleLeaf, ...]) -> tuple[Any, NamedSharding]:
-  """``(compiled, output sharding)``: the source arrays ``leaves`` (one mesh) in, per device
-  its shards' bytes one after another out."""
+  """``(compiled, output sharding)``: the arrays ``leaves`` in, per device their bytes out."""
   mesh = auto_mesh(leaves[0][2].mesh)  # takes arrays of either axis type
   out = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
   smap = functools.partial(jax.shard_map, mesh=mesh, out_specs=out.spec, check_vma=False)
@@ -216,8 +212,7 @@ def _bundle_out_program(
   shards: tuple[tuple[int, ...], ...],
   spans: tuple[tuple[int, int], ...],
 ) -> tuple[Any, NamedSharding]:
-  """``(compiled, input sharding)``: per device of the destination mesh its blocks' bytes (at
-  ``spans``) in, the destination arrays (shards of ``shards``) out."""
+  """``(compiled, input sharding)``: per device its blocks' bytes in, the arrays out."""
   mesh = auto_mesh(leaves[0][2].mesh)  # out_shardings type the results (Explicit axes too)
   sharding = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
   smap = functools.partial(jax.shard_map, mesh=mesh, in_specs=sharding.spec, check_vma=False)
@@ -237,7 +232,7 @@ def _bundle_out_program(
 
 @_cached()
 def _placeholder_program(group: PlaceholderGroup, devices: tuple[Any, ...]) -> Any:
-  """A compiled function making ``group``'s zero blocks, one array per block over ``devices``."""
+  """A compiled function making ``group``'s zero blocks over ``devices``."""
   sharding = NamedSharding(Mesh(np.array(devices), ("p",)), PartitionSpec("p"))
   k = len(devices)
 
@@ -261,8 +256,7 @@ def _slab_program(window: SourceWindow, dtype: np.dtype, devices: tuple[Any, ...
 def _write_slab_program(
   window: DestinationWindow, dtype: np.dtype, devices: tuple[Any, ...]
 ) -> Any:
-  """A compiled function writing a slab of every destination shard on ``devices`` into the
-  shard (donated): one pass over the slab."""
+  """A compiled function writing a slab into every (donated) destination shard."""
   at = tuple(window.start if d == window.dim else 0 for d in range(len(window.shard)))
 
   def write(shard: jax.Array, slab: jax.Array) -> jax.Array:
@@ -282,9 +276,8 @@ def _by_device(keys: Sequence[Any], arrays: Sequence[jax.Array], fast: bool) -> 
 
 
 def _zeros(group: PlaceholderGroup, devices: tuple[Any, ...], keys: Any, fast: bool) -> dict:
-  """``group``'s zero blocks by ``(device id, *key)`` (``keys``: per block), made ready: on the
-  CPU backend, a collective program whose inputs come from another in-flight program can
-  starve their shared thread pool (a 40 s abort)."""
+  """``group``'s zero blocks by ``(device id, *key)``, ready: on CPU a collective program whose
+  inputs come from another in-flight program can starve their thread pool (a 40 s abort)."""
   return _by_device(keys, jax.block_until_ready(_placeholder_program(group, devices)()), fast)
 
 
@@ -301,9 +294,8 @@ def _stage_placeholders(
   devices: dict[int, Any],
   kept_bytes: int = DEFAULT_OPTIONS.kept_zero_bytes,
 ) -> tuple[dict[tuple[Any, ...], jax.Array], bool]:
-  """Zero blocks for one call, by (device id, block shape, dtype), or by (device id, leaf
-  position) for donated blocks; and whether all were source blocks of at most ``kept_bytes`` per
-  device (read only: made once), so the dict may be kept."""
+  """Zero blocks for a call by (device id, shape, dtype), or (device id, leaf) if donated; and
+  whether all were read-only source blocks of at most ``kept_bytes`` (the dict may be kept)."""
   out, fast, made_once = {}, fast_path_available(), True
   for group in groups:
     mesh_devices = tuple(devices[i] for i in group.device_ids)
@@ -317,8 +309,7 @@ def _stage_placeholders(
 
 
 def _slicer(window: SourceWindow, dtype: np.dtype, sharding: Any, *, fast: bool) -> Callable:
-  """Cuts ``window`` out of a leaf's shards (an array, or buffers by device id, e.g. the
-  destination shards filled so far): the slabs by device id."""
+  """Cuts ``window`` out of a leaf's shards (an array, or buffers by device id) by device id."""
   devices = _by_id(sharding)
   staged, compiled = _staged(devices), _slab_program(window, dtype, devices)
   ids, wrap = addressable_order(staged, fast=fast), _wrapper(window.shard, dtype, staged, fast)
@@ -332,9 +323,8 @@ def _slicer(window: SourceWindow, dtype: np.dtype, sharding: Any, *, fast: bool)
 
 
 def _slab_writer(lf: LeafView, dst_sharding: Any, *, fast: bool) -> Callable:
-  """Writes a bucket's slabs (by device id) of a leaf's destination shards into them (given
-  by device id and donated; else zero shards, made first: written into zeros in one program,
-  XLA:CPU pads the slab, which quiets bfloat16 and float8 NaN payloads)."""
+  """Writes slabs into a leaf's destination shards (donated, or zeros made first: written into
+  zeros in one program, XLA:CPU pads the slab and quiets bfloat16 and float8 NaN payloads)."""
   window, devices = lf.dst_window, _by_id(dst_sharding)
   assert window is not None
   compiled = _write_slab_program(window, lf.dtype, devices)
@@ -356,10 +346,9 @@ def _slab_writer(lf: LeafView, dst_sharding: Any, *, fast: bool) -> Callable:
 
 
 def one_at_a_time(devices: Sequence[Any]) -> bool:
-  """Whether bucket programs on ``devices`` must be queued a few at a time (:class:`InFlight`):
-  on the CPU backend every device of a collective program takes a thread of one shared pool
-  and blocks in the ``ppermute`` rendezvous, so programs queued faster than they run can each
-  hold some threads while none has all (a 40 s abort, 200 buckets of 8 devices on 2 cores)."""
+  """Whether bucket programs on ``devices`` are queued a few at a time (:class:`InFlight`): on
+  CPU each device of a collective takes a thread of one pool and blocks in the rendezvous, so
+  programs queued faster than they run can deadlock (a 40 s abort)."""
   return any(getattr(d, "platform", None) == "cpu" for d in devices)
 
 
@@ -372,8 +361,7 @@ class InFlight:
     self._recent: collections.deque[Any] = collections.deque(maxlen=depth)
 
   def wait_for(self, exe: Any) -> Any:
-    """``None``, or a live result of the bucket :attr:`depth` before ``exe``'s (a result carried
-    into a later bucket was donated there: then a later one's)."""
+    """``None``, or a live result of the bucket :attr:`depth` before ``exe``'s (or later)."""
     if not exe.one_at_a_time or len(self._recent) < self.depth:
       return None
     leaves = (y for ys in self._recent for y in jax.tree_util.tree_leaves(ys))  # oldest first
@@ -385,8 +373,7 @@ class InFlight:
 
 
 class _LeafIO:
-  """How one leaf enters and leaves a bucket's program, worked out once: which buffer each mesh
-  position stages and which output buffer each destination device keeps."""
+  """Which buffer each mesh position stages for a leaf, and which output each device keeps."""
 
   def __init__(
     self, lf: LeafView, src_sharding: Any, dst_sharding: Any, staged: Any, *, fast: bool
@@ -417,8 +404,7 @@ class _LeafIO:
     return _index(addressable_order(sharding, fast=self.fast), self.staged_ids, -1)
 
   def stage(self, x: jax.Array, placeholders: dict[Any, jax.Array]) -> jax.Array:
-    """``x`` as a staged array: its own buffers (or their slabs) where it has them, zero
-    blocks (shared by leaves of one shape and dtype) elsewhere."""
+    """``x`` staged: its buffers (or slabs) where it has them, ``placeholders`` elsewhere."""
     if self.slicer is not None:
       slabs = self.slicer(x)
       return self.stage_wrap(
@@ -436,8 +422,8 @@ class _LeafIO:
   def stage_dst(
     self, held: dict[int, jax.Array], placeholders: dict[Any, jax.Array], position: int
   ) -> jax.Array:
-    """The leaf's destination blocks staged: ``held`` (by device id; a grid's slab of it) where
-    a device has one, else its donated zero block ``placeholders[(device id, position)]``."""
+    """Destination blocks staged: ``held`` (by device id; a grid's slab of it), else the zero
+    block ``placeholders[(device id, position)]``."""
     if self.dst_slicer is not None and held:
       held = self.dst_slicer(held)
     blocks = [held[d] if d in held else placeholders[(d, position)] for d in self.staged_ids]
@@ -450,10 +436,8 @@ class _LeafIO:
     spares: dict[Any, list[jax.Array]] | None = None,
     carried: dict[int, jax.Array] | None = None,
   ) -> jax.Array | dict[int, jax.Array]:
-    """The destination array of the leaf's output blocks (``held``, in staged order), or
-    (``carry_out``) its blocks by device id. With ``spares``, a leaf with a destination input
-    leaves there its other positions' blocks for a later bucket to donate. A destination slab
-    is written into ``carried``, or into zeros."""
+    """The destination array of the output blocks ``held`` (or, ``carry_out``, blocks by
+    device id); the other positions' blocks go to ``spares``, a slab into ``carried``."""
     if self.writer is not None:
       # Wait for the bucket: on the CPU backend, slab writes queued behind a bucket whose
       # program the next bucket runs again stalled its collectives (a 40 s abort).
@@ -485,8 +469,7 @@ def _as_planned(x: jax.Array, sharding: Any) -> bool:
 
 
 class _BundleIO:
-  """How a :class:`Bundle` enters and leaves a bucket's program, worked out once: the pack and
-  cut programs and the bytes each mesh position stages and each destination device keeps."""
+  """How a :class:`Bundle` enters and leaves a bucket's program: pack and cut programs, picks."""
 
   def __init__(self, exe: BucketExecutable, bundle: Bundle, *, fast: bool) -> None:
     self.leaves = bundle.leaves
@@ -514,8 +497,7 @@ class _BundleIO:
     self.unstage_wrap = Wrapper((size,), key[1], unpacked, fast=fast)
 
   def stage(self, xs: Sequence[jax.Array], *, wait: bool) -> jax.Array:
-    """The bundle's staged bytes, packed from the bucket's source arrays ``xs`` (per leaf of
-    the program); ``wait``: ready before the program that takes them is queued."""
+    """The bundle's staged bytes, packed from ``xs`` (``wait``: ready before the program)."""
     [held] = self.pack([xs[li] for li in self.leaves])
     if wait:
       held = jax.block_until_ready(held)
@@ -523,16 +505,14 @@ class _BundleIO:
     return self.stage_wrap([held[j] if j >= 0 else z for j, z in pairs])
 
   def unstage(self, held: Sequence[Any], *, wait: bool) -> list[jax.Array]:
-    """The bundled leaves' destination arrays, cut out of the program's first output (``held``,
-    in staged order); ``wait``: the program done first (see :meth:`_LeafIO.unstage`)."""
+    """The bundled leaves' arrays, cut out of the output ``held`` (``wait``: once it is done)."""
     data = self.unstage_wrap([held[j] for j in self.dst_pick])
     return list(self.unpack(jax.block_until_ready(data) if wait else data))
 
 
 class _SplitIO:
-  """How a bucket that assembles apart runs, worked out once: the transfer program over the
-  union mesh, then the assembly program on this process's destination devices (if any),
-  taking their blocks of the transfer program's outputs."""
+  """A bucket that assembles apart: the transfer program over the union mesh, then the
+  assembly program on this process's destination devices (if any)."""
 
   def __init__(self, exe: BucketExecutable, *, fast: bool) -> None:
     program = exe.program
@@ -580,8 +560,7 @@ class _SplitIO:
     io: Sequence[_LeafIO],
     dsts: Sequence[dict[int, jax.Array] | None] = (),
   ) -> list[Any]:
-    """Per leaf, its destination array, from the leaves' ``staged`` source arrays (and, per
-    leaf with a destination input, its donated destination blocks by device id, ``dsts``)."""
+    """Per leaf, its destination array, from ``staged`` sources and donated ``dsts``."""
     outs = self.transfer(staged)
     ys: list[Any] = [None] * len(io)
     for li, held in zip(self.direct, outs, strict=False):
@@ -604,10 +583,29 @@ class _SplitIO:
     return ys
 
 
+def _direct_allowed(
+  p: BucketProgram, options: Options, src_shardings: Sequence[Any], dst_shardings: Sequence[Any]
+) -> bool:
+  """Whether a bucket may run :meth:`BucketExecutable.direct`."""
+  if p.inputs or not options.direct_calls or p.placeholders:  # inputs: transformed
+    return False
+  if not all(enters_whole(lf) for lf in p.leaves):
+    return False
+  for shardings in (src_shardings, dst_shardings):
+    if not all(_on_one_mesh(s) for s in shardings) or len({s.mesh for s in shardings}) != 1:
+      return False
+    if [d.id for d in shardings[0].mesh.devices.flat] != list(p.device_ids):
+      return False
+  return True
+
+
 def _choose_bundle(
   program: BucketProgram, src_shardings: list[Any], dst_shardings: list[Any], opts: Options
 ) -> Bundle | None:
-  """See :meth:`BucketExecutable.bundle` (where it runs neither direct nor apart)."""
+  """See :meth:`BucketExecutable.bundle`."""
+  direct = _direct_allowed(program, opts, src_shardings, dst_shardings)
+  if not opts.bundled_calls or program.must_apart or direct or program.inputs:
+    return None
   chosen: list[int] = []
   meshes, totals = None, np.zeros(2, dtype=np.int64)
   for li, lf in enumerate(program.leaves):
@@ -627,11 +625,9 @@ def _choose_bundle(
 class BucketExecutable:
   """A bucket's program compiled over its union mesh; calling it moves the bucket's leaves.
 
-  Each leaf enters as a staged array whose block on a device is its source shard (a zero block
-  where it has none), wrapped zero-copy, and leaves re-wrapped zero-copy in its destination
-  sharding; a leaf with a destination input also enters with its destination blocks, donated,
-  and is written in place. What to pick and wrap is worked out once. A bucket may instead run
-  :meth:`direct`, with a :meth:`bundle`, or :meth:`split`, as ``options`` (the plan's) allow."""
+  Each leaf enters staged (its source shard per device, else a zero block) and leaves wrapped
+  in its destination sharding, zero-copy; destination inputs are donated and written in place.
+  A bucket may instead run :meth:`direct`, with a :meth:`bundle`, or :meth:`split`."""
 
   def __init__(
     self,
@@ -666,9 +662,7 @@ class BucketExecutable:
     return self.compiled_programs()[0]
 
   def compiled_programs(self) -> list[Any]:
-    """The compiled XLA executables a call runs, in order (shared with identical buckets): the
-    :meth:`direct` program, the two of a :meth:`split` bucket (no assembly where this process
-    has no destination device), or the one over staged blocks (with the :meth:`bundle`)."""
+    """The compiled executables a call runs: :meth:`direct`, :meth:`split`'s, or the staged."""
     if direct := self.direct():
       return [direct]
     if split := self.split():
@@ -676,59 +670,34 @@ class BucketExecutable:
     return [self.runner(bundled=self.bundle() is not None).compiled]
 
   def direct(self) -> Any:
-    """The compiled traced move taking the source arrays as they are (one ``jax.jit`` call),
-    where the :attr:`options` allow it, each side is on one mesh listing the bucket's devices
-    in order, every device holds a source shard and every leaf enters and leaves whole; else
-    ``False``."""
+    """The compiled traced move taking the source arrays as they are, where the options allow,
+    each side is one mesh of the bucket's devices in order, every device holds a source shard
+    and every leaf enters and leaves whole; else ``False``."""
 
     def make() -> Any:
-      sig = program_signature(self.program)
       src, dst = tuple(self.src_shardings), tuple(self.dst_shardings)
-      return self._direct_allowed() and _direct_program(sig, src, dst)
+      if not _direct_allowed(self.program, self.options, src, dst):
+        return False
+      return _direct_program(program_signature(self.program), src, dst)
 
     return self._once("direct", make)
 
-  def _direct_allowed(self) -> bool:
-    p = self.program
-    if p.inputs or not self.options.direct_calls or p.placeholders:  # inputs: transformed
-      return False
-    if not all(enters_whole(lf) for lf in p.leaves):
-      return False
-    for shardings in (self.src_shardings, self.dst_shardings):
-      if not all(_on_one_mesh(s) for s in shardings) or len({s.mesh for s in shardings}) != 1:
-        return False
-      if [d.id for d in shardings[0].mesh.devices.flat] != list(p.device_ids):
-        return False
-    return True
-
   def split(self) -> _SplitIO | None:
-    """How the bucket runs its rounds and its assembly as two programs, where its program says
-    so (:attr:`BucketProgram.assemblers`) and it runs neither :meth:`direct` nor with a
-    :meth:`bundle`, else ``None``."""
+    """The two programs of a bucket that assembles apart, unless direct or bundled."""
     allowed = lambda: (
       self.program.assemblers is not None and not self.direct() and not self.bundle()
     )
     return self._once("split", lambda: _SplitIO(self, fast=self.fast) if allowed() else None)
 
   def bundle(self) -> Bundle | None:
-    """The leaves that enter and leave the program as one byte vector per device (packed and cut
-    by one compiled call per side), or ``None``: as the :attr:`options` allow, leaves of at most
-    ``bundle_leaf_bytes`` a block that enter and leave whole on one source and one destination
-    mesh, up to ``bundle_bytes`` a side, at least ``min_bundled_leaves`` (never where it must
-    assemble apart: it would stage more than the bound)."""
-
-    def make() -> Bundle | None:
-      p, opts = self.program, self.options
-      if not opts.bundled_calls or p.must_apart or self._direct_allowed() or p.inputs:
-        return None
-      return _choose_bundle(p, self.src_shardings, self.dst_shardings, opts)
-
-    return self._once("bundle", make)
+    """The leaves moved as one byte vector per device (options ``bundle_leaf_bytes``,
+    ``bundle_bytes``, ``min_bundled_leaves``; never where it must assemble apart), or ``None``."""
+    args = self.program, self.src_shardings, self.dst_shardings, self.options
+    return self._once("bundle", lambda: _choose_bundle(*args))
 
   def bundle_pass_bytes(self) -> int:
-    """Bytes all devices read and write per call for the :meth:`bundle` beyond
-    ``_plan.pass_bytes``: the pack, the cut, the bundled blocks' copies in the program, and
-    where the bucket would otherwise assemble apart, the discarded blocks it writes."""
+    """Bytes the :meth:`bundle` passes beyond ``_plan.pass_bytes``: pack, cut, copies, and the
+    discarded blocks of a bucket that would otherwise assemble apart."""
     bundle, p = self.bundle(), self.program
     if bundle is None:
       return 0
@@ -747,8 +716,7 @@ class BucketExecutable:
     return self._once("bundle_io", lambda: _BundleIO(self, self.bundle(), fast=self.fast))  # type: ignore[arg-type]
 
   def runner(self, *, bundled: bool = False) -> Runner:
-    """Runs the program over staged blocks (``bundled``: the one taking the :meth:`bundle`)
-    and splits its outputs into per-device blocks (made once)."""
+    """Runs the program over staged blocks (``bundled``: taking the :meth:`bundle`)."""
 
     def make() -> Runner:
       p, bundle = self.program, self.bundle() if bundled else None
@@ -760,8 +728,7 @@ class BucketExecutable:
     return self._once(("runner", bundled), make)
 
   def leaf_io(self, *, sources: bool = False) -> list[_LeafIO]:
-    """Per leaf (``sources``: per source of the program, the leaves' own, or the
-    :attr:`BucketProgram.inputs`' of a transformed program), its staging worked out (once)."""
+    """Per leaf (``sources``: per source of the program), its :class:`_LeafIO`."""
     p = self.program
     if sources and not p.inputs:
       return self.leaf_io()
@@ -775,8 +742,7 @@ class BucketExecutable:
   def _placeholders(
     self, which: int, groups: Sequence[PlaceholderGroup] | None = None
   ) -> dict[tuple[Any, ...], jax.Array]:
-    """Zero blocks for this call (``which``: 0 source, 1 destination; ``groups``: the program's
-    by default); the program's source blocks are kept where all were made once."""
+    """Zero blocks (``which``: 0 source, 1 destination), the program's source ones kept."""
     own = groups is None
     if not which and own and "placeholders" in self._memo:
       return self._memo["placeholders"]
@@ -788,8 +754,7 @@ class BucketExecutable:
     return out
 
   def _spare_blocks(self, spares: dict[Any, list[jax.Array]]) -> dict[Any, jax.Array]:
-    """Destination placeholders by (device id, leaf position): from ``spares`` (blocks an earlier
-    bucket left) where there are, else made; ``spares`` is emptied (the rest freed)."""
+    """Destination placeholders by (device id, leaf), from ``spares`` (emptied), else made."""
     out: dict[Any, jax.Array] = {}
     for group in self.program.dst_placeholders:
       missing = []
@@ -805,8 +770,7 @@ class BucketExecutable:
     return out
 
   def _shifts(self) -> list[jax.Array]:
-    """The program's shift arguments (:func:`shift_starts`), int32 scalars replicated over the
-    mesh, ready before the program is queued (made once)."""
+    """The program's shift arguments, replicated int32 scalars (made once)."""
 
     def make() -> list[jax.Array]:
       scalar = NamedSharding(self.staged.mesh, PartitionSpec())
@@ -822,55 +786,25 @@ class BucketExecutable:
     spares: dict[Any, list[jax.Array]] | None = None,
     wait_for: Any = None,
   ) -> list[Any]:
-    """Moves the bucket's leaves: by the :meth:`direct` program where the bucket has one and
-    every source array is laid out as planned, else by the :meth:`split` programs, else over
-    staged blocks (with the :meth:`bundle` where its arrays are laid out as planned).
-
-    Args:
-      xs: per source of the program (:attr:`BucketProgram.sources`), its source array.
-      dsts: per leaf, its destination blocks by device id where it has a destination input
-        or is cut into destination slabs (donated: they are consumed), else ``None``.
-      spares: optional, buffers to donate as destination placeholders, by (device id, block
-        shape, dtype); consumed, then refilled with this call's blocks of positions without a
-        destination shard, for the caller's next bucket.
-      wait_for: optional, arrays (a pytree) to wait for after staging, before the program is
-        queued: an earlier bucket's results where :attr:`one_at_a_time`.
-
-    Returns:
-      Per leaf, the destination array, or (``carry_out``) its blocks by device id.
-    """
+    """Per leaf, its destination array (or, ``carry_out``, blocks by device id), from ``xs``
+    (per source) and donated ``dsts`` (per leaf, blocks by device id, or ``None``). ``spares``:
+    zero blocks to donate, refilled for the next bucket; ``wait_for``: results to wait for."""
     direct = self.direct()
     if direct and all(_as_planned(x, s) for x, s in zip(xs, self.src_shardings, strict=True)):
       if wait_for is not None:
         jax.block_until_ready(wait_for)
       return list(direct(*xs))
+    io, placeholders = self.leaf_io(), self._placeholders(0)
     if split := self.split():
-      io, placeholders = self.leaf_io(), self._placeholders(0)
       staged = [io[li].stage(x, placeholders) for li, x in enumerate(xs)]
       if spares is not None:
         spares.clear()  # nothing donated where no destination shard is: free them
       if wait_for is not None:
         jax.block_until_ready(wait_for)
       return split(staged, io, dsts)
-    return self._run_staged(xs, dsts, spares, wait_for)
-
-  def _run_staged(
-    self,
-    xs: Sequence[jax.Array],
-    dsts: Sequence[dict[int, jax.Array] | None],
-    spares: dict[Any, list[jax.Array]] | None,
-    wait_for: Any,
-  ) -> list[Any]:
-    """:meth:`__call__` over staged blocks."""
-    bundle = self.bundle()
-    if bundle is not None and not all(
-      _as_planned(xs[li], self.src_shardings[li]) for li in bundle.leaves
-    ):
+    bundle, src_io, wait = self.bundle(), self.leaf_io(sources=True), self.one_at_a_time
+    if bundle and not all(_as_planned(xs[li], self.src_shardings[li]) for li in bundle.leaves):
       bundle = None  # arrays laid out equivalently, not equally: every leaf stages
-    run = self.runner(bundled=bundle is not None)
-    io, src_io = self.leaf_io(), self.leaf_io(sources=True)
-    placeholders = self._placeholders(0)
-    wait = self.one_at_a_time
     staged, own = [], tuple(range(len(src_io)))  # the sources staged on their own
     if bundle is not None:
       staged, own = [self.bundle_io().stage(xs, wait=wait)], self.bundle_io().others
@@ -880,11 +814,10 @@ class BucketExecutable:
       staged += [io[li].stage_dst(dsts[li] or {}, dst_ph, li) for li in self.program.dst_inputs]
     if wait_for is not None:
       jax.block_until_ready(wait_for)
-    outs = run([*staged, *self._shifts()])
+    outs = self.runner(bundled=bundle is not None)([*staged, *self._shifts()])
     ys: list[Any] = [None] * len(io)
     if bundle is not None:
-      ys_bundled = self.bundle_io().unstage(outs[0], wait=wait)
-      for li, y in zip(bundle.leaves, ys_bundled, strict=True):
+      for li, y in zip(bundle.leaves, self.bundle_io().unstage(outs[0], wait=wait), strict=True):
         ys[li] = y
       outs = outs[1:]
     for li, held in zip(range(len(io)) if bundle is None else own, outs, strict=True):
