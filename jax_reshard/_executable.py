@@ -116,15 +116,11 @@ def _compile_staged(
 ) -> Any:
   """``body`` as a ``shard_map`` over ``devices``, compiled for staged ``blocks``, ``scalars``
   int32 scalars and ``num_out`` staged outputs (``None``: one, not a tuple)."""
-  staged, spec = _staged(devices), PartitionSpec(AXIS)
+  staged, n, spec = _staged(devices), len(devices), PartitionSpec(AXIS)
   in_specs = (spec,) * len(blocks) + (PartitionSpec(),) * scalars
-  out_specs = spec if num_out is None else (spec,) * num_out
-  fn = jax.shard_map(
-    body, mesh=staged.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
-  )
-  avals = [
-    jax.ShapeDtypeStruct(_staged_shape(b, len(devices)), t, sharding=staged) for b, t in blocks
-  ]
+  out = spec if num_out is None else (spec,) * num_out
+  fn = jax.shard_map(body, mesh=staged.mesh, in_specs=in_specs, out_specs=out, check_vma=False)
+  avals = [jax.ShapeDtypeStruct(_staged_shape(b, n), t, sharding=staged) for b, t in blocks]
   scalar = NamedSharding(staged.mesh, PartitionSpec())
   avals += [jax.ShapeDtypeStruct((), np.int32, sharding=scalar)] * scalars
   return jax.jit(fn, donate_argnums=donate, keep_unused=keep_unused).lower(*avals).compile()
@@ -534,13 +530,10 @@ class _SplitIO:
     # Leaves with parts from a destination device's own source shard (their source blocks),
     # and leaves refit into donated buffers (their destination blocks).
     self.src_leaves, self.dst_leaves = resident_sources(program), donated(program)
-    leaves = program.leaves
-    self.src_wraps = [
-      _wrapper(leaves[li].src_block, leaves[li].dtype, staged, fast) for li in self.src_leaves
-    ]
-    self.dst_wraps = [
-      _wrapper(leaves[li].dst_block, leaves[li].dtype, staged, fast) for li in self.dst_leaves
-    ]
+    lfs = [program.leaves[li] for li in self.src_leaves]
+    self.src_wraps = [_wrapper(lf.src_block, lf.dtype, staged, fast) for lf in lfs]
+    lfs = [program.leaves[li] for li in self.dst_leaves]
+    self.dst_wraps = [_wrapper(lf.dst_block, lf.dtype, staged, fast) for lf in lfs]
     self.assembly: Runner | None = None
     if self.ids and self.assembled:
       num_args = len(operands) + len(self.src_leaves) + len(self.dst_leaves)
