@@ -1,38 +1,13 @@
 """The cost model: the predicted time of a plan on a :class:`Topology`. NumPy only.
 
-A plan runs its stages (the first, then relays), each bucket as one program (two where its
-assembly runs on the destination devices alone, :func:`assembles_apart`), each program's
-rounds one after another. The model charges
-
-* per program, the topology's ``call_latency``;
-* per round, the transfer: the slowest pair's ``latency + nbytes / bandwidth`` over its link
-  (inside a domain or between domains; every pair of a round sends the round's padded size);
-* per round, the packing: every sender copies its payload's pieces out of its source shards,
-  except the whole source shards it sends as they are (:func:`whole_segment_bytes`), and
-  writes the padding at ``memory_bandwidth``; nothing in a round that sends the payloads of
-  an earlier one again (:func:`repeated_rounds`);
-* per bucket, the assembly: every destination device copies the parts of its destination
-  shards into them (a shard kept whole from one part costs nothing; of a leaf split over
-  buckets, the parts the bucket moves, written in place), and every device of the bucket
-  writes its placeholder blocks (a zero source block for each distinct block shape and
-  element kind among the leaves it has no source shard of, a discarded output block, or slab,
-  for each leaf it has no destination shard of, unless the bucket's assembly runs on its own)
-  at ``fill_bandwidth`` (zeros; ``memory_bandwidth`` where not given); of a leaf cut into
-  destination slabs, the bucket's slab is copied twice: assembled, then written into the shard;
-* per bucket and leaf, the topology's ``leaf_latency`` (host work per leaf and call).
-
-A copy of a piece costs its bytes at ``memory_bandwidth``; with a ``contiguous_bandwidth``
-(simulated CPU devices), its bytes at that rate plus ``run_latency`` per contiguous run (of
-the shard it is cut from when packing, written into when assembling; see :func:`run_bytes`),
-at most the former: a whole slab of rows copies about twice as fast as 512-byte columns.
-
-Where devices share the host's cores (``max_parallel``, simulated CPU devices), each phase takes
-at least the devices' summed copying divided by ``max_parallel`` (plus, for a round, its
-latency), counting the devices a round leaves idle: each of them receives a zero payload of the
-round's size (written by the collective) and, unless the round sends whole shards as they are,
-packs one, at ``fill_bandwidth``. Nothing overlaps: XLA may overlap
-a round's transfer with the next round's packing, so the model errs long. The time is monotone
-in every round's size and in the number of rounds and buckets.
+Per program (two for a bucket that :func:`assembles_apart`) ``call_latency``, per leaf
+``leaf_latency``; per round the slowest pair's ``latency + nbytes / bandwidth`` and the packing
+(less whole shards sent as they are and repeated rounds); per bucket the assembly and the
+placeholder blocks (zeros at ``fill_bandwidth``). A copy runs at ``memory_bandwidth``, or at
+``contiguous_bandwidth`` plus ``run_latency`` per contiguous run where faster. With
+``max_parallel`` shared cores a phase takes at least the devices' summed work (idle devices'
+zeros included) over it. Nothing overlaps: the model errs long, monotone in rounds' sizes and in
+the numbers of rounds and buckets.
 """
 
 from __future__ import annotations
@@ -42,19 +17,16 @@ import itertools
 import math
 from collections import defaultdict
 from collections.abc import Collection, Iterator, Sequence
-from typing import Protocol
+from typing import Any
 
 import numpy as np
 
 from jax_reshard._classes import stage_classes
-from jax_reshard._layout import Layout
-from jax_reshard._options import Options
 from jax_reshard._planner import LeafPlan
 from jax_reshard._schedule import (
   Bucket,
   LeafMode,
   Round,
-  Schedule,
   assembly_devices,
   donated_mask,
   dst_slab_window,
@@ -65,28 +37,8 @@ from jax_reshard._schedule import (
 )
 from jax_reshard._topology import Topology
 
-
-class _Stage(Protocol):
-  @property
-  def layouts(self) -> Sequence[tuple[Layout, Layout]]: ...
-  @property
-  def itemsizes(self) -> Sequence[int]: ...
-  @property
-  def leaf_plans(self) -> Sequence[LeafPlan]: ...
-  @property
-  def schedule(self) -> Schedule: ...
-  @property
-  def topology(self) -> Topology | None: ...
-  @property
-  def scheduled(self) -> Sequence[int]: ...
-  @property
-  def options(self) -> Options: ...
-  def bucket_leaves(self, bucket: int) -> tuple[int, ...]: ...
-
-
-class _Plan(_Stage, Protocol):
-  def stages(self) -> Sequence[_Stage]: ...
-  def relayed_leaves(self) -> frozenset[int]: ...
+# A ``LayoutPlan`` (a later layer) or one of its stages.
+_Stage = Any
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -95,7 +47,7 @@ class Estimate:
 
   Attributes:
     seconds: the predicted total.
-    call_s: fixed cost per bucket (program launch) and per leaf of each bucket (host work).
+    call_s: fixed cost per program (launch) and per leaf of each bucket (host work).
     transfer_s: rounds' transfers (latency and bytes over link bandwidth).
     pack_s: packing payloads.
     assemble_s: assembling destination shards and writing placeholder blocks.
@@ -139,7 +91,7 @@ class Estimate:
 
 
 def estimate(
-  plan: _Plan,
+  plan: _Stage,
   topology: Topology | None = None,
   as_is: Collection[int] | None = None,
   classes: Sequence[Sequence[int]] | None = None,
@@ -152,18 +104,13 @@ def estimate(
   Args:
     plan: a :class:`LayoutPlan` (or a ``ReshardPlan``'s ``layout_plan``).
     topology: link and memory costs; a plan made without a topology needs one here.
-    as_is: the leaves whose whole source shards travel as they are (see
-      :func:`whole_segment_bytes`); ``None``: all.
-    classes: per stage, its :func:`bucket_classes` (of ``kinds``), if known; else they are
-      found. Buckets equal in :func:`count_keys` are costed once.
-    kinds: per leaf, its element kind (a plan of arrays: its dtype), which tells apart the
-      zero source blocks a device stages; item sizes where ``None``.
-    out: the time of a call with ``out=`` (the result written into the sampler's buffers):
-      the first stage writes each relayed leaf's parts into the shard of ``out=`` where they
-      go, not the whole shard (the relay stage completes it).
+    as_is: the leaves whose whole source shards travel as they are; ``None``: all.
+    classes: per stage, its bucket classes (of ``kinds``), if known.
+    kinds: per leaf, its element kind (dtype) for zero source blocks; else item sizes.
+    out: the time of a call with ``out=`` (relayed leaves written into their shards).
 
   Returns:
-    An :class:`Estimate`: a prediction from the model in this module's docstring.
+    An :class:`Estimate` from the model in this module's docstring.
 
   Raises:
     ValueError: if neither the plan nor the call gives a topology.
@@ -182,12 +129,33 @@ def estimate(
   topo = topology or plan.topology
   if topo is None:
     raise ValueError("estimate needs a topology: plan.estimate(jr.Topology.h100_nodes())")
-  parts, assembles = _bucket_costs(plan, topo, as_is, classes, kinds, out)
-  leaves = [len(stage.schedule.buckets[b].leaves) for stage in plan.stages() for b in
-            range(len(stage.schedule.buckets))]  # fmt: skip
-  calls = [
-    topo.call_latency * c.calls + topo.leaf_latency * n for c, n in zip(parts, leaves, strict=True)
-  ]
+  parts: list[_BucketCost] = []
+  calls, assembles = [], []
+  fill_bw = topo.fill_bandwidth or topo.memory_bandwidth
+  classes_of: list[Sequence[tuple[object, ...]]] = []  # per stage, its buckets' keys
+  walk = _walk(plan, out, kinds, classes_of)
+  for k, stage in enumerate(plan.stages()):
+    known = None if classes is None else classes[k]
+    if known is None:
+      of = stage.itemsizes if kinds is None else kinds
+      known = stage_classes(stage.leaf_plans, stage.layouts, stage.scheduled, stage.schedule, of)
+    keys = count_keys(stage, known, as_is)
+    classes_of.append(keys)  # read by the walk as it reaches the stage's buckets
+    done: dict[tuple[object, ...], _BucketCost] = {}  # buckets that cost alike, costed once
+    for b, key in enumerate(keys):
+      relayed, through, made, split = next(walk)
+      leaves = stage.schedule.buckets[b].leaves
+      key = (*key, split is not None)
+      if relayed or through:
+        key = (*key, tuple(j in through for j in leaves))
+        key = (*key, tuple(i in relayed for i in stage.bucket_leaves(b)))
+      if key not in done:
+        apart = split is not None
+        done[key] = _bucket_cost(stage, b, topo, as_is, kinds, relayed, through, split=apart)
+      parts.append(c := done[key])
+      calls.append(topo.call_latency * c.calls + topo.leaf_latency * len(leaves))
+      per_device = c.assemble if made is None else c.assemble + made / fill_bw
+      assembles.append(_at_once(per_device, topo.max_parallel))
   call = sum(calls)
   transfer = sum(float(c.transfer.sum()) for c in parts)
   pack = sum(float(c.pack.sum()) for c in parts)
@@ -209,95 +177,34 @@ def estimate(
   )
 
 
-def _bucket_costs(
-  plan: _Plan,
-  topo: Topology,
-  as_is: Collection[int] | None,
-  classes: Sequence[Sequence[int]] | None,
-  kinds: Sequence[object] | None,
-  donate: bool,
-) -> tuple[list[_BucketCost], list[float]]:
-  """Per bucket of every stage, in the order they run, its costs (buckets equal in
-  :func:`count_keys` and in what :func:`_walk` says of them costed once) and its assembly
-  seconds (with the destination blocks it makes)."""
-  parts = []
-  assembles: list[float] = []
-  fill_bw = topo.fill_bandwidth or topo.memory_bandwidth
-  classes_of: list[Sequence[tuple[object, ...]]] = []  # per stage, its buckets' keys
-  walk = _walk(plan, donate, kinds, classes_of)
-  for k, stage in enumerate(plan.stages()):
-    known = None if classes is None else classes[k]
-    if known is None:
-      of = stage.itemsizes if kinds is None else kinds
-      known = stage_classes(stage.leaf_plans, stage.layouts, stage.scheduled, stage.schedule, of)
-    keys = count_keys(stage, known, as_is)
-    classes_of.append(keys)  # read by the walk as it reaches the stage's buckets
-    done: dict[tuple[object, ...], _BucketCost] = {}
-    for b, key in enumerate(keys):
-      relayed, through, made, split = next(walk)
-      key = (*key, split is not None)
-      if relayed or through:
-        bucket = stage.schedule.buckets[b]
-        key = (
-          *key,
-          tuple(j in through for j in bucket.leaves),
-          tuple(i in relayed for i in stage.bucket_leaves(b)),
-        )
-      if key not in done:
-        done[key] = _bucket_cost(
-          stage, b, topo, as_is, kinds, relayed, through, split=split is not None
-        )
-      cost = done[key]
-      parts.append(cost)
-      per_device = cost.assemble if made is None else cost.assemble + made / fill_bw
-      at_once = np.zeros(len(per_device), dtype=np.int64)
-      assembles.append(float(_phase(per_device, at_once, 1, topo.max_parallel)[0]))
-  return parts, assembles
-
-
 def _walk(
-  plan: _Plan,
+  plan: _Stage,
   donate: bool,
   kinds: Sequence[object] | None,
   classes_of: Sequence[Sequence[tuple[object, ...]]] = (),
 ) -> Iterator[tuple[frozenset[int], frozenset[int], np.ndarray | None, tuple[int, ...] | None]]:
-  """Per bucket of every stage, in the order they run: the leaves (of the plan) whose parts
-  it writes into their donated shards (``donate``: relayed leaves in the first stage), the
-  leaves (positions in the stage's schedule) whose discarded blocks pass through unchanged
-  (written in place into a destination input), per device the bytes of zero destination
-  blocks the eager path makes for it (:func:`_made_blocks`; ``None`` where it takes no
-  destination inputs; none where it assembles apart, which also frees the blocks the last
-  bucket left), and the devices that assemble apart (:func:`assembles_apart`). With
-  ``classes_of`` (per stage, its buckets' :func:`count_keys`, filled before the walk reaches
-  the stage), whether assembling apart pays is worked out once per key, else per bucket."""
+  """Per bucket of every stage: the leaves written into donated shards (``donate``: relayed
+  ones, first stage), the leaves whose discarded blocks pass through, the zero destination
+  bytes made per device (``None``: no destination inputs) and :func:`assembles_apart`."""
   pays: dict[object, bool] = {}
   spares: dict[tuple[object, ...], np.ndarray] = {}
   for k, stage in enumerate(plan.stages()):
-    stage_donate = donate and k == 0
-    relayed = plan.relayed_leaves() if stage_donate else frozenset()
+    first = donate and k == 0
+    relayed = plan.relayed_leaves() if first else frozenset()
     for b, bucket in enumerate(stage.schedule.buckets):
-      modes = leaf_modes(
-        stage.schedule,
-        stage.layouts,
-        stage.scheduled,
-        b,
-        donate=stage_donate,
-        relayed=relayed,
-        copies=False,
-      )
+      where = stage.schedule, stage.layouts, stage.scheduled
+      modes = leaf_modes(*where, b, donate=first, relayed=relayed, copies=False)
       key = (k, *classes_of[k][b]) if k < len(classes_of) else (k, b)
       apart = assembles_apart(stage, b, modes, pays, key)
-      if apart is not None and stage_donate:  # no blocks donated where no shard is
+      if apart is not None and first:  # no blocks donated where no shard is
         spares.clear()
         yield relayed, frozenset(), np.zeros(len(bucket.union_device_ids)), apart
-        continue
-      if not any(m.dst_input for m in modes):
+      elif not any(m.dst_input for m in modes):
         yield relayed, frozenset(), None, apart
-        continue
-      through = frozenset(
-        j for j, m in zip(bucket.leaves, modes, strict=True) if m.in_place and m.dst_input
-      )
-      yield relayed, through, _made_blocks(stage, b, modes, spares, kinds), apart
+      else:
+        pairs = zip(bucket.leaves, modes, strict=True)
+        through = frozenset(j for j, m in pairs if m.in_place and m.dst_input)
+        yield relayed, through, _made_blocks(stage, b, modes, spares, kinds), apart
 
 
 def assembles_apart(
@@ -307,40 +214,24 @@ def assembles_apart(
   memo: dict[object, bool] | None = None,
   key: object = None,
 ) -> tuple[int, ...] | None:
-  """The devices (ids, ascending) that assemble bucket ``b`` of ``stage`` in a program of their
-  own, after the program over its union mesh returns the received payloads, or ``None`` where
-  that one program assembles: where the bucket allows it (``_schedule.assembly_devices``, of
-  its ``modes``; those of a call without ``donate=`` where ``None``) and its staging is in
-  the bucket bound only that way (``Bucket.must_apart``) or it pays (:func:`_apart_pays`): on
-  the stage's own topology where the model predicts it faster, without one where a device
-  would discard at least ``Options.apart_min_bytes`` (the stage's options; with
-  ``donate=``, the one program would also have such devices donate zero blocks made or
-  recycled for them; the choice leaves those out). With ``memo``, whether it pays is worked
-  out once per ``key`` (buckets equal in :func:`count_keys` cost alike). The program
-  (``_program.make_bucket_program``), the model and the pass count (``_plan.pass_bytes``) all
-  ask this, so the model predicts what runs."""
-  if modes is None:
-    modes = leaf_modes(stage.schedule, stage.layouts, stage.scheduled, b, copies=False)
-  split_assembly = stage.options.split_assembly
-  ids = assembly_devices(
-    stage.schedule, stage.layouts, stage.scheduled, b, modes, split_assembly=split_assembly
-  )
+  """The devices that assemble bucket ``b`` in a program of their own (after the union mesh's
+  returns the payloads), or ``None``: where ``assembly_devices`` allows and the bucket must, or
+  it pays (found once per ``key`` with ``memo``). Builder, model and pass count ask this."""
+  where = stage.schedule, stage.layouts, stage.scheduled
+  modes = leaf_modes(*where, b, copies=False) if modes is None else modes
+  ids = assembly_devices(*where, b, modes, split_assembly=stage.options.split_assembly)
   if ids is None or stage.schedule.buckets[b].must_apart:
     return ids
-  if memo is None:
-    return ids if _apart_pays(stage, b, stage.topology) else None
+  memo = {} if memo is None else memo
   if key not in memo:
-    memo[key] = _apart_pays(stage, b, stage.topology)
+    memo[key] = _apart_pays(stage, b)
   return ids if memo[key] else None
 
 
-def _apart_pays(stage: _Stage, b: int, topo: Topology | None) -> bool:
-  """Whether bucket ``b`` (which allows it) is better off with its assembly in a program of the
-  destination devices: on ``topo``, where the assembly phase without the devices' discarded
-  output blocks plus one more ``call_latency`` is shorter than with them (nothing else
-  differs); without one, where a device discards at least ``Options.apart_min_bytes``. A bucket
-  whose leaves all arrive whole runs one program either way (and discards nothing)."""
-  bucket = stage.schedule.buckets[b]
+def _apart_pays(stage: _Stage, b: int) -> bool:
+  """Whether bucket ``b`` assembles apart: where all leaves arrive whole; where that plus a
+  ``call_latency`` is faster; without a topology, where a device discards ``apart_min_bytes``."""
+  bucket, topo = stage.schedule.buckets[b], stage.topology
   _, received_whole = direct_steps(stage, bucket)
   if set(bucket.leaves) <= received_whole:
     return True
@@ -350,48 +241,22 @@ def _apart_pays(stage: _Stage, b: int, topo: Topology | None) -> bool:
     return float((with_discards - without).max()) >= stage.options.apart_min_bytes
   fill_bw = topo.fill_bandwidth or topo.memory_bandwidth
   written = _assembled_seconds(stage, b, received_whole, topo) + slabs / topo.memory_bandwidth
-  at_once = np.zeros(len(written), dtype=np.int64)
   one, apart = (
-    float(_phase(written + fills / fill_bw, at_once, 1, topo.max_parallel)[0])
-    for fills in (with_discards, without)
+    _at_once(written + z / fill_bw, topo.max_parallel) for z in (with_discards, without)
   )
   return apart + topo.call_latency < one
 
 
 def made_blocks(
-  plan: _Plan, *, donate: bool = False, kinds: Sequence[object] | None = None
+  plan: _Stage, *, donate: bool = False, kinds: Sequence[object] | None = None
 ) -> list[np.ndarray | None]:
-  """Per bucket of every stage, in the order they run, per device of its union (ascending
-  ids) the bytes of zero destination blocks a call makes for it (``None`` where it takes no
-  destination inputs): what :func:`estimate` charges, and what ``_executable`` makes."""
+  """Per bucket, per device, the bytes of zero destination blocks a call makes (or ``None``)."""
   return [made for _, _, made, _ in _walk(plan, donate, kinds)]
 
 
 def time_lower_bound(leaf_plans: Sequence[LeafPlan], topology: Topology) -> float:
-  """A lower bound of :func:`estimate` on ``topology`` for every one-stage plan of these leaf
-  plans (no relay stage), whatever its buckets and rounds: found before any schedule is made.
-
-  A round sends one payload per sender and receives one per receiver, and takes at least each
-  of its pairs' latency plus the round's size over that pair's link. So a device's rounds take
-  at least, per device it sends to (or receives from), that link's latency plus their bytes
-  over its bandwidth; where devices share ``max_parallel`` cores, the rounds take at least all
-  pairs' bytes over their bandwidth over ``max_parallel``. A plan that moves anything runs at
-  least one bucket (``call_latency``). Packing, assembly and padding only add.
-
-  Example:
-    >>> import jax_reshard as jr
-    >>> from jax_reshard._planner import plan_leaves
-    >>> lay = lambda ids, spec: jr.Layout.from_description(
-    ...   (4096, 4096), mesh_shape=(4,), axis_names=("x",), spec=spec, device_ids=ids)
-    >>> layouts = [(lay(range(4), ("x",)), lay(range(8, 12), (None, "x")))]
-    >>> topo = jr.Topology.h100_nodes()
-    >>> plan = jr.plan_layouts(layouts, [2], topology=topo, relays=False)
-    >>> bound = time_lower_bound(plan_leaves(layouts, [2], topology=topo, relays=False), topo)
-    >>> round(bound * 1e6)  # us: a receiver's 4 senders (20 us + 2 MiB at 50 GB/s each), a call
-    308
-    >>> round(plan.estimate().seconds * 1e6)  # plus packing, assembly and placeholders
-    353
-  """
+  """A lower bound of :func:`estimate` for any one-stage plan of ``leaf_plans``: per device its
+  links' latency plus bytes over bandwidth (or all bytes over ``max_parallel``), and a call."""
   remote = [lp for lp in leaf_plans if (~lp.local).any()]
   if not remote:
     return 0.0
@@ -419,25 +284,11 @@ def time_lower_bound(leaf_plans: Sequence[LeafPlan], topology: Topology) -> floa
 def count_keys(
   plan: _Stage, classes: Sequence[int], as_is: Collection[int] | None = None
 ) -> list[tuple[object, ...]]:
-  """Per bucket of ``plan``, a key equal for buckets whose byte counts (``_plan.pass_bytes``)
-  and costs (:func:`estimate`) are equal: its ``classes`` entry (:func:`bucket_classes`, the
-  same program) and, per leaf, what those counts read that a program may not tell
-  (:func:`_bucket_extra`). ``as_is``: as for :func:`whole_segment_bytes`."""
-  extras = _leaf_extras(plan, as_is)
-  out = []
-  for b, bucket in enumerate(plan.schedule.buckets):
-    leaves = zip(bucket.leaves, bucket.chunks, strict=True)
-    out.append((classes[b], *(_bucket_extra(plan, j, c, extras) for j, c in leaves)))
-  return out
-
-
-def _leaf_extras(plan: _Stage, as_is: Collection[int] | None) -> list[int]:
-  """Per scheduled leaf, a number equal for leaves that agree in what the byte counts read of
-  them besides their bucket's program: its transfers' bytes, the chunks of its rows, its slabs
-  and windows, whether it spans several buckets, and whether it travels as it is."""
+  """Per bucket, a key equal for buckets of equal costs and pass counts: its ``classes`` entry
+  and per leaf a number for what those read of it (and its chunks, for a leaf cut in slabs)."""
   sch = plan.schedule
   ids: dict[tuple[object, ...], int] = {}
-  out = []
+  extras = []
   for j, i in enumerate(plan.scheduled):
     key = (
       plan.leaf_plans[i].nbytes.tobytes(),
@@ -448,19 +299,15 @@ def _leaf_extras(plan: _Stage, as_is: Collection[int] | None) -> list[int]:
       len(sch.leaf_buckets[j]) > 1 if sch.leaf_buckets else None,
       as_is is None or i in as_is,
     )
-    out.append(ids.setdefault(key, len(ids)))
+    slabs = [s[j] for s in (sch.leaf_slabs, sch.leaf_dst_slabs) if s]
+    extras.append((ids.setdefault(key, len(ids)), any(s is not None for s in slabs)))
+  out = []
+  for b, bucket in enumerate(sch.buckets):
+    leaves = zip(bucket.leaves, bucket.chunks, strict=True)
+    out.append(
+      (classes[b], *((extras[j][0], c) if extras[j][1] else extras[j][:1] for j, c in leaves))
+    )
   return out
-
-
-def _bucket_extra(
-  plan: _Stage, leaf: int, chunks: tuple[int, ...], extras: Sequence[int]
-) -> tuple[object, ...]:
-  """What the byte counts read of ``leaf`` in a bucket moving ``chunks`` of it that its
-  bucket's program may not tell: :func:`_leaf_extras`, and for a leaf cut into slabs, the
-  chunks (slabs of one width may share a program, not their first bucket's zero fill)."""
-  sch = plan.schedule
-  slabs = [s[leaf] for s in (sch.leaf_slabs, sch.leaf_dst_slabs) if s]
-  return (extras[leaf], chunks) if any(s is not None for s in slabs) else (extras[leaf],)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -468,8 +315,8 @@ class _BucketCost:
   transfer: np.ndarray  # per round, seconds
   slow: np.ndarray  # per round, whether its slowest pair crosses domains
   pack: np.ndarray  # per round, seconds
-  assemble: np.ndarray  # per device of the bucket, seconds assembling and writing placeholders
-  calls: int = 1  # compiled programs it runs (2 where its assembly runs on its own)
+  assemble: np.ndarray  # per device, seconds assembling and writing placeholders
+  calls: int = 1  # compiled programs it runs (2 where it assembles apart)
 
 
 def _phase(
@@ -479,9 +326,7 @@ def _phase(
   parallel: int | None,
   idle: np.ndarray | float = 0.0,
 ) -> np.ndarray:
-  """Per group (round), the slowest device's seconds, or their sum over ``parallel`` when
-  devices share that many cores, whichever is longer; ``idle``: per group, the seconds of the
-  devices not in ``per_device`` (zeros they write), counted in the sum only."""
+  """Per group, the slowest device's seconds, or their sum (and ``idle``) over ``parallel``."""
   out = np.zeros(num)
   np.maximum.at(out, groups, per_device)
   if parallel:
@@ -489,27 +334,13 @@ def _phase(
   return out
 
 
-def _transfer(
-  lat: np.ndarray,
-  data: np.ndarray,
-  rid: np.ndarray,
-  n: int,
-  parallel: int | None,
-  idle: np.ndarray | float = 0.0,
-) -> np.ndarray:
-  """Per round, the slowest pair's latency plus bytes over bandwidth; with shared cores, at
-  least the round's longest latency plus the pairs' summed copy time (and the ``idle``
-  devices' seconds, see :func:`_phase`) over ``parallel``."""
-  out = _phase(lat + data, rid, n, None)
-  if parallel:
-    worst_lat = _phase(lat, rid, n, None)
-    out = np.maximum(out, worst_lat + (np.bincount(rid, data, minlength=n) + idle) / parallel)
-  return out
+def _at_once(per_device: np.ndarray, parallel: int | None) -> float:
+  """:func:`_phase` of one group of every device."""
+  return float(_phase(per_device, np.zeros(len(per_device), dtype=np.int64), 1, parallel)[0])
 
 
 def round_pairs(rounds: Sequence[Round]) -> tuple[np.ndarray, ...]:
-  """The pairs of ``rounds`` as arrays: per pair its round, sender and receiver; and per round
-  its payload size."""
+  """Per pair of ``rounds``, its round, sender and receiver; and per round its payload size."""
   counts = np.fromiter((len(r.pairs) for r in rounds), dtype=np.int64, count=len(rounds))
   flat = np.fromiter(
     itertools.chain.from_iterable(itertools.chain.from_iterable(r.pairs for r in rounds)),
@@ -531,24 +362,18 @@ def _bucket_cost(
   *,
   split: bool = False,
 ) -> _BucketCost:
-  """The costs of bucket ``b`` but for the destination placeholders it makes (see
-  :func:`_made_blocks`); ``in_place``: leaves (of the plan) whose parts are written into their
-  donated shards; ``through``: leaves (positions in the schedule) whose discarded blocks pass
-  through unchanged (donated, written in place: no zeros written); ``split``: its assembly runs
-  in a program of the destination devices (:func:`assembles_apart`): no discarded blocks, and
-  a second call where a leaf is not received whole."""
+  """The costs of bucket ``b`` but for the destination blocks it makes; ``split``: it
+  assembles apart (no discarded blocks; a second call unless every leaf arrives whole)."""
   bucket = stage.schedule.buckets[b]
   n = len(bucket.rounds)
   pairs = round_pairs(bucket.rounds)
   rid, src, dst, nbytes = pairs
-  sizes = nbytes.astype(np.float64)
   cross = topo.domain_of(src) != topo.domain_of(dst)
   lat = np.where(cross, topo.inter.latency, topo.intra.latency)
   bw = np.where(cross, topo.inter.bandwidth, topo.intra.bandwidth)
-  cost = lat + sizes[rid] / bw
+  data = nbytes.astype(np.float64)[rid] / bw
   fill_bw = topo.fill_bandwidth or topo.memory_bandwidth
-  slowest_cross = np.zeros(n)
-  np.maximum.at(slowest_cross, rid, np.where(cross, cost, 0.0))
+  slowest_cross = _phase(np.where(cross, lat + data, 0.0), rid, n, None)
   sent_whole, received_whole = direct_steps(stage, bucket, pairs)
   segments = whole_segment_bytes(stage, bucket, as_is)
   kept = np.asarray(
@@ -560,7 +385,10 @@ def _bucket_cost(
   repeats = repeated_rounds(stage, bucket, kept, pairs)
   packed_as[repeats] = nbytes[repeats]
   received_zeros, packed_zeros = idle_zero_bytes(bucket, pairs, packed_as)
-  transfer = _transfer(lat, sizes[rid] / bw, rid, n, topo.max_parallel, received_zeros / fill_bw)
+  transfer = _phase(lat + data, rid, n, None)
+  if topo.max_parallel:
+    summed = (np.bincount(rid, data, minlength=n) + received_zeros / fill_bw) / topo.max_parallel
+    transfer = np.maximum(transfer, _phase(lat, rid, n, None) + summed)
   pack_s = _pack_seconds(stage, bucket, pairs, packed_as.astype(np.float64), topo)
   pack = _phase(pack_s, rid, n, topo.max_parallel, packed_zeros / fill_bw)
   no_discards = set(bucket.leaves) if split else received_whole | set(through)
@@ -579,69 +407,45 @@ def _made_blocks(
   spares: dict[tuple[object, ...], np.ndarray],
   kinds: Sequence[object] | None,
 ) -> np.ndarray:
-  """Per device of bucket ``b``, the bytes of zero destination blocks it makes: the eager path
-  donates a block to every leaf with a destination input (``modes``) on each device without a
-  destination shard of it (on every device for a ``fresh`` one), taken from the blocks the last
-  bucket that took destination inputs left on those devices (``spares``: per block shape and
-  kind, a count per device id) where every device of the leaf's group has one, else made
-  (``_executable``'s ``BucketExecutable._spare_blocks``). Updates ``spares`` with the blocks this
-  bucket leaves."""
+  """Per device, the zero destination blocks' bytes the eager path makes for bucket ``b``
+  (``BucketExecutable._spare_blocks``): those ``spares`` (counts per block key and device id,
+  left by the last such bucket) lack; ``spares`` becomes the blocks this bucket leaves."""
   bucket = stage.schedule.buckets[b]
   union = np.asarray(bucket.union_device_ids, dtype=np.int64)
   made = np.zeros(len(union), dtype=np.float64)
-  inputs: list[tuple[np.ndarray, np.ndarray, tuple[object, ...], float]] = []
+  left = []  # per destination input, its devices without a shard and its block's key
+  groups: dict[bytes, list[tuple[np.ndarray, tuple[object, ...], float]]] = defaultdict(list)
   for m, i in zip(modes, stage.bucket_leaves(b), strict=True):
     if m.dst_input:
       dst = stage.layouts[i][1]
-      kind = stage.itemsizes[i] if kinds is None else kinds[i]
       block = staged_block_shape(dst.shard_shape())
-      without = placeholder_mask(dst, union)
-      at = np.flatnonzero(donated_mask(dst, union, m.fresh))
-      inputs.append((at, without, (block, kind), float(math.prod(block) * stage.itemsizes[i])))
-  if not inputs:
-    return made
-  size = int(union.max()) + 1
-  groups: dict[bytes, list[tuple[np.ndarray, tuple[object, ...], float]]] = defaultdict(list)
-  for at, _, key, nbytes in inputs:
-    if len(at):
-      groups[at.tobytes()].append((at, key, nbytes))
-  for blocks in groups.values():  # the eager path's groups, in its order
-    for at, key, nbytes in blocks:
-      have = spares.get(key)
-      ids = union[at]
-      if have is not None and int(ids.max()) < len(have) and (have[ids] > 0).all():
-        have[ids] -= 1
-      else:
-        made[at] += nbytes
+      key: tuple[object, ...] = (block, stage.itemsizes[i] if kinds is None else kinds[i])
+      left.append((placeholder_mask(dst, union), key))
+      if len(at := np.flatnonzero(donated_mask(dst, union, m.fresh))):
+        groups[at.tobytes()].append((at, key, float(math.prod(block) * stage.itemsizes[i])))
+  for at, key, nbytes in itertools.chain.from_iterable(groups.values()):  # the eager order
+    have, ids = spares.get(key), union[at]
+    if have is not None and int(ids.max()) < len(have) and (have[ids] > 0).all():
+      have[ids] -= 1
+    else:
+      made[at] += nbytes
   spares.clear()
-  for _, without, key, _ in inputs:
-    left = spares.get(key)
-    if left is None or len(left) < size:
-      grown = np.zeros(size, dtype=np.int64)
-      if left is not None:
-        grown[: len(left)] = left
-      spares[key] = left = grown
-    left[union[without]] += 1
+  for without, key in left:
+    spares.setdefault(key, np.zeros(int(union.max()) + 1, dtype=np.int64))[union[without]] += 1
   return made
 
 
 def idle_zero_bytes(
   bucket: Bucket, pairs: tuple[np.ndarray, ...], kept: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-  """Per round of ``bucket`` (its :func:`round_pairs` ``pairs``), the zeros written by the
-  devices of the bucket the round leaves idle: each receives a zero payload of the round's
-  size (written by the collective), and each that does not send packs one, less the ``kept``
-  bytes of the round (whole source shards sent as they are; all of it for a round sent
-  whole, which packs nothing)."""
+  """Per round, the zeros idle devices receive, and pack (less the ``kept`` bytes)."""
   rid, _, _, size = pairs
   idle = len(bucket.union_device_ids) - np.bincount(rid, minlength=len(size))
   return idle * size, np.where(kept < size, idle * (size - kept), 0)
 
 
 def run_bytes(extent: np.ndarray, shard: Sequence[int], itemsize: int) -> np.ndarray:
-  """Per box (rows of ``extent``, its size per dimension) inside a C-order shard of shape
-  ``shard``: its contiguous runs' bytes, the trailing dimensions it spans whole times its
-  extent in the first (from the last) it does not."""
+  """Per box (rows of ``extent``) in a C-order ``shard``: the bytes of its contiguous runs."""
   run = np.full(len(extent), itemsize, dtype=np.float64)
   done = np.zeros(len(extent), dtype=bool)
   for d in reversed(range(len(shard))):
@@ -651,9 +455,7 @@ def run_bytes(extent: np.ndarray, shard: Sequence[int], itemsize: int) -> np.nda
 
 
 def copy_seconds(nbytes: np.ndarray, run: np.ndarray, topo: Topology) -> np.ndarray:
-  """Seconds a device takes to copy ``nbytes`` in contiguous runs of ``run`` bytes: at
-  ``memory_bandwidth``, or with a ``contiguous_bandwidth`` at that rate plus ``run_latency``
-  per run, at most the former."""
+  """Seconds to copy ``nbytes`` in runs of ``run`` bytes (see the module docstring)."""
   strided = nbytes / topo.memory_bandwidth
   if topo.contiguous_bandwidth is None:
     return strided
@@ -661,28 +463,24 @@ def copy_seconds(nbytes: np.ndarray, run: np.ndarray, topo: Topology) -> np.ndar
   return np.minimum(strided, nbytes / topo.contiguous_bandwidth + runs * topo.run_latency)
 
 
-def _source_runs(stage: _Stage, j: int) -> np.ndarray:
-  """Per transfer of leaf ``j`` (a position in ``stage.scheduled``) as its buckets move it
-  (the rows ``Bucket.piece_transfer`` indexes), its contiguous run in the source shard."""
-  i = stage.scheduled[j]
+def _moved_plan(stage: _Stage, j: int) -> LeafPlan:
+  """Leaf ``j``'s plan as its buckets move it (the rows ``piece_transfer`` indexes)."""
   plans = stage.schedule.leaf_plans
-  lp = plans[j] if plans else stage.leaf_plans[i]
-  return run_bytes(lp.hi - lp.lo, stage.layouts[i][0].shard_shape(), stage.itemsizes[i])
+  return plans[j] if plans else stage.leaf_plans[stage.scheduled[j]]
 
 
 def _pack_seconds(
   stage: _Stage, bucket: Bucket, pairs: tuple[np.ndarray, ...], kept: np.ndarray, topo: Topology
 ) -> np.ndarray:
-  """Per pair of the bucket's rounds (in :func:`round_pairs` order), the sender's packing:
-  its pieces copied at their runs (less the ``kept`` bytes of the round, whole source shards
-  sent as they are, one run each) and the padding written; nothing for a round sent whole."""
+  """Per pair, the sender's packing: its pieces less the round's ``kept`` bytes, and padding."""
   rid, ps, pd, size = pairs
   sizes = size.astype(np.float64)
   nbytes = np.asarray(bucket.piece_nbytes, dtype=np.float64)
   secs = np.zeros(len(nbytes))
   leaf = np.asarray(bucket.piece_leaf, dtype=np.int64)
   for j in np.unique(leaf).tolist():
-    run = _source_runs(stage, j)
+    i, lp = stage.scheduled[j], _moved_plan(stage, j)
+    run = run_bytes(lp.hi - lp.lo, stage.layouts[i][0].shard_shape(), stage.itemsizes[i])
     at = leaf == j
     secs[at] = copy_seconds(nbytes[at], run[bucket.piece_transfer[at]], topo)
   keys, first, _ = pair_runs(bucket)
@@ -698,14 +496,8 @@ def _pack_seconds(
 def _assembled_seconds(
   stage: _Stage, b: int, direct: set[int], topo: Topology, in_place: Collection[int] = ()
 ) -> np.ndarray:
-  """Per device of bucket ``b``, the seconds it copies when assembling: every shard it holds,
-  each part at its runs in the shard, except one kept whole from a single resident part, or
-  received whole (the leaves ``direct``, positions in the schedule, see
-  :func:`direct_steps`): no copy; for a leaf split over buckets, only the parts of the
-  bucket's chunks (written into the shard in place); for a leaf of ``in_place`` (indices into
-  the plan's leaves), its parts (written into its donated shard); for a leaf cut into
-  destination slabs, the bucket's slab (assembled at the mean cost per byte of the leaf's
-  parts, then written into the shard at the slab's runs)."""
+  """Per device, its seconds assembling bucket ``b``'s destination shards, but for leaves
+  ``direct`` (received whole); a destination slab is assembled, then written into its shard."""
   bucket = stage.schedule.buckets[b]
   union = np.asarray(bucket.union_device_ids, dtype=np.int64)
   out = np.zeros(len(union), dtype=np.float64)
@@ -719,7 +511,6 @@ def _assembled_seconds(
     pos = np.searchsorted(ids, lp.dst_device)
     rows = np.bincount(pos, minlength=len(ids))
     whole = np.bincount(pos, lp.local & (lp.nbytes == shard), minlength=len(ids))
-    # The shard's bytes at the mean cost per byte of its parts (of the strided rate without).
     runs = run_bytes(lp.hi - lp.lo, dst.shard_shape(), stage.itemsizes[i])
     parts = lp.nbytes.astype(np.float64)
     part_secs = copy_seconds(parts, runs, topo)
@@ -727,10 +518,8 @@ def _assembled_seconds(
     secs = np.bincount(pos, part_secs, minlength=len(ids))
     per_byte = np.where(got > 0, secs / np.maximum(got, 1.0), 1.0 / topo.memory_bandwidth)
     spans = stage.schedule.leaf_buckets
-    if (
-      (window := dst_slab_window(stage.schedule, j, chunks)) is None and spans and len(spans[j]) > 1
-    ):
-      # Split over buckets: each writes its chunks' parts into the shard, in place.
+    window = dst_slab_window(stage.schedule, j, chunks)
+    if window is None and spans and len(spans[j]) > 1:  # the chunks' parts, in place
       rc = stage.schedule.row_chunks[j]
       at = (rc >= chunks[0]) & (rc <= chunks[-1])
       writes = np.bincount(pos[at], part_secs[at], minlength=len(ids))
@@ -738,7 +527,7 @@ def _assembled_seconds(
       writes = secs
     elif window is None:
       writes = np.where((rows == 1) & (whole == 1), 0.0, shard * per_byte)
-    else:  # the slab is assembled, then written into the destination shard
+    else:
       dim, start, stop = window
       box = np.asarray(dst.shard_shape(), dtype=np.int64)
       box[dim] = stop - start
@@ -752,39 +541,28 @@ def _assembled_seconds(
 def _placeholder_bytes(
   stage: _Stage, b: int, direct: set[int], kinds: Sequence[object] | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-  """Per device of bucket ``b``, the zero bytes and the slab bytes it writes.
-
-  Zeros: a source block per distinct (block shape, element kind) among the leaves it has no
-  source shard of (``kinds``: per leaf, e.g. its dtype; item sizes where ``None``), unless
-  they total at most ``Options.kept_zero_bytes`` (made once and kept by the eager path), a
-  discarded output block per leaf it has no destination shard of (the rule of
-  :func:`placeholder_mask`; the bucket's slab for a leaf cut into destination slabs, and in
-  its first bucket, the destination shard on every device that holds one, filled with zeros
-  before the first slab is written into it; none for the leaves ``direct``, received whole or
-  passed through). Slabs: for a leaf cut into slabs, the bucket's slab instead of the source
-  block, on every device (cut from its source shard, or zeros; counted as a copy)."""
+  """Per device of bucket ``b``, the zeros it writes (source blocks by shape and kind, unless
+  within ``kept_zero_bytes``; discarded blocks but for leaves ``direct``; zero-filled shards
+  of a first destination slab) and the source slab bytes it copies."""
   bucket = stage.schedule.buckets[b]
   union = np.asarray(bucket.union_device_ids, dtype=np.int64)
   out = np.zeros(len(union), dtype=np.float64)
   slabs = np.zeros(len(union), dtype=np.float64)
-  # Zero source blocks by (block shape, element kind): a device stages one of each that any
-  # leaf of the bucket needs there (see _program._placeholder_groups), whatever the leaves.
-  blocks: dict[tuple[object, ...], tuple[np.ndarray, float]] = {}
+  blocks: dict[tuple[object, ...], tuple[np.ndarray, float]] = {}  # see _program
   for j, chunks, i in zip(bucket.leaves, bucket.chunks, stage.bucket_leaves(b), strict=True):
     src, dst = stage.layouts[i]
     isz = stage.itemsizes[i]
     dst_shape = staged_block_shape(dst.shard_shape())
     dst_block = float(np.prod(dst_shape) * isz)
     if (dst_window := dst_slab_window(stage.schedule, j, chunks)) is not None:
-      dim, start, stop = dst_window  # a discarded block of the slab's size
+      dim, start, stop = dst_window
       dst_block = float(np.prod(dst_shape) // dst_shape[dim] * (stop - start) * isz)
-      if 0 in chunks:  # the first slab is written into a zero-filled destination shard
+      if 0 in chunks:
         out += ~placeholder_mask(dst, union) * float(np.prod(dst_shape) * isz)
     if j not in direct:
       out += placeholder_mask(dst, union) * dst_block
     src_shape = staged_block_shape(src.shard_shape())
-    window = slab_window(stage.schedule, j, chunks)
-    if window is None:
+    if (window := slab_window(stage.schedule, j, chunks)) is None:
       key = (src_shape, isz if kinds is None else kinds[i])
       mask = placeholder_mask(src, union)
       if key in blocks:
@@ -799,8 +577,7 @@ def _placeholder_bytes(
 
 
 def pair_runs(bucket: Bucket) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """The (source, destination) pairs of a bucket's pieces (sorted by pair): per pair, its key
-  ``src << 32 | dst``, its first piece and its number of pieces (``np.unique`` of the keys)."""
+  """Per (sender, receiver) pair: its key ``src << 32 | dst``, first piece and piece count."""
   pair = np.asarray(bucket.piece_src, dtype=np.int64) * (1 << 32) + bucket.piece_dst
   if not len(pair):
     return pair, pair, pair
@@ -813,12 +590,8 @@ def pair_runs(bucket: Bucket) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def repeated_rounds(
   stage: _Stage, bucket: Bucket, kept: np.ndarray, pairs: tuple[np.ndarray, ...] | None = None
 ) -> list[int]:
-  """The rounds of ``bucket`` whose payloads are packed whole (``kept``, per round, the bytes
-  sent as they are: none) and equal, sender by sender, those of an earlier such round (the
-  same senders, each with the same pieces of the same leaves, and the same size): a sender
-  that forwards one region to several devices in turn. The program packs such payloads once
-  and sends them again (``_emit._emit_round``): no packing, no zeros packed by idle devices.
-  ``pairs``: the bucket's :func:`round_pairs`, if known."""
+  """The packed rounds (none ``kept``) whose payloads equal an earlier one's, sender by
+  sender: packed once and sent again (``_emit._emit_round``)."""
   rid, ps, pd, size = round_pairs(bucket.rounds) if pairs is None else pairs
   order = np.lexsort((pd, ps, rid))  # each round's pairs by sender
   rid, ps, pd = rid[order], ps[order], pd[order]
@@ -847,19 +620,15 @@ def repeated_rounds(
 
 
 def _piece_boxes(stage: _Stage, bucket: Bucket) -> np.ndarray:
-  """Per piece of ``bucket`` (a row each), its leaf and its transfer's box (``lo`` then ``hi``,
-  padded with -1 to the bucket's largest rank): equal rows for the pieces of one region sent
-  to several receivers."""
+  """Per piece, its leaf and its transfer's box (``lo``, ``hi``; -1 past its rank)."""
   leaf = np.asarray(bucket.piece_leaf, dtype=np.int64)
   transfer = np.asarray(bucket.piece_transfer, dtype=np.int64)
-  plans = stage.schedule.leaf_plans
   used = np.unique(leaf).tolist()
   ndim = max((len(stage.layouts[stage.scheduled[j]][0].shape) for j in used), default=0)
   rows = np.full((len(leaf), 1 + 2 * ndim), -1, dtype=np.int64)
   rows[:, 0] = leaf
   for j in used:
-    lp = plans[j] if plans else stage.leaf_plans[stage.scheduled[j]]
-    at = leaf == j
+    lp, at = _moved_plan(stage, j), leaf == j
     d = lp.lo.shape[1]
     rows[at, 1 : 1 + d] = lp.lo[transfer[at]]
     rows[at, 1 + ndim : 1 + ndim + d] = lp.hi[transfer[at]]
@@ -869,10 +638,9 @@ def _piece_boxes(stage: _Stage, bucket: Bucket) -> np.ndarray:
 def direct_steps(
   plan: _Stage, bucket: Bucket, pairs: tuple[np.ndarray, ...] | None = None
 ) -> tuple[set[int], set[int]]:
-  """The steps of ``bucket`` that move data without a copy: the rounds whose every payload is
-  the whole source shards of the same leaves, unpadded (see :func:`_whole_rounds`), and the
-  leaves (positions in ``plan.scheduled``, moved by this bucket alone) whose every destination
-  shard is one round's entire payload. ``pairs``: the bucket's :func:`round_pairs`, if known."""
+  """The rounds whose payloads are whole source shards sent as they are (:func:`_whole_rounds`),
+  and the leaves (moved by this bucket alone) whose every destination shard is one round's
+  entire payload."""
   keys, first, count = pair_runs(bucket)
   sizes = np.asarray(bucket.piece_nbytes, dtype=np.int64)
   piece_leaf = np.asarray(bucket.piece_leaf, dtype=np.int64)
@@ -886,15 +654,13 @@ def direct_steps(
       shards[0, j] = shards[0, j] // plan.layouts[i][0].shard_shape()[dim] * (stop - start)
   src_whole = sizes == shards[0, piece_leaf]
   dst_whole = sizes == shards[1, piece_leaf]
-  # Both kinds need a piece that is a whole source or destination shard: most buckets of split
-  # leaves have none.
-  if not (src_whole | dst_whole).any():
+  if not (src_whole | dst_whole).any():  # most buckets of split leaves
     return set(), set()
   rid, ps, pd, size = round_pairs(bucket.rounds) if pairs is None else pairs
   at = np.searchsorted(keys, ps * (1 << 32) + pd)
   whole = _whole_rounds(piece_leaf, sizes, src_whole, first[at], count[at], rid, size)
-  # Arrivals of whole destination shards: in a round of whole source shards, every piece that
-  # is one; elsewhere, a pair's payload that is one piece, the round's size and such a shard.
+  # Whole destination shards received: in a round of whole source shards, every piece that is
+  # one; elsewhere, a pair's payload that is one piece, the round's size and such a shard.
   in_whole = whole[rid]
   reps = np.where(in_whole, count[at], 0)
   piece = (
@@ -923,14 +689,8 @@ def direct_steps(
 def whole_segment_bytes(
   plan: _Stage, bucket: Bucket, as_is: Collection[int] | None = None
 ) -> dict[int, int]:
-  """Round -> bytes of its payload sent as they are, for the rounds of ``bucket`` that are
-  packed (not :func:`direct_steps`' rounds of whole source shards) but where every payload
-  holds the whole source shard of a leaf, of at least ``Options.whole_operand_bytes``, at the same
-  byte offset: each such segment is its
-  own operand of the round's ``ppermute`` (the staged block, no copy; idle devices send their
-  placeholder), and only the rest is packed (and zero-filled on idle senders). ``as_is``: the
-  leaves (indices into ``plan.layouts``) whose types travel as they are (see
-  ``_program.travels_as_is``); ``None``: all."""
+  """Round -> bytes of the whole source shards (of ``whole_operand_bytes`` or more, of leaves
+  ``as_is``) that every payload holds at the same offset: ``ppermute`` operands, not packed."""
   src_bytes = {
     j: math.prod(plan.layouts[plan.scheduled[j]][0].shard_shape())
     * plan.itemsizes[plan.scheduled[j]]
@@ -947,8 +707,7 @@ def whole_segment_bytes(
   whole &= sizes >= plan.options.whole_operand_bytes
   if not whole.any():
     return {}
-  pair = bucket.piece_src * (1 << 32) + bucket.piece_dst  # pieces are sorted by pair
-  keys, first, count = np.unique(pair, return_index=True, return_counts=True)
+  keys, first, count = pair_runs(bucket)
   ends = np.cumsum(sizes)
   out = {}
   for r, rnd in enumerate(bucket.rounds):
@@ -976,9 +735,8 @@ def _whole_rounds(
   rid: np.ndarray,
   size: np.ndarray,
 ) -> np.ndarray:
-  """Per round, whether every payload (pairs in round order ``rid``, whose pieces start at
-  ``fst``, ``cnt`` each) is the whole source shards of the same leaves in the same order,
-  unpadded: sent as they are, one ``ppermute`` of several operands."""
+  """Per round, whether every payload (pieces from ``fst``, ``cnt`` each) is the whole source
+  shards of the same distinct leaves in one order, unpadded."""
   n = len(size)
   if not len(rid):
     return np.zeros(n, dtype=bool)
@@ -987,8 +745,7 @@ def _whole_rounds(
   np.minimum.at(lo, rid, cnt)
   np.maximum.at(hi, rid, cnt)
   ok = (np.bincount(rid, minlength=n) > 0) & (lo == hi)
-  # Every piece: the same leaf as the round's first payload's piece at its place, and a whole
-  # source shard (rounds of unequal counts are out already).
+  # Every piece: the leaf of the first payload's piece at its place, and a whole source shard.
   reps = np.where(ok[rid], cnt, 0)
   offset = np.arange(int(reps.sum())) - np.repeat(np.cumsum(reps) - reps, reps)
   piece = np.repeat(fst, reps) + offset

@@ -57,9 +57,7 @@ from jax_reshard._program import (
 )
 
 PROGRAM_CACHE_SIZE = 256  # compiled programs kept per process, per kind
-# Groups of zero source blocks kept (each of at most Options.kept_zero_bytes per device: they
-# are read, never written or donated, so they are made once instead of on every call).
-PLACEHOLDER_CACHE_SIZE = 64
+PLACEHOLDER_CACHE_SIZE = 64  # groups of zero source blocks kept (read only: made once)
 Block = tuple[tuple[int, ...], np.dtype]  # one device's block: shape, dtype
 BundleLeaf = tuple[tuple[int, ...], np.dtype, NamedSharding]  # global shape, dtype, sharding
 _CACHES: list[Any] = []  # every cache clear_program_cache clears
@@ -91,6 +89,11 @@ def _staged_shape(block: tuple[int, ...], n: int) -> tuple[int, ...]:
   return (n * block[0], *block[1:])
 
 
+def _wrapper(block: tuple[int, ...], dtype: Any, staged: NamedSharding, fast: bool) -> Wrapper:
+  """Wraps one ``block`` per device of ``staged`` into a staged array."""
+  return Wrapper(_staged_shape(block, staged.mesh.size), dtype, staged, fast=fast)
+
+
 def _by_id(sharding: Any) -> tuple[Any, ...]:
   return tuple(sorted(sharding.device_set, key=lambda d: d.id))
 
@@ -111,17 +114,14 @@ def _compile_staged(
   scalars: int = 0,
   keep_unused: bool = False,
 ) -> Any:
-  """``body`` as a ``shard_map`` over ``devices``, compiled for staged arguments of ``blocks``
-  (one per device each) and ``scalars`` replicated int32 scalars, ``num_out`` staged outputs, the
-  arguments at ``donate`` donated (``keep_unused``: a donated block only lends its buffer)."""
+  """``body`` as a ``shard_map`` over ``devices``, compiled for staged ``blocks``, ``scalars``
+  int32 scalars and ``num_out`` staged outputs (``None``: one, not a tuple)."""
   staged, n, spec = _staged(devices), len(devices), PartitionSpec(AXIS)
-  scalar = NamedSharding(staged.mesh, PartitionSpec())
   in_specs = (spec,) * len(blocks) + (PartitionSpec(),) * scalars
-  out_specs = spec if num_out is None else (spec,) * num_out  # None: one output, no tuple
-  fn = jax.shard_map(
-    body, mesh=staged.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
-  )
-  avals = [jax.ShapeDtypeStruct(_staged_shape(b, n), dt, sharding=staged) for b, dt in blocks]
+  out = spec if num_out is None else (spec,) * num_out
+  fn = jax.shard_map(body, mesh=staged.mesh, in_specs=in_specs, out_specs=out, check_vma=False)
+  avals = [jax.ShapeDtypeStruct(_staged_shape(b, n), t, sharding=staged) for b, t in blocks]
+  scalar = NamedSharding(staged.mesh, PartitionSpec())
   avals += [jax.ShapeDtypeStruct((), np.int32, sharding=scalar)] * scalars
   return jax.jit(fn, donate_argnums=donate, keep_unused=keep_unused).lower(*avals).compile()
 
@@ -130,8 +130,7 @@ def _compile_staged(
 def _compiled_program(
   signature: BucketProgram, devices: tuple[Any, ...], bundle: Bundle | None = None
 ) -> Any:
-  """The compiled :func:`emit_body` of a bucket on ``devices``, the leaves of ``bundle`` (if
-  any) in and out as byte vectors, the destination blocks it takes donated."""
+  """The compiled :func:`emit_body` on ``devices`` (``bundle``: its leaves as byte vectors)."""
   body, bundled = emit_body(signature, AXIS, shift_inputs=True), bundle.leaves if bundle else ()
   blocks = [(lf.src_block, lf.dtype) for i, lf in enumerate(signature.sources) if i not in bundled]
   if bundle is not None:
@@ -160,8 +159,7 @@ def _transfer_program(signature: BucketProgram, devices: tuple[Any, ...]) -> Any
 def _assembly_program(
   signature: BucketProgram, devices: tuple[Any, ...], operands: tuple[Block, ...]
 ) -> Any:
-  """The compiled :func:`emit_assembly_body` on ``devices`` (those at
-  :attr:`BucketProgram.assemblers`), taking the received ``operands`` (one block per device)."""
+  """The compiled :func:`emit_assembly_body` on ``devices``, taking the received ``operands``."""
   leaves = signature.leaves
   sources = [(leaves[li].src_block, leaves[li].dtype) for li in resident_sources(signature)]
   dsts = [(leaves[li].dst_block, leaves[li].dtype) for li in donated(signature)]
@@ -176,8 +174,7 @@ def _assembly_program(
 def _direct_program(
   signature: BucketProgram, src_shardings: tuple[Any, ...], dst_shardings: tuple[Any, ...]
 ) -> Any:
-  """The compiled traced move of a bucket taking its source arrays as they are (see
-  :meth:`BucketExecutable.direct`)."""
+  """The compiled traced move of a bucket taking its source arrays as they are."""
   src_mesh, dst_mesh = src_shardings[0].mesh, dst_shardings[0].mesh
   src_specs, dst_specs = [s.spec for s in src_shardings], [s.spec for s in dst_shardings]
 
@@ -191,18 +188,15 @@ def _direct_program(
 
 @_cached()
 def _bundle_in_program(leaves: tuple[BundleLeaf, ...]) -> tuple[Any, NamedSharding]:
-  """``(compiled, output sharding)``: the source arrays ``leaves`` (one mesh) in, per device
-  its shards' bytes one after another out."""
+  """``(compiled, output sharding)``: the arrays ``leaves`` in, per device their bytes out."""
   mesh = auto_mesh(leaves[0][2].mesh)  # takes arrays of either axis type
   out = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
-  in_specs = tuple(s.spec for _, _, s in leaves)
+  smap = functools.partial(jax.shard_map, mesh=mesh, out_specs=out.spec, check_vma=False)
 
   def pack(*xs: jax.Array) -> jax.Array:
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
       fn = lambda *shards: concat_bytes(shards)
-      return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out.spec, check_vma=False)(
-        *xs
-      )
+      return smap(fn, in_specs=tuple(s.spec for _, _, s in leaves))(*xs)
 
   avals = [jax.ShapeDtypeStruct(shape, dtype, sharding=s) for shape, dtype, s in leaves]
   return jax.jit(pack, out_shardings=out).lower(*avals).compile(), out
@@ -214,11 +208,10 @@ def _bundle_out_program(
   shards: tuple[tuple[int, ...], ...],
   spans: tuple[tuple[int, int], ...],
 ) -> tuple[Any, NamedSharding]:
-  """``(compiled, input sharding)``: per device of the destination mesh its blocks' bytes (at
-  ``spans``) in, the destination arrays (shards of ``shards``) out."""
+  """``(compiled, input sharding)``: per device its blocks' bytes in, the arrays out."""
   mesh = auto_mesh(leaves[0][2].mesh)  # out_shardings type the results (Explicit axes too)
   sharding = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
-  out_specs = tuple(s.spec for _, _, s in leaves)
+  smap = functools.partial(jax.shard_map, mesh=mesh, in_specs=sharding.spec, check_vma=False)
 
   def cut(b: jax.Array) -> tuple[jax.Array, ...]:
     triples = zip(leaves, shards, spans, strict=True)
@@ -226,10 +219,7 @@ def _bundle_out_program(
 
   def unpack(b: jax.Array) -> tuple[jax.Array, ...]:
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-      in_spec = sharding.spec
-      return jax.shard_map(cut, mesh=mesh, in_specs=in_spec, out_specs=out_specs, check_vma=False)(
-        b
-      )
+      return smap(cut, out_specs=tuple(s.spec for _, _, s in leaves))(b)
 
   aval = jax.ShapeDtypeStruct((mesh.size * spans[-1][1],), np.uint8, sharding=sharding)
   out_shardings = tuple(s for _, _, s in leaves)
@@ -238,7 +228,7 @@ def _bundle_out_program(
 
 @_cached()
 def _placeholder_program(group: PlaceholderGroup, devices: tuple[Any, ...]) -> Any:
-  """A compiled function making ``group``'s zero blocks, one array per block over ``devices``."""
+  """A compiled function making ``group``'s zero blocks over ``devices``."""
   sharding = NamedSharding(Mesh(np.array(devices), ("p",)), PartitionSpec("p"))
   k = len(devices)
 
@@ -262,8 +252,7 @@ def _slab_program(window: SourceWindow, dtype: np.dtype, devices: tuple[Any, ...
 def _write_slab_program(
   window: DestinationWindow, dtype: np.dtype, devices: tuple[Any, ...]
 ) -> Any:
-  """A compiled function writing a bucket's slab of every destination shard into the shard
-  (filled so far, or zeros; donated) on ``devices``: one pass over the slab."""
+  """A compiled function writing a slab into every (donated) destination shard."""
   at = tuple(window.start if d == window.dim else 0 for d in range(len(window.shard)))
 
   def write(shard: jax.Array, slab: jax.Array) -> jax.Array:
@@ -282,14 +271,18 @@ def _by_device(keys: Sequence[Any], arrays: Sequence[jax.Array], fast: bool) -> 
   return out
 
 
+def _zeros(group: PlaceholderGroup, devices: tuple[Any, ...], keys: Any, fast: bool) -> dict:
+  """``group``'s zero blocks by ``(device id, *key)``, ready: on CPU a collective program whose
+  inputs come from another in-flight program can starve their thread pool (a 40 s abort)."""
+  return _by_device(keys, jax.block_until_ready(_placeholder_program(group, devices)()), fast)
+
+
 @_cached(PLACEHOLDER_CACHE_SIZE)
 def _source_zeros(
   group: PlaceholderGroup, devices: tuple[Any, ...], *, fast: bool
 ) -> dict[tuple[Any, ...], jax.Array]:
-  """``group``'s zero source blocks by (device id, block shape, dtype), made once, ready."""
-  return _by_device(
-    group.blocks, jax.block_until_ready(_placeholder_program(group, devices)()), fast
-  )
+  """``group``'s zero source blocks by (device id, block shape, dtype), made once."""
+  return _zeros(group, devices, group.blocks, fast)
 
 
 def _stage_placeholders(
@@ -297,92 +290,74 @@ def _stage_placeholders(
   devices: dict[int, Any],
   kept_bytes: int = DEFAULT_OPTIONS.kept_zero_bytes,
 ) -> tuple[dict[tuple[Any, ...], jax.Array], bool]:
-  """Zero blocks for one call, by (device id, block shape, dtype), or by (device id, leaf
-  position) for donated blocks; and whether all were source blocks of at most ``kept_bytes`` per
-  device (read only: made once), so the dict may be kept."""
+  """Zero blocks for a call by (device id, shape, dtype), or (device id, leaf) if donated; and
+  whether all were read-only source blocks of at most ``kept_bytes`` (the dict may be kept)."""
   out, fast, made_once = {}, fast_path_available(), True
   for group in groups:
     mesh_devices = tuple(devices[i] for i in group.device_ids)
     if not group.leaves and sum(block_bytes(*b) for b in group.blocks) <= kept_bytes:
-      out.update(_source_zeros(group, mesh_devices, fast=fast))  # read only: made once
-      continue
-    made_once = False
-    keys: Sequence[Any] = [(k,) for k in group.leaves] if group.leaves else group.blocks
-    # Ready before the program is queued: on the CPU backend a collective program whose inputs
-    # come from another in-flight program can starve their shared thread pool (a 40 s abort).
-    out.update(
-      _by_device(keys, jax.block_until_ready(_placeholder_program(group, mesh_devices)()), fast)
-    )
+      out.update(_source_zeros(group, mesh_devices, fast=fast))
+    else:
+      made_once = False
+      keys = [(k,) for k in group.leaves] if group.leaves else group.blocks
+      out.update(_zeros(group, mesh_devices, keys, fast))
   return out, made_once
 
 
-class _Slicer:
-  """Cuts a leaf's slab out of its source shards (see :class:`SourceWindow`), or out of its
-  destination shards filled so far (a grid's destination slab)."""
+def _slicer(window: SourceWindow, dtype: np.dtype, sharding: Any, *, fast: bool) -> Callable:
+  """Cuts ``window`` out of a leaf's shards (an array, or buffers by device id) by device id."""
+  devices = _by_id(sharding)
+  staged, compiled = _staged(devices), _slab_program(window, dtype, devices)
+  ids, wrap = addressable_order(staged, fast=fast), _wrapper(window.shard, dtype, staged, fast)
 
-  def __init__(self, window: SourceWindow, dtype: np.dtype, sharding: Any, *, fast: bool) -> None:
-    devices = _by_id(sharding)
-    self.compiled = _slab_program(window, dtype, devices)
-    self.ids = addressable_order(_staged(devices), fast=fast)
-    shape = _staged_shape(window.shard, len(devices))
-    self.wrap = Wrapper(shape, dtype, _staged(devices), fast=fast)
-
-  def __call__(self, x: jax.Array | dict[int, jax.Array]) -> dict[int, jax.Array]:
-    """The slabs of ``x``'s shards (or of the shards given by device id) by device id."""
+  def cut(x: jax.Array | dict[int, jax.Array]) -> dict[int, jax.Array]:
     held = x if isinstance(x, dict) else buffers_by_device(x)
-    slabs = self.compiled(self.wrap([held[i] for i in self.ids]))
-    return buffers_by_device(jax.block_until_ready(slabs))  # ready: see _stage_placeholders
+    slabs = compiled(wrap([held[i] for i in ids]))
+    return buffers_by_device(jax.block_until_ready(slabs))  # ready: see _zeros
+
+  return cut
 
 
-class _SlabWriter:
-  """Writes a bucket's slab of a leaf's destination shards into them, on the destination's
-  devices. The first slab goes into zero shards made first: written into zeros in one program,
-  XLA:CPU pads the slab, which quiets bfloat16 and float8 NaN payloads."""
+def _slab_writer(lf: LeafView, dst_sharding: Any, *, fast: bool) -> Callable:
+  """Writes slabs into a leaf's destination shards (donated, or zeros made first: written into
+  zeros in one program, XLA:CPU pads the slab and quiets bfloat16 and float8 NaN payloads)."""
+  window, devices = lf.dst_window, _by_id(dst_sharding)
+  assert window is not None
+  compiled = _write_slab_program(window, lf.dtype, devices)
+  zeros = _placeholder_program(
+    PlaceholderGroup(tuple(d.id for d in devices), ((window.shard, lf.dtype),)), devices
+  )
+  staged = _staged(devices)
+  ids = addressable_order(staged, fast=fast)
+  shard_wrap = _wrapper(window.shard, lf.dtype, staged, fast)
+  slab_wrap = _wrapper(window.shape(), lf.dtype, staged, fast)
 
-  def __init__(self, lf: LeafView, dst_sharding: Any, *, fast: bool) -> None:
-    window, devices = lf.dst_window, _by_id(dst_sharding)
-    assert window is not None
-    self.compiled = _write_slab_program(window, lf.dtype, devices)
-    group = PlaceholderGroup(tuple(d.id for d in devices), ((window.shard, lf.dtype),))
-    self.zeros = _placeholder_program(group, devices)
-    staged, n = _staged(devices), len(devices)
-    self.ids = addressable_order(staged, fast=fast)
-    self.shard_wrap = Wrapper(_staged_shape(window.shard, n), lf.dtype, staged, fast=fast)
-    self.slab_wrap = Wrapper(_staged_shape(window.shape(), n), lf.dtype, staged, fast=fast)
-
-  def __call__(
-    self, carried: dict[int, jax.Array] | None, slabs: dict[int, jax.Array]
-  ) -> dict[int, jax.Array]:
-    """The destination shards by device id: ``carried`` (donated) or zeros, with ``slabs``
-    (by device id) written in."""
+  def write(carried: dict | None, slabs: dict[int, jax.Array]) -> dict[int, jax.Array]:
     if carried is None:
-      carried = buffers_by_device(self.zeros()[0])
-    shards = self.shard_wrap([carried[i] for i in self.ids])
-    out = self.compiled(shards, self.slab_wrap([slabs[i] for i in self.ids]))
-    return buffers_by_device(out)
+      carried = buffers_by_device(zeros()[0])
+    shards = shard_wrap([carried[i] for i in ids])
+    return buffers_by_device(compiled(shards, slab_wrap([slabs[i] for i in ids])))
+
+  return write
 
 
 def one_at_a_time(devices: Sequence[Any]) -> bool:
-  """Whether bucket programs on ``devices`` must be queued a few at a time (see
-  :class:`InFlight`): on the CPU backend every device of a collective program takes a thread of
-  one shared pool and blocks in the ``ppermute`` rendezvous, so programs queued faster than they
-  run can each hold some threads while none has all (a 40 s rendezvous abort with 200 buckets of
-  8 devices on 2 cores)."""
+  """Whether bucket programs on ``devices`` are queued a few at a time (:class:`InFlight`): on
+  CPU each device of a collective takes a thread of one pool and blocks in the rendezvous, so
+  programs queued faster than they run can deadlock (a 40 s abort)."""
   return any(getattr(d, "platform", None) == "cpu" for d in devices)
 
 
 class InFlight:
-  """The results of the last ``depth`` buckets of a call: a bucket's program is queued once the
-  results of the bucket ``Options.in_flight_buckets`` before it are ready, where
-  :func:`one_at_a_time`, so one bucket runs while the next is staged."""
+  """The results of the last ``depth`` buckets of a call: where :func:`one_at_a_time`, a
+  bucket's program is queued once the results of the bucket ``depth`` before it are ready."""
 
   def __init__(self, depth: int = DEFAULT_OPTIONS.in_flight_buckets) -> None:
     self.depth = depth
     self._recent: collections.deque[Any] = collections.deque(maxlen=depth)
 
   def wait_for(self, exe: Any) -> Any:
-    """``None``, or a live result of the bucket :attr:`depth` before ``exe``'s (a result carried
-    into a later bucket was donated there: then a later one's)."""
+    """``None``, or a live result of the bucket :attr:`depth` before ``exe``'s (or later)."""
     if not exe.one_at_a_time or len(self._recent) < self.depth:
       return None
     leaves = (y for ys in self._recent for y in jax.tree_util.tree_leaves(ys))  # oldest first
@@ -394,8 +369,7 @@ class InFlight:
 
 
 class _LeafIO:
-  """How one leaf enters and leaves a bucket's program, worked out once: which buffer each mesh
-  position stages and which output buffer each destination device keeps."""
+  """Which buffer each mesh position stages for a leaf, and which output each device keeps."""
 
   def __init__(
     self, lf: LeafView, src_sharding: Any, dst_sharding: Any, staged: Any, *, fast: bool
@@ -404,22 +378,21 @@ class _LeafIO:
     self.staged_ids = ids = addressable_order(staged, fast=fast)
     self.ph_keys = [(i, lf.src_block, lf.dtype) for i in ids]
     self.src_pick = self._pick(src_sharding) if src_sharding is not None else None
-    # A leaf cut into slabs stages the bucket's slab of each source shard; a grid's
-    # destination slab is cut from the shards filled so far, and written in afterwards.
+    # A source slab is cut from the source shards; a grid's destination slab from the shards
+    # filled so far, and written in afterwards.
     self.slicer = self.dst_slicer = self.writer = None
     if lf.src_window is not None and src_sharding is not None:
-      self.slicer = _Slicer(lf.src_window, lf.dtype, src_sharding, fast=fast)
+      self.slicer = _slicer(lf.src_window, lf.dtype, src_sharding, fast=fast)
     if lf.dst_window is not None and lf.dst_input:
-      self.dst_slicer = _Slicer(lf.dst_window, lf.dtype, dst_sharding, fast=fast)
+      self.dst_slicer = _slicer(lf.dst_window, lf.dtype, dst_sharding, fast=fast)
     if lf.dst_window is not None:
-      self.writer = _SlabWriter(lf, dst_sharding, fast=fast)
+      self.writer = _slab_writer(lf, dst_sharding, fast=fast)
     self.dst_pick = _index(ids, addressable_order(dst_sharding, fast=fast))
     # Output blocks of positions without a destination shard: spare buffers for a later call.
     picked = set(self.dst_pick)
     self.spare_at = [(j, (d, lf.dst_block, lf.dtype)) for j, d in enumerate(ids) if j not in picked]
-    n = len(staged.device_set)
-    self.stage_wrap = Wrapper(_staged_shape(lf.src_block, n), lf.dtype, staged, fast=fast)
-    self.dst_stage_wrap = Wrapper(_staged_shape(lf.dst_block, n), lf.dtype, staged, fast=fast)
+    self.stage_wrap = _wrapper(lf.src_block, lf.dtype, staged, fast)
+    self.dst_stage_wrap = _wrapper(lf.dst_block, lf.dtype, staged, fast)
     self.unstage_wrap = Wrapper(lf.shape, lf.dtype, dst_sharding, fast=fast)
 
   def _pick(self, sharding: Any) -> list[int]:
@@ -427,12 +400,12 @@ class _LeafIO:
     return _index(addressable_order(sharding, fast=self.fast), self.staged_ids, -1)
 
   def stage(self, x: jax.Array, placeholders: dict[Any, jax.Array]) -> jax.Array:
-    """``x`` as a staged array: its own buffers (or their slabs) where it has them, zero
-    blocks (shared by leaves of one shape and dtype) elsewhere."""
+    """``x`` staged: its buffers (or slabs) where it has them, ``placeholders`` elsewhere."""
     if self.slicer is not None:
       slabs = self.slicer(x)
-      keys = self.ph_keys
-      return self.stage_wrap([slabs[k[0]] if k[0] in slabs else placeholders[k] for k in keys])
+      return self.stage_wrap(
+        [slabs[k[0]] if k[0] in slabs else placeholders[k] for k in self.ph_keys]
+      )
     s, pick = x.sharding, self.src_pick
     if not (self.fast and pick is not None and (s is self.src_sharding or s == self.src_sharding)):
       pick = self._pick(s)  # an equivalent sharding may list its devices in another order
@@ -445,20 +418,13 @@ class _LeafIO:
   def stage_dst(
     self, held: dict[int, jax.Array], placeholders: dict[Any, jax.Array], position: int
   ) -> jax.Array:
-    """The leaf's destination blocks as a staged array: ``held`` (by device id) where a device
-    has one, else its donated zero block ``placeholders[(device id, position)]``. A grid's
-    destination slab is cut from ``held``, the destination shards filled so far."""
+    """Destination blocks staged: ``held`` (by device id; a grid's slab of it), else the zero
+    block ``placeholders[(device id, position)]``."""
     if self.dst_slicer is not None and held:
       held = self.dst_slicer(held)
-    blocks = []
-    for dev_id in self.staged_ids:
-      data = held.get(dev_id)
-      if data is None:
-        data = placeholders[(dev_id, position)]
-      elif data.shape != self.lf.dst_block:
-        data = data.reshape(self.lf.dst_block)
-      blocks.append(data)
-    return self.dst_stage_wrap(blocks)
+    blocks = [held[d] if d in held else placeholders[(d, position)] for d in self.staged_ids]
+    block = self.lf.dst_block
+    return self.dst_stage_wrap([b if b.shape == block else b.reshape(block) for b in blocks])
 
   def unstage(
     self,
@@ -466,13 +432,11 @@ class _LeafIO:
     spares: dict[Any, list[jax.Array]] | None = None,
     carried: dict[int, jax.Array] | None = None,
   ) -> jax.Array | dict[int, jax.Array]:
-    """The destination array of the leaf's output blocks (``held``, in staged order), or
-    (``carry_out``) its destination blocks by device id. With ``spares``, a leaf with a
-    destination input leaves there its other positions' blocks for a later bucket to donate. A
-    leaf cut into destination slabs has its slab written into ``carried``, or into zeros."""
+    """The destination array of the output blocks ``held`` (or, ``carry_out``, blocks by
+    device id); the other positions' blocks go to ``spares``, a slab into ``carried``."""
     if self.writer is not None:
-      # The slab writes wait for the bucket: on the CPU backend, queuing them behind a bucket
-      # whose program the next bucket runs again stalled its collectives (a 40 s abort).
+      # Wait for the bucket: on the CPU backend, slab writes queued behind a bucket whose
+      # program the next bucket runs again stalled its collectives (a 40 s abort).
       held = jax.block_until_ready(held)
     if spares is not None and self.lf.dst_input:
       for j, key in self.spare_at:
@@ -501,8 +465,7 @@ def _as_planned(x: jax.Array, sharding: Any) -> bool:
 
 
 class _BundleIO:
-  """How a :class:`Bundle` enters and leaves a bucket's program, worked out once: the pack and
-  cut programs and the bytes each mesh position stages and each destination device keeps."""
+  """How a :class:`Bundle` enters and leaves a bucket's program: pack and cut programs, picks."""
 
   def __init__(self, exe: BucketExecutable, bundle: Bundle, *, fast: bool) -> None:
     self.leaves = bundle.leaves
@@ -530,8 +493,7 @@ class _BundleIO:
     self.unstage_wrap = Wrapper((size,), key[1], unpacked, fast=fast)
 
   def stage(self, xs: Sequence[jax.Array], *, wait: bool) -> jax.Array:
-    """The bundle's staged bytes, packed from the bucket's source arrays ``xs`` (per leaf of
-    the program); ``wait``: ready before the program that takes them is queued."""
+    """The bundle's staged bytes, packed from ``xs`` (``wait``: ready before the program)."""
     [held] = self.pack([xs[li] for li in self.leaves])
     if wait:
       held = jax.block_until_ready(held)
@@ -539,17 +501,14 @@ class _BundleIO:
     return self.stage_wrap([held[j] if j >= 0 else z for j, z in pairs])
 
   def unstage(self, held: Sequence[Any], *, wait: bool) -> list[jax.Array]:
-    """The bundled leaves' destination arrays, cut out of the program's first output
-    (``held``, in staged order); ``wait``: the program done before the cut is queued behind it
-    (see :meth:`_LeafIO.unstage`)."""
+    """The bundled leaves' arrays, cut out of the output ``held`` (``wait``: once it is done)."""
     data = self.unstage_wrap([held[j] for j in self.dst_pick])
     return list(self.unpack(jax.block_until_ready(data) if wait else data))
 
 
 class _SplitIO:
-  """How a bucket that assembles apart runs, worked out once: the transfer program over the
-  union mesh, then the assembly program on the destination devices of this process (none where
-  it has none), which takes their blocks of the transfer program's outputs."""
+  """A bucket that assembles apart: the transfer program over the union mesh, then the
+  assembly program on this process's destination devices (if any)."""
 
   def __init__(self, exe: BucketExecutable, *, fast: bool) -> None:
     program = exe.program
@@ -564,17 +523,17 @@ class _SplitIO:
       for o in compiled.out_info[len(self.direct) :]
     )
     devices = tuple(exe.mesh_devices[q] for q in program.assemblers)
-    staged, k = _staged(devices), len(devices)
+    staged = _staged(devices)
     self.ids = addressable_order(staged, fast=fast)
     self.in_pick = _index(addressable_order(exe.staged, fast=fast), self.ids)
-    wrap = lambda block, dtype: Wrapper(_staged_shape(block, k), dtype, staged, fast=fast)
-    self.in_wraps = [wrap(shape, dtype) for shape, dtype in operands]
-    # Leaves with parts copied from a destination device's own source shard (their staged
-    # source blocks), and leaves refit into donated buffers (their destination blocks).
+    self.in_wraps = [_wrapper(shape, dtype, staged, fast) for shape, dtype in operands]
+    # Leaves with parts from a destination device's own source shard (their source blocks),
+    # and leaves refit into donated buffers (their destination blocks).
     self.src_leaves, self.dst_leaves = resident_sources(program), donated(program)
-    leaves = program.leaves
-    self.src_wraps = [wrap(leaves[li].src_block, leaves[li].dtype) for li in self.src_leaves]
-    self.dst_wraps = [wrap(leaves[li].dst_block, leaves[li].dtype) for li in self.dst_leaves]
+    lfs = [program.leaves[li] for li in self.src_leaves]
+    self.src_wraps = [_wrapper(lf.src_block, lf.dtype, staged, fast) for lf in lfs]
+    lfs = [program.leaves[li] for li in self.dst_leaves]
+    self.dst_wraps = [_wrapper(lf.dst_block, lf.dtype, staged, fast) for lf in lfs]
     self.assembly: Runner | None = None
     if self.ids and self.assembled:
       num_args = len(operands) + len(self.src_leaves) + len(self.dst_leaves)
@@ -594,8 +553,7 @@ class _SplitIO:
     io: Sequence[_LeafIO],
     dsts: Sequence[dict[int, jax.Array] | None] = (),
   ) -> list[Any]:
-    """Per leaf, its destination array, from the leaves' ``staged`` source arrays (and, per
-    leaf with a destination input, its donated destination blocks by device id, ``dsts``)."""
+    """Per leaf, its destination array, from ``staged`` sources and donated ``dsts``."""
     outs = self.transfer(staged)
     ys: list[Any] = [None] * len(io)
     for li, held in zip(self.direct, outs, strict=False):
@@ -618,14 +576,51 @@ class _SplitIO:
     return ys
 
 
+def _direct_allowed(
+  p: BucketProgram, options: Options, src_shardings: Sequence[Any], dst_shardings: Sequence[Any]
+) -> bool:
+  """Whether a bucket may run :meth:`BucketExecutable.direct`."""
+  if p.inputs or not options.direct_calls or p.placeholders:  # inputs: transformed
+    return False
+  if not all(enters_whole(lf) for lf in p.leaves):
+    return False
+  for shardings in (src_shardings, dst_shardings):
+    if not all(_on_one_mesh(s) for s in shardings) or len({s.mesh for s in shardings}) != 1:
+      return False
+    if [d.id for d in shardings[0].mesh.devices.flat] != list(p.device_ids):
+      return False
+  return True
+
+
+def _choose_bundle(
+  program: BucketProgram, src_shardings: list[Any], dst_shardings: list[Any], opts: Options
+) -> Bundle | None:
+  """See :meth:`BucketExecutable.bundle`."""
+  direct = _direct_allowed(program, opts, src_shardings, dst_shardings)
+  if not opts.bundled_calls or program.must_apart or direct or program.inputs:
+    return None
+  chosen: list[int] = []
+  meshes, totals = None, np.zeros(2, dtype=np.int64)
+  for li, lf in enumerate(program.leaves):
+    src, dst = src_shardings[li], dst_shardings[li]
+    if not (enters_whole(lf) and _on_one_mesh(src) and _on_one_mesh(dst)):
+      continue
+    sizes = np.array([block_bytes(lf.src_block, lf.dtype), block_bytes(lf.dst_block, lf.dtype)])
+    if sizes.max() > opts.bundle_leaf_bytes or (totals + sizes).max() > opts.bundle_bytes:
+      continue
+    meshes = meshes or (src.mesh, dst.mesh)
+    if (src.mesh, dst.mesh) == meshes:
+      chosen.append(li)
+      totals += sizes
+  return make_bundle(program, chosen) if len(chosen) >= opts.min_bundled_leaves else None
+
+
 class BucketExecutable:
   """A bucket's program compiled over its union mesh; calling it moves the bucket's leaves.
 
-  Each leaf enters as a staged array whose block on a device is its source shard (a zero block
-  where it has none), wrapped zero-copy, and leaves re-wrapped zero-copy in its destination
-  sharding; a leaf with a destination input also enters with its destination blocks, donated,
-  and is written in place. What to pick and wrap is worked out once. A bucket may instead run
-  :meth:`direct`, with a :meth:`bundle`, or :meth:`split`, as ``options`` (the plan's) allow."""
+  Each leaf enters staged (its source shard per device, else a zero block) and leaves wrapped
+  in its destination sharding, zero-copy; destination inputs are donated and written in place.
+  A bucket may instead run :meth:`direct`, with a :meth:`bundle`, or :meth:`split`."""
 
   def __init__(
     self,
@@ -660,10 +655,7 @@ class BucketExecutable:
     return self.compiled_programs()[0]
 
   def compiled_programs(self) -> list[Any]:
-    """The compiled XLA executables a call runs, in order (shared with identical buckets):
-    the :meth:`direct` program, the two of a :meth:`split` bucket (no assembly where this
-    process has no destination device), or the one over staged blocks (with the
-    :meth:`bundle`, if any)."""
+    """The compiled executables a call runs: :meth:`direct`, :meth:`split`'s, or the staged."""
     if direct := self.direct():
       return [direct]
     if split := self.split():
@@ -671,72 +663,34 @@ class BucketExecutable:
     return [self.runner(bundled=self.bundle() is not None).compiled]
 
   def direct(self) -> Any:
-    """The compiled traced move that takes the source arrays as they are (one ``jax.jit`` call),
-    where the :attr:`options` allow it, each side is on one mesh listing the bucket's devices in
-    mesh position order (colocated), every device holds a source shard and every leaf enters and
-    leaves whole; else ``False``."""
+    """The compiled traced move taking the source arrays as they are, where the options allow,
+    each side is one mesh of the bucket's devices in order, every device holds a source shard
+    and every leaf enters and leaves whole; else ``False``."""
 
     def make() -> Any:
-      sig = program_signature(self.program)
       src, dst = tuple(self.src_shardings), tuple(self.dst_shardings)
-      return self._direct_allowed() and _direct_program(sig, src, dst)
+      if not _direct_allowed(self.program, self.options, src, dst):
+        return False
+      return _direct_program(program_signature(self.program), src, dst)
 
     return self._once("direct", make)
 
-  def _direct_allowed(self) -> bool:
-    p = self.program
-    if p.inputs or not self.options.direct_calls or p.placeholders:  # inputs: transformed
-      return False
-    if not all(enters_whole(lf) for lf in p.leaves):
-      return False
-    for shardings in (self.src_shardings, self.dst_shardings):
-      if not all(_on_one_mesh(s) for s in shardings) or len({s.mesh for s in shardings}) != 1:
-        return False
-      if [d.id for d in shardings[0].mesh.devices.flat] != list(p.device_ids):
-        return False
-    return True
-
   def split(self) -> _SplitIO | None:
-    """How the bucket runs its rounds and its assembly as two programs, where its program says
-    so (:attr:`BucketProgram.assemblers`) and it runs neither :meth:`direct` nor with a
-    :meth:`bundle`, else ``None``."""
+    """The two programs of a bucket that assembles apart, unless direct or bundled."""
     allowed = lambda: (
       self.program.assemblers is not None and not self.direct() and not self.bundle()
     )
     return self._once("split", lambda: _SplitIO(self, fast=self.fast) if allowed() else None)
 
   def bundle(self) -> Bundle | None:
-    """The leaves that enter and leave the program as one byte vector per device (packed and cut
-    by one compiled call per side instead of per-leaf buffer work), or ``None``: as the
-    :attr:`options` allow, leaves of at most ``bundle_leaf_bytes`` a block that enter and leave
-    whole on one source and one destination mesh, up to ``bundle_bytes`` a side, at least
-    ``min_bundled_leaves`` (never where it must assemble apart: it would stage more than the
-    bound)."""
-    return self._once("bundle", self._choose_bundle)
-
-  def _choose_bundle(self) -> Bundle | None:
-    opts, program = self.options, self.program
-    if not opts.bundled_calls or program.must_apart or self._direct_allowed() or program.inputs:
-      return None
-    chosen: list[int] = []
-    meshes, totals = None, np.zeros(2, dtype=np.int64)
-    for li, lf in enumerate(program.leaves):
-      src, dst = self.src_shardings[li], self.dst_shardings[li]
-      if not (enters_whole(lf) and _on_one_mesh(src) and _on_one_mesh(dst)):
-        continue
-      sizes = np.array([block_bytes(lf.src_block, lf.dtype), block_bytes(lf.dst_block, lf.dtype)])
-      if sizes.max() > opts.bundle_leaf_bytes or (totals + sizes).max() > opts.bundle_bytes:
-        continue
-      meshes = meshes or (src.mesh, dst.mesh)
-      if (src.mesh, dst.mesh) == meshes:
-        chosen.append(li)
-        totals += sizes
-    return make_bundle(program, chosen) if len(chosen) >= opts.min_bundled_leaves else None
+    """The leaves moved as one byte vector per device (options ``bundle_leaf_bytes``,
+    ``bundle_bytes``, ``min_bundled_leaves``; never where it must assemble apart), or ``None``."""
+    args = self.program, self.src_shardings, self.dst_shardings, self.options
+    return self._once("bundle", lambda: _choose_bundle(*args))
 
   def bundle_pass_bytes(self) -> int:
-    """Bytes all devices read and write per call for the :meth:`bundle` beyond
-    :func:`_plan.pass_bytes`: the pack, the cut, the bundled blocks' copies in the program, and
-    where the bucket would otherwise assemble apart, the discarded blocks its one program writes."""
+    """Bytes the :meth:`bundle` passes beyond ``_plan.pass_bytes``: pack, cut, copies, and the
+    discarded blocks of a bucket that would otherwise assemble apart."""
     bundle, p = self.bundle(), self.program
     if bundle is None:
       return 0
@@ -755,8 +709,7 @@ class BucketExecutable:
     return self._once("bundle_io", lambda: _BundleIO(self, self.bundle(), fast=self.fast))  # type: ignore[arg-type]
 
   def runner(self, *, bundled: bool = False) -> Runner:
-    """Runs the program over staged blocks (``bundled``: the one taking the :meth:`bundle`)
-    and splits its outputs into per-device blocks (made once)."""
+    """Runs the program over staged blocks (``bundled``: taking the :meth:`bundle`)."""
 
     def make() -> Runner:
       p, bundle = self.program, self.bundle() if bundled else None
@@ -768,8 +721,7 @@ class BucketExecutable:
     return self._once(("runner", bundled), make)
 
   def leaf_io(self, *, sources: bool = False) -> list[_LeafIO]:
-    """Per leaf (``sources``: per source of the program, the leaves' own, or the
-    :attr:`BucketProgram.inputs`' of a transformed program), its staging worked out (once)."""
+    """Per leaf (``sources``: per source of the program), its :class:`_LeafIO`."""
     p = self.program
     if sources and not p.inputs:
       return self.leaf_io()
@@ -783,8 +735,7 @@ class BucketExecutable:
   def _placeholders(
     self, which: int, groups: Sequence[PlaceholderGroup] | None = None
   ) -> dict[tuple[Any, ...], jax.Array]:
-    """Zero blocks for this call (``which``: 0 source, 1 destination; ``groups``: the program's
-    by default); the program's source blocks are kept where all were made once."""
+    """Zero blocks (``which``: 0 source, 1 destination), the program's source ones kept."""
     own = groups is None
     if not which and own and "placeholders" in self._memo:
       return self._memo["placeholders"]
@@ -796,8 +747,7 @@ class BucketExecutable:
     return out
 
   def _spare_blocks(self, spares: dict[Any, list[jax.Array]]) -> dict[Any, jax.Array]:
-    """Destination placeholders by (device id, leaf position): from ``spares`` (blocks an earlier
-    bucket left) where there are, else made; ``spares`` is emptied (the rest freed)."""
+    """Destination placeholders by (device id, leaf), from ``spares`` (emptied), else made."""
     out: dict[Any, jax.Array] = {}
     for group in self.program.dst_placeholders:
       missing = []
@@ -813,8 +763,7 @@ class BucketExecutable:
     return out
 
   def _shifts(self) -> list[jax.Array]:
-    """The program's shift arguments (:func:`shift_starts`) as int32 scalars replicated over
-    the mesh, ready before the program is queued (made once)."""
+    """The program's shift arguments, replicated int32 scalars (made once)."""
 
     def make() -> list[jax.Array]:
       scalar = NamedSharding(self.staged.mesh, PartitionSpec())
@@ -830,55 +779,25 @@ class BucketExecutable:
     spares: dict[Any, list[jax.Array]] | None = None,
     wait_for: Any = None,
   ) -> list[Any]:
-    """Moves the bucket's leaves: by the :meth:`direct` program where the bucket has one and
-    every source array is laid out as planned, else by the :meth:`split` programs, else over
-    staged blocks (with the :meth:`bundle` where its arrays are laid out as planned).
-
-    Args:
-      xs: per source of the program (:attr:`BucketProgram.sources`), its source array.
-      dsts: per leaf, its destination blocks by device id where it has a destination input
-        or is cut into destination slabs (donated: they are consumed), else ``None``.
-      spares: optional, buffers to donate as destination placeholders, by (device id, block
-        shape, dtype); consumed, then refilled with this call's blocks of positions without a
-        destination shard (see :meth:`_LeafIO.unstage`), for the caller's next bucket.
-      wait_for: optional, arrays (a pytree) to wait for after staging, before the program is
-        queued: an earlier bucket's results where :attr:`one_at_a_time`.
-
-    Returns:
-      Per leaf, the destination array, or (``carry_out``) its blocks by device id.
-    """
+    """Per leaf, its destination array (or, ``carry_out``, blocks by device id), from ``xs``
+    (per source) and donated ``dsts`` (per leaf, blocks by device id, or ``None``). ``spares``:
+    zero blocks to donate, refilled for the next bucket; ``wait_for``: results to wait for."""
     direct = self.direct()
     if direct and all(_as_planned(x, s) for x, s in zip(xs, self.src_shardings, strict=True)):
       if wait_for is not None:
         jax.block_until_ready(wait_for)
       return list(direct(*xs))
+    io, placeholders = self.leaf_io(), self._placeholders(0)
     if split := self.split():
-      io, placeholders = self.leaf_io(), self._placeholders(0)
       staged = [io[li].stage(x, placeholders) for li, x in enumerate(xs)]
       if spares is not None:
         spares.clear()  # nothing donated where no destination shard is: free them
       if wait_for is not None:
         jax.block_until_ready(wait_for)
       return split(staged, io, dsts)
-    return self._run_staged(xs, dsts, spares, wait_for)
-
-  def _run_staged(
-    self,
-    xs: Sequence[jax.Array],
-    dsts: Sequence[dict[int, jax.Array] | None],
-    spares: dict[Any, list[jax.Array]] | None,
-    wait_for: Any,
-  ) -> list[Any]:
-    """:meth:`__call__` over staged blocks."""
-    bundle = self.bundle()
-    if bundle is not None and not all(
-      _as_planned(xs[li], self.src_shardings[li]) for li in bundle.leaves
-    ):
+    bundle, src_io, wait = self.bundle(), self.leaf_io(sources=True), self.one_at_a_time
+    if bundle and not all(_as_planned(xs[li], self.src_shardings[li]) for li in bundle.leaves):
       bundle = None  # arrays laid out equivalently, not equally: every leaf stages
-    run = self.runner(bundled=bundle is not None)
-    io, src_io = self.leaf_io(), self.leaf_io(sources=True)
-    placeholders = self._placeholders(0)
-    wait = self.one_at_a_time
     staged, own = [], tuple(range(len(src_io)))  # the sources staged on their own
     if bundle is not None:
       staged, own = [self.bundle_io().stage(xs, wait=wait)], self.bundle_io().others
@@ -888,11 +807,10 @@ class BucketExecutable:
       staged += [io[li].stage_dst(dsts[li] or {}, dst_ph, li) for li in self.program.dst_inputs]
     if wait_for is not None:
       jax.block_until_ready(wait_for)
-    outs = run([*staged, *self._shifts()])
+    outs = self.runner(bundled=bundle is not None)([*staged, *self._shifts()])
     ys: list[Any] = [None] * len(io)
     if bundle is not None:
-      ys_bundled = self.bundle_io().unstage(outs[0], wait=wait)
-      for li, y in zip(bundle.leaves, ys_bundled, strict=True):
+      for li, y in zip(bundle.leaves, self.bundle_io().unstage(outs[0], wait=wait), strict=True):
         ys[li] = y
       outs = outs[1:]
     for li, held in zip(range(len(io)) if bundle is None else own, outs, strict=True):
