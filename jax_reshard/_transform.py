@@ -12,6 +12,7 @@ identities (``copy``, ``device_put``, ``sharding_constraint``...) and call wrapp
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
@@ -29,7 +30,6 @@ from jax_reshard._pieces import (
   OutputLeaf,
   Piece,
   cast_pieces,
-  concatenate_pieces,
   expand_pieces,
   reshape_pieces,
   shift_pieces,
@@ -73,31 +73,12 @@ class TransformAnalysis:
     return "\n".join(str(f) for f in self.leaves)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Region:
-  """A value made of source elements."""
-
-  shape: tuple[int, ...]
-  pieces: tuple[Piece, ...]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Static:
-  """A value independent of the source (``value`` None when not evaluated); ``origin``:
-  "literal", "constant" or the primitive that made it."""
-
-  value: np.ndarray | None
-  origin: str
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Unsupported:
-  """A value that is no mere move or cast of source elements."""
-
-  primitive: str
-  reason: str
-
-
+# What the walk knows of a value: made of source elements; independent of the source (``value``
+# None where not evaluated; ``origin`` "literal", "constant" or the primitive that made it); or
+# no mere move or cast of source elements.
+_Region = collections.namedtuple("_Region", "shape pieces")
+_Static = collections.namedtuple("_Static", "value origin")
+_Unsupported = collections.namedtuple("_Unsupported", "primitive reason")
 _Value = _Region | _Static | _Unsupported
 
 
@@ -259,16 +240,19 @@ def _reshape(eqn: Any, ins: list[Any]) -> _Pieces:
 
 
 def _join(eqn: Any, ins: list[Any]) -> _Pieces:
-  """``concatenate`` and ``stack``."""
+  """``concatenate`` and ``stack``: each operand shifted to its place along the joined axis."""
   if not all(isinstance(x, _Region) for x in ins):
     return "joins source data with a constant"
   if eqn.primitive.name == "stack":
     axis = eqn.params["axis"]
-    return [
-      concatenate_pieces([expand_pieces(x.pieces, [axis]) for x in ins], [1] * len(ins), axis)
-    ]
-  dim = eqn.params["dimension"]
-  return [concatenate_pieces([x.pieces for x in ins], [x.shape[dim] for x in ins], dim)]
+    parts = [(expand_pieces(x.pieces, [axis]), 1) for x in ins]
+  else:
+    axis = eqn.params["dimension"]
+    parts = [(x.pieces, x.shape[axis]) for x in ins]
+  starts = itertools.accumulate([n for _, n in parts], initial=0)
+  return [
+    [q for (ps, _), a in zip(parts, starts, strict=False) for q in shift_pieces(ps, {axis: a})]
+  ]
 
 
 def _split(eqn: Any, ins: list[Any]) -> _Pieces:
@@ -324,9 +308,7 @@ def _gather(eqn: Any, ins: list[Any]) -> _Pieces:
     start = [min(max(a, 0), n - s) for a, s, n in zip(start, sizes, x.shape, strict=True)]
     part = squeeze_pieces(_take(x.pieces, start, sizes), dn.collapsed_slice_dims)
     part = expand_pieces(part, batch_dims)
-    for d, v in zip(batch_dims, b, strict=True):
-      part = shift_pieces(part, d, v)
-    pieces += part
+    pieces += shift_pieces(part, dict(zip(batch_dims, b, strict=True)))
   return [pieces]
 
 
@@ -356,12 +338,7 @@ _HANDLERS: dict[str, Callable[[Any, list[Any]], _Pieces]] = {
 def analyze(
   transform: Callable[[Any], Any], treedef: Any, src_leaves: tuple[Leaf, ...]
 ) -> TransformAnalysis:
-  """The (cached) analysis of ``transform`` on source leaves of these shapes and dtypes.
-
-  Raises:
-    ReshardError: ``transform`` is not callable, the tree has no leaf, or an output leaf is
-      not made of source elements.
-  """
+  """The (cached) analysis of ``transform`` on source leaves of these shapes and dtypes."""
   if not callable(transform):
     raise ReshardError(f"transform= must be a function of the source tree, got {transform!r}")
   if not src_leaves:
@@ -370,8 +347,8 @@ def analyze(
 
 
 def output_leaves(analysis: TransformAnalysis, src_leaves: Sequence[Leaf], dst: Any) -> list[Leaf]:
-  """One :class:`Leaf` per output leaf, its destination from ``dst`` (a Sharding, or a prefix
-  of the output tree), validated like a plain reshard's (shapes, dtypes, divisibility)."""
+  """One :class:`Leaf` per output leaf, its destination from ``dst``, validated like a plain
+  reshard's."""
   anchor = jax.sharding.SingleDeviceSharding(next(iter(src_leaves[0].src_sharding.device_set)))
   template = jax.tree_util.tree_unflatten(
     analysis.out_treedef,
@@ -382,10 +359,8 @@ def output_leaves(analysis: TransformAnalysis, src_leaves: Sequence[Leaf], dst: 
 
 @functools.lru_cache(maxsize=256)
 def _analysis(transform: Callable[[Any], Any], treedef: Any, leaves: tuple[Leaf, ...]) -> Any:
-  src = jax.tree_util.tree_unflatten(
-    treedef, [jax.ShapeDtypeStruct(lf.shape, lf.dtype) for lf in leaves]
-  )
-  return analyze_transform(transform, src)
+  src = [jax.ShapeDtypeStruct(lf.shape, lf.dtype) for lf in leaves]
+  return analyze_transform(transform, jax.tree_util.tree_unflatten(treedef, src))
 
 
 def plan_transform(
@@ -395,7 +370,7 @@ def plan_transform(
   **kwargs: Any,
 ) -> LayoutPlan:
   """:func:`~jax_reshard._tplan.plan_transform_layouts` of ``analysis`` between the leaves'
-  shardings (``kwargs``: its bound, topology, relays and options)."""
+  shardings."""
   return plan_transform_layouts(
     analysis.leaves,
     [Layout.from_sharding(lf.src_sharding, lf.shape) for lf in src_leaves],
