@@ -1,16 +1,13 @@
 """Pieces: how every element of a transform's output comes from one source element. NumPy only.
 
-Casts, slices, concatenations, reshapes and transposes map every output element to one source
-element, so an output leaf is a union of disjoint :class:`Piece` s, each the image of a box of
-one source leaf:
+An output leaf is a union of disjoint :class:`Piece` s, each the image of a box of one source leaf:
 
   out[out_lo:out_hi] = cast(src[src_lo:src_hi].reshape(extents).transpose(perm).reshape(shape))
 
-The *canonical axes* (``extents``, numbered in source order, each > 1) refine both boxes: each
-source dimension splits row-major into ``src_groups`` consecutive axes, each output dimension
-merges ``out_groups`` consecutive entries of ``perm``. Every supported operation maps pieces to
-pieces (splitting one where its region is no such box), so chains compose; :func:`restrict` and
-:func:`restrict_source` cut a piece to a box of either side.
+The *canonical axes* (``extents``, in source order) refine both boxes: a source dimension splits
+row-major into ``src_groups`` consecutive axes, an output dimension merges ``out_groups``
+consecutive entries of ``perm``. Every supported operation maps pieces to pieces (splitting one
+where needed), so chains compose.
 """
 
 from __future__ import annotations
@@ -217,7 +214,10 @@ def _normalize(p: Piece) -> Piece:
   )
 
 
-def _restrict(p: Piece, lo: Sequence[int], hi: Sequence[int], on_source: bool) -> list[Piece]:
+def restrict(
+  p: Piece, lo: Sequence[int], hi: Sequence[int], on_source: bool = False
+) -> list[Piece]:
+  """The parts of ``p`` whose output (or source) lies in the box ``[lo, hi)``, as pieces."""
   box_lo, box_hi = (p.src_lo, p.src_hi) if on_source else (p.out_lo, p.out_hi)
   src_axes, out_axes = p.src_axes(), p.out_axes()
   axes = src_axes if on_source else out_axes
@@ -240,14 +240,8 @@ def _restrict(p: Piece, lo: Sequence[int], hi: Sequence[int], on_source: bool) -
   return out
 
 
-def restrict(p: Piece, lo: Sequence[int], hi: Sequence[int]) -> list[Piece]:
-  """The parts of ``p`` whose output lies in the box ``[lo, hi)``, as pieces."""
-  return _restrict(p, lo, hi, on_source=False)
-
-
 def restrict_source(p: Piece, lo: Sequence[int], hi: Sequence[int]) -> list[Piece]:
-  """The parts of ``p`` whose source lies in the box ``[lo, hi)``, as pieces."""
-  return _restrict(p, lo, hi, on_source=True)
+  return restrict(p, lo, hi, on_source=True)
 
 
 def shift_pieces(pieces: Sequence[Piece], offsets: Mapping[int, int]) -> list[Piece]:

@@ -1,13 +1,8 @@
-"""Transforms inside the plan: the user's function traced abstractly into pieces.
-
-:func:`analyze_transform` runs ``jax.make_jaxpr`` on ``jax.ShapeDtypeStruct`` s (no data is
-read) and walks the jaxpr, keeping for every value its :class:`Piece` s (when made of source
-elements), a small concrete value (index arithmetic on literals and constants, evaluated on the
-host), or why it cannot be moved. Supported: ``convert_element_type``, unit-step ``slice``,
-``squeeze``, ``broadcast_in_dim`` adding size-1 dimensions, ``reshape``, ``transpose``,
-``concatenate``, ``stack``, ``split``, ``dynamic_slice`` and ``gather`` with static indices,
-identities (``copy``, ``device_put``, ``sharding_constraint``...) and call wrappers (``jit``,
-``custom_jvp_call``...), walked into. Anything else an output depends on raises.
+"""Transforms inside the plan: :func:`analyze_transform` traces the user's function on
+``jax.ShapeDtypeStruct`` s (no data is read) and walks the jaxpr, keeping per value its pieces,
+a small host-evaluated value (index arithmetic on literals and constants), or why it cannot be
+moved (anything but casts, static slicing and indexing, joins, reshapes, transposes, identities
+and call wrappers, which are walked into).
 """
 
 from __future__ import annotations
@@ -56,16 +51,12 @@ class TransformAnalysis:
   """What a transform does to a source tree, element by element, as plain data.
 
   Attributes:
-    src_paths: per source leaf, ``jax.tree_util.keystr`` of its path.
     src_shapes: per source leaf, its shape.
-    src_dtypes: per source leaf, its dtype.
     out_treedef: the structure of the transform's output.
     leaves: per output leaf (in ``out_treedef``'s order), its path, shape, dtype and pieces.
   """
 
-  src_paths: tuple[str, ...]
   src_shapes: tuple[tuple[int, ...], ...]
-  src_dtypes: tuple[np.dtype, ...]
   out_treedef: Any
   leaves: tuple[OutputLeaf, ...]
 
@@ -137,17 +128,16 @@ def analyze_transform(transform: Callable[[Any], Any], src: Any) -> TransformAna
       "reshard, to its result:\n  >>> y = jr.reshard(x, dst, transform=moves_and_casts)\n"
       "  >>> y = other_operations(y)"
     )
-  return TransformAnalysis(paths, shapes, dtypes, out_treedef, tuple(leaves))
+  return TransformAnalysis(shapes, out_treedef, tuple(leaves))
 
 
 def _describe(value: _Static | _Unsupported) -> str:
   if isinstance(value, _Unsupported):
     return f"`{value.primitive}` {value.reason}"
-  if value.origin == "literal":
-    return "is a literal constant, not made from the source"
-  if value.origin == "constant":
-    return "is a constant captured by the transform, not made from the source"
-  return f"is a constant: computed by `{value.origin}` without reading the source"
+  return {
+    "literal": "is a literal constant, not made from the source",
+    "constant": "is a constant captured by the transform, not made from the source",
+  }.get(value.origin, f"is a constant: computed by `{value.origin}` without reading the source")
 
 
 def _walk(jaxpr: Any, args: Sequence[_Value]) -> list[_Value]:

@@ -129,16 +129,12 @@ def broadcast_shardings(prefix: Any, full: Any, treedef: Any, n: int, what: str)
     leaves = None
   if leaves is not None and len(leaves) == n:
     return leaves
-  full_name, other_name = ("input", "src=") if what == "source" else ("source", what)
-  raise tree_mismatch(
-    full,
-    prefix,
-    (full_name, other_name),
-    prefix=True,
-    is_leaf=is_leaf,
-    fix=f"Pass one Sharding for every leaf, or a {what} tree with the {full_name}'s paths (a "
-    f"pytree prefix of it whose leaves are Shardings); nothing was moved.",
+  names = ("input", "src=") if what == "source" else ("source", what)
+  fix = (
+    f"Pass one Sharding for every leaf, or a {what} tree with the {names[0]}'s paths (a "
+    f"pytree prefix of it whose leaves are Shardings); nothing was moved."
   )
+  raise tree_mismatch(full, prefix, names, prefix=True, is_leaf=is_leaf, fix=fix)
 
 
 def flatten_tree(
