@@ -610,7 +610,7 @@ def _missing_and_extra(
     covered, known = other_set.__contains__, set(full_paths)
 
   def lacking(paths: Sequence[_KeyPath], has: Any, others: Sequence[_KeyPath]) -> dict:
-    other_prefixes, groups = _prefixes(others), {}
+    other_prefixes, groups = _prefixes(others), dict[_KeyPath, int]()
     for p in paths:
       if not has(p):
         q = next((p[:k] for k in range(len(p) + 1) if p[:k] not in other_prefixes), p)
