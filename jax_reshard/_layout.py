@@ -1,6 +1,5 @@
-"""Layouts: which box of a global array every device holds, from a real sharding (JAX's own
-``devices_indices_map``) or from a description of a ``NamedSharding`` (clusters not present).
-"""
+"""Layouts: the box of a global array every device holds, from a real sharding (JAX's
+``devices_indices_map``) or from a description of a ``NamedSharding`` (devices not present)."""
 
 from __future__ import annotations
 
@@ -89,9 +88,7 @@ class Layout:
       ([[0, 0], [4, 0]], [[4, 4], [8, 4]])
     """
     shape = (self.num_devices, self.ndim)
-    starts, stops = (
-      np.asarray(b, dtype=np.int64).reshape(shape) for b in (self.starts, self.stops)
-    )
+    starts, stops = (np.asarray(b, np.int64).reshape(shape) for b in (self.starts, self.stops))
     return starts, stops
 
   @classmethod
@@ -171,8 +168,7 @@ class Layout:
       >>> lay.starts
       ((0, 0), (0, 0), (4, 0), (4, 0))
     """
-    shape = tuple(int(s) for s in shape)
-    mesh_shape = tuple(int(s) for s in mesh_shape)
+    shape, mesh_shape = tuple(map(int, shape)), tuple(map(int, mesh_shape))
     axis_names = tuple(axis_names)
     if len(mesh_shape) != len(axis_names):
       raise ReshardError(f"mesh_shape {mesh_shape} and axis_names {axis_names} differ in length")
@@ -183,13 +179,33 @@ class Layout:
     entries = tuple(spec) + (None,) * (len(shape) - len(spec))
     if len(entries) != len(shape):
       raise ReshardError(f"spec {tuple(spec)} has more entries than the array has dimensions")
-    starts, stops = _tile_boxes(shape, mesh_shape, axis_names, entries, tuple(spec))
+    # Every device's box in mesh order, as NamedSharding tiles them (an entry's first axis major).
+    coords = np.indices(mesh_shape).reshape(len(mesh_shape), n)
+    starts = np.zeros((n, len(shape)), dtype=np.int64)
+    stops = np.tile(np.asarray(shape, dtype=np.int64), (n, 1))
+    used: set[str] = set()
+    for dim, entry in enumerate(entries):
+      names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+      for name in names:
+        if name not in axis_names or name in used:
+          raise ReshardError(f"spec {tuple(spec)}: unknown or repeated mesh axis {name!r}")
+        used.add(name)
+      if not names:
+        continue
+      sizes = [mesh_shape[axis_names.index(a)] for a in names]
+      parts = math.prod(sizes)
+      if shape[dim] % parts:
+        raise ReshardError(
+          f"spec {tuple(spec)} splits array axis {dim} into {parts} parts, but the dimension "
+          f"size is {shape[dim]} (full shape: {shape}); it must divide evenly"
+        )
+      k = np.ravel_multi_index([coords[axis_names.index(a)] for a in names], sizes)
+      starts[:, dim] = k * (shape[dim] // parts)
+      stops[:, dim] = starts[:, dim] + shape[dim] // parts
     if process_indices is not None:
       procs = np.asarray(process_indices, dtype=np.int64)
-    elif devices_per_process:
-      procs = ids // devices_per_process
     else:
-      procs = np.zeros(n, dtype=np.int64)
+      procs = ids // devices_per_process if devices_per_process else np.zeros(n, np.int64)
     order = np.argsort(ids, kind="stable")
     mesh_txt = ", ".join(f"{a}={s}" for a, s in zip(axis_names, mesh_shape, strict=True))
     return cls(
@@ -199,49 +215,8 @@ class Layout:
       stops=tuple(map(tuple, stops[order].tolist())),
       process_indices=tuple(procs[order].tolist()),
       platform=platform,
-      description=f"mesh ({mesh_txt}) spec {format_spec(entries)}",
+      description=f"mesh ({mesh_txt}) spec P({', '.join(map(repr, entries))})",
     )
-
-
-def _tile_boxes(
-  shape: tuple[int, ...],
-  mesh_shape: tuple[int, ...],
-  axis_names: tuple[str, ...],
-  entries: tuple[SpecEntry, ...],
-  spec: tuple[SpecEntry, ...],
-) -> tuple[np.ndarray, np.ndarray]:
-  """``(starts, stops)`` of every device in mesh order, as ``NamedSharding`` tiles them (the
-  first axis of an entry most major); ``spec`` is the spec as given, for messages."""
-  n = math.prod(mesh_shape)
-  coords = np.indices(mesh_shape).reshape(len(mesh_shape), n)  # (naxes, n), row-major
-  starts = np.zeros((n, len(shape)), dtype=np.int64)
-  stops = np.tile(np.asarray(shape, dtype=np.int64), (n, 1))
-  used: set[str] = set()
-  for dim, entry in enumerate(entries):
-    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-    for name in names:
-      if name not in axis_names or name in used:
-        raise ReshardError(f"spec {spec}: unknown or repeated mesh axis {name!r}")
-      used.add(name)
-    if not names:
-      continue
-    sizes = [mesh_shape[axis_names.index(a)] for a in names]
-    parts = math.prod(sizes)
-    if shape[dim] % parts:
-      raise ReshardError(
-        f"spec {spec} splits array axis {dim} into {parts} parts, but the dimension "
-        f"size is {shape[dim]} (full shape: {shape}); it must divide evenly"
-      )
-    block = shape[dim] // parts
-    k = np.ravel_multi_index([coords[axis_names.index(a)] for a in names], sizes)
-    starts[:, dim] = k * block
-    stops[:, dim] = k * block + block
-  return starts, stops
-
-
-def format_spec(entries: Sequence[Any]) -> str:
-  """``P('x', None)``-style text for a partition spec."""
-  return "P(" + ", ".join(repr(e) for e in entries) + ")"
 
 
 def describe_sharding(sharding: Any) -> str:
@@ -252,7 +227,7 @@ def describe_sharding(sharding: Any) -> str:
     axes = ", ".join(f"{a}={s}" for a, s in mesh.shape.items())
     ids = [int(d.id) for d in np.asarray(mesh.devices).flat]
     entries = getattr(spec, "partitions", None)  # tuple(spec) refuses (un)reduced axes
-    text = format_spec(tuple(spec) if entries is None else entries)
+    text = "P(" + ", ".join(map(repr, tuple(spec) if entries is None else entries)) + ")"
     for kind in ("unreduced", "reduced"):
       if axes_of := getattr(spec, kind, None):
         text = text[:-1] + (", " if len(text) > 3 else "") + f"{kind}={set(sorted(axes_of))})"

@@ -1,25 +1,13 @@
 """Pieces: how every element of a transform's output comes from one source element. NumPy only.
 
-A transform made of casts, slices, concatenations, stacks, transposes and reshapes maps every
-output element to exactly one source element. Each output leaf is a union of disjoint
-:class:`Piece` values, each the image of a box of one source leaf:
+An output leaf is a union of disjoint :class:`Piece` s, each the image of a box of one source leaf:
 
   out[out_lo:out_hi] = cast(src[src_lo:src_hi].reshape(extents).transpose(perm).reshape(shape))
 
-The *canonical axes* (``extents``, numbered in source order) refine both boxes: each source
-dimension of the box splits row-major into a run of consecutive canonical axes
-(``src_groups`` counts them), and each output dimension merges a run of consecutive entries
-of ``perm`` (``out_groups`` counts them). A dimension with no canonical axis has extent 1.
-One representation covers offsets (the boxes' corners), axis permutations (``perm``) and
-dimensions split or merged by reshapes (groups of several axes); every supported operation
-maps pieces to pieces, so chains compose.
-
-A reshape or slice whose region is not one such box splits a piece into several (at most
-``2k - 1`` per dimension made of ``k`` axes, more when a merged and a split grouping share no
-common refinement, e.g. ``(4, 6) -> (6, 4)``). Canonical axes have extent > 1 and adjacent
-axes that stay adjacent on both sides are merged, so a piece is as small as it can be.
-:func:`restrict` and :func:`restrict_source` cut a piece to a box of either side; the planner
-uses them to intersect destination and source shards with pieces.
+The *canonical axes* (``extents``, in source order) refine both boxes: a source dimension splits
+row-major into ``src_groups`` consecutive axes, an output dimension merges ``out_groups``
+consecutive entries of ``perm``. Every supported operation maps pieces to pieces (splitting one
+where needed), so chains compose.
 """
 
 from __future__ import annotations
@@ -27,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -40,33 +29,19 @@ Ranges = tuple[tuple[int, int], ...]
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Piece:
-  """One box of an output leaf and the box of one source leaf it is made from.
+  """One box of an output leaf and the box of one source leaf it is made from."""
 
-  Attributes:
-    out_lo: first output index of the box, per output dimension.
-    out_hi: one past the last output index, per output dimension.
-    src_leaf: index of the source leaf (in the source tree's leaf order).
-    src_path: ``jax.tree_util.keystr`` of the source leaf's path.
-    src_lo: first source index of the box, per source dimension.
-    src_hi: one past the last source index, per source dimension.
-    extents: sizes of the canonical axes, in source order (each > 1).
-    src_groups: per source dimension, how many consecutive canonical axes it splits into.
-    perm: the canonical axes in output order.
-    out_groups: per output dimension, how many consecutive entries of ``perm`` it merges.
-    dtypes: the casts, in order: the source dtype first, the output dtype last.
-  """
-
-  out_lo: Box
+  out_lo: Box  # the output box [out_lo, out_hi)
   out_hi: Box
-  src_leaf: int
+  src_leaf: int  # the source leaf's index and ``keystr`` path
   src_path: str
-  src_lo: Box
+  src_lo: Box  # the source box [src_lo, src_hi)
   src_hi: Box
-  extents: Box
-  src_groups: Box
-  perm: Box
-  out_groups: Box
-  dtypes: tuple[np.dtype, ...]
+  extents: Box  # the canonical axes' sizes, in source order (each > 1)
+  src_groups: Box  # per source dimension, how many consecutive canonical axes it splits into
+  perm: Box  # the canonical axes in output order
+  out_groups: Box  # per output dimension, how many consecutive entries of ``perm`` it merges
+  dtypes: tuple[np.dtype, ...]  # the cast chain: the source dtype first, the output dtype last
 
   @property
   def size(self) -> int:
@@ -74,19 +49,8 @@ class Piece:
     return math.prod(self.extents)
 
   @property
-  def src_dtype(self) -> np.dtype:
-    return self.dtypes[0]
-
-  @property
-  def out_dtype(self) -> np.dtype:
-    return self.dtypes[-1]
-
-  @property
   def wire_dtype(self) -> np.dtype:
-    """The narrowest dtype of the cast chain: what moves between devices.
-
-    Casts up to it run on the sender, the rest on the receiver.
-    """
+    """The narrowest dtype of the cast chain: what moves (casts up to it run on the sender)."""
     return min(self.dtypes, key=lambda d: d.itemsize)
 
   @property
@@ -110,25 +74,17 @@ class Piece:
   def __str__(self) -> str:
     out = ", ".join(f"{a}:{b}" for a, b in zip(self.out_lo, self.out_hi, strict=True))
     src = ", ".join(f"{a}:{b}" for a, b in zip(self.src_lo, self.src_hi, strict=True))
-    casts = "->".join(str(d) for d in self.dtypes)
-    text = f"out[{out}] <- {self.src_path or '<root>'}[{src}] {casts}"
-    if any(n > 1 for n in self.src_groups + self.out_groups) or list(self.perm) != sorted(
-      self.perm
-    ):
+    text = f"out[{out}] <- {self.src_path or '<root>'}[{src}] {'->'.join(map(str, self.dtypes))}"
+    reshaped = any(n > 1 for n in (*self.src_groups, *self.out_groups))
+    if reshaped or list(self.perm) != sorted(self.perm):
       text += f" via reshape{self.extents} transpose{self.perm}"
     return text
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class OutputLeaf:
-  """One leaf of a transform's output and the disjoint pieces that cover it.
-
-  Attributes:
-    path: ``jax.tree_util.keystr`` of the output leaf's path.
-    shape: its global shape.
-    dtype: its dtype.
-    pieces: disjoint pieces whose output boxes cover every element exactly once.
-  """
+  """One leaf of a transform's output (``keystr`` path, global shape, dtype) and the disjoint
+  pieces that cover each of its elements once."""
 
   path: str
   shape: Box
@@ -141,15 +97,8 @@ class OutputLeaf:
 
 
 def _runs(seq: Sequence[int], counts: Sequence[int]) -> list[list[int]]:
-  out, i = [], 0
-  for c in counts:
-    out.append(list(seq[i : i + c]))
-    i += c
-  return out
-
-
-def _order(p: Piece) -> Box:
-  return p.out_lo
+  ends = list(itertools.accumulate(counts, initial=0))
+  return [list(seq[a:b]) for a, b in itertools.pairwise(ends)]
 
 
 def _splice(t: tuple, d: int, m: int, new: tuple) -> tuple:
@@ -157,55 +106,27 @@ def _splice(t: tuple, d: int, m: int, new: tuple) -> tuple:
   return (*t[:d], *new, *t[d + m :])
 
 
-def _row_strides(sizes: Sequence[int]) -> list[int]:
-  strides, acc = [], 1
-  for s in reversed(sizes):
-    strides.append(acc)
-    acc *= s
-  return strides[::-1]
+def _flat(index: Sequence[int], sizes: Sequence[int]) -> int:
+  """The row-major flat position of ``index`` in an array of shape ``sizes``."""
+  return sum(i * math.prod(sizes[k + 1 :]) for k, i in enumerate(index))
 
 
 def source_piece(index: int, path: str, shape: Sequence[int], dtype: np.dtype) -> tuple[Piece, ...]:
-  """The pieces of a source leaf taken whole (none if it has no elements).
-
-  Example:
-    >>> p, = source_piece(0, "['w']", (4, 1, 6), np.dtype("float32"))
-    >>> print(p)
-    out[0:4, 0:1, 0:6] <- ['w'][0:4, 0:1, 0:6] float32
-  """
+  """The pieces of a source leaf taken whole (none if it has no elements)."""
   shape = tuple(int(s) for s in shape)
   if math.prod(shape) == 0:
     return ()
-  extents = tuple(s for s in shape if s > 1)
-  groups = tuple(int(s > 1) for s in shape)
-  zeros = (0,) * len(shape)
-  return (
-    Piece(
-      zeros,
-      shape,
-      index,
-      path,
-      zeros,
-      shape,
-      extents,
-      groups,
-      tuple(range(len(extents))),
-      groups,
-      (np.dtype(dtype),),
-    ),
+  extents, groups = tuple(s for s in shape if s > 1), tuple(int(s > 1) for s in shape)
+  zeros, axes = (0,) * len(shape), tuple(range(len(extents)))
+  piece = Piece(
+    zeros, shape, index, path, zeros, shape, extents, groups, axes, groups, (np.dtype(dtype),)
   )
+  return (piece,)
 
 
 def interval_boxes(a: int, b: int, radices: Sequence[int]) -> list[Ranges]:
-  """Splits the row-major flat range ``[a, b)`` of an array of shape ``radices`` into boxes.
-
-  Every box is contiguous in the flat order (single indices, then one partial range, then full
-  ranges), and there are at most ``2 * len(radices) - 1`` of them.
-
-  Example:
-    >>> interval_boxes(4, 17, (4, 6))
-    [((0, 1), (4, 6)), ((1, 2), (0, 6)), ((2, 3), (0, 5))]
-  """
+  """The row-major flat range ``[a, b)`` of an array of shape ``radices`` as at most
+  ``2 * len(radices) - 1`` boxes, each contiguous in the flat order."""
   if a >= b:
     return []
   if not radices:
@@ -228,14 +149,8 @@ def interval_boxes(a: int, b: int, radices: Sequence[int]) -> list[Ranges]:
 
 def _offender(box: Ranges, axes: Sequence[int], extents: Sequence[int]) -> int | None:
   """An axis to split ``box`` along so that the group ``axes`` becomes contiguous, or None."""
-  last = -1
-  for i, k in enumerate(axes):
-    if box[k] != (0, extents[k]):
-      last = i
-  for k in axes[: max(last, 0)]:
-    if box[k][1] - box[k][0] > 1:
-      return k
-  return None
+  last = max((i for i, k in enumerate(axes) if box[k] != (0, extents[k])), default=-1)
+  return next((k for k in axes[: max(last, 0)] if box[k][1] - box[k][0] > 1), None)
 
 
 def _split_contiguous(
@@ -254,27 +169,27 @@ def _split_contiguous(
   return sorted(done)
 
 
-def _corner(lo: Box, axes: list[list[int]], box: Ranges, extents: Sequence[int]) -> Box:
-  out = []
+def _corners(
+  lo: Box, axes: list[list[int]], box: Ranges, extents: Sequence[int]
+) -> tuple[Box, Box]:
+  """``(lo, hi)`` of the canonical box ``box`` on the side of a piece with corner ``lo`` and
+  ``axes``."""
+  starts, stops = [], []
   for start, group in zip(lo, axes, strict=True):
-    strides = _row_strides([extents[k] for k in group])
-    out.append(start + sum(box[k][0] * s for k, s in zip(group, strides, strict=True)))
-  return tuple(out)
+    starts.append(start + _flat([box[k][0] for k in group], [extents[k] for k in group]))
+    stops.append(starts[-1] + math.prod(box[k][1] - box[k][0] for k in group))
+  return tuple(starts), tuple(stops)
 
 
 def _sub_piece(p: Piece, box: Ranges) -> Piece:
   """The part of ``p`` in the canonical box ``box`` (contiguous on both sides)."""
-  src_axes, out_axes = p.src_axes(), p.out_axes()
-  ext = [b - a for a, b in box]
-  src_lo = _corner(p.src_lo, src_axes, box, p.extents)
-  out_lo = _corner(p.out_lo, out_axes, box, p.extents)
-  src_hi = tuple(a + math.prod(ext[k] for k in g) for a, g in zip(src_lo, src_axes, strict=True))
-  out_hi = tuple(a + math.prod(ext[k] for k in g) for a, g in zip(out_lo, out_axes, strict=True))
-  return _normalize(
-    dataclasses.replace(
-      p, out_lo=out_lo, out_hi=out_hi, src_lo=src_lo, src_hi=src_hi, extents=tuple(ext)
-    )
+  src_lo, src_hi = _corners(p.src_lo, p.src_axes(), box, p.extents)
+  out_lo, out_hi = _corners(p.out_lo, p.out_axes(), box, p.extents)
+  extents = tuple(b - a for a, b in box)
+  sub = dataclasses.replace(
+    p, out_lo=out_lo, out_hi=out_hi, src_lo=src_lo, src_hi=src_hi, extents=extents
   )
+  return _normalize(sub)
 
 
 def _normalize(p: Piece) -> Piece:
@@ -299,7 +214,10 @@ def _normalize(p: Piece) -> Piece:
   )
 
 
-def _restrict(p: Piece, lo: Sequence[int], hi: Sequence[int], on_source: bool) -> list[Piece]:
+def restrict(
+  p: Piece, lo: Sequence[int], hi: Sequence[int], on_source: bool = False
+) -> list[Piece]:
+  """The parts of ``p`` whose output (or source) lies in the box ``[lo, hi)``, as pieces."""
   box_lo, box_hi = (p.src_lo, p.src_hi) if on_source else (p.out_lo, p.out_hi)
   src_axes, out_axes = p.src_axes(), p.out_axes()
   axes = src_axes if on_source else out_axes
@@ -322,29 +240,15 @@ def _restrict(p: Piece, lo: Sequence[int], hi: Sequence[int], on_source: bool) -
   return out
 
 
-def restrict(p: Piece, lo: Sequence[int], hi: Sequence[int]) -> list[Piece]:
-  """The parts of ``p`` whose output lies in the box ``[lo, hi)``, as pieces.
-
-  Example:
-    >>> p, = reshape_pieces(source_piece(0, "x", (4, 6), np.dtype("int8")), (4, 6), (24,))
-    >>> for q in restrict(p, (4,), (17,)): print(q)
-    out[4:6] <- x[0:1, 4:6] int8
-    out[6:12] <- x[1:2, 0:6] int8
-    out[12:17] <- x[2:3, 0:5] int8
-  """
-  return _restrict(p, lo, hi, on_source=False)
-
-
 def restrict_source(p: Piece, lo: Sequence[int], hi: Sequence[int]) -> list[Piece]:
-  """The parts of ``p`` whose source lies in the box ``[lo, hi)``, as pieces."""
-  return _restrict(p, lo, hi, on_source=True)
+  return restrict(p, lo, hi, on_source=True)
 
 
-def shift_pieces(pieces: Sequence[Piece], dim: int, delta: int) -> list[Piece]:
-  """Moves the output boxes by ``delta`` along dimension ``dim``."""
+def shift_pieces(pieces: Sequence[Piece], offsets: Mapping[int, int]) -> list[Piece]:
+  """Moves the output boxes by ``offsets[d]`` along each dimension ``d`` it names."""
 
   def move(box: Box) -> Box:
-    return _splice(box, dim, 1, (box[dim] + delta,))
+    return tuple(a + offsets.get(d, 0) for d, a in enumerate(box))
 
   return [dataclasses.replace(p, out_lo=move(p.out_lo), out_hi=move(p.out_hi)) for p in pieces]
 
@@ -353,56 +257,42 @@ def slice_pieces(
   pieces: Sequence[Piece], start: Sequence[int], limit: Sequence[int]
 ) -> list[Piece]:
   """The pieces of ``x[start:limit]`` (unit steps) given the pieces of ``x``."""
-  out = []
-  for p in pieces:
-    for q in restrict(p, start, limit):
-      lo = tuple(a - s for a, s in zip(q.out_lo, start, strict=True))
-      hi = tuple(a - s for a, s in zip(q.out_hi, start, strict=True))
-      out.append(dataclasses.replace(q, out_lo=lo, out_hi=hi))
-  return out
+  parts = [q for p in pieces for q in restrict(p, start, limit)]
+  return shift_pieces(parts, {d: -a for d, a in enumerate(start)})
+
+
+def _pick(p: Piece, dims: Sequence[int], **changes: Any) -> Piece:
+  """``p`` with the output dimensions ``dims`` only, in that order."""
+  return dataclasses.replace(
+    p,
+    out_lo=tuple(p.out_lo[d] for d in dims),
+    out_hi=tuple(p.out_hi[d] for d in dims),
+    out_groups=tuple(p.out_groups[d] for d in dims),
+    **changes,
+  )
 
 
 def transpose_pieces(pieces: Sequence[Piece], permutation: Sequence[int]) -> list[Piece]:
   """The pieces of ``lax.transpose(x, permutation)``."""
-  out = []
-  for p in pieces:
-    axes = p.out_axes()
-    out.append(
-      dataclasses.replace(
-        p,
-        out_lo=tuple(p.out_lo[d] for d in permutation),
-        out_hi=tuple(p.out_hi[d] for d in permutation),
-        perm=tuple(k for d in permutation for k in axes[d]),
-        out_groups=tuple(p.out_groups[d] for d in permutation),
-      )
-    )
-  return out
+  return [
+    _pick(p, permutation, perm=tuple(k for d in permutation for k in p.out_axes()[d]))
+    for p in pieces
+  ]
 
 
 def squeeze_pieces(pieces: Sequence[Piece], dims: Sequence[int]) -> list[Piece]:
   """The pieces of ``lax.squeeze(x, dims)`` (``dims`` have size 1)."""
   keep = [d for d in range(len(pieces[0].out_lo)) if d not in set(dims)] if pieces else []
-  return [
-    dataclasses.replace(
-      p,
-      out_lo=tuple(p.out_lo[d] for d in keep),
-      out_hi=tuple(p.out_hi[d] for d in keep),
-      out_groups=tuple(p.out_groups[d] for d in keep),
-    )
-    for p in pieces
-  ]
+  return [_pick(p, keep) for p in pieces]
 
 
 def expand_pieces(pieces: Sequence[Piece], dims: Sequence[int]) -> list[Piece]:
   """The pieces of ``lax.expand_dims(x, dims)``: unit dimensions at output positions ``dims``."""
   out = []
   for p in pieces:
-    lo, hi, groups = list(p.out_lo), list(p.out_hi), list(p.out_groups)
     for d in sorted(dims):
-      lo.insert(d, 0)
-      hi.insert(d, 1)
-      groups.insert(d, 0)
-    out.append(dataclasses.replace(p, out_lo=tuple(lo), out_hi=tuple(hi), out_groups=tuple(groups)))
+      p = _set_out(p, d, 0, (0,), (1,), (0,))
+    out.append(p)
   return out
 
 
@@ -410,36 +300,42 @@ def cast_pieces(pieces: Sequence[Piece], dtype: np.dtype) -> list[Piece]:
   """The pieces of ``x.astype(dtype)``: the cast joins each piece's chain."""
   dtype = np.dtype(dtype)
   return [
-    p if p.out_dtype == dtype else dataclasses.replace(p, dtypes=(*p.dtypes, dtype)) for p in pieces
+    p if p.dtypes[-1] == dtype else dataclasses.replace(p, dtypes=(*p.dtypes, dtype))
+    for p in pieces
   ]
+
+
+def _set_out(p: Piece, d: int, m: int, lo: Box, hi: Box, groups: Box, **changes: Any) -> Piece:
+  """``p`` with output dimensions ``d .. d+m-1`` replaced by dimensions ``[lo, hi)``."""
+  return dataclasses.replace(
+    p,
+    out_lo=_splice(p.out_lo, d, m, lo),
+    out_hi=_splice(p.out_hi, d, m, hi),
+    out_groups=_splice(p.out_groups, d, m, groups),
+    **changes,
+  )
+
+
+def _cut(p: Piece, d: int, x: int, y: int) -> list[Piece]:
+  """The parts of ``p`` whose output index on dimension ``d`` is in ``[x, y)``."""
+  return restrict(p, _splice(p.out_lo, d, 1, (x,)), _splice(p.out_hi, d, 1, (y,)))
 
 
 def _merge_dims(pieces: Sequence[Piece], shape: Box, d: int, m: int) -> list[Piece]:
   """Merges output dimensions ``d .. d+m-1`` (of sizes ``shape[d:d+m]``) into one."""
   sizes = shape[d : d + m]
-  strides = _row_strides(sizes)
   todo, out = list(pieces), []
   while todo:
     p = todo.pop()
     ranges = tuple(zip(p.out_lo[d : d + m], p.out_hi[d : d + m], strict=True))
     axis = _offender(ranges, range(m), sizes)
     if axis is not None:  # not one flat range: cut along ``axis`` into single indices
-      for v in range(ranges[axis][0], ranges[axis][1]):
-        lo = _splice(p.out_lo, d + axis, 1, (v,))
-        hi = _splice(p.out_hi, d + axis, 1, (v + 1,))
-        todo += restrict(p, lo, hi)
+      todo += [q for v in range(*ranges[axis]) for q in _cut(p, d + axis, v, v + 1)]
       continue
-    flat_lo = sum(a * s for (a, _), s in zip(ranges, strides, strict=True))
+    flat_lo = _flat([a for a, _ in ranges], sizes)
     flat_hi = flat_lo + math.prod(b - a for a, b in ranges)
-    out.append(
-      dataclasses.replace(
-        p,
-        out_lo=_splice(p.out_lo, d, m, (flat_lo,)),
-        out_hi=_splice(p.out_hi, d, m, (flat_hi,)),
-        out_groups=_splice(p.out_groups, d, m, (sum(p.out_groups[d : d + m]),)),
-      )
-    )
-  return sorted(out, key=_order)
+    out.append(_set_out(p, d, m, (flat_lo,), (flat_hi,), (sum(p.out_groups[d : d + m]),)))
+  return sorted(out, key=lambda p: p.out_lo)
 
 
 def _refinement(a: Sequence[int], b: Sequence[int]) -> list[int] | None:
@@ -482,18 +378,10 @@ def _split_piece(p: Piece, d: int, box: Ranges, fine: list[int]) -> Piece:
   src_groups = tuple(sum(len(new_ids[k]) for k in g) for g in p.src_axes())
   perm = tuple(j for k in p.perm for j in new_ids[k])
   dims = [b - a for a, b in box]
-  new_counts = _counts([n for n in dims if n > 1], fine)
-  it = iter(new_counts)
-  split_groups = tuple(next(it) if n > 1 else 0 for n in dims)
-  return dataclasses.replace(
-    p,
-    out_lo=_splice(p.out_lo, d, 1, tuple(a for a, _ in box)),
-    out_hi=_splice(p.out_hi, d, 1, tuple(b for _, b in box)),
-    extents=tuple(extents),
-    src_groups=src_groups,
-    perm=perm,
-    out_groups=_splice(p.out_groups, d, 1, split_groups),
-  )
+  counts = iter(_counts([n for n in dims if n > 1], fine))
+  groups = tuple(next(counts) if n > 1 else 0 for n in dims)
+  lo, hi = tuple(a for a, _ in box), tuple(b for _, b in box)
+  return _set_out(p, d, 1, lo, hi, groups, extents=tuple(extents), src_groups=src_groups, perm=perm)
 
 
 def _split_dim(pieces: Sequence[Piece], d: int, sizes: Sequence[int]) -> list[Piece]:
@@ -502,26 +390,20 @@ def _split_dim(pieces: Sequence[Piece], d: int, sizes: Sequence[int]) -> list[Pi
   while todo:
     p = todo.pop()
     a, b = p.out_lo[d], p.out_hi[d]
-
-    def cut(x: int, y: int, p: Piece = p) -> list[Piece]:
-      return restrict(p, _splice(p.out_lo, d, 1, (x,)), _splice(p.out_hi, d, 1, (y,)))
-
     boxes = interval_boxes(a, b, sizes)
     if len(boxes) > 1:  # not one box of the new dimensions
-      strides = _row_strides(sizes)
       for box in boxes:
-        x = sum(lo * s for (lo, _), s in zip(box, strides, strict=True))
-        todo += cut(x, x + math.prod(hi - lo for lo, hi in box))
+        x = _flat([lo for lo, _ in box], sizes)
+        todo += _cut(p, d, x, x + math.prod(hi - lo for lo, hi in box))
       continue
     group = [p.extents[k] for k in p.out_axes()[d]]
     fine = _refinement(group, [hi - lo for lo, hi in boxes[0] if hi - lo > 1])
     if fine is None:  # no common refinement: cut along the piece's leading axis on ``d``
       step = (b - a) // group[0]
-      for x in range(a, b, step):
-        todo += cut(x, x + step)
+      todo += [q for x in range(a, b, step) for q in _cut(p, d, x, x + step)]
       continue
     out.append(_split_piece(p, d, boxes[0], fine))
-  return sorted(out, key=_order)
+  return sorted(out, key=lambda p: p.out_lo)
 
 
 def _reshape_groups(a: Sequence[int], b: Sequence[int]) -> list[tuple[int, list[int]]]:
@@ -571,37 +453,11 @@ def reshape_pieces(
   return expand_pieces(out, [i for i, n in enumerate(new_shape) if n == 1])
 
 
-def concatenate_pieces(
-  operands: Sequence[Sequence[Piece]], sizes: Sequence[int], dim: int
-) -> list[Piece]:
-  """The pieces of ``lax.concatenate(operands, dim)``; ``sizes``: each operand's size on ``dim``."""
-  out, offset = [], 0
-  for pieces, n in zip(operands, sizes, strict=True):
-    out += shift_pieces(pieces, dim, offset)
-    offset += n
-  return out
-
-
 def evaluate(leaf: OutputLeaf, sources: Sequence[np.ndarray], *, cast: bool = True) -> np.ndarray:
-  """Builds an output leaf on the host from NumPy source arrays, piece by piece.
-
-  A reference for tests: every piece is cut from its source, reshaped, transposed and cast with
-  NumPy (``ml_dtypes`` for bfloat16; float-to-integer casts saturate as XLA's do, see
-  :func:`cast_like_xla`), independently of JAX. NaN payloads may differ from XLA's.
-
-  Args:
-    leaf: the output leaf.
-    sources: the source arrays, in the source tree's leaf order.
-    cast: apply the casts; ``False`` keeps the sources' dtype (all alike), e.g. to follow
-      integer indices of source elements.
-
-  Example:
-    >>> x = np.arange(24, dtype=np.int8).reshape(4, 6)
-    >>> pieces = transpose_pieces(source_piece(0, "x", (4, 6), x.dtype), (1, 0))
-    >>> y = evaluate(OutputLeaf("y", (6, 4), x.dtype, tuple(pieces)), [x])
-    >>> bool((y == x.T).all())
-    True
-  """
+  """Builds an output leaf on the host from NumPy source arrays (in the source tree's leaf
+  order), piece by piece: a reference for tests, independent of JAX (float-to-integer casts as
+  :func:`cast_like_xla`; NaN payloads may differ from XLA's). ``cast=False`` skips the casts
+  and keeps the sources' dtype (all alike), e.g. to follow indices of source elements."""
   dtype = leaf.dtype if cast else np.result_type(*[s.dtype for s in sources])
   out = np.empty(leaf.shape, dtype)
   for p in leaf.pieces:
@@ -616,12 +472,7 @@ def evaluate(leaf: OutputLeaf, sources: Sequence[np.ndarray], *, cast: bool = Tr
 
 def cast_like_xla(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
   """``x.astype(dtype)``, except that floats convert to integers as XLA does: saturating at
-  the integer's range, NaN to 0 (NumPy leaves those undefined).
-
-  Example:
-    >>> cast_like_xla(np.array([300.0, -1e10, np.nan, 2.7], np.float32), np.dtype("int8"))
-    array([ 127, -128,    0,    2], dtype=int8)
-  """
+  the integer's range, NaN to 0 (NumPy leaves those undefined)."""
   dtype = np.dtype(dtype)
   is_float = x.dtype.kind == "f" or (x.dtype.kind == "V" and "float" in x.dtype.name)
   if not (is_float and dtype.kind in "iu"):
@@ -634,67 +485,36 @@ def cast_like_xla(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
   return np.where(np.isnan(wide), 0, out).astype(dtype)
 
 
-def _unique_boxes(layout: Layout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """Distinct boxes ``(lo, hi)`` of a layout and, per device, the index of its box."""
-  lo, hi = layout.box_arrays()
-  key = np.concatenate([lo, hi, np.zeros((len(lo), 1), np.int64)], axis=1)
-  uniq, inv = np.unique(key, axis=0, return_inverse=True)
-  nd = layout.ndim
-  return uniq[:, :nd], uniq[:, nd : 2 * nd], inv.reshape(-1)
-
-
-def _held_bytes(subs: Sequence[Piece], dst_ids: np.ndarray, src_layouts: Sequence[Layout]) -> int:
-  """Bytes (wire dtype) of ``subs`` whose source element each of ``dst_ids`` holds itself."""
-  held = 0
-  for leaf in sorted({q.src_leaf for q in subs}):
-    qs = [q for q in subs if q.src_leaf == leaf]
-    src = src_layouts[leaf]
-    ids = np.asarray(src.device_ids, np.int64)
-    pos = np.searchsorted(ids, dst_ids)
-    pos = (
-      pos[(pos < len(ids)) & (ids[np.minimum(pos, len(ids) - 1)] == dst_ids)]
-      if len(ids)
-      else pos[:0]
-    )
-    if not len(pos):
-      continue
-    s_lo, s_hi = src.box_arrays()
-    q_lo = np.asarray([q.src_lo for q in qs], np.int64).reshape(len(qs), src.ndim)
-    q_hi = np.asarray([q.src_hi for q in qs], np.int64).reshape(len(qs), src.ndim)
-    ext = np.minimum(s_hi[pos, None], q_hi[None]) - np.maximum(s_lo[pos, None], q_lo[None])
-    elems = np.prod(np.maximum(ext, 0), axis=-1, dtype=np.int64)  # (devices, pieces)
-    wire = np.asarray([q.wire_dtype.itemsize for q in qs], np.int64)
-    held += int((elems * wire[None]).sum())
-  return held
-
-
 def lower_bound_bytes(leaf: OutputLeaf, src_layouts: Sequence[Layout], dst_layout: Layout) -> int:
   """The fewest bytes any plan must move to build ``leaf`` in ``dst_layout``.
 
   Per destination device: its output shard's elements minus those whose source element it
-  already holds (in its shard of that source leaf), counted in each piece's wire dtype (the
-  narrowest dtype of its cast chain: narrowing casts run on the sender, widening ones on the
-  receiver). Works on boxes: distinct destination boxes are cut into pieces once and
-  intersected with the source shards, so no element is enumerated.
-
-  Args:
-    leaf: the output leaf.
-    src_layouts: the layout of every source leaf, in the source tree's leaf order.
-    dst_layout: the output leaf's layout.
+  already holds (in its shard of that source leaf, ``src_layouts`` in the source tree's leaf
+  order), in each piece's wire dtype. Distinct destination boxes are cut into pieces once and
+  intersected with the source shards: no element is enumerated.
 
   Raises:
-    ReshardError: if a layout's shape does not match its leaf.
+    ReshardError: if ``dst_layout``'s shape is not the leaf's.
   """
   if dst_layout.shape != leaf.shape:
     raise ReshardError(
       f"destination layout of shape {dst_layout.shape} for output leaf {leaf.path or '<root>'} "
       f"of shape {leaf.shape}"
     )
-  d_lo, d_hi, inv = _unique_boxes(dst_layout)
-  d_ids = np.asarray(dst_layout.device_ids, np.int64)
+  lo, hi = dst_layout.box_arrays()
+  nd, ids = dst_layout.ndim, np.asarray(dst_layout.device_ids, np.int64)
+  key = np.concatenate([lo, hi, np.zeros((len(lo), 1), np.int64)], axis=1)  # rows even at 0-d
+  boxes, inv = np.unique(key, axis=0, return_inverse=True)
   total = 0
-  for v in range(len(d_lo)):
-    subs = [q for p in leaf.pieces for q in restrict(p, tuple(d_lo[v]), tuple(d_hi[v]))]
-    total += int((inv == v).sum()) * sum(q.size * q.wire_dtype.itemsize for q in subs)
-    total -= _held_bytes(subs, d_ids[inv == v], src_layouts)
+  for v, box in enumerate(boxes):
+    subs = [q for p in leaf.pieces for q in restrict(p, tuple(box[:nd]), tuple(box[nd : 2 * nd]))]
+    devs = ids[inv.reshape(-1) == v]
+    total += len(devs) * sum(q.size * q.wire_dtype.itemsize for q in subs)
+    for j in {q.src_leaf for q in subs}:  # minus what the devices hold of each source leaf
+      qs, src = [q for q in subs if q.src_leaf == j], src_layouts[j]
+      rows = np.isin(np.asarray(src.device_ids, np.int64), devs)
+      s_lo, s_hi = (b[rows, None] for b in src.box_arrays())
+      q_lo, q_hi = (np.asarray([getattr(q, k) for q in qs], np.int64) for k in ("src_lo", "src_hi"))
+      held = np.prod(np.maximum(np.minimum(s_hi, q_hi) - np.maximum(s_lo, q_lo), 0), axis=-1)
+      total -= int((held * np.asarray([q.wire_dtype.itemsize for q in qs])).sum())
   return total

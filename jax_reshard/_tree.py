@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, Sharding
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec, Sharding
 
 from jax_reshard._buffers import buffers_by_device
 from jax_reshard._errors import ReshardError, ReshardTypeError
@@ -22,15 +22,8 @@ from jax_reshard._layout import Layout, describe_sharding
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Leaf:
-  """One array of a tree to reshard.
-
-  Attributes:
-    path: ``jax.tree_util.keystr`` of the leaf's path (``""`` for a bare array).
-    shape: global shape.
-    dtype: element type.
-    src_sharding: where the leaf is.
-    dst_sharding: where it goes.
-  """
+  """One array of a tree to reshard: its path (``keystr``; ``""`` for a bare array), global
+  shape, dtype, where it is (``src_sharding``) and where it goes (``dst_sharding``)."""
 
   path: str
   shape: tuple[int, ...]
@@ -45,10 +38,8 @@ class Leaf:
 
   def layouts(self) -> tuple[Layout, Layout]:
     """The (source, destination) index boxes of every device."""
-    return (
-      Layout.from_sharding(self.src_sharding, self.shape),
-      Layout.from_sharding(self.dst_sharding, self.shape),
-    )
+    src, dst = (Layout.from_sharding(s, self.shape) for s in (self.src_sharding, self.dst_sharding))
+    return src, dst
 
   def reversed(self) -> Leaf:
     """The same leaf moving back from its destination to its source."""
@@ -77,75 +68,55 @@ def as_sharding(path: str, d: Any) -> Sharding:
   raise ReshardTypeError(
     f"destination for leaf {path or '<root>'} is {type(d).__name__}, not a "
     "jax.sharding.Sharding (nor a PartitionSpec, nor an array / ShapeDtypeStruct with a "
-    ".sharding). Pass e.g.\n"
-    "  >>> jr.reshard(x, NamedSharding(mesh, P('tp')))"
+    ".sharding). Pass e.g.\n  >>> jr.reshard(x, NamedSharding(mesh, P('tp')))"
   )
 
 
 def resolve_sharding(s: Sharding | PartitionSpec, path: str, which: str) -> Sharding:
-  """A concrete sharding for ``s``: an abstract-mesh ``NamedSharding`` or a bare
-  ``PartitionSpec`` resolves against the mesh of the enclosing ``jax.set_mesh(...)``."""
+  """``s`` made concrete: an abstract-mesh ``NamedSharding`` or a bare ``PartitionSpec``
+  resolves against the mesh of the enclosing ``jax.set_mesh(...)``."""
   mesh = getattr(s, "mesh", None)
   if isinstance(s, Sharding) and not isinstance(mesh, AbstractMesh):
     return s
-  context = _context_mesh()
-  name = path or "<root>"
+  try:
+    context = jax.sharding.get_mesh()
+  except ValueError:  # inside jax.jit, where jax only offers the abstract mesh publicly
+    from jax._src import mesh as mesh_lib
+
+    context = mesh_lib.get_concrete_mesh()
   if isinstance(s, PartitionSpec):
     what = f"the bare PartitionSpec {s}, not a jax.sharding.Sharding"
     spec, memory_kind = s, None
   else:
     what = f"a NamedSharding over {mesh}, which names no devices"
     spec, memory_kind = s.spec, s.memory_kind  # type: ignore[attr-defined]
+  head = f"the {which} of leaf {path or '<root>'} is {what}"
   if context.empty:
-    error = ReshardTypeError if isinstance(s, PartitionSpec) else ReshardError
-    raise error(
-      f"the {which} of leaf {name} is {what}. Resolve it against the devices it belongs to by "
-      "entering the concrete mesh first, or pass concrete shardings:\n"
-      "  >>> with jax.set_mesh(sampler_mesh):\n"
+    raise (ReshardTypeError if isinstance(s, PartitionSpec) else ReshardError)(
+      f"{head}. Resolve it against the devices it belongs to by entering the concrete mesh "
+      "first, or pass concrete shardings:\n  >>> with jax.set_mesh(sampler_mesh):\n"
       "  ...   y = jr.reshard(x, abstract_sampler_state)"
     )
-  if mesh is not None and (
-    tuple(mesh.axis_names) != tuple(context.axis_names)
-    or tuple(mesh.axis_sizes) != tuple(context.axis_sizes)
-  ):
+  axes = lambda m: (tuple(m.axis_names), tuple(m.axis_sizes))
+  if mesh is not None and axes(mesh) != axes(context):
     raise ReshardError(
-      f"the {which} of leaf {name} is {what}, but the mesh of the enclosing jax.set_mesh "
-      f"has other axes: {dict(context.shape)} against "
-      f"{dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))}. "
-      "Enter the mesh these shardings were made for (jax.set_mesh(sampler_mesh)), or pass "
+      f"{head}, but the mesh of the enclosing jax.set_mesh has other axes: "
+      f"{dict(context.shape)} against {dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))}"
+      ". Enter the mesh these shardings were made for (jax.set_mesh(sampler_mesh)), or pass "
       "concrete shardings."
     )
   try:
     return NamedSharding(context, spec, memory_kind=memory_kind)
   except ValueError as e:  # e.g. an axis the mesh lacks: name the leaf
     raise ReshardError(
-      f"the {which} of leaf {name} is {what}, which does not fit the mesh of the enclosing "
-      f"jax.set_mesh (axes {dict(context.shape)}): {e}"
+      f"{head}, which does not fit the mesh of the enclosing jax.set_mesh (axes "
+      f"{dict(context.shape)}): {e}"
     ) from None
 
 
-def _context_mesh() -> Mesh:
-  """The concrete mesh of the enclosing ``jax.set_mesh`` (empty when there is none)."""
-  try:
-    return jax.sharding.get_mesh()
-  except ValueError:  # inside jax.jit, where jax only offers the abstract mesh publicly
-    from jax._src import mesh as mesh_lib
-
-    return mesh_lib.get_concrete_mesh()
-
-
-def _leaves_if_same_paths(tree: Any, full: Any, is_leaf: Any) -> list[Any] | None:
-  """``tree``'s leaves when it has exactly the leaf paths of ``full`` (trees whose node
-  metadata differs, as Flax ``Param`` sharding annotations, do not broadcast), else ``None``."""
-  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
-  full_paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(full)[0]]
-  if [jax.tree_util.keystr(p) for p, _ in flat] != full_paths:
-    return None
-  return [leaf for _, leaf in flat]
-
-
 def broadcast_shardings(prefix: Any, full: Any, treedef: Any, n: int, what: str) -> list[Any]:
-  """One Sharding (or template) per leaf of ``full`` from a Sharding or a pytree prefix."""
+  """One Sharding (or template) per leaf of ``full`` from a Sharding or a pytree prefix; a tree
+  with ``full``'s leaf paths but other node metadata (Flax annotations) counts as one too."""
   if isinstance(prefix, (Sharding, PartitionSpec)):
     return [prefix] * n
   is_leaf = lambda x: isinstance(x, (Sharding, PartitionSpec)) or x is None
@@ -153,24 +124,17 @@ def broadcast_shardings(prefix: Any, full: Any, treedef: Any, n: int, what: str)
     out = jax.tree_util.tree_broadcast(prefix, full, is_leaf=is_leaf)
     leaves = jax.tree_util.tree_leaves(out, is_leaf=is_leaf)
   except (ValueError, TypeError):
-    same_paths = _leaves_if_same_paths(prefix, full, is_leaf)
-    if same_paths is not None:
-      return same_paths
+    if list(map(_path_str, _key_paths(prefix, is_leaf))) == list(map(_path_str, _key_paths(full))):
+      return jax.tree_util.tree_leaves(prefix, is_leaf=is_leaf)
     leaves = None
-  if leaves is None or len(leaves) != n:
-    full_name = "source" if what != "source" else "input"
-    other_name = what if what != "source" else "src="
-    raise tree_mismatch(
-      full,
-      prefix,
-      full_name=full_name,
-      other_name=other_name,
-      prefix=True,
-      is_leaf=is_leaf,
-      fix=f"Pass one Sharding for every leaf, or a {what} tree with the {full_name}'s paths (a "
-      f"pytree prefix of it whose leaves are Shardings); nothing was moved.",
-    )
-  return leaves
+  if leaves is not None and len(leaves) == n:
+    return leaves
+  names = ("input", "src=") if what == "source" else ("source", what)
+  fix = (
+    f"Pass one Sharding for every leaf, or a {what} tree with the {names[0]}'s paths (a "
+    f"pytree prefix of it whose leaves are Shardings); nothing was moved."
+  )
+  raise tree_mismatch(full, prefix, names, prefix=True, is_leaf=is_leaf, fix=fix)
 
 
 def flatten_tree(
@@ -180,19 +144,18 @@ def flatten_tree(
   treedef and one :class:`Leaf` per leaf; ``src_shardings`` overrides the leaves' own."""
   src_leaves, treedef = jax.tree_util.tree_flatten_with_path(src)
   dst_leaves = broadcast_shardings(dst, src, treedef, len(src_leaves), "destination")
-  leaves = []
-  errors: list[tuple[str, ReshardError]] = []
+  leaves, errors = [], []
   for i, ((path, x), d) in enumerate(zip(src_leaves, dst_leaves, strict=True)):
     name = jax.tree_util.keystr(path)
     try:
-      leaf = _leaf(name, x, d, src_shardings[i] if src_shardings else None)
+      leaves.append(_leaf(name, x, d, src_shardings[i] if src_shardings else None))
     except ReshardError as e:
       errors.append((name or "<root>", e))
-    else:
-      leaves.append(leaf)
-  if errors:
-    raise _leaf_errors(errors, len(src_leaves))
-  return treedef, leaves
+  if not errors:
+    return treedef, leaves
+  if len(errors) == 1:
+    raise errors[0][1]
+  raise _leaf_errors(errors, len(src_leaves))
 
 
 def _leaf(name: str, x: Any, d: Any, src_sharding: Any) -> Leaf:
@@ -210,34 +173,23 @@ def _leaf(name: str, x: Any, d: Any, src_sharding: Any) -> Leaf:
       f"source leaf {name or '<root>'} has no sharding; build it as "
       "jax.ShapeDtypeStruct(shape, dtype, sharding=...)"
     )
-  src_sharding = resolve_sharding(src_sharding, name, "source")
   leaf = Leaf(
-    path=name,
-    shape=tuple(int(s) for s in x.shape),
-    dtype=np.dtype(x.dtype),
-    src_sharding=src_sharding,
-    dst_sharding=as_sharding(name, d),
+    name,
+    tuple(int(s) for s in x.shape),
+    np.dtype(x.dtype),
+    resolve_sharding(src_sharding, name, "source"),
+    as_sharding(name, d),
   )
   _check_template(leaf, d)
   _check_shardings(leaf)
   return leaf
 
 
-def _first_clause(message: str) -> str:
-  """The first sentence (or clause) of ``message``'s first line, at most ~120 characters."""
-  line = message.splitlines()[0]
-  for stop in (". ", "; "):
-    line = line.split(stop)[0]
-  return line if len(line) <= 120 else line[:117] + "..."
-
-
 def _leaf_errors(errors: Sequence[tuple[str, ReshardError]], n: int) -> ReshardError:
-  """One error for every bad leaf: the first in full, the others one line each (capped)."""
+  """One error for several bad leaves: the first in full, the others one line each (capped);
+  the same complaint about every leaf (an abstract mesh without jax.set_mesh...) once."""
   name, first = errors[0]
-  if len(errors) == 1:
-    return first
   kind = ReshardTypeError if all(isinstance(e, TypeError) for _, e in errors) else ReshardError
-  # The same complaint about every leaf (an abstract mesh without jax.set_mesh...): once.
   if len({str(e).replace(nm, "") for nm, e in errors}) == 1:
     others = [nm for nm, _ in errors[1:]]
     listed = ", ".join(others[:MAX_LISTED]) + (
@@ -246,7 +198,10 @@ def _leaf_errors(errors: Sequence[tuple[str, ReshardError]], n: int) -> ReshardE
     return kind(
       f"{first}\n" + _wrap(f"(The same holds for {len(others)} more of the {n} leaves: {listed}.)")
     )
-  lines = [f"{nm}: {_first_clause(str(e))}" for nm, e in errors]
+  lines = []
+  for nm, e in errors:  # the first sentence or clause of the first line, at most ~120 chars
+    line = str(e).splitlines()[0].split(". ")[0].split("; ")[0]
+    lines.append(f"{nm}: {line if len(line) <= 120 else line[:117] + '...'}")
   head = f"{len(errors)} of the {n} leaves cannot be resharded as given; nothing was moved:"
   return kind(_listing(head, lines, f"The first, {name}, in full:", _wrap(str(first))))
 
@@ -260,8 +215,7 @@ def _check_template(leaf: Leaf, dst_template: Any) -> None:
       f"destination shape {tuple(dst_template.shape)} differs from the source shape "
       f"{leaf.shape}; reshard moves data, it does not reshape." + leaf.describe()
     )
-  if np.dtype(dst_template.dtype) != leaf.dtype:
-    want = np.dtype(dst_template.dtype)
+  if (want := np.dtype(dst_template.dtype)) != leaf.dtype:
     cast = f"jnp.{want.name}" if want.name in _JNP_DTYPES else f"jnp.dtype({want.name!r})"
     raise ReshardError(
       f"destination dtype {want} differs from the source dtype {leaf.dtype}. To cast while "
@@ -282,19 +236,19 @@ def _check_shardings(leaf: Leaf) -> None:
     spec = getattr(sharding, "spec", None)
     kinds = ("unreduced", "reduced")
     if pending := [f"{k}={set(sorted(a))}" for k in kinds if (a := getattr(spec, k, None))]:
-      axes = " and ".join(pending)
       raise ReshardError(
         _wrap(
-          f"the {which} sharding of leaf {leaf.name} has {axes} axes: along an unreduced axis "
-          "the shards hold partial sums, and a reduced axis types a pending reduction; reshard "
-          "moves plain arrays and never treats either as replicated. Reduce first (e.g. "
-          "jax.sharding.reshard(x, P(...)) to a spec without unreduced=/reduced=), or pass "
-          f"a {which} without them."
+          f"the {which} sharding of leaf {leaf.name} has {' and '.join(pending)} axes: along an "
+          "unreduced axis the shards hold partial sums, and a reduced axis types a pending "
+          "reduction; reshard moves plain arrays and never treats either as replicated. Reduce "
+          "first (e.g. jax.sharding.reshard(x, P(...)) to a spec without unreduced=/reduced=), "
+          f"or pass a {which} without them."
         )
         + leaf.describe()
       )
-  platforms = [{getattr(d, "platform", "?") for d in s.device_set} for _, s in pairs]
-  src_platforms, dst_platforms = platforms
+  src_platforms, dst_platforms = (
+    {getattr(d, "platform", "?") for d in s.device_set} for _, s in pairs
+  )
   if src_platforms != dst_platforms or len(src_platforms) != 1:
     raise ReshardError(
       f"source devices are on {sorted(src_platforms)} but destination devices on "
@@ -318,21 +272,6 @@ def _check_shardings(leaf: Leaf) -> None:
       ) from None
 
 
-DELETED_HINT = (
-  "A jitted train step that donates its inputs (jax.jit(..., donate_argnums=...), "
-  "nnx.jit(..., donate_argnums=...)) deletes them: most likely these are the parameters from "
-  "before the last step. Pass the arrays the step returned (take nnx.state(model, nnx.Param) "
-  "again after each step), refit before the next step donates them, or do not donate the "
-  "parameters in the train step."
-)
-DRIFT_HINT = (
-  "A jitted train step may change the layout of some leaves after its first call (XLA picks "
-  "output shardings). Call jr.reshard(x, dst) every step (it keeps one cached plan per layout, "
-  "so a changed layout costs one new plan), make a new plan with jr.make_plan for this input, "
-  "or pin the train step's layouts with jax.jit(..., out_shardings=...)."
-)
-
-
 def _indivisible(sharding: Any, shape: tuple[int, ...]) -> str:
   """Which dimension of ``shape`` a NamedSharding splits unevenly ("" if not found)."""
   spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
@@ -350,19 +289,26 @@ def _indivisible(sharding: Any, shape: tuple[int, ...]) -> str:
   return ""
 
 
-def _flatten_as(treedef: Any, x: Any, full_name: str, other_name: str, fix: str) -> list[Any]:
+DELETED_HINT = (
+  "A jitted train step that donates its inputs (jax.jit(..., donate_argnums=...), "
+  "nnx.jit(..., donate_argnums=...)) deletes them: most likely these are the parameters from "
+  "before the last step. Pass the arrays the step returned (take nnx.state(model, nnx.Param) "
+  "again after each step), refit before the next step donates them, or do not donate the "
+  "parameters in the train step."
+)
+DRIFT_HINT = (
+  "A jitted train step may change the layout of some leaves after its first call (XLA picks "
+  "output shardings). Call jr.reshard(x, dst) every step (it keeps one cached plan per layout, "
+  "so a changed layout costs one new plan), make a new plan with jr.make_plan for this input, "
+  "or pin the train step's layouts with jax.jit(..., out_shardings=...)."
+)
+
+
+def _flatten_as(treedef: Any, x: Any, names: tuple[str, str], fix: str) -> list[Any]:
   """The leaves of ``x``, which must have the structure ``treedef``."""
   arrays, x_treedef = jax.tree_util.tree_flatten(x)
   if x_treedef != treedef:
-    raise tree_mismatch(
-      None,
-      x,
-      full_name=full_name,
-      other_name=other_name,
-      prefix=False,
-      full_treedef=treedef,
-      fix=fix,
-    )
+    raise tree_mismatch(None, x, names, prefix=False, full_treedef=treedef, fix=fix)
   return arrays
 
 
@@ -372,8 +318,7 @@ def check_arrays(treedef: Any, leaves: Sequence[Leaf], x: Any) -> list[Any]:
   arrays = _flatten_as(
     treedef,
     x,
-    "planned source",
-    "input",
+    ("planned source", "input"),
     "The input tree does not match the plan's tree. Call the plan with a tree built like "
     "the one it was made for, or call jr.reshard(x, dst) (it plans per tree and caches).",
   )
@@ -390,11 +335,9 @@ def check_arrays(treedef: Any, leaves: Sequence[Leaf], x: Any) -> list[Any]:
       f"all {len(leaves)} input arrays have been deleted (e.g. {leaves[0].name}); nothing "
       "was moved.\n" + _wrap(DELETED_HINT)
     )
-  hints = []
-  if "deleted" in kinds:
-    hints.append(DELETED_HINT)
-  if "placement" in kinds:
-    hints.append(DRIFT_HINT)
+  hints = [
+    hint for kind, hint in (("deleted", DELETED_HINT), ("placement", DRIFT_HINT)) if kind in kinds
+  ]
   if kinds & {"type", "shape"}:
     hints.append(
       "Make a plan for this input (jr.make_plan(x, dst)), or call jr.reshard(x, dst), which "
@@ -406,8 +349,7 @@ def check_arrays(treedef: Any, leaves: Sequence[Leaf], x: Any) -> list[Any]:
 
 
 def _array_problem(lf: Leaf, a: Any, sharding: Any, expected: str) -> tuple[str, str] | None:
-  """``(kind, text)`` of what is wrong with ``a`` as ``lf`` laid out in ``sharding``, or
-  ``None``."""
+  """``(kind, text)`` of what is wrong with ``a`` as ``lf`` laid out in ``sharding``, or None."""
   if not isinstance(a, jax.Array):
     return "type", f"{lf.name}: {type(a).__name__} is not a jax.Array"
   if a.is_deleted():
@@ -438,8 +380,7 @@ def check_donated(
   arrays = _flatten_as(
     treedef,
     donate,
-    "planned result",
-    "out=",
+    ("planned result", "out="),
     "Pass out= the sampler's current tree: what the previous call of this plan returned "
     "(the same tree, shapes and dtypes, in the destination layouts); nothing was donated or "
     "deleted.",
@@ -448,8 +389,7 @@ def check_donated(
   seen: set[tuple[int, int]] = set()
   problems = []
   for lf, a in zip(leaves, arrays, strict=True):
-    problem = _array_problem(lf, a, lf.dst_sharding, "the destination is")
-    if problem:
+    if problem := _array_problem(lf, a, lf.dst_sharding, "the destination is"):
       kind, text = problem
       if kind == "deleted":
         text += " (given as out= before? each call consumes its out= tree)"
@@ -488,8 +428,15 @@ def capped(items: Sequence[str], indent: str = "  ") -> list[str]:
 
 
 def _listing(head: str, items: Sequence[str], *tail: str) -> str:
-  """``head``, the :func:`capped` ``items``, then the ``tail`` lines."""
   return "\n".join([head, *capped(items), *tail])
+
+
+def _wrap(text: str) -> str:
+  """``text`` in lines of at most 100 characters (lines of code kept whole)."""
+  return "\n".join(
+    line if line.lstrip().startswith(">>>") else textwrap.fill(line, 100, break_long_words=False)
+    for line in text.splitlines()
+  )
 
 
 def _path_str(path: _KeyPath) -> str:
@@ -497,7 +444,6 @@ def _path_str(path: _KeyPath) -> str:
 
 
 def _count(n: int, one: str, many: str) -> str:
-  """``"1 leaf"`` / ``"3 leaves"``."""
   return f"{n} {one if n == 1 else many}"
 
 
@@ -505,36 +451,18 @@ def _key_paths(tree: Any, is_leaf: Any = None) -> list[_KeyPath]:
   return [tuple(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]]
 
 
-def treedef_paths(treedef: Any) -> list[_KeyPath]:
-  """The key path of every leaf of ``treedef`` (rebuilt with placeholder leaves)."""
-  try:
-    return _key_paths(jax.tree_util.tree_unflatten(treedef, list(range(treedef.num_leaves))))
-  except Exception:  # a node type whose unflatten insists on real leaves
-    return [(jax.tree_util.FlattenedIndexKey(i),) for i in range(treedef.num_leaves)]
-
-
 def _prefixes(paths: Sequence[_KeyPath]) -> set[_KeyPath]:
   return {p[:k] for p in paths for k in range(len(p) + 1)}
 
 
-def _lacking(paths: Sequence[_KeyPath], covered: Any, others: Sequence[_KeyPath]) -> dict:
-  """The paths of ``paths`` that ``covered`` rejects, grouped by the shortest prefix that no
-  path of ``others`` goes through (the subtree the other tree lacks), with their counts."""
-  other_prefixes = _prefixes(others)
-  groups: dict[_KeyPath, int] = {}
-  for p in paths:
-    if covered(p):
-      continue
-    q = next((p[:k] for k in range(len(p) + 1) if p[:k] not in other_prefixes), p)
-    groups[q] = groups.get(q, 0) + 1
-  return groups
-
-
 def _strip_value(path: _KeyPath) -> _KeyPath:
   """``path`` without a final ``.value`` (the attribute a Flax Variable flattens through)."""
-  if path and getattr(path[-1], "name", None) == "value":
-    return path[:-1]
-  return path
+  return path[:-1] if path and getattr(path[-1], "name", None) == "value" else path
+
+
+def _short(x: Any, limit: int = 60) -> str:
+  text = repr(x)
+  return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _node_label(data: Any) -> str:
@@ -542,35 +470,24 @@ def _node_label(data: Any) -> str:
 
 
 def _node_difference(a: Any, b: Any) -> str:
-  """How the node data ``a`` and ``b`` (``PyTreeDef.node_data()``) differ, briefly."""
+  """How the node data ``a`` and ``b`` (``PyTreeDef.node_data()``) differ, briefly; metadata of
+  ``(name, value)`` pairs (as Flax Variables record it) by name."""
   if a is None or b is None or a[0] is not b[0]:
     return f"{_node_label(a)} against {_node_label(b)}"
-  kind = _node_label(a)
-  aux_a, aux_b = a[1], b[1]
-  da, db = _as_items(aux_a), _as_items(aux_b)
-  if da is not None and db is not None:
-    keys = [k for k in sorted({*da, *db}, key=str) if da.get(k, "<unset>") != db.get(k, "<unset>")]
+  pairs = lambda aux: (
+    isinstance(aux, (tuple, list))
+    and all(isinstance(kv, tuple) and len(kv) == 2 and isinstance(kv[0], str) for kv in aux)
+  )
+  if pairs(a[1]) and pairs(b[1]):
+    da, db, unset = dict(a[1]), dict(b[1]), "<unset>"
+    keys = [k for k in sorted({*da, *db}, key=str) if da.get(k, unset) != db.get(k, unset)]
     if keys:
       shown = ", ".join(
-        f"{k}={_short(da.get(k, '<unset>'))} against {_short(db.get(k, '<unset>'))}"
-        for k in keys[:3]
+        f"{k}={_short(da.get(k, unset))} against {_short(db.get(k, unset))}" for k in keys[:3]
       )
-      return f"{kind} metadata {shown}" + (f" (+{len(keys) - 3} more)" if len(keys) > 3 else "")
-  return f"{kind} {_short(aux_a)} against {_short(aux_b)}"
-
-
-def _as_items(aux: Any) -> dict[Any, Any] | None:
-  """Node metadata made of ``(name, value)`` pairs (as Flax Variables record it) as a dict."""
-  if isinstance(aux, (tuple, list)) and all(
-    isinstance(kv, tuple) and len(kv) == 2 and isinstance(kv[0], str) for kv in aux
-  ):
-    return dict(aux)
-  return None
-
-
-def _short(x: Any, limit: int = 60) -> str:
-  text = repr(x)
-  return text if len(text) <= limit else text[: limit - 3] + "..."
+      more = f" (+{len(keys) - 3} more)" if len(keys) > 3 else ""
+      return f"{_node_label(a)} metadata {shown}{more}"
+  return f"{_node_label(a)} {_short(a[1])} against {_short(b[1])}"
 
 
 def _node_differences(
@@ -585,13 +502,11 @@ def _node_differences(
   except Exception:  # metadata without a usable ==
     data_a, data_b, same = None, None, False
   children_a, children_b = a.children(), b.children()
-  if not same or len(children_a) != len(children_b):
-    if same:
-      return [
-        f"{_path_str(path)}: {_node_label(data_a)} of {len(children_a)} children against "
-        f"{len(children_b)}"
-      ]
+  if not same:
     return [f"{_path_str(path)}: {_node_difference(data_a, data_b)}"]
+  if len(children_a) != len(children_b):
+    n_a, n_b = len(children_a), len(children_b)
+    return [f"{_path_str(path)}: {_node_label(data_a)} of {n_a} children against {n_b}"]
   out = []
   for ca, cb in zip(children_a, children_b, strict=True):
     out += _node_differences(ca, cb, paths, depth + 1, first, path)
@@ -602,48 +517,48 @@ def _node_differences(
 def tree_mismatch(
   full: Any,
   other: Any,
+  names: tuple[str, str],
   *,
-  full_name: str,
-  other_name: str,
   prefix: bool,
+  fix: str,
   is_leaf: Any = None,
   full_treedef: Any = None,
-  fix: str,
 ) -> ReshardError:
   """A :class:`ReshardError` saying how ``other`` differs from ``full`` (or ``full_treedef``)
   in at most ~20 lines: the first differing paths grouped by the subtree one side lacks, their
-  count and the likely cause, then ``fix``. With ``prefix``, a leaf of ``other`` may stand for
-  a subtree of ``full``."""
+  count and the likely cause, then ``fix``. ``names``: what to call the two trees. With
+  ``prefix``, a leaf of ``other`` may stand for a subtree of ``full``."""
+  full_name, other_name = names
   if full_treedef is None:
-    full_treedef = jax.tree_util.tree_structure(full)
-    full_paths = _key_paths(full)
+    full_treedef, full_paths = jax.tree_util.tree_structure(full), _key_paths(full)
   else:
-    full_paths = treedef_paths(full_treedef)
+    try:  # the key paths of ``full_treedef``, rebuilt with placeholder leaves
+      n = full_treedef.num_leaves
+      full_paths = _key_paths(jax.tree_util.tree_unflatten(full_treedef, list(range(n))))
+    except Exception:  # a node type whose unflatten insists on real leaves
+      full_paths = [(jax.tree_util.FlattenedIndexKey(i),) for i in range(n)]
   other_paths = _key_paths(other, is_leaf)
-  names = (full_name, other_name)
   if bool(full_paths) != bool(other_paths):
     head, items, cause = _empty_side(full_paths, other_paths, names)
+  elif any(missing_extra := _missing_and_extra(full_paths, other_paths, prefix)):
+    head, items, cause = _differing_paths(full_paths, other_paths, *missing_extra, names)
   else:
-    missing, extra = _missing_and_extra(full_paths, other_paths, prefix)
-    if missing or extra:
-      head, items, cause = _differing_paths(full_paths, other_paths, missing, extra, names)
-    else:
-      other_treedef = jax.tree_util.tree_structure(other, is_leaf=is_leaf)
-      items = _node_differences(full_treedef, other_treedef, full_paths)
+    other_treedef = jax.tree_util.tree_structure(other, is_leaf=is_leaf)
+    items = _node_differences(full_treedef, other_treedef, full_paths)
+    head = (
+      f"the {other_name} tree has the {full_name} tree's leaf paths, but "
+      f"{_count(len(items), 'node differs', 'nodes differ')} in type or metadata:"
+    )
+    cause = (
+      "Likely cause: another container (a dict against an nnx.State, a list against a "
+      "tuple) or other Flax Variable metadata (e.g. a sharding annotation) at those nodes."
+    )
+    if not items:  # the paths correspond, yet the trees do not (a leaf that is a tree)
       head = (
-        f"the {other_name} tree has the {full_name} tree's leaf paths, but "
-        f"{_count(len(items), 'node differs', 'nodes differ')} in type or metadata:"
+        f"the {other_name} tree ({len(other_paths)} leaves) does not correspond leaf for "
+        f"leaf to the {full_name} tree ({len(full_paths)} leaves)."
       )
-      cause = (
-        "Likely cause: another container (a dict against an nnx.State, a list against a "
-        "tuple) or other Flax Variable metadata (e.g. a sharding annotation) at those nodes."
-      )
-      if not items:  # the paths correspond, yet the trees do not (a leaf that is a tree)
-        head = (
-          f"the {other_name} tree ({len(other_paths)} leaves) does not correspond leaf for "
-          f"leaf to the {full_name} tree ({len(full_paths)} leaves)."
-        )
-        cause = ""
+      cause = ""
   lines = [_wrap(head), *capped(items), _wrap(cause), _wrap(fix)]
   return ReshardError("\n".join(line for line in lines if line))
 
@@ -658,40 +573,53 @@ def _empty_side(
       f"the {full_name} tree has no arrays, but the {other_name} tree has "
       f"{_count(len(other_paths), 'leaf', 'leaves')}."
     )
-    cause = (
-      f"Likely cause: the {full_name} is empty. Did you pass the optimizer state, or a filter "
-      "that selects nothing? nnx.state(optimizer, nnx.Param) is empty (an nnx.Optimizer holds "
-      "its optimizer state, not the model's Params): pass nnx.state(model, nnx.Param)."
+    return (
+      head,
+      [],
+      (
+        f"Likely cause: the {full_name} is empty. Did you pass the optimizer state, or a filter "
+        "that selects nothing? nnx.state(optimizer, nnx.Param) is empty (an nnx.Optimizer holds "
+        "its optimizer state, not the model's Params): pass nnx.state(model, nnx.Param)."
+      ),
     )
-    return head, [], cause
   head = (
     f"the {other_name} tree has no leaves, but the {full_name} tree has "
     f"{_count(len(full_paths), 'leaf', 'leaves')}."
   )
-  cause = (
-    f"Likely cause: the {other_name} is empty: its filter selects nothing (e.g. "
-    "nnx.state(sampler, nnx.Param) of a module whose weights are another Variable type), "
-    "or it is a tree of another model."
+  return (
+    head,
+    [],
+    (
+      f"Likely cause: the {other_name} is empty: its filter selects nothing (e.g. "
+      "nnx.state(sampler, nnx.Param) of a module whose weights are another Variable type), "
+      "or it is a tree of another model."
+    ),
   )
-  return head, [], cause
 
 
 def _missing_and_extra(
   full_paths: Sequence[_KeyPath], other_paths: Sequence[_KeyPath], prefix: bool
 ) -> tuple[dict[_KeyPath, int], dict[_KeyPath, int]]:
   """The leaves of ``full`` that ``other`` lacks and those of ``other`` matching none of
-  ``full``, grouped by the subtree the other side lacks (with counts)."""
-  other_set, full_set = set(other_paths), set(full_paths)
+  ``full``, each grouped by the shortest prefix the other side lacks, with counts."""
+  other_set = set(other_paths)
   if prefix:
-    full_prefixes = _prefixes(full_paths)
-    missing = _lacking(
-      full_paths, lambda p: any(p[:k] in other_set for k in range(len(p) + 1)), other_paths
-    )
-    extra = _lacking(other_paths, lambda p: p in full_prefixes, full_paths)
+    covered = lambda p: any(p[:k] in other_set for k in range(len(p) + 1))
+    known = _prefixes(full_paths)
   else:
-    missing = _lacking(full_paths, lambda p: p in other_set, other_paths)
-    extra = _lacking(other_paths, lambda p: p in full_set, full_paths)
-  return missing, extra
+    covered, known = other_set.__contains__, set(full_paths)
+
+  def lacking(paths: Sequence[_KeyPath], has: Any, others: Sequence[_KeyPath]) -> dict:
+    other_prefixes, groups = _prefixes(others), dict[_KeyPath, int]()
+    for p in paths:
+      if not has(p):
+        q = next((p[:k] for k in range(len(p) + 1) if p[:k] not in other_prefixes), p)
+        groups[q] = groups.get(q, 0) + 1
+    return groups
+
+  return lacking(full_paths, covered, other_paths), lacking(
+    other_paths, known.__contains__, full_paths
+  )
 
 
 def _differing_paths(
@@ -722,27 +650,33 @@ def _differing_paths(
 
   items = [group(q, c, other_name, full_name) for q, c in missing.items()]
   items += [group(q, c, full_name, other_name) for q, c in extra.items()]
-  if missing and extra:
-    if {_strip_value(p) for p in full_paths} == {_strip_value(p) for p in other_paths}:
-      other_set = set(other_paths)
-      items = [
-        f"the {full_name} has {_path_str(p)}, the {other_name} "
-        + (_path_str(_strip_value(p)) if p != _strip_value(p) else f"{_path_str(p)}.value")
-        for p in full_paths
-        if p not in other_set
-      ]
-      cause = (
-        "Likely cause: one tree holds Flax Variables (paths end in .value) and the other plain "
-        "arrays: build both alike, both with nnx.state(...) or both with nnx.to_pure_dict(...)."
-      )
-    else:
-      cause = (
+  if not (missing and extra):
+    return head, items, _lacking_cause(missing, extra, names)
+  if {_strip_value(p) for p in full_paths} != {_strip_value(p) for p in other_paths}:
+    return (
+      head,
+      items,
+      (
         "Likely cause: modules renamed or restructured between the two models. To move "
         "between different structures, restructure with transform= (its output tree must "
         "match the destination)."
-      )
-    return head, items, cause
-  return head, items, _lacking_cause(missing, extra, names)
+      ),
+    )
+  other_set = set(other_paths)
+  items = [
+    f"the {full_name} has {_path_str(p)}, the {other_name} "
+    + (_path_str(_strip_value(p)) if p != _strip_value(p) else f"{_path_str(p)}.value")
+    for p in full_paths
+    if p not in other_set
+  ]
+  return (
+    head,
+    items,
+    (
+      "Likely cause: one tree holds Flax Variables (paths end in .value) and the other plain "
+      "arrays: build both alike, both with nnx.state(...) or both with nnx.to_pure_dict(...)."
+    ),
+  )
 
 
 def _lacking_cause(
@@ -750,18 +684,17 @@ def _lacking_cause(
 ) -> str:
   """The likely cause where one side lacks subtrees the other has."""
   full_name, other_name = names
+  first = _path_str(next(iter(missing or extra)))
+  if missing and other_name == "destination":
+    return (
+      f"Likely cause: the sampler has no {first}: a sampler model built with fewer layers "
+      "(or other modules) than the trainer, or its state filtered more narrowly."
+    )
   if missing:
-    first = _path_str(next(iter(missing)))
-    if other_name == "destination":
-      return (
-        f"Likely cause: the sampler has no {first}: a sampler model built with fewer layers "
-        "(or other modules) than the trainer, or its state filtered more narrowly."
-      )
     return (
       f"Likely cause: the {other_name} tree lacks parts of the {full_name} tree (it has no "
       f"{first}): it was built from another model, or filtered more narrowly."
     )
-  first = _path_str(next(iter(extra)))
   if full_name == "source":
     return (
       f"Likely cause: the trainer has no {first}: a trainer model with fewer layers, or "
@@ -771,12 +704,4 @@ def _lacking_cause(
   return (
     f"Likely cause: the {full_name} tree has no {first}: the {other_name} tree was "
     "built from another model, or filtered less narrowly: filter both alike."
-  )
-
-
-def _wrap(text: str) -> str:
-  """``text`` in lines of at most 100 characters (lines of code kept whole)."""
-  return "\n".join(
-    line if line.lstrip().startswith(">>>") else textwrap.fill(line, 100, break_long_words=False)
-    for line in text.splitlines()
   )
