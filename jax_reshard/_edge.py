@@ -153,11 +153,12 @@ def leaf_edge(path: str, x: Any, dst: Any) -> LeafEdge:
     return LeafEdge(host=True, **fields)
   if not isinstance(x, (jax.Array, jax.ShapeDtypeStruct, jax.core.Tracer)):
     return LeafEdge(**fields)  # the engine's own checks name what is wrong
-  cls, dname = _dtype_class(x.dtype), np.dtype(x.dtype).name
+  cls = _dtype_class(x.dtype)
   if cls == "key":  # a ShapeDtypeStruct's dtype knows the implementation
     key = jax.random.key_impl(x) if isinstance(x, jax.Array) else key_impl_name(x.dtype)
     fields["key_impl"] = key
   elif cls in ("sub", "float4"):
+    dname = np.dtype(x.dtype).name
     fields["carrier"] = np.dtype(_SUB_BYTE[dname] if cls == "sub" else _FLOAT4[dname][1])
   elif cls == "complex":
     fields["carrier"] = np.dtype(f"uint{4 * np.dtype(x.dtype).itemsize}")
