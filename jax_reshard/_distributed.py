@@ -1,27 +1,13 @@
 """Across processes: a plan fingerprint and a rendezvous through the distributed KV store.
 
-Every process of a ``jax.distributed`` job that owns a device of a plan calls the plan
-collectively (like an NCCL collective). Before any collective starts, those processes exchange
-a fingerprint of the plan through the coordination service's key-value store:
-
-- all fingerprints equal: the collective runs;
-- they differ: every process raises :class:`ReshardPlanMismatchError` (naming the first leaf
-  whose plans differ and what each process holds for it) and stays usable;
-- a process does not arrive within the timeout (it died, or never called): the processes that
-  wait raise :class:`ReshardPeerError`. Their call sequence may now be out of step with the
-  missing process, so later multi-process calls on them raise at once; restart the job.
-
-The timeout is ``timeout_s`` where given, else the environment variable
-``JAX_RESHARD_TIMEOUT_S`` (seconds; ``inf`` waits forever), else 300 s.
-
-A peer that dies *during* the collective is handled by JAX itself (measured with jax 0.10.2):
-gloo (CPU) fails the collective at once with ``JaxRuntimeError: ... Connection closed by peer``
-when the dead peer's sockets close. Independently, the coordination service declares a process
-dead when it misses heartbeats for ``heartbeat_timeout_seconds`` (an argument of
-``jax.distributed.initialize``, default 100 s) and then terminates the surviving processes
-(``SIGABRT``, "Terminating process because the JAX distributed service detected fatal
-errors"); if the dead process is process 0 (the coordinator), the others terminate within about
-a second. That bounds a frozen peer (open sockets, e.g. ``SIGSTOP``) by the heartbeat timeout.
+Every process of a ``jax.distributed`` job owning a device of a plan calls it collectively.
+First they exchange plan fingerprints in the coordination service's key-value store: equal,
+the collective runs; different, every process raises :class:`ReshardPlanMismatchError` and
+stays usable; a process missing past the timeout (``timeout_s``, else
+``$JAX_RESHARD_TIMEOUT_S`` in seconds, ``inf`` for none, else 300 s) makes the waiting ones
+raise :class:`ReshardPeerError`, and every later multi-process call on them too (restart the
+job). A peer dying during the collective is JAX's to handle: gloo fails it at once, and the
+coordination service aborts the survivors after ``heartbeat_timeout_seconds`` (jax 0.10.2).
 """
 
 from __future__ import annotations
@@ -56,42 +42,24 @@ _MAX_WAIT_MS = 2**31 - 1
 class ReshardPlanMismatchError(ReshardError):
   """Processes called a reshard collectively with different plans (nothing was moved).
 
-  Raised on every process of a ``jax.distributed`` job that takes part in a call, before any
-  collective starts, when the processes' plan fingerprints differ: the message names the first
-  leaf whose plans differ and what each process holds for it. The processes stay usable.
+  Raised on every taking part process, before any collective, naming the first leaf whose
+  plans differ and what each process holds for it. The processes stay usable.
 
   Example:
-    >>> import jax, numpy as np
     >>> import jax_reshard as jr
-    >>> from jax.sharding import NamedSharding, PartitionSpec as P
-    >>> mesh = jax.make_mesh((8,), ("x",))
-    >>> x = jax.device_put(np.arange(8.0), NamedSharding(mesh, P("x")))
-    >>> try:  # every process passes the same tree, layouts and options
-    ...   y = jr.reshard(x, NamedSharding(mesh, P()))
-    ... except jr.ReshardPlanMismatchError as e:
-    ...   print(e)  # which leaf differs, and how
-    >>> y.sharding.spec == P(), np.array_equal(y, x)
-    (True, True)
+    >>> issubclass(jr.ReshardPlanMismatchError, jr.ReshardError)
+    True
   """
 
 
 class ReshardPeerError(ReshardError, RuntimeError):
   """A peer process did not join a collective reshard in time (it died, hangs or never called).
 
-  Raised after ``JAX_RESHARD_TIMEOUT_S`` seconds (default 300) by the processes that wait, and at
-  once by every later multi-process call on them: their call sequences may be out of step, so
-  the job must restart. Also a ``RuntimeError``.
+  Raised after ``JAX_RESHARD_TIMEOUT_S`` seconds (default 300) by the processes that wait, and
+  at once by every later multi-process call on them (they may be out of step: restart the job).
 
   Example:
-    >>> import jax, numpy as np
     >>> import jax_reshard as jr
-    >>> from jax.sharding import NamedSharding, PartitionSpec as P
-    >>> mesh = jax.make_mesh((8,), ("x",))
-    >>> x = jax.device_put(np.arange(8.0), NamedSharding(mesh, P("x")))
-    >>> try:  # one process here: no peer to wait for
-    ...   y = jr.reshard(x, NamedSharding(mesh, P()))
-    ... except jr.ReshardPeerError:
-    ...   raise SystemExit("a peer process is gone: restart the job")
     >>> issubclass(jr.ReshardPeerError, RuntimeError)
     True
   """
@@ -99,19 +67,10 @@ class ReshardPeerError(ReshardError, RuntimeError):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PlanFingerprint:
-  """What processes compare before running a plan.
-
-  Attributes:
-    digest: hex SHA-256 of everything below; equal digests mean equal plans.
-    leaf_digests: per leaf, a short hex digest of its path, shape, dtype, source and
-      destination boxes (per device id), and its planned transfers.
-    schedule_digest: short hex digest of the buckets, rounds and payload layout.
-    options_digest: short hex digest of the plan's ``Options`` (how its buckets are lowered
-      and run: processes must agree on them as on the schedule).
-    leaf_descriptions: per leaf, readable text (for error messages only; not hashed).
-    options: the plan's options, field by field (for error messages; hashed through
-      ``options_digest``).
-  """
+  """What processes compare before running a plan: ``digest`` (hex SHA-256 of the rest;
+  equal digests mean equal plans), short hex digests per leaf (path, shape, dtype, boxes per
+  device id, transfers), of the schedule and of the ``Options``; per leaf readable text and
+  the options field by field (for messages only, not compared)."""
 
   digest: str
   leaf_digests: tuple[str, ...]
@@ -133,11 +92,10 @@ def _feed_text(h: Any, text: str) -> None:
 
 
 def _feed_layout(h: Any, layout: Layout) -> None:
-  _feed_ints(h, layout.shape)
-  _feed_ints(h, layout.device_ids)
-  _feed_ints(h, layout.process_indices)
-  _feed_ints(h, np.asarray(layout.starts, dtype=np.int64).reshape(-1))
-  _feed_ints(h, np.asarray(layout.stops, dtype=np.int64).reshape(-1))
+  for a in (layout.shape, layout.device_ids, layout.process_indices):
+    _feed_ints(h, a)
+  for box in (layout.starts, layout.stops):
+    _feed_ints(h, np.asarray(box, dtype=np.int64).reshape(-1))
   _feed_text(h, layout.platform)
 
 
@@ -161,22 +119,10 @@ def _schedule_digest(schedule: Schedule) -> str:
     for a in (*pieces, b.piece_nbytes):
       _feed_ints(h, a)
     _feed_ints(h, [c for chunks in b.chunks for c in (len(chunks), *chunks)])
-  for slab in schedule.leaf_slabs:  # which window of the source shards each chunk stages
-    _feed_ints(h, [-1] if slab is None else [slab[0], *slab[1]])
-  for slab in schedule.leaf_dst_slabs:  # which window of the destination shards it outputs
-    _feed_ints(h, [-1] if slab is None else [slab[0], *slab[1]])
-  for window in schedule.leaf_windows:  # which window of both it moves
-    _feed_ints(h, [-1] if window is None else [window[0], *window[1]])
+  for cuts in (schedule.leaf_slabs, schedule.leaf_dst_slabs, schedule.leaf_windows):
+    for cut in cuts:
+      _feed_ints(h, [-1] if cut is None else [cut[0], *cut[1]])
   return h.hexdigest()[:16]
-
-
-def _options_fields(options: Options) -> tuple[tuple[str, int | bool], ...]:
-  """``options`` field by field, in declaration order."""
-  return tuple((f.name, getattr(options, f.name)) for f in dataclasses.fields(options))
-
-
-def _options_digest(fields: tuple[tuple[str, int | bool], ...]) -> str:
-  return hashlib.sha256(json.dumps(dict(fields), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def fingerprint(
@@ -191,15 +137,10 @@ def fingerprint(
 ) -> PlanFingerprint:
   """The fingerprint of a plan: a pure function of its numbers, never of object identity.
 
-  Shardings enter only through their per-device index boxes, so equivalent shardings (say
-  ``P('x')`` and ``P('x', None)``, or meshes with other axis names but the same boxes) and
-  equal trees built in another order give the same fingerprint. ``pieces`` (per leaf, text of
-  a transformed plan's pieces: source leaves, boxes, axis maps and casts) enter the digests
-  too, so processes whose transforms differ do not match. ``relay`` (a relay plan's second
-  stage: per leaf its forwards, ``None`` where it has none, and the stage's schedule) enters the
-  leaf and schedule digests, so processes whose relay stages differ do not match either.
-  ``options`` (the plan's ``Options``) enter the digest through ``options_digest``: processes
-  whose plans were made with other options do not match.
+  Shardings enter only as per-device boxes (equivalent specs, other axis names, trees built
+  in another order agree). ``pieces`` (per leaf, text of a transformed plan's pieces),
+  ``relay`` (per leaf its forwards or ``None``, and the relay stage's schedule) and
+  ``options`` enter the digests too.
 
   Example:
     >>> import jax_reshard as jr
@@ -210,12 +151,6 @@ def fingerprint(
     >>> fp = fingerprint(["['w']"], ["float32"], plan.layouts, plan.leaf_plans, plan.schedule)
     >>> len(fp.digest), len(fp.leaf_digests)
     (64, 1)
-    >>> renamed = jr.Layout.from_description((8, 8), mesh_shape=(4,), axis_names=("z",),
-    ...                                      spec=(None, "z"))  # other names, same boxes
-    >>> again = jr.plan_layouts([(src, renamed)], [4])
-    >>> fingerprint(["['w']"], ["float32"], again.layouts, again.leaf_plans,
-    ...             again.schedule).digest == fp.digest
-    True
   """
   leaf_digests, descriptions = [], []
   texts = pieces if pieces is not None else [""] * len(leaf_plans)
@@ -223,9 +158,8 @@ def fingerprint(
   rows = zip(paths, dtypes, layouts, leaf_plans, texts, seconds, strict=True)
   for path, dtype, (src, dst), lp, text, second in rows:
     h = hashlib.sha256()
-    _feed_text(h, text)
-    _feed_text(h, path)
-    _feed_text(h, np.dtype(dtype).name)
+    for t in (text, path, np.dtype(dtype).name):
+      _feed_text(h, t)
     _feed_layout(h, src)
     _feed_layout(h, dst)
     _feed_leaf_plan(h, lp)
@@ -240,8 +174,8 @@ def fingerprint(
   sched = _schedule_digest(schedule)
   if relay is not None:
     sched = hashlib.sha256(f"{sched} relay {_schedule_digest(relay[1])}".encode()).hexdigest()[:16]
-  fields = _options_fields(options)
-  opts = _options_digest(fields)
+  fields = tuple((f.name, getattr(options, f.name)) for f in dataclasses.fields(options))
+  opts = hashlib.sha256(json.dumps(dict(fields), sort_keys=True).encode()).hexdigest()[:16]
   total = hashlib.sha256(("\n".join([*leaf_digests, sched, opts])).encode()).hexdigest()
   return PlanFingerprint(total, tuple(leaf_digests), sched, opts, tuple(descriptions), fields)
 
@@ -250,18 +184,7 @@ _fingerprints: weakref.WeakKeyDictionary[Any, PlanFingerprint] = weakref.WeakKey
 
 
 def plan_fingerprint(plan: Any) -> PlanFingerprint:
-  """The (cached) :class:`PlanFingerprint` of a :class:`~jax_reshard.ReshardPlan`.
-
-  Example:
-    >>> import jax, numpy as np
-    >>> import jax_reshard as jr
-    >>> from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    >>> mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
-    >>> x = jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(mesh, P("x")))
-    >>> fp = plan_fingerprint(jr.make_plan(x, NamedSharding(mesh, P(None, "x"))))
-    >>> fp == plan_fingerprint(jr.make_plan(x, NamedSharding(mesh, P(None, "x"))))
-    True
-  """
+  """The (cached) :class:`PlanFingerprint` of a plan (relay stage and options included)."""
   fp = _fingerprints.get(plan)
   if fp is None:
     fp = fingerprint(
@@ -284,8 +207,7 @@ def _relay_stage(plan: Any) -> tuple[list[LeafPlan | None], Schedule] | None:
   if relay is None:
     return None
   relayed = set(relay.scheduled)
-  seconds = [lp if i in relayed else None for i, lp in enumerate(relay.leaf_plans)]
-  return seconds, relay.schedule
+  return [lp if i in relayed else None for i, lp in enumerate(relay.leaf_plans)], relay.schedule
 
 
 def resolve_timeout(timeout_s: float | None = None) -> float:
@@ -303,32 +225,26 @@ def resolve_timeout(timeout_s: float | None = None) -> float:
   return float(timeout_s)
 
 
-class _Rendezvous:
-  """Per process: the call sequence number of each group of processes, and a broken flag."""
-
-  def __init__(self) -> None:
-    self.lock = threading.Lock()
-    self.seq: dict[tuple[int, ...], int] = {}
-    self.broken: str | None = None
-
-  def next_seq(self, group: tuple[int, ...]) -> int:
-    with self.lock:
-      if self.broken is not None:
-        raise ReshardPeerError(
-          "an earlier collective reshard on this process failed to meet its peers, so the "
-          "processes may be out of step and no further multi-process reshard is safe; restart "
-          f"the job.\n  earlier failure: {self.broken}"
-        )
-      n = self.seq.get(group, 0)
-      self.seq[group] = n + 1
-      return n
-
-  def mark_broken(self, why: str) -> None:
-    with self.lock:
-      self.broken = self.broken or why
+_calls: dict[Any, Any] = {}  # per group of processes its calls so far; "broken": why one failed
+_lock = threading.Lock()
 
 
-_rendezvous = _Rendezvous()
+def _next_seq(group: tuple[int, ...]) -> int:
+  """The number of this call among the group's calls, unless an earlier one failed."""
+  with _lock:
+    if "broken" in _calls:
+      raise ReshardPeerError(
+        "an earlier collective reshard on this process failed to meet its peers, so the "
+        "processes may be out of step and no further multi-process reshard is safe; restart "
+        f"the job.\n  earlier failure: {_calls['broken']}"
+      )
+    _calls[group] = _calls.get(group, -1) + 1
+    return _calls[group]
+
+
+def _mark_broken(why: str) -> None:
+  with _lock:
+    _calls.setdefault("broken", why)
 
 
 def _client() -> Any:
@@ -361,43 +277,29 @@ def _try_get(client: Any, key: str) -> str | None:
 
 
 def check_plan(plan: Any, *, timeout_s: float | None = None) -> None:
-  """Checks that every process taking part in ``plan`` holds the same plan.
+  """Checks that every process taking part in ``plan`` (owning a source or destination
+  device) holds the same plan; returns at once with fewer than two such processes.
 
-  Call it on every process before running the plan's collectives. Processes take part when
-  they own a source or destination device; with fewer than two such processes it returns at
-  once.
-
-  Args:
-    plan: a :class:`~jax_reshard.ReshardPlan`.
-    timeout_s: how long to wait for the other processes; default ``$JAX_RESHARD_TIMEOUT_S``,
-      else 300 s.
-
-  Raises:
-    ReshardPlanMismatchError: on every process, if the processes' plans differ.
-    ReshardPeerError: if a process did not arrive in time (or an earlier call failed so).
+  Raises :class:`ReshardPlanMismatchError` on every process if the plans differ, and
+  :class:`ReshardPeerError` if a process did not arrive within ``timeout_s`` (default
+  :func:`resolve_timeout`) or an earlier call failed so.
   """
   import jax
 
-  procs: set[int] = set()
-  for src, dst in plan.layouts:
-    procs.update(src.process_indices)
-    procs.update(dst.process_indices)
+  procs = {p for src, dst in plan.layouts for p in (*src.process_indices, *dst.process_indices)}
   me = jax.process_index()
   group = tuple(sorted(procs))
-  if len(group) < 2 or me not in procs:
-    return
-  client = _client()
-  if client is None:  # not started by jax.distributed.initialize: nothing to rendezvous with
+  client = _client() if len(group) > 1 and me in procs else None
+  if client is None:  # one process, or not started by jax.distributed.initialize
     return
   timeout = resolve_timeout(timeout_s)
   fp = plan_fingerprint(plan)
-  seq = _rendezvous.next_seq(group)
+  seq = _next_seq(group)
   base = f"{_KEY_PREFIX}/{'-'.join(map(str, group))}/{seq}"
-  mine = json.dumps(_published(fp))
   try:
-    client.key_value_set(f"{base}/{me}", mine)
+    client.key_value_set(f"{base}/{me}", json.dumps(_published(fp)))
   except Exception as e:
-    _rendezvous.mark_broken(str(e))
+    _mark_broken(str(e))
     raise ReshardPeerError(f"could not publish this process's plan fingerprint: {e}") from e
   deadline = time.monotonic() + timeout
   peers: dict[int, dict[str, Any]] = {}
@@ -437,8 +339,7 @@ def check_plan(plan: Any, *, timeout_s: float | None = None) -> None:
 
 
 def _published(fp: PlanFingerprint) -> dict[str, Any]:
-  """What a process publishes of its fingerprint: the digests, and its options for the
-  message when they differ."""
+  """What a process publishes: its digests, and its options for a mismatch message."""
   return {
     "digest": fp.digest,
     "leaves": list(fp.leaf_digests),
@@ -448,9 +349,9 @@ def _published(fp: PlanFingerprint) -> dict[str, Any]:
 
 
 def _abort(client: Any, base: str, me: int, why: str) -> None:
-  """Marks this call given up (so late peers fail instead of running alone) and this process
+  """Marks this call given up (late peers fail instead of running alone) and this process
   out of step."""
-  _rendezvous.mark_broken(why)
+  _mark_broken(why)
   with contextlib.suppress(Exception):
     client.key_value_set(f"{base}/{me}", _ABORTED, allow_overwrite=True)
 
@@ -464,14 +365,14 @@ def _mismatch_message(
   differing: list[int],
   deadline: float,
 ) -> str:
-  # Every process sees every fingerprint, so all of them pick the same leaf to describe.
-  everyone = {me: list(fp.leaf_digests), **{p: list(v["leaves"]) for p, v in peers.items()}}
-  longest = max(len(v) for v in everyone.values())
+  """The message of a mismatch: every process's plan, the options that differ, and the first
+  differing leaf (every process sees every fingerprint, so all pick the same leaf)."""
+  everyone = [list(fp.leaf_digests), *(list(v["leaves"]) for v in peers.values())]
   k = next(
     (
       i
-      for i in range(longest)
-      if len({v[i] if i < len(v) else None for v in everyone.values()}) > 1
+      for i in range(max(map(len, everyone)))
+      if len({v[i] if i < len(v) else None for v in everyone}) > 1
     ),
     None,
   )
@@ -486,9 +387,7 @@ def _mismatch_message(
     lines.append(
       f"  process {p}: plan {peers[p]['digest'][:16]}, {len(peers[p]['leaves'])} leaves ({mark})"
     )
-  differences = options_differences(
-    me, dict(fp.options), {p: v.get("options") for p, v in peers.items()}
-  )
+  differences = _options_differences(me, dict(fp.options), peers)
   lines += differences
   if k is None:
     if not differences:
@@ -497,8 +396,7 @@ def _mismatch_message(
   mine = fp.leaf_descriptions[k] if k < len(fp.leaf_descriptions) else "<no such leaf>"
   with contextlib.suppress(Exception):
     client.key_value_set(f"{base}/{me}/leaf", mine, allow_overwrite=True)
-  lines.append(f"  first differing leaf #{k}:")
-  lines.append(f"    process {me}: {mine}")
+  lines += [f"  first differing leaf #{k}:", f"    process {me}: {mine}"]
   for p in sorted(peers):
     try:
       other = _get(client, f"{base}/{p}/leaf", min(deadline, time.monotonic() + 10.0))
@@ -508,23 +406,12 @@ def _mismatch_message(
   return "\n".join(lines)
 
 
-def options_differences(
-  me: int, mine: dict[str, Any], peers: dict[int, dict[str, Any] | None]
-) -> list[str]:
-  """Lines of a mismatch message naming each option whose value differs between this process
-  (``me``, options ``mine``) and its peers (``None``: a peer that sent none).
-
-  Example:
-    >>> mine = {"split_assembly": True, "in_flight_buckets": 2}
-    >>> for line in options_differences(0, mine, {1: {**mine, "in_flight_buckets": 4}}):
-    ...   print(line)
-      options differ (make_plan's options=):
-        in_flight_buckets: process 0: 2; process 1: 4
-  """
-  everyone = {me: mine, **{p: v or {} for p, v in peers.items()}}
-  names = list(dict.fromkeys(n for v in everyone.values() for n in v))
+def _options_differences(me: int, mine: dict[str, Any], peers: dict[int, Any]) -> list[str]:
+  """Lines naming each option whose value differs between this process and its peers (a peer
+  of an older version sends none)."""
+  everyone = {me: mine, **{p: v.get("options") or {} for p, v in peers.items()}}
   lines = []
-  for name in names:
+  for name in dict.fromkeys(n for v in everyone.values() for n in v):
     values = {p: v.get(name, "<none>") for p, v in sorted(everyone.items())}
     if len(set(map(repr, values.values()))) > 1:
       lines.append(f"    {name}: " + "; ".join(f"process {p}: {v}" for p, v in values.items()))

@@ -1,11 +1,7 @@
-"""Leaves the engine does not move as they are, and how they get in and out of it.
-
-The engine moves byte-wide (or wider) arrays in device memory and the default layout. Host
-data is placed by ``jax.device_put``; PRNG keys, sub-byte and complex types move as carriers
-(key data, 8-bit words, the bits of both parts) and are converted back; weak types, other
-memory kinds and non-default layouts are restored on the result. Each step is device-local
-with an inverse, so values move bit for bit.
-"""
+"""Leaves the engine (byte-wide arrays in device memory, default layout) does not move as they
+are: host data is placed by ``jax.device_put``; PRNG keys, sub-byte and complex types move as
+carriers (key data, 8-bit words, the bits of both parts); weak types, memory kinds and layouts
+are restored on the result. Each step is device-local with an inverse: bit for bit."""
 
 from __future__ import annotations
 
@@ -29,9 +25,9 @@ _FLOAT4 = {"float4_e2m1fn": ("uint4", "uint8")}  # bitcast to the unsigned type,
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class LeafEdge:
-  """How one source leaf gets into the engine and its result out of it: placed by
-  ``jax.device_put`` (``host``), moved as key data (``key_impl``) or in a ``carrier`` type,
-  and restored to weak type, memory kind and layout."""
+  """How one source leaf gets into the engine and out: placed by ``jax.device_put`` (``host``),
+  moved as key data (``key_impl``) or a ``carrier`` type; weak type, memory kind and layout
+  restored."""
 
   host: bool = False
   key_impl: Any = None
@@ -88,33 +84,30 @@ def _default_of(a: jax.Array) -> Any:
   return default_layout(a.dtype, tuple(s.shard_shape(a.shape)), next(iter(s.device_set)))
 
 
-def has_default_layout(x: jax.Array) -> bool:
-  """Whether ``x``'s buffers are in the backend's default layout (the engine reads them so)."""
+def _has_default_layout(x: jax.Array) -> bool:
   if not x.size or _dtype_class(x.dtype) == "key":
     return True
   default = _default_of(x)
   return default is None or x.format.layout == default  # type: ignore[attr-defined]
 
 
-def to_default_layout(x: jax.Array) -> jax.Array:
-  """``x`` in the default layout of the same devices (itself when it already is)."""
-  return x if has_default_layout(x) else jax.device_put(x, Format(None, x.sharding))
+def _to_default_layout(x: jax.Array) -> jax.Array:
+  return x if _has_default_layout(x) else jax.device_put(x, Format(None, x.sharding))
 
 
 def check_out_layouts(names: Sequence[str], old: Sequence[jax.Array]) -> None:
   """Raises a ``ReshardError`` naming the ``out=`` leaves not in the default layout."""
-  bad = [name for name, a in zip(names, old, strict=True) if not has_default_layout(a)]
+  bad = [name for name, a in zip(names, old, strict=True) if not _has_default_layout(a)]
   if bad:
     raise ReshardError(
-      f"out= leaves {bad[:8]} are in a non-default device-local layout; the result is written "
-      "into out= buffers in the default layout. Pass out= arrays in the default layout, or "
-      "leave out= out and relayout the result with jax.device_put(y, Format(...))."
+      f"out= leaves {bad[:8]} are in a non-default device-local layout; pass out= in the "
+      "default layout, or relayout the result with jax.device_put(y, Format(...))."
     )
 
 
 class DefaultLayouts:
-  """Puts the arrays of a plan's calls into the default layout, with the default layout of
-  each leaf found once (a call then reads each array's layout only: about 2 us)."""
+  """Puts the arrays of a plan's calls into the default layout; each leaf's default is found
+  once (a call then reads each array's layout only: about 2 us)."""
 
   def __init__(self) -> None:
     self._defaults: list[Any] | None = None
@@ -125,21 +118,20 @@ class DefaultLayouts:
         None if not a.size or _dtype_class(a.dtype) else _default_of(a) for a in arrays
       ]
     return [
-      a if d is None or a.format.layout == d else to_default_layout(a)  # type: ignore[attr-defined]
+      a if d is None or a.format.layout == d else _to_default_layout(a)  # type: ignore[attr-defined]
       for a, d in zip(arrays, self._defaults, strict=True)
     ]
 
 
 def leaf_edge(path: str, x: Any, dst: Any) -> LeafEdge:
   """The edge of source leaf ``x`` going to ``dst`` (a Sharding, template or ``Format``)."""
-  dst_sharding = dst.sharding if isinstance(dst, Format) else dst
-  layout = dst.layout if isinstance(dst, Format) else None
+  name = path or "<root>"
+  dst_sharding, layout = (dst.sharding, dst.layout) if isinstance(dst, Format) else (dst, None)
   if layout is not None and isinstance(dst_sharding, Sharding):
     if getattr(layout, "tiling", None):
       raise ReshardError(
-        f"the destination of leaf {path or '<root>'} has a tiled device-local layout {layout}; "
-        "jax_reshard moves arrays in the backend's default layout or an untiled permutation. "
-        "Relayout first with jax.device_put(x, Format(Layout(major_to_minor=...), sharding))."
+        f"the destination of leaf {name} has a tiled device-local layout {layout}; jax_reshard "
+        "moves the default layout or an untiled permutation (Layout(major_to_minor=...))."
       )
     dtype = _dtype_of(x)
     if _dtype_class(dtype) == "" and layout == default_layout(
@@ -153,9 +145,8 @@ def leaf_edge(path: str, x: Any, dst: Any) -> LeafEdge:
     for d in dst_sharding.device_set:
       if dst_kind not in memory_kinds(d):
         raise ReshardError(
-          f"the destination of leaf {path or '<root>'} is in memory kind {dst_kind!r}, which "
-          f"device {d} does not offer (it has {sorted(memory_kinds(d))}). Choose one of those "
-          "with sharding.with_memory_kind(...)."
+          f"the destination of leaf {name} is in memory kind {dst_kind!r}, which device {d} "
+          f"does not offer (it has {sorted(memory_kinds(d))})."
         )
   fields: dict[str, Any] = {"dst_sharding": dst_sharding, "dst_layout": layout}
   if is_host_leaf(x):
@@ -164,12 +155,11 @@ def leaf_edge(path: str, x: Any, dst: Any) -> LeafEdge:
     return LeafEdge(**fields)  # the engine's own checks name what is wrong
   cls = _dtype_class(x.dtype)
   if cls == "key":  # a ShapeDtypeStruct's dtype knows the implementation
-    fields["key_impl"] = (
-      jax.random.key_impl(x) if isinstance(x, jax.Array) else key_impl_name(x.dtype)
-    )
+    key = jax.random.key_impl(x) if isinstance(x, jax.Array) else key_impl_name(x.dtype)
+    fields["key_impl"] = key
   elif cls in ("sub", "float4"):
-    name = np.dtype(x.dtype).name
-    fields["carrier"] = np.dtype(_SUB_BYTE[name] if name in _SUB_BYTE else _FLOAT4[name][1])
+    dname = np.dtype(x.dtype).name
+    fields["carrier"] = np.dtype(_SUB_BYTE[dname] if cls == "sub" else _FLOAT4[dname][1])
   elif cls == "complex":
     fields["carrier"] = np.dtype(f"uint{4 * np.dtype(x.dtype).itemsize}")
   src_sharding = None if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
@@ -197,7 +187,7 @@ def _weak(x: Any) -> bool:
   return bool(getattr(x, "weak_type", False))
 
 
-def carrier_sharding(s: Any, ndim: int, path: str) -> Any:
+def _carrier_sharding(s: Any, ndim: int, path: str) -> Any:
   """``s`` for the carrier of a rank-``ndim`` leaf with one more trailing dimension."""
   spec = s if isinstance(s, PartitionSpec) else getattr(s, "spec", ())
   if len(spec) > ndim:
@@ -213,8 +203,8 @@ def carrier_sharding(s: Any, ndim: int, path: str) -> Any:
   if isinstance(s, SingleDeviceSharding):
     return s
   raise ReshardTypeError(
-    f"leaf {path or '<root>'} (a PRNG key or complex array) has a {type(s).__name__}; "
-    "jax_reshard moves such arrays between NamedShardings (or single devices)."
+    f"leaf {path or '<root>'} (a PRNG key or complex array) has a {type(s).__name__}; such "
+    "arrays move between NamedShardings (or single devices)."
   )
 
 
@@ -223,15 +213,14 @@ def _widened(e: LeafEdge, x: Any) -> bool:
   return e.key_impl is not None or (e.carrier is not None and np.dtype(x.dtype).kind == "c")
 
 
-def into_carrier(e: LeafEdge, x: jax.Array) -> jax.Array:
+def _into_carrier(e: LeafEdge, x: jax.Array) -> jax.Array:
   """The array the engine moves for ``x`` (same devices, same layout of the leading dims)."""
   if e.key_impl is not None:
     return jax.random.key_data(x)
   return x if e.carrier is None else _carrier_fns(np.dtype(x.dtype))[0](x)
 
 
-def from_carrier(e: LeafEdge, y: jax.Array, dtype: Any) -> jax.Array:
-  """Inverse of :func:`into_carrier`."""
+def _from_carrier(e: LeafEdge, y: jax.Array, dtype: Any) -> jax.Array:
   if e.key_impl is not None:
     return jax.random.wrap_key_data(y, impl=e.key_impl)
   if e.carrier is not None:
@@ -264,10 +253,15 @@ def _carrier_fns(dtype: np.dtype) -> tuple[Callable[..., jax.Array], Callable[..
   return jax.jit(split), jax.jit(join)
 
 
-def carrier_leaf(e: LeafEdge, path: str, x: Any) -> Any:
+@functools.lru_cache(maxsize=1024)
+def _key_data_type(shape: tuple[int, ...], dtype: Any) -> tuple[tuple[int, ...], np.dtype]:
+  data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, dtype))
+  return tuple(data.shape), np.dtype(data.dtype)
+
+
+def _carrier_leaf(e: LeafEdge, path: str, x: Any) -> Any:
   """A ``ShapeDtypeStruct`` (with sharding) standing for the carrier of source leaf ``x``."""
-  shape = tuple(x.shape)
-  dtype = e.carrier if e.carrier is not None else x.dtype
+  shape, dtype = tuple(x.shape), e.carrier if e.carrier is not None else x.dtype
   sharding = getattr(x, "sharding", None)
   if e.key_impl is not None:
     shape, dtype = _key_data_type(shape, x.dtype)
@@ -275,69 +269,41 @@ def carrier_leaf(e: LeafEdge, path: str, x: Any) -> Any:
     shape = (*shape, 2)
   if isinstance(sharding, Sharding):
     if len(shape) != len(x.shape):
-      sharding = carrier_sharding(sharding, len(x.shape), path)
+      sharding = _carrier_sharding(sharding, len(x.shape), path)
     if e.src_memory is not None:
       sharding = sharding.with_memory_kind("device")
   return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
 
-@functools.lru_cache(maxsize=1024)
-def _key_data_type(shape: tuple[int, ...], dtype: Any) -> tuple[tuple[int, ...], np.dtype]:
-  data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, dtype))
-  return tuple(data.shape), np.dtype(data.dtype)
-
-
-def carrier_dst(e: LeafEdge, path: str, x: Any) -> Any:
-  """The destination the engine moves the carrier of ``x`` to: device memory, and one more
-  trailing dimension for key data and complex parts."""
+def _carrier_dst(e: LeafEdge, path: str, x: Any) -> Any:
+  """Where the engine moves the carrier of ``x``: device memory, with one more trailing
+  dimension for key data and complex parts."""
   d = e.dst_sharding
   if _non_device_kind(d) is not None:
     d = d.with_memory_kind("device")
-  return carrier_sharding(d, len(x.shape), path) if _widened(e, x) else d
-
-
-def into_engine(e: LeafEdge, x: jax.Array) -> jax.Array:
-  """The carrier the engine moves for concrete ``x``: device memory, default layout."""
-  if e.src_memory is not None:
-    x = jax.device_put(x, x.sharding.with_memory_kind("device"))
-  return into_carrier(e, to_default_layout(x))
-
-
-def out_of_engine(e: LeafEdge, y: jax.Array, dtype: Any) -> jax.Array:
-  """Inverse of :func:`into_engine` for the result: type, layout and memory kind as asked."""
-  y = from_carrier(e, y, dtype)
-  if e.dst_layout is not None:
-    y = jax.device_put(y, Format(e.dst_layout, y.sharding))
-  if _non_device_kind(e.dst_sharding) is not None:
-    y = jax.device_put(y, e.dst_sharding)
-  return y
+  return _carrier_sharding(d, len(x.shape), path) if _widened(e, x) else d
 
 
 def donated_leaves(donate: Any, x: Any, paths: Sequence[str]) -> list[bool]:
-  """Per source leaf, whether ``donate`` (a bool or a pytree prefix of ``x`` of bools) donates
-  it."""
+  """Per source leaf, whether ``donate`` (a bool or a pytree prefix of ``x`` of bools)
+  donates it."""
   n = len(paths)
-  if isinstance(donate, (bool, np.bool_)):
+  if donate is None or isinstance(donate, (bool, np.bool_)):
     return [bool(donate)] * n
-  if donate is None:
-    return [False] * n
   leaves = jax.tree_util.tree_leaves(donate)
   if any(isinstance(v, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)) for v in leaves):
     raise ReshardError(
-      "donate= takes True/False (or a pytree prefix of the source of bools): it donates the "
-      "SOURCE, as in jax.device_put(x, s, donate=True). To write the result into the "
-      "sampler's current buffers, pass them as out=:\n"
-      "  >>> new = jr.reshard(params, sampler_shardings, out=old)  # did you mean out=?"
+      "donate= takes bools (or a pytree prefix of the source of bools): it donates the SOURCE, "
+      "as jax.device_put does. To write into the current buffers, did you mean out=?"
     )
   if not all(isinstance(v, (bool, np.bool_)) for v in leaves):
     raise ReshardError(f"donate= takes bools; got {sorted({type(v).__name__ for v in leaves})}")
   try:
-    full = jax.tree_util.tree_broadcast(donate, x)
+    flat = jax.tree_util.tree_leaves(jax.tree_util.tree_broadcast(donate, x))
   except (ValueError, TypeError) as e:
     raise ReshardError(
       f"donate= must be a bool or a pytree prefix of the source tree of bools ({e})"
     ) from None
-  flat = jax.tree_util.tree_leaves(full)
   if len(flat) != n:
     raise ReshardError(f"donate= gives {len(flat)} flags for {n} source leaves")
   return [bool(v) for v in flat]
@@ -360,10 +326,10 @@ def needs_edges(src: Any, dst: Any) -> bool:
   if isinstance(dst, Sharding):
     return _non_device_kind(dst) is not None
   is_leaf = lambda d: isinstance(d, (Sharding, PartitionSpec, Format))
-  for d in jax.tree_util.tree_leaves(dst, is_leaf=is_leaf):
-    if isinstance(d, Format) or _non_device_kind(getattr(d, "sharding", d)) is not None:
-      return True
-  return False
+  return any(
+    isinstance(d, Format) or _non_device_kind(getattr(d, "sharding", d)) is not None
+    for d in jax.tree_util.tree_leaves(dst, is_leaf=is_leaf)
+  )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -386,10 +352,9 @@ class Edges:
       raise ReshardError(
         f"input tree does not match the plan's tree.\n  plan:  {self.treedef}\n  input: {treedef}"
       )
-    problems = []
-    for path, e, shape, dtype, s, v in zip(
-      self.paths, self.edges, self.shapes, self.dtypes, self.src_shardings, values, strict=True
-    ):
+    problems: list[str] = []
+    rows = (self.paths, self.edges, self.shapes, self.dtypes, self.src_shardings, values)
+    for path, e, shape, dtype, s, v in zip(*rows, strict=True):
       name = path or "<root>"
       if e.host != is_host_leaf(v):
         problems.append(f"{name}: the plan was made for {'host' if e.host else 'device'} data")
@@ -397,12 +362,7 @@ class Edges:
         problems.append(f"{name}: the array has been deleted (donated?)")
       elif problem := _unlike(name, v, shape, dtype, s, "the plan was made for"):
         problems.append(problem)
-    if problems:
-      raise ReshardError(
-        "input does not match the plan:\n  "
-        + "\n  ".join(problems[:8])
-        + (f"\n  ... and {len(problems) - 8} more" if len(problems) > 8 else "")
-      )
+    _refuse("input does not match the plan:", problems)
 
   def check_out(self, out: Any) -> list[Any]:
     """The arrays of ``out=`` (the previous result), checked against the destination."""
@@ -412,40 +372,49 @@ class Edges:
         "the out= tree does not match the plan's tree; nothing was donated.\n"
         f"  plan: {self.treedef}\n  out:  {treedef}"
       )
-    problems = []
-    for path, shape, dtype, e, a in zip(
-      self.paths, self.shapes, self.dtypes, self.edges, arrays, strict=True
-    ):
+    problems: list[str] = []
+    rows = (self.paths, self.shapes, self.dtypes, self.edges, arrays)
+    for path, shape, dtype, e, a in zip(*rows, strict=True):
       name = path or "<root>"
       if not isinstance(a, jax.Array) or a.is_deleted():
         problems.append(f"{name}: not a live jax.Array")
       elif problem := _unlike(name, a, shape, dtype, e.dst_sharding, "the destination is"):
         problems.append(problem)
-    if problems:
-      raise ReshardError(
-        "out= does not match the plan's destination; nothing was donated or deleted:\n  "
-        + "\n  ".join(problems[:8])
-      )
+    _refuse("out= does not match the plan's destination; nothing was donated or deleted:", problems)
     return arrays
 
   def carriers(self, values: Sequence[Any]) -> Any:
-    """The carrier tree the engine's plan takes (device work: memory, layout, type)."""
-    out = [() if e.host else into_engine(e, v) for e, v in zip(self.edges, values, strict=True)]
+    """The carrier tree the engine's plan takes: device memory, default layout, carrier type."""
+    out = []
+    for e, x in zip(self.edges, values, strict=True):
+      if not e.host and e.src_memory is not None:
+        x = jax.device_put(x, x.sharding.with_memory_kind("device"))
+      out.append(() if e.host else _into_carrier(e, _to_default_layout(x)))
     return jax.tree_util.tree_unflatten(self.treedef, out)
 
   def results(self, values: Sequence[Any], moved: Any) -> list[Any]:
-    """Per leaf, the result: host leaves placed, the engine's leaves out of their carriers."""
-    flat = iter(jax.tree_util.tree_leaves(moved))
-    return [
-      (
-        jax.device_put(
-          v, e.dst_sharding if e.dst_layout is None else Format(e.dst_layout, e.dst_sharding)
-        )
-        if e.host
-        else out_of_engine(e, next(flat), dtype)
-      )
-      for e, v, dtype in zip(self.edges, values, self.dtypes, strict=True)
-    ]
+    """Per leaf, the result: host leaves placed, the engine's leaves out of their carriers
+    (type, layout and memory kind as asked)."""
+    flat, out = iter(jax.tree_util.tree_leaves(moved)), []
+    for e, v, dtype in zip(self.edges, values, self.dtypes, strict=True):
+      if e.host:
+        dst = e.dst_sharding if e.dst_layout is None else Format(e.dst_layout, e.dst_sharding)
+        out.append(jax.device_put(v, dst))
+        continue
+      y = _from_carrier(e, next(flat), dtype)
+      if e.dst_layout is not None:
+        y = jax.device_put(y, Format(e.dst_layout, y.sharding))
+      if _non_device_kind(e.dst_sharding) is not None:
+        y = jax.device_put(y, e.dst_sharding)
+      out.append(y)
+    return out
+
+
+def _refuse(head: str, problems: list[str]) -> None:
+  """Raises a ``ReshardError`` of ``head`` and the first problems, if any."""
+  if problems:
+    more = f"\n  ... and {len(problems) - 8} more" if len(problems) > 8 else ""
+    raise ReshardError(head + "\n  " + "\n  ".join(problems[:8]) + more)
 
 
 def _unlike(name: str, v: Any, shape: Any, dtype: Any, sharding: Any, expected: str) -> str:
@@ -458,20 +427,6 @@ def _unlike(name: str, v: Any, shape: Any, dtype: Any, sharding: Any, expected: 
   ):
     return f"{name}: placed as {v.sharding} but {expected} {sharding}"
   return ""
-
-
-def _check_host_leaf(path: str, shape: tuple[int, ...], dst: Sharding) -> None:
-  """A host leaf's destination fits its shape (before any leaf is placed)."""
-  spec = getattr(dst, "spec", None)
-  try:
-    if spec is not None and len(spec) > len(shape):
-      raise ValueError(f"the spec {spec} has {len(spec)} entries for rank {len(shape)}")
-    dst.shard_shape(shape)
-  except ValueError as e:
-    raise ReshardError(
-      f"the destination of host leaf {path or '<root>'} (shape {shape}) does not fit it: {e}. "
-      "Give a spec with at most one entry per dimension whose mesh axes divide the shape."
-    ) from None
 
 
 def _dtype_of(x: Any) -> Any:
@@ -488,32 +443,46 @@ def make_edges(src: Any, dst_leaves: Sequence[Any]) -> tuple[Edges, Any, Any]:
   paths = tuple(jax.tree_util.keystr(p) for p, _ in flat)
   edges, shapes, dtypes, shardings, c_src, c_dst = [], [], [], [], [], []
   for path, (_, x), d in zip(paths, flat, dst_leaves, strict=True):
+    name = path or "<root>"
     if not (is_host_leaf(x) or isinstance(x, (jax.Array, jax.ShapeDtypeStruct))):
       raise ReshardTypeError(
-        f"source leaf {path or '<root>'} is {type(x).__name__}; expected a jax.Array, a "
-        "jax.ShapeDtypeStruct with a sharding, or host data (a NumPy array or a scalar)."
+        f"source leaf {name} is {type(x).__name__}; expected a jax.Array, a sharded "
+        "jax.ShapeDtypeStruct, or host data (a NumPy array or a scalar)."
       )
     final = as_sharding(path, d.sharding if isinstance(d, Format) else d)
     e = leaf_edge(path, x, Format(d.layout, final) if isinstance(d, Format) else final)
-    dtype = _dtype_of(x)
+    dtype, shape = _dtype_of(x), tuple(int(n) for n in np.shape(x))
     template = not isinstance(d, (Sharding, PartitionSpec, Format)) and hasattr(d, "shape")
-    if template and (tuple(d.shape) != tuple(np.shape(x)) or str(d.dtype) != str(dtype)):
+    if template and (tuple(d.shape) != shape or str(d.dtype) != str(dtype)):
       raise ReshardError(
-        f"the destination of leaf {path or '<root>'} is {d.dtype}{list(d.shape)} but the "
-        f"source is {dtype}{list(np.shape(x))}; reshard moves data, it does not reshape or "
-        "cast (cast with transform=)."
+        f"the destination of leaf {name} is {d.dtype}{list(d.shape)} but the source is "
+        f"{dtype}{list(shape)}; reshard moves data, it does not reshape or cast (cast with "
+        "transform=)."
       )
+    if e.host:
+      _check_host_leaf(name, shape, e.dst_sharding)
     edges.append(e)
-    shapes.append(tuple(int(n) for n in np.shape(x)))
+    shapes.append(shape)
     dtypes.append(dtype if _dtype_class(dtype) == "key" else np.dtype(dtype))
     shardings.append(None if e.host else getattr(x, "sharding", None))
-    if e.host:
-      _check_host_leaf(path, shapes[-1], e.dst_sharding)
-    c_src.append(() if e.host else carrier_leaf(e, path, x))
-    c_dst.append(() if e.host else carrier_dst(e, path, x))
+    c_src.append(() if e.host else _carrier_leaf(e, path, x))
+    c_dst.append(() if e.host else _carrier_dst(e, path, x))
   edged = Edges(treedef, paths, tuple(edges), tuple(shapes), tuple(dtypes), tuple(shardings))
   unflatten = functools.partial(jax.tree_util.tree_unflatten, treedef)
   return edged, unflatten(c_src), unflatten(c_dst)
+
+
+def _check_host_leaf(name: str, shape: tuple[int, ...], dst: Sharding) -> None:
+  """A host leaf's destination fits its shape (before any leaf is placed)."""
+  spec = getattr(dst, "spec", None)
+  try:
+    if spec is not None and len(spec) > len(shape):
+      raise ValueError(f"the spec {spec} has {len(spec)} entries for rank {len(shape)}")
+    dst.shard_shape(shape)
+  except ValueError as e:
+    raise ReshardError(
+      f"the destination of host leaf {name} (shape {shape}) does not fit: {e}."
+    ) from None
 
 
 def reshard_traced_edged(x: Any, dst: Any, src: Any, move: Callable[..., Any]) -> Any:
@@ -523,32 +492,26 @@ def reshard_traced_edged(x: Any, dst: Any, src: Any, move: Callable[..., Any]) -
   n = len(flat)
   dst_list = broadcast_shardings(dst, x, treedef, n, "destination")
   src_list = broadcast_shardings(src, x, treedef, n, "source") if src is not None else [None] * n
-  edges: list[LeafEdge] = []
-  c_x: list[Any] = []
-  c_dst: list[Any] = []
-  c_src: list[Any] = []
+  edges, c_x, c_dst, c_src = [], [], [], []
   for (p, v), d, s in zip(flat, dst_list, src_list, strict=True):
     path = jax.tree_util.keystr(p)
     if isinstance(d, Format) or _non_device_kind(getattr(d, "sharding", d)) is not None:
       raise ReshardError(
         f"inside jax.jit the destination of leaf {path or '<root>'} must be a sharding in device "
-        "memory (no Format, no other memory kind); call jr.reshard outside jax.jit for those."
+        "memory (no Format); call jr.reshard outside jax.jit for those."
       )
     e = leaf_edge(path, v, as_sharding(path, d))
     edges.append(e)
     if s is not None and not e.host and _widened(e, v):
-      s = carrier_sharding(s, v.ndim, path)
-    c_x.append(() if e.host else into_carrier(e, v))
-    c_dst.append(() if e.host else carrier_dst(e, path, v))
+      s = _carrier_sharding(s, v.ndim, path)
+    c_x.append(() if e.host else _into_carrier(e, v))
+    c_dst.append(() if e.host else _carrier_dst(e, path, v))
     c_src.append(() if e.host else s)
   unflatten = functools.partial(jax.tree_util.tree_unflatten, treedef)
-  moved = iter(
-    jax.tree_util.tree_leaves(
-      move(unflatten(c_x), unflatten(c_dst), None if src is None else unflatten(c_src))
-    )
-  )
+  moved = move(unflatten(c_x), unflatten(c_dst), None if src is None else unflatten(c_src))
+  ys = iter(jax.tree_util.tree_leaves(moved))
   out = [
-    jax.device_put(v, e.dst_sharding) if e.host else from_carrier(e, next(moved), v.dtype)
+    jax.device_put(v, e.dst_sharding) if e.host else _from_carrier(e, next(ys), v.dtype)
     for e, (_, v) in zip(edges, flat, strict=True)
   ]
   return jax.tree_util.tree_unflatten(treedef, out)
@@ -563,12 +526,10 @@ def refuse_edges_with_transform(src: Any, dst: Any) -> None:
     if what := _edged(v):
       raise ReshardError(
         f"source leaf {jax.tree_util.keystr(path) or '<root>'} is {what}, which transform= does "
-        "not take yet (it moves committed device arrays of byte-wide, non-complex types in "
-        "device memory). Reshard such leaves without transform= (jr.reshard places host data, "
-        "keys, sub-byte and complex types, weak types and every memory kind), or put them on "
-        "devices with jax.device_put first."
+        "not take (committed device arrays of byte-wide, non-complex types in device memory "
+        "only); reshard such leaves without transform=."
       )
   raise ReshardError(
     "transform= takes destinations in device memory and the default device-local layout; "
-    "reshard, then jax.device_put(y, Format(layout, sharding)) or into another memory kind."
+    "reshard, then jax.device_put(y, Format(...)) or into another memory kind."
   )

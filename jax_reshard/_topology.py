@@ -1,7 +1,6 @@
 """Topologies: which devices share a fast domain (NVLink domain, host, TPU slice), and what
-links inside and between domains cost. The planner uses the domains (a region crosses into a
-domain once), :func:`jax_reshard.estimate` the costs. NumPy only; ids are plain integers.
-"""
+links inside and between domains cost. The planner uses the domains, :func:`jax_reshard.estimate`
+the costs. NumPy only; ids are plain integers."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ class Link:
 
   Example:
     >>> import jax_reshard as jr
-    >>> nic = jr.Link(bandwidth=50e9, latency=20e-6)  # 400 Gb/s per GPU
-    >>> jr.Topology.h100_nodes().inter == nic
+    >>> jr.Topology.h100_nodes().inter == jr.Link(bandwidth=50e9, latency=20e-6)  # 400 Gb/s
     True
   """
 
@@ -56,11 +54,8 @@ class Topology:
     run_latency: seconds per contiguous run copied, with ``contiguous_bandwidth``.
 
   Example:
-    >>> topo = Topology.h100_nodes()
-    >>> topo.domain_of([0, 7, 8, 17]).tolist()
+    >>> Topology.h100_nodes().domain_of([0, 7, 8, 17]).tolist()
     [0, 0, 1, 2]
-    >>> topo.inter.bandwidth / 1e9  # 400 Gb/s per GPU
-    50.0
   """
 
   name: str
@@ -90,35 +85,30 @@ class Topology:
       [0, 0, 1]
     """
     ids = np.asarray(device_ids, dtype=np.int64).reshape(-1)
-    if self.domain_map:
-      keys, vals = np.asarray(self.domain_map, dtype=np.int64).reshape(-1, 2).T
-      pos = np.clip(np.searchsorted(keys, ids), 0, len(keys) - 1)
-      found = keys[pos] == ids
-      if not found.all():
-        missing = sorted(set(ids[~found].tolist()))[:8]
-        raise ReshardError(
-          f"topology {self.name!r} maps no domain for devices {missing}; give every source "
-          f"and destination device a domain (Topology.with_domains)"
-        )
-      return vals[pos]
-    if self.devices_per_domain:
-      return ids // self.devices_per_domain
-    return np.zeros(len(ids), dtype=np.int64)
+    if not self.domain_map:
+      return ids // self.devices_per_domain if self.devices_per_domain else np.zeros_like(ids)
+    keys, vals = np.asarray(self.domain_map, dtype=np.int64).reshape(-1, 2).T
+    pos = np.clip(np.searchsorted(keys, ids), 0, len(keys) - 1)
+    found = keys[pos] == ids
+    if not found.all():
+      raise ReshardError(
+        f"topology {self.name!r} maps no domain for devices {sorted(set(ids[~found].tolist()))[:8]}"
+        "; give every source and destination device a domain (Topology.with_domains)"
+      )
+    return vals[pos]
 
   def with_domains(self, domains: Mapping[int, int] | Iterable[tuple[int, int]]) -> Topology:
     """The same link costs with an explicit domain per device id (clusters not present).
 
     Args:
-      domains: ``{device id: domain}``, or ``(device id, domain)`` pairs; every device of a
-        plan needs one.
+      domains: ``{device id: domain}`` or ``(device id, domain)`` pairs, for every device.
 
     Raises:
       ReshardError: if a device id appears twice.
 
     Example:
-      >>> racks = Topology.gb200_nvl72().with_domains({0: 0, 1: 0, 100: 1})
-      >>> racks.domain_of([0, 1, 100]).tolist()
-      [0, 0, 1]
+      >>> Topology.gb200_nvl72().with_domains({0: 0, 1: 0, 100: 1}).domain_of([1, 100]).tolist()
+      [0, 1]
     """
     pairs = domains.items() if isinstance(domains, Mapping) else domains
     items = tuple(sorted((int(k), int(v)) for k, v in pairs))
@@ -130,12 +120,11 @@ class Topology:
     """A copy with some fields changed (e.g. a measured ``inter`` link).
 
     Args:
-      **changes: new values of fields, by name (see the class's attributes).
+      **changes: new values of fields, by name.
 
     Example:
-      >>> slow = Topology.h100_nodes().replace(name="H100, 200 Gb/s", inter=Link(25e9, 20e-6))
-      >>> slow.inter.bandwidth / 1e9, slow.intra.bandwidth / 1e9
-      (25.0, 450.0)
+      >>> Topology.h100_nodes().replace(inter=Link(25e9, 20e-6)).inter.bandwidth / 1e9
+      25.0
     """
     return dataclasses.replace(self, **changes)
 
@@ -143,14 +132,13 @@ class Topology:
   def from_devices(cls, devices: Iterable[Any], preset: Topology | None = None) -> Topology:
     """The domains JAX reports for real devices, with the link costs of a preset.
 
-    Devices share a domain when they share a ``slice_index`` (TPU slices; on GPUs a host,
-    so use :meth:`gb200_nvl72` or :meth:`with_domains` for NVL72 racks), else, and always on
-    CPUs, a process.
+    A domain is a ``slice_index`` (TPU slices; on GPUs a host, so NVL72 racks need
+    :meth:`gb200_nvl72` or :meth:`with_domains`), else (always on CPUs) a process.
 
     Args:
       devices: the devices, e.g. ``jax.devices()``.
-      preset: the link costs (default: :meth:`h100_nodes` for GPUs, :meth:`cpu` for CPUs,
-        :meth:`tpu_slices` for TPUs).
+      preset: the link costs (default by platform: :meth:`h100_nodes`, :meth:`tpu_slices`,
+        :meth:`cpu`).
 
     Example:
       >>> import jax
@@ -166,14 +154,13 @@ class Topology:
     numbered = {k: i for i, k in enumerate(sorted(set(keys.values())))}
     if preset is None:
       platform = devices[0].platform if devices else "cpu"
-      preset = {"gpu": cls.h100_nodes(), "cuda": cls.h100_nodes(), "tpu": cls.tpu_slices()}.get(
-        platform, cls.cpu()
-      )
+      gpu = platform in ("gpu", "cuda")
+      preset = cls.h100_nodes() if gpu else cls.tpu_slices() if platform == "tpu" else cls.cpu()
     return preset.with_domains({i: numbered[k] for i, k in keys.items()})
 
   @classmethod
   def h100_nodes(cls, devices_per_node: int = 8) -> Topology:
-    """H100 SXM nodes: NVLink 4 (450 GB/s) inside a node, a 400 Gb/s NIC per GPU between nodes.
+    """H100 SXM nodes: NVLink 4 (450 GB/s) inside, a 400 Gb/s NIC per GPU between nodes.
 
     Packing runs at the H200's measured rate scaled by HBM bandwidth (3.35 / 4.8 TB/s).
 
@@ -181,9 +168,8 @@ class Topology:
       devices_per_node: consecutive device ids per node (domain).
 
     Example:
-      >>> topo = Topology.h100_nodes()
-      >>> topo.domain_of([0, 7, 8]).tolist(), topo.intra.bandwidth / 1e9
-      ([0, 0, 1], 450.0)
+      >>> Topology.h100_nodes().intra.bandwidth / 1e9
+      450.0
     """
     return cls(
       name=f"H100 nodes of {devices_per_node}",
@@ -202,9 +188,8 @@ class Topology:
       devices_per_node: consecutive device ids per node (domain).
 
     Example:
-      >>> topo = Topology.h200_nodes(devices_per_node=4)
-      >>> topo.domain_of([3, 4]).tolist(), topo.memory_bandwidth / 1e12
-      ([0, 1], 0.8)
+      >>> Topology.h200_nodes(devices_per_node=4).domain_of([3, 4]).tolist()
+      [0, 1]
     """
     return dataclasses.replace(
       cls.h100_nodes(devices_per_node),
@@ -219,13 +204,11 @@ class Topology:
     Packing runs at the H200's measured rate scaled by HBM bandwidth (8 / 4.8 TB/s).
 
     Args:
-      devices_per_domain: consecutive device ids per NVLink domain (a rack, or the part of it
-        the job holds).
+      devices_per_domain: consecutive device ids per NVLink domain (the part of a rack held).
 
     Example:
-      >>> topo = Topology.gb200_nvl72(devices_per_domain=64)  # 64 GPUs of each rack
-      >>> topo.domain_of([63, 64]).tolist(), topo.intra.bandwidth / 1e9
-      ([0, 1], 900.0)
+      >>> Topology.gb200_nvl72(devices_per_domain=64).domain_of([63, 64]).tolist()
+      [0, 1]
     """
     return dataclasses.replace(
       cls.h100_nodes(devices_per_domain),
@@ -239,13 +222,11 @@ class Topology:
     """TPU v5p-like slices: ICI (90 GB/s per chip) inside, the network (25 GB/s) between.
 
     Args:
-      devices_per_slice: consecutive device ids per slice; ``None``: one slice (or use
-        :meth:`from_devices`, which reads the slices JAX reports).
+      devices_per_slice: consecutive device ids per slice; ``None``: one slice.
 
     Example:
-      >>> topo = Topology.tpu_slices(devices_per_slice=256)
-      >>> topo.domain_of([255, 256]).tolist(), topo.inter.bandwidth / 1e9
-      ([0, 1], 25.0)
+      >>> Topology.tpu_slices(devices_per_slice=256).domain_of([255, 256]).tolist()
+      [0, 1]
     """
     return cls(
       name="TPU slices",
@@ -269,8 +250,7 @@ class Topology:
     Its costs are the ``CPU_*`` constants measured by ``benchmarks/calibrate_cpu.py``.
 
     Args:
-      devices_per_domain: simulates domains of consecutive device ids (links as fast as
-        inside); ``None``: one domain.
+      devices_per_domain: simulated domains of consecutive device ids; ``None``: one.
       cores: how many devices copy at once (the host's cores).
       constants: constants measured on another machine, by name, in place of the preset's.
 
@@ -278,17 +258,13 @@ class Topology:
       ValueError: a name in ``constants`` that is not in ``CPU_CONSTANTS``.
 
     Example:
-      >>> Topology.cpu(cores=8).max_parallel
-      8
-      >>> Topology.cpu(constants={"CPU_PACK_BANDWIDTH": 3e9}).name
-      'CPU (2 cores, calibrated)'
+      >>> Topology.cpu(cores=8, constants={"CPU_PACK_BANDWIDTH": 3e9}).name
+      'CPU (8 cores, calibrated)'
     """
     c = {name: float(globals()[name]) for name in CPU_CONSTANTS}
-    if constants is not None:
-      unknown = sorted(set(constants) - set(CPU_CONSTANTS))
-      if unknown:
-        raise ValueError(f"unknown CPU constants {unknown}; known: {', '.join(CPU_CONSTANTS)}")
-      c.update({k: float(v) for k, v in constants.items()})
+    if unknown := sorted(set(constants or ()) - set(CPU_CONSTANTS)):
+      raise ValueError(f"unknown CPU constants {unknown}; known: {', '.join(CPU_CONSTANTS)}")
+    c.update({k: float(v) for k, v in (constants or {}).items()})
     link = Link(c["CPU_CORE_BANDWIDTH"], c["CPU_ROUND_LATENCY"])
     return cls(
       name=f"CPU ({cores} cores{', calibrated' if constants else ''})",
@@ -306,18 +282,18 @@ class Topology:
 
 
 # Medians of benchmarks/calibrate_cpu.py on a 2-core AMD EPYC, 8 simulated devices (jax 0.10.2):
-# ppermute bytes/s, packing bytes/s, round, call and per-leaf seconds, zero-fill bytes/s.
+# ppermute bytes/s, packing bytes/s, round, call and per-leaf seconds, zero-fill bytes/s; then
+# packing 64 KiB runs against 512-byte ones: bytes/s of long runs and seconds per run (at
+# 512-byte runs they give 2.1 GB/s, as CPU_PACK_BANDWIDTH).
 CPU_CORE_BANDWIDTH = 3.4e9
 CPU_PACK_BANDWIDTH = 2.0e9
 CPU_ROUND_LATENCY = 140e-6
 CPU_CALL_LATENCY = 165e-6
 CPU_LEAF_LATENCY = 56e-6
 CPU_FILL_BANDWIDTH = 4.7e9
-# Packing 64 KiB runs against 512-byte ones, from CPU time: bytes/s of long runs and seconds per
-# run (at 512-byte runs they give 2.1 GB/s, as CPU_PACK_BANDWIDTH).
 CPU_CONTIGUOUS_BANDWIDTH = 3.7e9
 CPU_RUN_LATENCY = 110e-9
-CPU_CONSTANTS = (
+CPU_CONSTANTS = (  # the names Topology.cpu takes as constants
   "CPU_CORE_BANDWIDTH",
   "CPU_PACK_BANDWIDTH",
   "CPU_ROUND_LATENCY",
@@ -327,4 +303,3 @@ CPU_CONSTANTS = (
   "CPU_CONTIGUOUS_BANDWIDTH",
   "CPU_RUN_LATENCY",
 )
-"""The names :meth:`Topology.cpu` takes as ``constants``."""

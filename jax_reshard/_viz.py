@@ -1,47 +1,25 @@
-"""Pictures of a plan: who sends how many bytes to whom, and in which round.
-
-Tables in NumPy, plots with matplotlib (an optional extra, imported only to plot), and the
-plan's summary as HTML for Jupyter. Nothing here touches devices or traces JAX.
-"""
+"""Pictures of a plan: who sends how many bytes to whom, and in which round; tables in NumPy,
+plots with matplotlib (an optional extra, imported only to plot), a summary as HTML."""
 
 from __future__ import annotations
 
 import dataclasses
 import html
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from collections import Counter
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from jax_reshard._layout import Layout
-from jax_reshard._plan import PlanStats
-from jax_reshard._planner import LeafPlan
-from jax_reshard._schedule import Schedule
+from jax_reshard._plan import format_bytes
 
 if TYPE_CHECKING:
   from matplotlib.axes import Axes
 
-
-class PlanLike(Protocol):
-  """What the pictures read of a plan: a :class:`~jax_reshard.ReshardPlan` or a
-  :class:`~jax_reshard.LayoutPlan`."""
-
-  @property
-  def layouts(self) -> Sequence[tuple[Layout, Layout]]: ...
-
-  @property
-  def leaf_plans(self) -> Sequence[LeafPlan]: ...
-
-  @property
-  def schedule(self) -> Schedule: ...
-
-  @property
-  def stats(self) -> PlanStats: ...
-
+PlanLike = Any  # what the pictures read: a ReshardPlan or a LayoutPlan
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
-# What each PlanStats field means, for the HTML table (fields missing here get no text).
+# What each PlanStats field means, for the HTML table.
 _STAT_MEANINGS = {
   "bytes_moved": "bytes received by devices from other devices, padding excluded",
   "lower_bound_bytes": "per destination device, its shard minus what it already holds, summed",
@@ -111,53 +89,35 @@ def traffic_matrix(plan: PlanLike) -> TrafficMatrix:
     ...   (8, 8), mesh_shape=(4,), axis_names=("x",), spec=spec, device_ids=ids)
     >>> plan = jr.plan_layouts([(lay(range(4), ("x",)), lay(range(4, 8), (None, "x")))], [4])
     >>> m = jr.traffic_matrix(plan)
-    >>> m.src_ids, m.dst_ids
-    ((0, 1, 2, 3), (4, 5, 6, 7))
-    >>> m.bytes[0].tolist()  # device 0's 2 rows, cut into the 4 sampler columns
-    [16, 16, 16, 16]
-    >>> int(m.bytes.sum()) == plan.stats.bytes_moved
-    True
+    >>> m.src_ids, m.dst_ids, m.bytes[0].tolist()
+    ((0, 1, 2, 3), (4, 5, 6, 7), [16, 16, 16, 16])
   """
   src_ids = np.asarray(sorted({i for s, _ in plan.layouts for i in s.device_ids}), np.int64)
   dst_ids = np.asarray(sorted({i for _, d in plan.layouts for i in d.device_ids}), np.int64)
-  shape = (len(src_ids), len(dst_ids))
-  remote = np.zeros(shape, dtype=np.int64)
-  local = np.zeros(shape, dtype=np.int64)
+  remote, local = (np.zeros((len(src_ids), len(dst_ids)), dtype=np.int64) for _ in "rl")
   if lps := plan.leaf_plans:
     src, dst, nbytes, is_local = (
       np.concatenate([np.asarray(getattr(p, f), np.int64) for p in lps])
       for f in ("src_device", "dst_device", "nbytes", "local")
     )
-    is_local = is_local.astype(bool)
     row, col = np.searchsorted(src_ids, src), np.searchsorted(dst_ids, dst)
-    np.add.at(remote, (row[~is_local], col[~is_local]), nbytes[~is_local])
-    np.add.at(local, (row[is_local], col[is_local]), nbytes[is_local])
-  return TrafficMatrix(
-    src_ids=tuple(src_ids.tolist()), dst_ids=tuple(dst_ids.tolist()), bytes=remote, local=local
-  )
+    for m, sel in ((remote, is_local == 0), (local, is_local != 0)):
+      np.add.at(m, (row[sel], col[sel]), nbytes[sel])
+  return TrafficMatrix(tuple(src_ids.tolist()), tuple(dst_ids.tolist()), remote, local)
 
 
 def round_table(plan: PlanLike) -> RoundTable:
-  """Every (source, destination) pair of every round, with its payload and padding bytes (the
-  fill up to ``Round.nbytes``; they sum to ``plan.stats.padding_bytes``), in round order."""
+  """Every (source, destination) pair of every round, in round order, with its payload and
+  its padding (the fill up to ``Round.nbytes``; they sum to ``plan.stats.padding_bytes``)."""
   rows: list[np.ndarray] = []  # per round, (6, pairs): the RoundTable's columns
   base = 0
   for b, bucket in enumerate(plan.schedule.buckets):
-    if not bucket.rounds:
-      continue
-    ps = np.asarray(bucket.piece_src, np.int64)
-    pd = np.asarray(bucket.piece_dst, np.int64)
-    nb = np.asarray(bucket.piece_nbytes, np.int64)
-    width = int(max(ps.max(initial=0), pd.max(initial=0))) + 1
-    keys, inv = np.unique(ps * width + pd, return_inverse=True)
-    fill = np.zeros(len(keys), dtype=np.int64)
-    np.add.at(fill, inv.reshape(-1), nb)
+    fill: Counter[tuple[int, int]] = Counter()  # payload bytes per (sender, receiver)
+    for src, dst, nb in zip(bucket.piece_src, bucket.piece_dst, bucket.piece_nbytes, strict=True):
+      fill[int(src), int(dst)] += int(nb)
     for r, rnd in enumerate(bucket.rounds):
       pairs = np.asarray(rnd.pairs, dtype=np.int64).reshape(-1, 2)
-      want = pairs[:, 0] * width + pairs[:, 1]
-      pos = np.clip(np.searchsorted(keys, want), 0, max(len(keys) - 1, 0))
-      found = keys[pos] == want if len(keys) else np.zeros(len(want), bool)
-      payload = np.where(found, fill[pos] if len(keys) else 0, 0)
+      payload = np.asarray([fill[src, dst] for src, dst in pairs.tolist()], dtype=np.int64)
       n = len(pairs)
       columns = (np.full(n, b), np.full(n, base + r), *pairs.T, payload, rnd.nbytes - payload)
       rows.append(np.stack([np.asarray(c, dtype=np.int64) for c in columns]))
@@ -171,11 +131,6 @@ def _unit(n: float) -> tuple[str, int]:
   while k < len(_UNITS) - 1 and abs(n) >= 1024 ** (k + 1):
     k += 1
   return _UNITS[k], 1024**k
-
-
-def _format_bytes(n: float) -> str:
-  unit, scale = _unit(n)
-  return f"{n:.0f} B" if unit == "B" else f"{n / scale:.2f} {unit}"
 
 
 def _short_bytes(n: float) -> str:
@@ -195,49 +150,36 @@ def _pyplot() -> Any:
   return plt
 
 
-def _ticks(ids: tuple[int, ...], limit: int = 32) -> tuple[list[int], list[str]]:
-  """Tick positions and labels: every device, or every k-th when there are many."""
-  step = max(1, -(-len(ids) // limit))
-  pos = list(range(0, len(ids), step))
-  return pos, [str(ids[i]) for i in pos]
+def _figure(plt: Any, ax: Axes | None, size: tuple[float, float]) -> Axes:
+  """``ax``, or the axes of a new figure of ``size`` inches."""
+  return ax if ax is not None else plt.subplots(figsize=size, layout="constrained")[1]
 
 
 def plot_traffic(plan: PlanLike, ax: Axes | None = None) -> Axes:
   """Draws the traffic matrix: bytes each source device (row) sends each destination (column).
 
   Hatched cells are local copies; the title compares the bytes moved with the lower bound and
-  with gather-and-broadcast.
+  with gather-and-broadcast. Without matplotlib raises ``ImportError``
+  (``pip install 'jax_reshard[viz]'``).
 
   Args:
     plan: a plan from :func:`jax_reshard.make_plan` or :func:`jax_reshard.plan_layouts`.
-    ax: matplotlib Axes to draw in; a new figure when ``None``.
-
-  Returns:
-    The matplotlib Axes.
-
-  Raises:
-    ImportError: matplotlib is not installed (``pip install 'jax_reshard[viz]'``).
+    ax: matplotlib Axes to draw in, and return; a new figure's when ``None``.
 
   Example:
-    >>> import matplotlib.pyplot as plt
     >>> import jax_reshard as jr
     >>> lay = lambda ids, spec: jr.Layout.from_description(
     ...   (8, 8), mesh_shape=(4,), axis_names=("x",), spec=spec, device_ids=ids)
     >>> plan = jr.plan_layouts([(lay(range(4), ("x",)), lay(range(4, 8), (None, "x")))], [4])
-    >>> ax = jr.plot_traffic(plan)  # then ax.figure.savefig("traffic.png")
-    >>> print(ax.get_title())
+    >>> print(jr.plot_traffic(plan).get_title())
     moved 256 B (lower bound 256 B), local 0 B
     gather+broadcast would move 1.75 KiB (7.0x)
-    >>> plt.close(ax.figure)
   """
   plt = _pyplot()
   m = traffic_matrix(plan)
   n_src, n_dst = m.bytes.shape
-  if ax is None:
-    _, ax = plt.subplots(
-      figsize=(min(14.0, 4.5 + 0.22 * n_dst), min(12.0, 3.5 + 0.2 * n_src)), layout="constrained"
-    )
-  assert ax is not None
+  size = (min(14.0, 4.5 + 0.22 * n_dst), min(12.0, 3.5 + 0.2 * n_src))
+  ax = _figure(plt, ax, size)
   top = max(m.bytes.max(initial=0), m.local.max(initial=0), 1)
   scale, vmax = _heatmap(plt, ax, m.bytes, m.bytes == 0, top, "bytes sent")
   rows, cols = np.nonzero(m.local)
@@ -253,9 +195,9 @@ def plot_traffic(plan: PlanLike, ax: Axes | None = None) -> Axes:
   st = plan.stats
   ratio = f" ({st.gather_broadcast_bytes / st.bytes_moved:.1f}x)" if st.bytes_moved else ""
   ax.set_title(
-    f"moved {_format_bytes(st.bytes_moved)} (lower bound {_format_bytes(st.lower_bound_bytes)})"
-    f", local {_format_bytes(st.local_copy_bytes)}\n"
-    f"gather+broadcast would move {_format_bytes(st.gather_broadcast_bytes)}{ratio}",
+    f"moved {format_bytes(st.bytes_moved)} (lower bound {format_bytes(st.lower_bound_bytes)})"
+    f", local {format_bytes(st.local_copy_bytes)}\n"
+    f"gather+broadcast would move {format_bytes(st.gather_broadcast_bytes)}{ratio}",
     fontsize=10,
   )
   return ax
@@ -268,29 +210,20 @@ def plot_rounds(
 
   ``"bars"``: one bar per pair, grouped by round, payload with its padding stacked on top.
   ``"grid"``: source devices by rounds, coloured by payload, with the receiving device written
-  in each cell and padded cells hatched. By default bars up to 96 pairs, else the grid.
+  in each cell and padded cells hatched. Without matplotlib raises ``ImportError``.
 
   Args:
     plan: a plan from :func:`jax_reshard.make_plan` or :func:`jax_reshard.plan_layouts`.
-    ax: matplotlib Axes to draw in; a new figure when ``None``.
-    kind: ``"bars"``, ``"grid"`` or ``None`` (by size).
-
-  Returns:
-    The matplotlib Axes.
-
-  Raises:
-    ImportError: matplotlib is not installed (``pip install 'jax_reshard[viz]'``).
+    ax: matplotlib Axes to draw in, and return; a new figure's when ``None``.
+    kind: ``"bars"``, ``"grid"`` or ``None``: bars up to 96 pairs, else the grid.
 
   Example:
-    >>> import matplotlib.pyplot as plt
     >>> import jax_reshard as jr
     >>> lay = lambda ids, spec: jr.Layout.from_description(
     ...   (8, 8), mesh_shape=(4,), axis_names=("x",), spec=spec, device_ids=ids)
     >>> plan = jr.plan_layouts([(lay(range(4), ("x",)), lay(range(4, 8), (None, "x")))], [4])
-    >>> ax = jr.plot_rounds(plan)  # 16 pairs: bars
-    >>> print(ax.get_title())
+    >>> print(jr.plot_rounds(plan).get_title())
     4 rounds in 1 bucket(s): payload 256 B, padding 0 B (0% of sent)
-    >>> plt.close(ax.figure)
   """
   plt = _pyplot()
   t = round_table(plan)
@@ -298,24 +231,19 @@ def plot_rounds(
     kind = "bars" if len(t) <= 96 else "grid"
   if kind not in ("bars", "grid"):
     raise ValueError(f"kind must be 'bars', 'grid' or None, not {kind!r}")
-  if ax is None:
-    if kind == "bars":
-      size = (min(16.0, 5.0 + 0.12 * len(t)), 4.5)
-    else:
-      senders = len(np.unique(t.src))
-      size = (min(16.0, 5.0 + 0.6 * t.num_rounds), min(14.0, 3.0 + 0.18 * senders))
-    _, ax = plt.subplots(figsize=size, layout="constrained")
-  assert ax is not None
   if kind == "bars":
+    ax = _figure(plt, ax, (min(16.0, 5.0 + 0.12 * len(t)), 4.5))
     _draw_round_bars(ax, t)
   else:
+    senders = len(np.unique(t.src))
+    ax = _figure(plt, ax, (min(16.0, 5.0 + 0.6 * t.num_rounds), min(14.0, 3.0 + 0.18 * senders)))
     _draw_round_grid(plt, ax, t)
   st = plan.stats
   sent = int((t.payload + t.padding).sum())
   pct = 100 * st.padding_bytes / sent if sent else 0.0
   ax.set_title(
     f"{st.num_rounds} rounds in {st.num_buckets} bucket(s): payload "
-    f"{_format_bytes(st.bytes_moved)}, padding {_format_bytes(st.padding_bytes)} "
+    f"{format_bytes(st.bytes_moved)}, padding {format_bytes(st.padding_bytes)} "
     f"({pct:.2g}% of sent)",
     fontsize=10,
   )
@@ -351,8 +279,7 @@ def _draw_round_bars(ax: Axes, t: RoundTable) -> None:
   ax.set_ylabel(f"bytes sent ({unit})")
   first = _round_starts(t)
   if n:
-    last = np.r_[first[1:], n] - 1
-    centres = (x[first] + x[last]) / 2
+    centres = (x[first] + x[np.r_[first[1:], n] - 1]) / 2
     step = max(1, -(-len(first) // 24))
     top = ax.secondary_xaxis("top")
     top.set_xticks(
@@ -360,17 +287,20 @@ def _draw_round_bars(ax: Axes, t: RoundTable) -> None:
     )
     top.set_xlabel("round")
   else:
-    ax.text(0.5, 0.5, "no remote traffic", ha="center", va="center", transform=ax.transAxes)
+    _no_traffic(ax)
   for start in first[1:].tolist():
     color, line = ("grey", ":") if t.bucket[start] == t.bucket[start - 1] else ("black", "--")
     ax.axvline(x[start] - 1, color=color, linestyle=line, linewidth=0.8)
   ax.legend(loc="upper right", ncols=2, fontsize=8)
 
 
+def _no_traffic(ax: Axes) -> None:
+  ax.text(0.5, 0.5, "no remote traffic", ha="center", va="center", transform=ax.transAxes)
+
+
 def _draw_round_grid(plt: Any, ax: Axes, t: RoundTable) -> None:
   if not len(t):
-    ax.text(0.5, 0.5, "no remote traffic", ha="center", va="center", transform=ax.transAxes)
-    return
+    return _no_traffic(ax)
   senders = np.unique(t.src)
   n_src, n_rounds = len(senders), t.num_rounds
   row = np.searchsorted(senders, t.src)
@@ -382,17 +312,11 @@ def _draw_round_grid(plt: Any, ax: Axes, t: RoundTable) -> None:
   padded = np.flatnonzero(t.padding > 0)
   _mark(ax, t.round[padded], row[padded], ("xx", "tab:orange", 1.2), "padded", -0.06)
   if n_src <= 64 and n_rounds <= 32:  # the receiving device, written in each busy cell
+    size = 6 if n_src > 16 else 8
     for i in range(len(t)):
-      dark = t.payload[i] / scale < 0.6 * vmax
-      ax.text(
-        int(t.round[i]),
-        int(row[i]),
-        str(int(t.dst[i])),
-        ha="center",
-        va="center",
-        fontsize=6 if n_src > 16 else 8,
-        color="white" if dark else "black",
-      )
+      color = "white" if t.payload[i] / scale < 0.6 * vmax else "black"
+      at = (int(t.round[i]), int(row[i]))
+      ax.text(*at, str(int(t.dst[i])), ha="center", va="center", fontsize=size, color=color)
   for start in _round_starts(t)[1:].tolist():
     if t.bucket[start] != t.bucket[start - 1]:
       ax.axvline(int(t.round[start]) - 0.5, color="black", linestyle="--", linewidth=1.0)
@@ -431,32 +355,27 @@ def _mark(
       Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, hatch=hatch, edgecolor=color, linewidth=width)
     )
   if len(cols):
-    ax.legend(
-      handles=[Patch(facecolor="none", edgecolor=color, hatch=hatch, label=label)],
-      loc="upper left",
-      bbox_to_anchor=(0.0, below),
-      fontsize=8,
-      frameon=False,
-    )
+    patch = Patch(facecolor="none", edgecolor=color, hatch=hatch, label=label)
+    anchor = (0.0, below)
+    ax.legend(handles=[patch], loc="upper left", bbox_to_anchor=anchor, fontsize=8, frameon=False)
 
 
 def _device_ticks(
   ax: Axes, x_ids: tuple[int, ...], src_ids: tuple[int, ...], limit: int, xlabel: str
 ) -> None:
-  """Ticks for ``x_ids`` (at most ``limit``) and the source devices (rows), and axis labels."""
-  xpos, xlab = _ticks(x_ids, limit=limit)
-  ypos, ylab = _ticks(src_ids)
-  ax.set_xticks(xpos, xlab, fontsize=8)
-  ax.set_yticks(ypos, ylab, fontsize=8)
+  """Ticks for ``x_ids`` (every k-th beyond ``limit``) and the source devices (rows, beyond
+  32), and the axis labels."""
+  for ids, most, ticks in ((x_ids, limit, ax.set_xticks), (src_ids, 32, ax.set_yticks)):
+    pos = list(range(0, len(ids), max(1, -(-len(ids) // most))))
+    ticks(pos, [str(ids[i]) for i in pos], fontsize=8)
   ax.set_xlabel(xlabel)
   ax.set_ylabel("source device")
 
 
 def plan_html(plan: PlanLike) -> str:
-  """The plan's summary as HTML for Jupyter: a table of its stats (value and meaning), then one
-  of its (source layout, destination layout) groups with their moved and local bytes."""
-  esc = html.escape
-  st = plan.stats
+  """The plan's summary as HTML for Jupyter: its stats (value and meaning), then its (source
+  layout, destination layout) groups with their moved and local bytes."""
+  esc, st = html.escape, plan.stats
   groups: dict[tuple[str, str], list[int]] = {}
   for i, (s, d) in enumerate(plan.layouts):
     groups.setdefault((s.description, d.description), []).append(i)
@@ -470,7 +389,7 @@ def plan_html(plan: PlanLike) -> str:
   ]
   for f in dataclasses.fields(st):
     value = getattr(st, f.name)
-    shown = _format_bytes(value) if "bytes" in f.name else str(value)
+    shown = format_bytes(value) if "bytes" in f.name else str(value)
     out.append(
       f"<tr><td {cell}><code>{esc(f.name)}</code></td>"
       f'<td {num} title="{esc(str(value))}">{esc(shown)}</td>'
@@ -486,8 +405,8 @@ def plan_html(plan: PlanLike) -> str:
     local = sum(plan.leaf_plans[i].local_copy_bytes for i in idx)
     out.append(
       f"<tr><td {num}>{len(idx)}</td><td {cell}>{esc(src_txt)}</td>"
-      f"<td {cell}>{esc(dst_txt)}</td><td {num}>{esc(_format_bytes(moved))}</td>"
-      f"<td {num}>{esc(_format_bytes(local))}</td></tr>"
+      f"<td {cell}>{esc(dst_txt)}</td><td {num}>{esc(format_bytes(moved))}</td>"
+      f"<td {num}>{esc(format_bytes(local))}</td></tr>"
     )
   out.append("</tbody></table></div>")
   return "\n".join(out)
