@@ -168,6 +168,7 @@ def plan_layouts(
   relays: bool | Literal["auto"] | None = None,
   leaf_names: Sequence[str] | None = None,
   options: Options | None = None,
+  interleave: bool = True,
 ) -> LayoutPlan:
   """Plans moving a tree of leaves from their source to their destination layouts.
 
@@ -184,6 +185,8 @@ def plan_layouts(
       whichever the cost model predicts faster.
     leaf_names: per leaf, a name for error messages (default ``#i``).
     options: the plan's :class:`Options`; ``None``: the defaults.
+    interleave: with several domains, order leaves round-robin over their source device sets
+      before bucketing (:func:`interleave_by_source`); ``False``: in tree order.
 
   Raises:
     ReshardError: invalid arguments, layouts of different shapes, or a bound below a leaf's need.
@@ -195,7 +198,16 @@ def plan_layouts(
     >>> plan.stats.bytes_moved == plan.stats.lower_bound_bytes == 2 * 1024 * 1024
     True
   """
-  return _plan_layouts(layouts, itemsizes, max_bucket_bytes, topology, relays, leaf_names, options)
+  return _plan_layouts(
+    layouts,
+    itemsizes,
+    max_bucket_bytes,
+    topology,
+    relays,
+    leaf_names,
+    options,
+    interleave=interleave,
+  )
 
 
 def plan_transformed(layouts, itemsizes, inputs, transfers: _Transfers, **kw: Any) -> LayoutPlan:
@@ -213,6 +225,7 @@ def _plan_layouts(
   leaf_names: Sequence[str] | None = None,
   options: Options | None = None,
   transfers: _Transfers | None = None,
+  interleave: bool = True,
 ) -> LayoutPlan:
   """:func:`plan_layouts`; ``transfers``: a transformed tree's leaf plans and pieces."""
   lays = tuple((s, d) for s, d in layouts)
@@ -234,7 +247,7 @@ def _plan_layouts(
     return time_lower_bound(leaf_plans(False)[0], topology)
 
   def plan_for(bound: int | None, timed: bool = True) -> tuple[LayoutPlan, float | None]:
-    args = (lays, sizes, bound, topology, opts, names)
+    args = (lays, sizes, bound, topology, opts, names, interleave)
     relayed = _plan_tree(*args, *leaf_plans(resolved is not False))
     if resolved != "auto" or relayed.relay is None:
       return relayed, relayed.estimate().seconds if timed else None
@@ -316,7 +329,7 @@ def resolve_relays(relays: _Relays, topology: Topology | None) -> bool | Literal
 
 
 def _plan_tree(
-  layouts, itemsizes, max_bucket_bytes, topology, options, names, full, pieces=None
+  layouts, itemsizes, max_bucket_bytes, topology, options, names, interleave, full, pieces=None
 ) -> LayoutPlan:
   """The plan (both stages, passes left at 0) of leaf plans ``full`` (and ``pieces``)."""
   split_of: dict[int, tuple[LeafPlan, LeafPlan | None]] = {}  # equal leaves share a plan
@@ -326,7 +339,7 @@ def _plan_tree(
   split = [split_of[id(lp)] for lp in full]
   scheduled = tuple(i for i, (s, _) in enumerate(layouts) if math.prod(s.shape) > 0)
   relayed = tuple(i for i, (_, second) in enumerate(split) if second is not None)
-  if not one_domain(layouts, topology):
+  if interleave and not one_domain(layouts, topology):
     scheduled = interleave_by_source(scheduled, layouts)
     relayed = interleave_by_source(relayed, layouts)
   first_pieces = pieces and tuple(  # None, or the pieces of the first stage's transfers
