@@ -591,7 +591,7 @@ def repeated_rounds(
   stage: _Stage, bucket: Bucket, kept: np.ndarray, pairs: tuple[np.ndarray, ...] | None = None
 ) -> list[int]:
   """The packed rounds (none ``kept``) whose payloads equal an earlier one's, sender by
-  sender: packed once and sent again (``_emit._emit_round``)."""
+  sender: packed once and sent again (``_emit._emit_rounds``)."""
   rid, ps, pd, size = round_pairs(bucket.rounds) if pairs is None else pairs
   order = np.lexsort((pd, ps, rid))  # each round's pairs by sender
   rid, ps, pd = rid[order], ps[order], pd[order]

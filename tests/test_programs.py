@@ -1228,7 +1228,7 @@ def test_the_rounds_the_model_finds_repeated_are_those_the_program_packs_once() 
   destinations are replicated and one whose source slabs go whole to two devices in turn: the
   rounds :func:`_cost.repeated_rounds` finds are exactly the packed rounds (neither sent as
   they are nor cut into whole-shard segments) whose size and packs equal an earlier packed
-  round's, which the program sends again (``_emit._emit_round``); and the rounds the model
+  round's, which the program sends again (``_emit._emit_rounds``); and the rounds the model
   sends as they are (:func:`_cost.direct_steps`, a source slab's staged block counted whole)
   are those the program does."""
 
