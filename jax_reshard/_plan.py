@@ -7,7 +7,7 @@ import dataclasses
 import functools
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -140,7 +140,11 @@ class LayoutPlan:
     return (self,) if self.relay is None else (self, self.relay)
 
   def estimate(
-    self, topology: Topology | None = None, as_is=None, *, out: bool = False
+    self,
+    topology: Topology | None = None,
+    as_is: Collection[int] | None = None,
+    *,
+    out: bool = False,
   ) -> Estimate:
     """The predicted time on ``topology`` (default: the plan's), with ``out=`` where ``out``."""
     known = [st.bucket_classes for st in self.stages() if st.bucket_classes is not None]
@@ -210,7 +214,13 @@ def plan_layouts(
   )
 
 
-def plan_transformed(layouts, itemsizes, inputs, transfers: _Transfers, **kw: Any) -> LayoutPlan:
+def plan_transformed(
+  layouts: _Layouts,
+  itemsizes: Sequence[int],
+  inputs: Sequence[Layout],
+  transfers: _Transfers,
+  **kw: Any,
+) -> LayoutPlan:
   """:func:`plan_layouts` of a transformed tree (``inputs``: source layouts)."""
   plan = _plan_layouts(layouts, itemsizes, transfers=transfers, **kw)
   return dataclasses.replace(plan, inputs=tuple(inputs))
@@ -476,7 +486,11 @@ def _split_relays(lp: LeafPlan, dst: Layout, itemsize: int) -> tuple[LeafPlan, L
   return stage0, stage1
 
 
-def pass_bytes(plan: LayoutPlan, as_is=None, classes=None) -> dict[str, int]:
+def pass_bytes(
+  plan: LayoutPlan,
+  as_is: Collection[int] | None = None,
+  classes: Sequence[int] | None = None,
+) -> dict[str, int]:
   """Bytes one stage's programs read and write per call, by step, as the builder lowers."""
   out = dict.fromkeys(("pack", "transfer", "assemble", "zero_fill"), 0)
   keys = count_keys(plan, classes, as_is) if classes is not None else None
@@ -541,7 +555,12 @@ def _bucket_pass_bytes(plan: LayoutPlan, bucket: Bucket, as_is, split: bool) -> 
   return out
 
 
-def passes_per_moved_byte(stages, moved: int, as_is=None, classes=None) -> float:
+def passes_per_moved_byte(
+  stages: Sequence[LayoutPlan],
+  moved: int,
+  as_is: Collection[int] | None = None,
+  classes: Sequence[Sequence[int] | None] | None = None,
+) -> float:
   """:attr:`PlanStats.passes_per_moved_byte` of ``stages`` (see pass_bytes)."""
   total = sum(
     sum(pass_bytes(st, as_is, None if classes is None else classes[k]).values())

@@ -136,7 +136,13 @@ def _geometry(src: Layout, dst: Layout) -> Geometry:
   )
 
 
-def plan_leaf(src: Layout, dst: Layout, itemsize: int, send_load=None, **kw: Any) -> LeafPlan:
+def plan_leaf(
+  src: Layout,
+  dst: Layout,
+  itemsize: int,
+  send_load: MutableMapping[int, int] | None = None,
+  **kw: Any,
+) -> LeafPlan:
   """Plans one leaf from ``src`` to ``dst`` (same shape); keywords as :func:`plan_regions`."""
   if src.shape != dst.shape:
     raise ReshardError(f"layouts of different shapes: {src.shape} vs {dst.shape}")
@@ -373,7 +379,11 @@ def _assign_tied(needs, ids, nbytes, load, tie, sender) -> None:
 
 
 def plan_leaves(
-  layouts, itemsizes, *, topology: Topology | None = None, relays=True
+  layouts: Sequence[tuple[Layout, Layout]],
+  itemsizes: Sequence[int],
+  *,
+  topology: Topology | None = None,
+  relays: bool = True,
 ) -> list[LeafPlan]:
   """Plans a tree's leaves, load balanced across the tree (per leaf across domains)."""
   load: dict[int, int] = {}

@@ -17,7 +17,7 @@ from jax_reshard._topology import Topology
 
 
 def output_geometry(
-  leaf: OutputLeaf, src_layouts, dst: Layout
+  leaf: OutputLeaf, src_layouts: Sequence[Layout], dst: Layout
 ) -> tuple[Geometry, np.ndarray, tuple[Piece, ...]]:
   """A leaf's planner regions in ``dst``, their wire bytes, and their pieces."""
   d_lo, d_hi, d_inv = unique_boxes(dst)
