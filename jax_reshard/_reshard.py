@@ -87,11 +87,7 @@ def reshard(
         "  >>> step = jax.jit(refit, donate_argnums=(0, 1))"
       )
     if (values := _vjp.concrete_leaves(x)) is not None:  # eager jax.vjp / jax.grad
-      if transform is not None:
-        return _vjp.reshard_transform_vjp(
-          x, dst, src, values, transform, max_bucket_bytes, topology, relays
-        )
-      return _vjp.reshard_vjp(x, dst, src, values, max_bucket_bytes, topology, relays)
+      return _vjp.reshard_vjp(x, dst, src, values, max_bucket_bytes, topology, relays, transform)
     if transform is not None:
       return _traced.reshard_traced_transform(x, dst, src, transform, topology, relays)
     if needs_edges(x, dst):

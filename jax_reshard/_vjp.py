@@ -73,25 +73,12 @@ def reshard_vjp(
   max_bucket_bytes: int | Sequence[int] | None,
   topology: Topology | None,
   relays: bool | Literal["auto"] | None,
+  transform: Callable[[Any], Any] | None = None,
 ) -> Any:
   """``reshard(x, dst)`` for differentiation tracers over ``values``: the eager move,
-  differentiable, validated (and planned) before anything runs."""
-  opts = dict(max_bucket_bytes=max_bucket_bytes, topology=topology, relays=relays)
-  return _eager_vjp(x, dst, src, values, None, opts)
-
-
-def reshard_transform_vjp(
-  x: Any,
-  dst: Any,
-  src: Any,
-  values: list[jax.Array],
-  transform: Callable[[Any], Any],
-  max_bucket_bytes: int | Sequence[int] | None,
-  topology: Topology | None = None,
-  relays: bool | Literal["auto"] | None = None,
-) -> Any:
-  """:func:`reshard_vjp` with ``transform=``: its VJP is ``transform``'s
-  (:func:`~jax_reshard._traced.transform_pullback`), moved into the source layouts."""
+  differentiable, validated (and planned) before anything runs; with ``transform``, its VJP is
+  ``transform``'s (:func:`~jax_reshard._traced.transform_pullback`), moved into the source
+  layouts."""
   opts = dict(max_bucket_bytes=max_bucket_bytes, topology=topology, relays=relays)
   return _eager_vjp(x, dst, src, values, transform, opts)
 
