@@ -24,6 +24,9 @@ FANOUT_NEEDS = 2  # a region needed by more devices of a domain per replica ther
 _Tasks = MutableMapping[tuple[object, ...], list[tuple[np.ndarray, np.ndarray, bool]]]
 _Load = MutableMapping[int, int]
 _Arr = np.ndarray
+_Domains = tuple[
+  np.ndarray, tuple[np.ndarray, ...]
+]  # per need its domain; per source box its devices' domains
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -203,7 +206,15 @@ def plan_regions(
   )
 
 
-def _relays(g, doms, region_bytes, entry, sender, relays, fanout) -> tuple[_Arr | None, int]:
+def _relays(
+  g: Geometry,
+  doms: _Domains,
+  region_bytes: _Arr,
+  entry: _Load,
+  sender: _Arr,
+  relays: bool,
+  fanout: bool,
+) -> tuple[_Arr | None, int]:
   """Relay entries and forwards (``hop`` 1, sender in ``sender``); the slow-link lower bound."""
   need_dom, rep_doms = doms
   span = int(max(need_dom.max(), *(int(d.max()) for d in rep_doms if len(d)))) + 1
@@ -260,7 +271,16 @@ def _relays(g, doms, region_bytes, entry, sender, relays, fanout) -> tuple[_Arr 
   return hop, slow_bound
 
 
-def _choose_entries(order, starts, ids, counts, nbytes, load, entry, shift) -> None:
+def _choose_entries(
+  order: _Arr,
+  starts: _Arr,
+  ids: _Arr,
+  counts: _Arr,
+  nbytes: _Arr,
+  load: _Load,
+  entry: _Arr,
+  shift: int,
+) -> None:
   """Each cluster's entry as :func:`_assign_rotated` gives, disjoint clusters at once."""
   members = np.split(order, starts[1:])
   owner = np.repeat(np.arange(len(starts)), counts)
@@ -287,7 +307,9 @@ def _choose_entries(order, starts, ids, counts, nbytes, load, entry, shift) -> N
   load.update(zip(dev_ids[best].tolist(), (loads[best] + nbytes[groups]).tolist(), strict=True))
 
 
-def _assign_rotated(needs, ids, nbytes, load, entry, shift) -> None:
+def _assign_rotated(
+  needs: _Arr, ids: _Arr, nbytes: _Arr, load: _Load, entry: _Arr, shift: int
+) -> None:
   """:func:`_assign_lpt`, ties going to the id next after ``shift`` (modulo)."""
   if shift % len(ids) == 0 or len(np.unique(ids)) < len(ids):
     _assign_lpt(needs, ids, nbytes, load, entry)
@@ -295,7 +317,7 @@ def _assign_rotated(needs, ids, nbytes, load, entry, shift) -> None:
   _assign_in_order(needs, np.roll(np.sort(ids), -(shift % len(ids))), nbytes, load, entry)
 
 
-def _assign_in_order(needs, ordered, nbytes, load, out) -> None:
+def _assign_in_order(needs: _Arr, ordered: _Arr, nbytes: _Arr, load: _Load, out: _Arr) -> None:
   """:func:`_assign_lpt` over the distinct ids ``ordered``, ties going to the first of them."""
   ids = ordered.tolist()
   at = {k: load[i] for k, i in enumerate(ids) if i in load}
@@ -304,7 +326,9 @@ def _assign_in_order(needs, ordered, nbytes, load, out) -> None:
   load.update({ids[k]: v for k, v in at.items()})
 
 
-def _sender_tasks(remote, g, need_u, need_bytes, doms) -> list[tuple[_Arr, _Arr, bool]]:
+def _sender_tasks(
+  remote: _Arr, g: Geometry, need_u: _Arr, need_bytes: _Arr, doms: _Domains | None
+) -> list[tuple[_Arr, _Arr, bool]]:
   """Per source box, the :func:`_assign_lpt` calls: same process (domain) first; slow flag."""
   order = remote[np.lexsort((g.need_dst[remote], -need_bytes[remote], need_u[remote]))]
   out = []
@@ -338,7 +362,7 @@ def _member(values: _Arr, pool: _Arr) -> _Arr:
   return np.isin(values, pool)
 
 
-def _assign_lpt(needs, ids, nbytes, load, sender) -> None:
+def _assign_lpt(needs: _Arr, ids: _Arr, nbytes: _Arr, load: _Load, sender: _Arr) -> None:
   """Assigns ``needs`` (in order) one by one to the replica of least (load, id)."""
   sizes = nbytes[needs]
   k, r = len(needs), len(ids)
@@ -369,7 +393,9 @@ def _assign_lpt(needs, ids, nbytes, load, sender) -> None:
     heapq.heappush(heap, (cur + nb, dev))
 
 
-def _assign_tied(needs, ids, nbytes, load, tie, sender) -> None:
+def _assign_tied(
+  needs: _Arr, ids: _Arr, nbytes: _Arr, load: _Load, tie: _Load, sender: _Arr
+) -> None:
   """:func:`_assign_lpt`, ties in ``load`` going to the least ``tie`` (the other link class)."""
   ties = np.fromiter((tie.get(i, 0) for i in ids.tolist()), np.int64, len(ids)) if tie else None
   if ties is None or len(ids) == 1 or not ties.any():
