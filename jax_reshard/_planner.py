@@ -24,9 +24,8 @@ FANOUT_NEEDS = 2  # a region needed by more devices of a domain per replica ther
 _Tasks = MutableMapping[tuple[object, ...], list[tuple[np.ndarray, np.ndarray, bool]]]
 _Load = MutableMapping[int, int]
 _Arr = np.ndarray
-_Domains = tuple[
-  np.ndarray, tuple[np.ndarray, ...]
-]  # per need its domain; per source box its devices' domains
+# Per need its domain; per source box, its devices' domains.
+_Domains = tuple[np.ndarray, tuple[np.ndarray, ...]]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
