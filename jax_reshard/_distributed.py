@@ -115,9 +115,9 @@ def _schedule_digest(schedule: Schedule) -> str:
     _feed_ints(h, b.union_device_ids)
     for r in b.rounds:
       _feed_ints(h, [r.nbytes, *np.asarray(r.pairs, dtype=np.int64).reshape(-1).tolist()])
-    pieces = (b.piece_src, b.piece_dst, b.piece_leaf, b.piece_transfer, b.piece_offset)
-    for a in (*pieces, b.piece_nbytes):
+    for a in (b.piece_src, b.piece_dst, b.piece_leaf, b.piece_transfer, b.piece_offset):
       _feed_ints(h, a)
+    _feed_ints(h, b.piece_nbytes)
     _feed_ints(h, [c for chunks in b.chunks for c in (len(chunks), *chunks)])
   for cuts in (schedule.leaf_slabs, schedule.leaf_dst_slabs, schedule.leaf_windows):
     for cut in cuts:
@@ -255,10 +255,7 @@ def _client() -> Any:
 
 def _get(client: Any, key: str, deadline: float) -> str | None:
   """Waits for ``key`` until ``deadline`` (``time.monotonic``); ``None`` on timeout."""
-  while True:
-    left = deadline - time.monotonic()
-    if left <= 0:
-      return None
+  while (left := deadline - time.monotonic()) > 0:
     wait_ms = max(1, min(_MAX_WAIT_MS, math.ceil(left * 1000)))
     try:
       return str(client.blocking_key_value_get(key, wait_ms))
@@ -267,6 +264,7 @@ def _get(client: Any, key: str, deadline: float) -> str | None:
         raise ReshardPeerError(
           f"the jax.distributed key-value store failed while waiting for {key!r}: {e}"
         ) from e
+  return None
 
 
 def _try_get(client: Any, key: str) -> str | None:
@@ -297,7 +295,8 @@ def check_plan(plan: Any, *, timeout_s: float | None = None) -> None:
   seq = _next_seq(group)
   base = f"{_KEY_PREFIX}/{'-'.join(map(str, group))}/{seq}"
   try:
-    client.key_value_set(f"{base}/{me}", json.dumps(_published(fp)))
+    ours = dict(digest=fp.digest, leaves=list(fp.leaf_digests), schedule=fp.schedule_digest)
+    client.key_value_set(f"{base}/{me}", json.dumps({**ours, "options": dict(fp.options)}))
   except Exception as e:
     _mark_broken(str(e))
     raise ReshardPeerError(f"could not publish this process's plan fingerprint: {e}") from e
@@ -336,16 +335,6 @@ def check_plan(plan: Any, *, timeout_s: float | None = None) -> None:
     raise ReshardPlanMismatchError(
       _mismatch_message(client, base, me, fp, peers, differing, deadline)
     )
-
-
-def _published(fp: PlanFingerprint) -> dict[str, Any]:
-  """What a process publishes: its digests, and its options for a mismatch message."""
-  return {
-    "digest": fp.digest,
-    "leaves": list(fp.leaf_digests),
-    "schedule": fp.schedule_digest,
-    "options": dict(fp.options),
-  }
 
 
 def _abort(client: Any, base: str, me: int, why: str) -> None:

@@ -72,18 +72,23 @@ def as_sharding(path: str, d: Any) -> Sharding:
   )
 
 
+def context_mesh() -> Any:
+  """The concrete mesh of the enclosing ``jax.set_mesh`` (empty if none), inside jit too."""
+  try:
+    return jax.sharding.get_mesh()
+  except ValueError:  # inside jax.jit, where jax only offers the abstract mesh publicly
+    from jax._src import mesh as mesh_lib
+
+    return mesh_lib.get_concrete_mesh()
+
+
 def resolve_sharding(s: Sharding | PartitionSpec, path: str, which: str) -> Sharding:
   """``s`` made concrete: an abstract-mesh ``NamedSharding`` or a bare ``PartitionSpec``
   resolves against the mesh of the enclosing ``jax.set_mesh(...)``."""
   mesh = getattr(s, "mesh", None)
   if isinstance(s, Sharding) and not isinstance(mesh, AbstractMesh):
     return s
-  try:
-    context = jax.sharding.get_mesh()
-  except ValueError:  # inside jax.jit, where jax only offers the abstract mesh publicly
-    from jax._src import mesh as mesh_lib
-
-    context = mesh_lib.get_concrete_mesh()
+  context = context_mesh()
   if isinstance(s, PartitionSpec):
     what = f"the bare PartitionSpec {s}, not a jax.sharding.Sharding"
     spec, memory_kind = s, None
@@ -573,28 +578,22 @@ def _empty_side(
       f"the {full_name} tree has no arrays, but the {other_name} tree has "
       f"{_count(len(other_paths), 'leaf', 'leaves')}."
     )
-    return (
-      head,
-      [],
-      (
-        f"Likely cause: the {full_name} is empty. Did you pass the optimizer state, or a filter "
-        "that selects nothing? nnx.state(optimizer, nnx.Param) is empty (an nnx.Optimizer holds "
-        "its optimizer state, not the model's Params): pass nnx.state(model, nnx.Param)."
-      ),
+    cause = (
+      f"Likely cause: the {full_name} is empty. Did you pass the optimizer state, or a filter "
+      "that selects nothing? nnx.state(optimizer, nnx.Param) is empty (an nnx.Optimizer holds "
+      "its optimizer state, not the model's Params): pass nnx.state(model, nnx.Param)."
     )
+    return head, [], cause
   head = (
     f"the {other_name} tree has no leaves, but the {full_name} tree has "
     f"{_count(len(full_paths), 'leaf', 'leaves')}."
   )
-  return (
-    head,
-    [],
-    (
-      f"Likely cause: the {other_name} is empty: its filter selects nothing (e.g. "
-      "nnx.state(sampler, nnx.Param) of a module whose weights are another Variable type), "
-      "or it is a tree of another model."
-    ),
+  cause = (
+    f"Likely cause: the {other_name} is empty: its filter selects nothing (e.g. "
+    "nnx.state(sampler, nnx.Param) of a module whose weights are another Variable type), "
+    "or it is a tree of another model."
   )
+  return head, [], cause
 
 
 def _missing_and_extra(
@@ -653,15 +652,12 @@ def _differing_paths(
   if not (missing and extra):
     return head, items, _lacking_cause(missing, extra, names)
   if {_strip_value(p) for p in full_paths} != {_strip_value(p) for p in other_paths}:
-    return (
-      head,
-      items,
-      (
-        "Likely cause: modules renamed or restructured between the two models. To move "
-        "between different structures, restructure with transform= (its output tree must "
-        "match the destination)."
-      ),
+    cause = (
+      "Likely cause: modules renamed or restructured between the two models. To move "
+      "between different structures, restructure with transform= (its output tree must "
+      "match the destination)."
     )
+    return head, items, cause
   other_set = set(other_paths)
   items = [
     f"the {full_name} has {_path_str(p)}, the {other_name} "
@@ -669,14 +665,11 @@ def _differing_paths(
     for p in full_paths
     if p not in other_set
   ]
-  return (
-    head,
-    items,
-    (
-      "Likely cause: one tree holds Flax Variables (paths end in .value) and the other plain "
-      "arrays: build both alike, both with nnx.state(...) or both with nnx.to_pure_dict(...)."
-    ),
+  cause = (
+    "Likely cause: one tree holds Flax Variables (paths end in .value) and the other plain "
+    "arrays: build both alike, both with nnx.state(...) or both with nnx.to_pure_dict(...)."
   )
+  return head, items, cause
 
 
 def _lacking_cause(
