@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -356,15 +357,8 @@ def _mismatch_message(
 ) -> str:
   """The message of a mismatch: every process's plan, the options that differ, and the first
   differing leaf (every process sees every fingerprint, so all pick the same leaf)."""
-  everyone = [list(fp.leaf_digests), *(list(v["leaves"]) for v in peers.values())]
-  k = next(
-    (
-      i
-      for i in range(max(map(len, everyone)))
-      if len({v[i] if i < len(v) else None for v in everyone}) > 1
-    ),
-    None,
-  )
+  rows = itertools.zip_longest(fp.leaf_digests, *(v["leaves"] for v in peers.values()))
+  k = next((i for i, row in enumerate(rows) if len(set(row)) > 1), None)
   lines = [
     "processes called a collective reshard with different plans; nothing was moved. Every "
     "process must pass the same tree (paths, shapes, dtypes) with the same source and "

@@ -130,9 +130,7 @@ def _check_traceable(leaf: Leaf) -> None:
 
 @functools.lru_cache(maxsize=512)
 def _group_fn(
-  leaves: tuple[Leaf, ...],
-  topology: Topology | None = None,
-  relays: bool | Literal["auto"] = False,
+  leaves: tuple[Leaf, ...], topology: Topology | None = None, relays: bool | Literal["auto"] = False
 ) -> Any:
   """The differentiable traced move of leaves sharing a source and a destination mesh (one
   bucket per stage: XLA schedules the memory); its VJP is the move back."""

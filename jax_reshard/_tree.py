@@ -156,11 +156,9 @@ def flatten_tree(
       leaves.append(_leaf(name, x, d, src_shardings[i] if src_shardings else None))
     except ReshardError as e:
       errors.append((name or "<root>", e))
-  if not errors:
-    return treedef, leaves
-  if len(errors) == 1:
-    raise errors[0][1]
-  raise _leaf_errors(errors, len(src_leaves))
+  if errors:
+    raise errors[0][1] if len(errors) == 1 else _leaf_errors(errors, len(src_leaves))
+  return treedef, leaves
 
 
 def _leaf(name: str, x: Any, d: Any, src_sharding: Any) -> Leaf:
@@ -171,8 +169,7 @@ def _leaf(name: str, x: Any, d: Any, src_sharding: Any) -> Leaf:
       "jax.ShapeDtypeStruct with a sharding. Put host data on devices first with "
       "jax.device_put(x, sharding)."
     )
-  if src_sharding is None:
-    src_sharding = getattr(x, "sharding", None)
+  src_sharding = getattr(x, "sharding", None) if src_sharding is None else src_sharding
   if not isinstance(src_sharding, Sharding):
     raise ReshardTypeError(
       f"source leaf {name or '<root>'} has no sharding; build it as "
@@ -320,13 +317,11 @@ def _flatten_as(treedef: Any, x: Any, names: tuple[str, str], fix: str) -> list[
 def check_arrays(treedef: Any, leaves: Sequence[Leaf], x: Any) -> list[Any]:
   """The arrays of ``x`` if ``x`` is a tree of live arrays laid out as ``leaves`` say; else a
   ``ReshardError`` listing every leaf that does not match, with the likely causes."""
-  arrays = _flatten_as(
-    treedef,
-    x,
-    ("planned source", "input"),
+  fix = (
     "The input tree does not match the plan's tree. Call the plan with a tree built like "
-    "the one it was made for, or call jr.reshard(x, dst) (it plans per tree and caches).",
+    "the one it was made for, or call jr.reshard(x, dst) (it plans per tree and caches)."
   )
+  arrays = _flatten_as(treedef, x, ("planned source", "input"), fix)
   problems = [
     problem
     for lf, a in zip(leaves, arrays, strict=True)
@@ -382,14 +377,12 @@ def check_donated(
 ) -> list[Any]:
   """The arrays of ``donate`` (the ``out=`` tree) if they can give their buffers to the result:
   live, laid out as the destination, sharing no buffer with the source or each other."""
-  arrays = _flatten_as(
-    treedef,
-    donate,
-    ("planned result", "out="),
+  fix = (
     "Pass out= the sampler's current tree: what the previous call of this plan returned "
     "(the same tree, shapes and dtypes, in the destination layouts); nothing was donated or "
-    "deleted.",
+    "deleted."
   )
+  arrays = _flatten_as(treedef, donate, ("planned result", "out="), fix)
   source_buffers = set().union(*(_buffers(a) for a in sources if isinstance(a, jax.Array)))
   seen: set[tuple[int, int]] = set()
   problems = []

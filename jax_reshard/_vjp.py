@@ -119,11 +119,7 @@ def reshard_vjp(
 
 
 def _move(
-  xs: Any,
-  dst: Any,
-  src: Any,
-  opts: dict[str, Any],
-  transform: Callable[[Any], Any] | None = None,
+  xs: Any, dst: Any, src: Any, opts: dict[str, Any], transform: Callable[[Any], Any] | None = None
 ) -> Any:
   """``reshard(xs, dst, transform=transform)`` as ``reshard`` picks: the plan on concrete
   arrays, :func:`reshard_vjp` on differentiation tracers over them, else traced (the leaves
