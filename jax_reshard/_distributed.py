@@ -296,8 +296,7 @@ def check_plan(plan: Any, *, timeout_s: float | None = None) -> None:
   seq = _next_seq(group)
   base = f"{_KEY_PREFIX}/{'-'.join(map(str, group))}/{seq}"
   try:
-    ours = dict(digest=fp.digest, leaves=list(fp.leaf_digests), schedule=fp.schedule_digest)
-    client.key_value_set(f"{base}/{me}", json.dumps({**ours, "options": dict(fp.options)}))
+    client.key_value_set(f"{base}/{me}", json.dumps(_published(fp)))
   except Exception as e:
     _mark_broken(str(e))
     raise ReshardPeerError(f"could not publish this process's plan fingerprint: {e}") from e
@@ -336,6 +335,16 @@ def check_plan(plan: Any, *, timeout_s: float | None = None) -> None:
     raise ReshardPlanMismatchError(
       _mismatch_message(client, base, me, fp, peers, differing, deadline)
     )
+
+
+def _published(fp: PlanFingerprint) -> dict[str, Any]:
+  """What a process publishes: its digests, and its options for a mismatch message."""
+  return {
+    "digest": fp.digest,
+    "leaves": list(fp.leaf_digests),
+    "schedule": fp.schedule_digest,
+    "options": dict(fp.options),
+  }
 
 
 def _abort(client: Any, base: str, me: int, why: str) -> None:

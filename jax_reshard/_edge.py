@@ -193,11 +193,11 @@ def _carrier_sharding(s: Any, ndim: int, path: str) -> Any:
       f"the spec {spec} of leaf {path or '<root>'} has {len(spec)} entries but the array has "
       f"rank {ndim}; give a spec with at most one entry per dimension."
     )
+  wide = PartitionSpec(*spec, *([None] * (ndim - len(spec))), None)
   if isinstance(s, PartitionSpec):
-    return PartitionSpec(*s, *([None] * (ndim - len(s))), None)
+    return wide
   if isinstance(s, NamedSharding):
-    spec = tuple(s.spec) + (None,) * (ndim - len(s.spec)) + (None,)
-    return NamedSharding(s.mesh, PartitionSpec(*spec), memory_kind=s.memory_kind)
+    return NamedSharding(s.mesh, wide, memory_kind=s.memory_kind)
   if isinstance(s, SingleDeviceSharding):
     return s
   raise ReshardTypeError(
