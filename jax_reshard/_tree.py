@@ -502,8 +502,7 @@ def _node_differences(
   children_a, children_b = a.children(), b.children()
   if not same:
     return [f"{_path_str(path)}: {_node_difference(data_a, data_b)}"]
-  if len(children_a) != len(children_b):
-    n_a, n_b = len(children_a), len(children_b)
+  if (n_a := len(children_a)) != (n_b := len(children_b)):
     return [f"{_path_str(path)}: {_node_label(data_a)} of {n_a} children against {n_b}"]
   out = []
   for ca, cb in zip(children_a, children_b, strict=True):
@@ -624,16 +623,12 @@ def _differing_paths(
   """(head, items, cause) where the two trees have different leaf paths."""
   full_name, other_name = names
   n_missing, n_extra = sum(missing.values()), sum(extra.values())
-  parts = []
-  if n_missing:
-    parts.append(
-      _count(n_missing, f"{full_name} leaf has", f"{full_name} leaves have") + f" no {other_name}"
-    )
-  if n_extra:
-    parts.append(
-      _count(n_extra, f"{other_name} leaf matches", f"{other_name} leaves match")
-      + f" no {full_name} leaf"
-    )
+  parts = [
+    _count(n_missing, f"{full_name} leaf has", f"{full_name} leaves have") + f" no {other_name}",
+    _count(n_extra, f"{other_name} leaf matches", f"{other_name} leaves match")
+    + f" no {full_name} leaf",
+  ]
+  parts = [p for p, n in zip(parts, (n_missing, n_extra), strict=True) if n]
   head = f"the {other_name} tree does not match the {full_name} tree: " + ", ".join(parts) + "."
 
   def group(q: _KeyPath, count: int, lacking: str, leaves_of: str) -> str:
