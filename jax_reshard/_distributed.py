@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -115,9 +116,9 @@ def _schedule_digest(schedule: Schedule) -> str:
     _feed_ints(h, b.union_device_ids)
     for r in b.rounds:
       _feed_ints(h, [r.nbytes, *np.asarray(r.pairs, dtype=np.int64).reshape(-1).tolist()])
-    pieces = (b.piece_src, b.piece_dst, b.piece_leaf, b.piece_transfer, b.piece_offset)
-    for a in (*pieces, b.piece_nbytes):
+    for a in (b.piece_src, b.piece_dst, b.piece_leaf, b.piece_transfer, b.piece_offset):
       _feed_ints(h, a)
+    _feed_ints(h, b.piece_nbytes)
     _feed_ints(h, [c for chunks in b.chunks for c in (len(chunks), *chunks)])
   for cuts in (schedule.leaf_slabs, schedule.leaf_dst_slabs, schedule.leaf_windows):
     for cut in cuts:
@@ -255,10 +256,7 @@ def _client() -> Any:
 
 def _get(client: Any, key: str, deadline: float) -> str | None:
   """Waits for ``key`` until ``deadline`` (``time.monotonic``); ``None`` on timeout."""
-  while True:
-    left = deadline - time.monotonic()
-    if left <= 0:
-      return None
+  while (left := deadline - time.monotonic()) > 0:
     wait_ms = max(1, min(_MAX_WAIT_MS, math.ceil(left * 1000)))
     try:
       return str(client.blocking_key_value_get(key, wait_ms))
@@ -267,6 +265,7 @@ def _get(client: Any, key: str, deadline: float) -> str | None:
         raise ReshardPeerError(
           f"the jax.distributed key-value store failed while waiting for {key!r}: {e}"
         ) from e
+  return None
 
 
 def _try_get(client: Any, key: str) -> str | None:
@@ -367,15 +366,8 @@ def _mismatch_message(
 ) -> str:
   """The message of a mismatch: every process's plan, the options that differ, and the first
   differing leaf (every process sees every fingerprint, so all pick the same leaf)."""
-  everyone = [list(fp.leaf_digests), *(list(v["leaves"]) for v in peers.values())]
-  k = next(
-    (
-      i
-      for i in range(max(map(len, everyone)))
-      if len({v[i] if i < len(v) else None for v in everyone}) > 1
-    ),
-    None,
-  )
+  rows = itertools.zip_longest(fp.leaf_digests, *(v["leaves"] for v in peers.values()))
+  k = next((i for i, row in enumerate(rows) if len(set(row)) > 1), None)
   lines = [
     "processes called a collective reshard with different plans; nothing was moved. Every "
     "process must pass the same tree (paths, shapes, dtypes) with the same source and "

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSha
 
 from jax_reshard._buffers import key_impl_name, weakly_typed
 from jax_reshard._errors import ReshardError, ReshardTypeError
-from jax_reshard._tree import as_sharding, broadcast_shardings
+from jax_reshard._tree import as_sharding, broadcast_shardings, capped
 
 _SUB_BYTE = {"int2": "int8", "uint2": "uint8", "int4": "int8", "uint4": "uint8"}
 _FLOAT4 = {"float4_e2m1fn": ("uint4", "uint8")}  # bitcast to the unsigned type, then widen
@@ -182,9 +182,7 @@ def _edged(v: Any) -> str:
 
 
 def _weak(x: Any) -> bool:
-  if isinstance(x, jax.core.Tracer):
-    return bool(getattr(jax.typeof(x), "weak_type", False))
-  return bool(getattr(x, "weak_type", False))
+  return bool(getattr(jax.typeof(x) if isinstance(x, jax.core.Tracer) else x, "weak_type", False))
 
 
 def _carrier_sharding(s: Any, ndim: int, path: str) -> Any:
@@ -195,11 +193,11 @@ def _carrier_sharding(s: Any, ndim: int, path: str) -> Any:
       f"the spec {spec} of leaf {path or '<root>'} has {len(spec)} entries but the array has "
       f"rank {ndim}; give a spec with at most one entry per dimension."
     )
+  wide = PartitionSpec(*spec, *([None] * (ndim - len(spec))), None)
   if isinstance(s, PartitionSpec):
-    return PartitionSpec(*s, *([None] * (ndim - len(s))), None)
+    return wide
   if isinstance(s, NamedSharding):
-    spec = tuple(s.spec) + (None,) * (ndim - len(s.spec)) + (None,)
-    return NamedSharding(s.mesh, PartitionSpec(*spec), memory_kind=s.memory_kind)
+    return NamedSharding(s.mesh, wide, memory_kind=s.memory_kind)
   if isinstance(s, SingleDeviceSharding):
     return s
   raise ReshardTypeError(
@@ -413,8 +411,7 @@ class Edges:
 def _refuse(head: str, problems: list[str]) -> None:
   """Raises a ``ReshardError`` of ``head`` and the first problems, if any."""
   if problems:
-    more = f"\n  ... and {len(problems) - 8} more" if len(problems) > 8 else ""
-    raise ReshardError(head + "\n  " + "\n  ".join(problems[:8]) + more)
+    raise ReshardError("\n".join([head, *capped(problems)]))
 
 
 def _unlike(name: str, v: Any, shape: Any, dtype: Any, sharding: Any, expected: str) -> str:

@@ -24,7 +24,7 @@ from jax_reshard._plan import plan_layouts, resolve_relays
 from jax_reshard._program import BucketProgram, make_bucket_program, make_transform_program
 from jax_reshard._topology import Topology
 from jax_reshard._transform import analyze, output_leaves, plan_transform
-from jax_reshard._tree import Leaf, broadcast_shardings, flatten_tree
+from jax_reshard._tree import Leaf, broadcast_shardings, context_mesh, flatten_tree
 
 
 def _source_sharding(path: str, x: Any, dst: Any) -> Sharding:
@@ -44,7 +44,7 @@ def _source_sharding(path: str, x: Any, dst: Any) -> Sharding:
     )
   if isinstance(mesh, Mesh):
     return sharding
-  context, axes = _context_mesh(), _axes(mesh)
+  context, axes = context_mesh(), _axes(mesh)
   dst_mesh = getattr(dst, "mesh", None)
   for m in (context, dst_mesh):
     if isinstance(m, Mesh) and not m.empty and _axes(m) == axes:
@@ -59,16 +59,6 @@ def _source_sharding(path: str, x: Any, dst: Any) -> Sharding:
     f"jax.set_mesh(trainer_mesh) (the source's mesh), or pass "
     f"src=NamedSharding(trainer_mesh, {sharding.spec})."
   )
-
-
-def _context_mesh() -> Mesh:
-  """The concrete mesh of the enclosing ``jax.set_mesh`` (empty if none), inside jit too."""
-  try:
-    return jax.sharding.get_mesh()
-  except ValueError:
-    from jax._src import mesh as mesh_lib
-
-    return mesh_lib.get_concrete_mesh()
 
 
 def _axes(mesh: Any) -> dict[str, int]:
@@ -140,9 +130,7 @@ def _check_traceable(leaf: Leaf) -> None:
 
 @functools.lru_cache(maxsize=512)
 def _group_fn(
-  leaves: tuple[Leaf, ...],
-  topology: Topology | None = None,
-  relays: bool | Literal["auto"] = False,
+  leaves: tuple[Leaf, ...], topology: Topology | None = None, relays: bool | Literal["auto"] = False
 ) -> Any:
   """The differentiable traced move of leaves sharing a source and a destination mesh (one
   bucket per stage: XLA schedules the memory); its VJP is the move back."""

@@ -354,10 +354,7 @@ def _analysis(transform: Callable[[Any], Any], treedef: Any, leaves: tuple[Leaf,
 
 
 def plan_transform(
-  analysis: TransformAnalysis,
-  src_leaves: Sequence[Leaf],
-  out_leaves: Sequence[Leaf],
-  **kwargs: Any,
+  analysis: TransformAnalysis, src_leaves: Sequence[Leaf], out_leaves: Sequence[Leaf], **kwargs: Any
 ) -> LayoutPlan:
   """:func:`~jax_reshard._tplan.plan_transform_layouts` of ``analysis`` between the leaves'
   shardings."""

@@ -72,18 +72,23 @@ def as_sharding(path: str, d: Any) -> Sharding:
   )
 
 
+def context_mesh() -> Any:
+  """The concrete mesh of the enclosing ``jax.set_mesh`` (empty if none), inside jit too."""
+  try:
+    return jax.sharding.get_mesh()
+  except ValueError:  # inside jax.jit, where jax only offers the abstract mesh publicly
+    from jax._src import mesh as mesh_lib
+
+    return mesh_lib.get_concrete_mesh()
+
+
 def resolve_sharding(s: Sharding | PartitionSpec, path: str, which: str) -> Sharding:
   """``s`` made concrete: an abstract-mesh ``NamedSharding`` or a bare ``PartitionSpec``
   resolves against the mesh of the enclosing ``jax.set_mesh(...)``."""
   mesh = getattr(s, "mesh", None)
   if isinstance(s, Sharding) and not isinstance(mesh, AbstractMesh):
     return s
-  try:
-    context = jax.sharding.get_mesh()
-  except ValueError:  # inside jax.jit, where jax only offers the abstract mesh publicly
-    from jax._src import mesh as mesh_lib
-
-    context = mesh_lib.get_concrete_mesh()
+  context = context_mesh()
   if isinstance(s, PartitionSpec):
     what = f"the bare PartitionSpec {s}, not a jax.sharding.Sharding"
     spec, memory_kind = s, None
@@ -151,11 +156,9 @@ def flatten_tree(
       leaves.append(_leaf(name, x, d, src_shardings[i] if src_shardings else None))
     except ReshardError as e:
       errors.append((name or "<root>", e))
-  if not errors:
-    return treedef, leaves
-  if len(errors) == 1:
-    raise errors[0][1]
-  raise _leaf_errors(errors, len(src_leaves))
+  if errors:
+    raise errors[0][1] if len(errors) == 1 else _leaf_errors(errors, len(src_leaves))
+  return treedef, leaves
 
 
 def _leaf(name: str, x: Any, d: Any, src_sharding: Any) -> Leaf:
@@ -166,8 +169,7 @@ def _leaf(name: str, x: Any, d: Any, src_sharding: Any) -> Leaf:
       "jax.ShapeDtypeStruct with a sharding. Put host data on devices first with "
       "jax.device_put(x, sharding)."
     )
-  if src_sharding is None:
-    src_sharding = getattr(x, "sharding", None)
+  src_sharding = getattr(x, "sharding", None) if src_sharding is None else src_sharding
   if not isinstance(src_sharding, Sharding):
     raise ReshardTypeError(
       f"source leaf {name or '<root>'} has no sharding; build it as "
@@ -315,13 +317,11 @@ def _flatten_as(treedef: Any, x: Any, names: tuple[str, str], fix: str) -> list[
 def check_arrays(treedef: Any, leaves: Sequence[Leaf], x: Any) -> list[Any]:
   """The arrays of ``x`` if ``x`` is a tree of live arrays laid out as ``leaves`` say; else a
   ``ReshardError`` listing every leaf that does not match, with the likely causes."""
-  arrays = _flatten_as(
-    treedef,
-    x,
-    ("planned source", "input"),
+  fix = (
     "The input tree does not match the plan's tree. Call the plan with a tree built like "
-    "the one it was made for, or call jr.reshard(x, dst) (it plans per tree and caches).",
+    "the one it was made for, or call jr.reshard(x, dst) (it plans per tree and caches)."
   )
+  arrays = _flatten_as(treedef, x, ("planned source", "input"), fix)
   problems = [
     problem
     for lf, a in zip(leaves, arrays, strict=True)
@@ -377,14 +377,12 @@ def check_donated(
 ) -> list[Any]:
   """The arrays of ``donate`` (the ``out=`` tree) if they can give their buffers to the result:
   live, laid out as the destination, sharing no buffer with the source or each other."""
-  arrays = _flatten_as(
-    treedef,
-    donate,
-    ("planned result", "out="),
+  fix = (
     "Pass out= the sampler's current tree: what the previous call of this plan returned "
     "(the same tree, shapes and dtypes, in the destination layouts); nothing was donated or "
-    "deleted.",
+    "deleted."
   )
+  arrays = _flatten_as(treedef, donate, ("planned result", "out="), fix)
   source_buffers = set().union(*(_buffers(a) for a in sources if isinstance(a, jax.Array)))
   seen: set[tuple[int, int]] = set()
   problems = []
@@ -504,8 +502,7 @@ def _node_differences(
   children_a, children_b = a.children(), b.children()
   if not same:
     return [f"{_path_str(path)}: {_node_difference(data_a, data_b)}"]
-  if len(children_a) != len(children_b):
-    n_a, n_b = len(children_a), len(children_b)
+  if (n_a := len(children_a)) != (n_b := len(children_b)):
     return [f"{_path_str(path)}: {_node_label(data_a)} of {n_a} children against {n_b}"]
   out = []
   for ca, cb in zip(children_a, children_b, strict=True):
@@ -573,28 +570,22 @@ def _empty_side(
       f"the {full_name} tree has no arrays, but the {other_name} tree has "
       f"{_count(len(other_paths), 'leaf', 'leaves')}."
     )
-    return (
-      head,
-      [],
-      (
-        f"Likely cause: the {full_name} is empty. Did you pass the optimizer state, or a filter "
-        "that selects nothing? nnx.state(optimizer, nnx.Param) is empty (an nnx.Optimizer holds "
-        "its optimizer state, not the model's Params): pass nnx.state(model, nnx.Param)."
-      ),
+    cause = (
+      f"Likely cause: the {full_name} is empty. Did you pass the optimizer state, or a filter "
+      "that selects nothing? nnx.state(optimizer, nnx.Param) is empty (an nnx.Optimizer holds "
+      "its optimizer state, not the model's Params): pass nnx.state(model, nnx.Param)."
     )
+    return head, [], cause
   head = (
     f"the {other_name} tree has no leaves, but the {full_name} tree has "
     f"{_count(len(full_paths), 'leaf', 'leaves')}."
   )
-  return (
-    head,
-    [],
-    (
-      f"Likely cause: the {other_name} is empty: its filter selects nothing (e.g. "
-      "nnx.state(sampler, nnx.Param) of a module whose weights are another Variable type), "
-      "or it is a tree of another model."
-    ),
+  cause = (
+    f"Likely cause: the {other_name} is empty: its filter selects nothing (e.g. "
+    "nnx.state(sampler, nnx.Param) of a module whose weights are another Variable type), "
+    "or it is a tree of another model."
   )
+  return head, [], cause
 
 
 def _missing_and_extra(
@@ -632,16 +623,12 @@ def _differing_paths(
   """(head, items, cause) where the two trees have different leaf paths."""
   full_name, other_name = names
   n_missing, n_extra = sum(missing.values()), sum(extra.values())
-  parts = []
-  if n_missing:
-    parts.append(
-      _count(n_missing, f"{full_name} leaf has", f"{full_name} leaves have") + f" no {other_name}"
-    )
-  if n_extra:
-    parts.append(
-      _count(n_extra, f"{other_name} leaf matches", f"{other_name} leaves match")
-      + f" no {full_name} leaf"
-    )
+  parts = [
+    _count(n_missing, f"{full_name} leaf has", f"{full_name} leaves have") + f" no {other_name}",
+    _count(n_extra, f"{other_name} leaf matches", f"{other_name} leaves match")
+    + f" no {full_name} leaf",
+  ]
+  parts = [p for p, n in zip(parts, (n_missing, n_extra), strict=True) if n]
   head = f"the {other_name} tree does not match the {full_name} tree: " + ", ".join(parts) + "."
 
   def group(q: _KeyPath, count: int, lacking: str, leaves_of: str) -> str:
@@ -653,15 +640,12 @@ def _differing_paths(
   if not (missing and extra):
     return head, items, _lacking_cause(missing, extra, names)
   if {_strip_value(p) for p in full_paths} != {_strip_value(p) for p in other_paths}:
-    return (
-      head,
-      items,
-      (
-        "Likely cause: modules renamed or restructured between the two models. To move "
-        "between different structures, restructure with transform= (its output tree must "
-        "match the destination)."
-      ),
+    cause = (
+      "Likely cause: modules renamed or restructured between the two models. To move "
+      "between different structures, restructure with transform= (its output tree must "
+      "match the destination)."
     )
+    return head, items, cause
   other_set = set(other_paths)
   items = [
     f"the {full_name} has {_path_str(p)}, the {other_name} "
@@ -669,14 +653,11 @@ def _differing_paths(
     for p in full_paths
     if p not in other_set
   ]
-  return (
-    head,
-    items,
-    (
-      "Likely cause: one tree holds Flax Variables (paths end in .value) and the other plain "
-      "arrays: build both alike, both with nnx.state(...) or both with nnx.to_pure_dict(...)."
-    ),
+  cause = (
+    "Likely cause: one tree holds Flax Variables (paths end in .value) and the other plain "
+    "arrays: build both alike, both with nnx.state(...) or both with nnx.to_pure_dict(...)."
   )
+  return head, items, cause
 
 
 def _lacking_cause(

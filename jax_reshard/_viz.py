@@ -127,9 +127,7 @@ def round_table(plan: PlanLike) -> RoundTable:
 
 def _unit(n: float) -> tuple[str, int]:
   """The largest binary unit in which ``n`` bytes is at least 1, and its size."""
-  k = 0
-  while k < len(_UNITS) - 1 and abs(n) >= 1024 ** (k + 1):
-    k += 1
+  k = next((k for k in range(len(_UNITS) - 1, 0, -1) if abs(n) >= 1024**k), 0)
   return _UNITS[k], 1024**k
 
 

@@ -70,28 +70,16 @@ def reshard_vjp(
   dst: Any,
   src: Any,
   values: list[jax.Array],
-  max_bucket_bytes: int | Sequence[int] | None,
-  topology: Topology | None,
-  relays: bool | Literal["auto"] | None,
+  max_bucket_bytes: int | Sequence[int] | None = None,
+  topology: Topology | None = None,
+  relays: bool | Literal["auto"] | None = None,
   transform: Callable[[Any], Any] | None = None,
 ) -> Any:
-  """``reshard(x, dst)`` for differentiation tracers over ``values``: the eager move,
-  differentiable, validated (and planned) before anything runs; with ``transform``, its VJP is
-  ``transform``'s (:func:`~jax_reshard._traced.transform_pullback`), moved into the source
+  """``reshard(x, dst)`` for differentiation tracers over ``values``: the eager plan as a
+  ``jax.custom_vjp``, validated (and planned) before anything runs; with ``transform``, its VJP
+  is ``transform``'s (:func:`~jax_reshard._traced.transform_pullback`), moved into the source
   layouts."""
-  opts = dict(max_bucket_bytes=max_bucket_bytes, topology=topology, relays=relays)
-  return _eager_vjp(x, dst, src, values, transform, opts)
-
-
-def _eager_vjp(
-  x: Any,
-  dst: Any,
-  src: Any,
-  values: list[jax.Array],
-  transform: Callable[[Any], Any] | None,
-  opts: dict[str, Any],
-) -> Any:
-  """The eager plan of ``values`` as a ``jax.custom_vjp`` of the leaves of ``x``."""
+  opts: dict[str, Any] = dict(max_bucket_bytes=max_bucket_bytes, topology=topology, relays=relays)
   flat, treedef = jax.tree_util.tree_flatten_with_path(x)
   if src is not None:
     _check_src(src, x, treedef, flat, values)
@@ -118,7 +106,12 @@ def _eager_vjp(
       return tuple(_move_back(list(cts), values, src_list, dst_list, opts))
     full = [_full_cotangent(ct, lf) for ct, lf in zip(cts, plan.leaves, strict=True)]
     back = transform_pullback(transform, treedef, plan.src_leaves)(_one_device_set(full))
-    return tuple(_transform_back(back, src_list))
+    moving = {i for i, b in enumerate(back) if b is not None and _concrete(b)}
+    out = [
+      None if b is None or i in moving else place_cotangent(b, s)
+      for i, (b, s) in enumerate(zip(back, src_list, strict=True))
+    ]
+    return tuple(_move_some(out, sorted(moving), back, src_list))
 
   fn = jax.custom_vjp(move)
   fn.defvjp(lambda *xs: (move(*(p.value for p in xs)), None), bwd, symbolic_zeros=True)
@@ -126,14 +119,10 @@ def _eager_vjp(
 
 
 def _move(
-  xs: Any,
-  dst: Any,
-  src: Any,
-  opts: dict[str, Any],
-  transform: Callable[[Any], Any] | None = None,
+  xs: Any, dst: Any, src: Any, opts: dict[str, Any], transform: Callable[[Any], Any] | None = None
 ) -> Any:
   """``reshard(xs, dst, transform=transform)`` as ``reshard`` picks: the plan on concrete
-  arrays, :func:`_eager_vjp` on differentiation tracers over them, else traced (the leaves
+  arrays, :func:`reshard_vjp` on differentiation tracers over them, else traced (the leaves
   laid out as ``src``); ``opts`` are the call's (none: the defaults)."""
   values = concrete_leaves(xs)
   if values is None:
@@ -142,8 +131,25 @@ def _move(
       return reshard_traced(xs, dst, src, *how)
     return reshard_traced_transform(xs, dst, src, transform, *how)
   if any(isinstance(v, jax.core.Tracer) for v in jax.tree_util.tree_leaves(xs)):
-    return _eager_vjp(xs, dst, None, values, transform, opts)
+    return reshard_vjp(xs, dst, None, values, **opts, transform=transform)
   return make_plan(xs, dst, **opts)(xs)
+
+
+def _move_some(
+  out: list[Any],
+  idx: list[int],
+  xs: Sequence[Any],
+  dst: Sequence[Any],
+  src: Any = None,
+  opts: Any = None,
+) -> list[Any]:
+  """``out`` with ``out[i]``, for ``i`` in ``idx``, replaced by ``xs[i]`` moved to ``dst[i]``."""
+  if idx:
+    srcs = None if src is None else [src[i] for i in idx]
+    ys = _move([xs[i] for i in idx], [dst[i] for i in idx], srcs, opts or {})
+    for i, y in zip(idx, ys, strict=True):
+      out[i] = y
+  return out
 
 
 def _move_back(
@@ -166,11 +172,8 @@ def _move_back(
       back[i] = jax.device_put(np.asarray(ct, dtype=values[i].dtype), src[i])
     else:
       moving.append(i)
-  if moving:  # traced cotangents (e.g. jax.jit(vjp_fn)) are laid out as the destination
-    ys = _move([cts[i] for i in moving], [src[i] for i in moving], [dst[i] for i in moving], opts)
-    for i, y in zip(moving, ys, strict=True):
-      back[i] = y
-  return back
+  # traced cotangents (e.g. jax.jit(vjp_fn)) are laid out as the destination
+  return _move_some(back, moving, cts, src, dst, opts)
 
 
 def _full_cotangent(ct: Any, leaf: Any) -> Any:
@@ -190,32 +193,12 @@ def _full_cotangent(ct: Any, leaf: Any) -> Any:
 def _one_device_set(cts: list[Any]) -> list[Any]:
   """Cotangents on one device set: where concrete ones lie on several, each is moved,
   replicated, onto the devices of the first."""
-  arrays = [(i, c) for i, c in enumerate(cts) if _concrete(c)]
-  if len({frozenset(_sharding(c).device_set) for _, c in arrays}) < 2:
+  idx = [i for i, c in enumerate(cts) if _concrete(c)]
+  if len({frozenset(_sharding(cts[i]).device_set) for i in idx}) < 2:
     return cts
-  devices: list[Any] = sorted(_sharding(arrays[0][1]).device_set, key=lambda d: d.id)
+  devices: list[Any] = sorted(_sharding(cts[idx[0]]).device_set, key=lambda d: d.id)
   whole = NamedSharding(jax.sharding.Mesh(np.array(devices), ("devices",)), PartitionSpec())
-  out = list(cts)
-  ys = _move([c for _, c in arrays], [whole] * len(arrays), None, {})
-  for (i, _), y in zip(arrays, ys, strict=True):
-    out[i] = y
-  return out
-
-
-def _transform_back(back: list[Any], src: list[Sharding]) -> list[Any]:
-  """The pullback's cotangents (``None`` for integer leaves) laid out as the sources: traced
-  ones by :func:`~jax_reshard._traced.place_cotangent`, concrete ones moved eagerly."""
-  concrete = [b is not None and _concrete(b) for b in back]
-  out = [
-    None if b is None or c else place_cotangent(b, s)
-    for b, c, s in zip(back, concrete, src, strict=True)
-  ]
-  moving = [i for i, c in enumerate(concrete) if c]
-  if moving:
-    ys = _move([back[i] for i in moving], [src[i] for i in moving], None, {})
-    for i, y in zip(moving, ys, strict=True):
-      out[i] = y
-  return out
+  return _move_some(list(cts), idx, cts, [whole] * len(cts))
 
 
 def _no_cotangent(dtype: Any) -> bool:
