@@ -311,9 +311,16 @@ class _Sources:
     """Per union device, the zero blocks of the source leaves ``reads``."""
     return sum((self.zeros[u] for u in reads), self.none)
 
-  def key(self, leaf: int) -> tuple[TransformPiece, ...]:
-    """``leaf``'s original pieces, whichever source leaves they read (cuts do not depend on it)."""
-    return tuple(dataclasses.replace(q, src_leaf=0, src_path="") for q in self.original[leaf])
+  def key(self, leaf: int) -> tuple[Any, ...]:
+    """Equal for leaves cut alike: their original pieces up to the source leaves they read
+    (numbered in order of first use), and those sources' zero blocks."""
+    order: dict[int, int] = {}
+    for q in self.original[leaf]:
+      order.setdefault(q.src_leaf, len(order))
+    pieces = (
+      dataclasses.replace(q, src_leaf=order[q.src_leaf], src_path="") for q in self.original[leaf]
+    )
+    return (*pieces, *(self.zeros[u].tobytes() for u in order))
 
   def remap(
     self, leaf: int, pieces: tuple[TransformPiece, ...], parent: np.ndarray
