@@ -210,3 +210,26 @@ def test_a_bound_below_a_chunks_floor_raises_before_device_work() -> None:
   plan = jr.make_plan(x, dst, transform=_cast, max_bucket_bytes=e.value.minimum_bytes + 512)
   assert plan.stats.num_buckets > 1
   assert plan.stats.peak_staging_bytes <= e.value.minimum_bytes + 512
+
+
+def test_like_leaves_reading_sources_laid_out_apart_are_cut_apart(
+  mesh_axis_type: AxisType,
+) -> None:
+  """Two casts with the same transfers, one of a sharded source, one of a replicated one (whose
+  zero blocks are four times larger): each is cut for its own sources' blocks."""
+  devs = np.array(jax.devices())
+  mesh = make_mesh((4,), ("x",), devs[:4], mesh_axis_type)
+  rng = np.random.default_rng(4)
+  host = {k: rng.standard_normal((64, 32)).astype(np.float32) for k in "ab"}
+  x = {
+    "a": jax.device_put(host["a"], NamedSharding(mesh, P("x"))),
+    "b": jax.device_put(host["b"], NamedSharding(mesh, P())),
+  }
+  dst = NamedSharding(make_mesh((4,), ("x",), devs[4:], mesh_axis_type), P("x"))
+  f = lambda p: {k: v.astype(jnp.bfloat16) for k, v in p.items()}
+  with pytest.raises(jr.BucketBoundError, match=r"leaf \['b'\]") as e:
+    jr.make_plan(x, dst, transform=f, max_bucket_bytes=3000)
+  assert e.value.minimum_bytes >= 64 * 32 * 4  # b's whole shard, as zeros on devices 4-7
+  plan = jr.make_plan(x, dst, transform=f, max_bucket_bytes=9000)
+  assert plan.stats.num_buckets > 2 and plan.stats.peak_staging_bytes <= 9000
+  _check(plan(x), jax.jit(f)(host), {"a": dst, "b": dst})
