@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jax_reshard._layout import Layout
+from jax_reshard._pieces import Piece, restrict
 from jax_reshard._planner import LeafPlan
 
 Windows = tuple[int, tuple[int, ...]]  # (dim, bounds)
@@ -66,15 +67,23 @@ def _window(slabs: Windows | None, a: int, b: int) -> Window | None:
 
 
 def _with_pieces(
-  plan: LeafPlan, at: np.ndarray, lo: np.ndarray, hi: np.ndarray, chunk: np.ndarray, isz: int
+  plan: LeafPlan,
+  at: np.ndarray,
+  lo: np.ndarray,
+  hi: np.ndarray,
+  chunk: np.ndarray,
+  isz: int,
+  nbytes: np.ndarray | None = None,
 ) -> tuple[LeafPlan, np.ndarray]:
   """``plan`` with rows ``at`` (ascending, each at least once) replaced by pieces ``lo:hi`` in
-  ``chunk``, and each row's chunk."""
+  ``chunk`` (of ``nbytes`` each, default their elements times ``isz``), and each row's chunk."""
   keep = np.ones(len(plan.nbytes), dtype=bool)
   keep[at] = False
   keep = np.flatnonzero(keep)
   order = np.lexsort((np.r_[np.zeros(len(keep), np.int64), chunk], np.r_[keep, at]))
-  pieces = {"lo": lo, "hi": hi, "nbytes": np.prod(hi - lo, axis=1, dtype=np.int64) * isz}
+  if nbytes is None:
+    nbytes = np.prod(hi - lo, axis=1, dtype=np.int64) * isz
+  pieces = {"lo": lo, "hi": hi, "nbytes": nbytes}
   cols = [
     np.concatenate([getattr(plan, f)[keep], pieces[f] if f in pieces else getattr(plan, f)[at]])
     for f in ("src_device", "dst_device", "lo", "hi", "nbytes", "local")
@@ -86,22 +95,10 @@ def _with_pieces(
   return out, np.r_[np.zeros(len(keep), dtype=np.int64), chunk][order]
 
 
-def split_rows(plan: LeafPlan, k: int, itemsize: int) -> tuple[LeafPlan, np.ndarray]:
-  """``plan`` with every remote transfer cut into up to ``k`` sub-boxes, and each row's chunk.
-
-  Example:
-    >>> from jax_reshard._planner import plan_leaf
-    >>> src = Layout.from_description((8, 4), mesh_shape=(2,), axis_names=("x",), spec=("x",))
-    >>> dst = Layout.from_description((8, 4), mesh_shape=(2,), axis_names=("y",),
-    ...                               spec=(None, "y"), device_ids=(2, 3))
-    >>> cut, chunk = split_rows(plan_leaf(src, dst, 4), 2, 4)
-    >>> len(cut.nbytes), chunk.tolist(), int(cut.nbytes.sum()) == 8 * 4 * 4
-    (8, [0, 1, 0, 1, 0, 1, 0, 1], True)
-  """
-  remote = ~plan.local & (plan.nbytes > 0)
-  if k <= 1 or not remote.any() or plan.lo.shape[1] == 0:
-    return plan, np.zeros(len(plan.nbytes), dtype=np.int64)
-  rows = np.flatnonzero(remote)
+def _row_parts(plan: LeafPlan, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+  """Every remote row of ``plan`` cut along its longest dimension into up to ``k`` sub-boxes:
+  per sub-box its row (ascending), box ``lo:hi`` and chunk."""
+  rows = np.flatnonzero(~plan.local & (plan.nbytes > 0))
   lo, hi = plan.lo[rows], plan.hi[rows]
   ext = hi - lo
   long_enough = ext >= k
@@ -118,8 +115,60 @@ def split_rows(plan: LeafPlan, k: int, itemsize: int) -> tuple[LeafPlan, np.ndar
   at = (np.arange(len(rr)), dim[rr])
   base = lo[rr, dim[rr]]
   piece_lo[at], piece_hi[at] = base + a, base + b
-  out, chunks = _with_pieces(plan, rows[rr], piece_lo, piece_hi, chunk, itemsize)
+  return rows[rr], piece_lo, piece_hi, chunk
+
+
+def _unsplit(plan: LeafPlan, k: int) -> bool:
+  """Whether :func:`split_rows` leaves ``plan`` whole."""
+  return k <= 1 or not (~plan.local & (plan.nbytes > 0)).any() or plan.lo.shape[1] == 0
+
+
+def split_rows(plan: LeafPlan, k: int, itemsize: int) -> tuple[LeafPlan, np.ndarray]:
+  """``plan`` with every remote transfer cut into up to ``k`` sub-boxes, and each row's chunk.
+
+  Example:
+    >>> from jax_reshard._planner import plan_leaf
+    >>> src = Layout.from_description((8, 4), mesh_shape=(2,), axis_names=("x",), spec=("x",))
+    >>> dst = Layout.from_description((8, 4), mesh_shape=(2,), axis_names=("y",),
+    ...                               spec=(None, "y"), device_ids=(2, 3))
+    >>> cut, chunk = split_rows(plan_leaf(src, dst, 4), 2, 4)
+    >>> len(cut.nbytes), chunk.tolist(), int(cut.nbytes.sum()) == 8 * 4 * 4
+    (8, [0, 1, 0, 1, 0, 1, 0, 1], True)
+  """
+  if _unsplit(plan, k):
+    return plan, np.zeros(len(plan.nbytes), dtype=np.int64)
+  out, chunks = _with_pieces(plan, *_row_parts(plan, k), itemsize)
   return out, np.unique(chunks, return_inverse=True)[1].reshape(-1)
+
+
+def split_piece_rows(
+  plan: LeafPlan, pieces: Sequence[Piece], k: int
+) -> tuple[LeafPlan, np.ndarray, tuple[Piece, ...], np.ndarray]:
+  """:func:`split_rows` of a transformed leaf whose row ``t`` carries ``pieces[t]``: each
+  sub-box's piece is its row's restricted to it (one or more pieces, each a row of its wire
+  bytes); also each row's pieces and the row it was cut from."""
+  n = len(plan.nbytes)
+  if _unsplit(plan, k):
+    return plan, np.zeros(n, dtype=np.int64), tuple(pieces), np.arange(n)
+  at, lo, hi, chunk = _row_parts(plan, k)
+  parts = [
+    restrict(pieces[r], tuple(a), tuple(b))
+    for r, a, b in zip(at.tolist(), lo.tolist(), hi.tolist(), strict=True)
+  ]
+  counts = [len(q) for q in parts]
+  cut = [q for qs in parts for q in qs]
+  at, chunk = np.repeat(at, counts), np.repeat(chunk, counts)
+  lo = np.asarray([q.out_lo for q in cut], np.int64).reshape(len(cut), plan.lo.shape[1])
+  hi = np.asarray([q.out_hi for q in cut], np.int64).reshape(len(cut), plan.lo.shape[1])
+  wire = np.asarray([q.size * q.wire_dtype.itemsize for q in cut], np.int64)
+  keep = np.ones(n, dtype=bool)
+  keep[at] = False
+  parent = np.r_[np.flatnonzero(keep), at]
+  order = np.lexsort((np.r_[np.zeros(int(keep.sum()), np.int64), chunk], parent))
+  out, chunks = _with_pieces(plan, at, lo, hi, chunk, 1, wire)
+  every = [pieces[t] for t in np.flatnonzero(keep).tolist()] + cut
+  rows = tuple(every[j] for j in order.tolist())
+  return out, np.unique(chunks, return_inverse=True)[1].reshape(-1), rows, parent[order]
 
 
 def _shard_start(layout: Layout, devices: np.ndarray, dim: int) -> np.ndarray:

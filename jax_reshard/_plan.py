@@ -222,8 +222,7 @@ def plan_transformed(
   **kw: Any,
 ) -> LayoutPlan:
   """:func:`plan_layouts` of a transformed tree (``inputs``: source layouts)."""
-  plan = _plan_layouts(layouts, itemsizes, transfers=transfers, **kw)
-  return dataclasses.replace(plan, inputs=tuple(inputs))
+  return _plan_layouts(layouts, itemsizes, transfers=(transfers, tuple(inputs)), **kw)
 
 
 def _plan_layouts(
@@ -234,10 +233,11 @@ def _plan_layouts(
   relays: _Relays = None,
   leaf_names: Sequence[str] | None = None,
   options: Options | None = None,
-  transfers: _Transfers | None = None,
+  transfers: tuple[_Transfers, tuple[Layout, ...]] | None = None,
   interleave: bool = True,
 ) -> LayoutPlan:
-  """:func:`plan_layouts`; ``transfers``: a transformed tree's leaf plans and pieces."""
+  """:func:`plan_layouts`; ``transfers``: a transformed tree's leaf plans and pieces, and its
+  source layouts."""
   lays = tuple((s, d) for s, d in layouts)
   sizes = tuple(int(i) for i in itemsizes)
   names = tuple(leaf_names) if leaf_names is not None else tuple(f"#{i}" for i in range(len(lays)))
@@ -248,7 +248,7 @@ def _plan_layouts(
   @functools.cache
   def leaf_plans(relay: bool) -> tuple[tuple[LeafPlan, ...], _Pieces]:
     if transfers is not None:
-      return transfers(relay)
+      return transfers[0](relay)
     return tuple(plan_leaves(lays, sizes, topology=topology, relays=relay)), None
 
   @functools.cache
@@ -256,8 +256,10 @@ def _plan_layouts(
     assert topology is not None
     return time_lower_bound(leaf_plans(False)[0], topology)
 
+  inputs = None if transfers is None else transfers[1]
+
   def plan_for(bound: int | None, timed: bool = True) -> tuple[LayoutPlan, float | None]:
-    args = (lays, sizes, bound, topology, opts, names, interleave)
+    args = (lays, sizes, bound, topology, opts, names, interleave, inputs)
     relayed = _plan_tree(*args, *leaf_plans(resolved is not False))
     if resolved != "auto" or relayed.relay is None:
       return relayed, relayed.estimate().seconds if timed else None
@@ -339,9 +341,10 @@ def resolve_relays(relays: _Relays, topology: Topology | None) -> bool | Literal
 
 
 def _plan_tree(
-  layouts, itemsizes, max_bucket_bytes, topology, options, names, interleave, full, pieces=None
+  layouts, itemsizes, max_bucket_bytes, topology, options, names, interleave, inputs, full, pieces
 ) -> LayoutPlan:
-  """The plan (both stages, passes left at 0) of leaf plans ``full`` (and ``pieces``)."""
+  """The plan (both stages, passes left at 0) of leaf plans ``full`` (transformed: ``pieces``
+  reading source leaves laid out as ``inputs``)."""
   split_of: dict[int, tuple[LeafPlan, LeafPlan | None]] = {}  # equal leaves share a plan
   for lp, (_, d), isz in zip(full, layouts, itemsizes, strict=True):
     if id(lp) not in split_of:
@@ -359,9 +362,8 @@ def _plan_tree(
   errors: list[BucketBoundError] = []
   rest = (max_bucket_bytes, topology, options, names)
   try:
-    first = _stage_plan(
-      layouts, itemsizes, tuple(f for f, _ in split), scheduled, *rest, first_pieces
-    )
+    firsts = tuple(f for f, _ in split)
+    first = _stage_plan(layouts, itemsizes, firsts, scheduled, *rest, first_pieces, inputs)
   except BucketBoundError as e:
     errors.append(e)
   relay = None
@@ -379,9 +381,19 @@ def _plan_tree(
 
 
 def _stage_plan(
-  layouts, itemsizes, leaf_plans, scheduled, max_bucket_bytes, topology, options, names, pieces=None
+  layouts,
+  itemsizes,
+  leaf_plans,
+  scheduled,
+  max_bucket_bytes,
+  topology,
+  options,
+  names,
+  pieces=None,
+  inputs=None,
 ) -> LayoutPlan:
-  """One stage scheduled with its stats and bucket classes (``pieces``: transformed)."""
+  """One stage scheduled with its stats and bucket classes (``pieces``: transformed, reading
+  source leaves laid out as ``inputs``; its leaves cut into sub-boxes where split)."""
   schedule = make_schedule(
     [leaf_plans[i] for i in scheduled],
     [layouts[i] for i in scheduled],
@@ -392,21 +404,20 @@ def _stage_plan(
     topology=topology,
     apart=pieces is None,  # a transformed bucket runs one program
     options=options,
+    pieces=None if pieces is None else [pieces[i] for i in scheduled],
+    inputs=inputs or (),
   )
   chunked = list(leaf_plans)
   for j, i in enumerate(scheduled):
     chunked[i] = schedule.leaf_plans[j]
   if pieces is None:
     classes = stage_classes(tuple(chunked), layouts, scheduled, schedule, itemsizes)
-  elif split := [
-    names[i] for i, (a, b) in enumerate(zip(leaf_plans, chunked, strict=True)) if a is not b
-  ]:
-    raise ReshardError(
-      f"output leaves {split} do not fit max_bucket_bytes={max_bucket_bytes} alone; leaves of "
-      "a transformed plan are not split into chunks yet. Pass a larger max_bucket_bytes (or "
-      "None for one bucket)."
-    )
-  else:
+  else:  # the rows' pieces as the buckets move them; classes from the built programs
+    assert schedule.leaf_pieces is not None
+    pieces = list(pieces)
+    for j, i in enumerate(scheduled):
+      pieces[i] = schedule.leaf_pieces[j]
+    pieces = tuple(pieces)
     classes = tuple(range(len(schedule.buckets)))
   sums = ("bytes_moved", "lower_bound_bytes", "local_copy_bytes", "gather_broadcast_bytes")
   rounds = ("padding_bytes", "num_rounds", "max_send_bytes", "max_recv_bytes", "peak_staging_bytes")
@@ -418,7 +429,7 @@ def _stage_plan(
   )
   return LayoutPlan(
     layouts, itemsizes, tuple(chunked), scheduled, schedule, stats, max_bucket_bytes, topology,
-    bucket_classes=classes, options=options, pieces=pieces,
+    bucket_classes=classes, options=options, pieces=pieces, inputs=inputs,
   )  # fmt: skip
 
 

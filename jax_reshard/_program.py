@@ -441,23 +441,50 @@ def make_transform_program(
   pieces, src = plan.pieces, plan.inputs
   sched = plan.schedule.buckets[bucket]
   outs = tuple(plan.scheduled[j] for j in sched.leaves)
-  used = sorted({p.src_leaf for i in outs for p in pieces[i]})
+  modes = _transform_modes(plan, bucket, donate)
+  used = sorted(
+    {p.src_leaf for i, m in zip(outs, modes, strict=True) for p in _moved(pieces[i], m.copies)}
+  )
   if device_ids is None:
     held = (d for j in used for d in src[j].device_ids)
     device_ids = sorted({*sched.union_device_ids, *held})
   inputs = [(src[j], _own_view(j, src[j], src_dtypes[j])) for j in used]
   at = {j: k for k, j in enumerate(used)}
   leaves = []
-  for i in outs:
+  for i, mode in zip(outs, modes, strict=True):
     senders, dst = plan.layouts[i]
-    rows = tuple(_row(p, src[p.src_leaf], at[p.src_leaf]) for p in pieces[i])
-    view = _own_view(i, dst, out_dtypes[i], dst_input=donate)
-    leaves.append(_LeafInput(plan.leaf_plans[i], senders, dst, view, rows=rows))
+    rows = tuple(
+      _row(p, src[p.src_leaf], at.get(p.src_leaf, -1)) for p in pieces[i]
+    )  # (rows of other chunks read nothing here)
+    view = _own_view(i, dst, out_dtypes[i], dst_input=mode.dst_input)
+    view = dataclasses.replace(view, in_place=mode.in_place, carry_out=mode.carry_out)
+    leaves.append(_LeafInput(plan.leaf_plans[i], senders, dst, view, mode.copies, rows=rows))
   wire = min((p.wire_dtype.itemsize for i in outs for p in pieces[i]), default=1)
   unit, views = np.dtype(f"uint{8 * wire}"), tuple(view for _, view in inputs)
   ph = _placeholder_groups(inputs, device_ids), _dst_placeholder_groups(leaves, device_ids)
   whole = options.whole_operand_bytes
   return _program(device_ids, sched, leaves, unit, whole, *ph, None, False, views)
+
+
+def _transform_modes(plan: LayoutPlan, bucket: int, donate: bool) -> list[LeafMode]:
+  """Per leaf of a transformed bucket, how it treats it: a leaf cut into chunks over several
+  buckets as :func:`leaf_modes` says (written in place, carried on), else whole (donated
+  blocks taken where ``donate``)."""
+  sched, schedule = plan.schedule.buckets[bucket], plan.schedule
+  relayed = plan.relayed_leaves() if donate else frozenset()
+  modes = leaf_modes(schedule, plan.layouts, plan.scheduled, bucket, donate=donate, relayed=relayed)
+  return [
+    m if len(schedule.leaf_buckets[j]) > 1 else LeafMode(dst_input=donate)
+    for j, m in zip(sched.leaves, modes, strict=True)
+  ]
+
+
+def _moved(pieces: Sequence[TransformPiece], copies: np.ndarray | bool) -> list[TransformPiece]:
+  """The pieces of the rows a bucket moves: those ``copies`` marks (``True``: every row)."""
+  if copies is True:
+    return list(pieces)
+  marked = np.broadcast_to(copies, len(pieces)).tolist()
+  return [p for p, c in zip(pieces, marked, strict=True) if c]
 
 
 def _own_view(index: int, layout: Layout, dtype: np.dtype, *, dst_input: bool = False) -> LeafView:
@@ -610,7 +637,10 @@ def _write_key(part: Part) -> tuple[Any, ...]:
 
 
 def chunk_writes(program: BucketProgram, leaf: int) -> ChunkWrites | None:
-  """The slot writes of an in-place leaf, or ``None`` where the roles cannot share them."""
+  """The slot writes of an in-place leaf, or ``None`` where the roles cannot share them (or
+  its parts are arranged: a transformed program's)."""
+  if program.inputs:
+    return None
   every = (a.parts[leaf] for a in program.assembles)
   roles = [None if ps is None else sorted(ps, key=_write_key) for ps in every]
   held = [parts for parts in roles if parts is not None]

@@ -17,6 +17,7 @@ from jax_reshard._chunks import Window, Windows, grid_windows
 from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
 from jax_reshard._options import DEFAULT_OPTIONS, Options
+from jax_reshard._pieces import Piece as TransformPiece
 from jax_reshard._planner import LeafPlan
 from jax_reshard._rounds import Links, Round, make_rounds
 from jax_reshard._topology import Topology
@@ -75,7 +76,8 @@ class Schedule:
 
   Per leaf: ``leaf_plans`` its rows as the buckets move them, ``row_chunks`` each row's chunk,
   ``leaf_buckets`` the buckets it runs in, ``leaf_slabs`` (``leaf_dst_slabs``) ``None`` or the
-  slabs ``(dim, bounds)`` of its source (destination) shards, ``leaf_windows`` its windows.
+  slabs ``(dim, bounds)`` of its source (destination) shards, ``leaf_windows`` its windows,
+  ``leaf_pieces`` (a transformed stage's) per row its piece.
   """
 
   buckets: tuple[Bucket, ...]
@@ -90,6 +92,7 @@ class Schedule:
   leaf_slabs: tuple[Windows | None, ...]
   leaf_dst_slabs: tuple[Windows | None, ...]
   leaf_windows: tuple[Windows | None, ...]
+  leaf_pieces: tuple[tuple[TransformPiece, ...], ...] | None = None
 
   @property
   def num_rounds(self) -> int:
@@ -276,8 +279,65 @@ class _Cut:
   windows: Windows | None = None
 
 
+class _Sources:
+  """A transformed stage's leaves: per leaf its rows' pieces (mutable, with the row of the
+  original plan each was cut from), and per source leaf the zero blocks a bucket reading it
+  stages (per union device: its shard where the device holds none)."""
+
+  def __init__(
+    self, pieces: Sequence[tuple[TransformPiece, ...]], inputs: Sequence[Layout], union: np.ndarray
+  ) -> None:
+    self.original, self.pieces = list(pieces), list(pieces)
+    self.parents = [np.arange(len(ps)) for ps in pieces]
+    self.read = [np.asarray([q.src_leaf for q in ps], np.int64) for ps in pieces]
+    sizes = {q.src_leaf: q.dtypes[0].itemsize for ps in pieces for q in ps}
+    self.zeros = {
+      u: placeholder_mask(inputs[u], union)
+      * (math.prod(staged_block_shape(inputs[u].shard_shape())) * isz)
+      for u, isz in sizes.items()
+    }
+    self.none = np.zeros(len(union), dtype=np.int64)
+
+  def set(self, leaf: int, pieces: tuple[TransformPiece, ...], parent: np.ndarray) -> None:
+    """Records ``leaf``'s rows' pieces and the original row of each."""
+    self.pieces[leaf], self.parents[leaf] = pieces, parent
+    self.read[leaf] = np.asarray([q.src_leaf for q in pieces], np.int64)
+
+  def reads(self, leaf: int, chunk: np.ndarray, first: int, last: int) -> frozenset[int]:
+    """The source leaves the rows of chunks ``first..last`` (``chunk``: per row) read."""
+    return frozenset(np.unique(self.read[leaf][(chunk >= first) & (chunk <= last)]).tolist())
+
+  def stage(self, reads: Iterable[int]) -> np.ndarray:
+    """Per union device, the zero blocks of the source leaves ``reads``."""
+    return sum((self.zeros[u] for u in reads), self.none)
+
+  def key(self, leaf: int) -> tuple[Any, ...]:
+    """Equal for leaves cut alike: their original pieces up to the source leaves they read
+    (numbered in order of first use), and those sources' zero blocks."""
+    order: dict[int, int] = {}
+    for q in self.original[leaf]:
+      order.setdefault(q.src_leaf, len(order))
+    pieces = (
+      dataclasses.replace(q, src_leaf=order[q.src_leaf], src_path="") for q in self.original[leaf]
+    )
+    return (*pieces, *(self.zeros[u].tobytes() for u in order))
+
+  def remap(
+    self, leaf: int, pieces: tuple[TransformPiece, ...], parent: np.ndarray
+  ) -> tuple[TransformPiece, ...]:
+    """Pieces cut from another leaf of the same :meth:`key`, reading ``leaf``'s sources."""
+    orig = self.original[leaf]
+    return tuple(
+      q
+      if q.src_leaf == orig[r].src_leaf
+      else dataclasses.replace(q, src_leaf=orig[r].src_leaf, src_path=orig[r].src_path)
+      for q, r in zip(pieces, parent.tolist(), strict=True)
+    )
+
+
 class _Tree:
-  """The leaves being scheduled (rows, chunks, cuts; mutable) and scheduling's caches."""
+  """The leaves being scheduled (rows, chunks, cuts; mutable) and scheduling's caches;
+  ``src``: a transformed stage's :class:`_Sources`."""
 
   def __init__(
     self,
@@ -290,11 +350,13 @@ class _Tree:
     topology: Topology | None,
     slabs: bool,
     apart: bool,
+    sources: tuple[Sequence[tuple[TransformPiece, ...]], Sequence[Layout]] | None = None,
   ) -> None:
     self.original, self.layouts, self.itemsizes, self.names = plans, layouts, itemsizes, names
     self.bound, self.options, self.allow_slabs = bound, options, slabs
     ids = {i for s, d in layouts for i in (*s.device_ids, *d.device_ids)}
     self.union = np.asarray(sorted(ids), dtype=np.int64)
+    self.src = None if sources is None else _Sources(*sources, self.union)
     self.links = Links.of(self.union, topology)
     # per leaf and union device: both sides' placeholders, and whether the leaf uses it
     self.placeholders = [self.placeholder(j, 0) + self.placeholder(j, 1) for j in range(len(plans))]
@@ -318,12 +380,29 @@ class _Tree:
     self.discards, self.receives = _apart_counts(self, apart)
 
   def set_chunks(
-    self, leaf: int, plan: LeafPlan, chunk: np.ndarray, state: tuple[Any, ...] | None = None
+    self,
+    leaf: int,
+    plan: LeafPlan,
+    chunk: np.ndarray,
+    state: tuple[Any, ...] | None = None,
+    rows: tuple[tuple[TransformPiece, ...], np.ndarray] | None = None,
   ) -> None:
-    """Records ``leaf``'s rows and chunks in ``state`` (default: a new one)."""
+    """Records ``leaf``'s rows and chunks in ``state`` (default: a new one); ``rows``: a
+    transformed leaf's pieces and each row's original row."""
     self.states[leaf] = ("fresh", next(self.fresh)) if state is None else state
     self.plans[leaf], self.chunks[leaf] = plan, chunk
     self.payloads[leaf] = self._payloads(plan, chunk)
+    if rows is not None:
+      assert self.src is not None
+      self.src.set(leaf, *rows)
+
+  def reads(self, leaf: int, first: int, last: int) -> frozenset[int]:
+    """The source leaves chunks ``first..last`` of ``leaf`` read (a transformed stage's)."""
+    return frozenset() if self.src is None else self.src.reads(leaf, self.chunks[leaf], first, last)
+
+  def sources_staged(self, reads: Iterable[int]) -> np.ndarray:
+    """Per union device, the zero blocks a bucket stages for the source leaves ``reads``."""
+    return np.zeros(len(self.union), np.int64) if self.src is None else self.src.stage(reads)
 
   def _payloads(self, plan: LeafPlan, chunk: np.ndarray) -> np.ndarray:
     """Per chunk and union device, the payload bytes sent and received."""
@@ -438,7 +517,11 @@ def _build(tree: _Tree, items: Sequence[tuple[int, int]]) -> _Built:
   # trial split ("fresh") is never built again in that state: not kept.
   ascending = all(a < b for a, b in itertools.pairwise(leaves))
   kept = ascending and all(tree.states[leaf][0] != "fresh" for leaf in leaves)
-  key = tuple((tree.state(leaf), tuple(chunks[leaf])) for leaf in leaves) if kept else None
+  key: tuple[Any, ...] | None = None
+  if kept:
+    key = tuple((tree.state(leaf), tuple(chunks[leaf])) for leaf in leaves)
+  if key is not None and tree.src is not None:  # like leaves may read sources laid out apart
+    key += (tree.sources_staged(_reads(tree, leaves, chunks)).tobytes(),)
   if key is not None and key in tree.built:
     before, position = tree.built[key]
     piece_leaf = np.asarray(leaves, dtype=np.int64)[position]
@@ -468,6 +551,7 @@ def _build_new(tree: _Tree, leaves: list[int], chunks: dict[int, list[int]]) -> 
   in_bucket = np.logical_or.reduce([tree.members[j] for j in leaves])
   zero = np.zeros(n, dtype=np.int64)
   staged = sum((tree.staged(j, min(chunks[j]), max(chunks[j])) for j in leaves), zero)
+  staged = staged + tree.sources_staged(_reads(tree, leaves, chunks))
   stage = staged * in_bucket + sent + received
   bound = tree.bound
   must_apart = bound is not None and int(stage.max(initial=0)) > bound and tree.apart(leaves)
@@ -482,15 +566,24 @@ def _build_new(tree: _Tree, leaves: list[int], chunks: dict[int, list[int]]) -> 
   return _Built(bucket, stage, sent, received, int((round_bytes - fill).sum()))
 
 
+def _reads(tree: _Tree, leaves: Iterable[int], chunks: dict[int, list[int]]) -> set[int]:
+  """The source leaves a bucket of ``chunks`` of ``leaves`` reads (a transformed stage's)."""
+  return {u for j in leaves for u in tree.reads(j, min(chunks[j]), max(chunks[j]))}
+
+
 def _unpadded_peaks(tree: _Tree, items: Sequence[tuple[int, int]], start: int) -> Iterator[int]:
   """Per ``e > start``, the most bytes one device stages unpadded in ``items[start:e]``."""
   n = len(tree.union)
   acc_ph, acc_pay, mask = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, bool)
   acc_discards, acc_recv, apart = np.zeros(n, np.int64), np.zeros(n, np.int64), bool(tree.discards)
   first: dict[int, tuple[int, np.ndarray]] = {}  # leaf: its first chunk here, its staging so far
+  reads: set[int] = set()  # the source leaves read so far (a transformed stage's)
   for leaf, c in itertools.islice(items, start, None):
     c0, before = first.get(leaf, (c, 0))
     ph = tree.staged(leaf, c0, c)
+    if new := tree.reads(leaf, c, c) - reads:
+      reads |= new
+      acc_ph = acc_ph + tree.sources_staged(new)
     acc_ph, acc_pay = acc_ph - before + ph, acc_pay + tree.payloads[leaf][c]
     mask = mask | tree.members[leaf]
     if leaf not in first:
@@ -633,18 +726,24 @@ def _fill_buckets(tree: _Tree) -> list[_Built]:
 
 def _split_leaf(tree: _Tree, leaf: int, k: int) -> None:
   """Cuts ``leaf`` into the fewest chunks (from ``k``) that fit alone, alike for like leaves."""
-  key = (tree.kinds[leaf], tree.original[leaf].nbytes.tobytes())
+  key: tuple[Any, ...] = (tree.kinds[leaf], tree.original[leaf].nbytes.tobytes())
+  if tree.src is not None:  # a transformed leaf's cuts follow its pieces
+    key += tree.src.key(leaf)
   if key not in tree.splits:
     tree.splits[key] = (len(tree.splits), *_best_split(tree, leaf, k))
-  number, plan, chunk, cut = tree.splits[key]
-  tree.set_chunks(leaf, plan, chunk, ("split", number))
+  number, plan, chunk, cut, rows = tree.splits[key]
+  if rows is not None:
+    assert tree.src is not None
+    rows = (tree.src.remap(leaf, *rows), rows[1])
+  tree.set_chunks(leaf, plan, chunk, ("split", number), rows)
   if cut is not None:
     tree.cuts[leaf] = cut
 
 
-def _best_split(tree: _Tree, leaf: int, k: int) -> tuple[LeafPlan, np.ndarray, _Cut | None]:
-  """The rows, chunks and cut of the first way that fits (a later way tried where a
-  placeholder it shrinks takes over half the bound, kept if fewer chunks).
+def _best_split(tree: _Tree, leaf: int, k: int) -> tuple[LeafPlan, np.ndarray, _Cut | None, Any]:
+  """The rows, chunks, cut and (transformed) rows' pieces of the first way that fits (a later
+  way tried where a placeholder it shrinks takes over half the bound, kept if fewer chunks);
+  a transformed leaf is cut into sub-boxes only.
 
   Raises:
     BucketBoundError: if no way fits.
@@ -654,12 +753,12 @@ def _best_split(tree: _Tree, leaf: int, k: int) -> tuple[LeafPlan, np.ndarray, _
     2 * int((tree.placeholder(leaf, side) * tree.members[leaf]).max(initial=0)) > tree.bound
     for side in (0, 1)
   ]
-  windows = _chunks.window_dim(*tree.layouts[leaf]) is not None
+  windows = tree.src is None and _chunks.window_dim(*tree.layouts[leaf]) is not None
   ways: list[tuple[Callable[[], tuple[int, str] | None], bool]] = [
     (lambda: _split_windows(tree, leaf, k), False),
     (lambda: _split_rows(tree, leaf, k), False),
   ][0 if windows else 1 :]
-  if tree.allow_slabs:
+  if tree.allow_slabs and tree.src is None:
     ways += [
       (lambda: _split_slabs(tree, leaf, k, 0), heavy[0]),
       (lambda: _split_slabs(tree, leaf, 2, 1), heavy[1]),  # from its own estimate
@@ -676,10 +775,12 @@ def _best_split(tree: _Tree, leaf: int, k: int) -> tuple[LeafPlan, np.ndarray, _
     if (found := way()) is not None:
       failed.append(found)
     elif best is None or len(tree.payloads[leaf]) < best[0]:
+      rows = None if tree.src is None else (tree.src.pieces[leaf], tree.src.parents[leaf])
       best = (len(tree.payloads[leaf]), tree.plans[leaf], tree.chunks[leaf], tree.cuts.get(leaf))
+      best += (rows,)
     tree.cuts.pop(leaf, None)
   if best is not None:
-    return best[1], best[2], best[3]
+    return best[1], best[2], best[3], best[4]
   minimum, qualifier = min(failed)
   if minimum <= tree.bound:  # a lower bound the leaf does not fit at: it needs more
     minimum, qualifier = tree.bound + 1, "at least "
@@ -687,10 +788,20 @@ def _best_split(tree: _Tree, leaf: int, k: int) -> tuple[LeafPlan, np.ndarray, _
     f"max_bucket_bytes={tree.bound} is below what leaf {tree.names[leaf]} needs per device "
     f"in one bucket even split into its smallest chunks: {qualifier}{minimum} bytes (its "
     "placeholder blocks on devices without a source or destination shard of it, plus the "
-    f"payloads of one chunk). Pass max_bucket_bytes={minimum} or more.",
+    f"payloads of one chunk{_TRANSFORMED_FLOOR if tree.src is not None else ''}). Pass "
+    f"max_bucket_bytes={minimum} or more.",
     leaf,
     minimum,
   )
+
+
+# What a transformed leaf's chunk still stages whole (docs/design.md "Chunks").
+_TRANSFORMED_FLOOR = (
+  "; a transformed leaf is cut into sub-boxes of its transfers only, so every bucket of it "
+  "stages the whole shards of the source leaves its chunk reads (a zero block on each device "
+  "of the bucket without one) and its whole destination shards (a zero block on each device "
+  "without one): source or destination slabs are not cut for transformed leaves yet"
+)
 
 
 def _fewest(
@@ -719,10 +830,16 @@ def _alone(tree: _Tree, leaf: int, chunks: Iterable[int]) -> np.ndarray:
 
 
 def _split_rows(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
-  """Sub-boxes of the remote transfers, with whole placeholders."""
+  """Sub-boxes of the remote transfers, with whole placeholders (a transformed leaf's: each
+  sub-box's piece cut from its transfer's, its chunk staging the source leaves it reads)."""
   assert tree.bound is not None
-  bound, orig = tree.bound, tree.original[leaf]
-  ph = tree.placeholders[leaf] * tree.members[leaf]
+  bound, orig, src, members = tree.bound, tree.original[leaf], tree.src, tree.members[leaf]
+  ph = floor = tree.placeholders[leaf] * members
+  if src is not None:  # every source leaf a row reads is staged whole by that row's bucket
+    each = [src.stage([u]) for u in {q.src_leaf for q in src.original[leaf]}]
+    floor = ph + np.max(each or [ph * 0], axis=0) * members
+    if (least := int(floor.max(initial=0))) > bound:
+      return least, "at least "
   remote = ~orig.local & (orig.nbytes > 0)
   ext = (orig.hi - orig.lo)[remote]
   slab = orig.nbytes[remote] // np.maximum(ext.max(axis=1, initial=1), 1)
@@ -734,11 +851,17 @@ def _split_rows(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
     return least, "at least "
 
   def trial(k: int) -> np.ndarray:
-    tree.set_chunks(leaf, *_chunks.split_rows(orig, k, tree.itemsizes[leaf]))
-    stage = tree.payloads[leaf] + ph  # unpadded: built where that fits
+    if src is None:
+      tree.set_chunks(leaf, *_chunks.split_rows(orig, k, tree.itemsizes[leaf]))
+      stage = tree.payloads[leaf] + ph  # unpadded: built where that fits
+    else:
+      plan, chunk, pieces, parent = _chunks.split_piece_rows(orig, src.original[leaf], k)
+      tree.set_chunks(leaf, plan, chunk, rows=(pieces, parent))
+      reads = (src.stage(tree.reads(leaf, c, c)) for c in range(len(tree.payloads[leaf])))
+      stage = tree.payloads[leaf] + ph + np.stack(list(reads)) * members
     return _alone(tree, leaf, range(len(stage))) if int(stage.max()) <= bound else stage
 
-  return _fewest(tree, k, int(ext.max(initial=1)) if ext.size else 1, trial, ph)
+  return _fewest(tree, k, int(ext.max(initial=1)) if ext.size else 1, trial, floor)
 
 
 def _split_slabs(tree: _Tree, leaf: int, k: int, side: int) -> tuple[int, str] | None:
@@ -847,7 +970,8 @@ def _presplit(tree: _Tree) -> None:
   if tree.bound is None:
     return
   for leaf in range(len(tree.plans)):
-    ph = tree.placeholders[leaf] * tree.members[leaf]
+    reads = tree.sources_staged(tree.reads(leaf, 0, 0))
+    ph = (tree.placeholders[leaf] + reads) * tree.members[leaf]
     pay = tree.payloads[leaf][0]
     if int((pay + ph).max(initial=0)) <= tree.bound:
       continue
@@ -889,6 +1013,8 @@ def make_schedule(
   topology: Topology | None = None,
   apart: bool = True,
   options: Options = DEFAULT_OPTIONS,
+  pieces: Sequence[tuple[TransformPiece, ...]] | None = None,
+  inputs: Sequence[Layout] = (),
 ) -> Schedule:
   """Packs the remote transfers of all leaves (``plans``, ``(src, dst)`` ``layouts``, bytes per
   element ``itemsizes``) into buckets, payloads and rounds.
@@ -897,13 +1023,18 @@ def make_schedule(
   (``None``: no bound), a leaf that does not fit alone split into chunks (into slabs and grids
   only with ``slabs``). ``names`` name leaves in errors (default ``#i``); with ``topology``,
   pairs across and inside domains may take rounds of their own; ``apart``: a bucket may
-  assemble apart where the bound needs it.
+  assemble apart where the bound needs it. ``pieces``: a transformed stage's, per leaf its rows'
+  pieces (reading the source leaves laid out as ``inputs``): its buckets stage those source
+  leaves, its leaves are cut into sub-boxes only.
 
   Raises:
     BucketBoundError: if the bound is below what some leaf needs even in its smallest chunks.
   """
   names = names or [f"#{i}" for i in range(len(plans))]
-  tree = _Tree(plans, layouts, itemsizes, names, max_bucket_bytes, options, topology, slabs, apart)
+  sources = None if pieces is None else (pieces, inputs)
+  tree = _Tree(
+    plans, layouts, itemsizes, names, max_bucket_bytes, options, topology, slabs, apart, sources
+  )
   _presplit(tree)
   built = _fill_buckets(tree)
   leaf_buckets: list[list[int]] = [[] for _ in plans]
@@ -919,4 +1050,5 @@ def make_schedule(
   rows = (tuple(tree.plans), tuple(tree.chunks), tuple(tuple(b) for b in leaf_buckets))
   cut = (tuple(c.src for c in cuts), tuple(c.dst for c in cuts), tuple(c.windows for c in cuts))
   buckets = tuple(bb.bucket for bb in built)
-  return Schedule(buckets, tuple(tree.union.tolist()), *sums, peak, *rows, *cut)
+  rows_pieces = None if tree.src is None else tuple(tree.src.pieces)
+  return Schedule(buckets, tuple(tree.union.tolist()), *sums, peak, *rows, *cut, rows_pieces)
