@@ -1,4 +1,5 @@
-"""Which buckets of a schedule run the same program (share one executable). NumPy only.
+"""How a bucket's program sees each of its leaves (windows, offset shifts, modes, who
+assembles) and which buckets run the same program (share one executable). NumPy only.
 
 A bucket's program is a function of its devices, rounds and payload pieces, and of each leaf's
 layouts, element type and transfers (leaves numbered by position in the bucket); chunks of one
@@ -7,21 +8,133 @@ width of a leaf are compared from their offsets' start (a program argument).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
 
+from jax_reshard._chunks import Window, grid_windows
 from jax_reshard._layout import Layout
 from jax_reshard._planner import LeafPlan
-from jax_reshard._schedule import (
-  Bucket,
-  Schedule,
-  chunk_shift,
-  dst_slab_window,
-  leaf_key,
-  slab_window,
-)
+from jax_reshard._schedule import Bucket, Schedule, leaf_key
+
+
+def slab_window(schedule: Schedule, leaf: int, chunks: Sequence[int]) -> Window | None:
+  """``(dim, start, stop)`` of every source shard of ``leaf`` that a bucket moving ``chunks``
+  stages, or ``None`` (the whole block)."""
+  return _windows(schedule, leaf, chunks)[0]
+
+
+def dst_slab_window(schedule: Schedule, leaf: int, chunks: Sequence[int]) -> Window | None:
+  """:func:`slab_window` of the destination shards, which the bucket outputs."""
+  return _windows(schedule, leaf, chunks)[1]
+
+
+def _windows(
+  schedule: Schedule, leaf: int, chunks: Sequence[int]
+) -> tuple[Window | None, Window | None]:
+  src, dst = schedule.leaf_slabs[leaf], schedule.leaf_dst_slabs[leaf]
+  return grid_windows(src, dst, min(chunks), max(chunks))
+
+
+def chunk_shift(
+  schedule: Schedule, leaf: int, chunks: Sequence[int], src: Layout
+) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+  """``(shift, dst_shift)``, each ``(dim, start)`` or ``None``: where a bucket moving ``chunks`` of
+  ``leaf`` takes its offsets from, so that chunks of one width share a program."""
+  slabs, dst_slabs = schedule.leaf_slabs[leaf], schedule.leaf_dst_slabs[leaf]
+  window, dst_window = _windows(schedule, leaf, chunks)
+  if slabs is not None and dst_slabs is not None and slabs != dst_slabs:  # a grid
+    assert window is not None and dst_window is not None
+    return dst_window[:2], window[:2]
+  if len(schedule.leaf_buckets[leaf]) < 2:
+    return None, None
+  if (windows := schedule.leaf_windows[leaf]) is not None:
+    return (windows[0], windows[1][min(chunks)]), None
+  if dst_window is not None and slabs is None:
+    dim = dst_window[0]
+    return (dst_window[:2] if src.shard_shape()[dim] == src.shape[dim] else None), None
+  return None, None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LeafMode:
+  """How a bucket treats one leaf: ``_program.LeafView``'s fields of these names."""
+
+  in_place: bool = False
+  dst_input: bool = False
+  carry_out: bool = False
+  copies: np.ndarray | bool = True  # which rows' local copies the bucket makes
+  window: Window | None = None
+  dst_window: Window | None = None
+  shift: tuple[int, int] | None = None
+  fresh: bool = False  # a destination input on every device, nothing carried into it yet
+  dst_shift: tuple[int, int] | None = None
+
+
+def leaf_modes(
+  schedule: Schedule,
+  layouts: Sequence[tuple[Layout, Layout]],
+  scheduled: Sequence[int],
+  bucket: int,
+  *,
+  donate: bool = False,
+  relayed: Collection[int] = frozenset(),
+  copies: bool = True,
+) -> list[LeafMode]:
+  """Per leaf of bucket ``bucket``, how it treats it. ``scheduled``: the plan's leaf of each
+  scheduled one; ``donate``: writing into donated buffers; ``relayed``: leaves a relay stage
+  completes; ``copies``: find which rows' local copies the bucket makes (else ``True``)."""
+  sched_bucket = schedule.buckets[bucket]
+  out = []
+  for j, chunks in zip(sched_bucket.leaves, sched_bucket.chunks, strict=True):
+    spans = schedule.leaf_buckets[j]
+    cut = schedule.leaf_slabs[j] is not None or schedule.leaf_dst_slabs[j] is not None
+    if len(spans) == 1 and not (donate or copies or cut):
+      out.append(LeafMode())  # moved whole by this bucket alone
+      continue
+    window, dst_window = _windows(schedule, j, chunks)
+    whole = dst_window is None  # a destination slab is assembled whole, written in afterwards
+    shift, dst_shift = chunk_shift(schedule, j, chunks, layouts[scheduled[j]][0])
+    grid = dst_shift is not None  # its destination slab is filled over several buckets
+    # A leaf cut into windows takes a destination input in its first bucket too (zero blocks on
+    # every device), so that its first window runs the program of the others.
+    fresh = shift is not None and whole and spans[0] == bucket and not donate
+    # A relayed leaf refit into its donated buffer gets its first-stage parts written where
+    # they go; the relay stage writes the rest.
+    in_place = grid or (whole and (len(spans) > 1 or (donate and scheduled[j] in relayed)))
+    dst_input = (whole or grid) and (donate or spans[0] != bucket or fresh)
+    carry, rows = spans[-1] != bucket, np.isin(schedule.row_chunks[j], chunks) if copies else True
+    mode = (in_place, dst_input, carry, rows, window, dst_window, shift, fresh, dst_shift)
+    out.append(LeafMode(*mode))
+  return out
+
+
+def assembly_devices(
+  schedule: Schedule,
+  layouts: Sequence[tuple[Layout, Layout]],
+  scheduled: Sequence[int],
+  bucket: int,
+  modes: Sequence[LeafMode],
+  *,
+  split_assembly: bool,
+) -> tuple[int, ...] | None:
+  """The devices that may assemble bucket ``bucket``'s destination shards in a program of
+  their own (every leaf whole, one destination set, some other device), else ``None``; without
+  ``split_assembly`` only where ``Bucket.must_apart``."""
+  b = schedule.buckets[bucket]
+  if not split_assembly and not b.must_apart:
+    return None
+  dst_sets = {layouts[scheduled[j]][1].device_ids for j in b.leaves}
+  cut = any(
+    m.carry_out or m.fresh or m.shift is not None or m.window is not None or m.dst_window
+    for m in modes
+  )
+  if cut or len(dst_sets) != 1 or any(len(schedule.leaf_buckets[j]) > 1 for j in b.leaves):
+    return None
+  (dst_ids,) = dst_sets
+  return dst_ids if dst_ids and not set(b.union_device_ids) <= set(dst_ids) else None
 
 
 def bucket_classes(

@@ -21,18 +21,20 @@ from typing import Any
 
 import numpy as np
 
-from jax_reshard._classes import stage_classes
+from jax_reshard._classes import (
+  LeafMode,
+  assembly_devices,
+  dst_slab_window,
+  leaf_modes,
+  slab_window,
+  stage_classes,
+)
 from jax_reshard._planner import LeafPlan
 from jax_reshard._schedule import (
   Bucket,
-  LeafMode,
   Round,
-  assembly_devices,
   donated_mask,
-  dst_slab_window,
-  leaf_modes,
   placeholder_mask,
-  slab_window,
   staged_block_shape,
 )
 from jax_reshard._topology import Topology

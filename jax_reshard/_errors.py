@@ -35,3 +35,30 @@ class ReshardTypeError(ReshardError, TypeError):
     ...   print(e)
     destination for leaf ['w'] is str, not a jax.sharding.Sharding ...
   """
+
+
+class BucketBoundError(ReshardError):
+  """``max_bucket_bytes`` is below what one leaf needs even split into its smallest chunks.
+
+  A :class:`ReshardError` raised by ``make_plan``, ``reshard`` and ``plan_layouts`` before any
+  device work; the message names the leaf and the least bound that works.
+
+  Attributes:
+    leaf: position of the leaf in the list given to :func:`make_schedule`.
+    minimum_bytes: the staging bytes per device that leaf needs at least.
+
+  Example:
+    >>> import jax_reshard as jr
+    >>> lay = lambda spec: jr.Layout.from_description(
+    ...   (1024, 1024), mesh_shape=(8,), axis_names=("x",), spec=spec)
+    >>> try:
+    ...   jr.plan_layouts([(lay(("x",)), lay((None, "x")))], [4], max_bucket_bytes=1024)
+    ... except jr.BucketBoundError as e:
+    ...   print(e.minimum_bytes)
+    4096
+  """
+
+  def __init__(self, message: str, leaf: int, minimum_bytes: int) -> None:
+    super().__init__(message)
+    self.leaf = leaf
+    self.minimum_bytes = minimum_bytes

@@ -27,7 +27,7 @@ class Options:
   Attributes:
     split_assembly: whether a bucket whose leaves all move whole to one destination device set
       that leaves some of its devices without a destination shard may assemble apart (rounds
-      over its union mesh, assembly over the destination devices: ``_schedule.
+      over its union mesh, assembly over the destination devices: ``_classes.
       assembly_devices``), writing no discarded blocks; ``False``: one program, its discarded
       blocks bounded. Default ``True``: frees a disjoint refit's trainers of the bytes received.
     direct_calls: whether a bucket whose sources and destinations are each on one mesh listing

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from jax_reshard._classes import stage_classes
+from jax_reshard._classes import dst_slab_window, stage_classes
 from jax_reshard._cost import (
   Estimate,
   assembles_apart,
@@ -36,7 +36,6 @@ from jax_reshard._schedule import (
   Bucket,
   BucketBoundError,
   Schedule,
-  dst_slab_window,
   make_schedule,
 )
 from jax_reshard._topology import Topology

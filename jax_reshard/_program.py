@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from jax_reshard._classes import LeafMode, leaf_modes
 from jax_reshard._cost import assembles_apart
 from jax_reshard._layout import Layout
 from jax_reshard._options import DEFAULT_OPTIONS, Options
@@ -23,10 +24,8 @@ from jax_reshard._plan import LayoutPlan
 from jax_reshard._planner import LeafPlan
 from jax_reshard._schedule import (
   Bucket,
-  LeafMode,
   Piece,
   donated_mask,
-  leaf_modes,
   placeholder_mask,
   staged_block_shape,
 )

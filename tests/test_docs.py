@@ -31,7 +31,6 @@ WITH_EXAMPLES = {
   "jax_reshard._plan",
   "jax_reshard._reshard",
   "jax_reshard._rounds",
-  "jax_reshard._schedule",
   "jax_reshard._topology",
   "jax_reshard._tplan",
   "jax_reshard._transform",

@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_reshard as jr
-from jax_reshard import _buffers, _cost, _emit, _executable, _plan, _schedule
+from jax_reshard import _buffers, _classes, _cost, _emit, _executable, _plan
 from jax_reshard._classes import bucket_classes
 from jax_reshard._cost import _bucket_cost, made_blocks
 from jax_reshard._options import Options
@@ -1056,11 +1056,11 @@ def test_which_buckets_assemble_on_their_own() -> None:
     plan = jr.plan_layouts(pairs, [4] * len(pairs), **kw)
     out = []
     for b in range(len(plan.schedule.buckets)):
-      modes = _schedule.leaf_modes(
+      modes = _classes.leaf_modes(
         plan.schedule, plan.layouts, plan.scheduled, b, donate=donate, relayed=relayed
       )
       split = plan.options.split_assembly
-      ids = _schedule.assembly_devices(
+      ids = _classes.assembly_devices(
         plan.schedule, plan.layouts, plan.scheduled, b, modes, split_assembly=split
       )
       out.append(ids)

@@ -16,11 +16,10 @@ from hypothesis import strategies as st
 
 import jax_reshard as jr
 from jax_reshard import Layout
+from jax_reshard._classes import dst_slab_window, slab_window
 from jax_reshard._schedule import (
   BucketBoundError,
-  dst_slab_window,
   placeholder_mask,
-  slab_window,
   staged_block_shape,
 )
 

@@ -14,6 +14,7 @@ from helpers import split_cases
 import jax_reshard as jr
 from jax_reshard import Layout, _rounds, _schedule
 from jax_reshard._chunks import split_slabs
+from jax_reshard._classes import dst_slab_window, slab_window
 from jax_reshard._options import Options
 from jax_reshard._planner import plan_leaves
 from jax_reshard._rounds import (
@@ -27,9 +28,7 @@ from jax_reshard._rounds import (
 )
 from jax_reshard._schedule import (
   BucketBoundError,
-  dst_slab_window,
   make_schedule,
-  slab_window,
 )
 
 
