@@ -375,6 +375,22 @@ def case_transform() -> None:
   ys = plan(x, out=plan(x))
   check_tree(ys, want, dst)
   ok("case_transform_relay")
+  # The fused leaf larger than the bound: cut into chunks over buckets, still relayed, refit into
+  # the old buffers; the least bound found from BucketBoundError, as a user would.
+  bound = 1
+  for _ in range(8):
+    try:
+      chunked = jr.make_plan(x, dst, transform=_fuse("qkv"), topology=topo, max_bucket_bytes=bound)
+      break
+    except jr.BucketBoundError as e:
+      bound = e.minimum_bytes
+  cs = chunked.stats
+  assert chunked.layout_plan.relay is not None and cs.peak_staging_bytes <= bound
+  assert cs.num_buckets > st.num_buckets and cs.bytes_moved == st.bytes_moved
+  assert max(len(b) for b in chunked.layout_plan.schedule.leaf_buckets) > 1
+  ys = chunked(x, out=ys)
+  check_tree(ys, want, dst)
+  ok("case_transform_chunked")
   try:
     jr.reshard(x, dst, transform=_fuse("qkv" if PID == 0 else "qvk"))
   except _distributed.ReshardPlanMismatchError:

@@ -39,6 +39,7 @@ CASE_STEPS = [
   "case_slabs",
   "case_transform",
   "case_transform_relay",
+  "case_transform_chunked",
   "transform_mismatch",
   "case_explicit",
   "built_differently",
@@ -167,6 +168,7 @@ def cases(pairs):
     "case_slabs",
     "case_transform",
     "case_transform_relay",
+    "case_transform_chunked",
     "transform_mismatch",
     "case_explicit",
     "built_differently",
@@ -179,7 +181,8 @@ def test_collective_cases(cases, step):
   (c) a pytree of replicated and sharded leaves, equal plans built differently, and a plan
   mismatch raised on both processes, relay plans with the processes as domains (eager
   and inside jax.jit), and leaves cut into source slabs, destination slabs and windows of both
-  under a small bucket bound, and meshes with Explicit axes (case_explicit; the others'
+  under a small bucket bound, a transformed tree (relayed, and its fused leaf cut into chunks
+  under a small bound), and meshes with Explicit axes (case_explicit; the others'
   are Auto): each process checks its own shards against NumPy."""
   for i, p in enumerate(cases.procs):
     assert step in _steps(p.out), f"process {i} did not pass {step}\n{cases}"
