@@ -24,7 +24,6 @@ from jax_reshard._tree import Leaf, broadcast_shardings, check_arrays, check_don
 from jax_reshard._viz import plan_html
 
 _Relays = bool | Literal["auto"] | None
-_Source = tuple[Any, tuple[Leaf, ...]] | None  # a transform's source (treedef, leaves)
 
 
 class _Runner:
@@ -32,11 +31,17 @@ class _Runner:
   first's), their programs, executables (built once per ``out``) and stats; a call's checks."""
 
   def __init__(
-    self, treedef: Any, leaves: tuple[Leaf, ...], layout_plan: _plan.LayoutPlan, src: _Source
+    self,
+    treedef: Any,
+    leaves: tuple[Leaf, ...],
+    layout_plan: _plan.LayoutPlan,
+    src_treedef: Any,
+    src_leaves: tuple[Leaf, ...] | None,
   ) -> None:
     self.treedef, self.leaves, self.layout_plan = treedef, leaves, layout_plan
-    self.transformed = src is not None  # the source's (treedef, leaves) differ
-    self.src_treedef, self.src_leaves = src or (treedef, leaves)
+    self.transformed = src_leaves is not None  # a transform's source leaves differ
+    self.src_treedef = treedef if src_treedef is None else src_treedef
+    self.src_leaves = leaves if src_leaves is None else src_leaves
     self.src_paths = [lf.path for lf in self.src_leaves]
     stages, dtypes = layout_plan.stages(), [lf.dtype for lf in leaves]
     self.stage_buckets = [(st, b) for st in stages for b in range(len(st.schedule.buckets))]
@@ -138,8 +143,7 @@ class _Runner:
     return jax.tree_util.tree_unflatten(self.treedef, result)
 
   def call_edged(self, plan: ReshardPlan, edges: _edge.Edges, x: Any, donate: Any, out: Any) -> Any:
-    """A call of a plan whose leaves go through :mod:`_edge` steps: every check first, then
-    the steps in, the move (of the carrier tree), the steps out."""
+    """A call of ``plan`` with :mod:`_edge` steps: every check, steps in, the move, steps out."""
     values, treedef = jax.tree_util.tree_flatten(x)
     edges.check(values, treedef)
     flags = _edge.donated_leaves(donate, x, edges.paths)
@@ -233,14 +237,19 @@ class ReshardPlan:
   _edges: _edge.Edges | None = None  # set on a copy of the plan by make_plan, see _edge
 
   def __init__(
-    self, treedef: Any, leaves: tuple[Leaf, ...], layout_plan: _plan.LayoutPlan, src: _Source = None
+    self,
+    treedef: Any,
+    leaves: tuple[Leaf, ...],
+    layout_plan: _plan.LayoutPlan,
+    src_treedef: Any = None,
+    src_leaves: tuple[Leaf, ...] | None = None,
   ) -> None:
-    """``src``: the source's ``(treedef, leaves)`` where a transform makes them differ."""
+    """The source's treedef and leaves where a transform makes them differ."""
     self.leaves, self.layout_plan, self.options = leaves, layout_plan, layout_plan.options
     self.schedule, self.leaf_plans = layout_plan.schedule, layout_plan.leaf_plans
     self.layouts = layout_plan.layouts
     self.dst_shardings = jax.tree_util.tree_unflatten(treedef, [lf.dst_sharding for lf in leaves])
-    self._runner = _Runner(treedef, leaves, layout_plan, src)
+    self._runner = _Runner(treedef, leaves, layout_plan, src_treedef, src_leaves)
     # Leaves whose whole shards travel as they are: only an array plan knows the types.
     self._as_is = frozenset(i for i, lf in enumerate(leaves) if _program.travels_as_is(lf.dtype))
 
@@ -429,7 +438,7 @@ class TransformPlan(ReshardPlan):
     out_leaves: tuple[Leaf, ...],
     layout_plan: _plan.LayoutPlan,
   ) -> None:
-    super().__init__(analysis.out_treedef, out_leaves, layout_plan, (src_treedef, src_leaves))
+    super().__init__(analysis.out_treedef, out_leaves, layout_plan, src_treedef, src_leaves)
     self.src_leaves, self.analysis = src_leaves, analysis
 
   @property
@@ -469,8 +478,7 @@ class TransformPlan(ReshardPlan):
 
 
 def _no_mesh() -> Any:
-  """The bucket programs run on meshes of their own: a mesh the caller entered with
-  ``jax.set_mesh`` (e.g. to resolve abstract destinations) must not constrain them."""
+  """No mesh: one the caller set (``jax.set_mesh``) must not constrain the buckets' meshes."""
   return contextlib.nullcontext() if jax.sharding.get_mesh().empty else jax.set_mesh(None)
 
 
@@ -573,11 +581,10 @@ def make_plan(
     flat, treedef = jax.tree_util.tree_flatten(src)
     dsts = broadcast_shardings(dst, src, treedef, len(flat), "destination")
     edges, c_src, c_dst = _edge.make_edges(src, dsts)
-    core = make_plan(
+    return make_plan(
       c_src, c_dst, max_bucket_bytes=max_bucket_bytes, topology=topology, relays=relays,
       options=opts,
-    )  # fmt: skip
-    return core.with_edges(edges)
+    ).with_edges(edges)  # fmt: skip
   if transform is not None:
     _edge.refuse_edges_with_transform(src, dst)
   candidates = _plan.bucket_candidates(max_bucket_bytes, topology)
@@ -593,8 +600,7 @@ def make_plan(
 
 
 def _one_bound(max_bucket_bytes: int | Sequence[int] | None, leaves: list[Leaf]) -> int:
-  """``make_plan``'s one bound; ``None``: 16 MiB where every device of ``leaves`` is a CPU,
-  else 1 GiB."""
+  """``make_plan``'s one bound; ``None``: 16 MiB where every device is a CPU, else 1 GiB."""
   assert not isinstance(max_bucket_bytes, Sequence)
   if max_bucket_bytes is not None:
     return int(max_bucket_bytes)

@@ -47,7 +47,7 @@ class Topology:
     leaf_latency: seconds of host work per leaf of a program call (0 where not measured).
     fill_bandwidth: bytes per second a device writes zeros; ``None``: ``memory_bandwidth``.
     contiguous_bandwidth: packing bytes per second of long runs: a copy costs its bytes at this
-      plus ``run_latency`` per run, at most at ``memory_bandwidth``; ``None``: at the latter.
+      plus ``run_latency`` per run, at most its cost at ``memory_bandwidth`` (``None``: that).
     run_latency: seconds per contiguous run copied, with ``contiguous_bandwidth``.
 
   Example:
