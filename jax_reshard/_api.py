@@ -17,10 +17,8 @@ from jax_reshard._classes import stage_classes
 from jax_reshard._cost import Estimate, estimate
 from jax_reshard._emit import plan_word_bytes
 from jax_reshard._executable import BucketExecutable, InFlight, empty_like_sharded
-from jax_reshard._layout import Layout
 from jax_reshard._options import Options
-from jax_reshard._planner import LeafPlan
-from jax_reshard._schedule import CPU_MAX_BUCKET_BYTES, DEFAULT_MAX_BUCKET_BYTES, Schedule
+from jax_reshard._schedule import CPU_MAX_BUCKET_BYTES, DEFAULT_MAX_BUCKET_BYTES
 from jax_reshard._topology import Topology
 from jax_reshard._tree import Leaf, broadcast_shardings, check_arrays, check_donated, flatten_tree
 from jax_reshard._viz import plan_html
@@ -28,21 +26,189 @@ from jax_reshard._viz import plan_html
 _Relays = bool | Literal["auto"] | None
 
 
+class _Runner:
+  """What a plan's calls run: the buckets of every stage in order (a relay stage's after the
+  first's), their programs, executables (built once per ``out``) and stats; a call's checks."""
+
+  def __init__(
+    self,
+    treedef: Any,
+    leaves: tuple[Leaf, ...],
+    layout_plan: _plan.LayoutPlan,
+    src_treedef: Any,
+    src_leaves: tuple[Leaf, ...] | None,
+  ) -> None:
+    self.treedef, self.leaves, self.layout_plan = treedef, leaves, layout_plan
+    self.transformed = src_leaves is not None  # a transform's source leaves differ
+    self.src_treedef = treedef if src_treedef is None else src_treedef
+    self.src_leaves = leaves if src_leaves is None else src_leaves
+    self.src_paths = [lf.path for lf in self.src_leaves]
+    stages, dtypes = layout_plan.stages(), [lf.dtype for lf in leaves]
+    self.stage_buckets = [(st, b) for st in stages for b in range(len(st.schedule.buckets))]
+    self.bucket_leaves = [stage.bucket_leaves(b) for stage, b in self.stage_buckets]
+    self.by_stage = [  # a transformed stage's buckets each their own (see program_classes)
+      (st.bucket_classes or ())
+      if st.pieces is not None
+      else stage_classes(st.leaf_plans, st.layouts, st.scheduled, st.schedule, dtypes)
+      for st in stages
+    ]
+    self.classes: list[int] = []  # per bucket, the first with its program (over every stage)
+    for classes in self.by_stage:
+      self.classes += [len(self.classes) + c for c in classes]
+    scheduled = set(layout_plan.scheduled)
+    self.unscheduled = [i for i in range(len(leaves)) if i not in scheduled]
+    self.default_layouts = _edge.DefaultLayouts()
+    self._stats: _plan.PlanStats | None = None
+    self._programs: dict[bool, list[_program.BucketProgram]] = {}
+    self._executables: dict[bool, list[BucketExecutable]] = {}
+
+  def program_classes(self) -> tuple[list[tuple[int, ...]], int]:
+    """Per stage, per bucket, the first bucket of the stage with its program; how many. With a
+    transform, from the built programs' signatures (a transformed bucket's rows carry pieces)."""
+    if not self.transformed:
+      return self.by_stage, len(set(self.classes))
+    signatures = [_program.program_signature(p) for p in self.programs(False)]
+    out, at = [], 0
+    for stage in self.layout_plan.stages():
+      n, first = len(stage.schedule.buckets), dict[_program.BucketProgram, int]()
+      out.append(tuple(first.setdefault(sig, b) for b, sig in enumerate(signatures[at : at + n])))
+      at += n
+    return out, len(set(signatures))
+
+  def stats(self, as_is: frozenset[int]) -> _plan.PlanStats:
+    """The layout plan's stats with the programs counted (see :attr:`ReshardPlan.stats`)."""
+    if self._stats is None:
+      by_stage, num_programs = self.program_classes()
+      st, moved = self.layout_plan.stats, self.layout_plan.stats.bytes_moved
+      passes = _plan.passes_per_moved_byte(self.layout_plan.stages(), moved, as_is, by_stage)
+      extra = sum(exe.bundle_pass_bytes() for exe in self.executables(False))
+      passes += extra / (2 * moved) if moved else 0.0
+      self._stats = dataclasses.replace(st, num_programs=num_programs, passes_per_moved_byte=passes)
+    return self._stats
+
+  def programs(self, out: bool) -> list[_program.BucketProgram]:
+    """See :meth:`ReshardPlan.programs`."""
+    if out in self._programs:
+      return self._programs[out]
+    dtypes, src_dtypes = [lf.dtype for lf in self.leaves], [lf.dtype for lf in self.src_leaves]
+    first_stage, words = self.layout_plan.stages()[0], plan_word_bytes(self.layout_plan)
+    programs: list[_program.BucketProgram] = []
+    for k, (stage, b) in enumerate(self.stage_buckets):
+      donate, first = out and stage is first_stage, self.classes[k]
+      if first < k:  # the same program as an earlier bucket, on other leaves
+        p = _program.rebound_program(programs[first], stage, b, dtypes, donate=donate)
+      elif stage.pieces is not None:  # a transformed stage: inputs are the source leaves
+        p = _program.make_transform_program(
+          stage, b, src_dtypes, dtypes, donate=donate, options=self.layout_plan.options
+        )
+      else:
+        ids = stage.schedule.buckets[b].union_device_ids
+        p = _program.make_bucket_program(stage, b, dtypes, ids, max_word_bytes=words, donate=donate)
+      programs.append(p)
+    self._programs[out] = programs
+    return programs
+
+  def executables(self, out: bool) -> list[BucketExecutable]:
+    """See :meth:`ReshardPlan.executables`."""
+    if out in self._executables:
+      return self._executables[out]
+    devices = {
+      d.id: d
+      for lf in (*self.src_leaves, *self.leaves)
+      for d in (*lf.src_sharding.device_set, *lf.dst_sharding.device_set)
+    }
+    first_stage, exes = self.layout_plan.stages()[0], []
+    for (stage, _), p in zip(self.stage_buckets, self.programs(out), strict=True):
+      dst = [self.leaves[lf.index].dst_sharding for lf in p.leaves]
+      # A relay stage takes the first stage's results, laid out as the destination.
+      src = (
+        [self.src_leaves[lf.index].src_sharding for lf in p.sources]
+        if stage is first_stage
+        else dst
+      )
+      exes.append(BucketExecutable(p, devices, dst, src, options=self.layout_plan.options))
+    self._executables[out] = exes
+    return exes
+
+  def call(self, plan: ReshardPlan, x: Any, donate: Any, out: Any) -> Any:
+    """A call of ``plan``, without edges (see :meth:`ReshardPlan.__call__`)."""
+    flags = None if donate is False else _edge.donated_leaves(donate, x, self.src_paths)
+    arrays = check_arrays(self.src_treedef, self.src_leaves, x)
+    old = None if out is None else check_donated(self.treedef, self.leaves, out, arrays)
+    if old is not None:
+      _edge.check_out_layouts([lf.name for lf in self.leaves], old)
+    result = self.move(plan, self.default_layouts(arrays), old)
+    if flags is not None:
+      _edge.delete_donated(arrays, flags, result)
+    return jax.tree_util.tree_unflatten(self.treedef, result)
+
+  def call_edged(self, plan: ReshardPlan, edges: _edge.Edges, x: Any, donate: Any, out: Any) -> Any:
+    """A call of ``plan`` with :mod:`_edge` steps: every check, steps in, the move, steps out."""
+    values, treedef = jax.tree_util.tree_flatten(x)
+    edges.check(values, treedef)
+    flags = _edge.donated_leaves(donate, x, edges.paths)
+    old = None if out is None else edges.check_out(out)
+    with _no_mesh():
+      carriers = jax.tree_util.tree_leaves(edges.carriers(values))
+      tree = jax.tree_util.tree_unflatten(self.treedef, carriers)
+      moved = self.move(plan, check_arrays(self.treedef, self.leaves, tree), None)
+      result = edges.results(values, moved)
+    _edge.delete_donated(values, flags, result)
+    _delete(old or ())  # written fresh: the old buffers are freed as out= promises
+    return jax.tree_util.tree_unflatten(edges.treedef, result)
+
+  def move(self, plan: ReshardPlan, arrays: list[Any], old: list[Any] | None) -> list[Any]:
+    """Runs the buckets in order on checked arrays (default layouts), a leaf's destination
+    blocks going from bucket to bucket; deletes ``old``'s arrays."""
+    if jax.process_count() > 1:  # all processes must hold this plan before any collective
+      from jax_reshard import _distributed
+
+      _distributed.check_plan(plan)
+    with _no_mesh():
+      executables = self.executables(old is not None)
+      out: list[Any] = [None] * len(self.leaves)
+      for i in self.unscheduled:
+        lf = self.leaves[i]
+        out[i] = empty_like_sharded(lf.shape, lf.dtype, lf.dst_sharding)
+      carry: dict[int, dict[int, Any]] = (
+        {} if old is None else {i: buffers_by_device(old[i]) for i in self.layout_plan.scheduled}
+      )
+      # Blocks of devices without a destination shard, left by the last bucket that took
+      # destination inputs: the next bucket's placeholders. Dropped after the call, so that
+      # devices holding no destination shard keep nothing between refits.
+      spares: dict[Any, list[Any]] = {}
+      in_flight = InFlight(self.layout_plan.options.in_flight_buckets)
+      for idx, exe in zip(self.bucket_leaves, executables, strict=True):
+        leaves = zip(idx, exe.program.leaves, strict=True) if exe.takes_destinations else ()
+        dsts = [carry.pop(i, None) if lf.dst_input or lf.dst_window else None for i, lf in leaves]
+        if exe.program.inputs:  # a transformed stage reads the source leaves
+          xs = [arrays[lf.index] for lf in exe.program.inputs]
+        else:  # a relay stage reads the first stage's results
+          xs = [arrays[i] if out[i] is None else out[i] for i in idx]
+        ys = exe(xs, dsts, spares, in_flight.wait_for(exe))
+        in_flight.add(ys)
+        for i, y in zip(idx, ys, strict=True):
+          if isinstance(y, dict):
+            carry[i] = y
+          else:
+            out[i] = y
+    _delete(old or ())
+    return out
+
+
 class ReshardPlan:
   """A compiled reshard of one pytree layout into another; build it with :func:`make_plan`.
 
-  A call moves the data (compiling on the first call only). ``print(plan)`` shows per group of
-  leaves both layouts and the bytes, then the totals against the lower bound and
-  gather-and-broadcast. Leaves not moved as they are (host data, PRNG keys, sub-byte or complex
-  types, other memory kinds, a destination ``Format``) are planned as what moves (key data,
-  8-bit words, device memory), which ``leaves``, ``stats`` and the programs describe; a call
-  converts on the way in and out, on the same devices.
+  A call moves the data (compiling on the first call only); ``print(plan)`` shows per group of
+  leaves both layouts and bytes, then the totals against the lower bound and gather-broadcast.
+  Leaves not moved as they are (host data, PRNG keys, sub-byte or complex types, other memory
+  kinds, a destination ``Format``) are planned, and described, as what moves (key data, 8-bit
+  words, device memory); a call converts them on the way in and out, on the same devices.
 
   Attributes:
     stats: :class:`PlanStats` of the whole tree.
     schedule: the buckets (compiled programs, run in order) and the ``ppermute`` rounds of each.
-    leaf_plans: per leaf, its planned transfers (:class:`LeafPlan`: sender, receiver, index box
-      and bytes of each).
+    leaf_plans: per leaf, its transfers (:class:`LeafPlan`: sender, receiver, index box, bytes).
     layouts: per leaf, the ``(source, destination)`` :class:`Layout`.
     dst_shardings: the destination shardings, in the structure of the source tree.
     leaves: per leaf, its path, shape, dtype and both shardings.
@@ -78,42 +244,14 @@ class ReshardPlan:
     src_treedef: Any = None,
     src_leaves: tuple[Leaf, ...] | None = None,
   ) -> None:
-    """The plan of ``leaves`` (in ``treedef``) as ``layout_plan`` plans them; the source's
-    treedef and leaves where a transform makes them differ."""
-    self._treedef, self.leaves, self.layout_plan = treedef, leaves, layout_plan
-    self.schedule: Schedule = layout_plan.schedule
-    self.leaf_plans: tuple[LeafPlan, ...] = layout_plan.leaf_plans
-    self.layouts: tuple[tuple[Layout, Layout], ...] = layout_plan.layouts
+    """The source's treedef and leaves where a transform makes them differ."""
+    self.leaves, self.layout_plan, self.options = leaves, layout_plan, layout_plan.options
+    self.schedule, self.leaf_plans = layout_plan.schedule, layout_plan.leaf_plans
+    self.layouts = layout_plan.layouts
     self.dst_shardings = jax.tree_util.tree_unflatten(treedef, [lf.dst_sharding for lf in leaves])
-    self._src_treedef = treedef if src_treedef is None else src_treedef
-    self._src_leaves = leaves if src_leaves is None else src_leaves
-    self.options: Options = layout_plan.options
-    scheduled = set(layout_plan.scheduled)
-    self._unscheduled = [i for i in range(len(leaves)) if i not in scheduled]
-    # Buckets of every stage in order: a relay stage's buckets run after the first stage's.
-    stages = layout_plan.stages()
-    self._stage_buckets = [(st, b) for st in stages for b in range(len(st.schedule.buckets))]
-    self._bucket_leaves = [stage.bucket_leaves(b) for stage, b in self._stage_buckets]
-    self._programs: dict[bool, list[_program.BucketProgram]] = {}
-    self._executables: dict[bool, list[BucketExecutable]] = {}
-    dtypes = [lf.dtype for lf in leaves]
-    self._by_stage = [  # a transformed stage's buckets each their own (see TransformPlan)
-      (st.bucket_classes or ())
-      if st.pieces is not None
-      else stage_classes(st.leaf_plans, st.layouts, st.scheduled, st.schedule, dtypes)
-      for st in stages
-    ]
-    self._classes: list[int] = []  # numbered over the buckets of every stage
-    for classes in self._by_stage:
-      self._classes += [len(self._classes) + c for c in classes]
+    self._runner = _Runner(treedef, leaves, layout_plan, src_treedef, src_leaves)
     # Leaves whose whole shards travel as they are: only an array plan knows the types.
     self._as_is = frozenset(i for i, lf in enumerate(leaves) if _program.travels_as_is(lf.dtype))
-    self._stats: _plan.PlanStats | None = None
-    self._default_layouts = _edge.DefaultLayouts()
-
-  def _program_classes(self) -> tuple[list[tuple[int, ...]], int]:
-    """Per stage, per bucket, the first bucket of the stage with its program; how many."""
-    return self._by_stage, len(set(self._classes))
 
   @property
   def stats(self) -> _plan.PlanStats:
@@ -127,23 +265,13 @@ class ReshardPlan:
       >>> st.bytes_moved, st.lower_bound_bytes, st.gather_broadcast_bytes  # 7 of 8 f32 values
       (224, 224, 1792)
     """
-    if self._stats is None:
-      by_stage, num_programs = self._program_classes()
-      st, moved = self.layout_plan.stats, self.layout_plan.stats.bytes_moved
-      passes = _plan.passes_per_moved_byte(self.layout_plan.stages(), moved, self._as_is, by_stage)
-      extra = sum(exe.bundle_pass_bytes() for exe in self.executables())
-      passes += extra / (2 * moved) if moved else 0.0
-      self._stats = dataclasses.replace(st, num_programs=num_programs, passes_per_moved_byte=passes)
-    return self._stats
+    return self._runner.stats(self._as_is)
 
   def programs(self, *, out: bool = False) -> list[_program.BucketProgram]:
-    """Per bucket (of every stage), what every device does (NumPy data; ``print`` one).
+    """Per bucket of every stage, in run order, what every device does (NumPy; ``print`` one).
 
     Args:
       out: those of calls with ``out=`` (the first stage writes into the previous result).
-
-    Returns:
-      One :class:`BucketProgram` per bucket, in the order they run.
 
     Example:
       >>> import jax, jax_reshard as jr
@@ -154,25 +282,7 @@ class ReshardPlan:
         leaf 0 (#0) float32[8, 8] in uint32: [1, 8] -> [8, 1]
       ...
     """
-    if out in self._programs:
-      return self._programs[out]
-    dtypes, src_dtypes = [lf.dtype for lf in self.leaves], [lf.dtype for lf in self._src_leaves]
-    first_stage, words = self.layout_plan.stages()[0], plan_word_bytes(self.layout_plan)
-    programs: list[_program.BucketProgram] = []
-    for k, (stage, b) in enumerate(self._stage_buckets):
-      donate, first = out and stage is first_stage, self._classes[k]
-      if first < k:  # the same program as an earlier bucket, on other leaves
-        p = _program.rebound_program(programs[first], stage, b, dtypes, donate=donate)
-      elif stage.pieces is not None:  # a transformed stage: inputs are the source leaves
-        p = _program.make_transform_program(
-          stage, b, src_dtypes, dtypes, donate=donate, options=self.options
-        )
-      else:
-        ids = stage.schedule.buckets[b].union_device_ids
-        p = _program.make_bucket_program(stage, b, dtypes, ids, max_word_bytes=words, donate=donate)
-      programs.append(p)
-    self._programs[out] = programs
-    return programs
+    return self._runner.programs(out)
 
   def estimate(self, topology: Topology | None = None, *, out: bool = False) -> Estimate:
     """The predicted time of a call on ``topology`` (see :func:`jax_reshard.estimate`).
@@ -192,7 +302,7 @@ class ReshardPlan:
       >>> plan.estimate(jr.Topology.h100_nodes()).num_rounds
       7
     """
-    dtypes, by_stage = [lf.dtype for lf in self.leaves], self._program_classes()[0]
+    dtypes, by_stage = [lf.dtype for lf in self.leaves], self._runner.program_classes()[0]
     return estimate(self.layout_plan, topology, self._as_is, by_stage, kinds=dtypes, out=out)
 
   def executables(self, *, out: bool = False) -> list[BucketExecutable]:
@@ -209,33 +319,14 @@ class ReshardPlan:
       >>> [exe.program.device_ids for exe in plan.executables()]
       [(0, 1, 2, 3, 4, 5, 6, 7)]
     """
-    if out in self._executables:
-      return self._executables[out]
-    devices = {
-      d.id: d
-      for lf in (*self._src_leaves, *self.leaves)
-      for d in (*lf.src_sharding.device_set, *lf.dst_sharding.device_set)
-    }
-    first_stage, exes = self.layout_plan.stages()[0], []
-    for (stage, _), p in zip(self._stage_buckets, self.programs(out=out), strict=True):
-      dst = [self.leaves[lf.index].dst_sharding for lf in p.leaves]
-      # A relay stage takes the first stage's results, laid out as the destination.
-      src = (
-        [self._src_leaves[lf.index].src_sharding for lf in p.sources]
-        if stage is first_stage
-        else dst
-      )
-      exes.append(BucketExecutable(p, devices, dst, src, options=self.options))
-    self._executables[out] = exes
-    return exes
+    return self._runner.executables(out)
 
   def memory_analysis(self, *, out: bool = False) -> list[Any]:
-    """XLA's ``memory_analysis()`` of every compiled program, in the order they run.
+    """XLA's ``memory_analysis()`` of every compiled program (compiled if needed), in order.
 
-    XLA's ``CompiledMemoryStats``, one per bucket (two where its assembly runs apart), compiled
-    if needed; per device ``argument_size_in_bytes`` (staged blocks or received payloads),
-    ``output_size_in_bytes``, ``alias_size_in_bytes`` (written into donated inputs) and
-    ``temp_size_in_bytes`` (payloads, scratch).
+    One ``CompiledMemoryStats`` per bucket, two where its assembly runs apart; per device:
+    ``argument_size_in_bytes`` (staged blocks or received payloads), ``output_size_in_bytes``,
+    ``alias_size_in_bytes`` (written into donated inputs), ``temp_size_in_bytes`` (scratch).
 
     Args:
       out: those of calls with ``out=``.
@@ -248,9 +339,8 @@ class ReshardPlan:
       >>> [m.output_size_in_bytes for m in plan.memory_analysis()]  # one 8x1 f32 shard
       [32]
     """
-    return [
-      c.memory_analysis() for exe in self.executables(out=out) for c in exe.compiled_programs()
-    ]
+    exes = self.executables(out=out)
+    return [c.memory_analysis() for exe in exes for c in exe.compiled_programs()]
 
   def __call__(self, x: Any, *, donate: Any = False, out: Any = None) -> Any:
     """Reshards ``x`` (a pytree matching the plan's source) into the destination layouts.
@@ -261,9 +351,6 @@ class ReshardPlan:
         the donated source arrays after the call (``is_deleted()`` true on every backend).
       out: optional, the previous result: the result is written into its buffers, and its
         arrays are deleted.
-
-    Returns:
-      A pytree like ``x`` in the destination layouts.
 
     Raises:
       ReshardError: ``x`` does not match the plan's source (structure, shapes, dtypes,
@@ -281,49 +368,8 @@ class ReshardPlan:
       (True, True, True, True)
     """
     if self._edges is not None:
-      return self._call_edged(x, donate, out)
-    flags = (  # paths listed only where donate= is given
-      None
-      if donate is False
-      else _edge.donated_leaves(donate, x, [lf.path for lf in self._src_leaves])
-    )
-    arrays = check_arrays(self._src_treedef, self._src_leaves, x)
-    old = None if out is None else check_donated(self._treedef, self.leaves, out, arrays)
-    if old is not None:
-      _edge.check_out_layouts([lf.name for lf in self.leaves], old)
-    result = self._move(self._default_layouts(arrays), old)
-    if flags is not None:
-      _edge.delete_donated(arrays, flags, result)
-    return jax.tree_util.tree_unflatten(self._treedef, result)
-
-  def _move(self, arrays: list[Any], old: list[Any] | None) -> list[Any]:
-    """Runs the buckets on checked arrays (default layouts), deletes ``old``'s arrays."""
-    if jax.process_count() > 1:  # all processes must hold this plan before any collective
-      from jax_reshard import _distributed
-
-      _distributed.check_plan(self)
-    with _no_mesh():
-      result = self._run(arrays, old)
-    _delete(old or ())
-    return result
-
-  def _call_edged(self, x: Any, donate: Any, out: Any) -> Any:
-    """A call of a plan whose leaves go through :mod:`_edge` steps: every check first, then
-    the steps in, the move (of the carrier tree), the steps out."""
-    edges = self._edges
-    assert edges is not None
-    values, treedef = jax.tree_util.tree_flatten(x)
-    edges.check(values, treedef)
-    flags = _edge.donated_leaves(donate, x, edges.paths)
-    old = None if out is None else edges.check_out(out)
-    with _no_mesh():
-      carriers = jax.tree_util.tree_leaves(edges.carriers(values))
-      tree = jax.tree_util.tree_unflatten(self._treedef, carriers)
-      moved = self._move(check_arrays(self._treedef, self.leaves, tree), None)
-      result = edges.results(values, moved)
-    _edge.delete_donated(values, flags, result)
-    _delete(old or ())  # written fresh: the old buffers are freed as out= promises
-    return jax.tree_util.tree_unflatten(edges.treedef, result)
+      return self._runner.call_edged(self, self._edges, x, donate, out)
+    return self._runner.call(self, x, donate, out)
 
   def with_edges(self, edges: _edge.Edges) -> ReshardPlan:
     """A copy of this plan that takes the tree ``edges`` describes; ``make_plan`` uses it.
@@ -340,51 +386,17 @@ class ReshardPlan:
       >>> mesh = jax.make_mesh((8,), ("x",))
       >>> x = {"q": jax.device_put(np.arange(16, dtype="int4"), jax.NamedSharding(mesh, jax.P()))}
       >>> edges, src, dst = make_edges(x, [jax.NamedSharding(mesh, jax.P("x"))])
-      >>> y = jr.make_plan(src, dst).with_edges(edges)(x)
-      >>> src["q"].dtype, y["q"].dtype  # int4 moves as 8-bit words
+      >>> src["q"].dtype, jr.make_plan(src, dst).with_edges(edges)(x)["q"].dtype  # 8-bit words
       (dtype('int8'), dtype(int4))
     """
     plan = copy.copy(self)
     plan.__dict__.update(_edges=edges)
     return plan
 
-  def _run(self, arrays: list[Any], old: list[Any] | None) -> list[Any]:
-    """Runs the buckets in order; a leaf's destination blocks go from bucket to bucket."""
-    executables = self.executables(out=old is not None)
-    out: list[Any] = [None] * len(self.leaves)
-    for i in self._unscheduled:
-      lf = self.leaves[i]
-      out[i] = empty_like_sharded(lf.shape, lf.dtype, lf.dst_sharding)
-    carry: dict[int, dict[int, Any]] = (
-      {} if old is None else {i: buffers_by_device(old[i]) for i in self.layout_plan.scheduled}
-    )
-    # Blocks of devices without a destination shard, left by the last bucket that took
-    # destination inputs: the next bucket's placeholders. Dropped after the call, so that
-    # devices holding no destination shard keep nothing between refits.
-    spares: dict[Any, list[Any]] = {}
-    in_flight = InFlight(self.options.in_flight_buckets)
-    for idx, exe in zip(self._bucket_leaves, executables, strict=True):
-      leaves = zip(idx, exe.program.leaves, strict=True) if exe.takes_destinations else ()
-      dsts = [carry.pop(i, None) if lf.dst_input or lf.dst_window else None for i, lf in leaves]
-      if exe.program.inputs:  # a transformed stage reads the source leaves
-        xs = [arrays[lf.index] for lf in exe.program.inputs]
-      else:  # a relay stage reads the first stage's results
-        xs = [arrays[i] if out[i] is None else out[i] for i in idx]
-      ys = exe(xs, dsts, spares, in_flight.wait_for(exe))
-      in_flight.add(ys)
-      for i, y in zip(idx, ys, strict=True):
-        if isinstance(y, dict):
-          carry[i] = y
-        else:
-          out[i] = y
-    return out
-
   def __repr__(self) -> str:
     return _plan.format_plan(self.layout_plan, "ReshardPlan", self.stats)
 
-  def _repr_html_(self) -> str:
-    """Jupyter's rich display: the stats table and one row per layout group."""
-    return plan_html(self)
+  _repr_html_ = plan_html  # Jupyter's rich display: the stats table, a row per layout group
 
 
 class TransformPlan(ReshardPlan):
@@ -429,16 +441,6 @@ class TransformPlan(ReshardPlan):
     super().__init__(analysis.out_treedef, out_leaves, layout_plan, src_treedef, src_leaves)
     self.src_leaves, self.analysis = src_leaves, analysis
 
-  def _program_classes(self) -> tuple[list[tuple[int, ...]], int]:
-    """From the built programs' signatures (a transformed bucket's rows carry pieces)."""
-    signatures = [_program.program_signature(p) for p in self.programs()]
-    out, at = [], 0
-    for stage in self.layout_plan.stages():
-      n, first = len(stage.schedule.buckets), dict[_program.BucketProgram, int]()
-      out.append(tuple(first.setdefault(sig, b) for b, sig in enumerate(signatures[at : at + n])))
-      at += n
-    return out, len(set(signatures))
-
   @property
   def piece_texts(self) -> tuple[str, ...]:
     """Per output leaf, its pieces and the source layouts they read, as text.
@@ -476,8 +478,7 @@ class TransformPlan(ReshardPlan):
 
 
 def _no_mesh() -> Any:
-  """The bucket programs run on meshes of their own: a mesh the caller entered with
-  ``jax.set_mesh`` (e.g. to resolve abstract destinations) must not constrain them."""
+  """No mesh: one the caller set (``jax.set_mesh``) must not constrain the buckets' meshes."""
   return contextlib.nullcontext() if jax.sharding.get_mesh().empty else jax.set_mesh(None)
 
 
@@ -580,11 +581,10 @@ def make_plan(
     flat, treedef = jax.tree_util.tree_flatten(src)
     dsts = broadcast_shardings(dst, src, treedef, len(flat), "destination")
     edges, c_src, c_dst = _edge.make_edges(src, dsts)
-    core = make_plan(
+    return make_plan(
       c_src, c_dst, max_bucket_bytes=max_bucket_bytes, topology=topology, relays=relays,
       options=opts,
-    )  # fmt: skip
-    return core.with_edges(edges)
+    ).with_edges(edges)  # fmt: skip
   if transform is not None:
     _edge.refuse_edges_with_transform(src, dst)
   candidates = _plan.bucket_candidates(max_bucket_bytes, topology)
@@ -600,8 +600,7 @@ def make_plan(
 
 
 def _one_bound(max_bucket_bytes: int | Sequence[int] | None, leaves: list[Leaf]) -> int:
-  """``make_plan``'s one bound; ``None``: 16 MiB where every device of ``leaves`` is a CPU,
-  else 1 GiB."""
+  """``make_plan``'s one bound; ``None``: 16 MiB where every device is a CPU, else 1 GiB."""
   assert not isinstance(max_bucket_bytes, Sequence)
   if max_bucket_bytes is not None:
     return int(max_bucket_bytes)
@@ -615,9 +614,8 @@ def _cached_plan(treedef: Any, leaves: tuple[Leaf, ...], **kwargs: Any) -> Resha
   """The plan of ``leaves``; ``kwargs``: the bound, topology, relays and options."""
   layouts, itemsizes = [lf.layouts() for lf in leaves], [lf.dtype.itemsize for lf in leaves]
   names = [lf.name for lf in leaves]
-  return ReshardPlan(
-    treedef, leaves, _plan.plan_layouts(layouts, itemsizes, leaf_names=names, **kwargs)
-  )
+  layout_plan = _plan.plan_layouts(layouts, itemsizes, leaf_names=names, **kwargs)
+  return ReshardPlan(treedef, leaves, layout_plan)
 
 
 @functools.lru_cache(maxsize=256)

@@ -35,22 +35,19 @@ class Link:
 class Topology:
   """Fast domains of devices and the cost of moving bytes inside and between them.
 
-  A device's domain is its entry in ``domain_map``, else ``id // devices_per_domain``, else 0.
-
   Attributes:
     name: for messages and tables.
     intra: links between devices of one domain (NVLink, shared host memory, ICI).
     inter: links between domains (the network: NIC bandwidth per device).
     memory_bandwidth: payload bytes per second a device packs or assembles.
-    devices_per_domain: consecutive device ids per domain, or ``None``.
+    devices_per_domain: consecutive device ids per domain; ``None``: every device in domain 0.
     domain_map: explicit ``(device id, domain)`` pairs, sorted by id; they take precedence.
     call_latency: seconds of fixed cost per compiled program (one per bucket).
     max_parallel: how many devices copy at once (CPU devices share cores); ``None``: all.
     leaf_latency: seconds of host work per leaf of a program call (0 where not measured).
     fill_bandwidth: bytes per second a device writes zeros; ``None``: ``memory_bandwidth``.
-    contiguous_bandwidth: bytes per second of long contiguous runs when packing (a copy then
-      costs this plus ``run_latency`` per run, at most its bytes at ``memory_bandwidth``);
-      ``None``: every copy at ``memory_bandwidth``.
+    contiguous_bandwidth: packing bytes per second of long runs: a copy costs its bytes at this
+      plus ``run_latency`` per run, at most its cost at ``memory_bandwidth`` (``None``: that).
     run_latency: seconds per contiguous run copied, with ``contiguous_bandwidth``.
 
   Example:
@@ -89,10 +86,9 @@ class Topology:
       return ids // self.devices_per_domain if self.devices_per_domain else np.zeros_like(ids)
     keys, vals = np.asarray(self.domain_map, dtype=np.int64).reshape(-1, 2).T
     pos = np.clip(np.searchsorted(keys, ids), 0, len(keys) - 1)
-    found = keys[pos] == ids
-    if not found.all():
+    if (missing := ids[keys[pos] != ids]).size:
       raise ReshardError(
-        f"topology {self.name!r} maps no domain for devices {sorted(set(ids[~found].tolist()))[:8]}"
+        f"topology {self.name!r} maps no domain for devices {sorted(set(missing.tolist()))[:8]}"
         "; give every source and destination device a domain (Topology.with_domains)"
       )
     return vals[pos]
@@ -114,7 +110,7 @@ class Topology:
     items = tuple(sorted((int(k), int(v)) for k, v in pairs))
     if len({k for k, _ in items}) != len(items):
       raise ReshardError("with_domains: a device id appears twice")
-    return dataclasses.replace(self, domain_map=items, devices_per_domain=None)
+    return self.replace(domain_map=items, devices_per_domain=None)
 
   def replace(self, **changes: Any) -> Topology:
     """A copy with some fields changed (e.g. a measured ``inter`` link).
@@ -147,16 +143,12 @@ class Topology:
       ('CPU (2 cores)', [0, 0])
     """
     devices = list(devices)
-    keys = {}
-    for d in devices:
-      s = None if getattr(d, "platform", None) == "cpu" else getattr(d, "slice_index", None)
-      keys[int(d.id)] = (0, int(d.process_index)) if s is None else (int(s), 0)
-    numbered = {k: i for i, k in enumerate(sorted(set(keys.values())))}
+    domains = _device_domains(devices)
     if preset is None:
       platform = devices[0].platform if devices else "cpu"
       gpu = platform in ("gpu", "cuda")
       preset = cls.h100_nodes() if gpu else cls.tpu_slices() if platform == "tpu" else cls.cpu()
-    return preset.with_domains({i: numbered[k] for i, k in keys.items()})
+    return preset.with_domains(domains)
 
   @classmethod
   def h100_nodes(cls, devices_per_node: int = 8) -> Topology:
@@ -171,14 +163,8 @@ class Topology:
       >>> Topology.h100_nodes().intra.bandwidth / 1e9
       450.0
     """
-    return cls(
-      name=f"H100 nodes of {devices_per_node}",
-      intra=Link(450e9, 10e-6),
-      inter=Link(50e9, 20e-6),
-      memory_bandwidth=0.8e12 * 3.35 / 4.8,
-      devices_per_domain=devices_per_node,
-      call_latency=60e-6,
-    )
+    name, intra, inter = f"H100 nodes of {devices_per_node}", Link(450e9, 10e-6), Link(50e9, 20e-6)
+    return cls(name, intra, inter, 0.8e12 * 3.35 / 4.8, devices_per_node, call_latency=60e-6)
 
   @classmethod
   def h200_nodes(cls, devices_per_node: int = 8) -> Topology:
@@ -191,11 +177,8 @@ class Topology:
       >>> Topology.h200_nodes(devices_per_node=4).domain_of([3, 4]).tolist()
       [0, 1]
     """
-    return dataclasses.replace(
-      cls.h100_nodes(devices_per_node),
-      name=f"H200 nodes of {devices_per_node}",
-      memory_bandwidth=0.8e12,
-    )
+    nodes = cls.h100_nodes(devices_per_node)
+    return nodes.replace(name=f"H200 nodes of {devices_per_node}", memory_bandwidth=0.8e12)
 
   @classmethod
   def gb200_nvl72(cls, devices_per_domain: int = 72) -> Topology:
@@ -210,12 +193,8 @@ class Topology:
       >>> Topology.gb200_nvl72(devices_per_domain=64).domain_of([63, 64]).tolist()
       [0, 1]
     """
-    return dataclasses.replace(
-      cls.h100_nodes(devices_per_domain),
-      name=f"GB200 NVL{devices_per_domain}",
-      intra=Link(900e9, 10e-6),
-      memory_bandwidth=0.8e12 * 8 / 4.8,
-    )
+    name, nodes = f"GB200 NVL{devices_per_domain}", cls.h100_nodes(devices_per_domain)
+    return nodes.replace(name=name, intra=Link(900e9, 10e-6), memory_bandwidth=0.8e12 * 8 / 4.8)
 
   @classmethod
   def tpu_slices(cls, devices_per_slice: int | None = None) -> Topology:
@@ -228,14 +207,8 @@ class Topology:
       >>> Topology.tpu_slices(devices_per_slice=256).domain_of([255, 256]).tolist()
       [0, 1]
     """
-    return cls(
-      name="TPU slices",
-      intra=Link(90e9, 10e-6),
-      inter=Link(25e9, 30e-6),
-      memory_bandwidth=1.0e12,
-      devices_per_domain=devices_per_slice,
-      call_latency=60e-6,
-    )
+    intra, inter = Link(90e9, 10e-6), Link(25e9, 30e-6)
+    return cls("TPU slices", intra, inter, 1.0e12, devices_per_slice, call_latency=60e-6)
 
   @classmethod
   def cpu(
@@ -261,24 +234,25 @@ class Topology:
       >>> Topology.cpu(cores=8, constants={"CPU_PACK_BANDWIDTH": 3e9}).name
       'CPU (8 cores, calibrated)'
     """
-    c = {name: float(globals()[name]) for name in CPU_CONSTANTS}
     if unknown := sorted(set(constants or ()) - set(CPU_CONSTANTS)):
       raise ValueError(f"unknown CPU constants {unknown}; known: {', '.join(CPU_CONSTANTS)}")
-    c.update({k: float(v) for k, v in (constants or {}).items()})
-    link = Link(c["CPU_CORE_BANDWIDTH"], c["CPU_ROUND_LATENCY"])
-    return cls(
-      name=f"CPU ({cores} cores{', calibrated' if constants else ''})",
-      intra=link,
-      inter=link,
-      memory_bandwidth=c["CPU_PACK_BANDWIDTH"],
-      devices_per_domain=devices_per_domain,
-      call_latency=c["CPU_CALL_LATENCY"],
-      max_parallel=cores,
-      leaf_latency=c["CPU_LEAF_LATENCY"],
-      fill_bandwidth=c["CPU_FILL_BANDWIDTH"],
-      contiguous_bandwidth=c["CPU_CONTIGUOUS_BANDWIDTH"],
-      run_latency=c["CPU_RUN_LATENCY"],
-    )
+    given = {name: globals()[name] for name in CPU_CONSTANTS} | dict(constants or {})
+    c = {k.removeprefix("CPU_").lower(): float(v) for k, v in given.items()}  # CPU_X sets x
+    link = Link(c.pop("core_bandwidth"), c.pop("round_latency"))
+    name = f"CPU ({cores} cores{', calibrated' if constants else ''})"
+    topo = cls(name, link, link, c.pop("pack_bandwidth"), devices_per_domain, max_parallel=cores)
+    return topo.replace(**c)  # call_latency, leaf_latency, fill and contiguous bandwidth, ...
+
+
+def _device_domains(devices: list[Any]) -> dict[int, int]:
+  """Per device id, its domain: the slices (``slice_index``, but not on CPUs), else the
+  processes, numbered in order."""
+  keys = {}
+  for d in devices:
+    s = None if getattr(d, "platform", None) == "cpu" else getattr(d, "slice_index", None)
+    keys[int(d.id)] = (0, int(d.process_index)) if s is None else (int(s), 0)
+  numbered = {k: i for i, k in enumerate(sorted(set(keys.values())))}
+  return {i: numbered[k] for i, k in keys.items()}
 
 
 # Medians of benchmarks/calibrate_cpu.py on a 2-core AMD EPYC, 8 simulated devices (jax 0.10.2):
