@@ -196,7 +196,7 @@ def plan_fingerprint(plan: Any) -> PlanFingerprint:
       plan.schedule,
       getattr(plan, "piece_texts", None),
       _relay_stage(plan),
-      getattr(plan, "options", DEFAULT_OPTIONS),  # transformed plans: the defaults
+      getattr(plan, "options", DEFAULT_OPTIONS),
     )
     _fingerprints[plan] = fp
   return fp
