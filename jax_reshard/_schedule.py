@@ -694,8 +694,6 @@ def _split_rows(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
   if src is not None:  # every source leaf a row reads is staged whole by that row's bucket
     each = [src.stage([u]) for u in {q.src_leaf for q in src.original[leaf]}]
     floor = ph + np.max(each or [ph * 0], axis=0) * members
-    if (least := int(floor.max(initial=0))) > bound:
-      return least, "at least "
   remote = ~orig.local & (orig.nbytes > 0)
   ext = (orig.hi - orig.lo)[remote]
   slab = orig.nbytes[remote] // np.maximum(ext.max(axis=1, initial=1), 1)
@@ -703,7 +701,7 @@ def _split_rows(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
   thinnest = np.full(len(tree.union), none)
   for devs in (orig.src_device[remote], orig.dst_device[remote]):
     np.minimum.at(thinnest, np.searchsorted(tree.union, devs), slab)
-  if (least := int((ph + np.where(thinnest == none, 0, thinnest)).max(initial=0))) > bound:
+  if (least := int((floor + np.where(thinnest == none, 0, thinnest)).max(initial=0))) > bound:
     return least, "at least "
 
   def trial(k: int) -> np.ndarray:
@@ -822,9 +820,14 @@ def _distinct_chunks(tree: _Tree, leaf: int) -> list[int]:
 
 
 def _presplit(tree: _Tree) -> None:
-  """Splits every leaf whose unpadded staging alone exceeds the bound."""
+  """Splits every leaf whose unpadded staging alone exceeds the bound.
+
+  Raises:
+    BucketBoundError: of the leaf needing the most, if any leaf does not fit split.
+  """
   if tree.bound is None:
     return
+  errors: list[BucketBoundError] = []
   for leaf in range(len(tree.plans)):
     reads = tree.sources_staged(tree.reads(leaf, 0, 0))
     ph = (tree.placeholders[leaf] + reads) * tree.members[leaf]
@@ -837,7 +840,12 @@ def _presplit(tree: _Tree) -> None:
       continue
     room = tree.bound - ph
     k = math.ceil(float((pay / np.maximum(room, 1)).max())) if (room > 0).all() else 2
-    _split_leaf(tree, leaf, k)
+    try:
+      _split_leaf(tree, leaf, k)
+    except BucketBoundError as e:  # the least bound that works must fit every leaf
+      errors.append(e)
+  if errors:
+    raise max(errors, key=lambda e: e.minimum_bytes)
 
 
 def _apart_counts(tree: _Tree, apart: bool) -> tuple[list[np.ndarray], list[np.ndarray]]:
