@@ -407,7 +407,8 @@ def _build_new(tree: _Tree, leaves: list[int], chunks: dict[int, list[int]]) -> 
   in_bucket = np.logical_or.reduce([tree.members[j] for j in leaves])
   zero = np.zeros(n, dtype=np.int64)
   staged = sum((tree.staged(j, min(chunks[j]), max(chunks[j])) for j in leaves), zero)
-  staged = staged + tree.sources_staged(_reads(tree, leaves, chunks))
+  if tree.src is not None:
+    staged = staged + tree.sources_staged(_reads(tree, leaves, chunks))
   stage = staged * in_bucket + sent + received
   bound = tree.bound
   must_apart = bound is not None and int(stage.max(initial=0)) > bound and tree.apart(leaves)
@@ -437,7 +438,7 @@ def _unpadded_peaks(tree: _Tree, items: Sequence[tuple[int, int]], start: int) -
   for leaf, c in itertools.islice(items, start, None):
     c0, before = first.get(leaf, (c, 0))
     ph = tree.staged(leaf, c0, c)
-    if new := tree.reads(leaf, c, c) - reads:
+    if tree.src is not None and (new := tree.reads(leaf, c, c) - reads):
       reads |= new
       acc_ph = acc_ph + tree.sources_staged(new)
     acc_ph, acc_pay = acc_ph - before + ph, acc_pay + tree.payloads[leaf][c]
@@ -829,8 +830,10 @@ def _presplit(tree: _Tree) -> None:
     return
   errors: list[BucketBoundError] = []
   for leaf in range(len(tree.plans)):
-    reads = tree.sources_staged(tree.reads(leaf, 0, 0))
-    ph = (tree.placeholders[leaf] + reads) * tree.members[leaf]
+    ph = tree.placeholders[leaf]
+    if tree.src is not None:
+      ph = ph + tree.sources_staged(tree.reads(leaf, 0, 0))
+    ph = ph * tree.members[leaf]
     pay = tree.payloads[leaf][0]
     if int((pay + ph).max(initial=0)) <= tree.bound:
       continue
