@@ -214,9 +214,15 @@ class _Tree:
     self.union = np.asarray(sorted(ids), dtype=np.int64)
     self.src = None if sources is None else _Sources(*sources, self.union)
     self.links = Links.of(self.union, topology)
+    self.zero_blocks: dict[tuple[Layout, int], np.ndarray] = {}  # see placeholder
     # per leaf and union device: both sides' placeholders, and whether the leaf uses it
     self.placeholders = [self.placeholder(j, 0) + self.placeholder(j, 1) for j in range(len(plans))]
-    self.members = [np.isin(self.union, (*s.device_ids, *d.device_ids)) for s, d in layouts]
+    members: dict[tuple[Layout, Layout], np.ndarray] = {}  # leaves of one layout pair share one
+    for s, d in layouts:
+      if (s, d) not in members:
+        members[s, d] = np.isin(self.union, (*s.device_ids, *d.device_ids))
+        members[s, d].flags.writeable = False
+    self.members = [members[lay] for lay in layouts]
     kinds: dict[tuple[object, ...], int] = {}  # per leaf, its kind of transfers
     self.kinds = [
       kinds.setdefault(leaf_key(p, lay, isz), len(kinds))
@@ -278,10 +284,14 @@ class _Tree:
     return [(leaf, c) for c in range(len(self.payloads[leaf]))]
 
   def placeholder(self, leaf: int, side: int) -> np.ndarray:
-    """Per union device, the placeholder bytes of ``leaf``'s ``side`` (0: source)."""
-    layout = self.layouts[leaf][side]
-    block = math.prod(staged_block_shape(layout.shard_shape())) * self.itemsizes[leaf]
-    return placeholder_mask(layout, self.union) * block
+    """Per union device, the placeholder bytes of ``leaf``'s ``side`` (0: source); leaves of
+    one layout and item size share the (read-only) array."""
+    key = (self.layouts[leaf][side], self.itemsizes[leaf])
+    if (found := self.zero_blocks.get(key)) is None:
+      block = math.prod(staged_block_shape(key[0].shard_shape())) * key[1]
+      found = self.zero_blocks[key] = placeholder_mask(key[0], self.union) * block
+      found.flags.writeable = False
+    return found
 
   def staged(self, leaf: int, first: int, last: int) -> np.ndarray:
     """Per union device, what a bucket of chunks ``first..last`` of ``leaf`` stages besides
