@@ -81,6 +81,19 @@ def refit_into_donated(plan: Any, x: Any, hosts: dict[str, np.ndarray], dst: Any
   return old
 
 
+def refit_then_donate(plan: Any, x: Any, check: Any) -> None:
+  """``plan(x)``, then into that result (``out=``), then from a donated copy of ``x`` into the
+  last: each old buffer deleted, each result passed to ``check``."""
+  y = plan(x)
+  y2 = plan(x, out=y)
+  assert all(a.is_deleted() for a in jax.tree_util.tree_leaves(y))
+  check(y2)
+  copy = jax.tree_util.tree_map(lambda a: a.copy(), x)
+  y3 = plan(copy, donate=True, out=y2)
+  assert all(a.is_deleted() for a in jax.tree_util.tree_leaves((copy, y2)))
+  check(y3)
+
+
 def assert_donate_takes_another_path(
   plan: Any, x: Any, hosts: dict[str, np.ndarray], dst: dict[str, Any], path: Any
 ) -> None:
@@ -242,14 +255,15 @@ def random_case(
   )
 
 
-def make_plan_within(src: Any, dst: Any, bound: int) -> Any:
-  """``jr.make_plan`` under ``bound``, or under the least bound it names when it refuses one
-  (each refusal must name a larger bound); the plan's staging holds whichever it accepted."""
+def make_plan_within(src: Any, dst: Any, bound: int, **kw: Any) -> Any:
+  """``jr.make_plan`` (keywords ``kw``) under ``bound``, or under the least bound it names when
+  it refuses one (each refusal must name a larger bound); the plan's staging holds whichever it
+  accepted."""
   import jax_reshard as jr
 
   for _ in range(20):
     try:
-      plan = jr.make_plan(src, dst, max_bucket_bytes=bound)
+      plan = jr.make_plan(src, dst, max_bucket_bytes=bound, **kw)
     except jr.BucketBoundError as e:
       assert e.minimum_bytes > bound, (e.minimum_bytes, bound)
       bound = e.minimum_bytes

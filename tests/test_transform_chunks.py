@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_matches_oracle, make_mesh
+from helpers import assert_matches_oracle, make_mesh, make_plan_within, refit_then_donate
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -85,15 +85,8 @@ def _chunked_plan(x: Any, dst: Any, f: Callable[[Any], Any], **kw: Any) -> Any:
   """The plan of ``f`` under the least bound the error's ``minimum_bytes`` leads to, as a user
   finds it: its largest leaves are cut into chunks."""
   whole = jr.make_plan(x, dst, transform=f, max_bucket_bytes=None, **kw)
-  bound, plan = 1, None
-  for _ in range(4):  # "at least" minima are lower bounds; each try raises them
-    try:
-      plan = jr.make_plan(x, dst, transform=f, max_bucket_bytes=bound, **kw)
-      break
-    except jr.BucketBoundError as e:
-      assert e.minimum_bytes > bound
-      bound = e.minimum_bytes
-  assert plan is not None, f"no plan up to max_bucket_bytes={bound}"
+  plan = make_plan_within(x, dst, 1, transform=f, **kw)
+  bound = plan.layout_plan.max_bucket_bytes
   st = plan.stats
   assert st.peak_staging_bytes <= bound < whole.stats.peak_staging_bytes
   assert st.num_buckets > len(plan.leaves)  # really chunked
@@ -121,14 +114,7 @@ def test_chunked_transform_refits_and_donates(case: str, mesh_axis_type: AxisTyp
   want = jax.jit(f)(host)
   dst = _destination(want, range(2, 6), mesh_axis_type)  # overlapping
   plan = _chunked_plan(x, dst, f)
-  y = plan(x)
-  y2 = plan(x, out=y)
-  assert all(a.is_deleted() for a in jax.tree_util.tree_leaves(y))
-  _check(y2, want, dst)
-  copy = jax.tree_util.tree_map(lambda a: a.copy(), x)
-  y3 = plan(copy, donate=True, out=y2)
-  assert all(a.is_deleted() for a in jax.tree_util.tree_leaves((copy, y2)))
-  _check(y3, want, dst)
+  refit_then_donate(plan, x, lambda y: _check(y, want, dst))
   _check(plan(x, donate=False), want, dst)
 
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_matches_oracle, make_mesh
+from helpers import assert_matches_oracle, make_mesh, refit_then_donate
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -94,14 +94,7 @@ def test_relays_move_each_half_into_each_host_once(mesh_axis_type: AxisType) -> 
 def test_relay_plan_refits_into_the_old_buffers_and_donates(mesh_axis_type: AxisType) -> None:
   x, host, dst = _setup(mesh_axis_type)
   plan = jr.make_plan(x, dst, transform=_fuse, topology=PAIRS)
-  y = plan(x)
-  y2 = plan(x, out=y)
-  assert all(a.is_deleted() for a in jax.tree_util.tree_leaves(y))
-  _check(y2, host, dst)
-  copy = jax.tree_util.tree_map(lambda a: a.copy(), x)
-  y3 = plan(copy, donate=True, out=y2)
-  assert all(a.is_deleted() for a in jax.tree_util.tree_leaves(copy))
-  _check(y3, host, dst)
+  refit_then_donate(plan, x, lambda y: _check(y, host, dst))
 
 
 def test_relay_plan_is_estimated_counted_and_analysed() -> None:
