@@ -176,32 +176,7 @@ class Layout:
     ids = np.arange(n) if device_ids is None else np.asarray(device_ids, dtype=np.int64)
     if ids.shape != (n,) or len(set(ids.tolist())) != n:
       raise ReshardError(f"need {n} distinct device ids for mesh {mesh_shape}, got {ids.shape}")
-    entries = tuple(spec) + (None,) * (len(shape) - len(spec))
-    if len(entries) != len(shape):
-      raise ReshardError(f"spec {tuple(spec)} has more entries than the array has dimensions")
-    # Every device's box in mesh order, as NamedSharding tiles them (an entry's first axis major).
-    coords = np.indices(mesh_shape).reshape(len(mesh_shape), n)
-    starts = np.zeros((n, len(shape)), dtype=np.int64)
-    stops = np.tile(np.asarray(shape, dtype=np.int64), (n, 1))
-    used: set[str] = set()
-    for dim, entry in enumerate(entries):
-      names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-      for name in names:
-        if name not in axis_names or name in used:
-          raise ReshardError(f"spec {tuple(spec)}: unknown or repeated mesh axis {name!r}")
-        used.add(name)
-      if not names:
-        continue
-      sizes = [mesh_shape[axis_names.index(a)] for a in names]
-      parts = math.prod(sizes)
-      if shape[dim] % parts:
-        raise ReshardError(
-          f"spec {tuple(spec)} splits array axis {dim} into {parts} parts, but the dimension "
-          f"size is {shape[dim]} (full shape: {shape}); it must divide evenly"
-        )
-      k = np.ravel_multi_index([coords[axis_names.index(a)] for a in names], sizes)
-      starts[:, dim] = k * (shape[dim] // parts)
-      stops[:, dim] = starts[:, dim] + shape[dim] // parts
+    starts, stops, entries = _spec_boxes(shape, mesh_shape, axis_names, tuple(spec))
     if process_indices is not None:
       procs = np.asarray(process_indices, dtype=np.int64)
     else:
@@ -217,6 +192,43 @@ class Layout:
       platform=platform,
       description=f"mesh ({mesh_txt}) spec P({', '.join(map(repr, entries))})",
     )
+
+
+def _spec_boxes(
+  shape: tuple[int, ...],
+  mesh_shape: tuple[int, ...],
+  axis_names: tuple[str, ...],
+  spec: tuple[SpecEntry, ...],
+) -> tuple[np.ndarray, np.ndarray, tuple[SpecEntry, ...]]:
+  """Every device's box ``(starts, stops)`` in mesh order, as ``NamedSharding`` tiles them (an
+  entry's first axis major), and the spec's entries padded to ``shape``'s rank."""
+  n = math.prod(mesh_shape)
+  entries = spec + (None,) * (len(shape) - len(spec))
+  if len(entries) != len(shape):
+    raise ReshardError(f"spec {spec} has more entries than the array has dimensions")
+  coords = np.indices(mesh_shape).reshape(len(mesh_shape), n)
+  starts = np.zeros((n, len(shape)), dtype=np.int64)
+  stops = np.tile(np.asarray(shape, dtype=np.int64), (n, 1))
+  used: set[str] = set()
+  for dim, entry in enumerate(entries):
+    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    for name in names:
+      if name not in axis_names or name in used:
+        raise ReshardError(f"spec {spec}: unknown or repeated mesh axis {name!r}")
+      used.add(name)
+    if not names:
+      continue
+    sizes = [mesh_shape[axis_names.index(a)] for a in names]
+    parts = math.prod(sizes)
+    if shape[dim] % parts:
+      raise ReshardError(
+        f"spec {spec} splits array axis {dim} into {parts} parts, but the dimension "
+        f"size is {shape[dim]} (full shape: {shape}); it must divide evenly"
+      )
+    k = np.ravel_multi_index([coords[axis_names.index(a)] for a in names], sizes)
+    starts[:, dim] = k * (shape[dim] // parts)
+    stops[:, dim] = starts[:, dim] + shape[dim] // parts
+  return starts, stops, entries
 
 
 def describe_sharding(sharding: Any) -> str:
