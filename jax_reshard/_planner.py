@@ -215,6 +215,36 @@ def _relays(
   fanout: bool,
 ) -> tuple[_Arr | None, int]:
   """Relay entries and forwards (``hop`` 1, sender in ``sender``); the slow-link lower bound."""
+  cand, reps, span = _relay_candidates(g, doms, relays and fanout)
+  if not len(cand):
+    return None, 0
+  key = g.need_region[cand] * span + doms[0][cand]
+  order = np.lexsort((g.need_dst[cand], key))
+  cand, key = cand[order], key[order]
+  first = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+  sizes = np.diff(np.r_[first, len(key)])
+  lacking = first[reps[cand[first]] == 0]  # groups of foreign needs
+  slow_bound = int(region_bytes[g.need_region[cand[lacking]]].sum())
+  multi = np.nonzero(sizes > 1)[0]
+  if not relays or not len(multi):
+    return None, slow_bound
+  chosen = _group_entries(g, doms[0], span, region_bytes, entry, cand, first, sizes, multi)
+  hop = np.zeros(len(g.need_dst), dtype=np.int8)
+  owner = np.repeat(np.arange(len(first)), sizes)
+  rank_of = np.full(len(first), -1)
+  rank_of[multi] = np.arange(len(multi))
+  in_multi = rank_of[owner] >= 0
+  relayed = cand[in_multi]
+  their_entry = chosen[rank_of[owner[in_multi]]]
+  fwd = g.need_dst[relayed] != their_entry
+  hop[relayed[fwd]] = 1
+  sender[relayed[fwd]] = their_entry[fwd]
+  return hop, slow_bound
+
+
+def _relay_candidates(g: Geometry, doms: _Domains, fanout: bool) -> tuple[_Arr, _Arr, int]:
+  """The needs a relay may serve (those without a replica in their domain and, with
+  ``fanout``, those fanned out), per need its replicas in its domain, and the domain span."""
   need_dom, rep_doms = doms
   span = int(max(need_dom.max(), *(int(d.max()) for d in rep_doms if len(d)))) + 1
   rep_u = np.repeat(np.arange(len(rep_doms)), [len(d) for d in rep_doms])
@@ -226,27 +256,29 @@ def _relays(
   reps = np.where(held[pos] == at_dom, held_count[pos], 0)  # replicas in the need's domain
   remote = ~g.need_local
   is_cand = remote & (reps == 0)
-  if fanout and relays:
+  if fanout:
     grouped = g.need_region[remote] * span + need_dom[remote]
     _, inverse, count = np.unique(grouped, return_inverse=True, return_counts=True)
     needs_there = np.zeros(len(reps), dtype=np.int64)
     needs_there[remote] = count[inverse.reshape(-1)]
     is_cand |= remote & (needs_there > FANOUT_NEEDS * reps)
-  cand = np.nonzero(is_cand)[0]  # the foreign needs, and those fanned out
-  if not len(cand):
-    return None, 0
-  key = g.need_region[cand] * span + need_dom[cand]
-  order = np.lexsort((g.need_dst[cand], key))
-  cand, key = cand[order], key[order]
-  first = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
-  sizes = np.diff(np.r_[first, len(key)])
-  lacking = first[reps[cand[first]] == 0]  # groups of foreign needs
-  slow_bound = int(region_bytes[g.need_region[cand[lacking]]].sum())
-  multi = np.nonzero(sizes > 1)[0]
-  if not relays or not len(multi):
-    return None, slow_bound
-  hop = np.zeros(len(g.need_dst), dtype=np.int8)
-  # Groups of one destination box in one domain share their devices: entries per such cluster.
+  return np.nonzero(is_cand)[0], reps, span
+
+
+def _group_entries(
+  g: Geometry,
+  need_dom: _Arr,
+  span: int,
+  region_bytes: _Arr,
+  entry: _Load,
+  cand: _Arr,
+  first: _Arr,
+  sizes: _Arr,
+  multi: _Arr,
+) -> _Arr:
+  """Per group of several needs (``multi``: of the groups of ``cand`` starting at ``first``),
+  its entry device. Groups of one destination box in one domain share their devices: entries
+  are chosen per such cluster."""
   grp_need = cand[first[multi]]
   grp_bytes = region_bytes[g.need_region[grp_need]]
   cluster = g.region_dst_box[g.need_region[grp_need]] * span + need_dom[grp_need]
@@ -258,16 +290,7 @@ def _relays(
   chosen = np.zeros(len(multi), dtype=np.int64)
   shift = min((int(ids.min()) for ids in g.replica_ids if len(ids)), default=0)
   _choose_entries(corder, starts, g.need_dst[cand[at]], counts, grp_bytes, entry, chosen, shift)
-  owner = np.repeat(np.arange(len(first)), sizes)
-  rank_of = np.full(len(first), -1)
-  rank_of[multi] = np.arange(len(multi))
-  in_multi = rank_of[owner] >= 0
-  relayed = cand[in_multi]
-  their_entry = chosen[rank_of[owner[in_multi]]]
-  fwd = g.need_dst[relayed] != their_entry
-  hop[relayed[fwd]] = 1
-  sender[relayed[fwd]] = their_entry[fwd]
-  return hop, slow_bound
+  return chosen
 
 
 def _choose_entries(
