@@ -4,7 +4,10 @@ only."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+import itertools
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -14,6 +17,16 @@ from jax_reshard._planner import LeafPlan
 
 Windows = tuple[int, tuple[int, ...]]  # (dim, bounds)
 Window = tuple[int, int, int]  # (dim, start, stop)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Cut:
+  """How a leaf's chunks cut its shards: source slabs, destination slabs (both: a grid, or
+  windows of both sides where equal), or windows of whole shards."""
+
+  src: Windows | None = None
+  dst: Windows | None = None
+  windows: Windows | None = None
 
 
 def window_dim(src: Layout, dst: Layout) -> int | None:
@@ -64,6 +77,41 @@ def grid_windows(
 
 def _window(slabs: Windows | None, a: int, b: int) -> Window | None:
   return None if slabs is None else (slabs[0], slabs[1][a], slabs[1][b + 1])
+
+
+def run_starts(*keys: np.ndarray) -> np.ndarray:
+  """Where each run of equal rows of ``keys`` (columns of one length, sorted) starts."""
+  change = np.logical_or.reduce([k[1:] != k[:-1] for k in keys])
+  return np.flatnonzero(np.r_[len(keys[0]) > 0, change])
+
+
+def chunk_pairs(plan: LeafPlan, chunk: np.ndarray, n: int) -> list[tuple[bytes, bytes, bytes]]:
+  """Per chunk of ``n`` (``chunk``: each row's), its remote ``(sender, receiver)`` pairs and
+  their bytes, as bytes: equal for chunks that move alike."""
+  rows = ~plan.local & (plan.nbytes != 0)
+  c, s, d, nb = (a[rows] for a in (chunk, plan.src_device, plan.dst_device, plan.nbytes))
+  order = np.lexsort((d, s, c))
+  c, s, d, nb = c[order], s[order], d[order], nb[order]
+  starts = run_starts(c, s, d)
+  fill = np.add.reduceat(nb, starts) if len(c) else nb
+  ps, pd = s[starts], d[starts]
+  cuts = np.searchsorted(c[starts], np.arange(n + 1)).tolist()
+  return [
+    (ps[a:b].tobytes(), pd[a:b].tobytes(), fill[a:b].tobytes()) for a, b in itertools.pairwise(cuts)
+  ]
+
+
+def thinnest_slabs(plan: LeafPlan, devices: np.ndarray) -> np.ndarray:
+  """Per device of ``devices`` (ascending), the bytes of the thinnest slab (one index of its
+  longest dimension) of a remote transfer it sends or receives; 0 where none."""
+  remote = ~plan.local & (plan.nbytes > 0)
+  ext = (plan.hi - plan.lo)[remote]
+  slab = plan.nbytes[remote] // np.maximum(ext.max(axis=1, initial=1), 1)
+  none = np.iinfo(np.int64).max
+  thinnest = np.full(len(devices), none)
+  for devs in (plan.src_device[remote], plan.dst_device[remote]):
+    np.minimum.at(thinnest, np.searchsorted(devices, devs), slab)
+  return np.where(thinnest == none, 0, thinnest)
 
 
 def _with_pieces(
@@ -169,6 +217,60 @@ def split_piece_rows(
   every = [pieces[t] for t in np.flatnonzero(keep).tolist()] + cut
   rows = tuple(every[j] for j in order.tolist())
   return out, np.unique(chunks, return_inverse=True)[1].reshape(-1), rows, parent[order]
+
+
+class PieceRows:
+  """A transformed stage's leaves: per leaf its rows' pieces (mutable, with the row of the
+  original plan each was cut from), and per source leaf the zero blocks a bucket reading it
+  stages (``zero_block(layout, itemsize)``: per device, the block where it holds no shard)."""
+
+  def __init__(
+    self,
+    pieces: Sequence[tuple[Piece, ...]],
+    inputs: Sequence[Layout],
+    zero_block: Callable[[Layout, int], np.ndarray],
+    devices: int,
+  ) -> None:
+    self.original, self.pieces = list(pieces), list(pieces)
+    self.parents = [np.arange(len(ps)) for ps in pieces]
+    self.read = [np.asarray([q.src_leaf for q in ps], np.int64) for ps in pieces]
+    sizes = {q.src_leaf: q.dtypes[0].itemsize for ps in pieces for q in ps}
+    self.zeros = {u: zero_block(inputs[u], isz) for u, isz in sizes.items()}
+    self.none = np.zeros(devices, dtype=np.int64)
+
+  def set(self, leaf: int, pieces: tuple[Piece, ...], parent: np.ndarray) -> None:
+    """Records ``leaf``'s rows' pieces and the original row of each."""
+    self.pieces[leaf], self.parents[leaf] = pieces, parent
+    self.read[leaf] = np.asarray([q.src_leaf for q in pieces], np.int64)
+
+  def reads(self, leaf: int, chunk: np.ndarray, first: int, last: int) -> frozenset[int]:
+    """The source leaves the rows of chunks ``first..last`` (``chunk``: per row) read."""
+    return frozenset(np.unique(self.read[leaf][(chunk >= first) & (chunk <= last)]).tolist())
+
+  def stage(self, reads: Iterable[int]) -> np.ndarray:
+    """Per device, the zero blocks of the source leaves ``reads``."""
+    return sum((self.zeros[u] for u in reads), self.none)
+
+  def key(self, leaf: int) -> tuple[Any, ...]:
+    """Equal for leaves cut alike: their original pieces up to the source leaves they read
+    (numbered in order of first use), and those sources' zero blocks."""
+    order: dict[int, int] = {}
+    for q in self.original[leaf]:
+      order.setdefault(q.src_leaf, len(order))
+    pieces = (
+      dataclasses.replace(q, src_leaf=order[q.src_leaf], src_path="") for q in self.original[leaf]
+    )
+    return (*pieces, *(self.zeros[u].tobytes() for u in order))
+
+  def remap(self, leaf: int, pieces: tuple[Piece, ...], parent: np.ndarray) -> tuple[Piece, ...]:
+    """Pieces cut from another leaf of the same :meth:`key`, reading ``leaf``'s sources."""
+    orig = self.original[leaf]
+    return tuple(
+      q
+      if q.src_leaf == orig[r].src_leaf
+      else dataclasses.replace(q, src_leaf=orig[r].src_leaf, src_path=orig[r].src_path)
+      for q, r in zip(pieces, parent.tolist(), strict=True)
+    )
 
 
 def _shard_start(layout: Layout, devices: np.ndarray, dim: int) -> np.ndarray:

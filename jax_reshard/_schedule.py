@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from jax_reshard import _chunks
-from jax_reshard._chunks import Windows, grid_windows
+from jax_reshard._chunks import Cut, PieceRows, Windows, grid_windows
 from jax_reshard._errors import BucketBoundError
 from jax_reshard._layout import Layout
 from jax_reshard._options import DEFAULT_OPTIONS, Options
@@ -125,75 +125,9 @@ def leaf_key(plan: LeafPlan, layouts: tuple[Layout, Layout], kind: object) -> tu
   return (layouts, kind, plan.lo.shape, *(np.ascontiguousarray(a).tobytes() for a in arrays))
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Cut:
-  """How a leaf's chunks cut its shards: source slabs, destination slabs (both: a grid, or
-  windows of both sides where equal), or windows of whole shards."""
-
-  src: Windows | None = None
-  dst: Windows | None = None
-  windows: Windows | None = None
-
-
-class _Sources:
-  """A transformed stage's leaves: per leaf its rows' pieces (mutable, with the row of the
-  original plan each was cut from), and per source leaf the zero blocks a bucket reading it
-  stages (per union device: its shard where the device holds none)."""
-
-  def __init__(
-    self, pieces: Sequence[tuple[TransformPiece, ...]], inputs: Sequence[Layout], union: np.ndarray
-  ) -> None:
-    self.original, self.pieces = list(pieces), list(pieces)
-    self.parents = [np.arange(len(ps)) for ps in pieces]
-    self.read = [np.asarray([q.src_leaf for q in ps], np.int64) for ps in pieces]
-    sizes = {q.src_leaf: q.dtypes[0].itemsize for ps in pieces for q in ps}
-    self.zeros = {
-      u: placeholder_mask(inputs[u], union)
-      * (math.prod(staged_block_shape(inputs[u].shard_shape())) * isz)
-      for u, isz in sizes.items()
-    }
-    self.none = np.zeros(len(union), dtype=np.int64)
-
-  def set(self, leaf: int, pieces: tuple[TransformPiece, ...], parent: np.ndarray) -> None:
-    """Records ``leaf``'s rows' pieces and the original row of each."""
-    self.pieces[leaf], self.parents[leaf] = pieces, parent
-    self.read[leaf] = np.asarray([q.src_leaf for q in pieces], np.int64)
-
-  def reads(self, leaf: int, chunk: np.ndarray, first: int, last: int) -> frozenset[int]:
-    """The source leaves the rows of chunks ``first..last`` (``chunk``: per row) read."""
-    return frozenset(np.unique(self.read[leaf][(chunk >= first) & (chunk <= last)]).tolist())
-
-  def stage(self, reads: Iterable[int]) -> np.ndarray:
-    """Per union device, the zero blocks of the source leaves ``reads``."""
-    return sum((self.zeros[u] for u in reads), self.none)
-
-  def key(self, leaf: int) -> tuple[Any, ...]:
-    """Equal for leaves cut alike: their original pieces up to the source leaves they read
-    (numbered in order of first use), and those sources' zero blocks."""
-    order: dict[int, int] = {}
-    for q in self.original[leaf]:
-      order.setdefault(q.src_leaf, len(order))
-    pieces = (
-      dataclasses.replace(q, src_leaf=order[q.src_leaf], src_path="") for q in self.original[leaf]
-    )
-    return (*pieces, *(self.zeros[u].tobytes() for u in order))
-
-  def remap(
-    self, leaf: int, pieces: tuple[TransformPiece, ...], parent: np.ndarray
-  ) -> tuple[TransformPiece, ...]:
-    """Pieces cut from another leaf of the same :meth:`key`, reading ``leaf``'s sources."""
-    orig = self.original[leaf]
-    return tuple(
-      q
-      if q.src_leaf == orig[r].src_leaf
-      else dataclasses.replace(q, src_leaf=orig[r].src_leaf, src_path=orig[r].src_path)
-      for q, r in zip(pieces, parent.tolist(), strict=True)
-    )
-
-
 class _Tree:
   """The leaves being scheduled (rows, chunks, cuts; mutable) and scheduling's caches;
-  ``src``: a transformed stage's :class:`_Sources`."""
+  ``src``: a transformed stage's :class:`PieceRows`."""
 
   def __init__(
     self,
@@ -212,23 +146,23 @@ class _Tree:
     self.bound, self.options, self.allow_slabs = bound, options, slabs
     ids = {i for s, d in layouts for i in (*s.device_ids, *d.device_ids)}
     self.union = np.asarray(sorted(ids), dtype=np.int64)
-    self.src = None if sources is None else _Sources(*sources, self.union)
+    self.zero_blocks: dict[tuple[Layout, int], np.ndarray] = {}  # see zero_block
+    self.src = None if sources is None else PieceRows(*sources, self.zero_block, len(self.union))
     self.links = Links.of(self.union, topology)
-    self.zero_blocks: dict[tuple[Layout, int], np.ndarray] = {}  # see placeholder
     # per leaf and union device: both sides' placeholders, and whether the leaf uses it
     self.placeholders = [self.placeholder(j, 0) + self.placeholder(j, 1) for j in range(len(plans))]
-    members: dict[tuple[Layout, Layout], np.ndarray] = {}  # leaves of one layout pair share one
-    for s, d in layouts:
-      if (s, d) not in members:
-        members[s, d] = np.isin(self.union, (*s.device_ids, *d.device_ids))
-        members[s, d].flags.writeable = False
+    members = {
+      (s, d): np.isin(self.union, (*s.device_ids, *d.device_ids)) for s, d in dict.fromkeys(layouts)
+    }
+    for m in members.values():  # leaves of one layout pair share one
+      m.flags.writeable = False
     self.members = [members[lay] for lay in layouts]
     kinds: dict[tuple[object, ...], int] = {}  # per leaf, its kind of transfers
     self.kinds = [
       kinds.setdefault(leaf_key(p, lay, isz), len(kinds))
       for p, lay, isz in zip(plans, layouts, itemsizes, strict=True)
     ]
-    self.cuts: dict[int, _Cut] = {}
+    self.cuts: dict[int, Cut] = {}
     self.splits: dict[tuple[object, ...], tuple[Any, ...]] = {}  # number, rows, chunks, cut
     self.round_cache: dict[bytes, tuple[list[Round], np.ndarray, np.ndarray]] = {}
     self.colourings: dict[tuple[bytes, bytes, bool], np.ndarray] = {}
@@ -283,15 +217,18 @@ class _Tree:
   def items(self, leaf: int) -> list[tuple[int, int]]:
     return [(leaf, c) for c in range(len(self.payloads[leaf]))]
 
-  def placeholder(self, leaf: int, side: int) -> np.ndarray:
-    """Per union device, the placeholder bytes of ``leaf``'s ``side`` (0: source); leaves of
-    one layout and item size share the (read-only) array."""
-    key = (self.layouts[leaf][side], self.itemsizes[leaf])
-    if (found := self.zero_blocks.get(key)) is None:
-      block = math.prod(staged_block_shape(key[0].shard_shape())) * key[1]
-      found = self.zero_blocks[key] = placeholder_mask(key[0], self.union) * block
+  def zero_block(self, layout: Layout, itemsize: int) -> np.ndarray:
+    """Per union device, the bytes of the zero block it stages for ``layout`` where it holds no
+    shard; one (read-only) array per layout and item size."""
+    if (found := self.zero_blocks.get((layout, itemsize))) is None:
+      block = math.prod(staged_block_shape(layout.shard_shape())) * itemsize
+      found = self.zero_blocks[layout, itemsize] = placeholder_mask(layout, self.union) * block
       found.flags.writeable = False
     return found
+
+  def placeholder(self, leaf: int, side: int) -> np.ndarray:
+    """Per union device, the placeholder bytes of ``leaf``'s ``side`` (0: source)."""
+    return self.zero_block(self.layouts[leaf][side], self.itemsizes[leaf])
 
   def staged(self, leaf: int, first: int, last: int) -> np.ndarray:
     """Per union device, what a bucket of chunks ``first..last`` of ``leaf`` stages besides
@@ -344,9 +281,7 @@ def _bucket_pieces(
     parts.append(np.array(row, dtype=np.int64))
   cols = np.concatenate(parts, axis=1)
   cols = cols[:, np.lexsort(cols[3::-1])]
-  src, dst = cols[0], cols[1]
-  new_pair = np.r_[True, (src[1:] != src[:-1]) | (dst[1:] != dst[:-1])][: len(src)]
-  return cols, np.flatnonzero(new_pair)
+  return cols, _chunks.run_starts(cols[0], cols[1])
 
 
 def _whole_first(
@@ -607,7 +542,7 @@ def _split_leaf(tree: _Tree, leaf: int, k: int) -> None:
     tree.cuts[leaf] = cut
 
 
-def _best_split(tree: _Tree, leaf: int, k: int) -> tuple[LeafPlan, np.ndarray, _Cut | None, Any]:
+def _best_split(tree: _Tree, leaf: int, k: int) -> tuple[LeafPlan, np.ndarray, Cut | None, Any]:
   """The rows, chunks, cut and (transformed) rows' pieces of the first way that fits (a later
   way tried where a placeholder it shrinks takes over half the bound, kept if fewer chunks);
   a transformed leaf is cut into sub-boxes only.
@@ -643,11 +578,13 @@ def _best_split(tree: _Tree, leaf: int, k: int) -> tuple[LeafPlan, np.ndarray, _
       failed.append(found)
     elif best is None or len(tree.payloads[leaf]) < best[0]:
       rows = None if tree.src is None else (tree.src.pieces[leaf], tree.src.parents[leaf])
-      best = (len(tree.payloads[leaf]), tree.plans[leaf], tree.chunks[leaf], tree.cuts.get(leaf))
-      best += (rows,)
+      best = (
+        len(tree.payloads[leaf]),
+        (tree.plans[leaf], tree.chunks[leaf], tree.cuts.get(leaf), rows),
+      )
     tree.cuts.pop(leaf, None)
   if best is not None:
-    return best[1], best[2], best[3], best[4]
+    return best[1]
   minimum, qualifier = min(failed)
   if minimum <= tree.bound:  # a lower bound the leaf does not fit at: it needs more
     minimum, qualifier = tree.bound + 1, "at least "
@@ -705,14 +642,7 @@ def _split_rows(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
   if src is not None:  # every source leaf a row reads is staged whole by that row's bucket
     each = [src.stage([u]) for u in {q.src_leaf for q in src.original[leaf]}]
     floor = ph + np.max(each or [ph * 0], axis=0) * members
-  remote = ~orig.local & (orig.nbytes > 0)
-  ext = (orig.hi - orig.lo)[remote]
-  slab = orig.nbytes[remote] // np.maximum(ext.max(axis=1, initial=1), 1)
-  none = np.iinfo(np.int64).max
-  thinnest = np.full(len(tree.union), none)
-  for devs in (orig.src_device[remote], orig.dst_device[remote]):
-    np.minimum.at(thinnest, np.searchsorted(tree.union, devs), slab)
-  if (least := int((floor + np.where(thinnest == none, 0, thinnest)).max(initial=0))) > bound:
+  if (least := int((floor + _chunks.thinnest_slabs(orig, tree.union)).max(initial=0))) > bound:
     return least, "at least "
 
   def trial(k: int) -> np.ndarray:
@@ -726,7 +656,8 @@ def _split_rows(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
       stage = tree.payloads[leaf] + ph + np.stack(list(reads)) * members
     return _alone(tree, leaf, range(len(stage))) if int(stage.max()) <= bound else stage
 
-  return _fewest(tree, k, int(ext.max(initial=1)) if ext.size else 1, trial, floor)
+  longest = (orig.hi - orig.lo)[~orig.local & (orig.nbytes > 0)].max(initial=1)
+  return _fewest(tree, k, int(longest), trial, floor)
 
 
 def _split_slabs(tree: _Tree, leaf: int, k: int, side: int) -> tuple[int, str] | None:
@@ -753,7 +684,7 @@ def _split_slabs(tree: _Tree, leaf: int, k: int, side: int) -> tuple[int, str] |
     if spread is not None and spread[dim := _chunks.slab_dim(shard, k, spread)]:
       even = dim
     cut = _chunks.split_slabs(orig, lay, k, isz, receiver=side == 1, spread=spread, dim=even)
-    tree.cuts[leaf] = _Cut(dst=cut[2]) if side else _Cut(src=cut[2])
+    tree.cuts[leaf] = Cut(dst=cut[2]) if side else Cut(src=cut[2])
     tree.set_chunks(leaf, *cut[:2])
     return _alone(tree, leaf, range(len(tree.payloads[leaf])))
 
@@ -772,7 +703,7 @@ def _split_windows(tree: _Tree, leaf: int, k: int, both: bool = False) -> tuple[
 
   def trial(k: int) -> np.ndarray:
     plan, chunk, w = _chunks.split_slabs(tree.original[leaf], src, k, tree.itemsizes[leaf], dim=dim)
-    tree.cuts[leaf] = _Cut(src=w, dst=w) if both else _Cut(windows=w)
+    tree.cuts[leaf] = Cut(src=w, dst=w) if both else Cut(windows=w)
     tree.set_chunks(leaf, plan, chunk)
     return _alone(tree, leaf, _distinct_chunks(tree, leaf))
 
@@ -800,7 +731,7 @@ def _split_grid(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
     )
     peak = least
     if src_slabs != dst_slabs:  # (equal slabs would read as windows of both sides)
-      tree.cuts[leaf] = _Cut(src=src_slabs, dst=dst_slabs)
+      tree.cuts[leaf] = Cut(src=src_slabs, dst=dst_slabs)
       tree.set_chunks(leaf, plan, chunk)
       if (peak := int(_alone(tree, leaf, _distinct_chunks(tree, leaf)).max())) <= tree.bound:
         return None
@@ -812,20 +743,9 @@ def _split_grid(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
 
 def _distinct_chunks(tree: _Tree, leaf: int) -> list[int]:
   """The first chunk of ``leaf`` of each kind of staging alone."""
-  p, n = tree.plans[leaf], len(tree.payloads[leaf])
-  rows = ~p.local & (p.nbytes != 0)
-  c, s, d, nb = (a[rows] for a in (tree.chunks[leaf], p.src_device, p.dst_device, p.nbytes))
-  order = np.lexsort((d, s, c))
-  c, s, d, nb = c[order], s[order], d[order], nb[order]
-  starts = np.flatnonzero(np.r_[True, (c[1:] != c[:-1]) | (s[1:] != s[:-1]) | (d[1:] != d[:-1])])
-  starts = starts[starts < len(c)]
-  fill = np.add.reduceat(nb, starts) if len(c) else nb
-  pc, ps, pd = c[starts], s[starts], d[starts]
-  cuts = np.searchsorted(pc, np.arange(n + 1))
   kinds: dict[tuple[bytes, ...], int] = {}
-  for j in range(n):
-    a, b = cuts[j], cuts[j + 1]
-    key = (ps[a:b].tobytes(), pd[a:b].tobytes(), fill[a:b].tobytes())
+  pairs = _chunks.chunk_pairs(tree.plans[leaf], tree.chunks[leaf], len(tree.payloads[leaf]))
+  for j, key in enumerate(pairs):
     kinds.setdefault((*key, tree.staged(leaf, j, j).tobytes()), j)
   return list(kinds.values())
 
@@ -921,7 +841,7 @@ def make_schedule(
   zero = np.zeros(len(tree.union), dtype=np.int64)
   sent = sum((bb.sent for bb in built), zero)
   received = sum((bb.received for bb in built), zero)
-  cuts = [tree.cuts.get(leaf, _Cut()) for leaf in range(len(plans))]
+  cuts = [tree.cuts.get(leaf, Cut()) for leaf in range(len(plans))]
   peak = max((bb.peak for bb in built), default=0)
   sums = (sum(bb.padding for bb in built), int(sent.max(initial=0)), int(received.max(initial=0)))
   rows = (tuple(tree.plans), tuple(tree.chunks), tuple(tuple(b) for b in leaf_buckets))
