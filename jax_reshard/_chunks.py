@@ -122,9 +122,10 @@ def _with_pieces(
   chunk: np.ndarray,
   isz: int,
   nbytes: np.ndarray | None = None,
-) -> tuple[LeafPlan, np.ndarray]:
+) -> tuple[LeafPlan, np.ndarray, np.ndarray, np.ndarray]:
   """``plan`` with rows ``at`` (ascending, each at least once) replaced by pieces ``lo:hi`` in
-  ``chunk`` (of ``nbytes`` each, default their elements times ``isz``), and each row's chunk."""
+  ``chunk`` (of ``nbytes`` each, default their elements times ``isz``), each row's chunk, each
+  row's place among the rows of ``plan`` kept then the pieces, and the rows kept."""
   keep = np.ones(len(plan.nbytes), dtype=bool)
   keep[at] = False
   keep = np.flatnonzero(keep)
@@ -140,7 +141,7 @@ def _with_pieces(
   out = LeafPlan(
     src, dst, lo, hi, nbytes, local, plan.lower_bound_bytes, plan.gather_broadcast_bytes
   )
-  return out, np.r_[np.zeros(len(keep), dtype=np.int64), chunk][order]
+  return out, np.r_[np.zeros(len(keep), dtype=np.int64), chunk][order], order, keep
 
 
 def _row_parts(plan: LeafPlan, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -185,7 +186,7 @@ def split_rows(plan: LeafPlan, k: int, itemsize: int) -> tuple[LeafPlan, np.ndar
   """
   if _unsplit(plan, k):
     return plan, np.zeros(len(plan.nbytes), dtype=np.int64)
-  out, chunks = _with_pieces(plan, *_row_parts(plan, k), itemsize)
+  out, chunks, *_ = _with_pieces(plan, *_row_parts(plan, k), itemsize)
   return out, np.unique(chunks, return_inverse=True)[1].reshape(-1)
 
 
@@ -209,14 +210,10 @@ def split_piece_rows(
   lo = np.asarray([q.out_lo for q in cut], np.int64).reshape(len(cut), plan.lo.shape[1])
   hi = np.asarray([q.out_hi for q in cut], np.int64).reshape(len(cut), plan.lo.shape[1])
   wire = np.asarray([q.size * q.wire_dtype.itemsize for q in cut], np.int64)
-  keep = np.ones(n, dtype=bool)
-  keep[at] = False
-  parent = np.r_[np.flatnonzero(keep), at]
-  order = np.lexsort((np.r_[np.zeros(int(keep.sum()), np.int64), chunk], parent))
-  out, chunks = _with_pieces(plan, at, lo, hi, chunk, 1, wire)
-  every = [pieces[t] for t in np.flatnonzero(keep).tolist()] + cut
+  out, chunks, order, kept = _with_pieces(plan, at, lo, hi, chunk, 1, wire)
+  every = [pieces[t] for t in kept.tolist()] + cut
   rows = tuple(every[j] for j in order.tolist())
-  return out, np.unique(chunks, return_inverse=True)[1].reshape(-1), rows, parent[order]
+  return out, np.unique(chunks, return_inverse=True)[1].reshape(-1), rows, np.r_[kept, at][order]
 
 
 class PieceRows:
@@ -311,7 +308,7 @@ def split_slabs(
   piece_lo, piece_hi = plan.lo[rows][rr], plan.hi[rows][rr]
   piece_lo[:, dim] = start[rr] + np.maximum(lo[rr], bounds[j])
   piece_hi[:, dim] = start[rr] + np.minimum(hi[rr], bounds[j + 1])
-  out, chunks = _with_pieces(plan, rows[rr], piece_lo, piece_hi, j, itemsize)
+  out, chunks, *_ = _with_pieces(plan, rows[rr], piece_lo, piece_hi, j, itemsize)
   return out, chunks, (dim, tuple(bounds.tolist()))
 
 
