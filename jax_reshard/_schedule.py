@@ -578,13 +578,11 @@ def _best_split(tree: _Tree, leaf: int, k: int) -> tuple[LeafPlan, np.ndarray, C
       failed.append(found)
     elif best is None or len(tree.payloads[leaf]) < best[0]:
       rows = None if tree.src is None else (tree.src.pieces[leaf], tree.src.parents[leaf])
-      best = (
-        len(tree.payloads[leaf]),
-        (tree.plans[leaf], tree.chunks[leaf], tree.cuts.get(leaf), rows),
-      )
+      best = (len(tree.payloads[leaf]), tree.plans[leaf], tree.chunks[leaf], tree.cuts.get(leaf))
+      best += (rows,)
     tree.cuts.pop(leaf, None)
   if best is not None:
-    return best[1]
+    return best[1], best[2], best[3], best[4]
   minimum, qualifier = min(failed)
   if minimum <= tree.bound:  # a lower bound the leaf does not fit at: it needs more
     minimum, qualifier = tree.bound + 1, "at least "
