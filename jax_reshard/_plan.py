@@ -524,17 +524,12 @@ def _stage_plan(
     pieces=None if pieces is None else [pieces[i] for i in scheduled],
     inputs=inputs or (),
   )
-  chunked = list(leaf_plans)
-  for j, i in enumerate(scheduled):
-    chunked[i] = schedule.leaf_plans[j]
+  chunked = _scatter(leaf_plans, scheduled, schedule.leaf_plans)
   if pieces is None:
-    classes = stage_classes(tuple(chunked), layouts, scheduled, schedule, itemsizes)
+    classes = stage_classes(chunked, layouts, scheduled, schedule, itemsizes)
   else:  # the rows' pieces as the buckets move them; classes from the built programs
     assert schedule.leaf_pieces is not None
-    pieces = list(pieces)
-    for j, i in enumerate(scheduled):
-      pieces[i] = schedule.leaf_pieces[j]
-    pieces = tuple(pieces)
+    pieces = _scatter(pieces, scheduled, schedule.leaf_pieces)
     classes = tuple(range(len(schedule.buckets)))
   sums = ("bytes_moved", "lower_bound_bytes", "local_copy_bytes", "gather_broadcast_bytes")
   rounds = ("padding_bytes", "num_rounds", "max_send_bytes", "max_recv_bytes", "peak_staging_bytes")
@@ -545,9 +540,17 @@ def _stage_plan(
     num_programs=len(set(classes)),
   )
   return LayoutPlan(
-    layouts, itemsizes, tuple(chunked), scheduled, schedule, stats, max_bucket_bytes, topology,
+    layouts, itemsizes, chunked, scheduled, schedule, stats, max_bucket_bytes, topology,
     bucket_classes=classes, options=options, pieces=pieces, inputs=inputs,
   )  # fmt: skip
+
+
+def _scatter(items: Sequence[Any], at: Sequence[int], values: Sequence[Any]) -> tuple[Any, ...]:
+  """``items`` with ``items[at[j]]`` replaced by ``values[j]``."""
+  out = list(items)
+  for i, v in zip(at, values, strict=True):
+    out[i] = v
+  return tuple(out)
 
 
 def _stats(first: LayoutPlan, relay: LayoutPlan | None, full, topology) -> PlanStats:
@@ -614,13 +617,16 @@ def _split_relays(lp: LeafPlan, dst: Layout, itemsize: int) -> tuple[LeafPlan, L
   return stage0, stage1
 
 
+_STEPS = ("pack", "transfer", "assemble", "zero_fill")  # the steps :func:`pass_bytes` counts
+
+
 def pass_bytes(
   plan: LayoutPlan,
   as_is: Collection[int] | None = None,
   classes: Sequence[int] | None = None,
 ) -> dict[str, int]:
   """Bytes one stage's programs read and write per call, by step, as the builder lowers."""
-  out = dict.fromkeys(("pack", "transfer", "assemble", "zero_fill"), 0)
+  out = dict.fromkeys(_STEPS, 0)
   keys = count_keys(plan, classes, as_is) if classes is not None else None
   done: dict[tuple[object, ...], dict[str, int]] = {}
   pays: dict[object, bool] = {}
@@ -639,7 +645,7 @@ def pass_bytes(
 
 def _bucket_pass_bytes(plan: LayoutPlan, bucket: Bucket, as_is, split: bool) -> dict[str, int]:
   """:func:`pass_bytes` of one bucket (``split``: it assembles apart)."""
-  out = dict.fromkeys(("pack", "transfer", "assemble", "zero_fill"), 0)
+  out = dict.fromkeys(_STEPS, 0)
   spans = plan.schedule.leaf_buckets
   n = len(bucket.union_device_ids)
   keys, first, _ = pair_runs(bucket)
