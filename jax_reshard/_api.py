@@ -402,12 +402,11 @@ class ReshardPlan:
 class TransformPlan(ReshardPlan):
   """A compiled reshard that also converts; build it with ``make_plan(src, dst, transform=f)``.
 
-  Its result equals ``transform(x)`` bit for bit, in the destination layouts. A
-  :class:`ReshardPlan` of the output leaves, used the same way (``topology``, relays, ``out=``,
-  ``donate=``, ``options=``). Narrowing casts run on the senders: bytes move, and ``stats``
-  count them, in the narrow dtype. ``stats.num_programs`` counts distinct program signatures
-  (the layers of a model share one executable); ``estimate`` counts a transformed bucket's
-  packing as a plain one's of the same output boxes.
+  A :class:`ReshardPlan` of the output leaves, used the same way; its result equals
+  ``transform(x)`` bit for bit, its bytes moved and counted in the narrowest dtype of each cast
+  chain (see ``make_plan``'s ``transform``). ``stats.num_programs`` counts distinct program
+  signatures (a model's layers share one executable); ``estimate`` counts a transformed
+  bucket's packing as a plain one's of the same output boxes.
 
   Attributes:
     analysis: the transform as pieces (:class:`TransformAnalysis`).
