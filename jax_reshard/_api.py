@@ -80,7 +80,7 @@ class _Runner:
     if self._stats is None:
       by_stage, num_programs = self.program_classes()
       st, moved = self.layout_plan.stats, self.layout_plan.stats.bytes_moved
-      passes = _plan.passes_per_moved_byte(self.layout_plan.stages(), moved, as_is, by_stage)
+      passes = _plan.passes_per_moved_byte(self.layout_plan, by_stage, as_is)
       extra = sum(exe.bundle_pass_bytes() for exe in self.executables(False))
       passes += extra / (2 * moved) if moved else 0.0
       self._stats = dataclasses.replace(st, num_programs=num_programs, passes_per_moved_byte=passes)

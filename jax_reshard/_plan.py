@@ -278,7 +278,7 @@ def _plan_layouts(
         made.append(plan_for(bound))
     plan = min(made, key=lambda m: m[1] or 0.0)[0] if made else plan_for(candidates[-1])[0]
   classes = [st.bucket_classes for st in plan.stages()]  # passes of the plan kept only
-  passes = passes_per_moved_byte(plan.stages(), plan.stats.bytes_moved, None, classes)
+  passes = passes_per_moved_byte(plan, classes)
   stats = dataclasses.replace(plan.stats, passes_per_moved_byte=passes)
   return dataclasses.replace(plan, stats=stats)
 
@@ -690,16 +690,14 @@ def _bucket_pass_bytes(plan: LayoutPlan, bucket: Bucket, as_is, split: bool) -> 
 
 
 def passes_per_moved_byte(
-  stages: Sequence[LayoutPlan],
-  moved: int,
+  plan: LayoutPlan,
+  classes: Sequence[Sequence[int] | None],
   as_is: Collection[int] | None = None,
-  classes: Sequence[Sequence[int] | None] | None = None,
 ) -> float:
-  """:attr:`PlanStats.passes_per_moved_byte` of ``stages`` (see pass_bytes)."""
-  total = sum(
-    sum(pass_bytes(st, as_is, None if classes is None else classes[k]).values())
-    for k, st in enumerate(stages)
-  )
+  """:attr:`PlanStats.passes_per_moved_byte` of ``plan``'s stages (``classes``: per stage, as
+  :func:`pass_bytes` takes them)."""
+  stages, moved = plan.stages(), plan.stats.bytes_moved
+  total = sum(sum(pass_bytes(st, as_is, c).values()) for st, c in zip(stages, classes, strict=True))
   return total / (2 * moved) if moved else 0.0
 
 
