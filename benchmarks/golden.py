@@ -94,35 +94,26 @@ def _dispatch() -> Iterator[tuple[str, dict[str, float]]]:
 def _demo() -> Iterator[tuple[str, dict[str, float]]]:
   import jax
   import jax.numpy as jnp
-  import numpy as np
-  from jax.sharding import NamedSharding
-  from jax.sharding import PartitionSpec as P
 
   import jax_reshard as jr
   from jax_reshard import _demo as demo
 
-  devs = np.array(jax.devices())
-  half = len(devs) // 2
-  trainer = jax.make_mesh((2, half // 2), ("fsdp", "tp"), devices=list(devs[:half]))
-  sampler = jax.make_mesh((len(devs) - half,), ("tp",), devices=list(devs[half:]))
+  trainer, sampler = demo.meshes()
   shapes, train_specs, sample_specs = demo.weight_specs(4)
-  is_shape = lambda s: isinstance(s, tuple) and all(isinstance(v, int) for v in s)
-  is_spec = lambda s: isinstance(s, P)
-  src_sh = jax.tree.map(lambda p: NamedSharding(trainer, p), train_specs, is_leaf=is_spec)
-  dst_sh = jax.tree.map(lambda p: NamedSharding(sampler, p), sample_specs, is_leaf=is_spec)
   params = jax.tree.map(
     lambda s, sh: jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=sh),
     shapes,
-    src_sh,
-    is_leaf=is_shape,
+    demo.place(trainer, train_specs),
+    is_leaf=demo.is_shape,
   )
+  dst_sh = demo.place(sampler, sample_specs)
   yield "demo refit", figures(jr.make_plan(params, dst_sh))
   to_sampler = demo.to_sampler_fn(sampler.shape["tp"])
-  host, f32_src, _ = demo._f32_trees(trainer, sampler, 4)
+  host, f32_src, _ = demo.f32_trees(trainer, sampler, 4)
   f32 = jax.tree.map(
     lambda h, sh: jax.ShapeDtypeStruct(h.shape, h.dtype, sharding=sh), host, f32_src
   )
-  dst = demo._output_shardings(sampler, None, "tp", "tp")
+  dst = demo.output_shardings(sampler)
   yield "demo transform", figures(jr.make_plan(f32, dst, transform=to_sampler))
 
 

@@ -80,7 +80,7 @@ class _Runner:
     if self._stats is None:
       by_stage, num_programs = self.program_classes()
       st, moved = self.layout_plan.stats, self.layout_plan.stats.bytes_moved
-      passes = _plan.passes_per_moved_byte(self.layout_plan.stages(), moved, as_is, by_stage)
+      passes = _plan.passes_per_moved_byte(self.layout_plan, by_stage, as_is)
       extra = sum(exe.bundle_pass_bytes() for exe in self.executables(False))
       passes += extra / (2 * moved) if moved else 0.0
       self._stats = dataclasses.replace(st, num_programs=num_programs, passes_per_moved_byte=passes)
@@ -402,12 +402,11 @@ class ReshardPlan:
 class TransformPlan(ReshardPlan):
   """A compiled reshard that also converts; build it with ``make_plan(src, dst, transform=f)``.
 
-  Its result equals ``transform(x)`` bit for bit, in the destination layouts. A
-  :class:`ReshardPlan` of the output leaves, used the same way (``topology``, relays, ``out=``,
-  ``donate=``, ``options=``). Narrowing casts run on the senders: bytes move, and ``stats``
-  count them, in the narrow dtype. ``stats.num_programs`` counts distinct program signatures
-  (the layers of a model share one executable); ``estimate`` counts a transformed bucket's
-  packing as a plain one's of the same output boxes.
+  A :class:`ReshardPlan` of the output leaves, used the same way; its result equals
+  ``transform(x)`` bit for bit, its bytes moved and counted in the narrowest dtype of each cast
+  chain (see ``make_plan``'s ``transform``). ``stats.num_programs`` counts distinct program
+  signatures (a model's layers share one executable); ``estimate`` counts a transformed
+  bucket's packing as a plain one's of the same output boxes.
 
   Attributes:
     analysis: the transform as pieces (:class:`TransformAnalysis`).

@@ -47,11 +47,22 @@ def weight_specs(layers: int) -> tuple[dict[str, Any], dict[str, Any], dict[str,
   return shapes, train, sample
 
 
-def _is_shape(s: Any) -> bool:
+def meshes() -> tuple[Mesh, Mesh]:
+  """The trainer mesh (half of the devices, ``(fsdp, tp)``) and the sampler mesh (``tp``)."""
+  devs = np.array(jax.devices())
+  half = len(devs) // 2
+  trainer = jax.make_mesh((2, half // 2), ("fsdp", "tp"), devices=list(devs[:half]))
+  sampler = jax.make_mesh((len(devs) - half,), ("tp",), devices=list(devs[half:]))
+  return trainer, sampler
+
+
+def is_shape(s: Any) -> bool:
+  """Whether ``s`` is a shape (a tuple of ints), a leaf of ``weight_specs``' shapes."""
   return isinstance(s, tuple) and all(isinstance(v, int) for v in s)
 
 
-def _place(mesh: Mesh, specs: Any) -> Any:
+def place(mesh: Mesh, specs: Any) -> Any:
+  """The tree of ``NamedSharding`` on ``mesh`` of a tree of specs."""
   return jax.tree.map(lambda p: NamedSharding(mesh, p), specs, is_leaf=lambda s: isinstance(s, P))
 
 
@@ -62,19 +73,17 @@ def _time_once(fn: Any, arg: Any) -> float:
 
 
 def run(*, layers: int = 4, repeats: int = 7) -> int:
-  devs = np.array(jax.devices())
-  half = len(devs) // 2
-  trainer = jax.make_mesh((2, half // 2), ("fsdp", "tp"), devices=list(devs[:half]))
-  sampler = jax.make_mesh((len(devs) - half,), ("tp",), devices=list(devs[half:]))
+  trainer, sampler = meshes()
+  devs = jax.devices()
   shapes, train_specs, sample_specs = weight_specs(layers)
   rng = np.random.default_rng(0)
   host = jax.tree.map(
     lambda s: np.asarray(rng.standard_normal(s, dtype=np.float32)).astype(jnp.bfloat16),
     shapes,
-    is_leaf=_is_shape,
+    is_leaf=is_shape,
   )
-  dst_sh = _place(sampler, sample_specs)
-  params = jax.device_put(host, _place(trainer, train_specs))
+  dst_sh = place(sampler, sample_specs)
+  params = jax.device_put(host, place(trainer, train_specs))
   nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
   print(f"jax {jax.__version__}, {len(devs)} {devs[0].platform} devices")
   for name, m in (("trainer", trainer), ("sampler", sampler)):
@@ -131,14 +140,15 @@ def to_sampler_fn(tp: int) -> Any:
   return to_sampler
 
 
-def _output_shardings(mesh: Mesh, stack_axis: Any, col: Any, row: Any) -> dict[str, Any]:
+def output_shardings(mesh: Mesh) -> dict[str, Any]:
+  """The shardings on ``mesh`` of ``to_sampler_fn``'s output: stacked layers split by ``tp``."""
   sh = lambda *spec: NamedSharding(mesh, P(*spec))
-  by_col, by_row = sh(stack_axis, None, col), sh(stack_axis, col, None)
+  by_col, by_row = sh(None, None, "tp"), sh(None, "tp", None)
   layers = {"qkv": by_col, "gate_up": by_col, "wo": by_row, "w_down": by_row}
-  return {"embed": sh(row, None), "layers": layers}
+  return {"embed": sh("tp", None), "layers": layers}
 
 
-def _f32_trees(trainer: Mesh, sampler: Mesh, layers: int) -> tuple[Any, Any, Any]:
+def f32_trees(trainer: Mesh, sampler: Mesh, layers: int) -> tuple[Any, Any, Any]:
   """Trainer f32 host weights without the norms (the sampler's tree omits them), their
   trainer shardings, and their sampler shardings (for reshard-then-convert)."""
 
@@ -147,17 +157,17 @@ def _f32_trees(trainer: Mesh, sampler: Mesh, layers: int) -> tuple[Any, Any, Any
 
   shapes, train_specs, sample_specs = map(keep, weight_specs(layers))
   rng = np.random.default_rng(1)
-  host = jax.tree.map(lambda s: rng.standard_normal(s, dtype=np.float32), shapes, is_leaf=_is_shape)
-  return host, _place(trainer, train_specs), _place(sampler, sample_specs)
+  host = jax.tree.map(lambda s: rng.standard_normal(s, dtype=np.float32), shapes, is_leaf=is_shape)
+  return host, place(trainer, train_specs), place(sampler, sample_specs)
 
 
 def run_transform(trainer: Mesh, sampler: Mesh, *, layers: int, repeats: int) -> int:
   """Refit with conversion: inside the plan, convert-then-reshard, reshard-then-convert."""
   to_sampler = to_sampler_fn(sampler.shape["tp"])
-  host, src_sh, mid_sh = _f32_trees(trainer, sampler, layers)
+  host, src_sh, mid_sh = f32_trees(trainer, sampler, layers)
   params = jax.device_put(host, src_sh)
-  dst = _output_shardings(sampler, None, "tp", "tp")
-  on_trainer = _output_shardings(trainer, None, "tp", "tp")
+  dst = output_shardings(sampler)
+  on_trainer = output_shardings(trainer)
   nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
   print(
     f"\nconvert while refitting: trainer f32 per-layer q/k/v, gate/up ({nbytes / 2**20:.1f} MiB)"

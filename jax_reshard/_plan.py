@@ -29,8 +29,15 @@ from jax_reshard._cost import (
 from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
 from jax_reshard._options import DEFAULT_OPTIONS, Options
-from jax_reshard._pieces import Piece
-from jax_reshard._planner import LeafPlan, one_domain, plan_leaves
+from jax_reshard._pieces import OutputLeaf, Piece, lower_bound_bytes, restrict, restrict_source
+from jax_reshard._planner import (
+  Geometry,
+  LeafPlan,
+  one_domain,
+  plan_leaves,
+  plan_regions,
+  unique_boxes,
+)
 from jax_reshard._schedule import (
   DEFAULT_MAX_BUCKET_BYTES,
   Bucket,
@@ -201,42 +208,40 @@ def plan_layouts(
     >>> plan.stats.bytes_moved == plan.stats.lower_bound_bytes == 2 * 1024 * 1024
     True
   """
+  lays = tuple((s, d) for s, d in layouts)
+  sizes = tuple(int(i) for i in itemsizes)
+
+  def transfers(relay: bool) -> tuple[tuple[LeafPlan, ...], _Pieces]:
+    return tuple(plan_leaves(lays, sizes, topology=topology, relays=relay)), None
+
   return _plan_layouts(
-    layouts,
-    itemsizes,
+    lays,
+    sizes,
+    transfers,
+    None,
     max_bucket_bytes,
     topology,
     relays,
     leaf_names,
     options,
-    interleave=interleave,
+    interleave,
   )
-
-
-def plan_transformed(
-  layouts: _Layouts,
-  itemsizes: Sequence[int],
-  inputs: Sequence[Layout],
-  transfers: _Transfers,
-  **kw: Any,
-) -> LayoutPlan:
-  """:func:`plan_layouts` of a transformed tree (``inputs``: source layouts)."""
-  return _plan_layouts(layouts, itemsizes, transfers=(transfers, tuple(inputs)), **kw)
 
 
 def _plan_layouts(
   layouts: _Layouts,
   itemsizes: Sequence[int],
+  transfers: _Transfers,
+  inputs: tuple[Layout, ...] | None,
   max_bucket_bytes: _Bound = DEFAULT_MAX_BUCKET_BYTES,
   topology: Topology | None = None,
   relays: _Relays = None,
   leaf_names: Sequence[str] | None = None,
   options: Options | None = None,
-  transfers: tuple[_Transfers, tuple[Layout, ...]] | None = None,
   interleave: bool = True,
 ) -> LayoutPlan:
-  """:func:`plan_layouts`; ``transfers``: a transformed tree's leaf plans and pieces, and its
-  source layouts."""
+  """:func:`plan_layouts` of the leaf plans (and, transformed, pieces) ``transfers(relay)``
+  makes; ``inputs``: a transformed tree's source layouts."""
   lays = tuple((s, d) for s, d in layouts)
   sizes = tuple(int(i) for i in itemsizes)
   names = tuple(leaf_names) if leaf_names is not None else tuple(f"#{i}" for i in range(len(lays)))
@@ -244,18 +249,12 @@ def _plan_layouts(
   candidates = bucket_candidates(max_bucket_bytes, topology)
   opts = resolve_options(options)
 
-  @functools.cache
-  def leaf_plans(relay: bool) -> tuple[tuple[LeafPlan, ...], _Pieces]:
-    if transfers is not None:
-      return transfers[0](relay)
-    return tuple(plan_leaves(lays, sizes, topology=topology, relays=relay)), None
+  leaf_plans = functools.cache(transfers)
 
   @functools.cache
   def direct_bound() -> float:
     assert topology is not None
     return time_lower_bound(leaf_plans(False)[0], topology)
-
-  inputs = None if transfers is None else transfers[1]
 
   def plan_for(bound: int | None, timed: bool = True) -> tuple[LayoutPlan, float | None]:
     args = (lays, sizes, bound, topology, opts, names, interleave, inputs)
@@ -279,9 +278,128 @@ def _plan_layouts(
         made.append(plan_for(bound))
     plan = min(made, key=lambda m: m[1] or 0.0)[0] if made else plan_for(candidates[-1])[0]
   classes = [st.bucket_classes for st in plan.stages()]  # passes of the plan kept only
-  passes = passes_per_moved_byte(plan.stages(), plan.stats.bytes_moved, None, classes)
+  passes = passes_per_moved_byte(plan, classes)
   stats = dataclasses.replace(plan.stats, passes_per_moved_byte=passes)
   return dataclasses.replace(plan, stats=stats)
+
+
+def output_geometry(
+  leaf: OutputLeaf, src_layouts: Sequence[Layout], dst: Layout
+) -> tuple[Geometry, np.ndarray, tuple[Piece, ...]]:
+  """A leaf's planner regions in ``dst``, their wire bytes, and their pieces."""
+  d_lo, d_hi, d_inv = unique_boxes(dst)
+  d_ids = np.asarray(dst.device_ids, np.int64)
+  boxes: dict[tuple[int, int], int] = {}  # (source leaf, its unique box): source box index
+  replicas: list[tuple[np.ndarray, np.ndarray]] = []  # per source box: its devices, processes
+  found: list[tuple[int, int, Piece]] = []  # per region: source box, destination box, piece
+  for v in range(len(d_lo)):
+    for p in leaf.pieces:
+      for q in restrict(p, tuple(d_lo[v, :-1].tolist()), tuple(d_hi[v, :-1].tolist())):
+        src = src_layouts[q.src_leaf]
+        s_lo, s_hi, inv = unique_boxes(src)
+        s_lo, s_hi = s_lo[:, :-1], s_hi[:, :-1]
+        lo, hi = np.asarray(q.src_lo, np.int64), np.asarray(q.src_hi, np.int64)
+        meets = np.all(np.minimum(s_hi, hi) > np.maximum(s_lo, lo), axis=1)
+        for u in np.nonzero(meets)[0].tolist():
+          box = boxes.setdefault((q.src_leaf, u), len(boxes))
+          if box == len(replicas):
+            ids, procs = (np.asarray(x, np.int64) for x in (src.device_ids, src.process_indices))
+            replicas.append((ids[inv == u], procs[inv == u]))
+          cuts = restrict_source(q, tuple(s_lo[u].tolist()), tuple(s_hi[u].tolist()))
+          found += [(box, v, r) for r in cuts]
+  pieces = tuple(r for _, _, r in found)
+  src_box = np.asarray([b for b, _, _ in found], np.int64).reshape(-1)
+  dst_box = [v for _, v, _ in found]
+  devs = [d_ids[d_inv == v] for v in range(len(d_lo))]
+  need_region = np.repeat(np.arange(len(found)), [len(devs[v]) for v in dst_box])
+  need_dst = np.concatenate([devs[v] for v in dst_box] or [np.zeros(0, np.int64)])
+  holders = [set(ids.tolist()) for ids, _ in replicas]
+  pairs = zip(src_box[need_region].tolist(), need_dst.tolist(), strict=True)
+  lo = np.asarray([r.out_lo for r in pieces], np.int64).reshape(len(pieces), len(leaf.shape))
+  hi = np.asarray([r.out_hi for r in pieces], np.int64).reshape(len(pieces), len(leaf.shape))
+  geometry = Geometry(
+    region_lo=lo,
+    region_hi=hi,
+    region_elems=np.prod(hi - lo, axis=1, dtype=np.int64),
+    region_src_box=src_box,
+    region_dst_box=np.asarray(dst_box, np.int64).reshape(-1),
+    need_region=need_region,
+    need_dst=need_dst,
+    need_local=np.fromiter((d in holders[u] for u, d in pairs), bool, len(need_dst)),
+    replica_ids=tuple(ids for ids, _ in replicas),
+    replica_procs=tuple(procs for _, procs in replicas),
+    need_proc=np.asarray(dst.process_indices, np.int64)[np.searchsorted(d_ids, need_dst)],
+    lower_bound_elems=0,
+    gather_broadcast_elems=0,
+  )
+  wire = np.asarray([r.size * r.wire_dtype.itemsize for r in pieces], np.int64)
+  return geometry, wire, pieces
+
+
+def _senders_layout(leaf: OutputLeaf, src_layouts: Sequence[Layout], dst: Layout) -> Layout:
+  """A layout over the devices the leaf reads, holding nothing (for the schedule)."""
+  ids = sorted({i for p in leaf.pieces for i in src_layouts[p.src_leaf].device_ids})
+  procs = {i: p for s in src_layouts for i, p in zip(s.device_ids, s.process_indices, strict=True)}
+  zero = ((0,) * dst.ndim,) * len(ids)
+  return Layout(dst.shape, tuple(ids), zero, zero, tuple(procs[i] for i in ids), dst.platform)
+
+
+def plan_transform_layouts(
+  leaves: Sequence[OutputLeaf],
+  src_layouts: Sequence[Layout],
+  dst_layouts: Sequence[Layout],
+  *,
+  topology: Topology | None = None,
+  **kw: Any,
+) -> LayoutPlan:
+  """A :class:`LayoutPlan` of a transform's output ``leaves`` (keywords as ``plan_layouts``').
+
+  Example:
+    >>> from jax_reshard._pieces import cast_pieces, source_piece
+    >>> src = Layout.from_description((8, 8), mesh_shape=(2,), axis_names=("x",), spec=("x",))
+    >>> dst = Layout.from_description(
+    ...   (8, 8), mesh_shape=(2,), axis_names=("x",), spec=(None, "x"), device_ids=[2, 3])
+    >>> pieces = cast_pieces(source_piece(0, "w", (8, 8), np.dtype("float32")), "float16")
+    >>> leaf = OutputLeaf("w", (8, 8), np.dtype("float16"), tuple(pieces))
+    >>> plan = plan_transform_layouts([leaf], [src], [dst])
+    >>> plan.stats.bytes_moved == plan.stats.lower_bound_bytes == 8 * 8 * 2
+    True
+  """
+  one = one_domain([(s, s) for s in (*src_layouts, *dst_layouts)], topology)
+
+  def transfers(relay: bool) -> tuple[tuple[LeafPlan, ...], tuple[tuple[Piece, ...], ...]]:
+    load: dict[int, int] = {}
+    entry: dict[int, int] = {}
+    plans, pieces = [], []
+    for leaf, dst in zip(leaves, dst_layouts, strict=True):
+      g, wire, found = output_geometry(leaf, src_layouts, dst)
+      lp = plan_regions(
+        g,
+        wire,
+        lower_bound_bytes(leaf, src_layouts, dst),
+        math.prod(leaf.shape) * leaf.dtype.itemsize * dst.num_devices,
+        load if one else {},
+        topology=topology,
+        entry_load=entry,
+        relays=relay,
+        fanout=not one,
+      )
+      if lp.hop is not None and (lp.hop == 1).any():  # forwards move the output box as it is
+        out_bytes = g.region_elems[g.need_region] * leaf.dtype.itemsize
+        lp = dataclasses.replace(lp, nbytes=np.where(lp.hop == 1, out_bytes, lp.nbytes))
+      plans.append(lp)
+      pieces.append(tuple(found[k] for k in g.need_region.tolist()))
+    return tuple(plans), tuple(pieces)
+
+  return _plan_layouts(
+    [(_senders_layout(f, src_layouts, d), d) for f, d in zip(leaves, dst_layouts, strict=True)],
+    [f.dtype.itemsize for f in leaves],
+    transfers,
+    tuple(src_layouts),
+    topology=topology,
+    leaf_names=[f.path or "<root>" for f in leaves],
+    **kw,
+  )
 
 
 def bucket_candidates(
@@ -406,17 +524,12 @@ def _stage_plan(
     pieces=None if pieces is None else [pieces[i] for i in scheduled],
     inputs=inputs or (),
   )
-  chunked = list(leaf_plans)
-  for j, i in enumerate(scheduled):
-    chunked[i] = schedule.leaf_plans[j]
+  chunked = _scatter(leaf_plans, scheduled, schedule.leaf_plans)
   if pieces is None:
-    classes = stage_classes(tuple(chunked), layouts, scheduled, schedule, itemsizes)
+    classes = stage_classes(chunked, layouts, scheduled, schedule, itemsizes)
   else:  # the rows' pieces as the buckets move them; classes from the built programs
     assert schedule.leaf_pieces is not None
-    pieces = list(pieces)
-    for j, i in enumerate(scheduled):
-      pieces[i] = schedule.leaf_pieces[j]
-    pieces = tuple(pieces)
+    pieces = _scatter(pieces, scheduled, schedule.leaf_pieces)
     classes = tuple(range(len(schedule.buckets)))
   sums = ("bytes_moved", "lower_bound_bytes", "local_copy_bytes", "gather_broadcast_bytes")
   rounds = ("padding_bytes", "num_rounds", "max_send_bytes", "max_recv_bytes", "peak_staging_bytes")
@@ -427,9 +540,17 @@ def _stage_plan(
     num_programs=len(set(classes)),
   )
   return LayoutPlan(
-    layouts, itemsizes, tuple(chunked), scheduled, schedule, stats, max_bucket_bytes, topology,
+    layouts, itemsizes, chunked, scheduled, schedule, stats, max_bucket_bytes, topology,
     bucket_classes=classes, options=options, pieces=pieces, inputs=inputs,
   )  # fmt: skip
+
+
+def _scatter(items: Sequence[Any], at: Sequence[int], values: Sequence[Any]) -> tuple[Any, ...]:
+  """``items`` with ``items[at[j]]`` replaced by ``values[j]``."""
+  out = list(items)
+  for i, v in zip(at, values, strict=True):
+    out[i] = v
+  return tuple(out)
 
 
 def _stats(first: LayoutPlan, relay: LayoutPlan | None, full, topology) -> PlanStats:
@@ -496,13 +617,16 @@ def _split_relays(lp: LeafPlan, dst: Layout, itemsize: int) -> tuple[LeafPlan, L
   return stage0, stage1
 
 
+_STEPS = ("pack", "transfer", "assemble", "zero_fill")  # the steps :func:`pass_bytes` counts
+
+
 def pass_bytes(
   plan: LayoutPlan,
   as_is: Collection[int] | None = None,
   classes: Sequence[int] | None = None,
 ) -> dict[str, int]:
   """Bytes one stage's programs read and write per call, by step, as the builder lowers."""
-  out = dict.fromkeys(("pack", "transfer", "assemble", "zero_fill"), 0)
+  out = dict.fromkeys(_STEPS, 0)
   keys = count_keys(plan, classes, as_is) if classes is not None else None
   done: dict[tuple[object, ...], dict[str, int]] = {}
   pays: dict[object, bool] = {}
@@ -521,7 +645,7 @@ def pass_bytes(
 
 def _bucket_pass_bytes(plan: LayoutPlan, bucket: Bucket, as_is, split: bool) -> dict[str, int]:
   """:func:`pass_bytes` of one bucket (``split``: it assembles apart)."""
-  out = dict.fromkeys(("pack", "transfer", "assemble", "zero_fill"), 0)
+  out = dict.fromkeys(_STEPS, 0)
   spans = plan.schedule.leaf_buckets
   n = len(bucket.union_device_ids)
   keys, first, _ = pair_runs(bucket)
@@ -566,16 +690,14 @@ def _bucket_pass_bytes(plan: LayoutPlan, bucket: Bucket, as_is, split: bool) -> 
 
 
 def passes_per_moved_byte(
-  stages: Sequence[LayoutPlan],
-  moved: int,
+  plan: LayoutPlan,
+  classes: Sequence[Sequence[int] | None],
   as_is: Collection[int] | None = None,
-  classes: Sequence[Sequence[int] | None] | None = None,
 ) -> float:
-  """:attr:`PlanStats.passes_per_moved_byte` of ``stages`` (see pass_bytes)."""
-  total = sum(
-    sum(pass_bytes(st, as_is, None if classes is None else classes[k]).values())
-    for k, st in enumerate(stages)
-  )
+  """:attr:`PlanStats.passes_per_moved_byte` of ``plan``'s stages (``classes``: per stage, as
+  :func:`pass_bytes` takes them)."""
+  stages, moved = plan.stages(), plan.stats.bytes_moved
+  total = sum(sum(pass_bytes(st, as_is, c).values()) for st, c in zip(stages, classes, strict=True))
   return total / (2 * moved) if moved else 0.0
 
 

@@ -38,21 +38,20 @@ def reshard(
       of ``x``, needed where JAX does not know the layout (axes not ``Explicit``). Under eager
       ``jax.grad`` / ``jax.vjp`` the move runs eagerly between any meshes (cotangents move back
       into the source layouts), and ``src=``, if given, must be where the values are.
-    donate: as in ``jax.device_put``, the SOURCE: ``True`` (or a pytree prefix of ``x`` of
-      bools) deletes the donated arrays after the call (``is_deleted()`` true on every
-      backend). Concrete ``x`` only; inside ``jax.jit`` use ``donate_argnums``.
+    donate: deletes the donated SOURCE arrays after the call, as ``ReshardPlan.__call__``
+      does (``True`` or a pytree prefix of ``x`` of bools). Concrete ``x`` only; inside
+      ``jax.jit`` use ``donate_argnums``.
     out: concrete ``x`` only: the current tree in the destination layouts, whose buffers the
       result reuses and whose arrays are deleted (peak extra memory: the staging alone); one
       that does not match raises before any device work. Inside ``jax.jit``: donate it.
     max_bucket_bytes: as in ``make_plan`` (eager calls; inside ``jax.jit`` XLA schedules the
       memory of the whole computation).
-    transform: convert while resharding (casts, slices, concatenate, stack, reshape,
-      transpose, renames; see ``make_plan``); ``dst`` then matches its output. Inside
-      ``jax.jit`` it needs ``src=``, one source mesh and one destination mesh. Differentiable
-      eagerly and inside ``jax.jit``: the gradient is the transform's, laid out as the source.
-    topology: device domains (``jr.Topology``): with several, a region several devices of a
-      domain need and none there holds crosses into it once and is forwarded inside (relays),
-      eagerly and inside ``jax.jit``, with ``transform=`` too.
+    transform: convert while resharding, as in ``make_plan``; ``dst`` then matches its output.
+      Inside ``jax.jit`` it needs ``src=``, one source mesh and one destination mesh.
+      Differentiable eagerly and inside ``jax.jit``: the gradient is the transform's, laid out
+      as the source.
+    topology: as in ``make_plan`` (relays through device domains), eagerly and inside
+      ``jax.jit``, with ``transform=`` too.
     relays: as in ``make_plan``, eagerly and inside ``jax.jit``.
 
   Returns:

@@ -33,8 +33,7 @@ from jax_reshard._pieces import (
   squeeze_pieces,
   transpose_pieces,
 )
-from jax_reshard._plan import LayoutPlan
-from jax_reshard._tplan import plan_transform_layouts
+from jax_reshard._plan import LayoutPlan, plan_transform_layouts
 from jax_reshard._tree import Leaf, flatten_tree
 
 _STATIC_LIMIT = 1 << 16  # larger concrete values are data, not indices: not evaluated
@@ -356,7 +355,7 @@ def _analysis(transform: Callable[[Any], Any], treedef: Any, leaves: tuple[Leaf,
 def plan_transform(
   analysis: TransformAnalysis, src_leaves: Sequence[Leaf], out_leaves: Sequence[Leaf], **kwargs: Any
 ) -> LayoutPlan:
-  """:func:`~jax_reshard._tplan.plan_transform_layouts` of ``analysis`` between the leaves'
+  """:func:`~jax_reshard._plan.plan_transform_layouts` of ``analysis`` between the leaves'
   shardings."""
   return plan_transform_layouts(
     analysis.leaves,

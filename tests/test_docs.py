@@ -32,7 +32,6 @@ WITH_EXAMPLES = {
   "jax_reshard._reshard",
   "jax_reshard._rounds",
   "jax_reshard._topology",
-  "jax_reshard._tplan",
   "jax_reshard._transform",
   "jax_reshard._viz",
   "jax_reshard.flax",

@@ -27,7 +27,6 @@ LAYERS = [
   "_classes",
   "_cost",
   "_plan",
-  "_tplan",
   "_viz",
   "_program",
   "_buffers",
@@ -62,7 +61,6 @@ NUMPY_ONLY = {
   "_plan",
   "_viz",
   "_program",
-  "_tplan",
 }
 MAX_FUNCTION_LINES = 80
 
