@@ -9,6 +9,7 @@ from a table. Data moves as unsigned words; ``_emit`` turns a program into ``sha
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
@@ -31,6 +32,7 @@ from jax_reshard._schedule import (
 )
 
 Box = tuple[int, ...]
+Segment = tuple[int, int, int | None]  # unit words start, stop; the leaf sent whole, or None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -127,11 +129,16 @@ class Pack:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SendRound:
-  """One ``ppermute`` of ``words`` unit words per position pair; devices in no pack send zeros."""
+  """One ``ppermute`` of ``words`` unit words per position pair; devices in no pack send zeros.
+  ``operands``: its operands as ``(start, stop, leaf)`` (a leaf's whole staged source block sent
+  as it is, or ``None``: packed words); ``repeats``: an earlier round whose packed payload this
+  one sends again (packed once)."""
 
   words: int
   pairs: tuple[tuple[int, int], ...]
   packs: tuple[Pack, ...]
+  operands: tuple[Segment, ...] = ()
+  repeats: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -191,7 +198,9 @@ class PlaceholderGroup:
 @dataclasses.dataclass(frozen=True, slots=True)
 class BucketProgram:
   """Everything a bucket's devices do. ``assemblers``: positions assembling in a program of
-  their own; ``must_apart``: never bundled; ``inputs``: a transformed program's sources."""
+  their own; ``must_apart``: never bundled; ``inputs``: a transformed program's sources;
+  ``received``: ``(leaf, round)`` for the leaves every destination device receives whole in one
+  round's payload or operand, landing as it is."""
 
   device_ids: tuple[int, ...]
   leaves: tuple[LeafView, ...]
@@ -203,7 +212,7 @@ class BucketProgram:
   assemblers: tuple[int, ...] | None = None
   must_apart: bool = False
   inputs: tuple[LeafView, ...] = ()
-  whole_operand_bytes: int = dataclasses.field(kw_only=True)
+  received: tuple[tuple[int, int], ...] = ()
 
   @property
   def sources(self) -> tuple[LeafView, ...]:
@@ -420,7 +429,118 @@ def _program(
   assembles = _assembles(leaves, incoming, unit, positions)
   views = tuple(lf.view for lf in leaves)
   ids = tuple(int(d) for d in ids)
-  return BucketProgram(ids, views, unit, rounds, assembles, *rest, whole_operand_bytes=whole)
+  return _decided(BucketProgram(ids, views, unit, rounds, assembles, *rest), whole)
+
+
+def _decided(program: BucketProgram, whole_bytes: int) -> BucketProgram:
+  """``program`` with its lowering decisions recorded: per round its operands (whole source
+  blocks of ``whole_bytes`` or more sent as they are) and the round it repeats; the leaves
+  received whole. The emitter, the executables and the tests read them, never re-derive."""
+  rounds: list[SendRound] = []
+  first: dict[tuple[object, ...], int] = {}
+  for r, rnd in enumerate(program.rounds):
+    operands = _operands(program, rnd, whole_bytes)
+    packed = all(li is None for _, _, li in operands)
+    repeats = first.setdefault((rnd.words, rnd.packs), r) if packed else r
+    rounds.append(
+      dataclasses.replace(rnd, operands=operands, repeats=None if repeats == r else repeats)
+    )
+  program = dataclasses.replace(program, rounds=tuple(rounds))
+  return dataclasses.replace(program, received=_received_whole(program))
+
+
+def cut_words(program: BucketProgram, cut: Cut) -> int:
+  """Unit words of ``cut`` in a payload (after its casts)."""
+  word = uint_dtype(cut.casts[-1]) if cut.casts else program.sources[cut.leaf].word
+  return math.prod(cut.shape) * word.itemsize // program.unit.itemsize
+
+
+def _is_whole(cut: Cut, lf: LeafView) -> bool:
+  """Whether ``cut`` is the whole staged source block of ``lf``."""
+  shape = in_words(lf.src_shard, lf.word_ratio)
+  return cut.static_offset == (0,) * len(cut.shape) and cut.shape == shape
+
+
+def _whole_block_leaves(program: BucketProgram, rnd: SendRound) -> tuple[int, ...] | None:
+  """The leaves whose whole source blocks every sender of ``rnd`` sends, uncast, in one order."""
+  if not rnd.packs or any(p.pad_words for p in rnd.packs):
+    return None
+  leaves = tuple(c.leaf for c in rnd.packs[0].cuts)
+  if len(set(leaves)) != len(leaves):
+    return None
+  for p in rnd.packs:
+    if tuple(c.leaf for c in p.cuts) != leaves:
+      return None
+    if any(c.casts or not _is_whole(c, program.sources[c.leaf]) for c in p.cuts):
+      return None
+  return leaves
+
+
+def _whole_segments(
+  program: BucketProgram, rnd: SendRound, whole_bytes: int
+) -> tuple[Segment, ...] | None:
+  """A packed round's payload cut at the big whole source blocks every sender sends at the
+  same words (the rest packed), or ``None``."""
+  common: set[Segment] | None = None
+  for p in rnd.packs:
+    at, found = 0, set[Segment]()
+    for cut in p.cuts:
+      lf, size = program.sources[cut.leaf], cut_words(program, cut)
+      big = size * program.unit.itemsize >= whole_bytes
+      if _is_whole(cut, lf) and big and not cut.casts and travels_as_is(lf.dtype):
+        found.add((at, at + size, cut.leaf))
+      at += size
+    common = found if common is None else common & found
+  if not common:
+    return None
+  out: list[Segment] = []
+  at = 0
+  for start, stop, li in sorted(common):
+    out += [(at, start, None)] if start > at else []
+    out.append((start, stop, li))
+    at = stop
+  return tuple(out + ([(at, rnd.words, None)] if at < rnd.words else []))
+
+
+def _operands(program: BucketProgram, rnd: SendRound, whole_bytes: int) -> tuple[Segment, ...]:
+  """Per operand of a round's ``ppermute``, ``(start, stop, leaf)`` (``None``: packed words)."""
+  whole = _whole_block_leaves(program, rnd)
+  if whole is None:
+    segments = _whole_segments(program, rnd, whole_bytes) if rnd.packs else None
+    return segments or ((0, rnd.words, None),)
+  out, at = [], 0
+  for li in whole:
+    lf = program.sources[li]
+    size = math.prod(in_words(lf.src_shard, lf.word_ratio)) * lf.word.itemsize
+    out.append((at, at := at + size // program.unit.itemsize, li))
+  return tuple(out)
+
+
+def _received_whole(program: BucketProgram) -> tuple[tuple[int, int], ...]:
+  """``(leaf, round)`` for the leaves every destination device receives whole in one round's
+  payload (or operand), landing as it is."""
+  out = []
+  for li, lf in enumerate(program.leaves):
+    if lf.in_place or lf.dst_input:
+      continue
+    rounds = set()
+    for parts in (role.parts[li] for role in program.assembles):
+      if parts is None:
+        continue
+      p = parts[0] if len(parts) == 1 else None
+      if not isinstance(p, Received) or p.arrange is not None or any(p.offset):
+        break
+      rnd = program.rounds[p.round]
+      segments = {(0, rnd.words)}
+      if (whole := _whole_block_leaves(program, rnd)) is not None and len(whole) > 1:
+        segments = {(a, b) for a, b, _ in rnd.operands}
+      if (p.start, p.stop) not in segments or p.shape != lf.dst_words:
+        break
+      rounds.add(p.round)
+    else:
+      if len(rounds) == 1:
+        out.append((li, rounds.pop()))
+  return tuple(out)
 
 
 def make_transform_program(
@@ -775,11 +895,17 @@ def format_program(program: BucketProgram) -> str:
       f"{shard}-> {list(lf.dst_shard)}{mode}"
     )
   for r, rnd in enumerate(program.rounds):
-    lines.append(f"  round {r}: {rnd.words} words, pairs {list(rnd.pairs)}")
+    how = "".join(
+      f", {src} {li}'s block as it is at {a}:{b}" for a, b, li in rnd.operands if li is not None
+    )
+    how += "" if rnd.repeats is None else f", round {rnd.repeats}'s payload again"
+    lines.append(f"  round {r}: {rnd.words} words, pairs {list(rnd.pairs)}{how}")
     for pack in rnd.packs:
       cuts = ", ".join(_format_cut(c, src) for c in pack.cuts)
       pad = f" + {pack.pad_words} zero words" if pack.pad_words else ""
       lines.append(f"    senders {list(pack.positions)} pack {cuts}{pad}")
+  for li, r in program.received:
+    lines.append(f"  leaf {li} arrives whole in round {r}'s payload, as it is")
   if program.assemblers is not None:
     lines.append(
       f"  positions {list(program.assemblers)} assemble in a program of their own, "
