@@ -25,11 +25,12 @@ from jax.sharding import PartitionSpec as P
 
 import jax_reshard as jr
 from jax_reshard import _buffers, _classes, _cost, _emit, _executable, _plan
+from jax_reshard._build import make_bucket_program
 from jax_reshard._classes import bucket_classes
 from jax_reshard._cost import _bucket_cost, made_blocks
 from jax_reshard._options import Options
 from jax_reshard._plan import pass_bytes
-from jax_reshard._program import make_bucket_program, program_signature
+from jax_reshard._program import program_signature
 
 
 def _sent_as_is(rnd: Any, *, every: bool = False) -> tuple[int, ...] | bool:

@@ -30,6 +30,7 @@ LAYERS = [
   "_tplan",
   "_viz",
   "_program",
+  "_build",
   "_buffers",
   "_emit",
   "_executable",
@@ -62,6 +63,7 @@ NUMPY_ONLY = {
   "_plan",
   "_viz",
   "_program",
+  "_build",
   "_tplan",
 }
 MAX_FUNCTION_LINES = 80
