@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_reshard as jr
-from jax_reshard import _buffers, _classes, _cost, _emit, _executable, _plan
+from jax_reshard import _buffers, _classes, _cost, _emit, _executable
 from jax_reshard._build import make_bucket_program
 from jax_reshard._classes import bucket_classes
 from jax_reshard._cost import _bucket_cost, made_blocks
@@ -1225,7 +1225,7 @@ def test_a_payload_sent_again_is_packed_once(monkeypatch: pytest.MonkeyPatch) ->
   cost = _bucket_cost(lp, 0, topo)
   assert cost.pack[2] == cost.pack[3] == 0 < min(cost.pack[0], cost.pack[1])
   counted = pass_bytes(lp)
-  monkeypatch.setattr(_plan, "repeated_rounds", lambda *a: [])
+  monkeypatch.setattr(_cost, "repeated_rounds", lambda *a: [])
   assert pass_bytes(lp)["pack"] - counted["pack"] == 2 * 4 * (2048 + 2048)
   assert_matches_oracle(plan(x), host, dst)
   jr.plan_cache_clear()
