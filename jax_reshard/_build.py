@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from jax_reshard._classes import LeafMode, leaf_modes
-from jax_reshard._cost import assembles_apart
+from jax_reshard._cost import assembles_apart, chosen_lowering
 from jax_reshard._layout import Layout
 from jax_reshard._options import DEFAULT_OPTIONS, Options
 from jax_reshard._pieces import Piece as TransformPiece
@@ -148,7 +148,8 @@ def make_bucket_program(
   at = None if apart is None else tuple(sorted(positions[d] for d in apart))
   zeros = _zero_blocks(leaves, sched.union_device_ids, apart is not None)
   must_apart, whole = apart is not None and sched.must_apart, plan.options.whole_operand_bytes
-  return _program(device_ids, sched, leaves, unit, whole, *zeros, at, must_apart)
+  low = chosen_lowering(plan, bucket)
+  return _program(device_ids, sched, leaves, unit, whole, *zeros, at, must_apart, lowering=low)
 
 
 def rebound_program(
@@ -203,15 +204,24 @@ def _zero_blocks(leaves: Sequence[_LeafInput], union: Sequence[int], apart: bool
 
 
 def _program(
-  ids: Sequence[int], sched: Bucket, leaves: Sequence[_LeafInput], unit: Any, whole: int, *rest: Any
+  ids: Sequence[int],
+  sched: Bucket,
+  leaves: Sequence[_LeafInput],
+  unit: Any,
+  whole: int,
+  *rest: Any,
+  lowering: Any = None,
 ) -> BucketProgram:
-  """The program of ``leaves``: its moves, then the fields ``rest`` (placeholders and on)."""
+  """The program of ``leaves``: its moves, then the fields ``rest`` (placeholders and on), run
+  by ``lowering`` (``Options.lowerings``; ``None``: a ``ppermute`` per round)."""
   positions = {int(d): k for k, d in enumerate(ids)}
   rounds, incoming = _send_rounds(sched, leaves, unit, positions)
   assembles = _assembles(leaves, incoming, unit, positions)
   views = tuple(lf.view for lf in leaves)
   ids = tuple(int(d) for d in ids)
-  return _decided(BucketProgram(ids, views, unit, rounds, assembles, *rest), whole)
+  program = BucketProgram(ids, views, unit, rounds, assembles, *rest)
+  program = dataclasses.replace(program, lowering=lowering)
+  return _decided(program, whole)
 
 
 def _decided(program: BucketProgram, whole_bytes: int) -> BucketProgram:
@@ -358,7 +368,8 @@ def make_transform_program(
   unit, views = np.dtype(f"uint{8 * wire}"), tuple(view for _, view in inputs)
   ph = _placeholder_groups(inputs, device_ids), _dst_placeholder_groups(leaves, device_ids)
   whole = options.whole_operand_bytes
-  return _program(device_ids, sched, leaves, unit, whole, *ph, None, False, views)
+  low = chosen_lowering(plan, bucket)
+  return _program(device_ids, sched, leaves, unit, whole, *ph, None, False, views, lowering=low)
 
 
 def _transform_modes(plan: LayoutPlan, bucket: int, donate: bool) -> list[LeafMode]:

@@ -389,6 +389,9 @@ def _bucket_cost(
   written = _assembled_seconds(stage, b, received_whole, topo, in_place)
   written = written + slabs / topo.memory_bandwidth + fills / fill_bw
   slow = (slowest_cross > 0) & (slowest_cross >= transfer)
+  if (low := chosen_lowering(stage, b)) is not None:  # one step in place of the rounds
+    transfer, slow = np.array([float(low.seconds(stage, b, topo))]), np.array([slow.any()])
+    pack = pack.sum(keepdims=True)
   calls = 2 if split and not set(bucket.leaves) <= received_whole else 1
   return _BucketCost(transfer, slow, pack, written, calls)
 
@@ -407,6 +410,12 @@ def unpacked_bytes(
   repeats = repeated_rounds(stage, bucket, kept, pairs)
   kept[repeats] = size[repeats]
   return kept, received_whole
+
+
+def chosen_lowering(stage: _Stage, b: int) -> Any:
+  """The first of ``Options.lowerings`` that applies to bucket ``b`` (``None``: one ``ppermute``
+  per round). The builder records it on the program; the cost model costs it."""
+  return next((low for low in stage.options.lowerings if low.applies(stage, b)), None)
 
 
 def _made_blocks(

@@ -229,7 +229,8 @@ def _direct_value(program: BucketProgram, li: int, r: int, recv: Sequence[jax.Ar
 
 def _emit_rounds(program: BucketProgram, axis: Any, me: Any, blocks: Any, shifts: Shifts) -> list:
   """Per round, packs the payload on every device (a round that ``repeats`` an earlier one sends
-  that payload again) and moves it by one ``ppermute``: this device's received operands."""
+  that payload again) and moves it by one ``ppermute`` (or all rounds by the program's
+  ``lowering``): this device's received operands."""
   packed: list[Any] = []
   recvs = []
   for rnd in program.rounds:
@@ -245,8 +246,12 @@ def _emit_rounds(program: BucketProgram, axis: Any, me: Any, blocks: Any, shifts
       next(it) if li is None else _writable(blocks[li], program.sources[li].dtype)
       for _, _, li in rnd.operands
     ]
-    recvs.append(tuple(jax.lax.ppermute(operands, axis, list(rnd.pairs))))
-  return recvs
+    if program.lowering is None:
+      operands = jax.lax.ppermute(operands, axis, list(rnd.pairs))
+    recvs.append(tuple(operands))
+  return (
+    recvs if program.lowering is None else list(program.lowering.emit(program, axis, me, recvs))
+  )
 
 
 def _writable(block: jax.Array, dtype: np.dtype, back: bool = False) -> jax.Array:

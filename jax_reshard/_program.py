@@ -186,7 +186,8 @@ class BucketProgram:
   """Everything a bucket's devices do. ``assemblers``: positions assembling in a program of
   their own; ``must_apart``: never bundled; ``inputs``: a transformed program's sources;
   ``received``: ``(leaf, round)`` for the leaves every destination device receives whole in one
-  round's payload or operand, landing as it is."""
+  round's payload or operand, landing as it is; ``lowering``: the ``Options.lowerings`` entry
+  that runs the rounds (``None``: one ``ppermute`` each)."""
 
   device_ids: tuple[int, ...]
   leaves: tuple[LeafView, ...]
@@ -199,6 +200,7 @@ class BucketProgram:
   must_apart: bool = False
   inputs: tuple[LeafView, ...] = ()
   received: tuple[tuple[int, int], ...] = ()
+  lowering: Any = None
 
   @property
   def sources(self) -> tuple[LeafView, ...]:
@@ -431,6 +433,8 @@ def format_program(program: BucketProgram) -> str:
       cuts = ", ".join(_format_cut(c, src) for c in pack.cuts)
       pad = f" + {pack.pad_words} zero words" if pack.pad_words else ""
       lines.append(f"    senders {list(pack.positions)} pack {cuts}{pad}")
+  if (low := program.lowering) is not None:
+    lines.append(f"  rounds run as {getattr(low, 'name', type(low).__name__)}")
   for li, r in program.received:
     lines.append(f"  leaf {li} arrives whole in round {r}'s payload, as it is")
   if program.assemblers is not None:
