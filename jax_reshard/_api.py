@@ -11,7 +11,7 @@ from typing import Any, Literal, overload
 
 import jax
 
-from jax_reshard import _edge, _plan, _program, _transform
+from jax_reshard import _build, _edge, _plan, _program, _transform
 from jax_reshard._buffers import buffers_by_device
 from jax_reshard._classes import stage_classes
 from jax_reshard._cost import Estimate, estimate
@@ -96,14 +96,14 @@ class _Runner:
     for k, (stage, b) in enumerate(self.stage_buckets):
       donate, first = out and stage is first_stage, self.classes[k]
       if first < k:  # the same program as an earlier bucket, on other leaves
-        p = _program.rebound_program(programs[first], stage, b, dtypes, donate=donate)
+        p = _build.rebound_program(programs[first], stage, b, dtypes, donate=donate)
       elif stage.pieces is not None:  # a transformed stage: inputs are the source leaves
-        p = _program.make_transform_program(
+        p = _build.make_transform_program(
           stage, b, src_dtypes, dtypes, donate=donate, options=self.layout_plan.options
         )
       else:
         ids = stage.schedule.buckets[b].union_device_ids
-        p = _program.make_bucket_program(stage, b, dtypes, ids, max_word_bytes=words, donate=donate)
+        p = _build.make_bucket_program(stage, b, dtypes, ids, max_word_bytes=words, donate=donate)
       programs.append(p)
     self._programs[out] = programs
     return programs

@@ -376,16 +376,7 @@ def _bucket_cost(
   data = nbytes.astype(np.float64)[rid] / bw
   fill_bw = topo.fill_bandwidth or topo.memory_bandwidth
   slowest_cross = _phase(np.where(cross, lat + data, 0.0), rid, n, None)
-  sent_whole, received_whole = direct_steps(stage, bucket, pairs)
-  segments = whole_segment_bytes(stage, bucket, as_is)
-  kept = np.asarray(
-    [r.nbytes if k in sent_whole else segments.get(k, 0) for k, r in enumerate(bucket.rounds)],
-    dtype=np.int64,
-  )
-  # A repeated payload is packed once (no packing, no idle zeros packed): as if kept.
-  packed_as = kept.copy()
-  repeats = repeated_rounds(stage, bucket, kept, pairs)
-  packed_as[repeats] = nbytes[repeats]
+  packed_as, received_whole = unpacked_bytes(stage, bucket, as_is, pairs)
   received_zeros, packed_zeros = idle_zero_bytes(bucket, pairs, packed_as)
   transfer = _phase(lat + data, rid, n, None)
   if topo.max_parallel:
@@ -398,8 +389,33 @@ def _bucket_cost(
   written = _assembled_seconds(stage, b, received_whole, topo, in_place)
   written = written + slabs / topo.memory_bandwidth + fills / fill_bw
   slow = (slowest_cross > 0) & (slowest_cross >= transfer)
+  if (low := chosen_lowering(stage, b)) is not None:  # one step in place of the rounds
+    transfer, slow = np.array([float(low.seconds(stage, b, topo))]), np.array([slow.any()])
+    pack = pack.sum(keepdims=True)
   calls = 2 if split and not set(bucket.leaves) <= received_whole else 1
   return _BucketCost(transfer, slow, pack, written, calls)
+
+
+def unpacked_bytes(
+  stage: _Stage, bucket: Bucket, as_is: Collection[int] | None, pairs: tuple[np.ndarray, ...]
+) -> tuple[np.ndarray, set[int]]:
+  """Per round, the payload bytes no sender packs (whole source shards sent as they are; all of
+  a repeated payload, packed once), and the leaves received whole: the builder's decisions
+  (``_build._decided``) as the cost model and the pass count read them from the schedule."""
+  sent_whole, received_whole = direct_steps(stage, bucket, pairs)
+  segments = whole_segment_bytes(stage, bucket, as_is)
+  size = pairs[3]
+  kept = np.asarray([segments.get(r, 0) for r in range(len(size))], dtype=np.int64)
+  kept[sorted(sent_whole)] = size[sorted(sent_whole)]
+  repeats = repeated_rounds(stage, bucket, kept, pairs)
+  kept[repeats] = size[repeats]
+  return kept, received_whole
+
+
+def chosen_lowering(stage: _Stage, b: int) -> Any:
+  """The first of ``Options.lowerings`` that applies to bucket ``b`` (``None``: one ``ppermute``
+  per round). The builder records it on the program; the cost model costs it."""
+  return next((low for low in stage.options.lowerings if low.applies(stage, b)), None)
 
 
 def _made_blocks(

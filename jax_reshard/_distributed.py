@@ -176,7 +176,9 @@ def fingerprint(
   if relay is not None:
     sched = hashlib.sha256(f"{sched} relay {_schedule_digest(relay[1])}".encode()).hexdigest()[:16]
   fields = tuple((f.name, getattr(options, f.name)) for f in dataclasses.fields(options))
-  opts = hashlib.sha256(json.dumps(dict(fields), sort_keys=True).encode()).hexdigest()[:16]
+  opts = hashlib.sha256(
+    json.dumps(dict(fields), sort_keys=True, default=repr).encode()
+  ).hexdigest()[:16]
   total = hashlib.sha256(("\n".join([*leaf_digests, sched, opts])).encode()).hexdigest()
   return PlanFingerprint(total, tuple(leaf_digests), sched, opts, tuple(descriptions), fields)
 

@@ -27,9 +27,8 @@ from jax_reshard._program import (
   Pack,
   Received,
   Resident,
-  SendRound,
   chunk_writes,
-  in_words,
+  cut_words,
   offset_table,
   role_table,
   travels_as_is,
@@ -37,7 +36,6 @@ from jax_reshard._program import (
 )
 
 AXIS = "u"
-Segment = tuple[int, int, int | None]  # unit words start, stop; the leaf sent whole, or None
 # Per leaf, None or (dim, start) of the window it moves (a traced int32 or a constant).
 Shifts = Sequence[tuple[int, Any] | None]
 Fn = Callable[..., tuple[jax.Array, ...]]
@@ -182,12 +180,6 @@ def _read_views(program: BucketProgram, blocks: Sequence[Any], cuts: Iterable[Cu
   return {k: _local_view(program.sources[k], blocks[k]) for k in sorted({c.leaf for c in cuts})}
 
 
-def _cut_words(program: BucketProgram, cut: Cut) -> int:
-  """Unit words of ``cut`` in a payload (after its casts)."""
-  word = uint_dtype(cut.casts[-1]) if cut.casts else program.sources[cut.leaf].word
-  return math.prod(cut.shape) * word.itemsize // program.unit.itemsize
-
-
 def _cast_words(x: jax.Array, dtype: np.dtype, casts: Sequence[np.dtype]) -> jax.Array:
   """Words of ``dtype`` elements cast by ``casts`` in order, as words of the last."""
   if not casts:
@@ -206,7 +198,7 @@ def _pack_fn(program: BucketProgram, pack: Pack, ranges: Any, shifts: Shifts) ->
     for start, stop in ranges:
       parts, at = [], 0
       for c in pack.cuts:
-        size = _cut_words(program, c)
+        size = cut_words(program, c)
         if start <= at and at + size <= stop:
           lo = _leaf_at(program, shifts, c.leaf, len(c.shape))
           parts.append(_to_units(_cut(program, c, shards, me, lo), program.unit))
@@ -219,94 +211,6 @@ def _pack_fn(program: BucketProgram, pack: Pack, ranges: Any, shifts: Shifts) ->
   return branch
 
 
-def _is_whole(cut: Cut, lf: LeafView) -> bool:
-  """Whether ``cut`` is the whole source shard of ``lf``."""
-  shape = in_words(lf.src_shard, lf.word_ratio)
-  return cut.static_offset == (0,) * len(cut.shape) and cut.shape == shape
-
-
-def whole_segments(program: BucketProgram, rnd: SendRound) -> tuple[Segment, ...] | None:
-  """A packed round's payload cut at the big whole source shards every sender sends at the same
-  words, as ``(start, stop, leaf)`` (``None``: packed words), or ``None``."""
-  if not rnd.packs or whole_block_leaves(program, rnd) is not None:
-    return None
-  common: set[Segment] | None = None
-  for p in rnd.packs:
-    at, found = 0, set[Segment]()
-    for cut in p.cuts:
-      lf, size = program.sources[cut.leaf], _cut_words(program, cut)
-      big = size * program.unit.itemsize >= program.whole_operand_bytes
-      plain = not cut.casts and lf.src_window is None and travels_as_is(lf.dtype)
-      if _is_whole(cut, lf) and big and plain:
-        found.add((at, at + size, cut.leaf))
-      at += size
-    common = found if common is None else common & found
-  if not common:
-    return None
-  out: list[Segment] = []
-  at = 0
-  for start, stop, li in sorted(common):
-    out += [(at, start, None)] if start > at else []
-    out.append((start, stop, li))
-    at = stop
-  return tuple(out + ([(at, rnd.words, None)] if at < rnd.words else []))
-
-
-def whole_block_leaves(program: BucketProgram, rnd: SendRound) -> tuple[int, ...] | None:
-  """The leaves whose whole source shards every sender of ``rnd`` sends, uncast, in one order."""
-  if not rnd.packs or any(p.pad_words for p in rnd.packs):
-    return None
-  leaves = tuple(c.leaf for c in rnd.packs[0].cuts)
-  if len(set(leaves)) != len(leaves):
-    return None
-  for p in rnd.packs:
-    if tuple(c.leaf for c in p.cuts) != leaves:
-      return None
-    if any(c.casts or not _is_whole(c, program.sources[c.leaf]) for c in p.cuts):
-      return None
-  return leaves
-
-
-def operand_layout(program: BucketProgram, rnd: SendRound) -> tuple[Segment, ...]:
-  """Per operand of a round's ``ppermute``, ``(start, stop, leaf)`` (``None``: packed words)."""
-  whole = whole_block_leaves(program, rnd)
-  if whole is None:
-    return whole_segments(program, rnd) or ((0, rnd.words, None),)
-  out, at = [], 0
-  for li in whole:
-    lf = program.sources[li]
-    size = math.prod(in_words(lf.src_shard, lf.word_ratio)) * lf.word.itemsize
-    out.append((at, at := at + size // program.unit.itemsize, li))
-  return tuple(out)
-
-
-def received_whole(program: BucketProgram) -> dict[int, int]:
-  """Leaf -> round, for the leaves every destination device receives whole in one round's
-  payload (or operand), landing as it is."""
-  out = {}
-  for li, lf in enumerate(program.leaves):
-    if lf.in_place or lf.dst_input:
-      continue
-    rounds = set()
-    for parts in (role.parts[li] for role in program.assembles):
-      if parts is None:
-        continue
-      p = parts[0] if len(parts) == 1 else None
-      if not isinstance(p, Received) or p.arrange is not None or any(p.offset):
-        break
-      rnd = program.rounds[p.round]
-      segments = {(0, rnd.words)}
-      if (whole := whole_block_leaves(program, rnd)) is not None and len(whole) > 1:
-        segments = {(a, b) for a, b, _ in operand_layout(program, rnd)}
-      if (p.start, p.stop) not in segments or p.shape != lf.dst_words:
-        break
-      rounds.add(p.round)
-    else:
-      if len(rounds) == 1:
-        out[li] = rounds.pop()
-  return out
-
-
 def _direct_value(program: BucketProgram, li: int, r: int, recv: Sequence[jax.Array]) -> jax.Array:
   """Leaf ``li``'s block, received whole in round ``r``."""
   lf = program.leaves[li]
@@ -315,7 +219,7 @@ def _direct_value(program: BucketProgram, li: int, r: int, recv: Sequence[jax.Ar
     for a in program.assembles
     if (ps := a.parts[li]) is not None and isinstance(ps[0], Received)
   )
-  for (a, b, src), v in zip(operand_layout(program, program.rounds[r]), recv, strict=True):
+  for (a, b, src), v in zip(program.rounds[r].operands, recv, strict=True):
     same = v.dtype in (lf.dtype, uint_dtype(lf.dtype)) and v.size == math.prod(lf.dst_block)
     if (a, b) == (p.start, p.stop) and src is not None and same:
       return (v if v.dtype == lf.dtype else _from_uint(v, lf.dtype)).reshape(lf.dst_block)
@@ -324,28 +228,30 @@ def _direct_value(program: BucketProgram, li: int, r: int, recv: Sequence[jax.Ar
 
 
 def _emit_rounds(program: BucketProgram, axis: Any, me: Any, blocks: Any, shifts: Shifts) -> list:
-  """Per round, packs the payload on every device (a packed round repeating an earlier one sends
-  its payload again) and moves it by one ``ppermute``: this device's received operands."""
-  packed: dict[tuple[object, ...], Any] = {}
+  """Per round, packs the payload on every device (a round that ``repeats`` an earlier one sends
+  that payload again) and moves it by one ``ppermute`` (or all rounds by the program's
+  ``lowering``): this device's received operands."""
+  packed: list[Any] = []
   recvs = []
   for rnd in program.rounds:
-    layout = operand_layout(program, rnd)
-    ranges = [(a, b) for a, b, li in layout if li is None]
-    key = (rnd.words, rnd.packs) if len(layout) == len(ranges) else None
-    values = () if key is None else packed.get(key, ())
+    ranges = [(a, b) for a, b, li in rnd.operands if li is None]
+    values = () if rnd.repeats is None else packed[rnd.repeats]
     if ranges and not values:
       idle: Fn = lambda me, *_, rs=ranges: tuple(jnp.zeros((b - a,), program.unit) for a, b in rs)
       branches = [idle, *(_pack_fn(program, p, ranges, shifts) for p in rnd.packs)]
       values = _switch(me, role_table(len(program.device_ids), rnd.packs), branches, me, *blocks)
-      if key is not None:
-        packed[key] = values
+    packed.append(values)
     it = iter(values)
     operands = [
       next(it) if li is None else _writable(blocks[li], program.sources[li].dtype)
-      for _, _, li in layout
+      for _, _, li in rnd.operands
     ]
-    recvs.append(tuple(jax.lax.ppermute(operands, axis, list(rnd.pairs))))
-  return recvs
+    if program.lowering is None:
+      operands = jax.lax.ppermute(operands, axis, list(rnd.pairs))
+    recvs.append(tuple(operands))
+  return (
+    recvs if program.lowering is None else list(program.lowering.emit(program, axis, me, recvs))
+  )
 
 
 def _writable(block: jax.Array, dtype: np.dtype, back: bool = False) -> jax.Array:
@@ -410,7 +316,7 @@ def _payload_words(
 ) -> jax.Array:
   """Unit words ``start:stop`` of round ``r``'s received operands."""
   views = []
-  for (a, b, li), v in zip(operand_layout(program, program.rounds[r]), recv, strict=True):
+  for (a, b, li), v in zip(program.rounds[r].operands, recv, strict=True):
     words = v if li is None else _to_units(_local_view(program.sources[li], v), program.unit)
     if a <= start and stop <= b:
       return words if (start, stop) == (a, b) else jax.lax.slice(words, (start - a,), (stop - a,))
@@ -517,7 +423,7 @@ def emit_body(program: BucketProgram, axis: Any, *, shift_inputs: bool = False) 
     and (w := chunk_writes(program, li)) is not None
     and (w.sources is not None or lf.dst_input)
   }
-  direct = received_whole(program)
+  direct = dict(program.received)
   switched = [li for li in range(num_leaves) if li not in writes and li not in direct]
   valued = {li: w for li, w in writes.items() if w.sources is None}
   roles = [None, *range(len(program.assembles))]
@@ -556,7 +462,7 @@ def emit_body(program: BucketProgram, axis: Any, *, shift_inputs: bool = False) 
 
 def split_outputs(program: BucketProgram) -> tuple[dict[int, int], Leaves, Leaves]:
   """A bucket assembling apart: the leaves received whole, those assembled, the rounds read."""
-  direct = received_whole(program)
+  direct = dict(program.received)
   assembled = tuple(li for li in range(len(program.leaves)) if li not in direct)
   parts = [p for a in program.assembles for li in assembled for p in a.parts[li] or ()]
   return direct, assembled, tuple(sorted({p.round for p in parts if isinstance(p, Received)}))
@@ -598,7 +504,7 @@ def emit_assembly_body(program: BucketProgram, axis: Any) -> Fn:
   assert program.assemblers is not None
   positions = np.asarray(program.assemblers, dtype=np.int32)
   local = role_table(len(program.device_ids), program.assembles)[positions]
-  operands = [len(operand_layout(program, program.rounds[r])) for r in rounds]
+  operands = [len(program.rounds[r].operands) for r in rounds]
   sources = resident_sources(program)
 
   def body(*inputs: jax.Array) -> tuple[jax.Array, ...]:

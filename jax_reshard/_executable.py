@@ -35,8 +35,6 @@ from jax_reshard._emit import (
   emit_traced_move,
   emit_transfer_body,
   from_bytes,
-  operand_layout,
-  received_whole,
   resident_sources,
   shift_starts,
   split_outputs,
@@ -150,7 +148,7 @@ def _compiled_program(
 def _transfer_program(signature: BucketProgram, devices: tuple[Any, ...]) -> Any:
   """The compiled transfer program (:func:`emit_transfer_body`) on ``devices``."""
   direct, _, rounds = split_outputs(signature)
-  num_out = len(direct) + sum(len(operand_layout(signature, signature.rounds[r])) for r in rounds)
+  num_out = len(direct) + sum(len(signature.rounds[r].operands) for r in rounds)
   blocks = [(lf.src_block, lf.dtype) for lf in signature.leaves]
   return _compile_staged(emit_transfer_body(signature, AXIS), devices, blocks, num_out)
 
@@ -699,7 +697,7 @@ class BucketExecutable:
     n = len(p.device_ids)
     out = 2 * (bundle.src_bytes * (n_src + n) + bundle.dst_bytes * (n + n_dst))
     if p.assemblers is not None:
-      direct = received_whole(p)
+      direct = dict(p.received)
       assembled = [lf for li, lf in enumerate(p.leaves) if li not in direct]
       out += (n - len(p.assemblers)) * sum(block_bytes(lf.dst_block, lf.dtype) for lf in assembled)
     return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+from typing import Any
 
 from jax_reshard._errors import ReshardError
 
@@ -68,11 +69,18 @@ class Options:
     max_grid_slabs: slabs per side a grid cuts a leaf into at most (``_schedule.split_grid``,
       both shards over the bound): a floor of about 1/``max_grid_slabs`` of each shard per
       device, up to its square of buckets. Default 64: a few thousand buckets at most.
+    lowerings: other ways to run a bucket's rounds than one ``ppermute`` each, tried in order;
+      each an object (hashable, as a frozen dataclass) with ``applies(stage, bucket) -> bool``
+      (NumPy, from the stage's schedule: the program builder and the cost model both ask it),
+      ``seconds(stage, bucket, topology) -> float`` (its transfer time, in the cost model in
+      place of the rounds') and ``emit(program, axis, me, sent)`` (inside the program's
+      ``shard_map``: given per round the operands each ``ppermute`` would send, per round what
+      this device receives). Default none; ``docs/design.md``, "Adding a lowering".
 
   Raises:
-    ReshardError: a switch that is not ``True`` or ``False``, or a threshold that is not an
-      int of at least 0 (1 for ``max_bucket_leaves``, ``min_period_leaves``,
-      ``in_flight_buckets`` and ``max_grid_slabs``).
+    ReshardError: a switch that is not ``True`` or ``False``, a threshold that is not an int
+      of at least 0 (1 for ``max_bucket_leaves``, ``min_period_leaves``, ``in_flight_buckets``
+      and ``max_grid_slabs``), or lowerings without those three methods.
 
   Example:
     >>> import jax, jax_reshard as jr
@@ -97,6 +105,7 @@ class Options:
   min_period_leaves: int = 8
   in_flight_buckets: int = 2
   max_grid_slabs: int = 64
+  lowerings: tuple[Any, ...] = ()
 
   def __post_init__(self) -> None:
     for f in dataclasses.fields(self):
@@ -109,6 +118,14 @@ class Options:
         raise ReshardError(f"Options.{f.name} must be an int of at least {least}, got {value!r}")
       if f.type == "int":  # NumPy ints are kept as Python ints
         object.__setattr__(self, f.name, int(value))
+    rules = ("applies", "seconds", "emit")
+    if not isinstance(self.lowerings, tuple) or not all(
+      all(callable(getattr(low, r, None)) for r in rules) for low in self.lowerings
+    ):
+      raise ReshardError(
+        f"Options.lowerings must be a tuple of objects with {', '.join(rules)} methods, got "
+        f"{self.lowerings!r}"
+      )
 
 
 DEFAULT_OPTIONS = Options()

@@ -17,14 +17,12 @@ from jax_reshard._cost import (
   Estimate,
   assembles_apart,
   count_keys,
-  direct_steps,
   estimate,
   idle_zero_bytes,
   pair_runs,
-  repeated_rounds,
   round_pairs,
   time_lower_bound,
-  whole_segment_bytes,
+  unpacked_bytes,
 )
 from jax_reshard._errors import ReshardError
 from jax_reshard._layout import Layout
@@ -652,14 +650,8 @@ def _bucket_pass_bytes(plan: LayoutPlan, bucket: Bucket, as_is, split: bool) -> 
   nbytes = np.asarray(bucket.piece_nbytes, dtype=np.int64)
   fill = np.add.reduceat(nbytes, first) if len(nbytes) else nbytes
   rid, ps, pd, size = arrays = round_pairs(bucket.rounds)
-  sent_whole, received_whole = direct_steps(plan, bucket, arrays)
+  kept, received_whole = unpacked_bytes(plan, bucket, as_is, arrays)
   pairs = np.bincount(rid, minlength=len(size))  # a matching: each device sends, receives once
-  kept = np.zeros(len(size), dtype=np.int64)  # bytes of each payload sent as they are
-  for r, k in whole_segment_bytes(plan, bucket, as_is).items():
-    kept[r] = k
-  kept[sorted(sent_whole)] = size[sorted(sent_whole)]
-  repeats = repeated_rounds(plan, bucket, kept, arrays)  # packed once, sent again
-  kept[repeats] = size[repeats]
   packed = kept < size
   read = (fill[np.searchsorted(keys, ps * (1 << 32) + pd)] - kept[rid])[packed[rid]]
   out["transfer"] += int((2 * pairs * size).sum())

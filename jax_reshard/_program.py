@@ -3,34 +3,22 @@
 Per round every sender of a bucket's 1-D mesh packs cuts of its source shards and one
 ``ppermute`` moves the payloads; then every destination device assembles its shards. Devices
 whose work differs only in offsets share a role (:class:`Pack`, :class:`Assemble`) reading them
-from a table. Data moves as unsigned words; ``_emit`` turns a program into ``shard_map`` code.
+from a table. Data moves as unsigned words. ``_build`` makes programs, deciding every lowering
+once and recording it here as data; ``_emit`` turns one into ``shard_map`` code.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from jax_reshard._classes import LeafMode, leaf_modes
-from jax_reshard._cost import assembles_apart
-from jax_reshard._layout import Layout
-from jax_reshard._options import DEFAULT_OPTIONS, Options
-from jax_reshard._pieces import Piece as TransformPiece
-from jax_reshard._plan import LayoutPlan
-from jax_reshard._planner import LeafPlan
-from jax_reshard._schedule import (
-  Bucket,
-  Piece,
-  donated_mask,
-  placeholder_mask,
-  staged_block_shape,
-)
-
 Box = tuple[int, ...]
+Segment = tuple[int, int, int | None]  # unit words start, stop; the leaf sent whole, or None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -127,11 +115,16 @@ class Pack:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SendRound:
-  """One ``ppermute`` of ``words`` unit words per position pair; devices in no pack send zeros."""
+  """One ``ppermute`` of ``words`` unit words per position pair; devices in no pack send zeros.
+  ``operands``: its operands as ``(start, stop, leaf)`` (a leaf's whole staged source block sent
+  as it is, or ``None``: packed words); ``repeats``: an earlier round whose packed payload this
+  one sends again (packed once)."""
 
   words: int
   pairs: tuple[tuple[int, int], ...]
   packs: tuple[Pack, ...]
+  operands: tuple[Segment, ...] = ()
+  repeats: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -191,7 +184,10 @@ class PlaceholderGroup:
 @dataclasses.dataclass(frozen=True, slots=True)
 class BucketProgram:
   """Everything a bucket's devices do. ``assemblers``: positions assembling in a program of
-  their own; ``must_apart``: never bundled; ``inputs``: a transformed program's sources."""
+  their own; ``must_apart``: never bundled; ``inputs``: a transformed program's sources;
+  ``received``: ``(leaf, round)`` for the leaves every destination device receives whole in one
+  round's payload or operand, landing as it is; ``lowering``: the ``Options.lowerings`` entry
+  that runs the rounds (``None``: one ``ppermute`` each)."""
 
   device_ids: tuple[int, ...]
   leaves: tuple[LeafView, ...]
@@ -203,7 +199,8 @@ class BucketProgram:
   assemblers: tuple[int, ...] | None = None
   must_apart: bool = False
   inputs: tuple[LeafView, ...] = ()
-  whole_operand_bytes: int = dataclasses.field(kw_only=True)
+  received: tuple[tuple[int, int], ...] = ()
+  lowering: Any = None
 
   @property
   def sources(self) -> tuple[LeafView, ...]:
@@ -262,358 +259,10 @@ def travels_as_is(dtype: np.dtype) -> bool:
   return np.dtype(dtype).type.__module__ == "numpy"
 
 
-def widest_word(
-  plan: LeafPlan, src: Layout, dst: Layout, dtype: np.dtype, *, max_word_bytes: int
-) -> np.dtype:
-  """The widest unsigned word (up to ``max_word_bytes``) dividing a leaf's last-dim bounds."""
-  itemsize = max(dtype.itemsize, 1)
-  if not src.shape:
-    return uint_dtype(dtype)
-  bounds = [src.shard_shape()[-1], dst.shard_shape()[-1], src.shape[-1]]
-  g = int(np.gcd.reduce(np.concatenate([bounds, plan.lo[:, -1], plan.hi[:, -1]])))
-  word = itemsize
-  while word < max_word_bytes and g % ((word * 2) // itemsize) == 0:
-    word *= 2
-  return np.dtype(f"uint{8 * word}")
-
-
-# A transformed leaf's transfer: input position, layout, box start and shape, casts, landing.
-_Row = tuple[int, Layout, Box, Box, tuple[np.dtype, ...], Arrange | None]
-
-
-@dataclasses.dataclass(frozen=True, slots=True, eq=False)
-class _LeafInput:
-  """A leaf's plan, layouts and view while its program is worked out."""
-
-  plan: LeafPlan
-  src: Layout
-  dst: Layout
-  view: LeafView
-  copies: np.ndarray | bool = True  # which rows' local copies the bucket makes
-  fresh: bool = False  # see LeafMode
-  rows: tuple[_Row, ...] = ()  # a transformed leaf's transfers
-
-  def cut(self, li: int, t: int, dev: int, positions: dict[int, int]) -> Cut:
-    """The cut device ``dev`` reads for transfer ``t`` of this leaf (``li``)."""
-    (lo, shape), (src, casts) = self.src_box(t, dev), self.rows[t][::4] if self.rows else (li, ())
-    return Cut(src, shape, ((positions[dev], lo),), casts)
-
-  def arrange(self, t: int) -> Arrange | None:
-    """How transfer ``t`` lands."""
-    return self.rows[t][5] if self.rows else None
-
-  def src_box(self, t: int, dev: int) -> tuple[Box, Box]:
-    """(offset, shape) in words of transfer ``t`` in ``dev``'s staged source block."""
-    if self.rows:  # in its source leaf's elements
-      _, src, lo, shape, _, _ = self.rows[t]
-      at = src.starts[src.device_ids.index(dev)]
-      return tuple(a - b for a, b in zip(lo, at, strict=True)), shape
-    w = self.view.src_window
-    start = _start(self.src, dev, None if w is None else (w.dim, w.start), self.view.shift)
-    lo, hi, ratio = self.plan.lo[t], self.plan.hi[t], self.view.word_ratio
-    return in_words(lo - start, ratio), in_words(hi - lo, ratio)
-
-  def dst_offset(self, t: int, dev: int) -> Box:
-    """Offset in words of transfer ``t`` in ``dev``'s destination shard (or its slab)."""
-    w = self.view.dst_window  # a slab's offsets are in it (the shift is the source's)
-    first = self.view.shift if w is None else (w.dim, w.start)
-    start = _start(self.dst, dev, first, self.view.dst_shift)
-    return in_words(self.plan.lo[t] - start, self.view.word_ratio)
-
-
-def _start(layout: Layout, dev: int, *shifts: tuple[int, int] | None) -> np.ndarray:
-  """``dev``'s shard start in ``layout``, moved by each ``(dim, start)`` of ``shifts``."""
-  start = np.asarray(layout.starts[layout.device_ids.index(dev)], dtype=np.int64)
-  for shift in shifts:
-    if shift is not None:
-      start[shift[0]] += shift[1]
-  return start
-
-
-def make_bucket_program(
-  plan: LayoutPlan,
-  bucket: int,
-  dtypes: Sequence[np.dtype],
-  device_ids: Sequence[int],
-  *,
-  max_word_bytes: int,
-  donate: bool = False,
-) -> BucketProgram:
-  """The program of bucket ``bucket`` of ``plan`` over ``device_ids`` (per mesh position); with
-  ``donate`` every leaf takes its destination block as an input, aliased to its output."""
-  sched, leaf_ids = plan.schedule.buckets[bucket], plan.bucket_leaves(bucket)
-  mwb, size = max_word_bytes, lambda d: d.itemsize
-  wide = [
-    widest_word(plan.leaf_plans[i], *plan.layouts[i], dtypes[i], max_word_bytes=mwb)
-    for i in leaf_ids
-  ]
-  unit = min(wide, key=size)
-  # Each leaf works in the unit, or in its own width where wider (widening, then narrowing
-  # below the element width, trips XLA's bitcast folding).
-  words = [max(uint_dtype(dtypes[i]), unit, key=size) for i in leaf_ids]
-  leaves, modes = _leaf_inputs(plan, bucket, dtypes, words, donate)
-  apart = assembles_apart(plan, bucket, modes)
-  positions = {d: k for k, d in enumerate(device_ids)}
-  at = None if apart is None else tuple(sorted(positions[d] for d in apart))
-  zeros = _zero_blocks(leaves, sched.union_device_ids, apart is not None)
-  must_apart, whole = apart is not None and sched.must_apart, plan.options.whole_operand_bytes
-  return _program(device_ids, sched, leaves, unit, whole, *zeros, at, must_apart)
-
-
-def rebound_program(
-  program: BucketProgram, plan: LayoutPlan, bucket: int, dtypes: Sequence[np.dtype], *, donate: bool
-) -> BucketProgram:
-  """``program`` as bucket ``bucket`` (of the same :func:`program_signature`) runs it."""
-  words = [lf.word for lf in program.leaves]
-  leaves, _ = _leaf_inputs(plan, bucket, dtypes, words, donate)
-  union = plan.schedule.buckets[bucket].union_device_ids
-  ph, dst_ph = _zero_blocks(leaves, union, program.assemblers is not None)
-  views = tuple(lf.view for lf in leaves)
-  return dataclasses.replace(program, leaves=views, placeholders=ph, dst_placeholders=dst_ph)
-
-
-def _view(index: int, shape: Box, dtype: Any, word: Any, src: Box, dst: Box, **kw: Any) -> LeafView:
-  """A :class:`LeafView` of source and destination shards ``src`` and ``dst``."""
-  blocks = staged_block_shape(src), staged_block_shape(dst)
-  dst_words = in_words(dst, word.itemsize // max(dtype.itemsize, 1))
-  return LeafView(index, shape, dtype, word, src, dst, *blocks, dst_words, **kw)
-
-
-def _leaf_inputs(
-  plan: LayoutPlan, bucket: int, dtypes: Sequence[Any], words: Sequence[Any], donate: bool
-) -> tuple[list[_LeafInput], list[LeafMode]]:
-  """The bucket's leaves in ``words`` and how the bucket treats them (:func:`leaf_modes`)."""
-  relayed = plan.relayed_leaves() if donate else frozenset()
-  modes = leaf_modes(
-    plan.schedule, plan.layouts, plan.scheduled, bucket, donate=donate, relayed=relayed
-  )
-  out = []
-  for i, word, mode in zip(plan.bucket_leaves(bucket), words, modes, strict=True):
-    src, dst = plan.layouts[i]
-    win = None if mode.window is None else SourceWindow(*mode.window, src.shard_shape())
-    dwin = (
-      None if mode.dst_window is None else DestinationWindow(*mode.dst_window, dst.shard_shape())
-    )
-    same = ("in_place", "dst_input", "carry_out", "shift", "dst_shift")
-    kw = {name: getattr(mode, name) for name in same}
-    src_shard = src.shard_shape() if win is None else win.shape()
-    dst_shard = dst.shard_shape() if dwin is None else dwin.shape()
-    view = _view(
-      i, src.shape, dtypes[i], word, src_shard, dst_shard, src_window=win, dst_window=dwin, **kw
-    )
-    out.append(_LeafInput(plan.leaf_plans[i], src, dst, view, mode.copies, mode.fresh))
-  return out, modes
-
-
-def _zero_blocks(leaves: Sequence[_LeafInput], union: Sequence[int], apart: bool) -> Any:
-  """The zero source and destination blocks of leaves (none of the latter assembling apart)."""
-  ph = _placeholder_groups([(lf.src, lf.view) for lf in leaves], union)
-  return ph, () if apart else _dst_placeholder_groups(leaves, union)
-
-
-def _program(
-  ids: Sequence[int], sched: Bucket, leaves: Sequence[_LeafInput], unit: Any, whole: int, *rest: Any
-) -> BucketProgram:
-  """The program of ``leaves``: its moves, then the fields ``rest`` (placeholders and on)."""
-  positions = {int(d): k for k, d in enumerate(ids)}
-  rounds, incoming = _send_rounds(sched, leaves, unit, positions)
-  assembles = _assembles(leaves, incoming, unit, positions)
-  views = tuple(lf.view for lf in leaves)
-  ids = tuple(int(d) for d in ids)
-  return BucketProgram(ids, views, unit, rounds, assembles, *rest, whole_operand_bytes=whole)
-
-
-def make_transform_program(
-  plan: LayoutPlan,
-  bucket: int,
-  src_dtypes: Sequence[np.dtype],
-  out_dtypes: Sequence[np.dtype],
-  device_ids: Sequence[int] | None = None,
-  *,
-  donate: bool = False,
-  options: Options = DEFAULT_OPTIONS,
-) -> BucketProgram:
-  """The program of bucket ``bucket`` of a transformed plan's first stage: its inputs are the
-  source leaves its outputs read; cuts carry the sender's casts, parts an :class:`Arrange`.
-  ``device_ids`` default to the bucket's, ascending."""
-  assert plan.pieces is not None and plan.inputs is not None, "not a transformed plan"
-  pieces, src = plan.pieces, plan.inputs
-  sched = plan.schedule.buckets[bucket]
-  outs = tuple(plan.scheduled[j] for j in sched.leaves)
-  modes = _transform_modes(plan, bucket, donate)
-  used = sorted(
-    {p.src_leaf for i, m in zip(outs, modes, strict=True) for p in _moved(pieces[i], m.copies)}
-  )
-  if device_ids is None:
-    held = (d for j in used for d in src[j].device_ids)
-    device_ids = sorted({*sched.union_device_ids, *held})
-  inputs = [(src[j], _own_view(j, src[j], src_dtypes[j])) for j in used]
-  at = {j: k for k, j in enumerate(used)}
-  leaves = []
-  for i, mode in zip(outs, modes, strict=True):
-    senders, dst = plan.layouts[i]
-    rows = tuple(
-      _row(p, src[p.src_leaf], at.get(p.src_leaf, -1)) for p in pieces[i]
-    )  # (rows of other chunks read nothing here)
-    view = _own_view(i, dst, out_dtypes[i], dst_input=mode.dst_input)
-    view = dataclasses.replace(view, in_place=mode.in_place, carry_out=mode.carry_out)
-    leaves.append(_LeafInput(plan.leaf_plans[i], senders, dst, view, mode.copies, rows=rows))
-  wire = min((p.wire_dtype.itemsize for i in outs for p in pieces[i]), default=1)
-  unit, views = np.dtype(f"uint{8 * wire}"), tuple(view for _, view in inputs)
-  ph = _placeholder_groups(inputs, device_ids), _dst_placeholder_groups(leaves, device_ids)
-  whole = options.whole_operand_bytes
-  return _program(device_ids, sched, leaves, unit, whole, *ph, None, False, views)
-
-
-def _transform_modes(plan: LayoutPlan, bucket: int, donate: bool) -> list[LeafMode]:
-  """Per leaf of a transformed bucket, how it treats it: a leaf cut into chunks over several
-  buckets as :func:`leaf_modes` says (written in place, carried on), else whole (donated
-  blocks taken where ``donate``)."""
-  sched, schedule = plan.schedule.buckets[bucket], plan.schedule
-  relayed = plan.relayed_leaves() if donate else frozenset()
-  modes = leaf_modes(schedule, plan.layouts, plan.scheduled, bucket, donate=donate, relayed=relayed)
-  return [
-    m if len(schedule.leaf_buckets[j]) > 1 else LeafMode(dst_input=donate)
-    for j, m in zip(sched.leaves, modes, strict=True)
-  ]
-
-
-def _moved(pieces: Sequence[TransformPiece], copies: np.ndarray | bool) -> list[TransformPiece]:
-  """The pieces of the rows a bucket moves: those ``copies`` marks (``True``: every row)."""
-  if copies is True:
-    return list(pieces)
-  marked = np.broadcast_to(copies, len(pieces)).tolist()
-  return [p for p, c in zip(pieces, marked, strict=True) if c]
-
-
-def _own_view(index: int, layout: Layout, dtype: np.dtype, *, dst_input: bool = False) -> LeafView:
-  """A transformed program's view of a leaf on one side, in its own width."""
-  shard, dtype = layout.shard_shape(), np.dtype(dtype)
-  return _view(index, layout.shape, dtype, uint_dtype(dtype), shard, shard, dst_input=dst_input)
-
-
-def _row(p: TransformPiece, src: Layout, position: int) -> _Row:
-  """What piece ``p`` (of input ``position``, laid out as ``src``) reads and how it lands."""
-  shape = tuple(b - a for a, b in zip(p.src_lo, p.src_hi, strict=True))
-  out = tuple(b - a for a, b in zip(p.out_lo, p.out_hi, strict=True))
-  moved = p.perm == tuple(range(len(p.perm))) and shape == out and not p.receiver_casts
-  arrange = None if moved else Arrange(p.wire_dtype, p.extents, p.perm, out, p.receiver_casts)
-  return position, src, p.src_lo, shape, p.sender_casts, arrange
-
-
-# Per receiving device, per bucket leaf: (transfer, round, piece) it receives.
-_Incoming = dict[int, dict[int, list[tuple[int, int, Piece]]]]
-
-
-def _send_rounds(
-  bucket: Bucket, leaves: Sequence[_LeafInput], unit: np.dtype, positions: dict[int, int]
-) -> tuple[tuple[SendRound, ...], _Incoming]:
-  """The rounds of a bucket with senders grouped into roles, and what every device receives."""
-  pieces, local = bucket.pieces(), {j: li for li, j in enumerate(bucket.leaves)}
-  incoming: _Incoming = defaultdict(lambda: defaultdict(list))
-  rounds = []
-  for r, rnd in enumerate(bucket.rounds):
-    roles: dict[Any, list[tuple[int, list[Piece], list[Cut]]]] = defaultdict(list)
-    for s_dev, d_dev in rnd.pairs:
-      ps = pieces[(s_dev, d_dev)]
-      lis = [local[p.leaf] for p in ps]
-      cuts = [
-        leaves[li].cut(li, p.transfer, s_dev, positions) for li, p in zip(lis, ps, strict=True)
-      ]
-      key = tuple(zip(lis, [dataclasses.replace(c, offsets=()) for c in cuts], strict=True))
-      roles[key].append((s_dev, ps, cuts))  # senders whose cuts match up to offsets
-      for li, p in zip(lis, ps, strict=True):
-        incoming[d_dev][li].append((p.transfer, r, p))
-    packs = tuple(
-      Pack(
-        tuple(positions[dev] for dev, _, _ in m),
-        tuple(_merged([cuts[k] for _, _, cuts in m]) for k in range(len(m[0][2]))),
-        max(rnd.nbytes - sum(p.nbytes for p in m[0][1]), 0) // unit.itemsize,
-      )
-      for m in roles.values()
-    )
-    pairs = tuple((positions[s], positions[d]) for s, d in rnd.pairs)
-    rounds.append(SendRound(rnd.nbytes // unit.itemsize, pairs, packs))
-  return tuple(rounds), incoming
-
-
-def _device_parts(
-  dev: int, leaves: Sequence[_LeafInput], incoming: dict[int, list[Any]], unit: Any, positions: Any
-) -> tuple[tuple[Part, ...] | None, ...]:
-  """Per leaf, the parts device ``dev`` assembles its shard from, by offset."""
-  out: list[tuple[Part, ...] | None] = []
-  for li, leaf in enumerate(leaves):
-    if dev not in leaf.dst.device_ids:
-      out.append(None)
-      continue
-    plan, parts = leaf.plan, list[Part]()
-    for t in np.nonzero(plan.local & (plan.dst_device == dev) & leaf.copies)[0].tolist():
-      cut = leaf.cut(li, t, dev, positions)
-      parts.append(Resident(leaf.dst_offset(t, dev), cut, leaf.arrange(t)))
-    for t, r, piece in incoming.get(li, []):
-      a, b = piece.offset // unit.itemsize, (piece.offset + piece.nbytes) // unit.itemsize
-      shape = in_words(plan.hi[t] - plan.lo[t], leaf.view.word_ratio)
-      parts.append(Received(leaf.dst_offset(t, dev), shape, r, a, b, leaf.arrange(t)))
-    out.append(tuple(sorted(parts, key=lambda q: q.offset)))
-  return tuple(out)
-
-
-def _merged(parts: Sequence[Any], strip: bool = False) -> Any:
-  """The first of ``parts`` (cuts, or parts) cut at all their offsets (none: ``strip``)."""
-  p = parts[0]
-  if isinstance(p, Received):
-    return p
-  if isinstance(p, Resident):
-    return dataclasses.replace(p, cut=_merged([q.cut for q in parts], strip))
-  return dataclasses.replace(p, offsets=() if strip else tuple(o for q in parts for o in q.offsets))
-
-
-def _assembles(
-  leaves: Sequence[_LeafInput], incoming: _Incoming, unit: np.dtype, positions: dict[int, int]
-) -> tuple[Assemble, ...]:
-  """The destination devices grouped into roles of identical assembly up to source offsets."""
-  roles: dict[Any, list[tuple[int, Any]]] = defaultdict(list)
-  for dev in sorted({d for leaf in leaves for d in leaf.dst.device_ids}):
-    parts = _device_parts(dev, leaves, incoming[dev], unit, positions)
-    key = tuple(None if ps is None else tuple(_merged([p], True) for p in ps) for ps in parts)
-    roles[key].append((dev, parts))
-  out = []
-  for members in roles.values():
-    merged = tuple(
-      None if ps is None else tuple(_merged([m[li][k] for _, m in members]) for k in range(len(ps)))
-      for li, ps in enumerate(members[0][1])
-    )
-    out.append(Assemble(tuple(positions[dev] for dev, _ in members), merged))
-  return tuple(out)
-
-
-def _placeholder_groups(sources: Any, device_ids: Sequence[int]) -> tuple[PlaceholderGroup, ...]:
-  """Per set of devices, the zero blocks (per shape and dtype) they stage for ``sources``."""
-  union = np.asarray(device_ids, dtype=np.int64)
-  needs: dict[tuple[Box, np.dtype], set[int]] = defaultdict(set)
-  for src, view in sources:
-    needs[(view.src_block, view.dtype)] |= set(union[placeholder_mask(src, union)].tolist())
-  by_devices: dict[tuple[int, ...], list[tuple[Box, np.dtype]]] = defaultdict(list)
-  for key, devs in needs.items():
-    if devs:
-      by_devices[tuple(sorted(devs))].append(key)
-  return tuple(PlaceholderGroup(ids, tuple(keys)) for ids, keys in by_devices.items())
-
-
-def _dst_placeholder_groups(leaves: Any, device_ids: Sequence[int]) -> tuple[PlaceholderGroup, ...]:
-  """Per set of devices, the zero destination blocks they stage, one per leaf."""
-  union = np.asarray(device_ids, dtype=np.int64)
-  by_devices: dict[tuple[int, ...], list[int]] = defaultdict(list)
-  for li, leaf in enumerate(leaves):
-    devs = union[donated_mask(leaf.dst, union, leaf.fresh)]
-    if leaf.view.dst_input and len(devs):
-      by_devices[tuple(devs.tolist())].append(li)
-  return tuple(
-    PlaceholderGroup(
-      ids, tuple((leaves[i].view.dst_block, leaves[i].view.dtype) for i in lis), tuple(lis)
-    )
-    for ids, lis in by_devices.items()
-  )
+def cut_words(program: BucketProgram, cut: Cut) -> int:
+  """Unit words of ``cut`` in a payload (after its casts)."""
+  word = uint_dtype(cut.casts[-1]) if cut.casts else program.sources[cut.leaf].word
+  return math.prod(cut.shape) * word.itemsize // program.unit.itemsize
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -775,11 +424,19 @@ def format_program(program: BucketProgram) -> str:
       f"{shard}-> {list(lf.dst_shard)}{mode}"
     )
   for r, rnd in enumerate(program.rounds):
-    lines.append(f"  round {r}: {rnd.words} words, pairs {list(rnd.pairs)}")
+    how = "".join(
+      f", {src} {li}'s block as it is at {a}:{b}" for a, b, li in rnd.operands if li is not None
+    )
+    how += "" if rnd.repeats is None else f", round {rnd.repeats}'s payload again"
+    lines.append(f"  round {r}: {rnd.words} words, pairs {list(rnd.pairs)}{how}")
     for pack in rnd.packs:
       cuts = ", ".join(_format_cut(c, src) for c in pack.cuts)
       pad = f" + {pack.pad_words} zero words" if pack.pad_words else ""
       lines.append(f"    senders {list(pack.positions)} pack {cuts}{pad}")
+  if (low := program.lowering) is not None:
+    lines.append(f"  rounds run as {getattr(low, 'name', type(low).__name__)}")
+  for li, r in program.received:
+    lines.append(f"  leaf {li} arrives whole in round {r}'s payload, as it is")
   if program.assemblers is not None:
     lines.append(
       f"  positions {list(program.assemblers)} assemble in a program of their own, "

@@ -18,10 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, Sharding
 
+from jax_reshard._build import make_bucket_program, make_transform_program
 from jax_reshard._emit import auto_mesh, emit_traced_move, plan_word_bytes
 from jax_reshard._errors import ReshardError
 from jax_reshard._plan import plan_layouts, resolve_relays
-from jax_reshard._program import BucketProgram, make_bucket_program, make_transform_program
+from jax_reshard._program import BucketProgram
 from jax_reshard._topology import Topology
 from jax_reshard._transform import analyze, output_leaves, plan_transform
 from jax_reshard._tree import Leaf, broadcast_shardings, context_mesh, flatten_tree

@@ -124,8 +124,9 @@ def test_devices_with_alike_pieces_share_code() -> None:
 def test_program_prints_and_needs_no_devices() -> None:
   """A bucket program is NumPy data: built from described layouts, printable."""
   from jax_reshard import Layout
+  from jax_reshard._build import make_bucket_program
   from jax_reshard._plan import plan_layouts
-  from jax_reshard._program import Received, Resident, make_bucket_program
+  from jax_reshard._program import Received, Resident
 
   src = Layout.from_description((8, 8), mesh_shape=(4,), axis_names=("x",), spec=("x",))
   dst = Layout.from_description((8, 8), mesh_shape=(2, 2), axis_names=("a", "b"), spec=("a", "b"))

@@ -24,12 +24,19 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_reshard as jr
-from jax_reshard import _buffers, _classes, _cost, _emit, _executable, _plan
+from jax_reshard import _buffers, _classes, _cost, _emit, _executable
+from jax_reshard._build import make_bucket_program
 from jax_reshard._classes import bucket_classes
 from jax_reshard._cost import _bucket_cost, made_blocks
 from jax_reshard._options import Options
 from jax_reshard._plan import pass_bytes
-from jax_reshard._program import make_bucket_program, program_signature
+from jax_reshard._program import program_signature
+
+
+def _sent_as_is(rnd: Any, *, every: bool = False) -> tuple[int, ...] | bool:
+  """The leaves whose whole staged blocks a round's operands are (``every``: whether all are)."""
+  leaves = tuple(li for _, _, li in rnd.operands if li is not None)
+  return len(leaves) == len(rnd.operands) if every else leaves
 
 
 def _layers(num_layers: int, seed: int = 0) -> tuple[dict[str, Any], dict[str, Any], Any]:
@@ -501,8 +508,8 @@ def test_whole_shards_move_without_pack_or_assembly() -> None:
     assert plan.stats.passes_per_moved_byte == 1.5
     assert pass_bytes(plan.layout_plan)["pack"] == pass_bytes(plan.layout_plan)["assemble"] == 0
     (program,) = plan.programs()
-    assert _emit.whole_block_leaves(program, program.rounds[0]) == (0,)
-    assert _emit.received_whole(program) == {0: 0}
+    assert _sent_as_is(program.rounds[0]) == (0,)
+    assert program.received == ((0, 0),)
     assert "conditional" not in plan.executables()[0].compile().as_text()
     assert_matches_oracle(plan(jax.device_put(h, src)), h, dst)
 
@@ -524,8 +531,8 @@ def test_whole_shards_of_several_leaves_move_without_pack() -> None:
   dst = NamedSharding(Mesh(devs[4:], ("x",)), P("x"))
   plan = jr.make_plan(x, {"a": dst, "b": dst})
   (program,) = plan.programs()
-  assert [_emit.whole_block_leaves(program, r) for r in program.rounds] == [(0, 1)]
-  assert _emit.received_whole(program) == {0: 0, 1: 0}
+  assert [_sent_as_is(r) for r in program.rounds] == [(0, 1)]
+  assert program.received == ((0, 0), (1, 0))
   assert plan.stats.passes_per_moved_byte == 1.5
   assert pass_bytes(plan.layout_plan)["pack"] == pass_bytes(plan.layout_plan)["assemble"] == 0
   hlo = plan.executables()[0].compile().as_text()
@@ -537,7 +544,7 @@ def test_whole_shards_of_several_leaves_move_without_pack() -> None:
   plan = jr.make_plan(x, {"a": dst2, "b": dst2})
   (program,) = plan.programs()
   assert len(program.rounds) == 2
-  assert all(_emit.whole_block_leaves(program, r) == (0, 1) for r in program.rounds)
+  assert all(_sent_as_is(r) == (0, 1) for r in program.rounds)
   assert pass_bytes(plan.layout_plan)["pack"] == 0
   y = plan(x)
   for k in h:
@@ -572,7 +579,7 @@ def test_whole_source_shards_inside_packed_payloads_are_sent_as_they_are() -> No
     shard = 2 * cols * np.dtype(dtype).itemsize
     (program,) = plan.programs()
     hlo = plan.executables()[0].compile().as_text()
-    segments = [_emit.whole_segments(program, rnd) for rnd in program.rounds]
+    segments = [rnd.operands for rnd in program.rounds]
     if cols == 32768 and dtype == np.float32:
       assert (bucket.piece_offset[whole] == 0).all()
       size = shard // program.unit.itemsize
@@ -585,10 +592,11 @@ def test_whole_source_shards_inside_packed_payloads_are_sent_as_they_are() -> No
       assert hlo.count("collective-permute(%param") == 4
       above = jr.make_plan(x, dst, options=Options(whole_operand_bytes=shard + 1))
       (packed,) = above.programs()
-      assert [_emit.whole_segments(packed, r) for r in packed.rounds] == [None] * 4
+      assert [_sent_as_is(r) for r in packed.rounds] == [()] * 4
       assert pass_bytes(above.layout_plan)["pack"] == 4 * 4 * 2 * (32 + shard)
     else:
-      assert segments == [None] * 4 and "collective-permute(%param" not in hlo
+      assert [_sent_as_is(r) for r in program.rounds] == [()] * 4
+      assert "collective-permute(%param" not in hlo
       piece = 2 * 4 * np.dtype(dtype).itemsize
       steps = pass_bytes(plan.layout_plan, as_is=())  # packed whole
       assert steps["pack"] == 4 * 4 * 2 * (piece + shard)
@@ -1217,7 +1225,7 @@ def test_a_payload_sent_again_is_packed_once(monkeypatch: pytest.MonkeyPatch) ->
   cost = _bucket_cost(lp, 0, topo)
   assert cost.pack[2] == cost.pack[3] == 0 < min(cost.pack[0], cost.pack[1])
   counted = pass_bytes(lp)
-  monkeypatch.setattr(_plan, "repeated_rounds", lambda *a: [])
+  monkeypatch.setattr(_cost, "repeated_rounds", lambda *a: [])
   assert pass_bytes(lp)["pack"] - counted["pack"] == 2 * 4 * (2048 + 2048)
   assert_matches_oracle(plan(x), host, dst)
   jr.plan_cache_clear()
@@ -1228,7 +1236,7 @@ def test_the_rounds_the_model_finds_repeated_are_those_the_program_packs_once() 
   destinations are replicated and one whose source slabs go whole to two devices in turn: the
   rounds :func:`_cost.repeated_rounds` finds are exactly the packed rounds (neither sent as
   they are nor cut into whole-shard segments) whose size and packs equal an earlier packed
-  round's, which the program sends again (``_emit._emit_rounds``); and the rounds the model
+  round's, which the program records as repeats (``SendRound.repeats``); and the rounds the model
   sends as they are (:func:`_cost.direct_steps`, a source slab's staged block counted whole)
   are those the program does."""
 
@@ -1270,16 +1278,8 @@ def test_the_rounds_the_model_finds_repeated_are_those_the_program_packs_once() 
           [r.nbytes if k in sent_whole else segments.get(k, 0) for k, r in enumerate(bucket.rounds)]
         )
         model = _cost.repeated_rounds(stage, bucket, kept)
-        seen, emitted, whole = set(), [], set()
-        for r, rnd in enumerate(program.rounds):
-          if _emit.whole_block_leaves(program, rnd) is not None:
-            whole.add(r)  # sent as they are, in the model too
-            continue
-          if _emit.whole_segments(program, rnd):
-            continue
-          if (rnd.words, rnd.packs) in seen:
-            emitted.append(r)
-          seen.add((rnd.words, rnd.packs))
+        emitted = [r for r, rnd in enumerate(program.rounds) if rnd.repeats is not None]
+        whole = {r for r, rnd in enumerate(program.rounds) if _sent_as_is(rnd, every=True)}
         assert model == emitted, (b, model, emitted)
         assert whole == sent_whole, (b, whole, sent_whole)
         found += len(model)

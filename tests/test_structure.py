@@ -29,6 +29,7 @@ LAYERS = [
   "_plan",
   "_viz",
   "_program",
+  "_build",
   "_buffers",
   "_emit",
   "_executable",
@@ -61,6 +62,7 @@ NUMPY_ONLY = {
   "_plan",
   "_viz",
   "_program",
+  "_build",
 }
 MAX_FUNCTION_LINES = 80
 
