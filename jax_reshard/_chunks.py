@@ -20,7 +20,7 @@ Window = tuple[int, int, int]  # (dim, start, stop)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Cut:
+class LeafCut:
   """How a leaf's chunks cut its shards: source slabs, destination slabs (both: a grid, or
   windows of both sides where equal), or windows of whole shards."""
 

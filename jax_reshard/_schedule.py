@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from jax_reshard import _chunks
-from jax_reshard._chunks import Cut, PieceRows, Windows, grid_windows
+from jax_reshard._chunks import LeafCut, PieceRows, Windows, grid_windows
 from jax_reshard._errors import BucketBoundError
 from jax_reshard._layout import Layout
 from jax_reshard._options import DEFAULT_OPTIONS, Options
@@ -162,7 +162,7 @@ class _Tree:
       kinds.setdefault(leaf_key(p, lay, isz), len(kinds))
       for p, lay, isz in zip(plans, layouts, itemsizes, strict=True)
     ]
-    self.cuts: dict[int, Cut] = {}
+    self.cuts: dict[int, LeafCut] = {}
     self.splits: dict[tuple[object, ...], tuple[Any, ...]] = {}  # number, rows, chunks, cut
     self.round_cache: dict[bytes, tuple[list[Round], np.ndarray, np.ndarray]] = {}
     self.colourings: dict[tuple[bytes, bytes, bool], np.ndarray] = {}
@@ -542,7 +542,7 @@ def _split_leaf(tree: _Tree, leaf: int, k: int) -> None:
     tree.cuts[leaf] = cut
 
 
-def _best_split(tree: _Tree, leaf: int, k: int) -> tuple[LeafPlan, np.ndarray, Cut | None, Any]:
+def _best_split(tree: _Tree, leaf: int, k: int) -> tuple[LeafPlan, np.ndarray, LeafCut | None, Any]:
   """The rows, chunks, cut and (transformed) rows' pieces of the first way that fits (a later
   way tried where a placeholder it shrinks takes over half the bound, kept if fewer chunks);
   a transformed leaf is cut into sub-boxes only.
@@ -682,7 +682,7 @@ def _split_slabs(tree: _Tree, leaf: int, k: int, side: int) -> tuple[int, str] |
     if spread is not None and spread[dim := _chunks.slab_dim(shard, k, spread)]:
       even = dim
     cut = _chunks.split_slabs(orig, lay, k, isz, receiver=side == 1, spread=spread, dim=even)
-    tree.cuts[leaf] = Cut(dst=cut[2]) if side else Cut(src=cut[2])
+    tree.cuts[leaf] = LeafCut(dst=cut[2]) if side else LeafCut(src=cut[2])
     tree.set_chunks(leaf, *cut[:2])
     return _alone(tree, leaf, range(len(tree.payloads[leaf])))
 
@@ -701,7 +701,7 @@ def _split_windows(tree: _Tree, leaf: int, k: int, both: bool = False) -> tuple[
 
   def trial(k: int) -> np.ndarray:
     plan, chunk, w = _chunks.split_slabs(tree.original[leaf], src, k, tree.itemsizes[leaf], dim=dim)
-    tree.cuts[leaf] = Cut(src=w, dst=w) if both else Cut(windows=w)
+    tree.cuts[leaf] = LeafCut(src=w, dst=w) if both else LeafCut(windows=w)
     tree.set_chunks(leaf, plan, chunk)
     return _alone(tree, leaf, _distinct_chunks(tree, leaf))
 
@@ -729,7 +729,7 @@ def _split_grid(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
     )
     peak = least
     if src_slabs != dst_slabs:  # (equal slabs would read as windows of both sides)
-      tree.cuts[leaf] = Cut(src=src_slabs, dst=dst_slabs)
+      tree.cuts[leaf] = LeafCut(src=src_slabs, dst=dst_slabs)
       tree.set_chunks(leaf, plan, chunk)
       if (peak := int(_alone(tree, leaf, _distinct_chunks(tree, leaf)).max())) <= tree.bound:
         return None
@@ -839,7 +839,7 @@ def make_schedule(
   zero = np.zeros(len(tree.union), dtype=np.int64)
   sent = sum((bb.sent for bb in built), zero)
   received = sum((bb.received for bb in built), zero)
-  cuts = [tree.cuts.get(leaf, Cut()) for leaf in range(len(plans))]
+  cuts = [tree.cuts.get(leaf, LeafCut()) for leaf in range(len(plans))]
   peak = max((bb.peak for bb in built), default=0)
   sums = (sum(bb.padding for bb in built), int(sent.max(initial=0)), int(received.max(initial=0)))
   rows = (tuple(tree.plans), tuple(tree.chunks), tuple(tuple(b) for b in leaf_buckets))
