@@ -97,7 +97,7 @@ def _memoized(method: _Method) -> _Method:
 def _compile_staged(
   body: Callable,
   devices: tuple,
-  blocks: Sequence[Block],
+  blocks: list[Block],
   num_out: int | None,
   scalars: int = 0,
   **jit: Any,
@@ -146,30 +146,23 @@ def _transfer_program(signature: BucketProgram, devices: tuple[Any, ...]) -> Any
   return _compile_staged(_emit.emit_transfer_body(signature, _emit.AXIS), devices, blocks, num_out)
 
 
-def _assembly_blocks(program: BucketProgram, operands: Sequence[Block]) -> list[Block]:
-  """What the assembly program takes: the received ``operands``, the source blocks of
-  :func:`resident_sources`, the (donated) destination blocks of :func:`donated`."""
-  lfs = program.leaves
-  sources = [(lfs[li].src_block, lfs[li].dtype) for li in _emit.resident_sources(program)]
-  return [
-    *operands,
-    *sources,
-    *((lfs[li].dst_block, lfs[li].dtype) for li in _emit.donated(program)),
-  ]
-
-
 @_cached()
 def _assembly_program(
   signature: BucketProgram, devices: tuple[Any, ...], operands: tuple[Block, ...]
-) -> Any:
-  """The compiled :func:`emit_assembly_body` on ``devices``, taking the received ``operands``."""
-  blocks, body = (
-    _assembly_blocks(signature, operands),
-    _emit.emit_assembly_body(signature, _emit.AXIS),
+) -> tuple[Any, list[Block]]:
+  """``(compiled, blocks)``: :func:`emit_assembly_body` on ``devices``; it takes the received
+  ``operands``, the source blocks of :func:`resident_sources`, the (donated) destination blocks
+  of :func:`donated`."""
+  lfs = signature.leaves
+  sources = [(lfs[li].src_block, lfs[li].dtype) for li in _emit.resident_sources(signature)]
+  dsts = [(lfs[li].dst_block, lfs[li].dtype) for li in _emit.donated(signature)]
+  blocks, first = [*operands, *sources, *dsts], len(operands) + len(sources)
+  body = _emit.emit_assembly_body(signature, _emit.AXIS)
+  num_out, donate = len(_emit.split_outputs(signature)[1]), tuple(range(first, len(blocks)))
+  compiled = _compile_staged(
+    body, devices, blocks, num_out, donate_argnums=donate, keep_unused=True
   )
-  donate = tuple(range(len(blocks) - len(_emit.donated(signature)), len(blocks)))
-  num_out = len(_emit.split_outputs(signature)[1])
-  return _compile_staged(body, devices, blocks, num_out, donate_argnums=donate, keep_unused=True)
+  return compiled, blocks
 
 
 @_cached()
@@ -268,9 +261,7 @@ def _source_zeros(
 
 
 def _stage_placeholders(
-  groups: Sequence[PlaceholderGroup],
-  devices: dict[int, Any],
-  kept_bytes: int = DEFAULT_OPTIONS.kept_zero_bytes,
+  groups: Sequence[PlaceholderGroup], devices: dict[int, Any], kept_bytes: int
 ) -> tuple[dict[tuple[Any, ...], jax.Array], bool]:
   """Zero blocks for a call by (device id, shape, dtype), or (device id, leaf) if donated; and
   whether all were read-only source blocks of at most ``kept_bytes`` (the dict may be kept)."""
@@ -304,7 +295,7 @@ def _destination_zeros(
       blocks, leaves = zip(*lack, strict=True)
       missing.append(PlaceholderGroup(group.device_ids, tuple(blocks), tuple(leaves)))
   spares.clear()
-  return out | (_stage_placeholders(missing, devices)[0] if missing else {})
+  return out | (_stage_placeholders(missing, devices, 0)[0] if missing else {})
 
 
 @_cached()
@@ -431,10 +422,7 @@ class _LeafIO:
     return self.dst_stage_wrap(_shaped(blocks, self.lf.dst_block))
 
   def unstage(
-    self,
-    held: list[Any],
-    spares: dict[Any, list[jax.Array]] | None = None,
-    carried: dict[int, jax.Array] | None = None,
+    self, held: list[Any], spares: dict | None = None, carried: dict | None = None
   ) -> jax.Array | dict[int, jax.Array]:
     """The destination array of the output blocks ``held`` (or, ``carry_out``, blocks by
     device id); the other positions' blocks go to ``spares``, a slab into ``carried``."""
@@ -528,23 +516,17 @@ class _SplitIO:
     devices = tuple(exe.mesh_devices[q] for q in program.assemblers)
     self.staging = staging = Staging(_staged(devices), fast=fast)
     self.in_pick = index_of(exe.staging.ids, staging.ids)
-    # The assembly takes the received operands, the source blocks of leaves with parts from a
-    # destination device's own source shard, the destination blocks of leaves refit in place.
+    # Leaves with parts from a destination device's own source shard (their source blocks),
+    # and leaves refit into donated buffers (their destination blocks).
     self.src_leaves, self.dst_leaves = _emit.resident_sources(program), _emit.donated(program)
-    blocks = _assembly_blocks(program, operands)
-    self.wraps = [staging.wrapper(block, dtype) for block, dtype in blocks]
     self.assembly: Runner | None = None
     if staging.ids and self.assembled:
-      compiled = _assembly_program(signature, devices, operands)
+      compiled, blocks = _assembly_program(signature, devices, operands)
+      self.wraps = [staging.wrapper(block, dtype) for block, dtype in blocks]
       self.assembly = Runner(compiled, len(blocks), fast=fast)
     self.out_pick = {li: staging.place(exe.dst_shardings[li]) for li in self.assembled}
 
-  def __call__(
-    self,
-    staged: Sequence[jax.Array],
-    io: Sequence[_LeafIO],
-    dsts: Sequence[dict[int, jax.Array] | None] = (),
-  ) -> list[Any]:
+  def __call__(self, staged: list[jax.Array], io: list[_LeafIO], dsts: Sequence[Any]) -> list[Any]:
     """Per leaf, its destination array, from ``staged`` sources and donated ``dsts``."""
     outs = self.transfer(staged)
     ys: list[Any] = [None] * len(io)
@@ -554,19 +536,13 @@ class _SplitIO:
       for li in self.assembled:  # no destination device here
         ys[li] = io[li].unstage_picked([])
       return ys
-    fast = self.transfer.fast
-    received = [
-      *outs[len(self.direct) :],
-      *(buffers(staged[li], fast=fast) for li in self.src_leaves),
-    ]
-    args = [
-      wrap([h[j] for j in self.in_pick]) for wrap, h in zip(self.wraps, received, strict=False)
-    ]
-    del outs, received  # the payloads of devices without a destination shard are freed
+    own = [buffers(staged[li], fast=self.transfer.fast) for li in self.src_leaves]
+    picked = [[h[j] for j in self.in_pick] for h in (*outs[len(self.direct) :], *own)]
+    args = [wrap(blocks) for wrap, blocks in zip(self.wraps, picked, strict=False)]
+    del outs, own  # the payloads of devices without a destination shard are freed
     for li, wrap in zip(self.dst_leaves, self.wraps[len(args) :], strict=True):
-      args.append(
-        wrap(_shaped([(dsts[li] or {})[d] for d in self.staging.ids], io[li].lf.dst_block))
-      )
+      blocks = [(dsts[li] or {})[d] for d in self.staging.ids]
+      args.append(wrap(_shaped(blocks, io[li].lf.dst_block)))
     for li, held in zip(self.assembled, self.assembly(args), strict=True):
       ys[li] = io[li].unstage_picked([held[j] for j in self.out_pick[li]])
     return ys
@@ -735,9 +711,9 @@ class BucketExecutable:
 
   def __call__(
     self,
-    xs: Sequence[jax.Array],
-    dsts: Sequence[dict[int, jax.Array] | None] = (),
-    spares: dict[Any, list[jax.Array]] | None = None,
+    xs: Sequence[Any],
+    dsts: Sequence[Any] = (),
+    spares: dict | None = None,
     wait_for: Any = None,
   ) -> list[Any]:
     """Per leaf, its destination array (or, ``carry_out``, blocks by device id), from ``xs``
@@ -747,19 +723,6 @@ class BucketExecutable:
     if direct and all(_as_planned(x, s) for x, s in zip(xs, self.src_shardings, strict=True)):
       jax.block_until_ready(wait_for)
       return list(direct(*xs))
-    if split := self.split():
-      io, placeholders = self.leaf_io(), self._placeholders()
-      staged = [io[li].stage(x, placeholders) for li, x in enumerate(xs)]
-      if spares is not None:
-        spares.clear()  # nothing donated where no destination shard is: free them
-      jax.block_until_ready(wait_for)
-      return split(staged, io, dsts)
-    return self._staged_call(xs, dsts, spares, wait_for)
-
-  def _staged_call(
-    self, xs: Sequence[jax.Array], dsts: Sequence[Any], spares: Any, wait_for: Any
-  ) -> list[Any]:
-    """A call of the one program on staged leaves (the :meth:`bundle` packed), as ``__call__``."""
     bundle, io, src_io = self.bundle(), self.leaf_io(), self.leaf_io(sources=True)
     if bundle and not all(_as_planned(xs[li], self.src_shardings[li]) for li in bundle.leaves):
       bundle = None  # arrays laid out equivalently, not equally: every leaf stages
@@ -768,6 +731,11 @@ class BucketExecutable:
       staged, own = [self.bundle_io().stage(xs, wait=self.one_at_a_time)], self.bundle_io().others
     placeholders = self._placeholders()
     staged += [src_io[k].stage(xs[k], placeholders) for k in own]
+    if split := self.split():  # never bundled
+      if spares is not None:
+        spares.clear()  # nothing donated where no destination shard is: free them
+      jax.block_until_ready(wait_for)
+      return split(staged, io, dsts)
     if dst_inputs := self.program.dst_inputs:
       spare = {} if spares is None else spares
       zeros = _destination_zeros(self.program.dst_placeholders, self.devices, spare)
