@@ -81,6 +81,41 @@ class Wrapper:
     )
 
 
+def staged_shape(block: tuple[int, ...], n: int) -> tuple[int, ...]:
+  """The shape of ``n`` blocks ``block`` stacked along the first axis (one per device)."""
+  return (n * block[0], *block[1:])
+
+
+def index_of(ids: Sequence[int], of: Sequence[int], missing: int | None = None) -> list[int]:
+  """Per id of ``of``, its index in ``ids`` (``missing`` where absent, if given)."""
+  at = {d: j for j, d in enumerate(ids)}
+  return [at[d] if missing is None else at.get(d, missing) for d in of]
+
+
+class Staging:
+  """Arrays of one block per device of ``sharding`` (a 1-D mesh, blocks stacked along the first
+  axis): :attr:`ids`, this process's device ids in their buffers' order; wrappers; picks."""
+
+  __slots__ = ("fast", "ids", "sharding")
+
+  def __init__(self, sharding: Any, *, fast: bool) -> None:
+    self.sharding, self.fast = sharding, fast
+    self.ids = addressable_order(sharding, fast=fast)
+
+  def wrapper(self, block: tuple[int, ...], dtype: Any) -> Wrapper:
+    """Wraps one ``block`` per device into one array."""
+    shape = staged_shape(block, self.sharding.mesh.size)
+    return Wrapper(shape, dtype, self.sharding, fast=self.fast)
+
+  def pick(self, sharding: Any) -> list[int]:
+    """Per position, the index of its buffer among ``sharding``'s, or -1."""
+    return index_of(addressable_order(sharding, fast=self.fast), self.ids, -1)
+
+  def place(self, sharding: Any) -> list[int]:
+    """Per buffer of ``sharding``, its position."""
+    return index_of(self.ids, addressable_order(sharding, fast=self.fast))
+
+
 def loaded_executable(compiled: Any, num_args: int) -> Any:
   """The loaded executable of ``compiled`` (of ``num_args`` arguments) where running it does
   what calling ``compiled`` does (every argument kept; no effects, host callbacks or mutable

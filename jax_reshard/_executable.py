@@ -9,36 +9,24 @@ from __future__ import annotations
 import collections
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jax_reshard import _emit
 from jax_reshard._buffers import (
   Runner,
+  Staging,
   Wrapper,
   addressable_order,
   buffers,
   buffers_by_device,
   fast_path_available,
-)
-from jax_reshard._emit import (
-  AXIS,
-  auto_mesh,
-  bundled_body,
-  concat_bytes,
-  donated,
-  emit_assembly_body,
-  emit_body,
-  emit_traced_move,
-  emit_transfer_body,
-  from_bytes,
-  resident_sources,
-  shift_starts,
-  split_outputs,
-  write_at,
+  index_of,
+  staged_shape,
 )
 from jax_reshard._options import DEFAULT_OPTIONS, Options
 from jax_reshard._program import (
@@ -59,6 +47,7 @@ PLACEHOLDER_CACHE_SIZE = 64  # groups of zero source blocks kept (read only: mad
 Block = tuple[tuple[int, ...], np.dtype]  # one device's block: shape, dtype
 BundleLeaf = tuple[tuple[int, ...], np.dtype, NamedSharding]  # global shape, dtype, sharding
 _CACHES: list[Any] = []  # every cache clear_program_cache clears
+_Method = TypeVar("_Method", bound=Callable[..., Any])
 
 
 def _cached(maxsize: int = PROGRAM_CACHE_SIZE) -> Callable[[Any], Any]:
@@ -80,48 +69,49 @@ def clear_program_cache() -> None:
 
 def _staged(devices: Sequence[Any]) -> NamedSharding:
   """One block per device of ``devices`` (in mesh position order), along :data:`AXIS`."""
-  return NamedSharding(Mesh(np.array(devices), (AXIS,)), PartitionSpec(AXIS))
-
-
-def _staged_shape(block: tuple[int, ...], n: int) -> tuple[int, ...]:
-  return (n * block[0], *block[1:])
-
-
-def _wrapper(block: tuple[int, ...], dtype: Any, staged: NamedSharding, fast: bool) -> Wrapper:
-  """Wraps one ``block`` per device of ``staged`` into a staged array."""
-  return Wrapper(_staged_shape(block, staged.mesh.size), dtype, staged, fast=fast)
+  return NamedSharding(Mesh(np.array(devices), (_emit.AXIS,)), PartitionSpec(_emit.AXIS))
 
 
 def _by_id(sharding: Any) -> tuple[Any, ...]:
   return tuple(sorted(sharding.device_set, key=lambda d: d.id))
 
 
-def _index(ids: Sequence[int], of: Sequence[int], missing: int | None = None) -> list[int]:
-  """Per id of ``of``, its index in ``ids`` (``missing`` where absent, if given)."""
-  at = {d: j for j, d in enumerate(ids)}
-  return [at[d] if missing is None else at.get(d, missing) for d in of]
+def _shaped(blocks: Sequence[Any], shape: tuple[int, ...]) -> list[Any]:
+  """``blocks`` reshaped to ``shape`` where they are not."""
+  return [b if b.shape == shape else b.reshape(shape) for b in blocks]
+
+
+def _memoized(method: _Method) -> _Method:
+  """``method`` run on an object's first call with given arguments, its result kept."""
+
+  @functools.wraps(method)
+  def once(self: Any, *args: Any, **kwargs: Any) -> Any:
+    key = (method.__name__, *args, *kwargs.items())
+    if key not in self._memo:
+      self._memo[key] = method(self, *args, **kwargs)
+    return self._memo[key]
+
+  return cast(_Method, once)
 
 
 def _compile_staged(
-  body: Callable[..., Any],
-  devices: tuple[Any, ...],
-  blocks: Sequence[Block],
+  body: Callable,
+  devices: tuple,
+  blocks: list[Block],
   num_out: int | None,
-  *,
-  donate: tuple[int, ...] = (),
   scalars: int = 0,
-  keep_unused: bool = False,
+  **jit: Any,
 ) -> Any:
-  """``body`` as a ``shard_map`` over ``devices``, compiled for staged ``blocks``, ``scalars``
-  int32 scalars and ``num_out`` staged outputs (``None``: one, not a tuple)."""
-  staged, n, spec = _staged(devices), len(devices), PartitionSpec(AXIS)
+  """``body`` as a ``shard_map`` over ``devices``, compiled (``jax.jit`` options ``jit``) for
+  staged ``blocks``, ``scalars`` int32 scalars, ``num_out`` staged outputs (``None``: one)."""
+  staged, n, spec = _staged(devices), len(devices), PartitionSpec(_emit.AXIS)
   in_specs = (spec,) * len(blocks) + (PartitionSpec(),) * scalars
   out = spec if num_out is None else (spec,) * num_out
   fn = jax.shard_map(body, mesh=staged.mesh, in_specs=in_specs, out_specs=out, check_vma=False)
-  avals = [jax.ShapeDtypeStruct(_staged_shape(b, n), t, sharding=staged) for b, t in blocks]
+  avals = [jax.ShapeDtypeStruct(staged_shape(b, n), t, sharding=staged) for b, t in blocks]
   scalar = NamedSharding(staged.mesh, PartitionSpec())
   avals += [jax.ShapeDtypeStruct((), np.int32, sharding=scalar)] * scalars
-  return jax.jit(fn, donate_argnums=donate, keep_unused=keep_unused).lower(*avals).compile()
+  return jax.jit(fn, **jit).lower(*avals).compile()
 
 
 @_cached()
@@ -129,10 +119,11 @@ def _compiled_program(
   signature: BucketProgram, devices: tuple[Any, ...], bundle: Bundle | None = None
 ) -> Any:
   """The compiled :func:`emit_body` on ``devices`` (``bundle``: its leaves as byte vectors)."""
-  body, bundled = emit_body(signature, AXIS, shift_inputs=True), bundle.leaves if bundle else ()
+  body = _emit.emit_body(signature, _emit.AXIS, shift_inputs=True)
+  bundled = bundle.leaves if bundle else ()
   blocks = [(lf.src_block, lf.dtype) for i, lf in enumerate(signature.sources) if i not in bundled]
   if bundle is not None:
-    body = bundled_body(signature, bundle, body)
+    body = _emit.bundled_body(signature, bundle, body)
     blocks.insert(0, ((bundle.src_bytes,), np.dtype(np.uint8)))
   first, leaves = len(blocks), signature.leaves
   blocks += [(leaves[i].dst_block, leaves[i].dtype) for i in signature.dst_inputs]
@@ -140,32 +131,36 @@ def _compiled_program(
   scalars = len(signature.shifted) + len(signature.dst_shifted)
   donate = tuple(range(first, len(blocks)))
   return _compile_staged(
-    body, devices, blocks, num_out, donate=donate, scalars=scalars, keep_unused=True
+    body, devices, blocks, num_out, scalars, donate_argnums=donate, keep_unused=True
   )
 
 
 @_cached()
 def _transfer_program(signature: BucketProgram, devices: tuple[Any, ...]) -> Any:
   """The compiled transfer program (:func:`emit_transfer_body`) on ``devices``."""
-  direct, _, rounds = split_outputs(signature)
+  direct, _, rounds = _emit.split_outputs(signature)
   num_out = len(direct) + sum(len(signature.rounds[r].operands) for r in rounds)
   blocks = [(lf.src_block, lf.dtype) for lf in signature.leaves]
-  return _compile_staged(emit_transfer_body(signature, AXIS), devices, blocks, num_out)
+  return _compile_staged(_emit.emit_transfer_body(signature, _emit.AXIS), devices, blocks, num_out)
 
 
 @_cached()
 def _assembly_program(
   signature: BucketProgram, devices: tuple[Any, ...], operands: tuple[Block, ...]
-) -> Any:
-  """The compiled :func:`emit_assembly_body` on ``devices``, taking the received ``operands``."""
-  leaves = signature.leaves
-  sources = [(leaves[li].src_block, leaves[li].dtype) for li in resident_sources(signature)]
-  dsts = [(leaves[li].dst_block, leaves[li].dtype) for li in donated(signature)]
-  first, body = len(operands) + len(sources), emit_assembly_body(signature, AXIS)
-  donate = tuple(range(first, first + len(dsts)))
-  num_out = len(split_outputs(signature)[1])
-  blocks = [*operands, *sources, *dsts]
-  return _compile_staged(body, devices, blocks, num_out, donate=donate, keep_unused=True)
+) -> tuple[Any, list[Block]]:
+  """``(compiled, blocks)``: :func:`emit_assembly_body` on ``devices``; it takes the received
+  ``operands``, the source blocks of :func:`resident_sources`, the (donated) destination blocks
+  of :func:`donated`."""
+  lfs = signature.leaves
+  sources = [(lfs[li].src_block, lfs[li].dtype) for li in _emit.resident_sources(signature)]
+  dsts = [(lfs[li].dst_block, lfs[li].dtype) for li in _emit.donated(signature)]
+  blocks, first = [*operands, *sources, *dsts], len(operands) + len(sources)
+  body = _emit.emit_assembly_body(signature, _emit.AXIS)
+  num_out, donate = len(_emit.split_outputs(signature)[1]), tuple(range(first, len(blocks)))
+  compiled = _compile_staged(
+    body, devices, blocks, num_out, donate_argnums=donate, keep_unused=True
+  )
+  return compiled, blocks
 
 
 @_cached()
@@ -177,23 +172,29 @@ def _direct_program(
   src_specs, dst_specs = [s.spec for s in src_shardings], [s.spec for s in dst_shardings]
 
   def move(*xs: jax.Array) -> list[jax.Array]:
-    return emit_traced_move(xs, signature, src_mesh, src_specs, dst_mesh, dst_specs)
+    return _emit.emit_traced_move(xs, signature, src_mesh, src_specs, dst_mesh, dst_specs)
 
   pairs = zip(signature.leaves, src_shardings, strict=True)
   avals = [jax.ShapeDtypeStruct(lf.shape, lf.dtype, sharding=s) for lf, s in pairs]
   return jax.jit(move, out_shardings=list(dst_shardings)).lower(*avals).compile()
 
 
+def _bytes_sharding(leaves: tuple[BundleLeaf, ...]) -> NamedSharding:
+  """Per device one byte vector, over the ``Auto`` version of ``leaves``' mesh (it takes arrays
+  of either axis type; out_shardings type the results, ``Explicit`` axes too)."""
+  mesh = _emit.auto_mesh(leaves[0][2].mesh)
+  return NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
+
+
 @_cached()
 def _bundle_in_program(leaves: tuple[BundleLeaf, ...]) -> tuple[Any, NamedSharding]:
   """``(compiled, output sharding)``: the arrays ``leaves`` in, per device their bytes out."""
-  mesh = auto_mesh(leaves[0][2].mesh)  # takes arrays of either axis type
-  out = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
-  smap = functools.partial(jax.shard_map, mesh=mesh, out_specs=out.spec, check_vma=False)
+  out = _bytes_sharding(leaves)
+  smap = functools.partial(jax.shard_map, mesh=out.mesh, out_specs=out.spec, check_vma=False)
 
   def pack(*xs: jax.Array) -> jax.Array:
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-      fn = lambda *shards: concat_bytes(shards)
+    with jax.sharding.use_abstract_mesh(out.mesh.abstract_mesh):
+      fn = lambda *shards: _emit.concat_bytes(shards)
       return smap(fn, in_specs=tuple(s.spec for _, _, s in leaves))(*xs)
 
   avals = [jax.ShapeDtypeStruct(shape, dtype, sharding=s) for shape, dtype, s in leaves]
@@ -207,19 +208,20 @@ def _bundle_out_program(
   spans: tuple[tuple[int, int], ...],
 ) -> tuple[Any, NamedSharding]:
   """``(compiled, input sharding)``: per device its blocks' bytes in, the arrays out."""
-  mesh = auto_mesh(leaves[0][2].mesh)  # out_shardings type the results (Explicit axes too)
-  sharding = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
-  smap = functools.partial(jax.shard_map, mesh=mesh, in_specs=sharding.spec, check_vma=False)
+  sharding = _bytes_sharding(leaves)
+  smap = functools.partial(
+    jax.shard_map, mesh=sharding.mesh, in_specs=sharding.spec, check_vma=False
+  )
 
   def cut(b: jax.Array) -> tuple[jax.Array, ...]:
     triples = zip(leaves, shards, spans, strict=True)
-    return tuple(from_bytes(b[a:z], dtype, shard) for (_, dtype, _), shard, (a, z) in triples)
+    return tuple(_emit.from_bytes(b[a:z], dtype, shard) for (_, dtype, _), shard, (a, z) in triples)
 
   def unpack(b: jax.Array) -> tuple[jax.Array, ...]:
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    with jax.sharding.use_abstract_mesh(sharding.mesh.abstract_mesh):
       return smap(cut, out_specs=tuple(s.spec for _, _, s in leaves))(b)
 
-  aval = jax.ShapeDtypeStruct((mesh.size * spans[-1][1],), np.uint8, sharding=sharding)
+  aval = jax.ShapeDtypeStruct((sharding.mesh.size * spans[-1][1],), np.uint8, sharding=sharding)
   out_shardings = tuple(s for _, _, s in leaves)
   return jax.jit(unpack, out_shardings=out_shardings).lower(aval).compile(), sharding
 
@@ -236,43 +238,16 @@ def _placeholder_program(group: PlaceholderGroup, devices: tuple[Any, ...]) -> A
   return jax.jit(make, out_shardings=tuple(sharding for _ in group.blocks)).lower().compile()
 
 
-@_cached()
-def _slab_program(window: SourceWindow, dtype: np.dtype, devices: tuple[Any, ...]) -> Any:
-  """A compiled function cutting ``window`` out of every shard of a leaf on ``devices``."""
-
-  def cut(block: jax.Array) -> jax.Array:
-    return jax.lax.slice_in_dim(block, window.start, window.stop, axis=window.dim)
-
-  return _compile_staged(cut, devices, [(window.shard, dtype)], None)
-
-
-@_cached()
-def _write_slab_program(
-  window: DestinationWindow, dtype: np.dtype, devices: tuple[Any, ...]
-) -> Any:
-  """A compiled function writing a slab into every (donated) destination shard."""
-  at = tuple(window.start if d == window.dim else 0 for d in range(len(window.shard)))
-
-  def write(shard: jax.Array, slab: jax.Array) -> jax.Array:
-    return write_at(shard, slab, dtype, at)
-
-  blocks = [(window.shard, dtype), (window.shape(), dtype)]
-  return _compile_staged(write, devices, blocks, None, donate=(0,))
-
-
-def _by_device(keys: Sequence[Any], arrays: Sequence[jax.Array], fast: bool) -> dict[Any, Any]:
-  """The buffers of ``arrays`` keyed by ``(device id, *key)``, ``key`` the array's of ``keys``."""
-  out = {}
-  for key, arr in zip(keys, arrays, strict=True):
-    ids = addressable_order(arr.sharding, fast=fast)
-    out.update({(d, *key): b for d, b in zip(ids, buffers(arr, fast=fast), strict=True)})
-  return out
-
-
 def _zeros(group: PlaceholderGroup, devices: tuple[Any, ...], keys: Any, fast: bool) -> dict:
-  """``group``'s zero blocks by ``(device id, *key)``, ready: on CPU a collective program whose
-  inputs come from another in-flight program can starve their thread pool (a 40 s abort)."""
-  return _by_device(keys, jax.block_until_ready(_placeholder_program(group, devices)()), fast)
+  """``group``'s zero blocks by ``(device id, *key)``, ``key`` the block's of ``keys``; ready: on
+  CPU a collective program whose inputs come from another in-flight program can starve their
+  thread pool (a 40 s abort)."""
+  made = jax.block_until_ready(_placeholder_program(group, devices)())
+  out = {}
+  for key, a in zip(keys, made, strict=True):
+    held = zip(addressable_order(a.sharding, fast=fast), buffers(a, fast=fast), strict=True)
+    out.update({(d, *key): b for d, b in held})
+  return out
 
 
 @_cached(PLACEHOLDER_CACHE_SIZE)
@@ -284,9 +259,7 @@ def _source_zeros(
 
 
 def _stage_placeholders(
-  groups: Sequence[PlaceholderGroup],
-  devices: dict[int, Any],
-  kept_bytes: int = DEFAULT_OPTIONS.kept_zero_bytes,
+  groups: Sequence[PlaceholderGroup], devices: dict[int, Any], kept_bytes: int
 ) -> tuple[dict[tuple[Any, ...], jax.Array], bool]:
   """Zero blocks for a call by (device id, shape, dtype), or (device id, leaf) if donated; and
   whether all were read-only source blocks of at most ``kept_bytes`` (the dict may be kept)."""
@@ -302,41 +275,70 @@ def _stage_placeholders(
   return out, made_once
 
 
-def _slicer(window: SourceWindow, dtype: np.dtype, sharding: Any, *, fast: bool) -> Callable:
-  """Cuts ``window`` out of a leaf's shards (an array, or buffers by device id) by device id."""
-  devices = _by_id(sharding)
-  staged, compiled = _staged(devices), _slab_program(window, dtype, devices)
-  ids, wrap = addressable_order(staged, fast=fast), _wrapper(window.shard, dtype, staged, fast)
+def _destination_zeros(
+  groups: Sequence[PlaceholderGroup], devices: dict[int, Any], spares: dict[Any, list]
+) -> dict[Any, jax.Array]:
+  """Destination placeholders by (device id, leaf): from ``spares`` (emptied) where every
+  device of the group has one, else made (compiled once per distinct set of missing blocks)."""
+  out: dict[Any, jax.Array] = {}
+  missing: list[PlaceholderGroup] = []
+  for group in groups:
+    lack = []
+    for li, block in zip(group.leaves, group.blocks, strict=True):
+      if all(spares.get((d, *block)) for d in group.device_ids):
+        out.update({(d, li): spares[(d, *block)].pop() for d in group.device_ids})
+      else:
+        lack.append((block, li))
+    if lack:
+      blocks, leaves = zip(*lack, strict=True)
+      missing.append(PlaceholderGroup(group.device_ids, tuple(blocks), tuple(leaves)))
+  spares.clear()
+  return out | (_stage_placeholders(missing, devices, 0)[0] if missing else {})
 
-  def cut(x: jax.Array | dict[int, jax.Array]) -> dict[int, jax.Array]:
+
+@_cached()
+def _slicer(window: SourceWindow, dtype: np.dtype, devices: tuple[Any, ...], fast: bool) -> Any:
+  """Cuts ``window`` out of a leaf's shards on ``devices`` (an array, or buffers by device id)."""
+  staging = Staging(_staged(devices), fast=fast)
+  wrap = staging.wrapper(window.shard, dtype)
+
+  def cut(block: jax.Array) -> jax.Array:
+    return jax.lax.slice_in_dim(block, window.start, window.stop, axis=window.dim)
+
+  compiled = _compile_staged(cut, devices, [(window.shard, dtype)], None)
+
+  def cut_slabs(x: jax.Array | dict[int, jax.Array]) -> dict[int, jax.Array]:
     held = x if isinstance(x, dict) else buffers_by_device(x)
-    slabs = compiled(wrap([held[i] for i in ids]))
+    slabs = compiled(wrap([held[i] for i in staging.ids]))
     return buffers_by_device(jax.block_until_ready(slabs))  # ready: see _zeros
 
-  return cut
+  return cut_slabs
 
 
-def _slab_writer(lf: LeafView, dst_sharding: Any, *, fast: bool) -> Callable:
-  """Writes slabs into a leaf's destination shards (donated, or zeros made first: written into
-  zeros in one program, XLA:CPU pads the slab and quiets bfloat16 and float8 NaN payloads)."""
-  window, devices = lf.dst_window, _by_id(dst_sharding)
-  assert window is not None
-  compiled = _write_slab_program(window, lf.dtype, devices)
-  zeros = _placeholder_program(
-    PlaceholderGroup(tuple(d.id for d in devices), ((window.shard, lf.dtype),)), devices
-  )
-  staged = _staged(devices)
-  ids = addressable_order(staged, fast=fast)
-  shard_wrap = _wrapper(window.shard, lf.dtype, staged, fast)
-  slab_wrap = _wrapper(window.shape(), lf.dtype, staged, fast)
+@_cached()
+def _slab_writer(
+  window: DestinationWindow, dtype: np.dtype, devices: tuple[Any, ...], fast: bool
+) -> Any:
+  """Writes slabs into a leaf's destination shards on ``devices`` (donated, or zeros made first:
+  written into zeros in one program, XLA:CPU pads the slab, quiets bf16/fp8 NaN payloads)."""
+  at = tuple(window.start if d == window.dim else 0 for d in range(len(window.shard)))
 
-  def write(carried: dict | None, slabs: dict[int, jax.Array]) -> dict[int, jax.Array]:
+  def write(shard: jax.Array, slab: jax.Array) -> jax.Array:
+    return _emit.write_at(shard, slab, dtype, at)
+
+  blocks = [(window.shard, dtype), (window.shape(), dtype)]
+  compiled = _compile_staged(write, devices, blocks, None, donate_argnums=(0,))
+  group = PlaceholderGroup(tuple(d.id for d in devices), ((window.shard, dtype),))
+  zeros, staging = _placeholder_program(group, devices), Staging(_staged(devices), fast=fast)
+  shard_wrap, slab_wrap = (staging.wrapper(b, dtype) for b, _ in blocks)
+
+  def write_slabs(carried: dict | None, slabs: dict[int, jax.Array]) -> dict[int, jax.Array]:
     if carried is None:
       carried = buffers_by_device(zeros()[0])
-    shards = shard_wrap([carried[i] for i in ids])
-    return buffers_by_device(compiled(shards, slab_wrap([slabs[i] for i in ids])))
+    shards = shard_wrap([carried[i] for i in staging.ids])
+    return buffers_by_device(compiled(shards, slab_wrap([slabs[i] for i in staging.ids])))
 
-  return write
+  return write_slabs
 
 
 def one_at_a_time(devices: Sequence[Any]) -> bool:
@@ -369,33 +371,27 @@ class InFlight:
 class _LeafIO:
   """Which buffer each mesh position stages for a leaf, and which output each device keeps."""
 
-  def __init__(
-    self, lf: LeafView, src_sharding: Any, dst_sharding: Any, staged: Any, *, fast: bool
-  ) -> None:
-    self.lf, self.src_sharding, self.fast = lf, src_sharding, fast
-    self.staged_ids = ids = addressable_order(staged, fast=fast)
+  def __init__(self, lf: LeafView, src_sharding: Any, dst_sharding: Any, staging: Staging):
+    self.lf, self.src_sharding, self.staging, self.fast = lf, src_sharding, staging, staging.fast
+    self.staged_ids = ids = staging.ids
     self.ph_keys = [(i, lf.src_block, lf.dtype) for i in ids]
-    self.src_pick = self._pick(src_sharding) if src_sharding is not None else None
+    self.src_pick = staging.pick(src_sharding) if src_sharding is not None else None
     # A source slab is cut from the source shards; a grid's destination slab from the shards
     # filled so far, and written in afterwards.
     self.slicer = self.dst_slicer = self.writer = None
     if lf.src_window is not None and src_sharding is not None:
-      self.slicer = _slicer(lf.src_window, lf.dtype, src_sharding, fast=fast)
+      self.slicer = _slicer(lf.src_window, lf.dtype, _by_id(src_sharding), self.fast)
     if lf.dst_window is not None and lf.dst_input:
-      self.dst_slicer = _slicer(lf.dst_window, lf.dtype, dst_sharding, fast=fast)
+      self.dst_slicer = _slicer(lf.dst_window, lf.dtype, _by_id(dst_sharding), self.fast)
     if lf.dst_window is not None:
-      self.writer = _slab_writer(lf, dst_sharding, fast=fast)
-    self.dst_pick = _index(ids, addressable_order(dst_sharding, fast=fast))
+      self.writer = _slab_writer(lf.dst_window, lf.dtype, _by_id(dst_sharding), self.fast)
+    self.dst_pick = staging.place(dst_sharding)
     # Output blocks of positions without a destination shard: spare buffers for a later call.
     picked = set(self.dst_pick)
     self.spare_at = [(j, (d, lf.dst_block, lf.dtype)) for j, d in enumerate(ids) if j not in picked]
-    self.stage_wrap = _wrapper(lf.src_block, lf.dtype, staged, fast)
-    self.dst_stage_wrap = _wrapper(lf.dst_block, lf.dtype, staged, fast)
-    self.unstage_wrap = Wrapper(lf.shape, lf.dtype, dst_sharding, fast=fast)
-
-  def _pick(self, sharding: Any) -> list[int]:
-    """Per staged position, the index of its buffer among ``sharding``'s, or -1."""
-    return _index(addressable_order(sharding, fast=self.fast), self.staged_ids, -1)
+    self.stage_wrap = staging.wrapper(lf.src_block, lf.dtype)
+    self.dst_stage_wrap = staging.wrapper(lf.dst_block, lf.dtype)
+    self.unstage_wrap = Wrapper(lf.shape, lf.dtype, dst_sharding, fast=self.fast)
 
   def stage(self, x: jax.Array, placeholders: dict[Any, jax.Array]) -> jax.Array:
     """``x`` staged: its buffers (or slabs) where it has them, ``placeholders`` elsewhere."""
@@ -406,7 +402,7 @@ class _LeafIO:
       )
     s, pick = x.sharding, self.src_pick
     if not (self.fast and pick is not None and (s is self.src_sharding or s == self.src_sharding)):
-      pick = self._pick(s)  # an equivalent sharding may list its devices in another order
+      pick = self.staging.pick(s)  # an equivalent sharding may list its devices in another order
     held = buffers(x, fast=self.fast)
     if not self.lf.src_shard:
       held = [h.reshape(self.lf.src_block) for h in held]
@@ -421,14 +417,10 @@ class _LeafIO:
     if self.dst_slicer is not None and held:
       held = self.dst_slicer(held)
     blocks = [held[d] if d in held else placeholders[(d, position)] for d in self.staged_ids]
-    block = self.lf.dst_block
-    return self.dst_stage_wrap([b if b.shape == block else b.reshape(block) for b in blocks])
+    return self.dst_stage_wrap(_shaped(blocks, self.lf.dst_block))
 
   def unstage(
-    self,
-    held: list[Any],
-    spares: dict[Any, list[jax.Array]] | None = None,
-    carried: dict[int, jax.Array] | None = None,
+    self, held: list[Any], spares: dict | None = None, carried: dict | None = None
   ) -> jax.Array | dict[int, jax.Array]:
     """The destination array of the output blocks ``held`` (or, ``carry_out``, blocks by
     device id); the other positions' blocks go to ``spares``, a slab into ``carried``."""
@@ -465,8 +457,8 @@ def _as_planned(x: jax.Array, sharding: Any) -> bool:
 class _BundleIO:
   """How a :class:`Bundle` enters and leaves a bucket's program: pack and cut programs, picks."""
 
-  def __init__(self, exe: BucketExecutable, bundle: Bundle, *, fast: bool) -> None:
-    self.leaves = bundle.leaves
+  def __init__(self, exe: BucketExecutable, bundle: Bundle) -> None:
+    self.leaves, staging, fast = bundle.leaves, exe.staging, exe.fast
     # The program's other leaves, which stage on their own, in the order it takes them.
     self.others = tuple(li for li in range(len(exe.program.leaves)) if li not in bundle.leaves)
     views = {li: exe.program.leaves[li] for li in bundle.leaves}
@@ -475,18 +467,17 @@ class _BundleIO:
     self.pack = Runner(pack, len(self.leaves), fast=fast)
     shards = tuple(lf.dst_shard for lf in views.values())
     self.unpack, unpacked = _bundle_out_program(leaves(exe.dst_shardings), shards, bundle.dst_spans)
-    ids = addressable_order(exe.staged, fast=fast)
-    self.src_pick = _index(addressable_order(packed, fast=fast), ids, -1)
+    self.src_pick = staging.pick(packed)
     # Positions without a source shard stage zero bytes, made once and kept (read only).
-    missing = tuple(d for d, j in zip(ids, self.src_pick, strict=True) if j < 0)
+    missing = tuple(d for d, j in zip(staging.ids, self.src_pick, strict=True) if j < 0)
     key = ((bundle.src_bytes,), np.dtype(np.uint8))
     zeros: dict[tuple[Any, ...], jax.Array] = {}
     if missing:
       group = PlaceholderGroup(missing, (key,))
       zeros = _source_zeros(group, tuple(exe.devices[d] for d in missing), fast=fast)
-    self.zeros = [zeros.get((d, *key)) for d in ids]
-    self.stage_wrap = Wrapper((len(ids) * bundle.src_bytes,), key[1], exe.staged, fast=fast)
-    self.dst_pick = _index(ids, addressable_order(unpacked, fast=fast))
+    self.zeros = [zeros.get((d, *key)) for d in staging.ids]
+    self.stage_wrap = staging.wrapper(*key)  # every device is this process's
+    self.dst_pick = staging.place(unpacked)
     size = unpacked.mesh.size * bundle.dst_bytes
     self.unstage_wrap = Wrapper((size,), key[1], unpacked, fast=fast)
 
@@ -508,10 +499,10 @@ class _SplitIO:
   """A bucket that assembles apart: the transfer program over the union mesh, then the
   assembly program on this process's destination devices (if any)."""
 
-  def __init__(self, exe: BucketExecutable, *, fast: bool) -> None:
-    program = exe.program
+  def __init__(self, exe: BucketExecutable) -> None:
+    program, fast = exe.program, exe.fast
     assert program.assemblers is not None
-    direct, self.assembled, _ = split_outputs(program)
+    direct, self.assembled, _ = _emit.split_outputs(program)
     self.direct, signature = tuple(direct), program_signature(program)
     compiled = _transfer_program(signature, exe.mesh_devices)
     self.transfer = Runner(compiled, len(program.leaves), fast=fast)
@@ -521,36 +512,19 @@ class _SplitIO:
       for o in compiled.out_info[len(self.direct) :]
     )
     devices = tuple(exe.mesh_devices[q] for q in program.assemblers)
-    staged = _staged(devices)
-    self.ids = addressable_order(staged, fast=fast)
-    self.in_pick = _index(addressable_order(exe.staged, fast=fast), self.ids)
-    self.in_wraps = [_wrapper(shape, dtype, staged, fast) for shape, dtype in operands]
+    self.staging = staging = Staging(_staged(devices), fast=fast)
+    self.in_pick = index_of(exe.staging.ids, staging.ids)
     # Leaves with parts from a destination device's own source shard (their source blocks),
     # and leaves refit into donated buffers (their destination blocks).
-    self.src_leaves, self.dst_leaves = resident_sources(program), donated(program)
-    lfs = [program.leaves[li] for li in self.src_leaves]
-    self.src_wraps = [_wrapper(lf.src_block, lf.dtype, staged, fast) for lf in lfs]
-    lfs = [program.leaves[li] for li in self.dst_leaves]
-    self.dst_wraps = [_wrapper(lf.dst_block, lf.dtype, staged, fast) for lf in lfs]
+    self.src_leaves, self.dst_leaves = _emit.resident_sources(program), _emit.donated(program)
     self.assembly: Runner | None = None
-    if self.ids and self.assembled:
-      num_args = len(operands) + len(self.src_leaves) + len(self.dst_leaves)
-      self.assembly = Runner(_assembly_program(signature, devices, operands), num_args, fast=fast)
-    self.out_pick = {
-      li: _index(self.ids, addressable_order(exe.dst_shardings[li], fast=fast))
-      for li in self.assembled
-    }
+    if staging.ids and self.assembled:
+      compiled, blocks = _assembly_program(signature, devices, operands)
+      self.wraps = [staging.wrapper(block, dtype) for block, dtype in blocks]
+      self.assembly = Runner(compiled, len(blocks), fast=fast)
+    self.out_pick = {li: staging.place(exe.dst_shardings[li]) for li in self.assembled}
 
-  def compiled(self) -> list[Any]:
-    """The compiled programs a call runs, in order."""
-    return [r.compiled for r in (self.transfer, self.assembly) if r is not None]
-
-  def __call__(
-    self,
-    staged: Sequence[jax.Array],
-    io: Sequence[_LeafIO],
-    dsts: Sequence[dict[int, jax.Array] | None] = (),
-  ) -> list[Any]:
+  def __call__(self, staged: list[jax.Array], io: list[_LeafIO], dsts: Sequence[Any]) -> list[Any]:
     """Per leaf, its destination array, from ``staged`` sources and donated ``dsts``."""
     outs = self.transfer(staged)
     ys: list[Any] = [None] * len(io)
@@ -560,15 +534,13 @@ class _SplitIO:
       for li in self.assembled:  # no destination device here
         ys[li] = io[li].unstage_picked([])
       return ys
-    received = zip(self.in_wraps, outs[len(self.direct) :], strict=True)
-    args = [wrap([held[j] for j in self.in_pick]) for wrap, held in received]
-    del outs, received  # the payloads of devices without a destination shard are freed
-    for li, wrap in zip(self.src_leaves, self.src_wraps, strict=True):
-      held = buffers(staged[li], fast=self.transfer.fast)
-      args.append(wrap([held[j] for j in self.in_pick]))
-    for li, wrap in zip(self.dst_leaves, self.dst_wraps, strict=True):
-      blocks, shape = [(dsts[li] or {})[d] for d in self.ids], io[li].lf.dst_block
-      args.append(wrap([b if b.shape == shape else b.reshape(shape) for b in blocks]))
+    own = [buffers(staged[li], fast=self.transfer.fast) for li in self.src_leaves]
+    picked = [[h[j] for j in self.in_pick] for h in (*outs[len(self.direct) :], *own)]
+    args = [wrap(blocks) for wrap, blocks in zip(self.wraps, picked, strict=False)]
+    del outs, own  # the payloads of devices without a destination shard are freed
+    for li, wrap in zip(self.dst_leaves, self.wraps[len(args) :], strict=True):
+      blocks = [(dsts[li] or {})[d] for d in self.staging.ids]
+      args.append(wrap(_shaped(blocks, io[li].lf.dst_block)))
     for li, held in zip(self.assembled, self.assembly(args), strict=True):
       ys[li] = io[li].unstage_picked([held[j] for j in self.out_pick[li]])
     return ys
@@ -625,28 +597,21 @@ class BucketExecutable:
     program: BucketProgram,
     devices: dict[int, Any],
     dst_shardings: Sequence[Any],
-    src_shardings: Sequence[Any] | None = None,
+    src_shardings: Sequence[Any],
     *,
     options: Options,
   ) -> None:
     self.program, self.options, self.devices = program, options, devices
-    self.dst_shardings = list(dst_shardings)
-    self.src_shardings = list(src_shardings or [None] * len(program.sources))
+    self.dst_shardings, self.src_shardings = list(dst_shardings), list(src_shardings)
     self.mesh_devices = tuple(devices[i] for i in program.device_ids)
-    self.staged = _staged(self.mesh_devices)  # the staged arrays' sharding
     self.fast = fast_path_available()
+    self.staging = Staging(_staged(self.mesh_devices), fast=self.fast)  # the staged arrays
     # Whether a call takes leaves' destination blocks (``dsts``).
     self.takes_destinations = any(
       lf.dst_input or lf.dst_window is not None for lf in program.leaves
     )
     self.one_at_a_time = one_at_a_time(self.mesh_devices)
     self._memo: dict[Any, Any] = {}
-
-  def _once(self, key: Any, make: Callable[[], Any]) -> Any:
-    """``make()``, called on the first use of ``key`` only."""
-    if key not in self._memo:
-      self._memo[key] = make()
-    return self._memo[key]
 
   def compile(self) -> Any:
     """The (first) compiled XLA executable a call runs, see :meth:`compiled_programs`."""
@@ -657,34 +622,31 @@ class BucketExecutable:
     if direct := self.direct():
       return [direct]
     if split := self.split():
-      return split.compiled()
+      return [r.compiled for r in (split.transfer, split.assembly) if r is not None]
     return [self.runner(bundled=self.bundle() is not None).compiled]
 
+  @_memoized
   def direct(self) -> Any:
     """The compiled traced move taking the source arrays as they are, where the options allow,
     each side is one mesh of the bucket's devices in order, every device holds a source shard
     and every leaf enters and leaves whole; else ``False``."""
+    src, dst = tuple(self.src_shardings), tuple(self.dst_shardings)
+    if not _direct_allowed(self.program, self.options, src, dst):
+      return False
+    return _direct_program(program_signature(self.program), src, dst)
 
-    def make() -> Any:
-      src, dst = tuple(self.src_shardings), tuple(self.dst_shardings)
-      if not _direct_allowed(self.program, self.options, src, dst):
-        return False
-      return _direct_program(program_signature(self.program), src, dst)
-
-    return self._once("direct", make)
-
+  @_memoized
   def split(self) -> _SplitIO | None:
     """The two programs of a bucket that assembles apart, unless direct or bundled."""
-    allowed = lambda: (
-      self.program.assemblers is not None and not self.direct() and not self.bundle()
-    )
-    return self._once("split", lambda: _SplitIO(self, fast=self.fast) if allowed() else None)
+    if self.program.assemblers is None or self.direct() or self.bundle():
+      return None
+    return _SplitIO(self)
 
+  @_memoized
   def bundle(self) -> Bundle | None:
     """The leaves moved as one byte vector per device (options ``bundle_leaf_bytes``,
     ``bundle_bytes``, ``min_bundled_leaves``; never where it must assemble apart), or ``None``."""
-    args = self.program, self.src_shardings, self.dst_shardings, self.options
-    return self._once("bundle", lambda: _choose_bundle(*args))
+    return _choose_bundle(self.program, self.src_shardings, self.dst_shardings, self.options)
 
   def bundle_pass_bytes(self) -> int:
     """Bytes the :meth:`bundle` passes beyond ``_plan.pass_bytes``: pack, cut, copies, and the
@@ -702,22 +664,21 @@ class BucketExecutable:
       out += (n - len(p.assemblers)) * sum(block_bytes(lf.dst_block, lf.dtype) for lf in assembled)
     return out
 
+  @_memoized
   def bundle_io(self) -> _BundleIO:
     """How the :meth:`bundle` enters and leaves the program (worked out once)."""
-    return self._once("bundle_io", lambda: _BundleIO(self, self.bundle(), fast=self.fast))  # type: ignore[arg-type]
+    return _BundleIO(self, self.bundle())  # type: ignore[arg-type]
 
+  @_memoized
   def runner(self, *, bundled: bool = False) -> Runner:
     """Runs the program over staged blocks (``bundled``: taking the :meth:`bundle`)."""
+    p, bundle = self.program, self.bundle() if bundled else None
+    num_args = len(p.sources) + len(p.dst_inputs) + len(p.shifted) + len(p.dst_shifted)
+    num_args -= 0 if bundle is None else len(bundle.leaves) - 1
+    compiled = _compiled_program(program_signature(p), self.mesh_devices, bundle)
+    return Runner(compiled, num_args, fast=self.fast)
 
-    def make() -> Runner:
-      p, bundle = self.program, self.bundle() if bundled else None
-      num_args = len(p.sources) + len(p.dst_inputs) + len(p.shifted) + len(p.dst_shifted)
-      num_args -= 0 if bundle is None else len(bundle.leaves) - 1
-      compiled = _compiled_program(program_signature(p), self.mesh_devices, bundle)
-      return Runner(compiled, num_args, fast=self.fast)
-
-    return self._once(("runner", bundled), make)
-
+  @_memoized
   def leaf_io(self, *, sources: bool = False) -> list[_LeafIO]:
     """Per leaf (``sources``: per source of the program), its :class:`_LeafIO`."""
     p = self.program
@@ -727,54 +688,30 @@ class BucketExecutable:
     triples = zip(p.leaves, own, self.dst_shardings, strict=True)
     if sources:
       triples = zip(p.inputs, self.src_shardings, self.src_shardings, strict=True)
-    io = lambda: [_LeafIO(lf, s, d, self.staged, fast=self.fast) for lf, s, d in triples]
-    return self._once(("io", sources), io)
+    return [_LeafIO(lf, s, d, self.staging) for lf, s, d in triples]
 
-  def _placeholders(
-    self, which: int, groups: Sequence[PlaceholderGroup] | None = None
-  ) -> dict[tuple[Any, ...], jax.Array]:
-    """Zero blocks (``which``: 0 source, 1 destination), the program's source ones kept."""
-    own = groups is None
-    if not which and own and "placeholders" in self._memo:
+  def _placeholders(self) -> dict[tuple[Any, ...], jax.Array]:
+    """The program's zero source blocks, kept where all are made once (read only)."""
+    if "placeholders" in self._memo:
       return self._memo["placeholders"]
-    if groups is None:
-      groups = (self.program.placeholders, self.program.dst_placeholders)[which]
-    out, made_once = _stage_placeholders(groups, self.devices, self.options.kept_zero_bytes)
-    if not which and own and made_once:
+    kept = self.options.kept_zero_bytes
+    out, made_once = _stage_placeholders(self.program.placeholders, self.devices, kept)
+    if made_once:
       self._memo["placeholders"] = out
     return out
 
-  def _spare_blocks(self, spares: dict[Any, list[jax.Array]]) -> dict[Any, jax.Array]:
-    """Destination placeholders by (device id, leaf), from ``spares`` (emptied), else made."""
-    out: dict[Any, jax.Array] = {}
-    for group in self.program.dst_placeholders:
-      missing = []
-      for li, block in zip(group.leaves, group.blocks, strict=True):
-        if all(spares.get((d, *block)) for d in group.device_ids):
-          out.update({(d, li): spares[(d, *block)].pop() for d in group.device_ids})
-        else:
-          missing.append((li, block))
-      if missing:  # compiled once per distinct set of missing blocks
-        blocks, leaves = tuple(b for _, b in missing), tuple(li for li, _ in missing)
-        out.update(self._placeholders(1, (PlaceholderGroup(group.device_ids, blocks, leaves),)))
-    spares.clear()
-    return out
-
+  @_memoized
   def _shifts(self) -> list[jax.Array]:
     """The program's shift arguments, replicated int32 scalars (made once)."""
-
-    def make() -> list[jax.Array]:
-      scalar = NamedSharding(self.staged.mesh, PartitionSpec())
-      starts = shift_starts(self.program)
-      return jax.block_until_ready([jax.device_put(np.int32(s), scalar) for s in starts])
-
-    return self._once("shifts", make)
+    scalar = NamedSharding(self.staging.sharding.mesh, PartitionSpec())
+    starts = _emit.shift_starts(self.program)
+    return jax.block_until_ready([jax.device_put(np.int32(s), scalar) for s in starts])
 
   def __call__(
     self,
-    xs: Sequence[jax.Array],
-    dsts: Sequence[dict[int, jax.Array] | None] = (),
-    spares: dict[Any, list[jax.Array]] | None = None,
+    xs: Sequence[Any],
+    dsts: Sequence[Any] = (),
+    spares: dict | None = None,
     wait_for: Any = None,
   ) -> list[Any]:
     """Per leaf, its destination array (or, ``carry_out``, blocks by device id), from ``xs``
@@ -782,33 +719,31 @@ class BucketExecutable:
     zero blocks to donate, refilled for the next bucket; ``wait_for``: results to wait for."""
     direct = self.direct()
     if direct and all(_as_planned(x, s) for x, s in zip(xs, self.src_shardings, strict=True)):
-      if wait_for is not None:
-        jax.block_until_ready(wait_for)
+      jax.block_until_ready(wait_for)
       return list(direct(*xs))
-    io, placeholders = self.leaf_io(), self._placeholders(0)
-    if split := self.split():
-      staged = [io[li].stage(x, placeholders) for li, x in enumerate(xs)]
-      if spares is not None:
-        spares.clear()  # nothing donated where no destination shard is: free them
-      if wait_for is not None:
-        jax.block_until_ready(wait_for)
-      return split(staged, io, dsts)
-    bundle, src_io, wait = self.bundle(), self.leaf_io(sources=True), self.one_at_a_time
+    bundle, io, src_io = self.bundle(), self.leaf_io(), self.leaf_io(sources=True)
     if bundle and not all(_as_planned(xs[li], self.src_shardings[li]) for li in bundle.leaves):
       bundle = None  # arrays laid out equivalently, not equally: every leaf stages
     staged, own = [], tuple(range(len(src_io)))  # the sources staged on their own
     if bundle is not None:
-      staged, own = [self.bundle_io().stage(xs, wait=wait)], self.bundle_io().others
+      staged, own = [self.bundle_io().stage(xs, wait=self.one_at_a_time)], self.bundle_io().others
+    placeholders = self._placeholders()
     staged += [src_io[k].stage(xs[k], placeholders) for k in own]
-    if self.program.dst_inputs:
-      dst_ph = self._placeholders(1) if spares is None else self._spare_blocks(spares)
-      staged += [io[li].stage_dst(dsts[li] or {}, dst_ph, li) for li in self.program.dst_inputs]
-    if wait_for is not None:
+    if split := self.split():  # never bundled
+      if spares is not None:
+        spares.clear()  # nothing donated where no destination shard is: free them
       jax.block_until_ready(wait_for)
+      return split(staged, io, dsts)
+    if dst_inputs := self.program.dst_inputs:
+      spare = {} if spares is None else spares
+      zeros = _destination_zeros(self.program.dst_placeholders, self.devices, spare)
+      staged += [io[li].stage_dst(dsts[li] or {}, zeros, li) for li in dst_inputs]
+    jax.block_until_ready(wait_for)
     outs = self.runner(bundled=bundle is not None)([*staged, *self._shifts()])
     ys: list[Any] = [None] * len(io)
     if bundle is not None:
-      for li, y in zip(bundle.leaves, self.bundle_io().unstage(outs[0], wait=wait), strict=True):
+      bundled = self.bundle_io().unstage(outs[0], wait=self.one_at_a_time)
+      for li, y in zip(bundle.leaves, bundled, strict=True):
         ys[li] = y
       outs = outs[1:]
     for li, held in zip(range(len(io)) if bundle is None else own, outs, strict=True):
