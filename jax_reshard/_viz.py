@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from jax_reshard._cost import chosen_lowering
 from jax_reshard._plan import format_bytes
 
 if TYPE_CHECKING:
@@ -242,10 +243,19 @@ def plot_rounds(
   ax.set_title(
     f"{st.num_rounds} rounds in {st.num_buckets} bucket(s): payload "
     f"{format_bytes(st.bytes_moved)}, padding {format_bytes(st.padding_bytes)} "
-    f"({pct:.2g}% of sent)",
+    f"({pct:.2g}% of sent){_lowered(plan)}",
     fontsize=10,
   )
   return ax
+
+
+def _lowered(plan: PlanLike) -> str:
+  """How many buckets run their rounds by an ``Options.lowerings`` entry, named."""
+  layout: Any = getattr(plan, "layout_plan", plan)
+  stages = layout.stages()
+  lows = [chosen_lowering(s, b) for s in stages for b in range(len(s.schedule.buckets))]
+  named = Counter(getattr(low, "name", type(low).__name__) for low in lows if low is not None)
+  return "".join(f"; {k} bucket(s) as {name}" for name, k in named.items())
 
 
 def _round_starts(t: RoundTable) -> np.ndarray:

@@ -72,6 +72,8 @@ def test_a_toy_all_gather_lowering_runs_and_is_accounted_for(
   (program,) = toy.programs()
   assert program.lowering == AllGather() and plain.programs()[0].lowering is None
   assert "rounds run as one all_gather" in str(program)
+  assert jr.plot_rounds(toy).get_title().endswith("; 1 bucket(s) as one all_gather")
+  assert "as one all_gather" not in jr.plot_rounds(plain).get_title()
   hlo = _hlo(toy)
   assert "all-gather" in hlo and "collective-permute" not in hlo
   assert "all-gather" not in _hlo(plain) and "collective-permute" in _hlo(plain)
