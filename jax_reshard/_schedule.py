@@ -62,10 +62,8 @@ class Bucket:
   def pieces(self) -> dict[tuple[int, int], list[Piece]]:
     """Per (source, destination) pair, its payload's pieces in order."""
     out: dict[tuple[int, int], list[Piece]] = defaultdict(list)
-    cols = (self.piece_src, self.piece_dst, self.piece_leaf, self.piece_transfer)
-    for s, d, *piece in zip(
-      *(a.tolist() for a in (*cols, self.piece_offset, self.piece_nbytes)), strict=True
-    ):
+    names = [f.name for f in dataclasses.fields(self) if f.name.startswith("piece_")]
+    for s, d, *piece in zip(*(getattr(self, name).tolist() for name in names), strict=True):
       out[(s, d)].append(Piece(*piece))
     return out
 
@@ -405,12 +403,9 @@ def _item_keys(tree: _Tree, items: Sequence[tuple[int, int]]) -> np.ndarray:
 def _repeat_end(
   tree: _Tree, keys: np.ndarray, start: int, runs: dict[int, tuple[int, int, int]]
 ) -> int:
-  """One past the last item of a bucket starting at ``start`` under the leaf cap.
-
-  Where a run of ``keys`` repeats with a period ``p`` (a model's layers), buckets take whole
-  periods, as many in every bucket of the run (so that they share a program); elsewhere a bucket
-  ends where a run begins or at the cap. ``runs`` carries ``(p, t, end)`` to the next bucket.
-  """
+  """One past the last item of a bucket from ``start`` under the leaf cap: whole periods of a
+  run of ``keys`` (as many in each of its buckets), else to where a run starts; ``runs``: ``(p, t,
+  end)`` carried to the next bucket."""
   cap = tree.options.max_bucket_leaves
   if start in runs:
     p, t, run_end = runs.pop(start)
@@ -480,10 +475,7 @@ def _largest_fitting(
       bad, step = bad - step, 2 * step
   while bad - ok > 1:
     mid = (ok + bad) // 2
-    if fits(mid):
-      ok = mid
-    else:
-      bad = mid
+    ok, bad = (mid, bad) if fits(mid) else (ok, mid)
   return (tried[ok], ok) if ok > start else None
 
 
@@ -496,19 +488,16 @@ def _fill_buckets(tree: _Tree) -> list[_Built]:
   cap, i = tree.options.max_bucket_leaves, 0
   while i < len(items):
     end = len(items)  # where the unpadded staging leaves the bound
-    peaks = _unpadded_peaks(tree, items, i) if tree.bound is not None else ()
-    for e, peak in enumerate(peaks, i + 1):
-      if e > i + 1 and tree.bound is not None and peak > tree.bound:
-        end = e - 1
-        break
+    if (bound := tree.bound) is not None:
+      peaks = enumerate(_unpadded_peaks(tree, items, i), i + 1)
+      end = next((e - 1 for e, peak in peaks if e > i + 1 and peak > bound), end)
     if end - i > cap or i in runs:  # else the bucket the bytes allow is kept
       end = min(end, _repeat_end(tree, keys, i, runs))
     built = _build(tree, items[i:end])
-    if tree.bound is None or built.peak <= tree.bound:
-      out.append(built)
-      i = end
-      continue
-    if fitting := _largest_fitting(tree, items, i, end, built.peak) if end - i > 1 else None:
+    fitting: tuple[_Built, int] | None = (built, end)
+    if bound is not None and built.peak > bound:
+      fitting = _largest_fitting(tree, items, i, end, built.peak) if end - i > 1 else None
+    if fitting:
       out.append(fitting[0])
       i = fitting[1]
       continue
@@ -662,9 +651,7 @@ def _split_slabs(tree: _Tree, leaf: int, k: int, side: int) -> tuple[int, str] |
   def trial(k: int) -> np.ndarray:
     # Destination slabs along a dimension the source does not shard are of one width: their
     # chunks then differ only by where the source rows start (see chunk_shift).
-    even = None
-    if spread is not None and spread[dim := _chunks.slab_dim(shard, k, spread)]:
-      even = dim
+    even = dim if spread is not None and spread[dim := _chunks.slab_dim(shard, k, spread)] else None
     cut = _chunks.split_slabs(orig, lay, k, isz, receiver=side == 1, spread=spread, dim=even)
     tree.set_chunks(leaf, *cut[:2], LeafCut(dst=cut[2]) if side else LeafCut(src=cut[2]))
     return _alone(tree, leaf, range(len(tree.payloads[leaf])))
@@ -706,12 +693,10 @@ def _split_grid(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
     min(m, max(2, math.ceil(2.2 * b / tree.bound))) for b, m in zip(blocks, k_max, strict=True)
   )
   while True:
-    plan, chunk, src_slabs, dst_slabs = _chunks.split_grid(
-      tree.original[leaf], layouts, ks, kd, isz
-    )
+    plan, chunk, srcs, dsts = _chunks.split_grid(tree.original[leaf], layouts, ks, kd, isz)
     peak = least
-    if src_slabs != dst_slabs:  # (equal slabs would read as windows of both sides)
-      tree.set_chunks(leaf, plan, chunk, LeafCut(src=src_slabs, dst=dst_slabs))
+    if srcs != dsts:  # (equal slabs would read as windows of both sides)
+      tree.set_chunks(leaf, plan, chunk, LeafCut(src=srcs, dst=dsts))
       if (peak := int(_alone(tree, leaf, _distinct_chunks(tree, leaf)).max())) <= tree.bound:
         return None
     if ks >= k_max[0] and kd >= k_max[1]:
@@ -730,11 +715,8 @@ def _distinct_chunks(tree: _Tree, leaf: int) -> list[int]:
 
 
 def _presplit(tree: _Tree) -> None:
-  """Splits every leaf whose unpadded staging alone exceeds the bound.
-
-  Raises:
-    BucketBoundError: of the leaf needing the most, if any leaf does not fit split.
-  """
+  """Splits every leaf whose unpadded staging alone exceeds the bound (raises the largest
+  :class:`BucketBoundError` of those that do not fit split)."""
   if tree.bound is None:
     return
   errors: list[BucketBoundError] = []
@@ -818,8 +800,7 @@ def make_schedule(
     for leaf in bb.bucket.leaves:
       leaf_buckets[leaf].append(b)
   zero = np.zeros(len(tree.union), dtype=np.int64)
-  sent = sum((bb.sent for bb in built), zero)
-  received = sum((bb.received for bb in built), zero)
+  sent, received = sum((bb.sent for bb in built), zero), sum((bb.received for bb in built), zero)
   cuts = [tree.cuts.get(leaf, LeafCut()) for leaf in range(len(plans))]
   peak = max((bb.peak for bb in built), default=0)
   sums = (sum(bb.padding for bb in built), int(sent.max(initial=0)), int(received.max(initial=0)))
