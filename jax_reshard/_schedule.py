@@ -160,7 +160,7 @@ class _Tree:
       kinds.setdefault(leaf_key(p, lay, isz), len(kinds))
       for p, lay, isz in zip(plans, layouts, itemsizes, strict=True)
     ]
-    self.cuts: dict[int, LeafCut] = {}
+    self.cuts: list[LeafCut | None] = [None] * len(plans)
     self.splits: dict[tuple[object, ...], tuple[Any, ...]] = {}  # number, rows, chunks, cut
     self.round_cache: dict[bytes, tuple[list[Round], np.ndarray, np.ndarray]] = {}
     self.colourings: dict[tuple[bytes, bytes, bool], np.ndarray] = {}
@@ -187,10 +187,7 @@ class _Tree:
     self.states[leaf] = ("fresh", next(self.fresh)) if state is None else state
     self.plans[leaf], self.chunks[leaf] = plan, chunk
     self.payloads[leaf] = self._payloads(plan, chunk)
-    if cut is None:
-      self.cuts.pop(leaf, None)
-    else:
-      self.cuts[leaf] = cut
+    self.cuts[leaf] = cut
     if rows is not None:
       assert self.src is not None
       self.src.set(leaf, *rows)
@@ -213,7 +210,7 @@ class _Tree:
 
   def state(self, leaf: int) -> tuple[Any, ...]:
     """Equal for leaves whose chunks build equal buckets (up to their leaf numbers)."""
-    return self.kinds[leaf], self.states[leaf], self.cuts.get(leaf)
+    return self.kinds[leaf], self.states[leaf], self.cuts[leaf]
 
   def items(self, leaf: int) -> list[tuple[int, int]]:
     return [(leaf, c) for c in range(len(self.payloads[leaf]))]
@@ -233,7 +230,7 @@ class _Tree:
   def staged(self, leaf: int, first: int, last: int) -> np.ndarray:
     """Per union device, what a bucket of chunks ``first..last`` of ``leaf`` stages besides
     payloads: per side its window where cut into slabs, else its placeholder."""
-    cut = self.cuts.get(leaf)
+    cut = self.cuts[leaf]
     if cut is None or (cut.src is None and cut.dst is None):
       return self.placeholders[leaf]
     out = np.zeros(len(self.union), dtype=np.int64)
@@ -249,7 +246,7 @@ class _Tree:
   def apart(self, leaves: Collection[int]) -> bool:
     """Whether a bucket of ``leaves`` may assemble apart."""
     return bool(self.discards) and all(
-      len(self.payloads[leaf]) == 1 and leaf not in self.cuts for leaf in leaves
+      len(self.payloads[leaf]) == 1 and self.cuts[leaf] is None for leaf in leaves
     )
 
 
@@ -552,7 +549,7 @@ def _best_split(tree: _Tree, leaf: int, k: int) -> tuple[Any, ...]:
       failed.append(found)
     elif best is None or len(tree.payloads[leaf]) < best[0]:
       rows = None if tree.src is None else (tree.src.pieces[leaf], tree.src.parents[leaf])
-      best = (len(tree.payloads[leaf]), tree.plans[leaf], tree.chunks[leaf], tree.cuts.get(leaf))
+      best = (len(tree.payloads[leaf]), tree.plans[leaf], tree.chunks[leaf], tree.cuts[leaf])
       best += (rows,)
   if best is not None:
     return best[1:]
@@ -721,10 +718,9 @@ def _presplit(tree: _Tree) -> None:
     return
   errors: list[BucketBoundError] = []
   for leaf in range(len(tree.plans)):
-    ph = tree.placeholders[leaf]
-    if tree.src is not None:
-      ph = ph + tree.sources_staged(tree.reads(leaf, 0, 0))
-    ph = ph * tree.members[leaf]
+    ph = (tree.placeholders[leaf] + tree.sources_staged(tree.reads(leaf, 0, 0))) * tree.members[
+      leaf
+    ]
     pay = tree.payloads[leaf][0]
     if int((pay + ph).max(initial=0)) <= tree.bound:
       continue
@@ -801,7 +797,7 @@ def make_schedule(
       leaf_buckets[leaf].append(b)
   zero = np.zeros(len(tree.union), dtype=np.int64)
   sent, received = sum((bb.sent for bb in built), zero), sum((bb.received for bb in built), zero)
-  cuts = [tree.cuts.get(leaf, LeafCut()) for leaf in range(len(plans))]
+  cuts = [c or LeafCut() for c in tree.cuts]
   peak = max((bb.peak for bb in built), default=0)
   sums = (sum(bb.padding for bb in built), int(sent.max(initial=0)), int(received.max(initial=0)))
   rows = (tuple(tree.plans), tuple(tree.chunks), tuple(tuple(b) for b in leaf_buckets))
