@@ -259,10 +259,7 @@ class _Built:
   sent: np.ndarray
   received: np.ndarray
   padding: int
-
-  @property
-  def peak(self) -> int:
-    return int(self.stage.max(initial=0))
+  peak: int  # the most one device stages
 
 
 def _whole_first(
@@ -355,7 +352,8 @@ def _build_new(tree: _Tree, leaves: list[int], chunks: dict[int, list[int]]) -> 
   head = (tuple(leaves), tuple(tuple(chunks[j]) for j in leaves), tuple(rounds))
   pieces = (cols[0], cols[1], cols[2], cols[3], offset, cols[4])
   bucket = Bucket(*head, tuple(union[in_bucket].tolist()), *pieces, must_apart)
-  return _Built(bucket, stage, sent, received, int((round_bytes - fill).sum()))
+  padding = int((round_bytes - fill).sum())
+  return _Built(bucket, stage, sent, received, padding, int(stage.max(initial=0)))
 
 
 def _reads(tree: _Tree, leaves: Iterable[int], chunks: dict[int, list[int]]) -> set[int]:
