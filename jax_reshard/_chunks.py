@@ -47,7 +47,6 @@ def slab_dim(shard_shape: Sequence[int], k: int, spread: Sequence[bool] | None =
 
 def grid_dims(layouts: tuple[Layout, Layout]) -> tuple[int, int]:
   """Per side, the longest dimension the other side does not shard, else the longest."""
-  src, dst = layouts
 
   def pick(shard: Sequence[int], other: Layout, skip: int | None) -> int:
     free = [
@@ -57,8 +56,8 @@ def grid_dims(layouts: tuple[Layout, Layout]) -> tuple[int, int]:
     ]
     return -max(free)[1] if free else int(np.argmax(shard))
 
-  dim_s = pick(src.shard_shape(), dst, None)
-  return dim_s, pick(dst.shard_shape(), src, dim_s)
+  dim_s = pick(layouts[0].shard_shape(), layouts[1], None)
+  return dim_s, pick(layouts[1].shard_shape(), layouts[0], dim_s)
 
 
 def grid_windows(
@@ -88,13 +87,11 @@ def run_starts(*keys: np.ndarray) -> np.ndarray:
 def chunk_pairs(plan: LeafPlan, chunk: np.ndarray, n: int) -> list[tuple[bytes, bytes, bytes]]:
   """Per chunk of ``n`` (``chunk``: each row's), its remote ``(sender, receiver)`` pairs and
   their bytes, as bytes: equal for chunks that move alike."""
-  rows = ~plan.local & (plan.nbytes != 0)
+  rows = np.flatnonzero(~plan.local & (plan.nbytes != 0))
+  rows = rows[np.lexsort((plan.dst_device[rows], plan.src_device[rows], chunk[rows]))]
   c, s, d, nb = (a[rows] for a in (chunk, plan.src_device, plan.dst_device, plan.nbytes))
-  order = np.lexsort((d, s, c))
-  c, s, d, nb = c[order], s[order], d[order], nb[order]
   starts = run_starts(c, s, d)
-  fill = np.add.reduceat(nb, starts) if len(c) else nb
-  ps, pd = s[starts], d[starts]
+  fill, ps, pd = np.add.reduceat(nb, starts) if len(c) else nb, s[starts], d[starts]
   cuts = np.searchsorted(c[starts], np.arange(n + 1)).tolist()
   return [
     (ps[a:b].tobytes(), pd[a:b].tobytes(), fill[a:b].tobytes()) for a, b in itertools.pairwise(cuts)
@@ -126,22 +123,19 @@ def _with_pieces(
   """``plan`` with rows ``at`` (ascending, each at least once) replaced by pieces ``lo:hi`` in
   ``chunk`` (of ``nbytes`` each, default their elements times ``isz``), each row's chunk, each
   row's place among the rows of ``plan`` kept then the pieces, and the rows kept."""
-  keep = np.ones(len(plan.nbytes), dtype=bool)
-  keep[at] = False
-  keep = np.flatnonzero(keep)
-  order = np.lexsort((np.r_[np.zeros(len(keep), np.int64), chunk], np.r_[keep, at]))
+  keep = np.setdiff1d(np.arange(len(plan.nbytes)), at)
+  chunks = np.r_[np.zeros(len(keep), np.int64), chunk]
+  order = np.lexsort((chunks, np.r_[keep, at]))
   if nbytes is None:
     nbytes = np.prod(hi - lo, axis=1, dtype=np.int64) * isz
-  pieces = {"lo": lo, "hi": hi, "nbytes": nbytes}
-  cols = [
-    np.concatenate([getattr(plan, f)[keep], pieces[f] if f in pieces else getattr(plan, f)[at]])
-    for f in ("src_device", "dst_device", "lo", "hi", "nbytes", "local")
-  ]
-  src, dst, lo, hi, nbytes, local = (c[order] for c in cols)
-  out = LeafPlan(
-    src, dst, lo, hi, nbytes, local, plan.lower_bound_bytes, plan.gather_broadcast_bytes
+  new = (plan.src_device[at], plan.dst_device[at], lo, hi, nbytes, plan.local[at])
+  old = (plan.src_device, plan.dst_device, plan.lo, plan.hi, plan.nbytes, plan.local)
+  src, dst, lo, hi, nbytes, local = (
+    np.concatenate([a[keep], b])[order] for a, b in zip(old, new, strict=True)
   )
-  return out, np.r_[np.zeros(len(keep), dtype=np.int64), chunk][order], order, keep
+  bounds = (plan.lower_bound_bytes, plan.gather_broadcast_bytes)
+  out = LeafPlan(src, dst, lo, hi, nbytes, local, *bounds)
+  return out, chunks[order], order, keep
 
 
 def _row_parts(plan: LeafPlan, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

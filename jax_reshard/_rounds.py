@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -42,8 +43,7 @@ def _color_dense(s: np.ndarray, d: np.ndarray, swap_late: bool = False) -> np.nd
   if len(s) <= 1 or (k := max(int(np.bincount(s).max()), int(np.bincount(d).max()))) == 1:
     return np.zeros(len(s), dtype=np.int64)
   sl, dl = s.tolist(), d.tolist()
-  prefix = _first_fit_prefix(sl, dl, k)
-  if len(prefix[0]) < len(sl):
+  if len((prefix := _first_fit_prefix(sl, dl, k))[0]) < len(sl):
     return np.asarray(_konig(sl, dl, k, prefix if swap_late else None, swap_late), np.int64)
   return np.asarray(prefix[0], dtype=np.int64)
 
@@ -76,23 +76,18 @@ def _konig(
   receiver, ``a`` and the lowest ``b`` free there swap along the alternating path, in one walk."""
   done, used_s, used_d = prefix or ([], [0] * (max(s) + 1), [0] * (max(d) + 1))
   used_s, used_d = list(used_s), list(used_d)  # per vertex, a bitmask of colours
-  at = []  # per side, per vertex, colour -> edge index
-  for ends, n in ((s, len(used_s)), (d, len(used_d))):
-    table = np.full((n, k), -1, dtype=np.int64)
-    table[ends[: len(done)], done] = np.arange(len(done))
-    at.append(table.tolist())
-  at_s, at_d = at
+  at_s, at_d = [[-1] * k for _ in used_s], [[-1] * k for _ in used_d]  # colour -> edge index
+  for e, c in enumerate(done):
+    at_s[s[e]][c] = at_d[d[e]][c] = e
   colour = done + [-1] * (len(s) - len(done))
   for e in range(len(done), len(s)):
     u, v = s[e], d[e]
     m = used_s[u] | used_d[v]
     a = (~m & (m + 1)).bit_length() - 1 if fit else k
     if a >= k:
-      m = used_s[u]
-      a = (~m & (m + 1)).bit_length() - 1
+      a = (~used_s[u] & (used_s[u] + 1)).bit_length() - 1
       if used_d[v] >> a & 1:
-        m = used_d[v]
-        b = (~m & (m + 1)).bit_length() - 1
+        b = (~used_d[v] & (used_d[v] + 1)).bit_length() - 1
         flip, f, node = (1 << a) | (1 << b), -1, v  # f: the path edge that reached node
         while True:  # node is a receiver: leave by colour a
           tab = at_d[node]
@@ -128,6 +123,7 @@ def make_rounds(
 ) -> tuple[list[Round], np.ndarray, np.ndarray]:
   """Rounds for pairs ``(ps[i], pd[i])`` of ``fill[i]`` bytes, each pair's round size and
   round; with ``links``, each link class is also given rounds of its own, kept where faster."""
+  colourings = {} if colourings is None else colourings
   out = _colour_rounds(ps, pd, fill, colourings)
   if links is None or (slow := links.crosses(ps, pd)).all() or not slow.any():
     return out
@@ -172,8 +168,7 @@ class Links:
     rid = np.repeat(np.arange(len(rounds)), count)
     crossing = np.bincount(rid, self.crosses(ends[:, 0], ends[:, 1]), minlength=len(rounds))
     size = np.fromiter((r.nbytes for r in rounds), np.float64, len(rounds))
-    inter, intra = self.topology.inter, self.topology.intra
-    slow = crossing > 0
+    inter, intra, slow = self.topology.inter, self.topology.intra, crossing > 0
     time = np.where(
       slow, inter.latency + size / inter.bandwidth, intra.latency + size / intra.bandwidth
     )
@@ -181,16 +176,12 @@ class Links:
 
 
 def _colour_rounds(
-  ps: np.ndarray,
-  pd: np.ndarray,
-  fill: np.ndarray,
-  colourings: dict[tuple[bytes, bytes, bool], np.ndarray] | None = None,
+  ps: np.ndarray, pd: np.ndarray, fill: np.ndarray, colourings: dict[Any, np.ndarray]
 ) -> tuple[list[Round], np.ndarray, np.ndarray]:
   """:func:`make_rounds` without links: the fastest of :func:`_candidate_classes`'s colourings
   (then less padding), skipping those :func:`_joint_time_bound` shows cannot win."""
   if not len(fill):
     return [], np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-  colourings = {} if colourings is None else colourings
   order = np.lexsort((pd, ps, -fill))
   ps, pd, fill = ps[order], pd[order], fill[order]
   s, d = _dense(ps), _dense(pd)
@@ -206,8 +197,7 @@ def _colour_rounds(
         and sum(_joint_time_bound(s[a:b], d[a:b], fill[a:b]) for a, b in classes) > best[0][0]
       ):
         continue
-    colour = np.empty(len(fill), dtype=np.int64)
-    base = 0
+    colour, base = np.empty(len(fill), dtype=np.int64), 0
     for a, b in classes:
       key = (s[a:b].tobytes(), d[a:b].tobytes(), len(classes) > 1)
       if (found := colourings.get(key)) is None:
@@ -239,8 +229,8 @@ def _candidate_classes(fill: np.ndarray) -> list[list[tuple[int, int]]]:
   out = [list(itertools.pairwise(bounds)), [(0, len(fill))]]
   for r in HEAVY_RATIOS:
     heavy = int(np.searchsorted(-fill, -fill[0] / r, side="right"))
-    if 0 < heavy < len(fill) and [(0, heavy), (heavy, len(fill))] not in out:
-      out.append([(0, heavy), (heavy, len(fill))])
+    if 0 < heavy < len(fill) and (two := [(0, heavy), (heavy, len(fill))]) not in out:
+      out.append(two)
   return out
 
 

@@ -62,10 +62,8 @@ class Bucket:
   def pieces(self) -> dict[tuple[int, int], list[Piece]]:
     """Per (source, destination) pair, its payload's pieces in order."""
     out: dict[tuple[int, int], list[Piece]] = defaultdict(list)
-    cols = (self.piece_src, self.piece_dst, self.piece_leaf, self.piece_transfer)
-    for s, d, *piece in zip(
-      *(a.tolist() for a in (*cols, self.piece_offset, self.piece_nbytes)), strict=True
-    ):
+    names = [f.name for f in dataclasses.fields(self) if f.name.startswith("piece_")]
+    for s, d, *piece in zip(*(getattr(self, name).tolist() for name in names), strict=True):
       out[(s, d)].append(Piece(*piece))
     return out
 
@@ -126,8 +124,8 @@ def leaf_key(plan: LeafPlan, layouts: tuple[Layout, Layout], kind: object) -> tu
 
 
 class _Tree:
-  """The leaves being scheduled (rows, chunks, cuts; mutable) and scheduling's caches;
-  ``src``: a transformed stage's :class:`PieceRows`."""
+  """The leaves being scheduled (rows, chunks, cuts: mutable), scheduling's caches; ``src``: a
+  transformed stage's :class:`PieceRows`."""
 
   def __init__(
     self,
@@ -146,7 +144,7 @@ class _Tree:
     self.bound, self.options, self.allow_slabs = bound, options, slabs
     ids = {i for s, d in layouts for i in (*s.device_ids, *d.device_ids)}
     self.union = np.asarray(sorted(ids), dtype=np.int64)
-    self.zero_blocks: dict[tuple[Layout, int], np.ndarray] = {}  # see zero_block
+    self.zero_blocks: dict[tuple[Layout, int], np.ndarray] = {}
     self.src = None if sources is None else PieceRows(*sources, self.zero_block, len(self.union))
     self.links = Links.of(self.union, topology)
     # per leaf and union device: both sides' placeholders, and whether the leaf uses it
@@ -162,7 +160,7 @@ class _Tree:
       kinds.setdefault(leaf_key(p, lay, isz), len(kinds))
       for p, lay, isz in zip(plans, layouts, itemsizes, strict=True)
     ]
-    self.cuts: dict[int, LeafCut] = {}
+    self.cuts: list[LeafCut | None] = [None] * len(plans)
     self.splits: dict[tuple[object, ...], tuple[Any, ...]] = {}  # number, rows, chunks, cut
     self.round_cache: dict[bytes, tuple[list[Round], np.ndarray, np.ndarray]] = {}
     self.colourings: dict[tuple[bytes, bytes, bool], np.ndarray] = {}
@@ -180,14 +178,16 @@ class _Tree:
     leaf: int,
     plan: LeafPlan,
     chunk: np.ndarray,
+    cut: LeafCut | None = None,
     state: tuple[Any, ...] | None = None,
     rows: tuple[tuple[TransformPiece, ...], np.ndarray] | None = None,
   ) -> None:
-    """Records ``leaf``'s rows and chunks in ``state`` (default: a new one); ``rows``: a
+    """Records ``leaf``'s rows, chunks and cut in ``state`` (default: a new one); ``rows``: a
     transformed leaf's pieces and each row's original row."""
     self.states[leaf] = ("fresh", next(self.fresh)) if state is None else state
     self.plans[leaf], self.chunks[leaf] = plan, chunk
     self.payloads[leaf] = self._payloads(plan, chunk)
+    self.cuts[leaf] = cut
     if rows is not None:
       assert self.src is not None
       self.src.set(leaf, *rows)
@@ -202,24 +202,21 @@ class _Tree:
 
   def _payloads(self, plan: LeafPlan, chunk: np.ndarray) -> np.ndarray:
     """Per chunk and union device, the payload bytes sent and received."""
-    n, k = len(self.union), int(chunk.max(initial=0)) + 1
-    remote = ~plan.local
-    nb, c = plan.nbytes[remote], chunk[remote]
-    s = np.searchsorted(self.union, plan.src_device[remote])
-    d = np.searchsorted(self.union, plan.dst_device[remote])
-    pay = np.bincount(c * n + s, nb, minlength=k * n) + np.bincount(c * n + d, nb, minlength=k * n)
+    n, k, remote = len(self.union), int(chunk.max(initial=0)) + 1, ~plan.local
+    s, d = (np.searchsorted(self.union, a[remote]) for a in (plan.src_device, plan.dst_device))
+    at, nb = chunk[remote] * n, plan.nbytes[remote]
+    pay = np.bincount(at + s, nb, minlength=k * n) + np.bincount(at + d, nb, minlength=k * n)
     return pay.astype(np.int64).reshape(k, n)
 
   def state(self, leaf: int) -> tuple[Any, ...]:
     """Equal for leaves whose chunks build equal buckets (up to their leaf numbers)."""
-    return self.kinds[leaf], self.states[leaf], self.cuts.get(leaf)
+    return self.kinds[leaf], self.states[leaf], self.cuts[leaf]
 
   def items(self, leaf: int) -> list[tuple[int, int]]:
     return [(leaf, c) for c in range(len(self.payloads[leaf]))]
 
   def zero_block(self, layout: Layout, itemsize: int) -> np.ndarray:
-    """Per union device, the bytes of the zero block it stages for ``layout`` where it holds no
-    shard; one (read-only) array per layout and item size."""
+    """Per union device, the zero block it stages for ``layout`` (read-only, cached)."""
     if (found := self.zero_blocks.get((layout, itemsize))) is None:
       block = math.prod(staged_block_shape(layout.shard_shape())) * itemsize
       found = self.zero_blocks[layout, itemsize] = placeholder_mask(layout, self.union) * block
@@ -233,7 +230,7 @@ class _Tree:
   def staged(self, leaf: int, first: int, last: int) -> np.ndarray:
     """Per union device, what a bucket of chunks ``first..last`` of ``leaf`` stages besides
     payloads: per side its window where cut into slabs, else its placeholder."""
-    cut = self.cuts.get(leaf)
+    cut = self.cuts[leaf]
     if cut is None or (cut.src is None and cut.dst is None):
       return self.placeholders[leaf]
     out = np.zeros(len(self.union), dtype=np.int64)
@@ -249,7 +246,7 @@ class _Tree:
   def apart(self, leaves: Collection[int]) -> bool:
     """Whether a bucket of ``leaves`` may assemble apart."""
     return bool(self.discards) and all(
-      len(self.payloads[leaf]) == 1 and leaf not in self.cuts for leaf in leaves
+      len(self.payloads[leaf]) == 1 and self.cuts[leaf] is None for leaf in leaves
     )
 
 
@@ -262,26 +259,7 @@ class _Built:
   sent: np.ndarray
   received: np.ndarray
   padding: int
-
-  @property
-  def peak(self) -> int:
-    return int(self.stage.max(initial=0))
-
-
-def _bucket_pieces(
-  plans: Sequence[LeafPlan], leaves: Sequence[int], rows: Sequence[np.ndarray]
-) -> tuple[np.ndarray, np.ndarray]:
-  """The remote rows ``rows`` of ``leaves`` as pieces ``(src, dst, leaf, transfer, nbytes)``
-  sorted by the first four, and each pair's first piece."""
-  parts = []
-  for leaf, mask in zip(leaves, rows, strict=True):
-    p = plans[leaf]
-    ts = np.nonzero(mask & ~p.local & (p.nbytes != 0))[0]
-    row = (p.src_device[ts], p.dst_device[ts], np.full(len(ts), leaf), ts, p.nbytes[ts])
-    parts.append(np.array(row, dtype=np.int64))
-  cols = np.concatenate(parts, axis=1)
-  cols = cols[:, np.lexsort(cols[3::-1])]
-  return cols, _chunks.run_starts(cols[0], cols[1])
+  peak: int  # the most one device stages
 
 
 def _whole_first(
@@ -316,18 +294,18 @@ def _build(tree: _Tree, items: Sequence[tuple[int, int]]) -> _Built:
   leaves = list(chunks)
   # Pieces sort by leaf number: renumbering keeps their order where both ascend. A leaf of a
   # trial split ("fresh") is never built again in that state: not kept.
-  ascending = all(a < b for a, b in itertools.pairwise(leaves))
-  kept = ascending and all(tree.states[leaf][0] != "fresh" for leaf in leaves)
   key: tuple[Any, ...] | None = None
-  if kept:
+  if all(a < b for a, b in itertools.pairwise(leaves)) and all(
+    tree.states[leaf][0] != "fresh" for leaf in leaves
+  ):
     key = tuple((tree.state(leaf), tuple(chunks[leaf])) for leaf in leaves)
-  if key is not None and tree.src is not None:  # like leaves may read sources laid out apart
-    key += (tree.sources_staged(_reads(tree, leaves, chunks)).tobytes(),)
-  if key is not None and key in tree.built:
-    before, position = tree.built[key]
-    piece_leaf = np.asarray(leaves, dtype=np.int64)[position]
-    bucket = dataclasses.replace(before.bucket, leaves=tuple(leaves), piece_leaf=piece_leaf)
-    return dataclasses.replace(before, bucket=bucket)
+    if tree.src is not None:  # like leaves may read sources laid out apart
+      key += (tree.sources_staged(_reads(tree, leaves, chunks)).tobytes(),)
+    if key in tree.built:
+      before, position = tree.built[key]
+      piece_leaf = np.asarray(leaves, dtype=np.int64)[position]
+      bucket = dataclasses.replace(before.bucket, leaves=tuple(leaves), piece_leaf=piece_leaf)
+      return dataclasses.replace(before, bucket=bucket)
   built = _build_new(tree, leaves, chunks)
   if key is not None:
     position = np.searchsorted(np.asarray(leaves, dtype=np.int64), built.bucket.piece_leaf)
@@ -337,8 +315,15 @@ def _build(tree: _Tree, items: Sequence[tuple[int, int]]) -> _Built:
 
 def _build_new(tree: _Tree, leaves: list[int], chunks: dict[int, list[int]]) -> _Built:
   """:func:`_build` from scratch."""
-  rows = [(tree.chunks[j] >= chunks[j][0]) & (tree.chunks[j] <= chunks[j][-1]) for j in leaves]
-  cols, first = _bucket_pieces(tree.plans, leaves, rows)
+  parts = []  # the remote rows as pieces (src, dst, leaf, transfer, nbytes)
+  for j in leaves:
+    p, c = tree.plans[j], tree.chunks[j]
+    ts = np.flatnonzero((c >= chunks[j][0]) & (c <= chunks[j][-1]) & ~p.local & (p.nbytes != 0))
+    row = (p.src_device[ts], p.dst_device[ts], np.full(len(ts), j), ts, p.nbytes[ts])
+    parts.append(np.array(row, dtype=np.int64))
+  cols = np.concatenate(parts, axis=1)
+  cols = cols[:, np.lexsort(cols[3::-1])]  # sorted by the first four
+  first = _chunks.run_starts(cols[0], cols[1])  # each pair's first piece
   fill = np.add.reduceat(cols[4], first) if len(first) else cols[4]
   ps, pd = cols[0][first], cols[1][first]
   key = ps.tobytes() + b"|" + pd.tobytes() + b"|" + fill.tobytes()
@@ -347,25 +332,28 @@ def _build_new(tree: _Tree, leaves: list[int], chunks: dict[int, list[int]]) -> 
   rounds, round_bytes, pair_round = tree.round_cache[key]
   cols, offset = _whole_first(tree, pair_round, cols, first)
   n, union = len(tree.union), tree.union
-  sent = np.bincount(np.searchsorted(union, ps), round_bytes, minlength=n).astype(np.int64)
-  received = np.bincount(np.searchsorted(union, pd), round_bytes, minlength=n).astype(np.int64)
+  sent, received = (
+    np.bincount(np.searchsorted(union, at), round_bytes, minlength=n).astype(np.int64)
+    for at in (ps, pd)
+  )
   in_bucket = np.logical_or.reduce([tree.members[j] for j in leaves])
-  zero = np.zeros(n, dtype=np.int64)
-  staged = sum((tree.staged(j, min(chunks[j]), max(chunks[j])) for j in leaves), zero)
-  if tree.src is not None:
-    staged = staged + tree.sources_staged(_reads(tree, leaves, chunks))
+  staged = sum(
+    (tree.staged(j, min(chunks[j]), max(chunks[j])) for j in leaves),
+    tree.sources_staged(_reads(tree, leaves, chunks)),
+  )
   stage = staged * in_bucket + sent + received
   bound = tree.bound
   must_apart = bound is not None and int(stage.max(initial=0)) > bound and tree.apart(leaves)
   if must_apart:
     # In bound only without the discarded blocks: assembled apart, its transfer program returns
     # every round's payload on every device (zeros where one receives nothing): all count.
-    discards = sum((tree.discards[j] for j in leaves), zero)
+    discards = sum(tree.discards[j] for j in leaves)
     stage = (staged - discards + sum(r.nbytes for r in rounds)) * in_bucket + sent
   head = (tuple(leaves), tuple(tuple(chunks[j]) for j in leaves), tuple(rounds))
   pieces = (cols[0], cols[1], cols[2], cols[3], offset, cols[4])
   bucket = Bucket(*head, tuple(union[in_bucket].tolist()), *pieces, must_apart)
-  return _Built(bucket, stage, sent, received, int((round_bytes - fill).sum()))
+  padding = int((round_bytes - fill).sum())
+  return _Built(bucket, stage, sent, received, padding, int(stage.max(initial=0)))
 
 
 def _reads(tree: _Tree, leaves: Iterable[int], chunks: dict[int, list[int]]) -> set[int]:
@@ -410,12 +398,9 @@ def _item_keys(tree: _Tree, items: Sequence[tuple[int, int]]) -> np.ndarray:
 def _repeat_end(
   tree: _Tree, keys: np.ndarray, start: int, runs: dict[int, tuple[int, int, int]]
 ) -> int:
-  """One past the last item of a bucket starting at ``start`` under the leaf cap.
-
-  Where a run of ``keys`` repeats with a period ``p`` (a model's layers), buckets take whole
-  periods, as many in every bucket of the run (so that they share a program); elsewhere a bucket
-  ends where a run begins or at the cap. ``runs`` carries ``(p, t, end)`` to the next bucket.
-  """
+  """One past the last item of a bucket from ``start`` under the leaf cap: whole periods of a
+  run of ``keys`` (as many in each of its buckets), else to where a run starts; ``runs``: ``(p, t,
+  end)`` carried to the next bucket."""
   cap = tree.options.max_bucket_leaves
   if start in runs:
     p, t, run_end = runs.pop(start)
@@ -485,10 +470,7 @@ def _largest_fitting(
       bad, step = bad - step, 2 * step
   while bad - ok > 1:
     mid = (ok + bad) // 2
-    if fits(mid):
-      ok = mid
-    else:
-      bad = mid
+    ok, bad = (mid, bad) if fits(mid) else (ok, mid)
   return (tried[ok], ok) if ok > start else None
 
 
@@ -501,19 +483,16 @@ def _fill_buckets(tree: _Tree) -> list[_Built]:
   cap, i = tree.options.max_bucket_leaves, 0
   while i < len(items):
     end = len(items)  # where the unpadded staging leaves the bound
-    peaks = _unpadded_peaks(tree, items, i) if tree.bound is not None else ()
-    for e, peak in enumerate(peaks, i + 1):
-      if e > i + 1 and tree.bound is not None and peak > tree.bound:
-        end = e - 1
-        break
+    if (bound := tree.bound) is not None:
+      peaks = enumerate(_unpadded_peaks(tree, items, i), i + 1)
+      end = next((e - 1 for e, peak in peaks if e > i + 1 and peak > bound), end)
     if end - i > cap or i in runs:  # else the bucket the bytes allow is kept
       end = min(end, _repeat_end(tree, keys, i, runs))
     built = _build(tree, items[i:end])
-    if tree.bound is None or built.peak <= tree.bound:
-      out.append(built)
-      i = end
-      continue
-    if fitting := _largest_fitting(tree, items, i, end, built.peak) if end - i > 1 else None:
+    fitting: tuple[_Built, int] | None = (built, end)
+    if bound is not None and built.peak > bound:
+      fitting = _largest_fitting(tree, items, i, end, built.peak) if end - i > 1 else None
+    if fitting:
       out.append(fitting[0])
       i = fitting[1]
       continue
@@ -537,52 +516,41 @@ def _split_leaf(tree: _Tree, leaf: int, k: int) -> None:
   if rows is not None:
     assert tree.src is not None
     rows = (tree.src.remap(leaf, *rows), rows[1])
-  tree.set_chunks(leaf, plan, chunk, ("split", number), rows)
-  if cut is not None:
-    tree.cuts[leaf] = cut
+  tree.set_chunks(leaf, plan, chunk, cut, ("split", number), rows)
 
 
-def _best_split(tree: _Tree, leaf: int, k: int) -> tuple[LeafPlan, np.ndarray, LeafCut | None, Any]:
+def _best_split(tree: _Tree, leaf: int, k: int) -> tuple[Any, ...]:
   """The rows, chunks, cut and (transformed) rows' pieces of the first way that fits (a later
-  way tried where a placeholder it shrinks takes over half the bound, kept if fewer chunks);
-  a transformed leaf is cut into sub-boxes only.
-
-  Raises:
-    BucketBoundError: if no way fits.
-  """
+  way only where a placeholder it shrinks takes over half the bound, kept if fewer chunks)."""
   assert tree.bound is not None
   heavy = [
     2 * int((tree.placeholder(leaf, side) * tree.members[leaf]).max(initial=0)) > tree.bound
     for side in (0, 1)
   ]
   windows = tree.src is None and _chunks.window_dim(*tree.layouts[leaf]) is not None
-  ways: list[tuple[Callable[[], tuple[int, str] | None], bool]] = [
-    (lambda: _split_windows(tree, leaf, k), False),
-    (lambda: _split_rows(tree, leaf, k), False),
-  ][0 if windows else 1 :]
+  ways: list[tuple[Callable[..., tuple[int, str] | None], tuple[Any, ...], bool]] = [
+    *([(_split_windows, (k,), False)] if windows else []),
+    (_split_rows, (k,), False),
+  ]
   if tree.allow_slabs and tree.src is None:
-    ways += [
-      (lambda: _split_slabs(tree, leaf, k, 0), heavy[0]),
-      (lambda: _split_slabs(tree, leaf, 2, 1), heavy[1]),  # from its own estimate
-    ]
+    ways += [(_split_slabs, (k, 0), heavy[0]), (_split_slabs, (2, 1), heavy[1])]  # 2: its estimate
     if windows:
-      ways.append((lambda: _split_windows(tree, leaf, k, both=True), heavy[0] and heavy[1]))
+      ways.append((_split_windows, (k, True), heavy[0] and heavy[1]))
     if all(lay.shard_shape() for lay in tree.layouts[leaf]):
-      ways.append((lambda: _split_grid(tree, leaf, k), False))
+      ways.append((_split_grid, (k,), False))
   best: tuple[Any, ...] | None = None
   failed = []
-  for way, worth in ways:
+  for way, args, worth in ways:
     if best is not None and not worth:
       continue
-    if (found := way()) is not None:
+    if (found := way(tree, leaf, *args)) is not None:
       failed.append(found)
     elif best is None or len(tree.payloads[leaf]) < best[0]:
       rows = None if tree.src is None else (tree.src.pieces[leaf], tree.src.parents[leaf])
-      best = (len(tree.payloads[leaf]), tree.plans[leaf], tree.chunks[leaf], tree.cuts.get(leaf))
+      best = (len(tree.payloads[leaf]), tree.plans[leaf], tree.chunks[leaf], tree.cuts[leaf])
       best += (rows,)
-    tree.cuts.pop(leaf, None)
   if best is not None:
-    return best[1], best[2], best[3], best[4]
+    return best[1:]
   minimum, qualifier = min(failed)
   if minimum <= tree.bound:  # a lower bound the leaf does not fit at: it needs more
     minimum, qualifier = tree.bound + 1, "at least "
@@ -678,12 +646,9 @@ def _split_slabs(tree: _Tree, leaf: int, k: int, side: int) -> tuple[int, str] |
   def trial(k: int) -> np.ndarray:
     # Destination slabs along a dimension the source does not shard are of one width: their
     # chunks then differ only by where the source rows start (see chunk_shift).
-    even = None
-    if spread is not None and spread[dim := _chunks.slab_dim(shard, k, spread)]:
-      even = dim
+    even = dim if spread is not None and spread[dim := _chunks.slab_dim(shard, k, spread)] else None
     cut = _chunks.split_slabs(orig, lay, k, isz, receiver=side == 1, spread=spread, dim=even)
-    tree.cuts[leaf] = LeafCut(dst=cut[2]) if side else LeafCut(src=cut[2])
-    tree.set_chunks(leaf, *cut[:2])
+    tree.set_chunks(leaf, *cut[:2], LeafCut(dst=cut[2]) if side else LeafCut(src=cut[2]))
     return _alone(tree, leaf, range(len(tree.payloads[leaf])))
 
   return _fewest(tree, k, k_max, trial, floor)
@@ -701,8 +666,7 @@ def _split_windows(tree: _Tree, leaf: int, k: int, both: bool = False) -> tuple[
 
   def trial(k: int) -> np.ndarray:
     plan, chunk, w = _chunks.split_slabs(tree.original[leaf], src, k, tree.itemsizes[leaf], dim=dim)
-    tree.cuts[leaf] = LeafCut(src=w, dst=w) if both else LeafCut(windows=w)
-    tree.set_chunks(leaf, plan, chunk)
+    tree.set_chunks(leaf, plan, chunk, LeafCut(src=w, dst=w) if both else LeafCut(windows=w))
     return _alone(tree, leaf, _distinct_chunks(tree, leaf))
 
   return _fewest(tree, k, src.shape[dim], trial, ph)
@@ -724,13 +688,10 @@ def _split_grid(tree: _Tree, leaf: int, k: int) -> tuple[int, str] | None:
     min(m, max(2, math.ceil(2.2 * b / tree.bound))) for b, m in zip(blocks, k_max, strict=True)
   )
   while True:
-    plan, chunk, src_slabs, dst_slabs = _chunks.split_grid(
-      tree.original[leaf], layouts, ks, kd, isz
-    )
+    plan, chunk, srcs, dsts = _chunks.split_grid(tree.original[leaf], layouts, ks, kd, isz)
     peak = least
-    if src_slabs != dst_slabs:  # (equal slabs would read as windows of both sides)
-      tree.cuts[leaf] = LeafCut(src=src_slabs, dst=dst_slabs)
-      tree.set_chunks(leaf, plan, chunk)
+    if srcs != dsts:  # (equal slabs would read as windows of both sides)
+      tree.set_chunks(leaf, plan, chunk, LeafCut(src=srcs, dst=dsts))
       if (peak := int(_alone(tree, leaf, _distinct_chunks(tree, leaf)).max())) <= tree.bound:
         return None
     if ks >= k_max[0] and kd >= k_max[1]:
@@ -749,19 +710,15 @@ def _distinct_chunks(tree: _Tree, leaf: int) -> list[int]:
 
 
 def _presplit(tree: _Tree) -> None:
-  """Splits every leaf whose unpadded staging alone exceeds the bound.
-
-  Raises:
-    BucketBoundError: of the leaf needing the most, if any leaf does not fit split.
-  """
+  """Splits every leaf whose unpadded staging alone exceeds the bound (raises the largest
+  :class:`BucketBoundError` of those that do not fit split)."""
   if tree.bound is None:
     return
   errors: list[BucketBoundError] = []
   for leaf in range(len(tree.plans)):
-    ph = tree.placeholders[leaf]
-    if tree.src is not None:
-      ph = ph + tree.sources_staged(tree.reads(leaf, 0, 0))
-    ph = ph * tree.members[leaf]
+    ph = (tree.placeholders[leaf] + tree.sources_staged(tree.reads(leaf, 0, 0))) * tree.members[
+      leaf
+    ]
     pay = tree.payloads[leaf][0]
     if int((pay + ph).max(initial=0)) <= tree.bound:
       continue
@@ -837,9 +794,8 @@ def make_schedule(
     for leaf in bb.bucket.leaves:
       leaf_buckets[leaf].append(b)
   zero = np.zeros(len(tree.union), dtype=np.int64)
-  sent = sum((bb.sent for bb in built), zero)
-  received = sum((bb.received for bb in built), zero)
-  cuts = [tree.cuts.get(leaf, LeafCut()) for leaf in range(len(plans))]
+  sent, received = sum((bb.sent for bb in built), zero), sum((bb.received for bb in built), zero)
+  cuts = [c or LeafCut() for c in tree.cuts]
   peak = max((bb.peak for bb in built), default=0)
   sums = (sum(bb.padding for bb in built), int(sent.max(initial=0)), int(received.max(initial=0)))
   rows = (tuple(tree.plans), tuple(tree.chunks), tuple(tuple(b) for b in leaf_buckets))
