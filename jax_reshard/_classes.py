@@ -1,9 +1,5 @@
 """How a bucket's program sees each of its leaves (windows, offset shifts, modes, who
 assembles) and which buckets run the same program (share one executable). NumPy only.
-
-A bucket's program is a function of its devices, rounds and payload pieces, and of each leaf's
-layouts, element type and transfers (leaves numbered by position in the bucket); chunks of one
-width of a leaf are compared from their offsets' start (a program argument).
 """
 
 from __future__ import annotations
@@ -143,7 +139,9 @@ def bucket_classes(
   kinds: Sequence[Any],
 ) -> tuple[int, ...]:
   """Per bucket, the index of the first bucket that runs the same program; ``plans``,
-  ``layouts`` and ``kinds`` (element type, or itemsize) per scheduled leaf."""
+  ``layouts`` and ``kinds`` (element type, or itemsize) per scheduled leaf. A program is a
+  function of its devices, rounds and pieces, and of each leaf's layouts, element type and
+  transfers (leaves numbered by position in the bucket; a shifted leaf's from the shift)."""
   leaf_ids: dict[tuple[Any, ...], int] = {}
   leaf_class: dict[int, int] = {}
   rounds = _Numbers()

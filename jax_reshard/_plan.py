@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import itertools
 import math
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, Literal
@@ -618,11 +617,10 @@ def _bucket_pass_bytes(plan: LayoutPlan, bucket: Bucket, as_is, split: bool) -> 
       continue
     i = plan.scheduled[j]
     lp, (_, dst), isz = plan.leaf_plans[i], plan.layouts[i], plan.itemsizes[i]
-    rows: np.ndarray | bool = True
+    moved = int(lp.nbytes.sum())
     if plan.schedule.row_chunks:  # a bucket's chunks of a leaf are consecutive
       rc = plan.schedule.row_chunks[j]
-      rows = (rc >= chunks[0]) & (rc <= chunks[-1])
-    moved = int(lp.nbytes[rows & ~lp.local].sum()) + int(lp.nbytes[rows & lp.local].sum())
+      moved = int(lp.nbytes[(rc >= chunks[0]) & (rc <= chunks[-1])].sum())
     shard = math.prod(dst.shard_shape()) * isz
     whole = not spans or len(spans[j]) == 1
     out["assemble"] += moved + (shard * len(dst.device_ids) if whole else moved)
@@ -654,11 +652,8 @@ def interleave_by_source(leaves: Sequence[int], layouts: _Layouts) -> tuple[int,
   groups: dict[tuple[int, ...], list[int]] = {}
   for i in leaves:
     groups.setdefault(layouts[i][0].device_ids, []).append(i)
-  queues = list(groups.values())
-  half = (len(queues) + 1) // 2  # sets 0, 2, 1, 3 of four
-  queues = [
-    q for pair in itertools.zip_longest(queues[:half], queues[half:]) for q in pair if q is not None
-  ]
+  queues, half = list(groups.values()), (len(groups) + 1) // 2
+  queues = [queues[k // 2 + k % 2 * half] for k in range(len(queues))]  # sets 0, 2, 1, 3 of four
   heads, bodies = _align_queues(queues, layouts)
   out: list[int] = [i for head in heads for i in head]
   for k in range(max((len(q) for q in bodies), default=0)):
