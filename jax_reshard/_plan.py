@@ -513,10 +513,9 @@ def _stats(first: LayoutPlan, relay: LayoutPlan | None, full, topology) -> PlanS
   """The stats of both stages together, with the slow-link counts of ``topology``."""
   slow = 0
   if topology is not None:
-    for lp in full:
-      remote = ~lp.local
-      cross = topology.domain_of(lp.src_device[remote]) != topology.domain_of(lp.dst_device[remote])
-      slow += int(lp.nbytes[remote][cross].sum())
+    for lp in full:  # a local copy's sender is its receiver: it never crosses
+      cross = topology.domain_of(lp.src_device) != topology.domain_of(lp.dst_device)
+      slow += int(lp.nbytes[cross].sum())
   st = first.stats
   changes = {
     "slow_link_bytes": slow,
@@ -577,9 +576,7 @@ _STEPS = ("pack", "transfer", "assemble", "zero_fill")  # the steps :func:`pass_
 
 
 def pass_bytes(
-  plan: LayoutPlan,
-  as_is: Collection[int] | None = None,
-  classes: Sequence[int] | None = None,
+  plan: LayoutPlan, as_is: Collection[int] | None = None, classes: Sequence[int] | None = None
 ) -> dict[str, int]:
   """Bytes one stage's programs read and write per call, by step, as the builder lowers."""
   out = dict.fromkeys(_STEPS, 0)
@@ -636,9 +633,7 @@ def _bucket_pass_bytes(plan: LayoutPlan, bucket: Bucket, as_is, split: bool) -> 
 
 
 def passes_per_moved_byte(
-  plan: LayoutPlan,
-  classes: Sequence[Sequence[int] | None],
-  as_is: Collection[int] | None = None,
+  plan: LayoutPlan, classes: Sequence[Sequence[int] | None], as_is: Collection[int] | None = None
 ) -> float:
   """:attr:`PlanStats.passes_per_moved_byte` of ``plan``'s stages (``classes``: per stage, as
   :func:`pass_bytes` takes them)."""

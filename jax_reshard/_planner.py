@@ -182,13 +182,13 @@ def plan_regions(
   tasks = {} if tasks is None else tasks
   need_bytes = np.asarray(region_bytes, dtype=np.int64)[g.need_region]
   sender = g.need_dst.copy()  # local copies send to themselves
-  hop, slow_bound, doms = None, 0, None
+  hop, slow, doms = None, 0, None
   if topology is not None and len(g.need_dst):
     cuts = np.cumsum([len(ids) for ids in g.replica_ids])[:-1]  # one domain_of call for all
     rep_doms = tuple(np.split(topology.domain_of(np.concatenate(g.replica_ids)), cuts))
     doms = (topology.domain_of(g.need_dst), rep_doms)
     entry = {} if entry_load is None else entry_load
-    hop, slow_bound = _relays(g, doms, region_bytes, entry, sender, relays, fanout)
+    hop, slow = _relays(g, doms, region_bytes, entry, sender, relays, fanout)
   remote = np.nonzero(~g.need_local & (hop != 1 if hop is not None else True))[0]
   if len(remote):
     key = (*task_key, remote.tobytes())
@@ -198,18 +198,9 @@ def plan_regions(
     for needs, ids, slow in todo:
       main, tie = (slow_load, load) if slow else (load, slow_load)
       _assign_tied(needs, ids, need_bytes, main, tie, sender)
-  return LeafPlan(
-    src_device=sender,
-    dst_device=g.need_dst,
-    lo=g.region_lo[g.need_region],
-    hi=g.region_hi[g.need_region],
-    nbytes=need_bytes,
-    local=g.need_local,
-    lower_bound_bytes=int(lower_bound_bytes),
-    gather_broadcast_bytes=int(gather_broadcast_bytes),
-    hop=hop,
-    slow_lower_bound_bytes=slow_bound,
-  )
+  lower, gather = int(lower_bound_bytes), int(gather_broadcast_bytes)
+  lo, hi = g.region_lo[g.need_region], g.region_hi[g.need_region]
+  return LeafPlan(sender, g.need_dst, lo, hi, need_bytes, g.need_local, lower, gather, hop, slow)
 
 
 def _relays(
@@ -418,18 +409,12 @@ def plan_leaves(
   """Plans a tree's leaves, load balanced across the tree (per leaf across domains)."""
   load: dict[int, int] = {}
   entry: dict[int, int] = {}
-  tasks: _Tasks = {}
+  plan = functools.partial(plan_leaf, topology=topology, relays=relays, tasks={})
+  leaves = list(zip(layouts, itemsizes, strict=True))
   if not one_domain(layouts, topology):  # equal leaves: one plan
-    once = functools.cache(
-      lambda s, d, isz: plan_leaf(
-        s, d, isz, {}, topology=topology, entry_load={}, relays=relays, tasks=tasks, fanout=True
-      )
-    )
-    return [once(s, d, isz) for (s, d), isz in zip(layouts, itemsizes, strict=True)]
-  plans = [
-    plan_leaf(s, d, isz, load, topology=topology, entry_load=entry, relays=relays, tasks=tasks)
-    for (s, d), isz in zip(layouts, itemsizes, strict=True)
-  ]
+    once = functools.cache(lambda s, d, isz: plan(s, d, isz, {}, entry_load={}, fanout=True))
+    return [once(s, d, isz) for (s, d), isz in leaves]
+  plans = [plan(s, d, isz, load, entry_load=entry) for (s, d), isz in leaves]
   return _join_pairs(plans, layouts, load)
 
 
