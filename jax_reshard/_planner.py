@@ -182,13 +182,13 @@ def plan_regions(
   tasks = {} if tasks is None else tasks
   need_bytes = np.asarray(region_bytes, dtype=np.int64)[g.need_region]
   sender = g.need_dst.copy()  # local copies send to themselves
-  hop, slow, doms = None, 0, None
+  hop, bound, doms = None, 0, None  # bound: the slow-link lower bound
   if topology is not None and len(g.need_dst):
     cuts = np.cumsum([len(ids) for ids in g.replica_ids])[:-1]  # one domain_of call for all
     rep_doms = tuple(np.split(topology.domain_of(np.concatenate(g.replica_ids)), cuts))
     doms = (topology.domain_of(g.need_dst), rep_doms)
     entry = {} if entry_load is None else entry_load
-    hop, slow = _relays(g, doms, region_bytes, entry, sender, relays, fanout)
+    hop, bound = _relays(g, doms, region_bytes, entry, sender, relays, fanout)
   remote = np.nonzero(~g.need_local & (hop != 1 if hop is not None else True))[0]
   if len(remote):
     key = (*task_key, remote.tobytes())
@@ -200,7 +200,7 @@ def plan_regions(
       _assign_tied(needs, ids, need_bytes, main, tie, sender)
   lower, gather = int(lower_bound_bytes), int(gather_broadcast_bytes)
   lo, hi = g.region_lo[g.need_region], g.region_hi[g.need_region]
-  return LeafPlan(sender, g.need_dst, lo, hi, need_bytes, g.need_local, lower, gather, hop, slow)
+  return LeafPlan(sender, g.need_dst, lo, hi, need_bytes, g.need_local, lower, gather, hop, bound)
 
 
 def _relays(
