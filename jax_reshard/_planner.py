@@ -336,11 +336,14 @@ def _sender_tasks(
       procs = procs * (1 << 32) + doms[1][u]
       want = want * (1 << 32) + doms[0][group]
     matched = _member(want, procs)
-    out += [(group[want == p], ids[procs == p], False) for p in np.unique(want[matched])]
+    out += [(group[want == p], ids[procs == p], False) for p in np.unique(want[matched]).tolist()]
     if doms is not None and not matched.all():
       rep_dom, nd = doms[1][u], doms[0][group]
       in_dom = ~matched & _member(nd, rep_dom)
-      out += [(group[in_dom & (nd == d)], ids[rep_dom == d], False) for d in np.unique(nd[in_dom])]
+      out += [
+        (group[in_dom & (nd == d)], ids[rep_dom == d], False)
+        for d in np.unique(nd[in_dom]).tolist()
+      ]
       matched |= in_dom
     if not matched.all():
       out.append((group[~matched], ids, doms is not None))
