@@ -1,9 +1,5 @@
 """How a bucket's program sees each of its leaves (windows, offset shifts, modes, who
 assembles) and which buckets run the same program (share one executable). NumPy only.
-
-A bucket's program is a function of its devices, rounds and payload pieces, and of each leaf's
-layouts, element type and transfers (leaves numbered by position in the bucket); chunks of one
-width of a leaf are compared from their offsets' start (a program argument).
 """
 
 from __future__ import annotations
@@ -19,6 +15,8 @@ from jax_reshard._layout import Layout
 from jax_reshard._planner import LeafPlan
 from jax_reshard._schedule import Bucket, Schedule, leaf_key
 
+_Shift = tuple[tuple[int, int], ...] | None  # per shifted dimension, (dim, start)
+
 
 def slab_window(schedule: Schedule, leaf: int, chunks: Sequence[int]) -> Window | None:
   """``(dim, start, stop)`` of every source shard of ``leaf`` that a bucket moving ``chunks``
@@ -31,9 +29,7 @@ def dst_slab_window(schedule: Schedule, leaf: int, chunks: Sequence[int]) -> Win
   return _windows(schedule, leaf, chunks)[1]
 
 
-def _windows(
-  schedule: Schedule, leaf: int, chunks: Sequence[int]
-) -> tuple[Window | None, Window | None]:
+def _windows(schedule: Schedule, leaf: int, chunks: Sequence[int]) -> tuple[Window | None, ...]:
   src, dst = schedule.leaf_slabs[leaf], schedule.leaf_dst_slabs[leaf]
   return grid_windows(src, dst, min(chunks), max(chunks))
 
@@ -86,8 +82,7 @@ def leaf_modes(
   """Per leaf of bucket ``bucket``, how it treats it. ``scheduled``: the plan's leaf of each
   scheduled one; ``donate``: writing into donated buffers; ``relayed``: leaves a relay stage
   completes; ``copies``: find which rows' local copies the bucket makes (else ``True``)."""
-  sched_bucket = schedule.buckets[bucket]
-  out = []
+  sched_bucket, out = schedule.buckets[bucket], []
   for j, chunks in zip(sched_bucket.leaves, sched_bucket.chunks, strict=True):
     spans = schedule.leaf_buckets[j]
     cut = schedule.leaf_slabs[j] is not None or schedule.leaf_dst_slabs[j] is not None
@@ -105,9 +100,9 @@ def leaf_modes(
     # they go; the relay stage writes the rest.
     in_place = grid or (whole and (len(spans) > 1 or (donate and scheduled[j] in relayed)))
     dst_input = (whole or grid) and (donate or spans[0] != bucket or fresh)
-    carry, rows = spans[-1] != bucket, np.isin(schedule.row_chunks[j], chunks) if copies else True
-    mode = (in_place, dst_input, carry, rows, window, dst_window, shift, fresh, dst_shift)
-    out.append(LeafMode(*mode))
+    rows = np.isin(schedule.row_chunks[j], chunks) if copies else True
+    mode = (in_place, dst_input, spans[-1] != bucket, rows, window, dst_window, shift, fresh)
+    out.append(LeafMode(*mode, dst_shift))
   return out
 
 
@@ -144,7 +139,9 @@ def bucket_classes(
   kinds: Sequence[Any],
 ) -> tuple[int, ...]:
   """Per bucket, the index of the first bucket that runs the same program; ``plans``,
-  ``layouts`` and ``kinds`` (element type, or itemsize) per scheduled leaf."""
+  ``layouts`` and ``kinds`` (element type, or itemsize) per scheduled leaf. A program is a
+  function of its devices, rounds and pieces, and of each leaf's layouts, element type and
+  transfers (leaves numbered by position in the bucket; a shifted leaf's from the shift)."""
   leaf_ids: dict[tuple[Any, ...], int] = {}
   leaf_class: dict[int, int] = {}
   rounds = _Numbers()
@@ -168,12 +165,16 @@ def bucket_classes(
     transfer, chunks = _windowed(schedule, bucket, shifts, leaf_class, windows)
     cols = (bucket.piece_src, bucket.piece_dst, transfer, bucket.piece_offset, bucket.piece_nbytes)
     pieces = np.stack([rel, *(np.asarray(a, dtype=np.int64) for a in cols)])
+    # Per leaf, what its program reads of its buckets: whether b is its first and it has no
+    # shift or two (a grid), and whether it spans several.
+    spans = [schedule.leaf_buckets[j] for j in bucket.leaves] if schedule.leaf_buckets else ()
+    reads = zip(spans, shifts, strict=False)
     key = (
       bucket.union_device_ids,
       tuple(rounds.number(r) for r in bucket.rounds),
       tuple(leaf_class[leaf] for leaf in bucket.leaves),
       chunks,  # which local copies, which slab of a leaf cut into slabs, or a window's rows
-      _modes(schedule, b, bucket.leaves, shifts),
+      tuple((s[0] == b and (sh is None or len(sh) == 2), len(s) > 1) for s, sh in reads),
     )
     data, group = pieces.tobytes(), first.setdefault(key, [])
     same = next((c for other, c in group if other == data), None)
@@ -188,16 +189,16 @@ _MANY_ROWS = 4096  # a leaf with more rows looks its chunks' rows up in its rows
 
 def _shifts(
   schedule: Schedule, leaf: int, chunks: tuple[int, ...], layouts: tuple[Layout, Layout]
-) -> tuple[tuple[int, int], ...] | None:
-  """Where the offsets of ``leaf`` in a bucket moving ``chunks`` start, per dimension ``(dim,
-  start)``: a window's start, or both slabs' for a grid; ``None``: the leaf's own offsets."""
+) -> _Shift:
+  """Where the offsets of ``leaf`` in a bucket moving ``chunks`` start, per dimension: a
+  window's start, or both slabs' for a grid; ``None``: the leaf's own offsets."""
   shift, dst_shift = chunk_shift(schedule, leaf, chunks, layouts[0])
   if dst_shift is not None:  # a grid
     assert shift is not None
     return shift, dst_shift
   if shift is None:  # windows of both sides: offsets from the window's start
-    window = slab_window(schedule, leaf, chunks)
-    if window is not None and window == dst_slab_window(schedule, leaf, chunks):
+    window, dst_window = _windows(schedule, leaf, chunks)
+    if window is not None and window == dst_window:
       shift = window[:2]
   return None if shift is None else (shift,)
 
@@ -218,7 +219,7 @@ class _Numbers:
 def _windowed(
   schedule: Schedule,
   bucket: Bucket,
-  shifts: Sequence[tuple[tuple[int, int], ...] | None],
+  shifts: Sequence[_Shift],
   leaf_class: dict[int, int],
   seen: dict[tuple[Any, ...], tuple[np.ndarray, tuple[Any, ...]]],
 ) -> tuple[np.ndarray, tuple[Any, ...]]:
@@ -258,23 +259,6 @@ def _windowed(
   return transfer, tuple(out)
 
 
-def _modes(
-  schedule: Schedule,
-  b: int,
-  leaves: Sequence[int],
-  shifts: Sequence[tuple[tuple[int, int], ...] | None],
-) -> tuple[tuple[bool, bool], ...]:
-  """Per leaf of bucket ``b``: whether ``b`` is its first bucket and it has no shift or two (a
-  grid), and whether it spans several buckets (what its program reads of its buckets)."""
-  if not schedule.leaf_buckets:
-    return ()
-  spans = [schedule.leaf_buckets[leaf] for leaf in leaves]
-  return tuple(
-    (span[0] == b and (shift is None or len(shift) == 2), len(span) > 1)
-    for span, shift in zip(spans, shifts, strict=True)
-  )
-
-
 def stage_classes(
   leaf_plans: Sequence[LeafPlan],
   layouts: Sequence[tuple[Layout, Layout]],
@@ -284,9 +268,5 @@ def stage_classes(
 ) -> tuple[int, ...]:
   """:func:`bucket_classes` of a stage, its arguments per leaf of the plan; ``scheduled``: the
   leaves its ``schedule`` numbers."""
-  return bucket_classes(
-    schedule,
-    [leaf_plans[i] for i in scheduled],
-    [layouts[i] for i in scheduled],
-    [kinds[i] for i in scheduled],
-  )
+  plans, lays = [leaf_plans[i] for i in scheduled], [layouts[i] for i in scheduled]
+  return bucket_classes(schedule, plans, lays, [kinds[i] for i in scheduled])

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import itertools
 import math
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, Literal
@@ -34,6 +33,7 @@ from jax_reshard._planner import (
   one_domain,
   plan_leaves,
   plan_regions,
+  region_needs,
   unique_boxes,
 )
 from jax_reshard._schedule import (
@@ -206,24 +206,13 @@ def plan_layouts(
     >>> plan.stats.bytes_moved == plan.stats.lower_bound_bytes == 2 * 1024 * 1024
     True
   """
-  lays = tuple((s, d) for s, d in layouts)
-  sizes = tuple(int(i) for i in itemsizes)
+  lays, sizes = tuple((s, d) for s, d in layouts), tuple(int(i) for i in itemsizes)
 
   def transfers(relay: bool) -> tuple[tuple[LeafPlan, ...], _Pieces]:
     return tuple(plan_leaves(lays, sizes, topology=topology, relays=relay)), None
 
-  return _plan_layouts(
-    lays,
-    sizes,
-    transfers,
-    None,
-    max_bucket_bytes,
-    topology,
-    relays,
-    leaf_names,
-    options,
-    interleave,
-  )
+  rest = (max_bucket_bytes, topology, relays, leaf_names, options, interleave)
+  return _plan_layouts(lays, sizes, transfers, None, *rest)
 
 
 def _plan_layouts(
@@ -240,14 +229,11 @@ def _plan_layouts(
 ) -> LayoutPlan:
   """:func:`plan_layouts` of the leaf plans (and, transformed, pieces) ``transfers(relay)``
   makes; ``inputs``: a transformed tree's source layouts."""
-  lays = tuple((s, d) for s, d in layouts)
-  sizes = tuple(int(i) for i in itemsizes)
+  lays, sizes = tuple((s, d) for s, d in layouts), tuple(int(i) for i in itemsizes)
   names = tuple(leaf_names) if leaf_names is not None else tuple(f"#{i}" for i in range(len(lays)))
   resolved = resolve_relays(relays, topology)
   candidates = bucket_candidates(max_bucket_bytes, topology)
-  opts = resolve_options(options)
-
-  leaf_plans = functools.cache(transfers)
+  opts, leaf_plans = resolve_options(options), functools.cache(transfers)
 
   @functools.cache
   def direct_bound() -> float:
@@ -275,8 +261,7 @@ def _plan_layouts(
       with contextlib.suppress(BucketBoundError):
         made.append(plan_for(bound))
     plan = min(made, key=lambda m: m[1] or 0.0)[0] if made else plan_for(candidates[-1])[0]
-  classes = [st.bucket_classes for st in plan.stages()]  # passes of the plan kept only
-  passes = passes_per_moved_byte(plan, classes)
+  passes = passes_per_moved_byte(plan, [st.bucket_classes for st in plan.stages()])
   stats = dataclasses.replace(plan.stats, passes_per_moved_byte=passes)
   return dataclasses.replace(plan, stats=stats)
 
@@ -285,33 +270,26 @@ def output_geometry(
   leaf: OutputLeaf, src_layouts: Sequence[Layout], dst: Layout
 ) -> tuple[Geometry, np.ndarray, tuple[Piece, ...]]:
   """A leaf's planner regions in ``dst``, their wire bytes, and their pieces."""
-  d_lo, d_hi, d_inv = unique_boxes(dst)
-  d_ids = np.asarray(dst.device_ids, np.int64)
+  d_lo, d_hi, _ = unique_boxes(dst)
   boxes: dict[tuple[int, int], int] = {}  # (source leaf, its unique box): source box index
-  replicas: list[tuple[np.ndarray, np.ndarray]] = []  # per source box: its devices, processes
   found: list[tuple[int, int, Piece]] = []  # per region: source box, destination box, piece
   for v in range(len(d_lo)):
     for p in leaf.pieces:
       for q in restrict(p, tuple(d_lo[v, :-1].tolist()), tuple(d_hi[v, :-1].tolist())):
-        src = src_layouts[q.src_leaf]
-        s_lo, s_hi, inv = unique_boxes(src)
-        s_lo, s_hi = s_lo[:, :-1], s_hi[:, :-1]
+        s_lo, s_hi, _ = unique_boxes(src_layouts[q.src_leaf])
         lo, hi = np.asarray(q.src_lo, np.int64), np.asarray(q.src_hi, np.int64)
-        meets = np.all(np.minimum(s_hi, hi) > np.maximum(s_lo, lo), axis=1)
+        meets = np.all(np.minimum(s_hi[:, :-1], hi) > np.maximum(s_lo[:, :-1], lo), axis=1)
         for u in np.nonzero(meets)[0].tolist():
           box = boxes.setdefault((q.src_leaf, u), len(boxes))
-          if box == len(replicas):
-            ids, procs = (np.asarray(x, np.int64) for x in (src.device_ids, src.process_indices))
-            replicas.append((ids[inv == u], procs[inv == u]))
-          cuts = restrict_source(q, tuple(s_lo[u].tolist()), tuple(s_hi[u].tolist()))
+          cuts = restrict_source(q, tuple(s_lo[u, :-1].tolist()), tuple(s_hi[u, :-1].tolist()))
           found += [(box, v, r) for r in cuts]
+  holding = [(src_layouts[i], unique_boxes(src_layouts[i])[2] == u) for i, u in boxes]
+  replica_ids = tuple(np.asarray(s.device_ids, np.int64)[held] for s, held in holding)
   pieces = tuple(r for _, _, r in found)
   src_box = np.asarray([b for b, _, _ in found], np.int64).reshape(-1)
-  dst_box = [v for _, v, _ in found]
-  devs = [d_ids[d_inv == v] for v in range(len(d_lo))]
-  need_region = np.repeat(np.arange(len(found)), [len(devs[v]) for v in dst_box])
-  need_dst = np.concatenate([devs[v] for v in dst_box] or [np.zeros(0, np.int64)])
-  holders = [set(ids.tolist()) for ids, _ in replicas]
+  dst_box = np.asarray([v for _, v, _ in found], np.int64).reshape(-1)
+  need_region, need_dst, need_proc = region_needs(dst, dst_box)
+  holders = [set(ids.tolist()) for ids in replica_ids]
   pairs = zip(src_box[need_region].tolist(), need_dst.tolist(), strict=True)
   lo = np.asarray([r.out_lo for r in pieces], np.int64).reshape(len(pieces), len(leaf.shape))
   hi = np.asarray([r.out_hi for r in pieces], np.int64).reshape(len(pieces), len(leaf.shape))
@@ -320,13 +298,13 @@ def output_geometry(
     region_hi=hi,
     region_elems=np.prod(hi - lo, axis=1, dtype=np.int64),
     region_src_box=src_box,
-    region_dst_box=np.asarray(dst_box, np.int64).reshape(-1),
+    region_dst_box=dst_box,
     need_region=need_region,
     need_dst=need_dst,
     need_local=np.fromiter((d in holders[u] for u, d in pairs), bool, len(need_dst)),
-    replica_ids=tuple(ids for ids, _ in replicas),
-    replica_procs=tuple(procs for _, procs in replicas),
-    need_proc=np.asarray(dst.process_indices, np.int64)[np.searchsorted(d_ids, need_dst)],
+    replica_ids=replica_ids,
+    replica_procs=tuple(np.asarray(s.process_indices, np.int64)[held] for s, held in holding),
+    need_proc=need_proc,
     lower_bound_elems=0,
     gather_broadcast_elems=0,
   )
@@ -369,19 +347,12 @@ def plan_transform_layouts(
     load: dict[int, int] = {}
     entry: dict[int, int] = {}
     plans, pieces = [], []
+    regions = functools.partial(plan_regions, topology=topology, relays=relay, fanout=not one)
     for leaf, dst in zip(leaves, dst_layouts, strict=True):
       g, wire, found = output_geometry(leaf, src_layouts, dst)
-      lp = plan_regions(
-        g,
-        wire,
-        lower_bound_bytes(leaf, src_layouts, dst),
-        math.prod(leaf.shape) * leaf.dtype.itemsize * dst.num_devices,
-        load if one else {},
-        topology=topology,
-        entry_load=entry,
-        relays=relay,
-        fanout=not one,
-      )
+      lower = lower_bound_bytes(leaf, src_layouts, dst)
+      gather = math.prod(leaf.shape) * leaf.dtype.itemsize * dst.num_devices
+      lp = regions(g, wire, lower, gather, load if one else {}, entry_load=entry)
       if lp.hop is not None and (lp.hop == 1).any():  # forwards move the output box as it is
         out_bytes = g.region_elems[g.need_region] * leaf.dtype.itemsize
         lp = dataclasses.replace(lp, nbytes=np.where(lp.hop == 1, out_bytes, lp.nbytes))
@@ -474,52 +445,41 @@ def _plan_tree(
     ps if second is None else tuple(ps[i] for i in np.flatnonzero(lp.hop == 0))
     for lp, ps, (_, second) in zip(full, pieces, split, strict=True)
   )
-  errors: list[BucketBoundError] = []
-  rest = (max_bucket_bytes, topology, options, names)
-  try:
-    firsts = tuple(f for f, _ in split)
-    first = _stage_plan(layouts, itemsizes, firsts, scheduled, *rest, first_pieces, inputs)
-  except BucketBoundError as e:
-    errors.append(e)
+  errors: list[BucketBoundError] = []  # of either stage: the larger need is raised
+
+  def stage(*args: Any) -> LayoutPlan | None:
+    try:
+      return _stage_plan(max_bucket_bytes, topology, options, names, *args)
+    except BucketBoundError as e:
+      errors.append(e)
+      return None
+
+  first = stage(layouts, itemsizes, tuple(f for f, _ in split), scheduled, first_pieces, inputs)
   relay = None
-  try:
-    if relayed:
-      seconds = tuple(
-        s or _empty_leaf_plan(d.ndim) for (_, s), (_, d) in zip(split, layouts, strict=True)
-      )
-      relay = _stage_plan(tuple((d, d) for _, d in layouts), itemsizes, seconds, relayed, *rest)
-  except BucketBoundError as e:
-    errors.append(e)
+  if relayed:
+    seconds = [s or _empty_leaf_plan(d.ndim) for (_, s), (_, d) in zip(split, layouts, strict=True)]
+    relay = stage(tuple((d, d) for _, d in layouts), itemsizes, seconds, relayed, None, None)
   if errors:
     raise max(errors, key=lambda e: e.minimum_bytes)
+  assert first is not None
   return dataclasses.replace(first, stats=_stats(first, relay, full, topology), relay=relay)
 
 
 def _stage_plan(
-  layouts,
-  itemsizes,
-  leaf_plans,
-  scheduled,
-  max_bucket_bytes,
-  topology,
-  options,
-  names,
-  pieces=None,
-  inputs=None,
+  max_bucket_bytes, topology, opts, names, layouts, itemsizes, leaf_plans, scheduled, pieces, inputs
 ) -> LayoutPlan:
   """One stage scheduled with its stats and bucket classes (``pieces``: transformed, reading
   source leaves laid out as ``inputs``; its leaves cut into sub-boxes where split)."""
+  pick = lambda items: [items[i] for i in scheduled]
   schedule = make_schedule(
-    [leaf_plans[i] for i in scheduled],
-    [layouts[i] for i in scheduled],
-    [itemsizes[i] for i in scheduled],
+    *map(pick, (leaf_plans, layouts, itemsizes)),
     max_bucket_bytes=max_bucket_bytes,
-    names=[names[i] for i in scheduled],
+    names=pick(names),
     slabs=pieces is None,
     topology=topology,
     apart=pieces is None,  # a transformed bucket runs one program
-    options=options,
-    pieces=None if pieces is None else [pieces[i] for i in scheduled],
+    options=opts,
+    pieces=None if pieces is None else pick(pieces),
     inputs=inputs or (),
   )
   chunked = _scatter(leaf_plans, scheduled, schedule.leaf_plans)
@@ -539,26 +499,23 @@ def _stage_plan(
   )
   return LayoutPlan(
     layouts, itemsizes, chunked, scheduled, schedule, stats, max_bucket_bytes, topology,
-    bucket_classes=classes, options=options, pieces=pieces, inputs=inputs,
+    bucket_classes=classes, options=opts, pieces=pieces, inputs=inputs,
   )  # fmt: skip
 
 
 def _scatter(items: Sequence[Any], at: Sequence[int], values: Sequence[Any]) -> tuple[Any, ...]:
   """``items`` with ``items[at[j]]`` replaced by ``values[j]``."""
-  out = list(items)
-  for i, v in zip(at, values, strict=True):
-    out[i] = v
-  return tuple(out)
+  new = dict(zip(at, values, strict=True))
+  return tuple(new.get(i, x) for i, x in enumerate(items))
 
 
 def _stats(first: LayoutPlan, relay: LayoutPlan | None, full, topology) -> PlanStats:
   """The stats of both stages together, with the slow-link counts of ``topology``."""
   slow = 0
   if topology is not None:
-    for lp in full:
-      remote = ~lp.local
-      cross = topology.domain_of(lp.src_device[remote]) != topology.domain_of(lp.dst_device[remote])
-      slow += int(lp.nbytes[remote][cross].sum())
+    for lp in full:  # a local copy's sender is its receiver: it never crosses
+      cross = topology.domain_of(lp.src_device) != topology.domain_of(lp.dst_device)
+      slow += int(lp.nbytes[cross].sum())
   st = first.stats
   changes = {
     "slow_link_bytes": slow,
@@ -619,9 +576,7 @@ _STEPS = ("pack", "transfer", "assemble", "zero_fill")  # the steps :func:`pass_
 
 
 def pass_bytes(
-  plan: LayoutPlan,
-  as_is: Collection[int] | None = None,
-  classes: Sequence[int] | None = None,
+  plan: LayoutPlan, as_is: Collection[int] | None = None, classes: Sequence[int] | None = None
 ) -> dict[str, int]:
   """Bytes one stage's programs read and write per call, by step, as the builder lowers."""
   out = dict.fromkeys(_STEPS, 0)
@@ -630,12 +585,9 @@ def pass_bytes(
   pays: dict[object, bool] = {}
   for b, bucket in enumerate(plan.schedule.buckets):
     split = assembles_apart(plan, b, None, pays, b if keys is None else keys[b]) is not None
-    key = None if keys is None else (*keys[b], split)
-    part = done.get(key) if key is not None else None
-    if part is None:
-      part = _bucket_pass_bytes(plan, bucket, as_is, split)
-      if key is not None:
-        done[key] = part
+    key = (b, split) if keys is None else (*keys[b], split)  # buckets of one program: one count
+    if (part := done.get(key)) is None:
+      part = done[key] = _bucket_pass_bytes(plan, bucket, as_is, split)
     for step, k in part.items():
       out[step] += k
   return out
@@ -662,11 +614,10 @@ def _bucket_pass_bytes(plan: LayoutPlan, bucket: Bucket, as_is, split: bool) -> 
       continue
     i = plan.scheduled[j]
     lp, (_, dst), isz = plan.leaf_plans[i], plan.layouts[i], plan.itemsizes[i]
-    rows: np.ndarray | bool = True
+    moved = int(lp.nbytes.sum())
     if plan.schedule.row_chunks:  # a bucket's chunks of a leaf are consecutive
       rc = plan.schedule.row_chunks[j]
-      rows = (rc >= chunks[0]) & (rc <= chunks[-1])
-    moved = int(lp.nbytes[rows & ~lp.local].sum()) + int(lp.nbytes[rows & lp.local].sum())
+      moved = int(lp.nbytes[(rc >= chunks[0]) & (rc <= chunks[-1])].sum())
     shard = math.prod(dst.shard_shape()) * isz
     whole = not spans or len(spans[j]) == 1
     out["assemble"] += moved + (shard * len(dst.device_ids) if whole else moved)
@@ -682,9 +633,7 @@ def _bucket_pass_bytes(plan: LayoutPlan, bucket: Bucket, as_is, split: bool) -> 
 
 
 def passes_per_moved_byte(
-  plan: LayoutPlan,
-  classes: Sequence[Sequence[int] | None],
-  as_is: Collection[int] | None = None,
+  plan: LayoutPlan, classes: Sequence[Sequence[int] | None], as_is: Collection[int] | None = None
 ) -> float:
   """:attr:`PlanStats.passes_per_moved_byte` of ``plan``'s stages (``classes``: per stage, as
   :func:`pass_bytes` takes them)."""
@@ -698,11 +647,8 @@ def interleave_by_source(leaves: Sequence[int], layouts: _Layouts) -> tuple[int,
   groups: dict[tuple[int, ...], list[int]] = {}
   for i in leaves:
     groups.setdefault(layouts[i][0].device_ids, []).append(i)
-  queues = list(groups.values())
-  half = (len(queues) + 1) // 2  # sets 0, 2, 1, 3 of four
-  queues = [
-    q for pair in itertools.zip_longest(queues[:half], queues[half:]) for q in pair if q is not None
-  ]
+  queues, half = list(groups.values()), (len(groups) + 1) // 2
+  queues = [queues[k // 2 + k % 2 * half] for k in range(len(queues))]  # sets 0, 2, 1, 3 of four
   heads, bodies = _align_queues(queues, layouts)
   out: list[int] = [i for head in heads for i in head]
   for k in range(max((len(q) for q in bodies), default=0)):

@@ -82,9 +82,23 @@ def unique_boxes(layout: Layout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def _csr(groups: _Arr, num: int) -> tuple[_Arr, _Arr, _Arr]:
-  order = np.argsort(groups, kind="stable")
-  counts = np.bincount(groups, minlength=num)
+  """The order grouping ``groups`` (stable), and per group its count and offset there."""
+  order, counts = np.argsort(groups, kind="stable"), np.bincount(groups, minlength=num)
   return order, counts, np.concatenate([[0], np.cumsum(counts)[:-1]])
+
+
+def region_needs(dst: Layout, dst_box: _Arr) -> tuple[_Arr, _Arr, _Arr]:
+  """Per region (of unique destination box ``dst_box``), a need per device holding that box, in
+  device order: the needs' regions, devices, and their processes."""
+  ud_lo, _, d_inv = unique_boxes(dst)
+  d_ids = np.asarray(dst.device_ids, dtype=np.int64)
+  d_order, d_counts, d_offsets = _csr(d_inv, len(ud_lo))
+  reps = d_counts[dst_box]
+  need_region = np.repeat(np.arange(len(dst_box)), reps)
+  within = np.arange(len(need_region)) - np.repeat(np.cumsum(reps) - reps, reps)
+  need_dst = d_ids[d_order[d_offsets[dst_box][need_region] + within]]
+  procs = np.asarray(dst.process_indices, dtype=np.int64)[np.searchsorted(d_ids, need_dst)]
+  return need_region, need_dst, procs
 
 
 def _find(ids: _Arr, values: _Arr) -> tuple[_Arr, _Arr]:
@@ -98,18 +112,13 @@ def _geometry(src: Layout, dst: Layout) -> Geometry:
   s_lo, s_hi = src.box_arrays()
   d_lo, d_hi = dst.box_arrays()
   us_lo, us_hi, s_inv = unique_boxes(src)
-  ud_lo, ud_hi, d_inv = unique_boxes(dst)
+  ud_lo, ud_hi, _ = unique_boxes(dst)
   lo = np.maximum(us_lo[:, None, :], ud_lo[None, :, :])
   hi = np.minimum(us_hi[:, None, :], ud_hi[None, :, :])
   u_idx, v_idx = np.nonzero(np.all(hi > lo, axis=-1))
   region_lo, region_hi = lo[u_idx, v_idx, :-1], hi[u_idx, v_idx, :-1]
-  d_ids = np.asarray(dst.device_ids, dtype=np.int64)
-  d_order, d_counts, d_offsets = _csr(d_inv, len(ud_lo))
-  reps = d_counts[v_idx]
-  need_region = np.repeat(np.arange(len(u_idx)), reps)
-  within = np.arange(len(need_region)) - np.repeat(np.cumsum(reps) - reps, reps)
-  need_dst = d_ids[d_order[d_offsets[v_idx][need_region] + within]]
-  s_ids = np.asarray(src.device_ids, dtype=np.int64)
+  need_region, need_dst, need_proc = region_needs(dst, v_idx)
+  s_ids, d_ids = np.asarray(src.device_ids, np.int64), np.asarray(dst.device_ids, np.int64)
   pos, in_src = _find(s_ids, need_dst)
   s_procs = np.asarray(src.process_indices, dtype=np.int64)
   s_order, s_counts, s_offsets = _csr(s_inv, len(us_lo))
@@ -132,7 +141,7 @@ def _geometry(src: Layout, dst: Layout) -> Geometry:
     need_local=in_src & (s_inv[pos] == u_idx[need_region]),
     replica_ids=tuple(s_ids[s_order[a : a + c]] for a, c in spans),
     replica_procs=tuple(s_procs[s_order[a : a + c]] for a, c in spans),
-    need_proc=np.asarray(dst.process_indices, dtype=np.int64)[np.searchsorted(d_ids, need_dst)],
+    need_proc=need_proc,
     lower_bound_elems=int((np.prod(d_hi - d_lo, axis=1, dtype=np.int64) - held).sum()),
     gather_broadcast_elems=int((total - s_elems).sum()) + total * int((~d_in_src).sum()),
   )
@@ -170,51 +179,36 @@ def plan_regions(
 ) -> LeafPlan:
   """Plans ``g``'s needs: senders balancing ``send_load``, relays over ``topology``'s domains."""
   load: _Load = {} if send_load is None else send_load
+  tasks = {} if tasks is None else tasks
   need_bytes = np.asarray(region_bytes, dtype=np.int64)[g.need_region]
   sender = g.need_dst.copy()  # local copies send to themselves
-  hop, slow_bound, doms = None, 0, None
+  hop, bound, doms = None, 0, None  # bound: the slow-link lower bound
   if topology is not None and len(g.need_dst):
     cuts = np.cumsum([len(ids) for ids in g.replica_ids])[:-1]  # one domain_of call for all
     rep_doms = tuple(np.split(topology.domain_of(np.concatenate(g.replica_ids)), cuts))
     doms = (topology.domain_of(g.need_dst), rep_doms)
     entry = {} if entry_load is None else entry_load
-    hop, slow_bound = _relays(g, doms, region_bytes, entry, sender, relays, fanout)
+    hop, bound = _relays(g, doms, region_bytes, entry, sender, relays, fanout)
   remote = np.nonzero(~g.need_local & (hop != 1 if hop is not None else True))[0]
   if len(remote):
     key = (*task_key, remote.tobytes())
-    todo = None if tasks is None else tasks.get(key)
-    if todo is None:
-      todo = _sender_tasks(remote, g, g.region_src_box[g.need_region], need_bytes, doms)
-      if tasks is not None:
-        tasks[key] = todo
+    if (todo := tasks.get(key)) is None:
+      todo = tasks[key] = _sender_tasks(remote, g, need_bytes, doms)
     slow_load: dict[int, int] = {}  # with domains: sends over slow links, balanced apart
     for needs, ids, slow in todo:
       main, tie = (slow_load, load) if slow else (load, slow_load)
       _assign_tied(needs, ids, need_bytes, main, tie, sender)
-  return LeafPlan(
-    src_device=sender,
-    dst_device=g.need_dst,
-    lo=g.region_lo[g.need_region],
-    hi=g.region_hi[g.need_region],
-    nbytes=need_bytes,
-    local=g.need_local,
-    lower_bound_bytes=int(lower_bound_bytes),
-    gather_broadcast_bytes=int(gather_broadcast_bytes),
-    hop=hop,
-    slow_lower_bound_bytes=slow_bound,
-  )
+  lower, gather = int(lower_bound_bytes), int(gather_broadcast_bytes)
+  lo, hi = g.region_lo[g.need_region], g.region_hi[g.need_region]
+  return LeafPlan(sender, g.need_dst, lo, hi, need_bytes, g.need_local, lower, gather, hop, bound)
 
 
 def _relays(
-  g: Geometry,
-  doms: _Domains,
-  region_bytes: _Arr,
-  entry: _Load,
-  sender: _Arr,
-  relays: bool,
-  fanout: bool,
+  g: Geometry, doms: _Domains, nbytes: _Arr, entry: _Load, sender: _Arr, relays: bool, fanout: bool
 ) -> tuple[_Arr | None, int]:
-  """Relay entries and forwards (``hop`` 1, sender in ``sender``); the slow-link lower bound."""
+  """Relay entries and forwards (``hop`` 1, sender in ``sender``); the slow-link lower bound.
+  Groups of one destination box in one domain share their devices: entries are chosen per such
+  cluster."""
   cand, reps, span = _relay_candidates(g, doms, relays and fanout)
   if not len(cand):
     return None, 0
@@ -224,18 +218,26 @@ def _relays(
   first = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
   sizes = np.diff(np.r_[first, len(key)])
   lacking = first[reps[cand[first]] == 0]  # groups of foreign needs
-  slow_bound = int(region_bytes[g.need_region[cand[lacking]]].sum())
+  slow_bound = int(nbytes[g.need_region[cand[lacking]]].sum())
   multi = np.nonzero(sizes > 1)[0]
   if not relays or not len(multi):
     return None, slow_bound
-  chosen = _group_entries(g, doms[0], span, region_bytes, entry, cand, first, sizes, multi)
+  grp_need = cand[first[multi]]  # per group of several needs
+  grp_bytes = nbytes[g.need_region[grp_need]]
+  cluster = g.region_dst_box[g.need_region[grp_need]] * span + doms[0][grp_need]
+  corder = np.lexsort((g.need_region[grp_need], -grp_bytes, cluster))
+  starts = np.flatnonzero(np.r_[True, np.diff(cluster[corder]) != 0])
+  k = multi[corder[starts]]  # per cluster, its devices: those of its first group
+  counts = sizes[k]
+  at = np.repeat(first[k] - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
+  chosen = np.zeros(len(multi), dtype=np.int64)  # per group of several needs, its entry
+  shift = min((int(ids.min()) for ids in g.replica_ids if len(ids)), default=0)
+  _choose_entries(corder, starts, g.need_dst[cand[at]], counts, grp_bytes, entry, chosen, shift)
   hop = np.zeros(len(g.need_dst), dtype=np.int8)
-  owner = np.repeat(np.arange(len(first)), sizes)
   rank_of = np.full(len(first), -1)
   rank_of[multi] = np.arange(len(multi))
-  in_multi = rank_of[owner] >= 0
-  relayed = cand[in_multi]
-  their_entry = chosen[rank_of[owner[in_multi]]]
+  rank = np.repeat(rank_of, sizes)  # per candidate, its group's among those of several needs
+  relayed, their_entry = cand[rank >= 0], chosen[rank[rank >= 0]]
   fwd = g.need_dst[relayed] != their_entry
   hop[relayed[fwd]] = 1
   sender[relayed[fwd]] = their_entry[fwd]
@@ -263,34 +265,6 @@ def _relay_candidates(g: Geometry, doms: _Domains, fanout: bool) -> tuple[_Arr, 
     needs_there[remote] = count[inverse.reshape(-1)]
     is_cand |= remote & (needs_there > FANOUT_NEEDS * reps)
   return np.nonzero(is_cand)[0], reps, span
-
-
-def _group_entries(
-  g: Geometry,
-  need_dom: _Arr,
-  span: int,
-  region_bytes: _Arr,
-  entry: _Load,
-  cand: _Arr,
-  first: _Arr,
-  sizes: _Arr,
-  multi: _Arr,
-) -> _Arr:
-  """Per group of several needs (``multi``: of the groups of ``cand`` starting at ``first``),
-  its entry device. Groups of one destination box in one domain share their devices: entries
-  are chosen per such cluster."""
-  grp_need = cand[first[multi]]
-  grp_bytes = region_bytes[g.need_region[grp_need]]
-  cluster = g.region_dst_box[g.need_region[grp_need]] * span + need_dom[grp_need]
-  corder = np.lexsort((g.need_region[grp_need], -grp_bytes, cluster))
-  starts = np.flatnonzero(np.r_[True, np.diff(cluster[corder]) != 0])
-  k = multi[corder[starts]]  # per cluster, its devices: those of its first group
-  counts = sizes[k]
-  at = np.repeat(first[k] - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
-  chosen = np.zeros(len(multi), dtype=np.int64)
-  shift = min((int(ids.min()) for ids in g.replica_ids if len(ids)), default=0)
-  _choose_entries(corder, starts, g.need_dst[cand[at]], counts, grp_bytes, entry, chosen, shift)
-  return chosen
 
 
 def _choose_entries(
@@ -349,25 +323,27 @@ def _assign_in_order(needs: _Arr, ordered: _Arr, nbytes: _Arr, load: _Load, out:
 
 
 def _sender_tasks(
-  remote: _Arr, g: Geometry, need_u: _Arr, need_bytes: _Arr, doms: _Domains | None
+  remote: _Arr, g: Geometry, need_bytes: _Arr, doms: _Domains | None
 ) -> list[tuple[_Arr, _Arr, bool]]:
   """Per source box, the :func:`_assign_lpt` calls: same process (domain) first; slow flag."""
+  need_u = g.region_src_box[g.need_region]
   order = remote[np.lexsort((g.need_dst[remote], -need_bytes[remote], need_u[remote]))]
   out = []
   for group in np.split(order, np.nonzero(np.diff(need_u[order]))[0] + 1):
     u = int(need_u[group[0]])
-    ids, procs, need_procs = g.replica_ids[u], g.replica_procs[u], g.need_proc[group]
+    ids, procs, want = g.replica_ids[u], g.replica_procs[u], g.need_proc[group]
     if doms is not None:  # the same process inside the same domain
       procs = procs * (1 << 32) + doms[1][u]
-      need_procs = need_procs * (1 << 32) + doms[0][group]
-    matched = _member(need_procs, procs)
-    for p in np.unique(need_procs[matched]).tolist():
-      out.append((group[need_procs == p], ids[procs == p], False))
+      want = want * (1 << 32) + doms[0][group]
+    matched = _member(want, procs)
+    out += [(group[want == p], ids[procs == p], False) for p in np.unique(want[matched]).tolist()]
     if doms is not None and not matched.all():
       rep_dom, nd = doms[1][u], doms[0][group]
       in_dom = ~matched & _member(nd, rep_dom)
-      for dom in np.unique(nd[in_dom]).tolist():
-        out.append((group[in_dom & (nd == dom)], ids[rep_dom == dom], False))
+      out += [
+        (group[in_dom & (nd == d)], ids[rep_dom == d], False)
+        for d in np.unique(nd[in_dom]).tolist()
+      ]
       matched |= in_dom
     if not matched.all():
       out.append((group[~matched], ids, doms is not None))
@@ -436,18 +412,12 @@ def plan_leaves(
   """Plans a tree's leaves, load balanced across the tree (per leaf across domains)."""
   load: dict[int, int] = {}
   entry: dict[int, int] = {}
-  tasks: _Tasks = {}
+  plan = functools.partial(plan_leaf, topology=topology, relays=relays, tasks={})
+  leaves = list(zip(layouts, itemsizes, strict=True))
   if not one_domain(layouts, topology):  # equal leaves: one plan
-    once = functools.cache(
-      lambda s, d, isz: plan_leaf(
-        s, d, isz, {}, topology=topology, entry_load={}, relays=relays, tasks=tasks, fanout=True
-      )
-    )
-    return [once(s, d, isz) for (s, d), isz in zip(layouts, itemsizes, strict=True)]
-  plans = [
-    plan_leaf(s, d, isz, load, topology=topology, entry_load=entry, relays=relays, tasks=tasks)
-    for (s, d), isz in zip(layouts, itemsizes, strict=True)
-  ]
+    once = functools.cache(lambda s, d, isz: plan(s, d, isz, {}, entry_load={}, fanout=True))
+    return [once(s, d, isz) for (s, d), isz in leaves]
+  plans = [plan(s, d, isz, load, entry_load=entry) for (s, d), isz in leaves]
   return _join_pairs(plans, layouts, load)
 
 
@@ -491,10 +461,8 @@ def _join_pairs(
       fits = [(load.get(r, 0), r) for r in reps if r * (1 << 32) + d in anchors]
       fits = [(n, r) for n, r in fits if procs[r] == procs[s] and n + nb <= top]
       if fits:
-        r = min(fits)[1]
-        sender[t] = r
-        load[s] -= nb
-        load[r] = load.get(r, 0) + nb
+        sender[t] = r = min(fits)[1]
+        load[s], load[r] = load[s] - nb, load.get(r, 0) + nb
     if not np.array_equal(sender, lp.src_device):
       out[k] = dataclasses.replace(lp, src_device=sender)
   return out
