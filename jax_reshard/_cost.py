@@ -141,16 +141,13 @@ def estimate(
     if known is None:
       of = stage.itemsizes if kinds is None else kinds
       known = stage_classes(stage.leaf_plans, stage.layouts, stage.scheduled, stage.schedule, of)
-    keys = count_keys(stage, known, as_is)
-    classes_of.append(keys)  # read by the walk as it reaches the stage's buckets
+    classes_of.append(count_keys(stage, known, as_is))  # the walk reads them at their buckets
     done: dict[tuple[object, ...], _BucketCost] = {}  # buckets that cost alike, costed once
-    for b, key in enumerate(keys):
+    for b, key in enumerate(classes_of[-1]):
       relayed, through, made, split = next(walk)
       leaves = stage.schedule.buckets[b].leaves
-      key = (*key, split is not None)
-      if relayed or through:
-        key = (*key, tuple(j in through for j in leaves))
-        key = (*key, tuple(i in relayed for i in stage.bucket_leaves(b)))
+      key = (*key, split is not None, tuple(j in through for j in leaves))
+      key = (*key, tuple(i in relayed for i in stage.bucket_leaves(b)))
       if key not in done:
         apart = split is not None
         done[key] = _bucket_cost(stage, b, topo, as_is, kinds, relayed, through, split=apart)
@@ -158,16 +155,14 @@ def estimate(
       calls.append(topo.call_latency * c.calls + topo.leaf_latency * len(leaves))
       per_device = c.assemble if made is None else c.assemble + made / fill_bw
       assembles.append(_at_once(per_device, topo.max_parallel))
-  call = sum(calls)
   transfer = sum(float(c.transfer.sum()) for c in parts)
   pack = sum(float(c.pack.sum()) for c in parts)
-  assemble = sum(assembles)
   return Estimate(
-    seconds=call + transfer + pack + assemble,
-    call_s=call,
+    seconds=sum(calls) + transfer + pack + sum(assembles),
+    call_s=sum(calls),
     transfer_s=transfer,
     pack_s=pack,
-    assemble_s=assemble,
+    assemble_s=sum(assembles),
     slow_transfer_s=sum(float(c.transfer[c.slow].sum()) for c in parts),
     num_rounds=sum(len(c.transfer) for c in parts),
     bucket_seconds=tuple(
@@ -522,10 +517,9 @@ def _assembled_seconds(
   for j, chunks, i in zip(bucket.leaves, bucket.chunks, stage.bucket_leaves(b), strict=True):
     if j in direct:
       continue
-    _, dst = stage.layouts[i]
-    lp = stage.leaf_plans[i]
+    dst, lp = stage.layouts[i][1], stage.leaf_plans[i]
     ids = np.asarray(dst.device_ids, dtype=np.int64)
-    shard = float(np.prod(dst.shard_shape(), dtype=np.int64) * stage.itemsizes[i])
+    shard = float(_shard_bytes(stage, i, 1))
     pos = np.searchsorted(ids, lp.dst_device)
     rows = np.bincount(pos, minlength=len(ids))
     whole = np.bincount(pos, lp.local & (lp.nbytes == shard), minlength=len(ids))
@@ -535,8 +529,7 @@ def _assembled_seconds(
     got = np.bincount(pos, parts, minlength=len(ids))
     secs = np.bincount(pos, part_secs, minlength=len(ids))
     per_byte = np.where(got > 0, secs / np.maximum(got, 1.0), 1.0 / topo.memory_bandwidth)
-    spans = stage.schedule.leaf_buckets
-    window = dst_slab_window(stage.schedule, j, chunks)
+    spans, window = stage.schedule.leaf_buckets, dst_slab_window(stage.schedule, j, chunks)
     if window is None and spans and len(spans[j]) > 1:  # the chunks' parts, in place
       rc = stage.schedule.row_chunks[j]
       at = (rc >= chunks[0]) & (rc <= chunks[-1])
@@ -546,10 +539,9 @@ def _assembled_seconds(
     elif window is None:
       writes = np.where((rows == 1) & (whole == 1), 0.0, shard * per_byte)
     else:
-      dim, start, stop = window
       box = np.asarray(dst.shard_shape(), dtype=np.int64)
-      box[dim] = stop - start
-      slab = float(np.prod(box)) * stage.itemsizes[i]
+      box[window[0]] = window[2] - window[1]
+      slab = float(_shard_bytes(stage, i, 1, window))
       run = run_bytes(box[None], dst.shard_shape(), stage.itemsizes[i])
       writes = slab * per_byte + copy_seconds(np.array([slab]), run, topo)[0]
     out[np.searchsorted(union, ids)] += writes
@@ -569,26 +561,22 @@ def _placeholder_bytes(
   blocks: dict[tuple[object, ...], tuple[np.ndarray, float]] = {}  # see _program
   for j, chunks, i in zip(bucket.leaves, bucket.chunks, stage.bucket_leaves(b), strict=True):
     src, dst = stage.layouts[i]
-    isz = stage.itemsizes[i]
-    dst_shape = staged_block_shape(dst.shard_shape())
-    dst_block = float(np.prod(dst_shape) * isz)
-    if (dst_window := dst_slab_window(stage.schedule, j, chunks)) is not None:
-      dim, start, stop = dst_window
-      dst_block = float(np.prod(dst_shape) // dst_shape[dim] * (stop - start) * isz)
-      if 0 in chunks:
-        out += ~placeholder_mask(dst, union) * float(np.prod(dst_shape) * isz)
+    dst_window = dst_slab_window(stage.schedule, j, chunks)
+    if dst_window is not None and 0 in chunks:
+      out += ~placeholder_mask(dst, union) * float(_shard_bytes(stage, i, 1))
     if j not in direct:
-      out += placeholder_mask(dst, union) * dst_block
-    src_shape = staged_block_shape(src.shard_shape())
+      out += placeholder_mask(dst, union) * float(_shard_bytes(stage, i, 1, dst_window))
     if (window := slab_window(stage.schedule, j, chunks)) is None:
-      key = (src_shape, isz if kinds is None else kinds[i])
+      key = (
+        staged_block_shape(src.shard_shape()),
+        stage.itemsizes[i] if kinds is None else kinds[i],
+      )
       mask = placeholder_mask(src, union)
       if key in blocks:
         mask = mask | blocks[key][0]
-      blocks[key] = (mask, float(np.prod(src_shape) * isz))
+      blocks[key] = (mask, float(_shard_bytes(stage, i, 0)))
     else:
-      dim, start, stop = window
-      slabs += float(np.prod(src_shape) // src_shape[dim] * (stop - start) * isz)
+      slabs += float(_shard_bytes(stage, i, 0, window))
   zeros = sum((mask * nbytes for mask, nbytes in blocks.values()), np.zeros(len(union)))
   kept = stage.options.kept_zero_bytes
   return out + np.where(zeros > kept, zeros, 0.0), slabs
@@ -629,8 +617,7 @@ def repeated_rounds(
     seen = set()
     for r in rs:
       n = counts[cuts[r] : cuts[r + 1]]  # the round's payloads' pieces, sender by sender
-      piece = np.repeat(starts[cuts[r] : cuts[r + 1]] - np.cumsum(n) + n, n) + np.arange(n.sum())
-      content = (n.tobytes(), boxes[piece].tobytes())
+      content = (n.tobytes(), boxes[_ranges(starts[cuts[r] : cuts[r + 1]], n)].tobytes())
       if content in seen:
         repeated.append(r)
       seen.add(content)
@@ -663,13 +650,9 @@ def direct_steps(
   sizes = np.asarray(bucket.piece_nbytes, dtype=np.int64)
   piece_leaf = np.asarray(bucket.piece_leaf, dtype=np.int64)
   shards = np.zeros((2, max(bucket.leaves, default=-1) + 1), dtype=np.int64)
-  for j, chunks in zip(bucket.leaves, bucket.chunks, strict=True):
-    i = plan.scheduled[j]
-    for k in (0, 1):
-      shards[k, j] = math.prod(plan.layouts[i][k].shard_shape()) * plan.itemsizes[i]
-    if (window := slab_window(plan.schedule, j, chunks)) is not None:  # stages its slab
-      dim, start, stop = window
-      shards[0, j] = shards[0, j] // plan.layouts[i][0].shard_shape()[dim] * (stop - start)
+  for j, chunks in zip(bucket.leaves, bucket.chunks, strict=True):  # a slab staged as its shard
+    i, window = plan.scheduled[j], slab_window(plan.schedule, j, chunks)
+    shards[:, j] = _shard_bytes(plan, i, 0, window), _shard_bytes(plan, i, 1)
   src_whole = sizes == shards[0, piece_leaf]
   dst_whole = sizes == shards[1, piece_leaf]
   if not (src_whole | dst_whole).any():  # most buckets of split leaves
@@ -681,11 +664,7 @@ def direct_steps(
   # one; elsewhere, a pair's payload that is one piece, the round's size and such a shard.
   in_whole = whole[rid]
   reps = np.where(in_whole, count[at], 0)
-  piece = (
-    np.repeat(first[at], reps)
-    + np.arange(int(reps.sum()))
-    - np.repeat(np.cumsum(reps) - reps, reps)
-  )
+  piece = _ranges(first[at], reps)
   take = dst_whole[piece]
   alone = ~in_whole & (count[at] == 1) & (sizes[first[at]] == size[rid]) & dst_whole[first[at]]
   got_leaf = np.r_[piece_leaf[piece][take], piece_leaf[first[at]][alone]]
@@ -710,11 +689,8 @@ def whole_segment_bytes(
   """Round -> bytes of the whole source shards (of ``whole_operand_bytes`` or more, of leaves
   ``as_is``) that every payload holds at the same offset: ``ppermute`` operands, not packed."""
   src_bytes = {
-    j: math.prod(plan.layouts[plan.scheduled[j]][0].shard_shape())
-    * plan.itemsizes[plan.scheduled[j]]
-    if as_is is None or plan.scheduled[j] in as_is
-    else -1
-    for j in bucket.leaves
+    j: _shard_bytes(plan, i, 0) if as_is is None or i in as_is else -1
+    for j, i in ((j, plan.scheduled[j]) for j in bucket.leaves)
   }
   leaves = np.asarray(bucket.piece_leaf, dtype=np.int64)
   sizes = np.asarray(bucket.piece_nbytes, dtype=np.int64)
@@ -765,12 +741,23 @@ def _whole_rounds(
   ok = (np.bincount(rid, minlength=n) > 0) & (lo == hi)
   # Every piece: the leaf of the first payload's piece at its place, and a whole source shard.
   reps = np.where(ok[rid], cnt, 0)
-  offset = np.arange(int(reps.sum())) - np.repeat(np.cumsum(reps) - reps, reps)
-  piece = np.repeat(fst, reps) + offset
-  ref = np.repeat(fst[np.minimum(start, len(rid) - 1)][rid], reps) + offset
+  piece, ref = _ranges(fst, reps), _ranges(fst[np.minimum(start, len(rid) - 1)][rid], reps)
   bad = ~((piece_leaf[piece] == piece_leaf[ref]) & src_whole[piece])
   ok &= np.bincount(np.repeat(rid, reps), bad, minlength=n) == 0
   for r in np.flatnonzero(ok).tolist():  # distinct leaves, whose shards make the round's size
     row = slice(int(fst[start[r]]), int(fst[start[r]] + cnt[start[r]]))
     ok[r] = len(set(piece_leaf[row].tolist())) == cnt[start[r]] and sizes[row].sum() == size[r]
   return ok
+
+
+def _ranges(first: np.ndarray, counts: np.ndarray) -> np.ndarray:
+  """The indices ``first[k] + range(counts[k])`` of every ``k``, in order."""
+  return np.repeat(first - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
+
+
+def _shard_bytes(stage: _Stage, i: int, side: int, window: tuple[int, ...] | None = None) -> int:
+  """The bytes of leaf ``i``'s source (``side`` 0) or destination shard, or of its slab
+  ``window`` (``(dim, start, stop)``)."""
+  shape = stage.layouts[i][side].shard_shape()
+  nbytes = math.prod(shape) * stage.itemsizes[i]
+  return nbytes if window is None else nbytes // shape[window[0]] * (window[2] - window[1])
