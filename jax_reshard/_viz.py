@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 import html
+import inspect
+import re
 from collections import Counter
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from jax_reshard._cost import chosen_lowering
-from jax_reshard._plan import format_bytes
+from jax_reshard._plan import PlanStats, format_bytes
 
 if TYPE_CHECKING:
   from matplotlib.axes import Axes
@@ -19,27 +21,6 @@ if TYPE_CHECKING:
 PlanLike = Any  # what the pictures read: a ReshardPlan or a LayoutPlan
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
-
-# What each PlanStats field means, for the HTML table.
-_STAT_MEANINGS = {
-  "bytes_moved": "bytes received by devices from other devices, padding excluded",
-  "lower_bound_bytes": "per destination device, its shard minus what it already holds, summed",
-  "padding_bytes": "bytes sent only to make the payloads of a round one size",
-  "local_copy_bytes": "bytes copied device-locally (already resident)",
-  "gather_broadcast_bytes": (
-    "bytes devices receive in the conventional refit: all-gather over the source devices, "
-    "then the full tensor to every destination device that is not a source device"
-  ),
-  "num_rounds": "ppermute rounds: every device sends at most once and receives at most once",
-  "num_buckets": "compiled programs the plan runs, one after another",
-  "max_send_bytes": "most bytes one device sends (padding included)",
-  "max_recv_bytes": "most bytes one device receives (padding included)",
-  "peak_staging_bytes": "most transient bytes one device holds in a bucket",
-  "num_programs": "distinct bucket programs, each compiled once (identical buckets share one)",
-  "passes_per_moved_byte": (
-    "bytes devices read and write (pack, transfer, assemble, zero fills) over twice the bytes moved"
-  ),
-}
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -381,9 +362,11 @@ def _device_ticks(
 
 
 def plan_html(plan: PlanLike) -> str:
-  """The plan's summary as HTML for Jupyter: its stats (value and meaning), then its (source
-  layout, destination layout) groups with their moved and local bytes."""
+  """The plan's summary as HTML for Jupyter: its stats (value and meaning, from
+  :class:`PlanStats`), then its (source layout, destination layout) groups with their bytes."""
   esc, st = html.escape, plan.stats
+  entries = re.findall(r"^  (\w+): (.+)$", inspect.getdoc(PlanStats) or "", re.MULTILINE)
+  meanings = {k: v.replace("``", "").rstrip(".") for k, v in entries}
   groups: dict[tuple[str, str], list[int]] = {}
   for i, (s, d) in enumerate(plan.layouts):
     groups.setdefault((s.description, d.description), []).append(i)
@@ -401,12 +384,11 @@ def plan_html(plan: PlanLike) -> str:
     out.append(
       f"<tr><td {cell}><code>{esc(f.name)}</code></td>"
       f'<td {num} title="{esc(str(value))}">{esc(shown)}</td>'
-      f"<td {cell}>{esc(_STAT_MEANINGS.get(f.name, ''))}</td></tr>"
+      f"<td {cell}>{esc(meanings.get(f.name, ''))}</td></tr>"
     )
-  out.append("</tbody></table>")
   out.append(
-    f"<table><thead><tr><th {num}>leaves</th><th {cell}>source</th><th {cell}>destination</th>"
-    f"<th {num}>moved</th><th {num}>local</th></tr></thead><tbody>"
+    f"</tbody></table>\n<table><thead><tr><th {num}>leaves</th><th {cell}>source</th>"
+    f"<th {cell}>destination</th><th {num}>moved</th><th {num}>local</th></tr></thead><tbody>"
   )
   for (src_txt, dst_txt), idx in groups.items():
     moved = sum(plan.leaf_plans[i].bytes_moved for i in idx)
