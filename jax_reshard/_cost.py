@@ -41,6 +41,7 @@ from jax_reshard._topology import Topology
 
 # A ``LayoutPlan`` (a later layer) or one of its stages.
 _Stage = Any
+_Pairs = tuple[np.ndarray, ...]  # round_pairs: per pair its round, sender, receiver; round sizes
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -64,10 +65,7 @@ class Estimate:
     >>> lay = lambda ids, spec: jr.Layout.from_description(
     ...   (4096, 4096), mesh_shape=(4,), axis_names=("x",), spec=spec, device_ids=ids)
     >>> plan = jr.plan_layouts([(lay(range(4), ("x",)), lay(range(8, 12), (None, "x")))], [2])
-    >>> est = jr.estimate(plan, jr.Topology.h100_nodes())
-    >>> est.num_rounds, est.seconds == est.call_s + est.transfer_s + est.pack_s + est.assemble_s
-    (4, True)
-    >>> print(est)
+    >>> print(jr.estimate(plan, jr.Topology.h100_nodes()))
     predicted 0.4 ms on H100 nodes of 8 (4 rounds in 1 buckets): transfers 0.2 ms ...
   """
 
@@ -257,22 +255,19 @@ def time_lower_bound(leaf_plans: Sequence[LeafPlan], topology: Topology) -> floa
   remote = [lp for lp in leaf_plans if (~lp.local).any()]
   if not remote:
     return 0.0
-  src = np.concatenate([lp.src_device[~lp.local] for lp in remote])
-  dst = np.concatenate([lp.dst_device[~lp.local] for lp in remote])
-  nbytes = np.concatenate([lp.nbytes[~lp.local] for lp in remote]).astype(np.float64)
-  ids, at = np.unique(np.concatenate([src, dst]), return_inverse=True)
-  s, d = at[: len(src)], at[len(src) :]
-  pair, inv = np.unique(s * len(ids) + d, return_inverse=True)
-  pair_bytes = np.bincount(inv.reshape(-1), nbytes, minlength=len(pair))
-  ps, pd = ids[pair // len(ids)], ids[pair % len(ids)]
-  cross = topology.domain_of(ps) != topology.domain_of(pd)
+  src, dst, nbytes = (
+    np.concatenate([getattr(lp, f)[~lp.local] for lp in remote])
+    for f in ("src_device", "dst_device", "nbytes")
+  )
+  pairs, inv = np.unique(np.stack([src, dst], axis=1), axis=0, return_inverse=True)
+  pair_bytes = np.bincount(inv.reshape(-1), nbytes.astype(np.float64), minlength=len(pairs))
+  cross = topology.domain_of(pairs[:, 0]) != topology.domain_of(pairs[:, 1])
   lat = np.where(cross, topology.inter.latency, topology.intra.latency)
   data = pair_bytes / np.where(cross, topology.inter.bandwidth, topology.intra.bandwidth)
-  per_device = np.maximum(
-    np.bincount(pair // len(ids), lat + data, minlength=len(ids)),
-    np.bincount(pair % len(ids), lat + data, minlength=len(ids)),
-  )
-  transfer = float(per_device.max())
+  ids, at = np.unique(pairs, return_inverse=True)  # per pair, its sender's and receiver's
+  at = at.reshape(-1, 2)
+  per_device = [np.bincount(at[:, k], lat + data, minlength=len(ids)) for k in (0, 1)]
+  transfer = float(np.maximum(*per_device).max())
   if topology.max_parallel:
     transfer = max(transfer, float(data.sum()) / topology.max_parallel)
   return topology.call_latency + transfer
@@ -287,16 +282,15 @@ def count_keys(
   ids: dict[tuple[object, ...], int] = {}
   extras = []
   for j, i in enumerate(plan.scheduled):
+    slabs = [s[j] if s else None for s in (sch.leaf_slabs, sch.leaf_dst_slabs)]
     key = (
       plan.leaf_plans[i].nbytes.tobytes(),
       sch.row_chunks[j].tobytes() if sch.row_chunks else None,
-      sch.leaf_slabs[j] if sch.leaf_slabs else None,
-      sch.leaf_dst_slabs[j] if sch.leaf_dst_slabs else None,
+      *slabs,
       sch.leaf_windows[j] if sch.leaf_windows else None,
       len(sch.leaf_buckets[j]) > 1 if sch.leaf_buckets else None,
       as_is is None or i in as_is,
     )
-    slabs = [s[j] for s in (sch.leaf_slabs, sch.leaf_dst_slabs) if s]
     extras.append((ids.setdefault(key, len(ids)), any(s is not None for s in slabs)))
   out = []
   for b, bucket in enumerate(sch.buckets):
@@ -392,7 +386,7 @@ def _bucket_cost(
 
 
 def unpacked_bytes(
-  stage: _Stage, bucket: Bucket, as_is: Collection[int] | None, pairs: tuple[np.ndarray, ...]
+  stage: _Stage, bucket: Bucket, as_is: Collection[int] | None, pairs: _Pairs
 ) -> tuple[np.ndarray, set[int]]:
   """Per round, the payload bytes no sender packs (whole source shards sent as they are; all of
   a repeated payload, packed once), and the leaves received whole: the builder's decisions
@@ -449,7 +443,7 @@ def _made_blocks(
 
 
 def idle_zero_bytes(
-  bucket: Bucket, pairs: tuple[np.ndarray, ...], kept: np.ndarray
+  bucket: Bucket, pairs: _Pairs, kept: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
   """Per round, the zeros idle devices receive, and pack (less the ``kept`` bytes)."""
   rid, _, _, size = pairs
@@ -483,7 +477,7 @@ def _moved_plan(stage: _Stage, j: int) -> LeafPlan:
 
 
 def _pack_seconds(
-  stage: _Stage, bucket: Bucket, pairs: tuple[np.ndarray, ...], kept: np.ndarray, topo: Topology
+  stage: _Stage, bucket: Bucket, pairs: _Pairs, kept: np.ndarray, topo: Topology
 ) -> np.ndarray:
   """Per pair, the sender's packing: its pieces less the round's ``kept`` bytes, and padding."""
   rid, ps, pd, size = pairs
@@ -594,7 +588,7 @@ def pair_runs(bucket: Bucket) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def repeated_rounds(
-  stage: _Stage, bucket: Bucket, kept: np.ndarray, pairs: tuple[np.ndarray, ...] | None = None
+  stage: _Stage, bucket: Bucket, kept: np.ndarray, pairs: _Pairs | None = None
 ) -> list[int]:
   """The packed rounds (none ``kept``) whose payloads equal an earlier one's, sender by
   sender: packed once and sent again (``_emit._emit_rounds``)."""
@@ -641,7 +635,7 @@ def _piece_boxes(stage: _Stage, bucket: Bucket) -> np.ndarray:
 
 
 def direct_steps(
-  plan: _Stage, bucket: Bucket, pairs: tuple[np.ndarray, ...] | None = None
+  plan: _Stage, bucket: Bucket, pairs: _Pairs | None = None
 ) -> tuple[set[int], set[int]]:
   """The rounds whose payloads are whole source shards sent as they are (:func:`_whole_rounds`),
   and the leaves (moved by this bucket alone) whose every destination shard is one round's
@@ -688,17 +682,12 @@ def whole_segment_bytes(
 ) -> dict[int, int]:
   """Round -> bytes of the whole source shards (of ``whole_operand_bytes`` or more, of leaves
   ``as_is``) that every payload holds at the same offset: ``ppermute`` operands, not packed."""
-  src_bytes = {
-    j: _shard_bytes(plan, i, 0) if as_is is None or i in as_is else -1
-    for j, i in ((j, plan.scheduled[j]) for j in bucket.leaves)
-  }
   leaves = np.asarray(bucket.piece_leaf, dtype=np.int64)
   sizes = np.asarray(bucket.piece_nbytes, dtype=np.int64)
-  if not len(leaves):
-    return {}
-  used, inv = np.unique(leaves, return_inverse=True)
-  whole = sizes == np.array([src_bytes[j] for j in used.tolist()], dtype=np.int64)[inv]
-  whole &= sizes >= plan.options.whole_operand_bytes
+  whole = sizes >= plan.options.whole_operand_bytes
+  for j in np.unique(leaves).tolist():  # a piece that is its leaf's whole source shard
+    i, at = plan.scheduled[j], leaves == j
+    whole[at] &= sizes[at] == (_shard_bytes(plan, i, 0) if as_is is None or i in as_is else -1)
   if not whole.any():
     return {}
   keys, first, count = pair_runs(bucket)
