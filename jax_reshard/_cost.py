@@ -42,6 +42,7 @@ from jax_reshard._topology import Topology
 # A ``LayoutPlan`` (a later layer) or one of its stages.
 _Stage = Any
 _Pairs = tuple[np.ndarray, ...]  # round_pairs: per pair its round, sender, receiver; round sizes
+_Spares = dict[tuple[object, ...], np.ndarray]  # per block key, per device id: blocks left
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -178,11 +179,10 @@ def _walk(
   kinds: Sequence[object] | None,
   classes_of: Sequence[Sequence[tuple[object, ...]]] = (),
 ) -> Iterator[tuple[frozenset[int], frozenset[int], np.ndarray | None, tuple[int, ...] | None]]:
-  """Per bucket of every stage: the leaves written into donated shards (``donate``: relayed
-  ones, first stage), the leaves whose discarded blocks pass through, the zero destination
-  bytes made per device (``None``: no destination inputs) and :func:`assembles_apart`."""
+  """Per bucket: leaves written into donated shards (``donate``: relayed, first stage), leaves
+  whose discarded blocks pass through, zero bytes made per device and :func:`assembles_apart`."""
   pays: dict[object, bool] = {}
-  spares: dict[tuple[object, ...], np.ndarray] = {}
+  spares: _Spares = {}
   for k, stage in enumerate(plan.stages()):
     first = donate and k == 0
     relayed = plan.relayed_leaves() if first else frozenset()
@@ -356,9 +356,8 @@ def _bucket_cost(
   """The costs of bucket ``b`` but for the destination blocks it makes; ``split``: it
   assembles apart (no discarded blocks; a second call unless every leaf arrives whole)."""
   bucket = stage.schedule.buckets[b]
-  n = len(bucket.rounds)
-  pairs = round_pairs(bucket.rounds)
-  rid, src, dst, nbytes = pairs
+  rid, src, dst, nbytes = pairs = round_pairs(bucket.rounds)
+  n = len(nbytes)
   cross = topo.domain_of(src) != topo.domain_of(dst)
   lat = np.where(cross, topo.inter.latency, topo.intra.latency)
   bw = np.where(cross, topo.inter.bandwidth, topo.intra.bandwidth)
@@ -408,15 +407,10 @@ def chosen_lowering(stage: _Stage, b: int) -> Any:
 
 
 def _made_blocks(
-  stage: _Stage,
-  b: int,
-  modes: Sequence[LeafMode],
-  spares: dict[tuple[object, ...], np.ndarray],
-  kinds: Sequence[object] | None,
+  stage: _Stage, b: int, modes: Sequence[LeafMode], spares: _Spares, kinds: Sequence[object] | None
 ) -> np.ndarray:
   """Per device, the zero destination blocks' bytes the eager path makes for bucket ``b``
-  (``BucketExecutable._spare_blocks``): those ``spares`` (counts per block key and device id,
-  left by the last such bucket) lack; ``spares`` becomes the blocks this bucket leaves."""
+  (``BucketExecutable._spare_blocks``): those ``spares`` lack; they become what ``b`` leaves."""
   bucket = stage.schedule.buckets[b]
   union = np.asarray(bucket.union_device_ids, dtype=np.int64)
   made = np.zeros(len(union), dtype=np.float64)
@@ -545,9 +539,8 @@ def _assembled_seconds(
 def _placeholder_bytes(
   stage: _Stage, b: int, direct: set[int], kinds: Sequence[object] | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-  """Per device of bucket ``b``, the zeros it writes (source blocks by shape and kind, unless
-  within ``kept_zero_bytes``; discarded blocks but for leaves ``direct``; zero-filled shards
-  of a first destination slab) and the source slab bytes it copies."""
+  """Per device of bucket ``b``, the zeros it writes (source blocks over ``kept_zero_bytes``,
+  discarded blocks but of ``direct``, a first destination slab's) and the slab bytes it copies."""
   bucket = stage.schedule.buckets[b]
   union = np.asarray(bucket.union_device_ids, dtype=np.int64)
   out = np.zeros(len(union), dtype=np.float64)

@@ -1,8 +1,5 @@
 """Options: the switches and thresholds that choose between two lowerings of the same moves.
-
-A plan carries one :class:`Options` value from planning (schedule) to its programs, cost model
-and executables; plans of other options are cached apart. Nothing else changes behaviour.
-"""
+A plan carries one from planning to its programs, cost model and executables (cached apart)."""
 
 from __future__ import annotations
 
@@ -48,21 +45,19 @@ class Options:
       every payload of a packed round is a ``ppermute`` operand of its own. Default 256 KiB:
       smaller shards cost less to copy (24-61 KiB ones slowed a DeepSeek-V3 case 1.25x).
     kept_zero_bytes: bytes per device and group of zero source blocks; groups this small are
-      made once and kept (read only), larger ones per call. Default 256 KiB.
+      made once and kept (read only), larger ones per call. Default 256 KiB (64 groups at most).
     max_bucket_leaves: leaves (chunks counted apart) per bucket at most. Default 64: compile
       time grows with them (about 45 ms per 8x8 leaf); a repeating tree is cut where it repeats,
       so that its buckets run one program.
     min_period_leaves: leaves; a tree repeating with a shorter period is bucketed by whole
-      periods up to ``max_bucket_leaves``, a longer one (a model layer) a bucket per period.
-      Default 8.
+      periods up to ``max_bucket_leaves``, a longer one a bucket per period. Default 8.
     in_flight_buckets: buckets queued and unfinished at most on CPU devices. Default 2: one
       runs while the next is staged (200 queued at once starved the thread pool).
     max_grid_slabs: slabs per side a grid cuts a leaf into at most (``_schedule.split_grid``).
       Default 64: a few thousand buckets at most.
-    lowerings: other ways to run a bucket's rounds than one ``ppermute`` each, tried in order;
-      hashable objects with ``applies(stage, bucket) -> bool``, ``seconds(stage, bucket,
-      topology) -> float`` and ``emit(program, axis, me, sent)``. Default none; see
-      ``docs/design.md``, "Adding a lowering".
+    lowerings: other ways to run a bucket's rounds than a ``ppermute`` each, tried in order:
+      hashable objects with ``applies``, ``seconds`` and ``emit`` methods (docs/design.md
+      "Adding a lowering"). Default none.
 
   Raises:
     ReshardError: a switch that is not ``True`` or ``False``, a threshold that is not an int
