@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from jax_reshard._cost import chosen_lowering
+from jax_reshard._cost import chosen_lowering, round_pairs
 from jax_reshard._plan import PlanStats, format_bytes
 
 if TYPE_CHECKING:
@@ -91,20 +91,19 @@ def traffic_matrix(plan: PlanLike) -> TrafficMatrix:
 def round_table(plan: PlanLike) -> RoundTable:
   """Every (source, destination) pair of every round, in round order, with its payload and
   its padding (the fill up to ``Round.nbytes``; they sum to ``plan.stats.padding_bytes``)."""
-  rows: list[np.ndarray] = []  # per round, (6, pairs): the RoundTable's columns
+  rows = [np.zeros((6, 0), np.int64)]  # per bucket, (6, pairs): the RoundTable's columns
   base = 0
   for b, bucket in enumerate(plan.schedule.buckets):
     fill: Counter[tuple[int, int]] = Counter()  # payload bytes per (sender, receiver)
     for src, dst, nb in zip(bucket.piece_src, bucket.piece_dst, bucket.piece_nbytes, strict=True):
       fill[int(src), int(dst)] += int(nb)
-    for r, rnd in enumerate(bucket.rounds):
-      pairs = np.asarray(rnd.pairs, dtype=np.int64).reshape(-1, 2)
-      payload = np.asarray([fill[src, dst] for src, dst in pairs.tolist()], dtype=np.int64)
-      n = len(pairs)
-      columns = (np.full(n, b), np.full(n, base + r), *pairs.T, payload, rnd.nbytes - payload)
-      rows.append(np.stack([np.asarray(c, dtype=np.int64) for c in columns]))
+    rid, src, dst, size = round_pairs(bucket.rounds)
+    payload = np.asarray([fill[s, d] for s, d in np.c_[src, dst].tolist()], dtype=np.int64)
+    rows.append(
+      np.stack([np.full(len(rid), b), base + rid, src, dst, payload, size[rid] - payload])
+    )
     base += len(bucket.rounds)
-  return RoundTable(*(np.concatenate(rows, axis=1) if rows else np.zeros((6, 0), np.int64)))
+  return RoundTable(*np.concatenate(rows, axis=1).astype(np.int64))
 
 
 def _unit(n: float) -> tuple[str, int]:
