@@ -128,11 +128,10 @@ class Topology:
   def from_devices(cls, devices: Iterable[Any], preset: Topology | None = None) -> Topology:
     """The domains JAX reports for real devices, with the link costs of a preset.
 
-    A domain is a ``slice_index`` (TPU slices; on GPUs a host, so NVL72 racks need
-    :meth:`gb200_nvl72` or :meth:`with_domains`), else (always on CPUs) a process.
-
     Args:
-      devices: the devices, e.g. ``jax.devices()``.
+      devices: the devices, e.g. ``jax.devices()``. A domain is a ``slice_index`` (TPU slices;
+        on GPUs a host: NVL72 racks need :meth:`gb200_nvl72` or :meth:`with_domains`), else
+        (always on CPUs) a process.
       preset: the link costs (default by platform: :meth:`h100_nodes`, :meth:`tpu_slices`,
         :meth:`cpu`).
 
@@ -158,8 +157,6 @@ class Topology:
   def h100_nodes(cls, devices_per_node: int = 8) -> Topology:
     """H100 SXM nodes: NVLink 4 (450 GB/s) inside, a 400 Gb/s NIC per GPU between nodes.
 
-    Packing runs at the H200's measured rate scaled by HBM bandwidth (3.35 / 4.8 TB/s).
-
     Args:
       devices_per_node: consecutive device ids per node (domain).
 
@@ -168,6 +165,7 @@ class Topology:
       450.0
     """
     name, intra, inter = f"H100 nodes of {devices_per_node}", Link(450e9, 10e-6), Link(50e9, 20e-6)
+    # Packing at the H200's measured rate, scaled by HBM bandwidth (3.35 / 4.8 TB/s; GB200: 8).
     return cls(name, intra, inter, 0.8e12 * 3.35 / 4.8, devices_per_node, call_latency=60e-6)
 
   @classmethod
@@ -187,8 +185,6 @@ class Topology:
   @classmethod
   def gb200_nvl72(cls, devices_per_domain: int = 72) -> Topology:
     """GB200 NVL72 racks: NVLink 5 (900 GB/s) inside, a 400 Gb/s NIC per GPU between racks.
-
-    Packing runs at the H200's measured rate scaled by HBM bandwidth (8 / 4.8 TB/s).
 
     Args:
       devices_per_domain: consecutive device ids per NVLink domain (the part of a rack held).
@@ -224,12 +220,10 @@ class Topology:
   ) -> Topology:
     """Simulated CPU devices of one host (``jax_num_cpu_devices``), sharing ``cores`` cores.
 
-    Its costs are the ``CPU_*`` constants measured by ``benchmarks/calibrate_cpu.py``.
-
     Args:
       devices_per_domain: simulated domains of consecutive device ids; ``None``: one.
       cores: how many devices copy at once (the host's cores).
-      constants: constants measured on another machine, by name, in place of the preset's.
+      constants: by name, in place of the ``CPU_*`` constants (by ``benchmarks/calibrate_cpu.py``).
 
     Raises:
       ValueError: a name in ``constants`` that is not in ``CPU_CONSTANTS``.

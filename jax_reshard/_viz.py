@@ -206,8 +206,7 @@ def plot_rounds(
   """
   plt = _pyplot()
   t = round_table(plan)
-  if kind is None:
-    kind = "bars" if len(t) <= 96 else "grid"
+  kind = ("bars" if len(t) <= 96 else "grid") if kind is None else kind
   if kind not in ("bars", "grid"):
     raise ValueError(f"kind must be 'bars', 'grid' or None, not {kind!r}")
   if kind == "bars":
