@@ -41,6 +41,8 @@ from jax_reshard._topology import Topology
 
 # A ``LayoutPlan`` (a later layer) or one of its stages.
 _Stage = Any
+_Pairs = tuple[np.ndarray, ...]  # round_pairs: per pair its round, sender, receiver; round sizes
+_Spares = dict[tuple[object, ...], np.ndarray]  # per block key, per device id: blocks left
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -64,10 +66,7 @@ class Estimate:
     >>> lay = lambda ids, spec: jr.Layout.from_description(
     ...   (4096, 4096), mesh_shape=(4,), axis_names=("x",), spec=spec, device_ids=ids)
     >>> plan = jr.plan_layouts([(lay(range(4), ("x",)), lay(range(8, 12), (None, "x")))], [2])
-    >>> est = jr.estimate(plan, jr.Topology.h100_nodes())
-    >>> est.num_rounds, est.seconds == est.call_s + est.transfer_s + est.pack_s + est.assemble_s
-    (4, True)
-    >>> print(est)
+    >>> print(jr.estimate(plan, jr.Topology.h100_nodes()))
     predicted 0.4 ms on H100 nodes of 8 (4 rounds in 1 buckets): transfers 0.2 ms ...
   """
 
@@ -141,16 +140,13 @@ def estimate(
     if known is None:
       of = stage.itemsizes if kinds is None else kinds
       known = stage_classes(stage.leaf_plans, stage.layouts, stage.scheduled, stage.schedule, of)
-    keys = count_keys(stage, known, as_is)
-    classes_of.append(keys)  # read by the walk as it reaches the stage's buckets
+    classes_of.append(count_keys(stage, known, as_is))  # the walk reads them at their buckets
     done: dict[tuple[object, ...], _BucketCost] = {}  # buckets that cost alike, costed once
-    for b, key in enumerate(keys):
+    for b, key in enumerate(classes_of[-1]):
       relayed, through, made, split = next(walk)
       leaves = stage.schedule.buckets[b].leaves
-      key = (*key, split is not None)
-      if relayed or through:
-        key = (*key, tuple(j in through for j in leaves))
-        key = (*key, tuple(i in relayed for i in stage.bucket_leaves(b)))
+      key = (*key, split is not None, tuple(j in through for j in leaves))
+      key = (*key, tuple(i in relayed for i in stage.bucket_leaves(b)))
       if key not in done:
         apart = split is not None
         done[key] = _bucket_cost(stage, b, topo, as_is, kinds, relayed, through, split=apart)
@@ -158,16 +154,14 @@ def estimate(
       calls.append(topo.call_latency * c.calls + topo.leaf_latency * len(leaves))
       per_device = c.assemble if made is None else c.assemble + made / fill_bw
       assembles.append(_at_once(per_device, topo.max_parallel))
-  call = sum(calls)
   transfer = sum(float(c.transfer.sum()) for c in parts)
   pack = sum(float(c.pack.sum()) for c in parts)
-  assemble = sum(assembles)
   return Estimate(
-    seconds=call + transfer + pack + assemble,
-    call_s=call,
+    seconds=sum(calls) + transfer + pack + sum(assembles),
+    call_s=sum(calls),
     transfer_s=transfer,
     pack_s=pack,
-    assemble_s=assemble,
+    assemble_s=sum(assembles),
     slow_transfer_s=sum(float(c.transfer[c.slow].sum()) for c in parts),
     num_rounds=sum(len(c.transfer) for c in parts),
     bucket_seconds=tuple(
@@ -185,11 +179,10 @@ def _walk(
   kinds: Sequence[object] | None,
   classes_of: Sequence[Sequence[tuple[object, ...]]] = (),
 ) -> Iterator[tuple[frozenset[int], frozenset[int], np.ndarray | None, tuple[int, ...] | None]]:
-  """Per bucket of every stage: the leaves written into donated shards (``donate``: relayed
-  ones, first stage), the leaves whose discarded blocks pass through, the zero destination
-  bytes made per device (``None``: no destination inputs) and :func:`assembles_apart`."""
+  """Per bucket: leaves written into donated shards (``donate``: relayed, first stage), leaves
+  whose discarded blocks pass through, zero bytes made per device and :func:`assembles_apart`."""
   pays: dict[object, bool] = {}
-  spares: dict[tuple[object, ...], np.ndarray] = {}
+  spares: _Spares = {}
   for k, stage in enumerate(plan.stages()):
     first = donate and k == 0
     relayed = plan.relayed_leaves() if first else frozenset()
@@ -262,22 +255,19 @@ def time_lower_bound(leaf_plans: Sequence[LeafPlan], topology: Topology) -> floa
   remote = [lp for lp in leaf_plans if (~lp.local).any()]
   if not remote:
     return 0.0
-  src = np.concatenate([lp.src_device[~lp.local] for lp in remote])
-  dst = np.concatenate([lp.dst_device[~lp.local] for lp in remote])
-  nbytes = np.concatenate([lp.nbytes[~lp.local] for lp in remote]).astype(np.float64)
-  ids, at = np.unique(np.concatenate([src, dst]), return_inverse=True)
-  s, d = at[: len(src)], at[len(src) :]
-  pair, inv = np.unique(s * len(ids) + d, return_inverse=True)
-  pair_bytes = np.bincount(inv.reshape(-1), nbytes, minlength=len(pair))
-  ps, pd = ids[pair // len(ids)], ids[pair % len(ids)]
-  cross = topology.domain_of(ps) != topology.domain_of(pd)
+  src, dst, nbytes = (
+    np.concatenate([getattr(lp, f)[~lp.local] for lp in remote])
+    for f in ("src_device", "dst_device", "nbytes")
+  )
+  pairs, inv = np.unique(np.stack([src, dst], axis=1), axis=0, return_inverse=True)
+  pair_bytes = np.bincount(inv.reshape(-1), nbytes.astype(np.float64), minlength=len(pairs))
+  cross = topology.domain_of(pairs[:, 0]) != topology.domain_of(pairs[:, 1])
   lat = np.where(cross, topology.inter.latency, topology.intra.latency)
   data = pair_bytes / np.where(cross, topology.inter.bandwidth, topology.intra.bandwidth)
-  per_device = np.maximum(
-    np.bincount(pair // len(ids), lat + data, minlength=len(ids)),
-    np.bincount(pair % len(ids), lat + data, minlength=len(ids)),
-  )
-  transfer = float(per_device.max())
+  ids, at = np.unique(pairs, return_inverse=True)  # per pair, its sender's and receiver's
+  at = at.reshape(-1, 2)
+  per_device = [np.bincount(at[:, k], lat + data, minlength=len(ids)) for k in (0, 1)]
+  transfer = float(np.maximum(*per_device).max())
   if topology.max_parallel:
     transfer = max(transfer, float(data.sum()) / topology.max_parallel)
   return topology.call_latency + transfer
@@ -292,16 +282,15 @@ def count_keys(
   ids: dict[tuple[object, ...], int] = {}
   extras = []
   for j, i in enumerate(plan.scheduled):
+    slabs = [s[j] if s else None for s in (sch.leaf_slabs, sch.leaf_dst_slabs)]
     key = (
       plan.leaf_plans[i].nbytes.tobytes(),
       sch.row_chunks[j].tobytes() if sch.row_chunks else None,
-      sch.leaf_slabs[j] if sch.leaf_slabs else None,
-      sch.leaf_dst_slabs[j] if sch.leaf_dst_slabs else None,
+      *slabs,
       sch.leaf_windows[j] if sch.leaf_windows else None,
       len(sch.leaf_buckets[j]) > 1 if sch.leaf_buckets else None,
       as_is is None or i in as_is,
     )
-    slabs = [s[j] for s in (sch.leaf_slabs, sch.leaf_dst_slabs) if s]
     extras.append((ids.setdefault(key, len(ids)), any(s is not None for s in slabs)))
   out = []
   for b, bucket in enumerate(sch.buckets):
@@ -367,9 +356,8 @@ def _bucket_cost(
   """The costs of bucket ``b`` but for the destination blocks it makes; ``split``: it
   assembles apart (no discarded blocks; a second call unless every leaf arrives whole)."""
   bucket = stage.schedule.buckets[b]
-  n = len(bucket.rounds)
-  pairs = round_pairs(bucket.rounds)
-  rid, src, dst, nbytes = pairs
+  rid, src, dst, nbytes = pairs = round_pairs(bucket.rounds)
+  n = len(nbytes)
   cross = topo.domain_of(src) != topo.domain_of(dst)
   lat = np.where(cross, topo.inter.latency, topo.intra.latency)
   bw = np.where(cross, topo.inter.bandwidth, topo.intra.bandwidth)
@@ -397,7 +385,7 @@ def _bucket_cost(
 
 
 def unpacked_bytes(
-  stage: _Stage, bucket: Bucket, as_is: Collection[int] | None, pairs: tuple[np.ndarray, ...]
+  stage: _Stage, bucket: Bucket, as_is: Collection[int] | None, pairs: _Pairs
 ) -> tuple[np.ndarray, set[int]]:
   """Per round, the payload bytes no sender packs (whole source shards sent as they are; all of
   a repeated payload, packed once), and the leaves received whole: the builder's decisions
@@ -419,15 +407,10 @@ def chosen_lowering(stage: _Stage, b: int) -> Any:
 
 
 def _made_blocks(
-  stage: _Stage,
-  b: int,
-  modes: Sequence[LeafMode],
-  spares: dict[tuple[object, ...], np.ndarray],
-  kinds: Sequence[object] | None,
+  stage: _Stage, b: int, modes: Sequence[LeafMode], spares: _Spares, kinds: Sequence[object] | None
 ) -> np.ndarray:
   """Per device, the zero destination blocks' bytes the eager path makes for bucket ``b``
-  (``BucketExecutable._spare_blocks``): those ``spares`` (counts per block key and device id,
-  left by the last such bucket) lack; ``spares`` becomes the blocks this bucket leaves."""
+  (``BucketExecutable._spare_blocks``): those ``spares`` lack; they become what ``b`` leaves."""
   bucket = stage.schedule.buckets[b]
   union = np.asarray(bucket.union_device_ids, dtype=np.int64)
   made = np.zeros(len(union), dtype=np.float64)
@@ -454,7 +437,7 @@ def _made_blocks(
 
 
 def idle_zero_bytes(
-  bucket: Bucket, pairs: tuple[np.ndarray, ...], kept: np.ndarray
+  bucket: Bucket, pairs: _Pairs, kept: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
   """Per round, the zeros idle devices receive, and pack (less the ``kept`` bytes)."""
   rid, _, _, size = pairs
@@ -488,7 +471,7 @@ def _moved_plan(stage: _Stage, j: int) -> LeafPlan:
 
 
 def _pack_seconds(
-  stage: _Stage, bucket: Bucket, pairs: tuple[np.ndarray, ...], kept: np.ndarray, topo: Topology
+  stage: _Stage, bucket: Bucket, pairs: _Pairs, kept: np.ndarray, topo: Topology
 ) -> np.ndarray:
   """Per pair, the sender's packing: its pieces less the round's ``kept`` bytes, and padding."""
   rid, ps, pd, size = pairs
@@ -522,10 +505,9 @@ def _assembled_seconds(
   for j, chunks, i in zip(bucket.leaves, bucket.chunks, stage.bucket_leaves(b), strict=True):
     if j in direct:
       continue
-    _, dst = stage.layouts[i]
-    lp = stage.leaf_plans[i]
+    dst, lp = stage.layouts[i][1], stage.leaf_plans[i]
     ids = np.asarray(dst.device_ids, dtype=np.int64)
-    shard = float(np.prod(dst.shard_shape(), dtype=np.int64) * stage.itemsizes[i])
+    shard = float(_shard_bytes(stage, i, 1))
     pos = np.searchsorted(ids, lp.dst_device)
     rows = np.bincount(pos, minlength=len(ids))
     whole = np.bincount(pos, lp.local & (lp.nbytes == shard), minlength=len(ids))
@@ -535,8 +517,7 @@ def _assembled_seconds(
     got = np.bincount(pos, parts, minlength=len(ids))
     secs = np.bincount(pos, part_secs, minlength=len(ids))
     per_byte = np.where(got > 0, secs / np.maximum(got, 1.0), 1.0 / topo.memory_bandwidth)
-    spans = stage.schedule.leaf_buckets
-    window = dst_slab_window(stage.schedule, j, chunks)
+    spans, window = stage.schedule.leaf_buckets, dst_slab_window(stage.schedule, j, chunks)
     if window is None and spans and len(spans[j]) > 1:  # the chunks' parts, in place
       rc = stage.schedule.row_chunks[j]
       at = (rc >= chunks[0]) & (rc <= chunks[-1])
@@ -546,10 +527,9 @@ def _assembled_seconds(
     elif window is None:
       writes = np.where((rows == 1) & (whole == 1), 0.0, shard * per_byte)
     else:
-      dim, start, stop = window
       box = np.asarray(dst.shard_shape(), dtype=np.int64)
-      box[dim] = stop - start
-      slab = float(np.prod(box)) * stage.itemsizes[i]
+      box[window[0]] = window[2] - window[1]
+      slab = float(_shard_bytes(stage, i, 1, window))
       run = run_bytes(box[None], dst.shard_shape(), stage.itemsizes[i])
       writes = slab * per_byte + copy_seconds(np.array([slab]), run, topo)[0]
     out[np.searchsorted(union, ids)] += writes
@@ -559,9 +539,8 @@ def _assembled_seconds(
 def _placeholder_bytes(
   stage: _Stage, b: int, direct: set[int], kinds: Sequence[object] | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
-  """Per device of bucket ``b``, the zeros it writes (source blocks by shape and kind, unless
-  within ``kept_zero_bytes``; discarded blocks but for leaves ``direct``; zero-filled shards
-  of a first destination slab) and the source slab bytes it copies."""
+  """Per device of bucket ``b``, the zeros it writes (source blocks over ``kept_zero_bytes``,
+  discarded blocks but of ``direct``, a first destination slab's) and the slab bytes it copies."""
   bucket = stage.schedule.buckets[b]
   union = np.asarray(bucket.union_device_ids, dtype=np.int64)
   out = np.zeros(len(union), dtype=np.float64)
@@ -569,26 +548,22 @@ def _placeholder_bytes(
   blocks: dict[tuple[object, ...], tuple[np.ndarray, float]] = {}  # see _program
   for j, chunks, i in zip(bucket.leaves, bucket.chunks, stage.bucket_leaves(b), strict=True):
     src, dst = stage.layouts[i]
-    isz = stage.itemsizes[i]
-    dst_shape = staged_block_shape(dst.shard_shape())
-    dst_block = float(np.prod(dst_shape) * isz)
-    if (dst_window := dst_slab_window(stage.schedule, j, chunks)) is not None:
-      dim, start, stop = dst_window
-      dst_block = float(np.prod(dst_shape) // dst_shape[dim] * (stop - start) * isz)
-      if 0 in chunks:
-        out += ~placeholder_mask(dst, union) * float(np.prod(dst_shape) * isz)
+    dst_window = dst_slab_window(stage.schedule, j, chunks)
+    if dst_window is not None and 0 in chunks:
+      out += ~placeholder_mask(dst, union) * float(_shard_bytes(stage, i, 1))
     if j not in direct:
-      out += placeholder_mask(dst, union) * dst_block
-    src_shape = staged_block_shape(src.shard_shape())
+      out += placeholder_mask(dst, union) * float(_shard_bytes(stage, i, 1, dst_window))
     if (window := slab_window(stage.schedule, j, chunks)) is None:
-      key = (src_shape, isz if kinds is None else kinds[i])
+      key = (
+        staged_block_shape(src.shard_shape()),
+        stage.itemsizes[i] if kinds is None else kinds[i],
+      )
       mask = placeholder_mask(src, union)
       if key in blocks:
         mask = mask | blocks[key][0]
-      blocks[key] = (mask, float(np.prod(src_shape) * isz))
+      blocks[key] = (mask, float(_shard_bytes(stage, i, 0)))
     else:
-      dim, start, stop = window
-      slabs += float(np.prod(src_shape) // src_shape[dim] * (stop - start) * isz)
+      slabs += float(_shard_bytes(stage, i, 0, window))
   zeros = sum((mask * nbytes for mask, nbytes in blocks.values()), np.zeros(len(union)))
   kept = stage.options.kept_zero_bytes
   return out + np.where(zeros > kept, zeros, 0.0), slabs
@@ -606,7 +581,7 @@ def pair_runs(bucket: Bucket) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def repeated_rounds(
-  stage: _Stage, bucket: Bucket, kept: np.ndarray, pairs: tuple[np.ndarray, ...] | None = None
+  stage: _Stage, bucket: Bucket, kept: np.ndarray, pairs: _Pairs | None = None
 ) -> list[int]:
   """The packed rounds (none ``kept``) whose payloads equal an earlier one's, sender by
   sender: packed once and sent again (``_emit._emit_rounds``)."""
@@ -629,8 +604,7 @@ def repeated_rounds(
     seen = set()
     for r in rs:
       n = counts[cuts[r] : cuts[r + 1]]  # the round's payloads' pieces, sender by sender
-      piece = np.repeat(starts[cuts[r] : cuts[r + 1]] - np.cumsum(n) + n, n) + np.arange(n.sum())
-      content = (n.tobytes(), boxes[piece].tobytes())
+      content = (n.tobytes(), boxes[_ranges(starts[cuts[r] : cuts[r + 1]], n)].tobytes())
       if content in seen:
         repeated.append(r)
       seen.add(content)
@@ -654,7 +628,7 @@ def _piece_boxes(stage: _Stage, bucket: Bucket) -> np.ndarray:
 
 
 def direct_steps(
-  plan: _Stage, bucket: Bucket, pairs: tuple[np.ndarray, ...] | None = None
+  plan: _Stage, bucket: Bucket, pairs: _Pairs | None = None
 ) -> tuple[set[int], set[int]]:
   """The rounds whose payloads are whole source shards sent as they are (:func:`_whole_rounds`),
   and the leaves (moved by this bucket alone) whose every destination shard is one round's
@@ -663,13 +637,9 @@ def direct_steps(
   sizes = np.asarray(bucket.piece_nbytes, dtype=np.int64)
   piece_leaf = np.asarray(bucket.piece_leaf, dtype=np.int64)
   shards = np.zeros((2, max(bucket.leaves, default=-1) + 1), dtype=np.int64)
-  for j, chunks in zip(bucket.leaves, bucket.chunks, strict=True):
-    i = plan.scheduled[j]
-    for k in (0, 1):
-      shards[k, j] = math.prod(plan.layouts[i][k].shard_shape()) * plan.itemsizes[i]
-    if (window := slab_window(plan.schedule, j, chunks)) is not None:  # stages its slab
-      dim, start, stop = window
-      shards[0, j] = shards[0, j] // plan.layouts[i][0].shard_shape()[dim] * (stop - start)
+  for j, chunks in zip(bucket.leaves, bucket.chunks, strict=True):  # a slab staged as its shard
+    i, window = plan.scheduled[j], slab_window(plan.schedule, j, chunks)
+    shards[:, j] = _shard_bytes(plan, i, 0, window), _shard_bytes(plan, i, 1)
   src_whole = sizes == shards[0, piece_leaf]
   dst_whole = sizes == shards[1, piece_leaf]
   if not (src_whole | dst_whole).any():  # most buckets of split leaves
@@ -681,11 +651,7 @@ def direct_steps(
   # one; elsewhere, a pair's payload that is one piece, the round's size and such a shard.
   in_whole = whole[rid]
   reps = np.where(in_whole, count[at], 0)
-  piece = (
-    np.repeat(first[at], reps)
-    + np.arange(int(reps.sum()))
-    - np.repeat(np.cumsum(reps) - reps, reps)
-  )
+  piece = _ranges(first[at], reps)
   take = dst_whole[piece]
   alone = ~in_whole & (count[at] == 1) & (sizes[first[at]] == size[rid]) & dst_whole[first[at]]
   got_leaf = np.r_[piece_leaf[piece][take], piece_leaf[first[at]][alone]]
@@ -709,20 +675,12 @@ def whole_segment_bytes(
 ) -> dict[int, int]:
   """Round -> bytes of the whole source shards (of ``whole_operand_bytes`` or more, of leaves
   ``as_is``) that every payload holds at the same offset: ``ppermute`` operands, not packed."""
-  src_bytes = {
-    j: math.prod(plan.layouts[plan.scheduled[j]][0].shard_shape())
-    * plan.itemsizes[plan.scheduled[j]]
-    if as_is is None or plan.scheduled[j] in as_is
-    else -1
-    for j in bucket.leaves
-  }
   leaves = np.asarray(bucket.piece_leaf, dtype=np.int64)
   sizes = np.asarray(bucket.piece_nbytes, dtype=np.int64)
-  if not len(leaves):
-    return {}
-  used, inv = np.unique(leaves, return_inverse=True)
-  whole = sizes == np.array([src_bytes[j] for j in used.tolist()], dtype=np.int64)[inv]
-  whole &= sizes >= plan.options.whole_operand_bytes
+  whole = sizes >= plan.options.whole_operand_bytes
+  for j in np.unique(leaves).tolist():  # a piece that is its leaf's whole source shard
+    i, at = plan.scheduled[j], leaves == j
+    whole[at] &= sizes[at] == (_shard_bytes(plan, i, 0) if as_is is None or i in as_is else -1)
   if not whole.any():
     return {}
   keys, first, count = pair_runs(bucket)
@@ -765,12 +723,23 @@ def _whole_rounds(
   ok = (np.bincount(rid, minlength=n) > 0) & (lo == hi)
   # Every piece: the leaf of the first payload's piece at its place, and a whole source shard.
   reps = np.where(ok[rid], cnt, 0)
-  offset = np.arange(int(reps.sum())) - np.repeat(np.cumsum(reps) - reps, reps)
-  piece = np.repeat(fst, reps) + offset
-  ref = np.repeat(fst[np.minimum(start, len(rid) - 1)][rid], reps) + offset
+  piece, ref = _ranges(fst, reps), _ranges(fst[np.minimum(start, len(rid) - 1)][rid], reps)
   bad = ~((piece_leaf[piece] == piece_leaf[ref]) & src_whole[piece])
   ok &= np.bincount(np.repeat(rid, reps), bad, minlength=n) == 0
   for r in np.flatnonzero(ok).tolist():  # distinct leaves, whose shards make the round's size
     row = slice(int(fst[start[r]]), int(fst[start[r]] + cnt[start[r]]))
     ok[r] = len(set(piece_leaf[row].tolist())) == cnt[start[r]] and sizes[row].sum() == size[r]
   return ok
+
+
+def _ranges(first: np.ndarray, counts: np.ndarray) -> np.ndarray:
+  """The indices ``first[k] + range(counts[k])`` of every ``k``, in order."""
+  return np.repeat(first - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
+
+
+def _shard_bytes(stage: _Stage, i: int, side: int, window: tuple[int, ...] | None = None) -> int:
+  """The bytes of leaf ``i``'s source (``side`` 0) or destination shard, or of its slab
+  ``window`` (``(dim, start, stop)``)."""
+  shape = stage.layouts[i][side].shard_shape()
+  nbytes = math.prod(shape) * stage.itemsizes[i]
+  return nbytes if window is None else nbytes // shape[window[0]] * (window[2] - window[1])

@@ -58,9 +58,8 @@ class Layout:
     """The number of devices that hold a shard (replicas included).
 
     Example:
-      >>> lay = Layout.from_description((8,), mesh_shape=(2, 4), axis_names=("dp", "x"),
-      ...                               spec=("x",))
-      >>> lay.num_devices  # two replicas of four shards
+      >>> Layout.from_description((8,), mesh_shape=(2, 4), axis_names=("dp", "x"),
+      ...                         spec=("x",)).num_devices  # two replicas of four shards
       8
     """
     return len(self.device_ids)
@@ -69,9 +68,8 @@ class Layout:
     """The shape every device holds (shardings tile evenly); ``shape`` without devices.
 
     Example:
-      >>> lay = Layout.from_description((8, 4), mesh_shape=(2, 2), axis_names=("x", "y"),
-      ...                               spec=("x", "y"))
-      >>> lay.shard_shape()
+      >>> Layout.from_description((8, 4), mesh_shape=(2, 2), axis_names=("x", "y"),
+      ...                         spec=("x", "y")).shard_shape()
       (4, 2)
     """
     if not self.device_ids:
@@ -116,18 +114,14 @@ class Layout:
     except ValueError as e:  # jax's IndivisibleError is a ValueError
       raise ReshardError(str(e)) from None
     devices = sorted(index_map, key=lambda d: d.id)
-    starts, stops = [], []
-    for d in devices:
-      bounds = [sl.indices(size) for sl, size in zip(index_map[d], shape, strict=True)]
-      if any(step != 1 for _, _, step in bounds):
-        raise ReshardError(f"sharding {sharding} uses strided shards, which are not supported")
-      starts.append(tuple(a for a, _, _ in bounds))
-      stops.append(tuple(max(a, b) for a, b, _ in bounds))
+    bounds = [[sl.indices(n) for sl, n in zip(index_map[d], shape, strict=True)] for d in devices]
+    if any(step != 1 for box in bounds for _, _, step in box):
+      raise ReshardError(f"sharding {sharding} uses strided shards, which are not supported")
     return cls(
       shape=shape,
       device_ids=tuple(int(d.id) for d in devices),
-      starts=tuple(starts),
-      stops=tuple(stops),
+      starts=tuple(tuple(a for a, _, _ in box) for box in bounds),
+      stops=tuple(tuple(max(a, b) for a, b, _ in box) for box in bounds),
       process_indices=tuple(int(d.process_index) for d in devices),
       platform=",".join(sorted({d.platform for d in devices})),
       description=describe_sharding(sharding),
@@ -177,10 +171,8 @@ class Layout:
     if ids.shape != (n,) or len(set(ids.tolist())) != n:
       raise ReshardError(f"need {n} distinct device ids for mesh {mesh_shape}, got {ids.shape}")
     starts, stops, entries = _spec_boxes(shape, mesh_shape, axis_names, tuple(spec))
-    if process_indices is not None:
-      procs = np.asarray(process_indices, dtype=np.int64)
-    else:
-      procs = ids // devices_per_process if devices_per_process else np.zeros(n, np.int64)
+    procs = ids // devices_per_process if devices_per_process else np.zeros(n, np.int64)
+    procs = procs if process_indices is None else np.asarray(process_indices, dtype=np.int64)
     order = np.argsort(ids, kind="stable")
     mesh_txt = ", ".join(f"{a}={s}" for a, s in zip(axis_names, mesh_shape, strict=True))
     return cls(

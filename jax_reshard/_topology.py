@@ -84,7 +84,14 @@ class Topology:
     ids = np.asarray(device_ids, dtype=np.int64).reshape(-1)
     if not self.domain_map:
       return ids // self.devices_per_domain if self.devices_per_domain else np.zeros_like(ids)
-    return _mapped_domains(self, ids)
+    keys, vals = np.asarray(self.domain_map, dtype=np.int64).reshape(-1, 2).T
+    pos = np.clip(np.searchsorted(keys, ids), 0, len(keys) - 1)
+    if (missing := ids[keys[pos] != ids]).size:
+      raise ReshardError(
+        f"topology {self.name!r} maps no domain for devices {sorted(set(missing.tolist()))[:8]}"
+        "; give every source and destination device a domain (Topology.with_domains)"
+      )
+    return vals[pos]
 
   def with_domains(self, domains: Mapping[int, int] | Iterable[tuple[int, int]]) -> Topology:
     """The same link costs with an explicit domain per device id (clusters not present).
@@ -99,7 +106,11 @@ class Topology:
       >>> Topology.gb200_nvl72().with_domains({0: 0, 1: 0, 100: 1}).domain_of([1, 100]).tolist()
       [0, 1]
     """
-    return self.replace(domain_map=_domain_pairs(domains), devices_per_domain=None)
+    pairs = domains.items() if isinstance(domains, Mapping) else domains
+    items = tuple(sorted((int(k), int(v)) for k, v in pairs))
+    if len({k for k, _ in items}) != len(items):
+      raise ReshardError("with_domains: a device id appears twice")
+    return self.replace(domain_map=items, devices_per_domain=None)
 
   def replace(self, **changes: Any) -> Topology:
     """A copy with some fields changed (e.g. a measured ``inter`` link).
@@ -117,11 +128,10 @@ class Topology:
   def from_devices(cls, devices: Iterable[Any], preset: Topology | None = None) -> Topology:
     """The domains JAX reports for real devices, with the link costs of a preset.
 
-    A domain is a ``slice_index`` (TPU slices; on GPUs a host, so NVL72 racks need
-    :meth:`gb200_nvl72` or :meth:`with_domains`), else (always on CPUs) a process.
-
     Args:
-      devices: the devices, e.g. ``jax.devices()``.
+      devices: the devices, e.g. ``jax.devices()``. A domain is a ``slice_index`` (TPU slices;
+        on GPUs a host: NVL72 racks need :meth:`gb200_nvl72` or :meth:`with_domains`), else
+        (always on CPUs) a process.
       preset: the link costs (default by platform: :meth:`h100_nodes`, :meth:`tpu_slices`,
         :meth:`cpu`).
 
@@ -132,14 +142,20 @@ class Topology:
       ('CPU (2 cores)', [0, 0])
     """
     devices = list(devices)
-    preset = _platform_preset(cls, devices) if preset is None else preset
-    return preset.with_domains(_device_domains(devices))
+    if preset is None:
+      platform = devices[0].platform if devices else "cpu"
+      gpu, tpu = platform in ("gpu", "cuda"), platform == "tpu"
+      preset = cls.h100_nodes() if gpu else cls.tpu_slices() if tpu else cls.cpu()
+    keys = {}  # per device id: (slice, 0), or on CPUs and without slices (0, process)
+    for d in devices:
+      s = None if getattr(d, "platform", None) == "cpu" else getattr(d, "slice_index", None)
+      keys[int(d.id)] = (0, int(d.process_index)) if s is None else (int(s), 0)
+    numbered = {k: i for i, k in enumerate(sorted(set(keys.values())))}
+    return preset.with_domains({i: numbered[k] for i, k in keys.items()})
 
   @classmethod
   def h100_nodes(cls, devices_per_node: int = 8) -> Topology:
     """H100 SXM nodes: NVLink 4 (450 GB/s) inside, a 400 Gb/s NIC per GPU between nodes.
-
-    Packing runs at the H200's measured rate scaled by HBM bandwidth (3.35 / 4.8 TB/s).
 
     Args:
       devices_per_node: consecutive device ids per node (domain).
@@ -149,6 +165,7 @@ class Topology:
       450.0
     """
     name, intra, inter = f"H100 nodes of {devices_per_node}", Link(450e9, 10e-6), Link(50e9, 20e-6)
+    # Packing at the H200's measured rate, scaled by HBM bandwidth (3.35 / 4.8 TB/s; GB200: 8).
     return cls(name, intra, inter, 0.8e12 * 3.35 / 4.8, devices_per_node, call_latency=60e-6)
 
   @classmethod
@@ -168,8 +185,6 @@ class Topology:
   @classmethod
   def gb200_nvl72(cls, devices_per_domain: int = 72) -> Topology:
     """GB200 NVL72 racks: NVLink 5 (900 GB/s) inside, a 400 Gb/s NIC per GPU between racks.
-
-    Packing runs at the H200's measured rate scaled by HBM bandwidth (8 / 4.8 TB/s).
 
     Args:
       devices_per_domain: consecutive device ids per NVLink domain (the part of a rack held).
@@ -205,12 +220,10 @@ class Topology:
   ) -> Topology:
     """Simulated CPU devices of one host (``jax_num_cpu_devices``), sharing ``cores`` cores.
 
-    Its costs are the ``CPU_*`` constants measured by ``benchmarks/calibrate_cpu.py``.
-
     Args:
       devices_per_domain: simulated domains of consecutive device ids; ``None``: one.
       cores: how many devices copy at once (the host's cores).
-      constants: constants measured on another machine, by name, in place of the preset's.
+      constants: by name, in place of the ``CPU_*`` constants (by ``benchmarks/calibrate_cpu.py``).
 
     Raises:
       ValueError: a name in ``constants`` that is not in ``CPU_CONSTANTS``.
@@ -219,62 +232,14 @@ class Topology:
       >>> Topology.cpu(cores=8, constants={"CPU_PACK_BANDWIDTH": 3e9}).name
       'CPU (8 cores, calibrated)'
     """
-    link, pack, costs = _cpu_costs(constants)
+    if unknown := sorted(set(constants or ()) - set(CPU_CONSTANTS)):
+      raise ValueError(f"unknown CPU constants {unknown}; known: {', '.join(CPU_CONSTANTS)}")
+    given = {name: globals()[name] for name in CPU_CONSTANTS} | dict(constants or {})
+    c = {k.removeprefix("CPU_").lower(): float(v) for k, v in given.items()}  # CPU_X sets x
+    link = Link(c.pop("core_bandwidth"), c.pop("round_latency"))
     name = f"CPU ({cores} cores{', calibrated' if constants else ''})"
-    topo = cls(name, link, link, pack, devices_per_domain, max_parallel=cores)
-    return topo.replace(**costs)  # call_latency, leaf_latency, fill and contiguous bandwidth, ...
-
-
-def _mapped_domains(topology: Topology, ids: np.ndarray) -> np.ndarray:
-  """The domain ``topology.domain_map`` gives each of ``ids``."""
-  keys, vals = np.asarray(topology.domain_map, dtype=np.int64).reshape(-1, 2).T
-  pos = np.clip(np.searchsorted(keys, ids), 0, len(keys) - 1)
-  if (missing := ids[keys[pos] != ids]).size:
-    raise ReshardError(
-      f"topology {topology.name!r} maps no domain for devices {sorted(set(missing.tolist()))[:8]}"
-      "; give every source and destination device a domain (Topology.with_domains)"
-    )
-  return vals[pos]
-
-
-def _domain_pairs(
-  domains: Mapping[int, int] | Iterable[tuple[int, int]],
-) -> tuple[tuple[int, int], ...]:
-  """``(device id, domain)`` pairs sorted by id, each id once."""
-  pairs = domains.items() if isinstance(domains, Mapping) else domains
-  items = tuple(sorted((int(k), int(v)) for k, v in pairs))
-  if len({k for k, _ in items}) != len(items):
-    raise ReshardError("with_domains: a device id appears twice")
-  return items
-
-
-def _platform_preset(cls: type[Topology], devices: list[Any]) -> Topology:
-  """The preset of the devices' platform: H100 nodes, TPU slices, else CPU."""
-  platform = devices[0].platform if devices else "cpu"
-  gpu = platform in ("gpu", "cuda")
-  return cls.h100_nodes() if gpu else cls.tpu_slices() if platform == "tpu" else cls.cpu()
-
-
-def _cpu_costs(constants: Mapping[str, float] | None) -> tuple[Link, float, dict[str, float]]:
-  """:meth:`Topology.cpu`'s link, packing bandwidth and other fields, from ``CPU_CONSTANTS``
-  with ``constants`` in place of some."""
-  if unknown := sorted(set(constants or ()) - set(CPU_CONSTANTS)):
-    raise ValueError(f"unknown CPU constants {unknown}; known: {', '.join(CPU_CONSTANTS)}")
-  given = {name: globals()[name] for name in CPU_CONSTANTS} | dict(constants or {})
-  c = {k.removeprefix("CPU_").lower(): float(v) for k, v in given.items()}  # CPU_X sets x
-  link = Link(c.pop("core_bandwidth"), c.pop("round_latency"))
-  return link, c.pop("pack_bandwidth"), c
-
-
-def _device_domains(devices: list[Any]) -> dict[int, int]:
-  """Per device id, its domain: the slices (``slice_index``, but not on CPUs), else the
-  processes, numbered in order."""
-  keys = {}
-  for d in devices:
-    s = None if getattr(d, "platform", None) == "cpu" else getattr(d, "slice_index", None)
-    keys[int(d.id)] = (0, int(d.process_index)) if s is None else (int(s), 0)
-  numbered = {k: i for i, k in enumerate(sorted(set(keys.values())))}
-  return {i: numbered[k] for i, k in keys.items()}
+    topo = cls(name, link, link, c.pop("pack_bandwidth"), devices_per_domain, max_parallel=cores)
+    return topo.replace(**c)  # call_latency, leaf_latency, fill and contiguous bandwidth, ...
 
 
 # Medians of benchmarks/calibrate_cpu.py on a 2-core AMD EPYC, 8 simulated devices (jax 0.10.2):
@@ -289,13 +254,5 @@ CPU_LEAF_LATENCY = 56e-6
 CPU_FILL_BANDWIDTH = 4.7e9
 CPU_CONTIGUOUS_BANDWIDTH = 3.7e9
 CPU_RUN_LATENCY = 110e-9
-CPU_CONSTANTS = (  # the names Topology.cpu takes as constants
-  "CPU_CORE_BANDWIDTH",
-  "CPU_PACK_BANDWIDTH",
-  "CPU_ROUND_LATENCY",
-  "CPU_CALL_LATENCY",
-  "CPU_LEAF_LATENCY",
-  "CPU_FILL_BANDWIDTH",
-  "CPU_CONTIGUOUS_BANDWIDTH",
-  "CPU_RUN_LATENCY",
-)
+# The names Topology.cpu takes as constants: the above, in order.
+CPU_CONSTANTS = tuple(n for n in dict(globals()) if n.startswith("CPU_"))

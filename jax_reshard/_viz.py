@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 import html
+import inspect
+import re
 from collections import Counter
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from jax_reshard._cost import chosen_lowering
-from jax_reshard._plan import format_bytes
+from jax_reshard._cost import chosen_lowering, round_pairs
+from jax_reshard._plan import PlanStats, format_bytes
 
 if TYPE_CHECKING:
   from matplotlib.axes import Axes
@@ -19,27 +21,6 @@ if TYPE_CHECKING:
 PlanLike = Any  # what the pictures read: a ReshardPlan or a LayoutPlan
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
-
-# What each PlanStats field means, for the HTML table.
-_STAT_MEANINGS = {
-  "bytes_moved": "bytes received by devices from other devices, padding excluded",
-  "lower_bound_bytes": "per destination device, its shard minus what it already holds, summed",
-  "padding_bytes": "bytes sent only to make the payloads of a round one size",
-  "local_copy_bytes": "bytes copied device-locally (already resident)",
-  "gather_broadcast_bytes": (
-    "bytes devices receive in the conventional refit: all-gather over the source devices, "
-    "then the full tensor to every destination device that is not a source device"
-  ),
-  "num_rounds": "ppermute rounds: every device sends at most once and receives at most once",
-  "num_buckets": "compiled programs the plan runs, one after another",
-  "max_send_bytes": "most bytes one device sends (padding included)",
-  "max_recv_bytes": "most bytes one device receives (padding included)",
-  "peak_staging_bytes": "most transient bytes one device holds in a bucket",
-  "num_programs": "distinct bucket programs, each compiled once (identical buckets share one)",
-  "passes_per_moved_byte": (
-    "bytes devices read and write (pack, transfer, assemble, zero fills) over twice the bytes moved"
-  ),
-}
 
 
 @dataclasses.dataclass(frozen=True, slots=True, eq=False)
@@ -110,20 +91,19 @@ def traffic_matrix(plan: PlanLike) -> TrafficMatrix:
 def round_table(plan: PlanLike) -> RoundTable:
   """Every (source, destination) pair of every round, in round order, with its payload and
   its padding (the fill up to ``Round.nbytes``; they sum to ``plan.stats.padding_bytes``)."""
-  rows: list[np.ndarray] = []  # per round, (6, pairs): the RoundTable's columns
+  rows = [np.zeros((6, 0), np.int64)]  # per bucket, (6, pairs): the RoundTable's columns
   base = 0
   for b, bucket in enumerate(plan.schedule.buckets):
     fill: Counter[tuple[int, int]] = Counter()  # payload bytes per (sender, receiver)
     for src, dst, nb in zip(bucket.piece_src, bucket.piece_dst, bucket.piece_nbytes, strict=True):
       fill[int(src), int(dst)] += int(nb)
-    for r, rnd in enumerate(bucket.rounds):
-      pairs = np.asarray(rnd.pairs, dtype=np.int64).reshape(-1, 2)
-      payload = np.asarray([fill[src, dst] for src, dst in pairs.tolist()], dtype=np.int64)
-      n = len(pairs)
-      columns = (np.full(n, b), np.full(n, base + r), *pairs.T, payload, rnd.nbytes - payload)
-      rows.append(np.stack([np.asarray(c, dtype=np.int64) for c in columns]))
+    rid, src, dst, size = round_pairs(bucket.rounds)
+    payload = np.asarray([fill[s, d] for s, d in np.c_[src, dst].tolist()], dtype=np.int64)
+    rows.append(
+      np.stack([np.full(len(rid), b), base + rid, src, dst, payload, size[rid] - payload])
+    )
     base += len(bucket.rounds)
-  return RoundTable(*(np.concatenate(rows, axis=1) if rows else np.zeros((6, 0), np.int64)))
+  return RoundTable(*np.concatenate(rows, axis=1).astype(np.int64))
 
 
 def _unit(n: float) -> tuple[str, int]:
@@ -226,8 +206,7 @@ def plot_rounds(
   """
   plt = _pyplot()
   t = round_table(plan)
-  if kind is None:
-    kind = "bars" if len(t) <= 96 else "grid"
+  kind = ("bars" if len(t) <= 96 else "grid") if kind is None else kind
   if kind not in ("bars", "grid"):
     raise ValueError(f"kind must be 'bars', 'grid' or None, not {kind!r}")
   if kind == "bars":
@@ -381,9 +360,11 @@ def _device_ticks(
 
 
 def plan_html(plan: PlanLike) -> str:
-  """The plan's summary as HTML for Jupyter: its stats (value and meaning), then its (source
-  layout, destination layout) groups with their moved and local bytes."""
+  """The plan's summary as HTML for Jupyter: its stats (value and meaning, from
+  :class:`PlanStats`), then its (source layout, destination layout) groups with their bytes."""
   esc, st = html.escape, plan.stats
+  entries = re.findall(r"^  (\w+): (.+)$", inspect.getdoc(PlanStats) or "", re.MULTILINE)
+  meanings = {k: v.replace("``", "").rstrip(".") for k, v in entries}
   groups: dict[tuple[str, str], list[int]] = {}
   for i, (s, d) in enumerate(plan.layouts):
     groups.setdefault((s.description, d.description), []).append(i)
@@ -401,12 +382,11 @@ def plan_html(plan: PlanLike) -> str:
     out.append(
       f"<tr><td {cell}><code>{esc(f.name)}</code></td>"
       f'<td {num} title="{esc(str(value))}">{esc(shown)}</td>'
-      f"<td {cell}>{esc(_STAT_MEANINGS.get(f.name, ''))}</td></tr>"
+      f"<td {cell}>{esc(meanings.get(f.name, ''))}</td></tr>"
     )
-  out.append("</tbody></table>")
   out.append(
-    f"<table><thead><tr><th {num}>leaves</th><th {cell}>source</th><th {cell}>destination</th>"
-    f"<th {num}>moved</th><th {num}>local</th></tr></thead><tbody>"
+    f"</tbody></table>\n<table><thead><tr><th {num}>leaves</th><th {cell}>source</th>"
+    f"<th {cell}>destination</th><th {num}>moved</th><th {num}>local</th></tr></thead><tbody>"
   )
   for (src_txt, dst_txt), idx in groups.items():
     moved = sum(plan.leaf_plans[i].bytes_moved for i in idx)
