@@ -1,10 +1,6 @@
-"""Per-device buffers in and out of ``jax.Array``s, with little host work per array.
-
-JAX's public way (``addressable_shards``, ``jax.make_array_from_single_device_arrays``) costs
-tens of microseconds per array; where this JAX has them, private members (``Array._arrays``,
-``ArrayImpl(..., _skip_checks=True)``, a ``Compiled``'s loaded executable) do the same. Every
-function falls back to the public API where they are missing or with ``fast=False``.
-"""
+"""Per-device buffers in and out of ``jax.Array``s with little host work: private members
+(``Array._arrays``, ``ArrayImpl(..., _skip_checks=True)``, a ``Compiled``'s loaded executable)
+where this JAX has them, else (or ``fast=False``) the public API (tens of microseconds each)."""
 
 from __future__ import annotations
 

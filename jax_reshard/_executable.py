@@ -128,9 +128,8 @@ def _transfer_program(signature: BucketProgram, devices: tuple[Any, ...]) -> Any
 def _assembly_program(
   signature: BucketProgram, devices: tuple[Any, ...], operands: tuple[Block, ...]
 ) -> tuple[Any, list[Block]]:
-  """``(compiled, blocks)``: :func:`emit_assembly_body` on ``devices``; it takes the received
-  ``operands``, the source blocks of :func:`resident_sources`, the (donated) destination blocks
-  of :func:`donated`."""
+  """``(compiled, blocks)``: :func:`emit_assembly_body` on ``devices``, taking the received
+  ``operands``, then blocks of :func:`resident_sources` and (donated) of :func:`donated`."""
   lfs, (_, assembled, _) = signature.leaves, _emit.split_outputs(signature)
   sources = [(lfs[li].src_block, lfs[li].dtype) for li in _emit.resident_sources(signature)]
   dsts = [(lfs[li].dst_block, lfs[li].dtype) for li in _emit.donated(signature)]
@@ -368,9 +367,8 @@ class _LeafIO:
     """``x`` staged: its buffers (or slabs) where it has them, ``placeholders`` elsewhere."""
     if self.slicer is not None:
       slabs = self.slicer(x)
-      return self.stage_wrap(
-        [slabs[k[0]] if k[0] in slabs else placeholders[k] for k in self.ph_keys]
-      )
+      blocks = [slabs[k[0]] if k[0] in slabs else placeholders[k] for k in self.ph_keys]
+      return self.stage_wrap(blocks)
     s, pick = x.sharding, self.src_pick
     if not (self.fast and pick is not None and (s is self.src_sharding or s == self.src_sharding)):
       pick = self.staging.pick(s)  # an equivalent sharding may list its devices in another order
@@ -518,7 +516,8 @@ class _SplitIO:
 def _direct_allowed(
   p: BucketProgram, options: Options, src_shardings: Sequence[Any], dst_shardings: Sequence[Any]
 ) -> bool:
-  """Whether a bucket may run :meth:`BucketExecutable.direct`."""
+  """Whether a bucket may run :meth:`BucketExecutable.direct`: the options allow, each side is
+  one mesh of the bucket's devices in order, every leaf enters and leaves whole."""
   if p.inputs or not options.direct_calls or p.placeholders:  # inputs: transformed
     return False
   if not all(enters_whole(lf) for lf in p.leaves):
@@ -596,9 +595,8 @@ class BucketExecutable:
 
   @_memoized
   def direct(self) -> Any:
-    """The compiled traced move taking the source arrays as they are, where the options allow,
-    each side is one mesh of the bucket's devices in order, every device holds a source shard
-    and every leaf enters and leaves whole; else ``False``."""
+    """The compiled traced move taking the source arrays as they are where allowed
+    (:func:`_direct_allowed`), else ``False``."""
     src, dst = tuple(self.src_shardings), tuple(self.dst_shardings)
     if not _direct_allowed(self.program, self.options, src, dst):
       return False
