@@ -1,11 +1,6 @@
-"""Per-device buffers in and out of ``jax.Array``s, with little host work per array.
-
-JAX's public way (``addressable_shards``, ``jax.make_array_from_single_device_arrays``) costs
-tens of microseconds per array. Where this JAX has them, private members do the same with what
-a plan knows: ``Array._arrays``, ``ArrayImpl(..., _skip_checks=True)`` and the loaded
-executable of a ``jax.stages.Compiled``; every function falls back to the public API where
-they are missing (:func:`fast_path_available`) or with ``fast=False``.
-"""
+"""Per-device buffers in and out of ``jax.Array``s with little host work: private members
+(``Array._arrays``, ``ArrayImpl(..., _skip_checks=True)``, a ``Compiled``'s loaded executable)
+where this JAX has them, else (or ``fast=False``) the public API (tens of microseconds each)."""
 
 from __future__ import annotations
 
@@ -32,16 +27,13 @@ except ImportError:  # pragma: no cover - depends on the JAX version
 
 def fast_path_available() -> bool:
   """Whether this JAX has the private members the fast path uses."""
-  return (
-    _ArrayImpl is not None
-    and hasattr(_ArrayImpl, "_arrays")
-    and hasattr(jax.sharding.Sharding, "_addressable_device_assignment")
+  return hasattr(_ArrayImpl, "_arrays") and hasattr(
+    jax.sharding.Sharding, "_addressable_device_assignment"
   )
 
 
 def addressable_order(sharding: Any, *, fast: bool) -> list[int]:
-  """Ids of this process's devices of ``sharding`` in the order of an array's buffers (fast
-  path: ``_addressable_device_assignment``), else ascending."""
+  """Ids of this process's devices of ``sharding`` in the order of an array's buffers."""
   if fast:
     return [d.id for d in sharding._addressable_device_assignment]
   return sorted(d.id for d in sharding.addressable_devices)
@@ -81,11 +73,6 @@ class Wrapper:
     )
 
 
-def staged_shape(block: tuple[int, ...], n: int) -> tuple[int, ...]:
-  """The shape of ``n`` blocks ``block`` stacked along the first axis (one per device)."""
-  return (n * block[0], *block[1:])
-
-
 def index_of(ids: Sequence[int], of: Sequence[int], missing: int | None = None) -> list[int]:
   """Per id of ``of``, its index in ``ids`` (``missing`` where absent, if given)."""
   at = {d: j for j, d in enumerate(ids)}
@@ -104,7 +91,7 @@ class Staging:
 
   def wrapper(self, block: tuple[int, ...], dtype: Any) -> Wrapper:
     """Wraps one ``block`` per device into one array."""
-    shape = staged_shape(block, self.sharding.mesh.size)
+    shape = (self.sharding.mesh.size * block[0], *block[1:])
     return Wrapper(shape, dtype, self.sharding, fast=self.fast)
 
   def pick(self, sharding: Any) -> list[int]:
@@ -123,19 +110,16 @@ def loaded_executable(compiled: Any, num_args: int) -> Any:
   call = getattr(getattr(compiled, "_executable", None), "unsafe_call", None)
   if _ExecuteReplicated is None or not isinstance(call, _ExecuteReplicated):
     return None
-  if call.ordered_effects or call.has_unordered_effects or call.has_host_callbacks:
-    return None
-  if getattr(call, "mut", None) or set(call.kept_var_idx) != set(range(num_args)):
+  effects = call.ordered_effects or call.has_unordered_effects or call.has_host_callbacks
+  if effects or getattr(call, "mut", None) or set(call.kept_var_idx) != set(range(num_args)):
     return None
   loaded = call.xla_executable
-  needed = ("execute_sharded", "local_devices")
-  if not all(hasattr(loaded, n) for n in needed) or not hasattr(_dispatch, "needs_check_special"):
-    return None
-  return loaded
+  ok = all(hasattr(loaded, n) for n in ("execute_sharded", "local_devices"))
+  return loaded if ok and hasattr(_dispatch, "needs_check_special") else None
 
 
 class Runner:
-  """Runs a ``jax.stages.Compiled`` and hands back per output its single-device arrays in
+  """Runs a ``jax.stages.Compiled``; per output, its single-device arrays in
   :func:`addressable_order`: from the loaded executable on the fast path, else (also with
   ``jax_debug_nans`` / ``jax_debug_infs``, which check outputs) by calling it."""
 

@@ -17,23 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from jax_reshard import _program
 from jax_reshard._plan import LayoutPlan
-from jax_reshard._program import (
-  BucketProgram,
-  Bundle,
-  ChunkWrites,
-  Cut,
-  LeafView,
-  Pack,
-  Received,
-  Resident,
-  chunk_writes,
-  cut_words,
-  offset_table,
-  role_table,
-  travels_as_is,
-  uint_dtype,
-)
+from jax_reshard._program import BucketProgram, ChunkWrites, Cut, LeafView, Received, uint_dtype
 
 AXIS = "u"
 # Per leaf, None or (dim, start) of the window it moves (a traced int32 or a constant).
@@ -44,9 +30,7 @@ Leaves = tuple[int, ...]
 
 def max_word_bytes(platform: str) -> int:
   """The widest word ``platform``'s devices move data in (on CPU each leaf's own width)."""
-  if platform == "cpu":
-    return 1
-  return 8 if jax.config.read("jax_enable_x64") else 4
+  return 1 if platform == "cpu" else 8 if jax.config.read("jax_enable_x64") else 4
 
 
 def plan_word_bytes(plan: LayoutPlan) -> int:
@@ -66,13 +50,6 @@ def _from_uint(x: jax.Array, dtype: np.dtype) -> jax.Array:
 def _to_units(x: jax.Array, unit: np.dtype) -> jax.Array:
   """An unsigned-integer array as a flat vector of ``unit`` words (``unit`` no wider)."""
   return (x if x.dtype == unit else jax.lax.bitcast_convert_type(x, unit)).reshape(-1)
-
-
-def _from_units(b: jax.Array, udtype: np.dtype, shape: tuple[int, ...]) -> jax.Array:
-  if b.dtype == udtype:
-    return b.reshape(shape)
-  ratio = udtype.itemsize // b.dtype.itemsize
-  return jax.lax.bitcast_convert_type(b.reshape(-1, ratio), udtype).reshape(shape)
 
 
 def _widen(x: jax.Array, word: np.dtype) -> jax.Array:
@@ -99,10 +76,7 @@ def concat_bytes(xs: Iterable[jax.Array]) -> jax.Array:
 
 def from_bytes(b: jax.Array, dtype: np.dtype, shape: tuple[int, ...]) -> jax.Array:
   """Inverse of :func:`concat_bytes` for one array: a ``uint8`` vector as one of ``dtype``."""
-  udtype = uint_dtype(np.dtype(dtype))
-  if udtype != np.uint8:
-    b = jax.lax.bitcast_convert_type(b.reshape(-1, udtype.itemsize), udtype)
-  return _from_uint(b, np.dtype(dtype)).reshape(shape)
+  return _from_uint(_widen(b, uint_dtype(np.dtype(dtype))), np.dtype(dtype)).reshape(shape)
 
 
 def _tile(
@@ -154,16 +128,15 @@ def _leaf_at(program: BucketProgram, shifts: Shifts, li: int, ndim: int) -> list
 
 def _cut(program: BucketProgram, cut: Cut, shards: Any, me: jax.Array, at: Any = None) -> Any:
   """The words of ``cut`` of ``shards``, cast: at a static offset, or one read at ``me``."""
-  x, lo = shards[cut.leaf], cut.static_offset
+  x, lo, n = shards[cut.leaf], cut.static_offset, len(cut.shape)
   if lo is not None and at is None:
     if not (lo == (0,) * x.ndim and cut.shape == x.shape):
       x = jax.lax.slice(x, lo, tuple(a + b for a, b in zip(lo, cut.shape, strict=True)))
   else:
-    if lo is not None:
-      row: Any = lo
-    else:
-      table = jnp.asarray(offset_table(cut.offsets, len(cut.shape), len(program.device_ids)))[me]
-      row = [table[j] for j in range(len(cut.shape))]
+    row: Any = lo
+    if lo is None:
+      table = jnp.asarray(_program.offset_table(cut.offsets, n, len(program.device_ids)))[me]
+      row = [table[j] for j in range(n)]
     if at is not None:
       row = [r + a for r, a in zip(row, at, strict=True)]
     x = jax.lax.dynamic_slice(x, list(row), cut.shape)
@@ -190,7 +163,7 @@ def _cast_words(x: jax.Array, dtype: np.dtype, casts: Sequence[np.dtype]) -> jax
   return _to_uint(y)
 
 
-def _pack_fn(program: BucketProgram, pack: Pack, ranges: Any, shifts: Shifts) -> Fn:
+def _pack_fn(program: BucketProgram, pack: _program.Pack, ranges: Any, shifts: Shifts) -> Fn:
   """The code of one sender role: per unit-word range of the payload, its cuts, zero padded."""
 
   def branch(me: jax.Array, *blocks: jax.Array) -> tuple[jax.Array, ...]:
@@ -198,7 +171,7 @@ def _pack_fn(program: BucketProgram, pack: Pack, ranges: Any, shifts: Shifts) ->
     for start, stop in ranges:
       parts, at = [], 0
       for c in pack.cuts:
-        size = cut_words(program, c)
+        size = _program.cut_words(program, c)
         if start <= at and at + size <= stop:
           lo = _leaf_at(program, shifts, c.leaf, len(c.shape))
           parts.append(_to_units(_cut(program, c, shards, me, lo), program.unit))
@@ -214,16 +187,13 @@ def _pack_fn(program: BucketProgram, pack: Pack, ranges: Any, shifts: Shifts) ->
 def _direct_value(program: BucketProgram, li: int, r: int, recv: Sequence[jax.Array]) -> jax.Array:
   """Leaf ``li``'s block, received whole in round ``r``."""
   lf = program.leaves[li]
-  p = next(
-    ps[0]
-    for a in program.assembles
-    if (ps := a.parts[li]) is not None and isinstance(ps[0], Received)
-  )
+  parts = (a.parts[li] or (None,) for a in program.assembles)
+  p = next(ps[0] for ps in parts if isinstance(ps[0], Received))
   for (a, b, src), v in zip(program.rounds[r].operands, recv, strict=True):
     same = v.dtype in (lf.dtype, uint_dtype(lf.dtype)) and v.size == math.prod(lf.dst_block)
     if (a, b) == (p.start, p.stop) and src is not None and same:
       return (v if v.dtype == lf.dtype else _from_uint(v, lf.dtype)).reshape(lf.dst_block)
-  words = _from_units(_payload_words(program, r, recv, p.start, p.stop), lf.word, lf.dst_words)
+  words = _widen(_payload_words(program, r, recv, p.start, p.stop), lf.word).reshape(lf.dst_words)
   return _from_uint(_narrow(words, lf.dtype), lf.dtype).reshape(lf.dst_block)
 
 
@@ -239,7 +209,8 @@ def _emit_rounds(program: BucketProgram, axis: Any, me: Any, blocks: Any, shifts
     if ranges and not values:
       idle: Fn = lambda me, *_, rs=ranges: tuple(jnp.zeros((b - a,), program.unit) for a, b in rs)
       branches = [idle, *(_pack_fn(program, p, ranges, shifts) for p in rnd.packs)]
-      values = _switch(me, role_table(len(program.device_ids), rnd.packs), branches, me, *blocks)
+      table = _program.role_table(len(program.device_ids), rnd.packs)
+      values = _switch(me, table, branches, me, *blocks)
     packed.append(values)
     it = iter(values)
     operands = [
@@ -257,7 +228,7 @@ def _emit_rounds(program: BucketProgram, axis: Any, me: Any, blocks: Any, shifts
 def _writable(block: jax.Array, dtype: np.dtype, back: bool = False) -> jax.Array:
   """``block`` as sent or written into: unsigned where its type does not travel as it is
   (``back``: such a block back in ``dtype``)."""
-  if travels_as_is(dtype):
+  if _program.travels_as_is(dtype):
     return block
   return _from_uint(block, dtype) if back else _to_uint(block)
 
@@ -269,7 +240,7 @@ def _write_parts(
   out = _writable(base.reshape(lf.dst_shard), lf.dtype)
   for j, value in enumerate(values):
     part = _narrow(value, lf.dtype)
-    part = part if not travels_as_is(lf.dtype) else _from_uint(part, lf.dtype)
+    part = part if not _program.travels_as_is(lf.dtype) else _from_uint(part, lf.dtype)
     if not lf.dst_shard:
       out = part.reshape(())
       continue
@@ -299,8 +270,8 @@ def _part_value(
   if isinstance(part, Received):
     words = _payload_words(program, part.round, recvs[part.round], part.start, part.stop)
     if arrange is None:
-      return _from_units(words, lf.word, part.shape)
-    value = _from_units(words, uint_dtype(arrange.wire), (-1,))
+      return _widen(words, lf.word).reshape(part.shape)
+    value = _widen(words, uint_dtype(arrange.wire)).reshape(-1)
   else:
     value = _cut(program, part if isinstance(part, Cut) else part.cut, shards, me, at)
   if arrange is None:
@@ -333,7 +304,7 @@ def _assemble_fn(
   parts_of = {li: None if role is None else role.parts[li] for li in switched}
   fills = {li: None if role is None else w.fills[k] for li, w in slots.items()}
   read = [p for parts in (*parts_of.values(), *fills.values()) for p in parts or ()]
-  resident = [p.cut for p in read if isinstance(p, Resident)]
+  resident = [p.cut for p in read if isinstance(p, _program.Resident)]
 
   def branch(me: jax.Array, blocks: Any, dsts: Any, recvs: Any) -> tuple[jax.Array, ...]:
     shards, outs = _read_views(program, blocks, resident), []
@@ -381,7 +352,7 @@ def _write_chunks(
   lf, n = program.leaves[li], len(program.device_ids)
 
   def offset(j: int) -> list[Any]:
-    table = offset_table(w.offsets[j], len(w.shapes[j]), n)
+    table = _program.offset_table(w.offsets[j], len(w.shapes[j]), n)
     table[:, -1] *= lf.word_ratio  # words to elements
     if len({tuple(r) for r in table.tolist()}) == 1:
       return [int(v) for v in table[0]]
@@ -396,13 +367,11 @@ def _shifts(program: BucketProgram, scalars: Sequence[Any] | None) -> tuple[Shif
   if not program.shifted and not program.dst_shifted:
     return [], []
   shifts: list[tuple[int, Any] | None] = [None] * len(program.leaves)
-  dst_shifts = list(shifts)
+  dst_shifts, starts = list(shifts), shift_starts(program) if scalars is None else scalars
   for k, li in enumerate(program.shifted):
-    dim, start = program.leaves[li].shift  # type: ignore[misc]
-    shifts[li] = dst_shifts[li] = (dim, start if scalars is None else scalars[k])
+    shifts[li] = dst_shifts[li] = (program.leaves[li].shift[0], starts[k])  # type: ignore[index]
   for k, li in enumerate(program.dst_shifted, len(program.shifted)):
-    dim, start = program.leaves[li].dst_shift  # type: ignore[misc]
-    dst_shifts[li] = (dim, start if scalars is None else scalars[k])
+    dst_shifts[li] = (program.leaves[li].dst_shift[0], starts[k])  # type: ignore[index]
   return shifts, dst_shifts
 
 
@@ -420,7 +389,7 @@ def emit_body(program: BucketProgram, axis: Any, *, shift_inputs: bool = False) 
     li: w
     for li, lf in enumerate(program.leaves)
     if lf.in_place
-    and (w := chunk_writes(program, li)) is not None
+    and (w := _program.chunk_writes(program, li)) is not None
     and (w.sources is not None or lf.dst_input)
   }
   direct = dict(program.received)
@@ -441,7 +410,7 @@ def emit_body(program: BucketProgram, axis: Any, *, shift_inputs: bool = False) 
     ys: list[Any] = []
     if switched or valued:
       fns = [_assemble_fn(program, k, switched, valued, shifts, dst_shifts) for k in roles]
-      table = role_table(len(program.device_ids), program.assembles)
+      table = _program.role_table(len(program.device_ids), program.assembles)
       ys = list(_switch(me, table, fns, me, list(blocks), dsts, recvs))
     for li in switched:
       outs[li] = ys.pop(0)
@@ -471,11 +440,8 @@ def split_outputs(program: BucketProgram) -> tuple[dict[int, int], Leaves, Leave
 def resident_sources(program: BucketProgram) -> tuple[int, ...]:
   """The leaves whose source blocks an assembly program takes (for resident parts)."""
   _, assembled, _ = split_outputs(program)
-  return tuple(
-    li
-    for li in assembled
-    if any(isinstance(p, Resident) for role in program.assembles for p in role.parts[li] or ())
-  )
+  parts = lambda li: (p for role in program.assembles for p in role.parts[li] or ())
+  return tuple(li for li in assembled if any(isinstance(p, _program.Resident) for p in parts(li)))
 
 
 def donated(program: BucketProgram) -> list[int]:
@@ -503,7 +469,7 @@ def emit_assembly_body(program: BucketProgram, axis: Any) -> Fn:
   _, assembled, rounds = split_outputs(program)
   assert program.assemblers is not None
   positions = np.asarray(program.assemblers, dtype=np.int32)
-  local = role_table(len(program.device_ids), program.assembles)[positions]
+  local = _program.role_table(len(program.device_ids), program.assembles)[positions]
   operands = [len(program.rounds[r].operands) for r in rounds]
   sources = resident_sources(program)
 
@@ -524,7 +490,7 @@ def emit_assembly_body(program: BucketProgram, axis: Any) -> Fn:
   return body
 
 
-def bundled_body(program: BucketProgram, bundle: Bundle, body: Fn) -> Fn:
+def bundled_body(program: BucketProgram, bundle: _program.Bundle, body: Fn) -> Fn:
   """``body`` taking and returning the blocks of ``bundle``'s leaves as one byte vector."""
   slot = {li: k for k, li in enumerate(bundle.leaves)}
   num_staged = len(program.leaves) - len(slot)
@@ -558,18 +524,13 @@ def emit_traced_move(
   axes = tuple(mesh.axis_names)
   out_specs = tuple(PartitionSpec(axes) for _ in program.leaves)
   with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-    body = emit_body(program, axes)
-    moved = jax.shard_map(
-      body, mesh=mesh, in_specs=tuple(src_specs), out_specs=out_specs, check_vma=False
-    )(*xs)
+    moved = smap(emit_body(program, axes), mesh, tuple(src_specs), out_specs)(*xs)
   mesh = auto_mesh(dst_mesh)
   staged, ys = PartitionSpec(tuple(mesh.axis_names)), []
   with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
     for y, lf, spec in zip(moved, program.leaves, dst_specs, strict=True):
       reread = lambda b, shape=lf.dst_shard: b.reshape(shape)
-      ys.append(
-        jax.shard_map(reread, mesh=mesh, in_specs=staged, out_specs=spec, check_vma=False)(y)
-      )
+      ys.append(smap(reread, mesh, staged, spec)(y))
   pairs = zip(dst_mesh.axis_names, dst_mesh.axis_types, strict=True)
   explicit = {n for n, t in pairs if t == AxisType.Explicit}
   if not explicit:
@@ -579,6 +540,11 @@ def emit_traced_move(
       jax.sharding.reshard(y, NamedSharding(dst_mesh, _only_axes(spec, explicit)))
       for y, spec in zip(ys, dst_specs, strict=True)
     ]
+
+
+def smap(fn: Callable, mesh: Any, in_specs: Any, out_specs: Any) -> Callable:
+  """``jax.shard_map`` of ``fn`` over ``mesh``, unchecked (``check_vma=False``)."""
+  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
 @functools.lru_cache(maxsize=64)
@@ -591,10 +557,8 @@ def auto_mesh(mesh: Mesh) -> Mesh:
 
 def _only_axes(spec: PartitionSpec, axes: set[str]) -> PartitionSpec:
   """``spec`` with the mesh axes not in ``axes`` left out."""
-  if all(n in axes for e in spec if e is not None for n in ((e,) if isinstance(e, str) else e)):
+  names = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
+  if all(n in axes for ns in names for n in ns):
     return spec
-  entries: list[Any] = []
-  for e in spec:
-    kept = tuple(n for n in (() if e is None else (e,) if isinstance(e, str) else e) if n in axes)
-    entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
-  return PartitionSpec(*entries)
+  kept = [tuple(n for n in ns if n in axes) for ns in names]
+  return PartitionSpec(*(None if not k else k[0] if len(k) == 1 else k for k in kept))

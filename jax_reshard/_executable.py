@@ -1,8 +1,6 @@
 """Eager bucket runs: :class:`BucketExecutable` compiles a bucket's program (:mod:`_emit`) and
-runs it on per-device buffers taken apart and wrapped zero-copy (:mod:`_buffers`): direct,
-bundled, apart or staged. Compiled programs are cached per process by
-:func:`program_signature` and devices: buckets that differ only in their leaves compile once.
-"""
+runs it on buffers staged zero-copy (:mod:`_buffers`): direct, bundled, apart or staged. Programs
+are cached per process by :func:`program_signature` and devices (alike buckets compile once)."""
 
 from __future__ import annotations
 
@@ -16,18 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jax_reshard import _emit
-from jax_reshard._buffers import (
-  Runner,
-  Staging,
-  Wrapper,
-  addressable_order,
-  buffers,
-  buffers_by_device,
-  fast_path_available,
-  index_of,
-  staged_shape,
-)
+from jax_reshard import _buffers, _emit
+from jax_reshard._buffers import Runner, Staging, buffers, buffers_by_device, fast_path_available
 from jax_reshard._options import DEFAULT_OPTIONS, Options
 from jax_reshard._program import (
   BucketProgram,
@@ -95,20 +83,14 @@ def _memoized(method: _Method) -> _Method:
 
 
 def _compile_staged(
-  body: Callable,
-  devices: tuple,
-  blocks: list[Block],
-  num_out: int | None,
-  scalars: int = 0,
-  **jit: Any,
+  fn: Callable, devices: tuple, blocks: list, num_out: int | None, scalars: int = 0, **jit: Any
 ) -> Any:
-  """``body`` as a ``shard_map`` over ``devices``, compiled (``jax.jit`` options ``jit``) for
+  """``fn`` as a ``shard_map`` over ``devices``, compiled (``jax.jit`` options ``jit``) for
   staged ``blocks``, ``scalars`` int32 scalars, ``num_out`` staged outputs (``None``: one)."""
   staged, n, spec = _staged(devices), len(devices), PartitionSpec(_emit.AXIS)
   in_specs = (spec,) * len(blocks) + (PartitionSpec(),) * scalars
-  out = spec if num_out is None else (spec,) * num_out
-  fn = jax.shard_map(body, mesh=staged.mesh, in_specs=in_specs, out_specs=out, check_vma=False)
-  avals = [jax.ShapeDtypeStruct(staged_shape(b, n), t, sharding=staged) for b, t in blocks]
+  fn = _emit.smap(fn, staged.mesh, in_specs, spec if num_out is None else (spec,) * num_out)
+  avals = [jax.ShapeDtypeStruct((n * b[0], *b[1:]), t, sharding=staged) for b, t in blocks]
   scalar = NamedSharding(staged.mesh, PartitionSpec())
   avals += [jax.ShapeDtypeStruct((), np.int32, sharding=scalar)] * scalars
   return jax.jit(fn, **jit).lower(*avals).compile()
@@ -129,10 +111,8 @@ def _compiled_program(
   blocks += [(leaves[i].dst_block, leaves[i].dtype) for i in signature.dst_inputs]
   num_out = len(leaves) - len(bundled) + (bundle is not None)
   scalars = len(signature.shifted) + len(signature.dst_shifted)
-  donate = tuple(range(first, len(blocks)))
-  return _compile_staged(
-    body, devices, blocks, num_out, scalars, donate_argnums=donate, keep_unused=True
-  )
+  jit: dict[str, Any] = {"donate_argnums": tuple(range(first, len(blocks))), "keep_unused": True}
+  return _compile_staged(body, devices, blocks, num_out, scalars, **jit)
 
 
 @_cached()
@@ -148,19 +128,15 @@ def _transfer_program(signature: BucketProgram, devices: tuple[Any, ...]) -> Any
 def _assembly_program(
   signature: BucketProgram, devices: tuple[Any, ...], operands: tuple[Block, ...]
 ) -> tuple[Any, list[Block]]:
-  """``(compiled, blocks)``: :func:`emit_assembly_body` on ``devices``; it takes the received
-  ``operands``, the source blocks of :func:`resident_sources`, the (donated) destination blocks
-  of :func:`donated`."""
-  lfs = signature.leaves
+  """``(compiled, blocks)``: :func:`emit_assembly_body` on ``devices``, taking the received
+  ``operands``, then blocks of :func:`resident_sources` and (donated) of :func:`donated`."""
+  lfs, (_, assembled, _) = signature.leaves, _emit.split_outputs(signature)
   sources = [(lfs[li].src_block, lfs[li].dtype) for li in _emit.resident_sources(signature)]
   dsts = [(lfs[li].dst_block, lfs[li].dtype) for li in _emit.donated(signature)]
   blocks, first = [*operands, *sources, *dsts], len(operands) + len(sources)
-  body = _emit.emit_assembly_body(signature, _emit.AXIS)
-  num_out, donate = len(_emit.split_outputs(signature)[1]), tuple(range(first, len(blocks)))
-  compiled = _compile_staged(
-    body, devices, blocks, num_out, donate_argnums=donate, keep_unused=True
-  )
-  return compiled, blocks
+  body, num_out = _emit.emit_assembly_body(signature, _emit.AXIS), len(assembled)
+  jit: dict[str, Any] = {"donate_argnums": tuple(range(first, len(blocks))), "keep_unused": True}
+  return _compile_staged(body, devices, blocks, num_out, **jit), blocks
 
 
 @_cached()
@@ -189,13 +165,12 @@ def _bytes_sharding(leaves: tuple[BundleLeaf, ...]) -> NamedSharding:
 @_cached()
 def _bundle_in_program(leaves: tuple[BundleLeaf, ...]) -> tuple[Any, NamedSharding]:
   """``(compiled, output sharding)``: the arrays ``leaves`` in, per device their bytes out."""
-  out = _bytes_sharding(leaves)
-  smap = functools.partial(jax.shard_map, mesh=out.mesh, out_specs=out.spec, check_vma=False)
+  out, specs = _bytes_sharding(leaves), tuple(s.spec for _, _, s in leaves)
 
   def pack(*xs: jax.Array) -> jax.Array:
     with jax.sharding.use_abstract_mesh(out.mesh.abstract_mesh):
       fn = lambda *shards: _emit.concat_bytes(shards)
-      return smap(fn, in_specs=tuple(s.spec for _, _, s in leaves))(*xs)
+      return _emit.smap(fn, out.mesh, specs, out.spec)(*xs)
 
   avals = [jax.ShapeDtypeStruct(shape, dtype, sharding=s) for shape, dtype, s in leaves]
   return jax.jit(pack, out_shardings=out).lower(*avals).compile(), out
@@ -203,15 +178,10 @@ def _bundle_in_program(leaves: tuple[BundleLeaf, ...]) -> tuple[Any, NamedShardi
 
 @_cached()
 def _bundle_out_program(
-  leaves: tuple[BundleLeaf, ...],
-  shards: tuple[tuple[int, ...], ...],
-  spans: tuple[tuple[int, int], ...],
+  leaves: tuple[BundleLeaf, ...], shards: tuple[tuple[int, ...], ...], spans: tuple[Any, ...]
 ) -> tuple[Any, NamedSharding]:
   """``(compiled, input sharding)``: per device its blocks' bytes in, the arrays out."""
-  sharding = _bytes_sharding(leaves)
-  smap = functools.partial(
-    jax.shard_map, mesh=sharding.mesh, in_specs=sharding.spec, check_vma=False
-  )
+  sharding, specs = _bytes_sharding(leaves), tuple(s.spec for _, _, s in leaves)
 
   def cut(b: jax.Array) -> tuple[jax.Array, ...]:
     triples = zip(leaves, shards, spans, strict=True)
@@ -219,11 +189,11 @@ def _bundle_out_program(
 
   def unpack(b: jax.Array) -> tuple[jax.Array, ...]:
     with jax.sharding.use_abstract_mesh(sharding.mesh.abstract_mesh):
-      return smap(cut, out_specs=tuple(s.spec for _, _, s in leaves))(b)
+      return _emit.smap(cut, sharding.mesh, sharding.spec, specs)(b)
 
   aval = jax.ShapeDtypeStruct((sharding.mesh.size * spans[-1][1],), np.uint8, sharding=sharding)
-  out_shardings = tuple(s for _, _, s in leaves)
-  return jax.jit(unpack, out_shardings=out_shardings).lower(aval).compile(), sharding
+  compiled = jax.jit(unpack, out_shardings=tuple(s for _, _, s in leaves)).lower(aval).compile()
+  return compiled, sharding
 
 
 @_cached()
@@ -245,15 +215,15 @@ def _zeros(group: PlaceholderGroup, devices: tuple[Any, ...], keys: Any, fast: b
   made = jax.block_until_ready(_placeholder_program(group, devices)())
   out = {}
   for key, a in zip(keys, made, strict=True):
-    held = zip(addressable_order(a.sharding, fast=fast), buffers(a, fast=fast), strict=True)
-    out.update({(d, *key): b for d, b in held})
+    ids = _buffers.addressable_order(a.sharding, fast=fast)
+    out.update({(d, *key): b for d, b in zip(ids, buffers(a, fast=fast), strict=True)})
   return out
 
 
 @_cached(PLACEHOLDER_CACHE_SIZE)
 def _source_zeros(
   group: PlaceholderGroup, devices: tuple[Any, ...], *, fast: bool
-) -> dict[tuple[Any, ...], jax.Array]:
+) -> dict[Any, jax.Array]:
   """``group``'s zero source blocks by (device id, block shape, dtype), made once."""
   return _zeros(group, devices, group.blocks, fast)
 
@@ -381,25 +351,24 @@ class _LeafIO:
     self.slicer = self.dst_slicer = self.writer = None
     if lf.src_window is not None and src_sharding is not None:
       self.slicer = _slicer(lf.src_window, lf.dtype, _by_id(src_sharding), self.fast)
-    if lf.dst_window is not None and lf.dst_input:
-      self.dst_slicer = _slicer(lf.dst_window, lf.dtype, _by_id(dst_sharding), self.fast)
-    if lf.dst_window is not None:
-      self.writer = _slab_writer(lf.dst_window, lf.dtype, _by_id(dst_sharding), self.fast)
+    if (window := lf.dst_window) is not None:
+      dst = _by_id(dst_sharding)
+      self.dst_slicer = _slicer(window, lf.dtype, dst, self.fast) if lf.dst_input else None
+      self.writer = _slab_writer(window, lf.dtype, dst, self.fast)
     self.dst_pick = staging.place(dst_sharding)
     # Output blocks of positions without a destination shard: spare buffers for a later call.
     picked = set(self.dst_pick)
     self.spare_at = [(j, (d, lf.dst_block, lf.dtype)) for j, d in enumerate(ids) if j not in picked]
     self.stage_wrap = staging.wrapper(lf.src_block, lf.dtype)
     self.dst_stage_wrap = staging.wrapper(lf.dst_block, lf.dtype)
-    self.unstage_wrap = Wrapper(lf.shape, lf.dtype, dst_sharding, fast=self.fast)
+    self.unstage_wrap = _buffers.Wrapper(lf.shape, lf.dtype, dst_sharding, fast=self.fast)
 
   def stage(self, x: jax.Array, placeholders: dict[Any, jax.Array]) -> jax.Array:
     """``x`` staged: its buffers (or slabs) where it has them, ``placeholders`` elsewhere."""
     if self.slicer is not None:
       slabs = self.slicer(x)
-      return self.stage_wrap(
-        [slabs[k[0]] if k[0] in slabs else placeholders[k] for k in self.ph_keys]
-      )
+      blocks = [slabs[k[0]] if k[0] in slabs else placeholders[k] for k in self.ph_keys]
+      return self.stage_wrap(blocks)
     s, pick = x.sharding, self.src_pick
     if not (self.fast and pick is not None and (s is self.src_sharding or s == self.src_sharding)):
       pick = self.staging.pick(s)  # an equivalent sharding may list its devices in another order
@@ -471,15 +440,13 @@ class _BundleIO:
     # Positions without a source shard stage zero bytes, made once and kept (read only).
     missing = tuple(d for d, j in zip(staging.ids, self.src_pick, strict=True) if j < 0)
     key = ((bundle.src_bytes,), np.dtype(np.uint8))
-    zeros: dict[tuple[Any, ...], jax.Array] = {}
-    if missing:
-      group = PlaceholderGroup(missing, (key,))
-      zeros = _source_zeros(group, tuple(exe.devices[d] for d in missing), fast=fast)
+    group, devices = PlaceholderGroup(missing, (key,)), tuple(exe.devices[d] for d in missing)
+    zeros = _source_zeros(group, devices, fast=fast) if missing else {}
     self.zeros = [zeros.get((d, *key)) for d in staging.ids]
     self.stage_wrap = staging.wrapper(*key)  # every device is this process's
     self.dst_pick = staging.place(unpacked)
     size = unpacked.mesh.size * bundle.dst_bytes
-    self.unstage_wrap = Wrapper((size,), key[1], unpacked, fast=fast)
+    self.unstage_wrap = _buffers.Wrapper((size,), key[1], unpacked, fast=fast)
 
   def stage(self, xs: Sequence[jax.Array], *, wait: bool) -> jax.Array:
     """The bundle's staged bytes, packed from ``xs`` (``wait``: ready before the program)."""
@@ -513,7 +480,7 @@ class _SplitIO:
     )
     devices = tuple(exe.mesh_devices[q] for q in program.assemblers)
     self.staging = staging = Staging(_staged(devices), fast=fast)
-    self.in_pick = index_of(exe.staging.ids, staging.ids)
+    self.in_pick = _buffers.index_of(exe.staging.ids, staging.ids)
     # Leaves with parts from a destination device's own source shard (their source blocks),
     # and leaves refit into donated buffers (their destination blocks).
     self.src_leaves, self.dst_leaves = _emit.resident_sources(program), _emit.donated(program)
@@ -549,7 +516,8 @@ class _SplitIO:
 def _direct_allowed(
   p: BucketProgram, options: Options, src_shardings: Sequence[Any], dst_shardings: Sequence[Any]
 ) -> bool:
-  """Whether a bucket may run :meth:`BucketExecutable.direct`."""
+  """Whether a bucket may run :meth:`BucketExecutable.direct`: the options allow, each side is
+  one mesh of the bucket's devices in order, every leaf enters and leaves whole."""
   if p.inputs or not options.direct_calls or p.placeholders:  # inputs: transformed
     return False
   if not all(enters_whole(lf) for lf in p.leaves):
@@ -627,9 +595,8 @@ class BucketExecutable:
 
   @_memoized
   def direct(self) -> Any:
-    """The compiled traced move taking the source arrays as they are, where the options allow,
-    each side is one mesh of the bucket's devices in order, every device holds a source shard
-    and every leaf enters and leaves whole; else ``False``."""
+    """The compiled traced move taking the source arrays as they are where allowed
+    (:func:`_direct_allowed`), else ``False``."""
     src, dst = tuple(self.src_shardings), tuple(self.dst_shardings)
     if not _direct_allowed(self.program, self.options, src, dst):
       return False
@@ -659,9 +626,8 @@ class BucketExecutable:
     n = len(p.device_ids)
     out = 2 * (bundle.src_bytes * (n_src + n) + bundle.dst_bytes * (n + n_dst))
     if p.assemblers is not None:
-      direct = dict(p.received)
-      assembled = [lf for li, lf in enumerate(p.leaves) if li not in direct]
-      out += (n - len(p.assemblers)) * sum(block_bytes(lf.dst_block, lf.dtype) for lf in assembled)
+      lfs = [p.leaves[li] for li in _emit.split_outputs(p)[1]]
+      out += (n - len(p.assemblers)) * sum(block_bytes(lf.dst_block, lf.dtype) for lf in lfs)
     return out
 
   @_memoized
@@ -742,10 +708,9 @@ class BucketExecutable:
     outs = self.runner(bundled=bundle is not None)([*staged, *self._shifts()])
     ys: list[Any] = [None] * len(io)
     if bundle is not None:
-      bundled = self.bundle_io().unstage(outs[0], wait=self.one_at_a_time)
-      for li, y in zip(bundle.leaves, bundled, strict=True):
+      unstaged = self.bundle_io().unstage(outs.pop(0), wait=self.one_at_a_time)
+      for li, y in zip(bundle.leaves, unstaged, strict=True):
         ys[li] = y
-      outs = outs[1:]
     for li, held in zip(range(len(io)) if bundle is None else own, outs, strict=True):
       carried = dsts[li] if dsts and io[li].writer is not None else None
       ys[li] = io[li].unstage(held, spares, carried)
