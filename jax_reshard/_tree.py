@@ -524,7 +524,7 @@ def tree_mismatch(
       full_paths = [(jax.tree_util.FlattenedIndexKey(i),) for i in range(n)]
   other_paths = _key_paths(other, is_leaf)
   if bool(full_paths) != bool(other_paths):
-    (head, cause), items = _empty_side(full_paths, other_paths, names), []
+    (head, cause), items = _empty_side(full_paths, other_paths, names), list[str]()
   elif any(missing_extra := _missing_and_extra(full_paths, other_paths, prefix)):
     head, items, cause = _differing_paths(full_paths, other_paths, *missing_extra, names)
   else:
