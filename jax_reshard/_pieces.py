@@ -246,13 +246,8 @@ def slice_pieces(
 
 def _pick(p: Piece, dims: Sequence[int], **changes: Any) -> Piece:
   """``p`` with the output dimensions ``dims`` only, in that order."""
-  return dataclasses.replace(
-    p,
-    out_lo=tuple(p.out_lo[d] for d in dims),
-    out_hi=tuple(p.out_hi[d] for d in dims),
-    out_groups=tuple(p.out_groups[d] for d in dims),
-    **changes,
-  )
+  lo, hi, groups = (tuple(t[d] for d in dims) for t in (p.out_lo, p.out_hi, p.out_groups))
+  return dataclasses.replace(p, out_lo=lo, out_hi=hi, out_groups=groups, **changes)
 
 
 def transpose_pieces(pieces: Sequence[Piece], permutation: Sequence[int]) -> list[Piece]:
