@@ -1,7 +1,6 @@
-"""Leaves the engine (byte-wide arrays in device memory, default layout) does not move as they
-are: host data is placed by ``jax.device_put``; PRNG keys, sub-byte and complex types move as
-carriers (key data, 8-bit words, the bits of both parts); weak types, memory kinds and layouts
-are restored on the result. Each step is device-local with an inverse: bit for bit."""
+"""Leaves the engine does not move as they are: host data is placed by ``jax.device_put``; PRNG
+keys, sub-byte and complex types move as carriers; weak types, memory kinds and layouts are
+restored on the result, bit for bit (docs/design.md)."""
 
 from __future__ import annotations
 
@@ -19,15 +18,13 @@ from jax_reshard._buffers import key_impl_name, weakly_typed
 from jax_reshard._errors import ReshardError, ReshardTypeError
 from jax_reshard._tree import as_sharding, broadcast_shardings, capped
 
-_SUB_BYTE = {"int2": "int8", "uint2": "uint8", "int4": "int8", "uint4": "uint8"}
-_FLOAT4 = {"float4_e2m1fn": ("uint4", "uint8")}  # bitcast to the unsigned type, then widen
+_CARRIERS = dict(int2="int8", uint2="uint8", int4="int8", uint4="uint8", float4_e2m1fn="uint8")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class LeafEdge:
   """How one source leaf gets into the engine and out: placed by ``jax.device_put`` (``host``),
-  moved as key data (``key_impl``) or a ``carrier`` type; weak type, memory kind and layout
-  restored."""
+  moved as key data (``key_impl``) or a ``carrier`` type; weak type, memory and layout restored."""
 
   host: bool = False
   key_impl: Any = None
@@ -40,14 +37,11 @@ class LeafEdge:
 
 @functools.cache
 def _dtype_class(dtype: Any) -> str:
-  """``"key"``, ``"sub"``, ``"float4"``, ``"complex"`` or ``""`` (the engine moves it as is)."""
+  """``"key"``, ``"sub"`` (sub-byte), ``"complex"`` or ``""`` (the engine moves it as is)."""
   if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
     return "key"
-  name = np.dtype(dtype).name
-  if name in _SUB_BYTE:
+  if np.dtype(dtype).name in _CARRIERS:
     return "sub"
-  if name in _FLOAT4:
-    return "float4"
   return "complex" if np.dtype(dtype).kind == "c" else ""
 
 
@@ -79,15 +73,14 @@ def default_layout(dtype: Any, shard_shape: tuple[int, ...], device: Any) -> Any
     return None
 
 
-def _default_of(a: jax.Array) -> Any:
-  s = a.sharding
-  return default_layout(a.dtype, tuple(s.shard_shape(a.shape)), next(iter(s.device_set)))
+def _default_of(dtype: Any, shape: Any, s: Sharding) -> Any:
+  return default_layout(dtype, tuple(s.shard_shape(shape)), next(iter(s.device_set)))
 
 
 def _has_default_layout(x: jax.Array) -> bool:
   if not x.size or _dtype_class(x.dtype) == "key":
     return True
-  default = _default_of(x)
+  default = _default_of(x.dtype, x.shape, x.sharding)
   return default is None or x.format.layout == default  # type: ignore[attr-defined]
 
 
@@ -106,8 +99,7 @@ def check_out_layouts(names: Sequence[str], old: Sequence[jax.Array]) -> None:
 
 
 class DefaultLayouts:
-  """Puts the arrays of a plan's calls into the default layout; each leaf's default is found
-  once (a call then reads each array's layout only: about 2 us)."""
+  """Puts the arrays of a plan's calls into the default layout; each leaf's default found once."""
 
   def __init__(self) -> None:
     self._defaults: list[Any] | None = None
@@ -115,7 +107,8 @@ class DefaultLayouts:
   def __call__(self, arrays: Sequence[jax.Array]) -> list[jax.Array]:
     if self._defaults is None:
       self._defaults = [
-        None if not a.size or _dtype_class(a.dtype) else _default_of(a) for a in arrays
+        None if not a.size or _dtype_class(a.dtype) else _default_of(a.dtype, a.shape, a.sharding)
+        for a in arrays
       ]
     return [
       a if d is None or a.format.layout == d else _to_default_layout(a)  # type: ignore[attr-defined]
@@ -134,10 +127,8 @@ def leaf_edge(path: str, x: Any, dst: Any) -> LeafEdge:
         "moves the default layout or an untiled permutation (Layout(major_to_minor=...))."
       )
     dtype = _dtype_of(x)
-    if _dtype_class(dtype) == "" and layout == default_layout(
-      np.dtype(dtype),
-      tuple(dst_sharding.shard_shape(tuple(np.shape(x)))),
-      next(iter(dst_sharding.device_set)),
+    if not _dtype_class(dtype) and layout == _default_of(
+      np.dtype(dtype), np.shape(x), dst_sharding
     ):
       layout = None
   dst_kind = _non_device_kind(dst_sharding)
@@ -153,15 +144,12 @@ def leaf_edge(path: str, x: Any, dst: Any) -> LeafEdge:
     return LeafEdge(host=True, **fields)
   if not isinstance(x, (jax.Array, jax.ShapeDtypeStruct, jax.core.Tracer)):
     return LeafEdge(**fields)  # the engine's own checks name what is wrong
-  cls = _dtype_class(x.dtype)
-  if cls == "key":  # a ShapeDtypeStruct's dtype knows the implementation
+  if (cls := _dtype_class(x.dtype)) == "key":  # a ShapeDtypeStruct's dtype knows the impl
     key = jax.random.key_impl(x) if isinstance(x, jax.Array) else key_impl_name(x.dtype)
     fields["key_impl"] = key
-  elif cls in ("sub", "float4"):
-    dname = np.dtype(x.dtype).name
-    fields["carrier"] = np.dtype(_SUB_BYTE[dname] if cls == "sub" else _FLOAT4[dname][1])
-  elif cls == "complex":
-    fields["carrier"] = np.dtype(f"uint{4 * np.dtype(x.dtype).itemsize}")
+  elif cls:  # sub-byte: 8-bit words; complex: the bits of both parts
+    dt = np.dtype(x.dtype)
+    fields["carrier"] = np.dtype(_CARRIERS.get(dt.name, f"uint{4 * dt.itemsize}"))
   src_sharding = None if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
   if isinstance(src_sharding, Sharding) and (kind := _non_device_kind(src_sharding)):
     fields["src_memory"] = kind
@@ -229,18 +217,15 @@ def _from_carrier(e: LeafEdge, y: jax.Array, dtype: Any) -> jax.Array:
 @functools.cache
 def _carrier_fns(dtype: np.dtype) -> tuple[Callable[..., jax.Array], Callable[..., jax.Array]]:
   """The jitted conversions of ``dtype`` into its carrier and back."""
-  name = dtype.name
-  if name in _SUB_BYTE:
-    return jax.jit(lambda x: x.astype(_SUB_BYTE[name])), jax.jit(lambda y: y.astype(dtype))
-  if name in _FLOAT4:
-    mid, wide = _FLOAT4[name]
+  bits, name = jax.lax.bitcast_convert_type, dtype.name
+  if name == "float4_e2m1fn":
     return (
-      jax.jit(lambda x: jax.lax.bitcast_convert_type(x, mid).astype(wide)),
-      jax.jit(lambda y: jax.lax.bitcast_convert_type(y.astype(mid), dtype)),
+      jax.jit(lambda x: bits(x, "uint4").astype("uint8")),
+      jax.jit(lambda y: bits(y.astype("uint4"), dtype)),
     )
-  word = np.dtype(f"uint{4 * dtype.itemsize}")
-  part = np.dtype(f"float{4 * dtype.itemsize}")
-  bits = jax.lax.bitcast_convert_type
+  if name in _CARRIERS:
+    return jax.jit(lambda x: x.astype(_CARRIERS[name])), jax.jit(lambda y: y.astype(dtype))
+  word, part = np.dtype(f"uint{4 * dtype.itemsize}"), np.dtype(f"float{4 * dtype.itemsize}")
 
   def split(x: jax.Array) -> jax.Array:
     return jax.numpy.stack([bits(jax.lax.real(x), word), bits(jax.lax.imag(x), word)], axis=-1)
@@ -274,8 +259,7 @@ def _carrier_leaf(e: LeafEdge, path: str, x: Any) -> Any:
 
 
 def _carrier_dst(e: LeafEdge, path: str, x: Any) -> Any:
-  """Where the engine moves the carrier of ``x``: device memory, with one more trailing
-  dimension for key data and complex parts."""
+  """Where the engine moves the carrier of ``x``: device memory, maybe one more dimension."""
   d = e.dst_sharding
   if _non_device_kind(d) is not None:
     d = d.with_memory_kind("device")
@@ -283,8 +267,7 @@ def _carrier_dst(e: LeafEdge, path: str, x: Any) -> Any:
 
 
 def donated_leaves(donate: Any, x: Any, paths: Sequence[str]) -> list[bool]:
-  """Per source leaf, whether ``donate`` (a bool or a pytree prefix of ``x`` of bools)
-  donates it."""
+  """Per source leaf, whether ``donate`` (a bool or a pytree prefix of ``x``'s) donates it."""
   n = len(paths)
   if donate is None or isinstance(donate, (bool, np.bool_)):
     return [bool(donate)] * n
@@ -317,8 +300,7 @@ def delete_donated(values: Sequence[Any], flags: Sequence[bool], keep: Sequence[
 
 
 def needs_edges(src: Any, dst: Any) -> bool:
-  """Whether any leaf of ``src`` (or of ``dst``) needs a step in or out of the engine; cheap,
-  since every eager ``jr.reshard`` asks."""
+  """Whether any leaf of ``src`` (or of ``dst``) needs a step in or out of the engine (cheap)."""
   if any(_edged(v) for v in jax.tree_util.tree_leaves(src)):
     return True
   if isinstance(dst, Sharding):
@@ -333,8 +315,7 @@ def needs_edges(src: Any, dst: Any) -> bool:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Edges:
   """The source tree as the user passes it, and per leaf its path, :class:`LeafEdge`, shape,
-  dtype and sharding (``None`` for host leaves). The engine's plan is made for the carrier
-  tree: host leaves become empty subtrees, the others their carriers."""
+  dtype and sharding (``None`` for host leaves); the engine moves the carrier tree."""
 
   treedef: Any
   paths: tuple[str, ...]
@@ -344,8 +325,7 @@ class Edges:
   src_shardings: tuple[Any, ...]
 
   def check(self, values: Sequence[Any], treedef: Any) -> None:
-    """Raises a ``ReshardError`` listing every leaf of a call's source that the plan was not
-    made for (before any device work)."""
+    """Raises a ``ReshardError`` listing every leaf of a call's source the plan was not made for."""
     if treedef != self.treedef:
       raise ReshardError(
         f"input tree does not match the plan's tree.\n  plan:  {self.treedef}\n  input: {treedef}"
@@ -360,7 +340,8 @@ class Edges:
         problems.append(f"{name}: the array has been deleted (donated?)")
       elif problem := _unlike(name, v, shape, dtype, s, "the plan was made for"):
         problems.append(problem)
-    _refuse("input does not match the plan:", problems)
+    if problems:
+      raise ReshardError("\n".join(["input does not match the plan:", *capped(problems)]))
 
   def check_out(self, out: Any) -> list[Any]:
     """The arrays of ``out=`` (the previous result), checked against the destination."""
@@ -378,7 +359,9 @@ class Edges:
         problems.append(f"{name}: not a live jax.Array")
       elif problem := _unlike(name, a, shape, dtype, e.dst_sharding, "the destination is"):
         problems.append(problem)
-    _refuse("out= does not match the plan's destination; nothing was donated or deleted:", problems)
+    if problems:
+      head = "out= does not match the plan's destination; nothing was donated or deleted:"
+      raise ReshardError("\n".join([head, *capped(problems)]))
     return arrays
 
   def carriers(self, values: Sequence[Any]) -> Any:
@@ -391,8 +374,7 @@ class Edges:
     return jax.tree_util.tree_unflatten(self.treedef, out)
 
   def results(self, values: Sequence[Any], moved: Any) -> list[Any]:
-    """Per leaf, the result: host leaves placed, the engine's leaves out of their carriers
-    (type, layout and memory kind as asked)."""
+    """Per leaf, the result: host leaves placed, the others out of their carriers."""
     flat, out = iter(jax.tree_util.tree_leaves(moved)), []
     for e, v, dtype in zip(self.edges, values, self.dtypes, strict=True):
       if e.host:
@@ -406,12 +388,6 @@ class Edges:
         y = jax.device_put(y, e.dst_sharding)
       out.append(y)
     return out
-
-
-def _refuse(head: str, problems: list[str]) -> None:
-  """Raises a ``ReshardError`` of ``head`` and the first problems, if any."""
-  if problems:
-    raise ReshardError("\n".join([head, *capped(problems)]))
 
 
 def _unlike(name: str, v: Any, shape: Any, dtype: Any, sharding: Any, expected: str) -> str:
@@ -434,8 +410,8 @@ def _dtype_of(x: Any) -> Any:
 
 
 def make_edges(src: Any, dst_leaves: Sequence[Any]) -> tuple[Edges, Any, Any]:
-  """The :class:`Edges` of ``src`` going to ``dst_leaves`` (one destination per leaf), with the
-  carrier source tree (ShapeDtypeStructs) and the carrier destination tree for the engine."""
+  """The :class:`Edges` of ``src`` going to ``dst_leaves`` (one per leaf), with the carrier
+  source tree (ShapeDtypeStructs) and the carrier destination tree for the engine."""
   flat, treedef = jax.tree_util.tree_flatten_with_path(src)
   paths = tuple(jax.tree_util.keystr(p) for p, _ in flat)
   edges, shapes, dtypes, shardings, c_src, c_dst = [], [], [], [], [], []
@@ -456,8 +432,16 @@ def make_edges(src: Any, dst_leaves: Sequence[Any]) -> tuple[Edges, Any, Any]:
         f"{dtype}{list(shape)}; reshard moves data, it does not reshape or cast (cast with "
         "transform=)."
       )
-    if e.host:
-      _check_host_leaf(name, shape, e.dst_sharding)
+    spec = getattr(e.dst_sharding, "spec", None)
+    try:  # a host leaf's destination fits its shape (before any leaf is placed)
+      if e.host and spec is not None and len(spec) > len(shape):
+        raise ValueError(f"the spec {spec} has {len(spec)} entries for rank {len(shape)}")
+      if e.host:
+        e.dst_sharding.shard_shape(shape)
+    except ValueError as err:
+      raise ReshardError(
+        f"the destination of host leaf {name} (shape {shape}) does not fit: {err}."
+      ) from None
     edges.append(e)
     shapes.append(shape)
     dtypes.append(dtype if _dtype_class(dtype) == "key" else np.dtype(dtype))
@@ -467,19 +451,6 @@ def make_edges(src: Any, dst_leaves: Sequence[Any]) -> tuple[Edges, Any, Any]:
   edged = Edges(treedef, paths, tuple(edges), tuple(shapes), tuple(dtypes), tuple(shardings))
   unflatten = functools.partial(jax.tree_util.tree_unflatten, treedef)
   return edged, unflatten(c_src), unflatten(c_dst)
-
-
-def _check_host_leaf(name: str, shape: tuple[int, ...], dst: Sharding) -> None:
-  """A host leaf's destination fits its shape (before any leaf is placed)."""
-  spec = getattr(dst, "spec", None)
-  try:
-    if spec is not None and len(spec) > len(shape):
-      raise ValueError(f"the spec {spec} has {len(spec)} entries for rank {len(shape)}")
-    dst.shard_shape(shape)
-  except ValueError as e:
-    raise ReshardError(
-      f"the destination of host leaf {name} (shape {shape}) does not fit: {e}."
-    ) from None
 
 
 def reshard_traced_edged(x: Any, dst: Any, src: Any, move: Callable[..., Any]) -> Any:

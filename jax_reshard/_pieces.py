@@ -4,17 +4,17 @@ An output leaf is a union of disjoint :class:`Piece` s, each the image of a box 
 
   out[out_lo:out_hi] = cast(src[src_lo:src_hi].reshape(extents).transpose(perm).reshape(shape))
 
-The *canonical axes* (``extents``, in source order) refine both boxes: a source dimension splits
-row-major into ``src_groups`` consecutive axes, an output dimension merges ``out_groups``
-consecutive entries of ``perm``. Every supported operation maps pieces to pieces (splitting one
-where needed), so chains compose.
+The *canonical axes* (``extents``, in source order) refine both boxes. Every supported operation
+maps pieces to pieces (splitting one where needed), so chains compose.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -114,14 +114,12 @@ def _flat(index: Sequence[int], sizes: Sequence[int]) -> int:
 def source_piece(index: int, path: str, shape: Sequence[int], dtype: np.dtype) -> tuple[Piece, ...]:
   """The pieces of a source leaf taken whole (none if it has no elements)."""
   shape = tuple(int(s) for s in shape)
-  if math.prod(shape) == 0:
-    return ()
   extents, groups = tuple(s for s in shape if s > 1), tuple(int(s > 1) for s in shape)
   zeros, axes = (0,) * len(shape), tuple(range(len(extents)))
-  piece = Piece(
-    zeros, shape, index, path, zeros, shape, extents, groups, axes, groups, (np.dtype(dtype),)
-  )
-  return (piece,)
+  if math.prod(shape) == 0:
+    return ()
+  dtypes = (np.dtype(dtype),)
+  return (Piece(zeros, shape, index, path, zeros, shape, extents, groups, axes, groups, dtypes),)
 
 
 def interval_boxes(a: int, b: int, radices: Sequence[int]) -> list[Ranges]:
@@ -131,9 +129,8 @@ def interval_boxes(a: int, b: int, radices: Sequence[int]) -> list[Ranges]:
     return []
   if not radices:
     return [()]
-  inner = math.prod(radices[1:])
-  (qa, ra), (qb, rb) = divmod(a, inner), divmod(b, inner)
   rest = tuple(radices[1:])
+  (qa, ra), (qb, rb) = divmod(a, inner := math.prod(rest)), divmod(b, inner)
   if qa == qb:
     return [((qa, qa + 1), *box) for box in interval_boxes(ra, rb, rest)]
   out = []
@@ -172,8 +169,7 @@ def _split_contiguous(
 def _corners(
   lo: Box, axes: list[list[int]], box: Ranges, extents: Sequence[int]
 ) -> tuple[Box, Box]:
-  """``(lo, hi)`` of the canonical box ``box`` on the side of a piece with corner ``lo`` and
-  ``axes``."""
+  """``(lo, hi)`` of the canonical box ``box`` on a side of a piece with corner ``lo``, ``axes``."""
   starts, stops = [], []
   for start, group in zip(lo, axes, strict=True):
     starts.append(start + _flat([box[k][0] for k in group], [extents[k] for k in group]))
@@ -181,19 +177,9 @@ def _corners(
   return tuple(starts), tuple(stops)
 
 
-def _sub_piece(p: Piece, box: Ranges) -> Piece:
-  """The part of ``p`` in the canonical box ``box`` (contiguous on both sides)."""
-  src_lo, src_hi = _corners(p.src_lo, p.src_axes(), box, p.extents)
-  out_lo, out_hi = _corners(p.out_lo, p.out_axes(), box, p.extents)
-  extents = tuple(b - a for a, b in box)
-  sub = dataclasses.replace(
-    p, out_lo=out_lo, out_hi=out_hi, src_lo=src_lo, src_hi=src_hi, extents=extents
-  )
-  return _normalize(sub)
-
-
-def _normalize(p: Piece) -> Piece:
-  """Drops axes of extent 1 and merges axes adjacent in both orders (same piece, fewer axes)."""
+def _normalize(p: Piece, **changes: Any) -> Piece:
+  """``p`` with ``changes``, without axes of extent 1, axes adjacent in both orders merged."""
+  p = dataclasses.replace(p, **changes)
   src_axes, out_axes = p.src_axes(), p.out_axes()
   sg = {k: g for g, axes in enumerate(src_axes) for k in axes}
   og = {k: g for g, axes in enumerate(out_axes) for k in axes}
@@ -221,6 +207,7 @@ def restrict(
   box_lo, box_hi = (p.src_lo, p.src_hi) if on_source else (p.out_lo, p.out_hi)
   src_axes, out_axes = p.src_axes(), p.out_axes()
   axes = src_axes if on_source else out_axes
+  corners = ((p.src_lo, src_axes), (p.out_lo, out_axes))
   if all(a <= b0 and b1 <= b for a, b, b0, b1 in zip(lo, hi, box_lo, box_hi, strict=True)):
     return [p]
   per_dim = []
@@ -230,13 +217,12 @@ def restrict(
       return []
     per_dim.append(interval_boxes(a, b, [p.extents[k] for k in group]))
   out = []
-  for combo in itertools.product(*per_dim):
-    box: list[tuple[int, int]] = [(0, 0)] * len(p.extents)
-    for group, ranges in zip(axes, combo, strict=True):
-      for k, r in zip(group, ranges, strict=True):
-        box[k] = r
+  for combo in itertools.product(*per_dim):  # a canonical box per combination, made contiguous
+    box = [r for _, r in sorted(zip(itertools.chain(*axes), itertools.chain(*combo), strict=True))]
     for sub in _split_contiguous(tuple(box), (*src_axes, *out_axes), p.extents):
-      out.append(_sub_piece(p, sub))
+      (s_lo, s_hi), (o_lo, o_hi) = (_corners(c, a, sub, p.extents) for c, a in corners)
+      ext = tuple(b - a for a, b in sub)
+      out.append(_normalize(p, src_lo=s_lo, src_hi=s_hi, out_lo=o_lo, out_hi=o_hi, extents=ext))
   return out
 
 
@@ -246,10 +232,7 @@ def restrict_source(p: Piece, lo: Sequence[int], hi: Sequence[int]) -> list[Piec
 
 def shift_pieces(pieces: Sequence[Piece], offsets: Mapping[int, int]) -> list[Piece]:
   """Moves the output boxes by ``offsets[d]`` along each dimension ``d`` it names."""
-
-  def move(box: Box) -> Box:
-    return tuple(a + offsets.get(d, 0) for d, a in enumerate(box))
-
+  move = lambda box: tuple(a + offsets.get(d, 0) for d, a in enumerate(box))
   return [dataclasses.replace(p, out_lo=move(p.out_lo), out_hi=move(p.out_hi)) for p in pieces]
 
 
@@ -263,13 +246,8 @@ def slice_pieces(
 
 def _pick(p: Piece, dims: Sequence[int], **changes: Any) -> Piece:
   """``p`` with the output dimensions ``dims`` only, in that order."""
-  return dataclasses.replace(
-    p,
-    out_lo=tuple(p.out_lo[d] for d in dims),
-    out_hi=tuple(p.out_hi[d] for d in dims),
-    out_groups=tuple(p.out_groups[d] for d in dims),
-    **changes,
-  )
+  lo, hi, groups = (tuple(t[d] for d in dims) for t in (p.out_lo, p.out_hi, p.out_groups))
+  return dataclasses.replace(p, out_lo=lo, out_hi=hi, out_groups=groups, **changes)
 
 
 def transpose_pieces(pieces: Sequence[Piece], permutation: Sequence[int]) -> list[Piece]:
@@ -288,12 +266,8 @@ def squeeze_pieces(pieces: Sequence[Piece], dims: Sequence[int]) -> list[Piece]:
 
 def expand_pieces(pieces: Sequence[Piece], dims: Sequence[int]) -> list[Piece]:
   """The pieces of ``lax.expand_dims(x, dims)``: unit dimensions at output positions ``dims``."""
-  out = []
-  for p in pieces:
-    for d in sorted(dims):
-      p = _set_out(p, d, 0, (0,), (1,), (0,))
-    out.append(p)
-  return out
+  unit = lambda p, d: _set_out(p, d, 0, (0,), (1,), (0,))
+  return [functools.reduce(unit, sorted(dims), p) for p in pieces]
 
 
 def cast_pieces(pieces: Sequence[Piece], dtype: np.dtype) -> list[Piece]:
@@ -340,10 +314,7 @@ def _merge_dims(pieces: Sequence[Piece], shape: Box, d: int, m: int) -> list[Pie
 
 def _refinement(a: Sequence[int], b: Sequence[int]) -> list[int] | None:
   """The coarsest radices refining both mixed radices ``a`` and ``b`` (same product), if any."""
-  suffix = {math.prod(a[i:]) for i in range(len(a) + 1)} | {
-    math.prod(b[i:]) for i in range(len(b) + 1)
-  }
-  chain = sorted(suffix, reverse=True)
+  chain = sorted({math.prod(r[i:]) for r in (a, b) for i in range(len(r) + 1)}, reverse=True)
   if any(x % y for x, y in itertools.pairwise(chain)):
     return None
   return [x // y for x, y in itertools.pairwise(chain)]
@@ -363,8 +334,7 @@ def _counts(radices: Sequence[int], fine: Sequence[int]) -> list[int]:
 
 
 def _split_piece(p: Piece, d: int, box: Ranges, fine: list[int]) -> Piece:
-  """``p`` with output dimension ``d`` split into the dimensions of ``box``, whose extents and
-  ``p``'s axes on ``d`` share the refinement ``fine``."""
+  """``p`` with output dimension ``d`` split into those of ``box`` (refinement ``fine``)."""
   group = p.out_axes()[d]
   per_axis = dict(
     zip(group, _runs(fine, _counts([p.extents[k] for k in group], fine)), strict=True)
@@ -407,21 +377,11 @@ def _split_dim(pieces: Sequence[Piece], d: int, sizes: Sequence[int]) -> list[Pi
 
 
 def _reshape_groups(a: Sequence[int], b: Sequence[int]) -> list[tuple[int, list[int]]]:
-  """Groups of consecutive dims of ``a`` and ``b`` (no unit dims, same product) with equal
-  products, as ``(number of a dims, b sizes)``."""
-  groups, i, j = [], 0, 0
-  while i < len(a):
-    pa, pb, i0, j0 = a[i], b[j], i, j
-    while pa != pb:
-      if pa < pb:
-        i += 1
-        pa *= a[i]
-      else:
-        j += 1
-        pb *= b[j]
-    groups.append((i - i0 + 1, list(b[j0 : j + 1])))
-    i, j = i + 1, j + 1
-  return groups
+  """Consecutive dims of ``a`` and ``b`` (no unit dims) with equal products, as ``(number of a
+  dims, b sizes)``: they end where both prefix products agree."""
+  pa, pb = (list(itertools.accumulate(s, operator.mul)) for s in (a, b))
+  ends = [(pa.index(p) + 1, pb.index(p) + 1) for p in sorted(set(pa) & set(pb))]
+  return [(i1 - i0, list(b[j0:j1])) for (i0, j0), (i1, j1) in itertools.pairwise([(0, 0), *ends])]
 
 
 def reshape_pieces(
@@ -455,9 +415,8 @@ def reshape_pieces(
 
 def evaluate(leaf: OutputLeaf, sources: Sequence[np.ndarray], *, cast: bool = True) -> np.ndarray:
   """Builds an output leaf on the host from NumPy source arrays (in the source tree's leaf
-  order), piece by piece: a reference for tests, independent of JAX (float-to-integer casts as
-  :func:`cast_like_xla`; NaN payloads may differ from XLA's). ``cast=False`` skips the casts
-  and keeps the sources' dtype (all alike), e.g. to follow indices of source elements."""
+  order), piece by piece: a reference for tests, independent of JAX (casts as
+  :func:`cast_like_xla`). ``cast=False`` keeps the sources' dtype (all alike)."""
   dtype = leaf.dtype if cast else np.result_type(*[s.dtype for s in sources])
   out = np.empty(leaf.shape, dtype)
   for p in leaf.pieces:
@@ -489,9 +448,7 @@ def lower_bound_bytes(leaf: OutputLeaf, src_layouts: Sequence[Layout], dst_layou
   """The fewest bytes any plan must move to build ``leaf`` in ``dst_layout``.
 
   Per destination device: its output shard's elements minus those whose source element it
-  already holds (in its shard of that source leaf, ``src_layouts`` in the source tree's leaf
-  order), in each piece's wire dtype. Distinct destination boxes are cut into pieces once and
-  intersected with the source shards: no element is enumerated.
+  already holds (``src_layouts`` in the source tree's leaf order), in each piece's wire dtype.
 
   Raises:
     ReshardError: if ``dst_layout``'s shape is not the leaf's.

@@ -1,9 +1,6 @@
-"""Transforms inside the plan: :func:`analyze_transform` traces the user's function on
-``jax.ShapeDtypeStruct`` s (no data is read) and walks the jaxpr, keeping per value its pieces,
-a small host-evaluated value (index arithmetic on literals and constants), or why it cannot be
-moved (anything but casts, static slicing and indexing, joins, reshapes, transposes, identities
-and call wrappers, which are walked into).
-"""
+"""Transforms inside the plan: :func:`analyze_transform` traces the user's function without data
+and walks the jaxpr, keeping per value its pieces, a small host-evaluated value (index arithmetic)
+or why it cannot be moved (docs/design.md)."""
 
 from __future__ import annotations
 
@@ -92,10 +89,7 @@ def analyze_transform(transform: Callable[[Any], Any], src: Any) -> TransformAna
   paths = tuple(jax.tree_util.keystr(p) for p, _ in flat)
   shapes = tuple(tuple(int(s) for s in x.shape) for _, x in flat)
   dtypes = tuple(np.dtype(x.dtype) for _, x in flat)
-
-  def flat_transform(*leaves: Any) -> Any:
-    return transform(jax.tree_util.tree_unflatten(treedef, leaves))
-
+  flat_transform = lambda *leaves: transform(jax.tree_util.tree_unflatten(treedef, leaves))
   try:
     closed, out_shapes = jax.make_jaxpr(flat_transform, return_shape=True)(
       *map(jax.ShapeDtypeStruct, shapes, dtypes)
@@ -253,10 +247,6 @@ def _split(eqn: Any, ins: list[Any]) -> _Pieces:
   return outs
 
 
-def _take(pieces: Sequence[Piece], start: Sequence[int], sizes: Sequence[int]) -> list[Piece]:
-  return slice_pieces(pieces, start, [a + s for a, s in zip(start, sizes, strict=True)])
-
-
 def _dynamic_slice(eqn: Any, ins: list[Any]) -> _Pieces:
   x, idx = ins[0], ins[1:]
   if not all(isinstance(i, _Static) and i.value is not None for i in idx):
@@ -265,7 +255,7 @@ def _dynamic_slice(eqn: Any, ins: list[Any]) -> _Pieces:
   start = [
     int(np.clip(int(i.value), 0, n - s)) for i, n, s in zip(idx, x.shape, sizes, strict=True)
   ]
-  return [_take(x.pieces, start, sizes)]
+  return [slice_pieces(x.pieces, start, [a + s for a, s in zip(start, sizes, strict=True)])]
 
 
 def _data_indices(indices: Sequence[_Value]) -> str:
@@ -295,7 +285,8 @@ def _gather(eqn: Any, ins: list[Any]) -> _Pieces:
     if fill and any(a < 0 or a + s > n for a, s, n in zip(start, sizes, x.shape, strict=True)):
       return "has an out-of-bounds index, which fills with a constant"
     start = [min(max(a, 0), n - s) for a, s, n in zip(start, sizes, x.shape, strict=True)]
-    part = squeeze_pieces(_take(x.pieces, start, sizes), dn.collapsed_slice_dims)
+    limit = [a + s for a, s in zip(start, sizes, strict=True)]
+    part = squeeze_pieces(slice_pieces(x.pieces, start, limit), dn.collapsed_slice_dims)
     part = expand_pieces(part, batch_dims)
     pieces += shift_pieces(part, dict(zip(batch_dims, b, strict=True)))
   return [pieces]

@@ -1,8 +1,5 @@
-"""Trees in, leaves out: validation and flattening shared by the eager and the traced path.
-
-Every check runs before any device work and raises a :class:`ReshardError` that names the leaf,
-shows both layouts and says how to fix the call.
-"""
+"""Trees in, leaves out: validation and flattening shared by the eager and the traced path. Every
+check runs before any device work and raises a :class:`ReshardError` naming the leaf and the fix."""
 
 from __future__ import annotations
 
@@ -175,21 +172,17 @@ def _leaf(name: str, x: Any, d: Any, src_sharding: Any) -> Leaf:
       f"source leaf {name or '<root>'} has no sharding; build it as "
       "jax.ShapeDtypeStruct(shape, dtype, sharding=...)"
     )
-  leaf = Leaf(
-    name,
-    tuple(int(s) for s in x.shape),
-    np.dtype(x.dtype),
-    resolve_sharding(src_sharding, name, "source"),
-    as_sharding(name, d),
-  )
+  src_sharding = resolve_sharding(src_sharding, name, "source")
+  shape = tuple(int(s) for s in x.shape)
+  leaf = Leaf(name, shape, np.dtype(x.dtype), src_sharding, as_sharding(name, d))
   _check_template(leaf, d)
   _check_shardings(leaf)
   return leaf
 
 
 def _leaf_errors(errors: Sequence[tuple[str, ReshardError]], n: int) -> ReshardError:
-  """One error for several bad leaves: the first in full, the others one line each (capped);
-  the same complaint about every leaf (an abstract mesh without jax.set_mesh...) once."""
+  """One error for several bad leaves: the first in full, the others one line each (capped), or
+  once when every leaf has the same complaint."""
   name, first = errors[0]
   kind = ReshardTypeError if all(isinstance(e, TypeError) for _, e in errors) else ReshardError
   if len({str(e).replace(nm, "") for nm, e in errors}) == 1:
@@ -200,10 +193,10 @@ def _leaf_errors(errors: Sequence[tuple[str, ReshardError]], n: int) -> ReshardE
     return kind(
       f"{first}\n" + _wrap(f"(The same holds for {len(others)} more of the {n} leaves: {listed}.)")
     )
-  lines = []
-  for nm, e in errors:  # the first sentence or clause of the first line, at most ~120 chars
-    line = str(e).splitlines()[0].split(". ")[0].split("; ")[0]
-    lines.append(f"{nm}: {line if len(line) <= 120 else line[:117] + '...'}")
+  # per leaf, the first sentence or clause of the first line, at most ~120 chars
+  lines = [
+    f"{nm}: {_clip(str(e).splitlines()[0].split('. ')[0].split('; ')[0], 120)}" for nm, e in errors
+  ]
   head = f"{len(errors)} of the {n} leaves cannot be resharded as given; nothing was moved:"
   return kind(_listing(head, lines, f"The first, {name}, in full:", _wrap(str(first))))
 
@@ -231,8 +224,7 @@ _JNP_DTYPES = {"bfloat16", "float16", "float32", "float64", "int8", "int16", "in
 
 
 def _check_shardings(leaf: Leaf) -> None:
-  """One platform, no reduced or unreduced axes, specs no longer than the rank, and shards
-  that tile the shape evenly."""
+  """One platform, no (un)reduced axes, specs no longer than the rank, shards that tile evenly."""
   pairs = (("source", leaf.src_sharding), ("destination", leaf.dst_sharding))
   for which, sharding in pairs:
     spec = getattr(sharding, "spec", None)
@@ -308,10 +300,9 @@ DRIFT_HINT = (
 
 def _flatten_as(treedef: Any, x: Any, names: tuple[str, str], fix: str) -> list[Any]:
   """The leaves of ``x``, which must have the structure ``treedef``."""
-  arrays, x_treedef = jax.tree_util.tree_flatten(x)
-  if x_treedef != treedef:
+  if (flat := jax.tree_util.tree_flatten(x))[1] != treedef:
     raise tree_mismatch(None, x, names, prefix=False, full_treedef=treedef, fix=fix)
-  return arrays
+  return flat[0]
 
 
 def check_arrays(treedef: Any, leaves: Sequence[Leaf], x: Any) -> list[Any]:
@@ -322,10 +313,9 @@ def check_arrays(treedef: Any, leaves: Sequence[Leaf], x: Any) -> list[Any]:
     "the one it was made for, or call jr.reshard(x, dst) (it plans per tree and caches)."
   )
   arrays = _flatten_as(treedef, x, ("planned source", "input"), fix)
+  pairs = zip(leaves, arrays, strict=True)
   problems = [
-    problem
-    for lf, a in zip(leaves, arrays, strict=True)
-    if (problem := _array_problem(lf, a, lf.src_sharding, "the plan was made for"))
+    p for lf, a in pairs if (p := _array_problem(lf, a, lf.src_sharding, "the plan was made for"))
   ]
   if not problems:
     return arrays
@@ -458,8 +448,7 @@ def _strip_value(path: _KeyPath) -> _KeyPath:
   return path[:-1] if path and getattr(path[-1], "name", None) == "value" else path
 
 
-def _short(x: Any, limit: int = 60) -> str:
-  text = repr(x)
+def _clip(text: str, limit: int = 60) -> str:
   return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -468,8 +457,7 @@ def _node_label(data: Any) -> str:
 
 
 def _node_difference(a: Any, b: Any) -> str:
-  """How the node data ``a`` and ``b`` (``PyTreeDef.node_data()``) differ, briefly; metadata of
-  ``(name, value)`` pairs (as Flax Variables record it) by name."""
+  """How the node data ``a`` and ``b`` differ, briefly; ``(name, value)`` metadata by name."""
   if a is None or b is None or a[0] is not b[0]:
     return f"{_node_label(a)} against {_node_label(b)}"
   pairs = lambda aux: (
@@ -481,18 +469,18 @@ def _node_difference(a: Any, b: Any) -> str:
     keys = [k for k in sorted({*da, *db}, key=str) if da.get(k, unset) != db.get(k, unset)]
     if keys:
       shown = ", ".join(
-        f"{k}={_short(da.get(k, unset))} against {_short(db.get(k, unset))}" for k in keys[:3]
+        f"{k}={_clip(repr(da.get(k, unset)))} against {_clip(repr(db.get(k, unset)))}"
+        for k in keys[:3]
       )
       more = f" (+{len(keys) - 3} more)" if len(keys) > 3 else ""
       return f"{_node_label(a)} metadata {shown}{more}"
-  return f"{_node_label(a)} {_short(a[1])} against {_short(b[1])}"
+  return f"{_node_label(a)} {_clip(repr(a[1]))} against {_clip(repr(b[1]))}"
 
 
 def _node_differences(
   a: Any, b: Any, paths: Sequence[_KeyPath], depth: int = 0, first: int = 0, parent: _KeyPath = ()
 ) -> list[str]:
-  """Where treedefs ``a`` and ``b`` (of trees with the same leaf paths ``paths``) differ in
-  node type or metadata: the outermost differing nodes."""
+  """The outermost nodes where treedefs ``a`` and ``b`` (same leaf ``paths``) differ."""
   path = paths[first][:depth] if first < len(paths) else parent
   try:
     data_a, data_b = a.node_data(), b.node_data()
@@ -521,10 +509,10 @@ def tree_mismatch(
   is_leaf: Any = None,
   full_treedef: Any = None,
 ) -> ReshardError:
-  """A :class:`ReshardError` saying how ``other`` differs from ``full`` (or ``full_treedef``)
-  in at most ~20 lines: the first differing paths grouped by the subtree one side lacks, their
-  count and the likely cause, then ``fix``. ``names``: what to call the two trees. With
-  ``prefix``, a leaf of ``other`` may stand for a subtree of ``full``."""
+  """A :class:`ReshardError` saying how ``other`` differs from ``full`` (or ``full_treedef``) in
+  at most ~20 lines: the first differing paths, their count and the likely cause, then ``fix``.
+  ``names``: what to call the two trees. With ``prefix``, a leaf of ``other`` may stand for a
+  subtree of ``full``."""
   full_name, other_name = names
   if full_treedef is None:
     full_treedef, full_paths = jax.tree_util.tree_structure(full), _key_paths(full)
@@ -536,7 +524,7 @@ def tree_mismatch(
       full_paths = [(jax.tree_util.FlattenedIndexKey(i),) for i in range(n)]
   other_paths = _key_paths(other, is_leaf)
   if bool(full_paths) != bool(other_paths):
-    head, items, cause = _empty_side(full_paths, other_paths, names)
+    (head, cause), items = _empty_side(full_paths, other_paths, names), list[str]()
   elif any(missing_extra := _missing_and_extra(full_paths, other_paths, prefix)):
     head, items, cause = _differing_paths(full_paths, other_paths, *missing_extra, names)
   else:
@@ -562,8 +550,8 @@ def tree_mismatch(
 
 def _empty_side(
   full_paths: Sequence[_KeyPath], other_paths: Sequence[_KeyPath], names: tuple[str, str]
-) -> tuple[str, list[str], str]:
-  """(head, items, cause) where one of the trees has no leaves."""
+) -> tuple[str, str]:
+  """(head, cause) where one of the trees has no leaves."""
   full_name, other_name = names
   if not full_paths:
     head = (
@@ -575,7 +563,7 @@ def _empty_side(
       "that selects nothing? nnx.state(optimizer, nnx.Param) is empty (an nnx.Optimizer holds "
       "its optimizer state, not the model's Params): pass nnx.state(model, nnx.Param)."
     )
-    return head, [], cause
+    return head, cause
   head = (
     f"the {other_name} tree has no leaves, but the {full_name} tree has "
     f"{_count(len(full_paths), 'leaf', 'leaves')}."
@@ -585,14 +573,14 @@ def _empty_side(
     "nnx.state(sampler, nnx.Param) of a module whose weights are another Variable type), "
     "or it is a tree of another model."
   )
-  return head, [], cause
+  return head, cause
 
 
 def _missing_and_extra(
   full_paths: Sequence[_KeyPath], other_paths: Sequence[_KeyPath], prefix: bool
 ) -> tuple[dict[_KeyPath, int], dict[_KeyPath, int]]:
-  """The leaves of ``full`` that ``other`` lacks and those of ``other`` matching none of
-  ``full``, each grouped by the shortest prefix the other side lacks, with counts."""
+  """The leaves of ``full`` that ``other`` lacks and the reverse, counted per shortest prefix the
+  other side lacks."""
   other_set = set(other_paths)
   if prefix:
     covered = lambda p: any(p[:k] in other_set for k in range(len(p) + 1))
