@@ -209,12 +209,8 @@ class ReshardPlan:
     """
     if ("executables", out) in self._built:
       return self._built["executables", out]
-    devices = {
-      d.id: d
-      for lf in (*self._src_leaves, *self.leaves)
-      for d in (*lf.src_sharding.device_set, *lf.dst_sharding.device_set)
-    }
-    first_stage, exes = self.layout_plan.stages()[0], []
+    devices, first_stage = _devices((*self._src_leaves, *self.leaves)), self.layout_plan.stages()[0]
+    exes = []
     for (stage, _), p in zip(self._stage_buckets, self.programs(out=out), strict=True):
       dst = [self.leaves[lf.index].dst_sharding for lf in p.leaves]
       # A relay stage takes the first stage's results, laid out as the destination.
@@ -230,9 +226,7 @@ class ReshardPlan:
   def memory_analysis(self, *, out: bool = False) -> list[Any]:
     """XLA's ``memory_analysis()`` of every compiled program (compiled if needed), in order.
 
-    One ``CompiledMemoryStats`` per bucket, two where its assembly runs apart; per device:
-    ``argument_size_in_bytes`` (staged blocks or received payloads), ``output_size_in_bytes``,
-    ``alias_size_in_bytes`` (written into donated inputs), ``temp_size_in_bytes`` (scratch).
+    One ``CompiledMemoryStats`` per bucket (two where its assembly runs apart), per device.
 
     Args:
       out: those of calls with ``out=``.
@@ -556,9 +550,15 @@ def _one_bound(max_bucket_bytes: int | Sequence[int] | None, leaves: list[Leaf])
   assert not isinstance(max_bucket_bytes, Sequence)
   if max_bucket_bytes is not None:
     return int(max_bucket_bytes)
-  devices = [d for lf in leaves for d in (*lf.src_sharding.device_set, *lf.dst_sharding.device_set)]
-  cpu = {d.platform for d in devices} == {"cpu"}
+  cpu = {d.platform for d in _devices(leaves).values()} == {"cpu"}
   return CPU_MAX_BUCKET_BYTES if cpu else DEFAULT_MAX_BUCKET_BYTES
+
+
+def _devices(leaves: Sequence[Leaf]) -> dict[int, Any]:
+  """The devices of ``leaves``' source and destination shardings, by id."""
+  return {
+    d.id: d for lf in leaves for d in (*lf.src_sharding.device_set, *lf.dst_sharding.device_set)
+  }
 
 
 @functools.lru_cache(maxsize=256)

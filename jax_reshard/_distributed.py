@@ -1,12 +1,7 @@
 """Across processes: a plan fingerprint and a rendezvous through the distributed KV store.
 
-Every process of a ``jax.distributed`` job owning a device of a plan calls it collectively.
-First they exchange plan fingerprints in the coordination service's key-value store: equal,
-the collective runs; different, every process raises :class:`ReshardPlanMismatchError` and
-stays usable; a process missing past the timeout (:func:`resolve_timeout`) makes the waiting
-ones raise :class:`ReshardPeerError`, and every later multi-process call on them too (restart
-the job). A peer dying during the collective is JAX's to handle (gloo fails it at once; the
-coordination service aborts the survivors after ``heartbeat_timeout_seconds``).
+Every process owning a device of a plan calls it collectively; first they compare plan
+fingerprints (docs/guide.md "Multiple processes": mismatches, missing peers, dying peers).
 """
 
 from __future__ import annotations
