@@ -26,184 +26,14 @@ from jax_reshard._viz import plan_html
 _Relays = bool | Literal["auto"] | None
 
 
-class _Runner:
-  """What a plan's calls run: the buckets of every stage in order (a relay stage's after the
-  first's), their programs, executables (built once per ``out``) and stats; a call's checks."""
-
-  def __init__(
-    self,
-    treedef: Any,
-    leaves: tuple[Leaf, ...],
-    layout_plan: _plan.LayoutPlan,
-    src_treedef: Any,
-    src_leaves: tuple[Leaf, ...] | None,
-  ) -> None:
-    self.treedef, self.leaves, self.layout_plan = treedef, leaves, layout_plan
-    self.transformed = src_leaves is not None  # a transform's source leaves differ
-    self.src_treedef = treedef if src_treedef is None else src_treedef
-    self.src_leaves = leaves if src_leaves is None else src_leaves
-    self.src_paths = [lf.path for lf in self.src_leaves]
-    stages, dtypes = layout_plan.stages(), [lf.dtype for lf in leaves]
-    self.stage_buckets = [(st, b) for st in stages for b in range(len(st.schedule.buckets))]
-    self.bucket_leaves = [stage.bucket_leaves(b) for stage, b in self.stage_buckets]
-    self.by_stage = [  # a transformed stage's buckets each their own (see program_classes)
-      (st.bucket_classes or ())
-      if st.pieces is not None
-      else stage_classes(st.leaf_plans, st.layouts, st.scheduled, st.schedule, dtypes)
-      for st in stages
-    ]
-    self.classes: list[int] = []  # per bucket, the first with its program (over every stage)
-    for classes in self.by_stage:
-      self.classes += [len(self.classes) + c for c in classes]
-    scheduled = set(layout_plan.scheduled)
-    self.unscheduled = [i for i in range(len(leaves)) if i not in scheduled]
-    self.default_layouts = _edge.DefaultLayouts()
-    self._stats: _plan.PlanStats | None = None
-    self._programs: dict[bool, list[_program.BucketProgram]] = {}
-    self._executables: dict[bool, list[BucketExecutable]] = {}
-
-  def program_classes(self) -> tuple[list[tuple[int, ...]], int]:
-    """Per stage, per bucket, the first bucket of the stage with its program; how many. With a
-    transform, from the built programs' signatures (a transformed bucket's rows carry pieces)."""
-    if not self.transformed:
-      return self.by_stage, len(set(self.classes))
-    signatures = [_program.program_signature(p) for p in self.programs(False)]
-    out, at = [], 0
-    for stage in self.layout_plan.stages():
-      n, first = len(stage.schedule.buckets), dict[_program.BucketProgram, int]()
-      out.append(tuple(first.setdefault(sig, b) for b, sig in enumerate(signatures[at : at + n])))
-      at += n
-    return out, len(set(signatures))
-
-  def stats(self, as_is: frozenset[int]) -> _plan.PlanStats:
-    """The layout plan's stats with the programs counted (see :attr:`ReshardPlan.stats`)."""
-    if self._stats is None:
-      by_stage, num_programs = self.program_classes()
-      st, moved = self.layout_plan.stats, self.layout_plan.stats.bytes_moved
-      passes = _plan.passes_per_moved_byte(self.layout_plan, by_stage, as_is)
-      extra = sum(exe.bundle_pass_bytes() for exe in self.executables(False))
-      passes += extra / (2 * moved) if moved else 0.0
-      self._stats = dataclasses.replace(st, num_programs=num_programs, passes_per_moved_byte=passes)
-    return self._stats
-
-  def programs(self, out: bool) -> list[_program.BucketProgram]:
-    """See :meth:`ReshardPlan.programs`."""
-    if out in self._programs:
-      return self._programs[out]
-    dtypes, src_dtypes = [lf.dtype for lf in self.leaves], [lf.dtype for lf in self.src_leaves]
-    first_stage, words = self.layout_plan.stages()[0], plan_word_bytes(self.layout_plan)
-    programs: list[_program.BucketProgram] = []
-    for k, (stage, b) in enumerate(self.stage_buckets):
-      donate, first = out and stage is first_stage, self.classes[k]
-      if first < k:  # the same program as an earlier bucket, on other leaves
-        p = _build.rebound_program(programs[first], stage, b, dtypes, donate=donate)
-      elif stage.pieces is not None:  # a transformed stage: inputs are the source leaves
-        p = _build.make_transform_program(
-          stage, b, src_dtypes, dtypes, donate=donate, options=self.layout_plan.options
-        )
-      else:
-        ids = stage.schedule.buckets[b].union_device_ids
-        p = _build.make_bucket_program(stage, b, dtypes, ids, max_word_bytes=words, donate=donate)
-      programs.append(p)
-    self._programs[out] = programs
-    return programs
-
-  def executables(self, out: bool) -> list[BucketExecutable]:
-    """See :meth:`ReshardPlan.executables`."""
-    if out in self._executables:
-      return self._executables[out]
-    devices = {
-      d.id: d
-      for lf in (*self.src_leaves, *self.leaves)
-      for d in (*lf.src_sharding.device_set, *lf.dst_sharding.device_set)
-    }
-    first_stage, exes = self.layout_plan.stages()[0], []
-    for (stage, _), p in zip(self.stage_buckets, self.programs(out), strict=True):
-      dst = [self.leaves[lf.index].dst_sharding for lf in p.leaves]
-      # A relay stage takes the first stage's results, laid out as the destination.
-      src = (
-        [self.src_leaves[lf.index].src_sharding for lf in p.sources]
-        if stage is first_stage
-        else dst
-      )
-      exes.append(BucketExecutable(p, devices, dst, src, options=self.layout_plan.options))
-    self._executables[out] = exes
-    return exes
-
-  def call(self, plan: ReshardPlan, x: Any, donate: Any, out: Any) -> Any:
-    """A call of ``plan``, without edges (see :meth:`ReshardPlan.__call__`)."""
-    flags = None if donate is False else _edge.donated_leaves(donate, x, self.src_paths)
-    arrays = check_arrays(self.src_treedef, self.src_leaves, x)
-    old = None if out is None else check_donated(self.treedef, self.leaves, out, arrays)
-    if old is not None:
-      _edge.check_out_layouts([lf.name for lf in self.leaves], old)
-    result = self.move(plan, self.default_layouts(arrays), old)
-    if flags is not None:
-      _edge.delete_donated(arrays, flags, result)
-    return jax.tree_util.tree_unflatten(self.treedef, result)
-
-  def call_edged(self, plan: ReshardPlan, edges: _edge.Edges, x: Any, donate: Any, out: Any) -> Any:
-    """A call of ``plan`` with :mod:`_edge` steps: every check, steps in, the move, steps out."""
-    values, treedef = jax.tree_util.tree_flatten(x)
-    edges.check(values, treedef)
-    flags = _edge.donated_leaves(donate, x, edges.paths)
-    old = None if out is None else edges.check_out(out)
-    with _no_mesh():
-      carriers = jax.tree_util.tree_leaves(edges.carriers(values))
-      tree = jax.tree_util.tree_unflatten(self.treedef, carriers)
-      moved = self.move(plan, check_arrays(self.treedef, self.leaves, tree), None)
-      result = edges.results(values, moved)
-    _edge.delete_donated(values, flags, result)
-    _delete(old or ())  # written fresh: the old buffers are freed as out= promises
-    return jax.tree_util.tree_unflatten(edges.treedef, result)
-
-  def move(self, plan: ReshardPlan, arrays: list[Any], old: list[Any] | None) -> list[Any]:
-    """Runs the buckets in order on checked arrays (default layouts), a leaf's destination
-    blocks going from bucket to bucket; deletes ``old``'s arrays."""
-    if jax.process_count() > 1:  # all processes must hold this plan before any collective
-      from jax_reshard import _distributed
-
-      _distributed.check_plan(plan)
-    with _no_mesh():
-      executables = self.executables(old is not None)
-      out: list[Any] = [None] * len(self.leaves)
-      for i in self.unscheduled:
-        lf = self.leaves[i]
-        out[i] = empty_like_sharded(lf.shape, lf.dtype, lf.dst_sharding)
-      carry: dict[int, dict[int, Any]] = (
-        {} if old is None else {i: buffers_by_device(old[i]) for i in self.layout_plan.scheduled}
-      )
-      # Blocks of devices without a destination shard, left by the last bucket that took
-      # destination inputs: the next bucket's placeholders. Dropped after the call, so that
-      # devices holding no destination shard keep nothing between refits.
-      spares: dict[Any, list[Any]] = {}
-      in_flight = InFlight(self.layout_plan.options.in_flight_buckets)
-      for idx, exe in zip(self.bucket_leaves, executables, strict=True):
-        leaves = zip(idx, exe.program.leaves, strict=True) if exe.takes_destinations else ()
-        dsts = [carry.pop(i, None) if lf.dst_input or lf.dst_window else None for i, lf in leaves]
-        if exe.program.inputs:  # a transformed stage reads the source leaves
-          xs = [arrays[lf.index] for lf in exe.program.inputs]
-        else:  # a relay stage reads the first stage's results
-          xs = [arrays[i] if out[i] is None else out[i] for i in idx]
-        ys = exe(xs, dsts, spares, in_flight.wait_for(exe))
-        in_flight.add(ys)
-        for i, y in zip(idx, ys, strict=True):
-          if isinstance(y, dict):
-            carry[i] = y
-          else:
-            out[i] = y
-    _delete(old or ())
-    return out
-
-
 class ReshardPlan:
   """A compiled reshard of one pytree layout into another; build it with :func:`make_plan`.
 
   A call moves the data (compiling on the first call only); ``print(plan)`` shows per group of
   leaves both layouts and bytes, then the totals against the lower bound and gather-broadcast.
   Leaves not moved as they are (host data, PRNG keys, sub-byte or complex types, other memory
-  kinds, a destination ``Format``) are planned, and described, as what moves (key data, 8-bit
-  words, device memory); a call converts them on the way in and out, on the same devices.
+  kinds, a destination ``Format``) are planned as what moves (key data, 8-bit words, device
+  memory) and converted on the way in and out, on the same devices.
 
   Attributes:
     stats: :class:`PlanStats` of the whole tree.
@@ -222,11 +52,9 @@ class ReshardPlan:
     >>> plan = jr.make_plan(x, jax.NamedSharding(mesh, jax.P(None, "x")))
     >>> np.array_equal(plan(x), x), [len(b.rounds) for b in plan.schedule.buckets]
     (True, [7])
-    >>> lp, (src, dst) = plan.leaf_plans[0], plan.layouts[0]
+    >>> lp = plan.leaf_plans[0]
     >>> int(lp.nbytes[~lp.local].sum()), int(lp.nbytes[lp.local].sum())  # moved, kept
     (224, 32)
-    >>> src.shard_shape(), dst.shard_shape(), plan.dst_shardings == plan.leaves[0].dst_sharding
-    ((1, 8), (8, 1), True)
     >>> print(plan)
     ReshardPlan: 1 leaves, 1 layout groups
          1 leaves  mesh (x=8) devices [0..7] spec P('x')
@@ -249,9 +77,42 @@ class ReshardPlan:
     self.schedule, self.leaf_plans = layout_plan.schedule, layout_plan.leaf_plans
     self.layouts = layout_plan.layouts
     self.dst_shardings = jax.tree_util.tree_unflatten(treedef, [lf.dst_sharding for lf in leaves])
-    self._runner = _Runner(treedef, leaves, layout_plan, src_treedef, src_leaves)
     # Leaves whose whole shards travel as they are: only an array plan knows the types.
     self._as_is = frozenset(i for i, lf in enumerate(leaves) if _program.travels_as_is(lf.dtype))
+    self._treedef, self._transformed = treedef, src_leaves is not None
+    self._src_treedef = treedef if src_treedef is None else src_treedef
+    self._src_leaves = leaves if src_leaves is None else src_leaves
+    self._src_paths = [lf.path for lf in self._src_leaves]
+    # The buckets of every stage in order (a relay stage's after the first's).
+    stages, dtypes = layout_plan.stages(), [lf.dtype for lf in leaves]
+    self._stage_buckets = [(st, b) for st in stages for b in range(len(st.schedule.buckets))]
+    self._bucket_leaves = [stage.bucket_leaves(b) for stage, b in self._stage_buckets]
+    self._by_stage = [  # a transformed stage's buckets each their own (see _program_classes)
+      (st.bucket_classes or ())
+      if st.pieces is not None
+      else stage_classes(st.leaf_plans, st.layouts, st.scheduled, st.schedule, dtypes)
+      for st in stages
+    ]
+    self._classes: list[int] = []  # per bucket, the first with its program (over every stage)
+    for classes in self._by_stage:
+      self._classes += [len(self._classes) + c for c in classes]
+    scheduled = set(layout_plan.scheduled)
+    self._unscheduled = [i for i in range(len(leaves)) if i not in scheduled]
+    self._default_layouts = _edge.DefaultLayouts()
+    self._built: dict[Any, Any] = {}  # stats, programs and executables; shared by with_edges
+
+  def _program_classes(self) -> tuple[list[tuple[int, ...]], int]:
+    """Per stage, per bucket, the first bucket of the stage with its program; how many. With a
+    transform, from the built programs' signatures (a transformed bucket's rows carry pieces)."""
+    if not self._transformed:
+      return self._by_stage, len(set(self._classes))
+    signatures = [_program.program_signature(p) for p in self.programs()]
+    out, at = [], 0
+    for stage in self.layout_plan.stages():
+      n, first = len(stage.schedule.buckets), dict[_program.BucketProgram, int]()
+      out.append(tuple(first.setdefault(sig, b) for b, sig in enumerate(signatures[at : at + n])))
+      at += n
+    return out, len(set(signatures))
 
   @property
   def stats(self) -> _plan.PlanStats:
@@ -265,7 +126,16 @@ class ReshardPlan:
       >>> st.bytes_moved, st.lower_bound_bytes, st.gather_broadcast_bytes  # 7 of 8 f32 values
       (224, 224, 1792)
     """
-    return self._runner.stats(self._as_is)
+    if "stats" not in self._built:
+      by_stage, num_programs = self._program_classes()
+      st, moved = self.layout_plan.stats, self.layout_plan.stats.bytes_moved
+      passes = _plan.passes_per_moved_byte(self.layout_plan, by_stage, self._as_is)
+      extra = sum(exe.bundle_pass_bytes() for exe in self.executables())
+      passes += extra / (2 * moved) if moved else 0.0
+      self._built["stats"] = dataclasses.replace(
+        st, num_programs=num_programs, passes_per_moved_byte=passes
+      )
+    return self._built["stats"]
 
   def programs(self, *, out: bool = False) -> list[_program.BucketProgram]:
     """Per bucket of every stage, in run order, what every device does (NumPy; ``print`` one).
@@ -282,7 +152,25 @@ class ReshardPlan:
         leaf 0 (#0) float32[8, 8] in uint32: [1, 8] -> [8, 1]
       ...
     """
-    return self._runner.programs(out)
+    if ("programs", out) in self._built:
+      return self._built["programs", out]
+    dtypes, src_dtypes = [lf.dtype for lf in self.leaves], [lf.dtype for lf in self._src_leaves]
+    first_stage, words = self.layout_plan.stages()[0], plan_word_bytes(self.layout_plan)
+    programs: list[_program.BucketProgram] = []
+    for k, (stage, b) in enumerate(self._stage_buckets):
+      donate, first = out and stage is first_stage, self._classes[k]
+      if first < k:  # the same program as an earlier bucket, on other leaves
+        p = _build.rebound_program(programs[first], stage, b, dtypes, donate=donate)
+      elif stage.pieces is not None:  # a transformed stage: inputs are the source leaves
+        p = _build.make_transform_program(
+          stage, b, src_dtypes, dtypes, donate=donate, options=self.options
+        )
+      else:
+        ids = stage.schedule.buckets[b].union_device_ids
+        p = _build.make_bucket_program(stage, b, dtypes, ids, max_word_bytes=words, donate=donate)
+      programs.append(p)
+    self._built["programs", out] = programs
+    return programs
 
   def estimate(self, topology: Topology | None = None, *, out: bool = False) -> Estimate:
     """The predicted time of a call on ``topology`` (see :func:`jax_reshard.estimate`).
@@ -302,7 +190,7 @@ class ReshardPlan:
       >>> plan.estimate(jr.Topology.h100_nodes()).num_rounds
       7
     """
-    dtypes, by_stage = [lf.dtype for lf in self.leaves], self._runner.program_classes()[0]
+    dtypes, by_stage = [lf.dtype for lf in self.leaves], self._program_classes()[0]
     return estimate(self.layout_plan, topology, self._as_is, by_stage, kinds=dtypes, out=out)
 
   def executables(self, *, out: bool = False) -> list[BucketExecutable]:
@@ -319,14 +207,26 @@ class ReshardPlan:
       >>> [exe.program.device_ids for exe in plan.executables()]
       [(0, 1, 2, 3, 4, 5, 6, 7)]
     """
-    return self._runner.executables(out)
+    if ("executables", out) in self._built:
+      return self._built["executables", out]
+    devices, first_stage = _devices((*self._src_leaves, *self.leaves)), self.layout_plan.stages()[0]
+    exes = []
+    for (stage, _), p in zip(self._stage_buckets, self.programs(out=out), strict=True):
+      dst = [self.leaves[lf.index].dst_sharding for lf in p.leaves]
+      # A relay stage takes the first stage's results, laid out as the destination.
+      src = (
+        [self._src_leaves[lf.index].src_sharding for lf in p.sources]
+        if stage is first_stage
+        else dst
+      )
+      exes.append(BucketExecutable(p, devices, dst, src, options=self.options))
+    self._built["executables", out] = exes
+    return exes
 
   def memory_analysis(self, *, out: bool = False) -> list[Any]:
     """XLA's ``memory_analysis()`` of every compiled program (compiled if needed), in order.
 
-    One ``CompiledMemoryStats`` per bucket, two where its assembly runs apart; per device:
-    ``argument_size_in_bytes`` (staged blocks or received payloads), ``output_size_in_bytes``,
-    ``alias_size_in_bytes`` (written into donated inputs), ``temp_size_in_bytes`` (scratch).
+    One ``CompiledMemoryStats`` per bucket (two where its assembly runs apart), per device.
 
     Args:
       out: those of calls with ``out=``.
@@ -339,8 +239,9 @@ class ReshardPlan:
       >>> [m.output_size_in_bytes for m in plan.memory_analysis()]  # one 8x1 f32 shard
       [32]
     """
-    exes = self.executables(out=out)
-    return [c.memory_analysis() for exe in exes for c in exe.compiled_programs()]
+    return [
+      c.memory_analysis() for exe in self.executables(out=out) for c in exe.compiled_programs()
+    ]
 
   def __call__(self, x: Any, *, donate: Any = False, out: Any = None) -> Any:
     """Reshards ``x`` (a pytree matching the plan's source) into the destination layouts.
@@ -368,14 +269,74 @@ class ReshardPlan:
       (True, True, True, True)
     """
     if self._edges is not None:
-      return self._runner.call_edged(self, self._edges, x, donate, out)
-    return self._runner.call(self, x, donate, out)
+      return self._call_edged(self._edges, x, donate, out)
+    flags = None if donate is False else _edge.donated_leaves(donate, x, self._src_paths)
+    arrays = check_arrays(self._src_treedef, self._src_leaves, x)
+    old = None if out is None else check_donated(self._treedef, self.leaves, out, arrays)
+    if old is not None:
+      _edge.check_out_layouts([lf.name for lf in self.leaves], old)
+    result = self._move(self._default_layouts(arrays), old)
+    if flags is not None:
+      _edge.delete_donated(arrays, flags, result)
+    return jax.tree_util.tree_unflatten(self._treedef, result)
+
+  def _call_edged(self, edges: _edge.Edges, x: Any, donate: Any, out: Any) -> Any:
+    """A call with :mod:`_edge` steps: every check, steps in, the move, steps out."""
+    values, treedef = jax.tree_util.tree_flatten(x)
+    edges.check(values, treedef)
+    flags = _edge.donated_leaves(donate, x, edges.paths)
+    old = None if out is None else edges.check_out(out)
+    with _no_mesh():
+      carriers = jax.tree_util.tree_leaves(edges.carriers(values))
+      tree = jax.tree_util.tree_unflatten(self._treedef, carriers)
+      moved = self._move(check_arrays(self._treedef, self.leaves, tree), None)
+      result = edges.results(values, moved)
+    _edge.delete_donated(values, flags, result)
+    _delete(old or ())  # written fresh: the old buffers are freed as out= promises
+    return jax.tree_util.tree_unflatten(edges.treedef, result)
+
+  def _move(self, arrays: list[Any], old: list[Any] | None) -> list[Any]:
+    """Runs the buckets in order on checked arrays (default layouts), a leaf's destination
+    blocks going from bucket to bucket; deletes ``old``'s arrays."""
+    if jax.process_count() > 1:  # all processes must hold this plan before any collective
+      from jax_reshard import _distributed
+
+      _distributed.check_plan(self)
+    with _no_mesh():
+      executables = self.executables(out=old is not None)
+      out: list[Any] = [None] * len(self.leaves)
+      for i in self._unscheduled:
+        lf = self.leaves[i]
+        out[i] = empty_like_sharded(lf.shape, lf.dtype, lf.dst_sharding)
+      carry: dict[int, dict[int, Any]] = (
+        {} if old is None else {i: buffers_by_device(old[i]) for i in self.layout_plan.scheduled}
+      )
+      # Blocks of devices without a destination shard, left by the last bucket that took
+      # destination inputs: the next bucket's placeholders, dropped after the call.
+      spares: dict[Any, list[Any]] = {}
+      in_flight = InFlight(self.options.in_flight_buckets)
+      for idx, exe in zip(self._bucket_leaves, executables, strict=True):
+        leaves = zip(idx, exe.program.leaves, strict=True) if exe.takes_destinations else ()
+        dsts = [carry.pop(i, None) if lf.dst_input or lf.dst_window else None for i, lf in leaves]
+        if exe.program.inputs:  # a transformed stage reads the source leaves
+          xs = [arrays[lf.index] for lf in exe.program.inputs]
+        else:  # a relay stage reads the first stage's results
+          xs = [arrays[i] if out[i] is None else out[i] for i in idx]
+        ys = exe(xs, dsts, spares, in_flight.wait_for(exe))
+        in_flight.add(ys)
+        for i, y in zip(idx, ys, strict=True):
+          if isinstance(y, dict):
+            carry[i] = y
+          else:
+            out[i] = y
+    _delete(old or ())
+    return out
 
   def with_edges(self, edges: _edge.Edges) -> ReshardPlan:
     """A copy of this plan that takes the tree ``edges`` describes; ``make_plan`` uses it.
 
-    This plan moves the carrier tree (key data, 8-bit words, device memory); the copy shares
-    its executables and converts on the way in and out.
+    The copy shares this plan's executables, which move the carrier tree (key data, 8-bit
+    words, device memory), and converts on the way in and out.
 
     Args:
       edges: the steps in and out of the engine of every leaf (``_edge.make_edges``).
@@ -403,17 +364,14 @@ class TransformPlan(ReshardPlan):
   """A compiled reshard that also converts; build it with ``make_plan(src, dst, transform=f)``.
 
   A :class:`ReshardPlan` of the output leaves, used the same way; its result equals
-  ``transform(x)`` bit for bit, its bytes moved and counted in the narrowest dtype of each cast
-  chain (see ``make_plan``'s ``transform``). ``stats.num_programs`` counts distinct program
-  signatures (a model's layers share one executable); ``estimate`` counts a transformed
-  bucket's packing as a plain one's of the same output boxes.
+  ``transform(x)`` bit for bit. ``stats.num_programs`` counts distinct program signatures (a
+  model's layers share one executable).
 
   Attributes:
     analysis: the transform as pieces (:class:`TransformAnalysis`).
     src_leaves: per source leaf, its path, shape, dtype and sharding.
     leaves: per output leaf, its path, shape, dtype and destination sharding.
-    layout_plan: the transfers, schedule and stats (a :class:`LayoutPlan` whose ``pieces``
-      say what each transfer carries and how it lands).
+    layout_plan: a :class:`LayoutPlan` whose ``pieces`` say what each transfer carries.
 
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np, jax_reshard as jr
@@ -421,10 +379,8 @@ class TransformPlan(ReshardPlan):
     >>> x = jax.device_put(np.arange(64.0).reshape(8, 8), jax.NamedSharding(mesh, jax.P("x")))
     >>> to_bf16_t = lambda w: w.T.astype(jnp.bfloat16)
     >>> tplan = jr.make_plan(x, jax.NamedSharding(mesh, jax.P("x")), transform=to_bf16_t)
-    >>> np.array_equal(tplan(x), to_bf16_t(x)), tplan.estimate(jr.Topology.cpu()).num_rounds
-    (True, 7)
-    >>> print(tplan)  # bf16: 2 bytes a value
-    TransformPlan: 1 source leaves -> 1 output leaves
+    >>> print(np.array_equal(tplan(x), to_bf16_t(x)), tplan)  # bf16: 2 bytes a value
+    True TransformPlan: 1 source leaves -> 1 output leaves
       bytes moved        112 B (lower bound 112 B, padding 0 B)
     ...
   """
@@ -442,9 +398,7 @@ class TransformPlan(ReshardPlan):
 
   @property
   def piece_texts(self) -> tuple[str, ...]:
-    """Per output leaf, its pieces and the source layouts they read, as text.
-
-    Processes fingerprint these texts: processes with different transforms do not match.
+    """Per output leaf, its pieces and the source layouts they read, as text (fingerprinted).
 
     Example:
       >>> import jax, jax.numpy as jnp, jax_reshard as jr
@@ -531,28 +485,24 @@ def make_plan(
     dst: one ``jax.sharding.Sharding`` for every leaf, or a pytree prefix of ``src`` (with
       ``transform``: of its output) whose leaves are Shardings (or carry ``.sharding``).
     max_bucket_bytes: bound on transient staging bytes per device per compiled program.
-      ``None``: 1 GiB, or 16 MiB where every device is a CPU (larger programs there map fresh
-      host pages on every call); with ``transform``, 1 GiB. A sequence: the plan of whichever
-      bound the cost model predicts fastest on ``topology`` (needed then).
+      ``None``: 1 GiB (16 MiB where every device is a CPU, unless with ``transform``). A
+      sequence: whichever bound the cost model predicts fastest on ``topology`` (needed then).
     topology: device domains and link costs (``jr.Topology``); with several domains, regions a
       domain lacks cross into it once and are forwarded inside it (see ``jr.plan_layouts``).
     relays: with ``topology``: ``True`` (what ``None`` means) relays, ``False`` sends every
-      region directly from a source replica, ``"auto"`` keeps whichever the cost model
-      predicts faster. ``True`` or ``"auto"`` without a topology raise.
+      region directly, ``"auto"`` keeps whichever the cost model predicts faster.
     transform: a function of the source tree made of casts, static slicing and indexing,
       concatenate, stack, split, squeeze, expand_dims, reshape, transpose and pytree
-      restructuring (``jax.numpy``), traced without data. The result equals ``transform(src)``
-      bit for bit, in ``dst``; narrowing casts run on the sender, so bytes move in the
-      narrowest dtype of each cast chain.
+      restructuring (``jax.numpy``). The result equals ``transform(src)`` bit for bit, in
+      ``dst``; bytes move in the narrowest dtype of each cast chain.
     options: the lowering switches and thresholds (``Options``; ``None``: the defaults).
 
   Returns:
     A :class:`ReshardPlan` (``TransformPlan`` with ``transform``); call it on ``src``'s kind.
 
   Raises:
-    ReshardError: invalid trees, shapes, dtypes, devices or shardings, ``max_bucket_bytes``
-      (candidates without a topology) or ``relays``, or an operation ``transform`` does not
-      support; nothing is moved.
+    ReshardError: invalid trees, shapes, dtypes, devices, shardings, ``max_bucket_bytes`` or
+      ``relays`` (``True``/``"auto"`` need a topology), or an unsupported ``transform``.
 
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np, jax_reshard as jr
@@ -565,14 +515,11 @@ def make_plan(
     >>> new = plan(params)  # compiles on the first call, then only runs
     >>> new["w"].sharding == sampler, np.array_equal(new["w"], params["w"])
     (True, True)
-
-    Converting while moving (the transposed weight in bf16: half the bytes move):
-
     >>> to_sampler = lambda p: {"w_t": p["w"].T.astype(jnp.bfloat16)}
     >>> fused = jr.make_plan(params, {"w_t": sampler}, transform=to_sampler)
     >>> np.array_equal(fused(params)["w_t"], to_sampler(params)["w_t"])
     True
-    >>> 2 * fused.stats.bytes_moved == plan.stats.bytes_moved == plan.stats.lower_bound_bytes
+    >>> 2 * fused.stats.bytes_moved == plan.stats.bytes_moved  # bf16: half the bytes move
     True
   """
   resolved, opts = _plan.resolve_relays(relays, topology), _plan.resolve_options(options)
@@ -603,9 +550,15 @@ def _one_bound(max_bucket_bytes: int | Sequence[int] | None, leaves: list[Leaf])
   assert not isinstance(max_bucket_bytes, Sequence)
   if max_bucket_bytes is not None:
     return int(max_bucket_bytes)
-  devices = [d for lf in leaves for d in (*lf.src_sharding.device_set, *lf.dst_sharding.device_set)]
-  cpu = {d.platform for d in devices} == {"cpu"}
+  cpu = {d.platform for d in _devices(leaves).values()} == {"cpu"}
   return CPU_MAX_BUCKET_BYTES if cpu else DEFAULT_MAX_BUCKET_BYTES
+
+
+def _devices(leaves: Sequence[Leaf]) -> dict[int, Any]:
+  """The devices of ``leaves``' source and destination shardings, by id."""
+  return {
+    d.id: d for lf in leaves for d in (*lf.src_sharding.device_set, *lf.dst_sharding.device_set)
+  }
 
 
 @functools.lru_cache(maxsize=256)
@@ -632,9 +585,7 @@ def _cached_transform_plan(
 
 
 def plan_cache_clear() -> None:
-  """Forgets cached plans (and their compiled programs).
-
-  ``make_plan`` returns the same plan for the same tree, layouts and options until then.
+  """Forgets cached plans and their compiled programs (``make_plan`` caches them).
 
   Example:
     >>> import jax, jax_reshard as jr

@@ -1,9 +1,6 @@
-"""``python -m jax_reshard demo``: refit a transformer-shaped weight tree from a trainer mesh
-(half of the devices, ``(fsdp, tp)``) to a sampler mesh (the other half, ``tp``), checked bit
-for bit and timed next to ``jax.device_put``; then convert while refitting (f32 per-layer q/k/v
-and gate/up to bf16 fused ``qkv`` and ``gate_up`` stacked over layers, ``transform=``), timed
-next to converting before or after the reshard.
-"""
+"""``python -m jax_reshard demo``: refit a transformer-shaped weight tree from a trainer mesh to
+a sampler mesh, checked bit for bit and timed next to ``jax.device_put``; then convert while
+refitting (``transform=``), timed next to converting before or after the reshard."""
 
 from __future__ import annotations
 
@@ -66,23 +63,25 @@ def place(mesh: Mesh, specs: Any) -> Any:
   return jax.tree.map(lambda p: NamedSharding(mesh, p), specs, is_leaf=lambda s: isinstance(s, P))
 
 
-def _time_once(fn: Any, arg: Any) -> float:
-  t0 = time.perf_counter()
-  jax.block_until_ready(fn(arg))
-  return time.perf_counter() - t0
+def _medians(fns: dict[str, Any], arg: Any, repeats: int) -> dict[str, float]:
+  """Median seconds of a call of each of ``fns`` on ``arg``, interleaved so that machine noise
+  hits all alike."""
+  times: dict[str, list[float]] = {k: [] for k in fns}
+  for _ in range(repeats):
+    for k, fn in fns.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(arg))
+      times[k].append(time.perf_counter() - t0)
+  return {k: statistics.median(v) for k, v in times.items()}
 
 
 def run(*, layers: int = 4, repeats: int = 7) -> int:
-  trainer, sampler = meshes()
-  devs = jax.devices()
+  """The demo: 0 if every result is right, else 1."""
+  (trainer, sampler), devs = meshes(), jax.devices()
   shapes, train_specs, sample_specs = weight_specs(layers)
   rng = np.random.default_rng(0)
-  host = jax.tree.map(
-    lambda s: np.asarray(rng.standard_normal(s, dtype=np.float32)).astype(jnp.bfloat16),
-    shapes,
-    is_leaf=is_shape,
-  )
-  dst_sh = place(sampler, sample_specs)
+  normal = lambda s: np.asarray(rng.standard_normal(s, dtype=np.float32)).astype(jnp.bfloat16)
+  host, dst_sh = jax.tree.map(normal, shapes, is_leaf=is_shape), place(sampler, sample_specs)
   params = jax.device_put(host, place(trainer, train_specs))
   nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
   print(f"jax {jax.__version__}, {len(devs)} {devs[0].platform} devices")
@@ -101,11 +100,8 @@ def run(*, layers: int = 4, repeats: int = 7) -> int:
       bad += not np.array_equal(np.asarray(s.data).view(np.uint16), want[s.index].view(np.uint16))
   print(plan)
   print(f"\nverified bit for bit: {'OK' if bad == 0 else f'{bad} MISMATCHED SHARDS'}")
-  ours, put = [], []
-  for _ in range(repeats):  # interleaved so that machine noise hits both alike
-    ours.append(_time_once(plan, params))
-    put.append(_time_once(lambda p: jax.device_put(p, dst_sh), params))
-  m_ours, m_put = statistics.median(ours), statistics.median(put)
+  put = lambda p: jax.device_put(p, dst_sh)
+  m_ours, m_put = _medians({"ours": plan, "put": put}, params, repeats).values()
   print(f"planning {t_plan * 1e3:.1f} ms; first call (compile + run) {t_first * 1e3:.0f} ms")
   print(
     f"refit, median of {repeats}: jax_reshard {m_ours * 1e3:.2f} ms, jax.device_put "
@@ -165,9 +161,7 @@ def run_transform(trainer: Mesh, sampler: Mesh, *, layers: int, repeats: int) ->
   """Refit with conversion: inside the plan, convert-then-reshard, reshard-then-convert."""
   to_sampler = to_sampler_fn(sampler.shape["tp"])
   host, src_sh, mid_sh = f32_trees(trainer, sampler, layers)
-  params = jax.device_put(host, src_sh)
-  dst = output_shardings(sampler)
-  on_trainer = output_shardings(trainer)
+  params, dst, on_trainer = jax.device_put(host, src_sh), *map(output_shardings, (sampler, trainer))
   nbytes = sum(x.nbytes for x in jax.tree.leaves(params))
   print(
     f"\nconvert while refitting: trainer f32 per-layer q/k/v, gate/up ({nbytes / 2**20:.1f} MiB)"
@@ -193,23 +187,19 @@ def run_transform(trainer: Mesh, sampler: Mesh, *, layers: int, repeats: int) ->
       jr.make_plan(mid, dst, transform=to_sampler).stats.lower_bound_bytes,
     ),
   }
-  want = jax.jit(to_sampler, out_shardings=dst)(jax.device_put(host, mid_sh))
-  bad = 0
-  for fn, _, _ in methods.values():
-    pairs = zip(jax.tree.leaves(fn(params)), jax.tree.leaves(want), strict=True)
-    bad += not all(
-      np.array_equal(np.asarray(x).view(np.uint16), np.asarray(y).view(np.uint16))
-      and x.sharding == y.sharding
-      for x, y in pairs
+  want = jax.tree.leaves(convert_on_sampler(jax.device_put(host, mid_sh)))
+  same = lambda x, y: np.array_equal(np.asarray(x).view(np.uint16), np.asarray(y).view(np.uint16))
+  bad = sum(
+    not all(
+      same(x, y) and x.sharding == y.sharding
+      for x, y in zip(jax.tree.leaves(fn(params)), want, strict=True)
     )
-  times: dict[str, list[float]] = {k: [] for k in methods}
-  for _ in range(repeats):
-    for k, (fn, _, _) in methods.items():
-      times[k].append(_time_once(fn, params))
+    for fn, _, _ in methods.values()
+  )
+  medians = _medians({k: fn for k, (fn, _, _) in methods.items()}, params, repeats)
   print(f"verified bit for bit against jax.jit(to_sampler): {'OK' if bad == 0 else 'MISMATCH'}")
   print(f"{'':27s} {'reshard moves':>14s} {'convert moves':>14s} {'median time':>12s}")
   for k, (_, r, c) in methods.items():
-    med = statistics.median(times[k]) * 1e3
-    print(f"{k:27s} {r / 2**20:10.2f} MiB {c / 2**20:10.2f} MiB {med:9.2f} ms")
+    print(f"{k:27s} {r / 2**20:10.2f} MiB {c / 2**20:10.2f} MiB {medians[k] * 1e3:9.2f} ms")
   print("(convert moves: the least the conversion's own jit must move between devices)")
   return bad

@@ -1,13 +1,7 @@
 """Across processes: a plan fingerprint and a rendezvous through the distributed KV store.
 
-Every process of a ``jax.distributed`` job owning a device of a plan calls it collectively.
-First they exchange plan fingerprints in the coordination service's key-value store: equal,
-the collective runs; different, every process raises :class:`ReshardPlanMismatchError` and
-stays usable; a process missing past the timeout (``timeout_s``, else
-``$JAX_RESHARD_TIMEOUT_S`` in seconds, ``inf`` for none, else 300 s) makes the waiting ones
-raise :class:`ReshardPeerError`, and every later multi-process call on them too (restart the
-job). A peer dying during the collective is JAX's to handle: gloo fails it at once, and the
-coordination service aborts the survivors after ``heartbeat_timeout_seconds`` (jax 0.10.2).
+Every process owning a device of a plan calls it collectively; first they compare plan
+fingerprints (docs/guide.md "Multiple processes": mismatches, missing peers, dying peers).
 """
 
 from __future__ import annotations
@@ -43,8 +37,8 @@ _MAX_WAIT_MS = 2**31 - 1
 class ReshardPlanMismatchError(ReshardError):
   """Processes called a reshard collectively with different plans (nothing was moved).
 
-  Raised on every taking part process, before any collective, naming the first leaf whose
-  plans differ and what each process holds for it. The processes stay usable.
+  Raised on every taking part process before any collective, naming the first leaf whose plans
+  differ and what each process holds for it; the processes stay usable.
 
   Example:
     >>> import jax_reshard as jr
@@ -68,10 +62,9 @@ class ReshardPeerError(ReshardError, RuntimeError):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PlanFingerprint:
-  """What processes compare before running a plan: ``digest`` (hex SHA-256 of the rest;
-  equal digests mean equal plans), short hex digests per leaf (path, shape, dtype, boxes per
-  device id, transfers), of the schedule and of the ``Options``; per leaf readable text and
-  the options field by field (for messages only, not compared)."""
+  """What processes compare before running a plan: ``digest`` (hex SHA-256 of the rest), short
+  digests per leaf, of the schedule and of the ``Options``; per leaf readable text and the
+  options field by field (for messages only, not compared)."""
 
   digest: str
   leaf_digests: tuple[str, ...]
@@ -81,30 +74,32 @@ class PlanFingerprint:
   options: tuple[tuple[str, int | bool], ...] = dataclasses.field(compare=False, default=())
 
 
-def _feed_ints(h: Any, values: Any) -> None:
-  h.update(np.ascontiguousarray(np.asarray(values, dtype="<i8")).tobytes())
-  h.update(b"|")
+def _feed_ints(h: Any, *arrays: Any) -> None:
+  """Feeds each of ``arrays`` to ``h`` as little-endian int64, each followed by ``|``."""
+  for values in arrays:
+    h.update(np.ascontiguousarray(np.asarray(values, dtype="<i8")).tobytes())
+    h.update(b"|")
 
 
-def _feed_text(h: Any, text: str) -> None:
-  data = text.encode()
-  _feed_ints(h, [len(data)])
-  h.update(data)
+def _feed_text(h: Any, *texts: str) -> None:
+  for text in texts:
+    data = text.encode()
+    _feed_ints(h, [len(data)])
+    h.update(data)
 
 
 def _feed_layout(h: Any, layout: Layout) -> None:
-  for a in (layout.shape, layout.device_ids, layout.process_indices):
-    _feed_ints(h, a)
-  for box in (layout.starts, layout.stops):
-    _feed_ints(h, np.asarray(box, dtype=np.int64).reshape(-1))
+  _feed_ints(h, layout.shape, layout.device_ids, layout.process_indices)
+  _feed_ints(
+    h, *(np.asarray(box, dtype=np.int64).reshape(-1) for box in (layout.starts, layout.stops))
+  )
   _feed_text(h, layout.platform)
 
 
 def _feed_leaf_plan(h: Any, plan: LeafPlan) -> None:
   for a in (plan.src_device, plan.dst_device, plan.lo, plan.hi, plan.nbytes, plan.local):
     a = np.asarray(a)
-    _feed_ints(h, a.shape)
-    _feed_ints(h, a.reshape(-1).astype(np.int64))
+    _feed_ints(h, a.shape, a.reshape(-1).astype(np.int64))
   _feed_ints(h, [plan.lower_bound_bytes, plan.gather_broadcast_bytes])
 
 
@@ -112,18 +107,18 @@ def _schedule_digest(schedule: Schedule) -> str:
   h = hashlib.sha256()
   _feed_ints(h, schedule.union_device_ids)
   for b in schedule.buckets:
-    _feed_ints(h, b.leaves)
-    _feed_ints(h, b.union_device_ids)
+    _feed_ints(h, b.leaves, b.union_device_ids)
     for r in b.rounds:
       _feed_ints(h, [r.nbytes, *np.asarray(r.pairs, dtype=np.int64).reshape(-1).tolist()])
-    for a in (b.piece_src, b.piece_dst, b.piece_leaf, b.piece_transfer, b.piece_offset):
-      _feed_ints(h, a)
-    _feed_ints(h, b.piece_nbytes)
-    _feed_ints(h, [c for chunks in b.chunks for c in (len(chunks), *chunks)])
+    _feed_ints(h, b.piece_src, b.piece_dst, b.piece_leaf, b.piece_transfer, b.piece_offset)
+    _feed_ints(h, b.piece_nbytes, [c for chunks in b.chunks for c in (len(chunks), *chunks)])
   for cuts in (schedule.leaf_slabs, schedule.leaf_dst_slabs, schedule.leaf_windows):
-    for cut in cuts:
-      _feed_ints(h, [-1] if cut is None else [cut[0], *cut[1]])
+    _feed_ints(h, *([-1] if cut is None else [cut[0], *cut[1]] for cut in cuts))
   return h.hexdigest()[:16]
+
+
+def _short(text: str) -> str:
+  return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def fingerprint(
@@ -142,16 +137,6 @@ def fingerprint(
   in another order agree). ``pieces`` (per leaf, text of a transformed plan's pieces),
   ``relay`` (per leaf its forwards or ``None``, and the relay stage's schedule) and
   ``options`` enter the digests too.
-
-  Example:
-    >>> import jax_reshard as jr
-    >>> src = jr.Layout.from_description((8, 8), mesh_shape=(4,), axis_names=("x",), spec=("x",))
-    >>> dst = jr.Layout.from_description((8, 8), mesh_shape=(4,), axis_names=("y",),
-    ...                                  spec=(None, "y"))
-    >>> plan = jr.plan_layouts([(src, dst)], [4])
-    >>> fp = fingerprint(["['w']"], ["float32"], plan.layouts, plan.leaf_plans, plan.schedule)
-    >>> len(fp.digest), len(fp.leaf_digests)
-    (64, 1)
   """
   leaf_digests, descriptions = [], []
   texts = pieces if pieces is not None else [""] * len(leaf_plans)
@@ -159,8 +144,7 @@ def fingerprint(
   rows = zip(paths, dtypes, layouts, leaf_plans, texts, seconds, strict=True)
   for path, dtype, (src, dst), lp, text, second in rows:
     h = hashlib.sha256()
-    for t in (text, path, np.dtype(dtype).name):
-      _feed_text(h, t)
+    _feed_text(h, text, path, np.dtype(dtype).name)
     _feed_layout(h, src)
     _feed_layout(h, dst)
     _feed_leaf_plan(h, lp)
@@ -174,11 +158,9 @@ def fingerprint(
     )
   sched = _schedule_digest(schedule)
   if relay is not None:
-    sched = hashlib.sha256(f"{sched} relay {_schedule_digest(relay[1])}".encode()).hexdigest()[:16]
+    sched = _short(f"{sched} relay {_schedule_digest(relay[1])}")
   fields = tuple((f.name, getattr(options, f.name)) for f in dataclasses.fields(options))
-  opts = hashlib.sha256(
-    json.dumps(dict(fields), sort_keys=True, default=repr).encode()
-  ).hexdigest()[:16]
+  opts = _short(json.dumps(dict(fields), sort_keys=True, default=repr))
   total = hashlib.sha256(("\n".join([*leaf_digests, sched, opts])).encode()).hexdigest()
   return PlanFingerprint(total, tuple(leaf_digests), sched, opts, tuple(descriptions), fields)
 
@@ -188,29 +170,23 @@ _fingerprints: weakref.WeakKeyDictionary[Any, PlanFingerprint] = weakref.WeakKey
 
 def plan_fingerprint(plan: Any) -> PlanFingerprint:
   """The (cached) :class:`PlanFingerprint` of a plan (relay stage and options included)."""
-  fp = _fingerprints.get(plan)
-  if fp is None:
-    fp = fingerprint(
+  if plan not in _fingerprints:
+    relay = getattr(getattr(plan, "layout_plan", None), "relay", None)
+    if relay is not None:  # per leaf its forwards (None: not relayed), and the schedule
+      relayed = set(relay.scheduled)
+      lps = [lp if i in relayed else None for i, lp in enumerate(relay.leaf_plans)]
+      relay = (lps, relay.schedule)
+    _fingerprints[plan] = fingerprint(
       [lf.path for lf in plan.leaves],
       [lf.dtype for lf in plan.leaves],
       plan.layouts,
       plan.leaf_plans,
       plan.schedule,
       getattr(plan, "piece_texts", None),
-      _relay_stage(plan),
+      relay,
       getattr(plan, "options", DEFAULT_OPTIONS),
     )
-    _fingerprints[plan] = fp
-  return fp
-
-
-def _relay_stage(plan: Any) -> tuple[list[LeafPlan | None], Schedule] | None:
-  """A plan's relay stage as :func:`fingerprint` takes it, or ``None`` without one."""
-  relay = getattr(getattr(plan, "layout_plan", None), "relay", None)
-  if relay is None:
-    return None
-  relayed = set(relay.scheduled)
-  return [lp if i in relayed else None for i, lp in enumerate(relay.leaf_plans)], relay.schedule
+  return _fingerprints[plan]
 
 
 def resolve_timeout(timeout_s: float | None = None) -> float:
@@ -243,11 +219,6 @@ def _next_seq(group: tuple[int, ...]) -> int:
       )
     _calls[group] = _calls.get(group, -1) + 1
     return _calls[group]
-
-
-def _mark_broken(why: str) -> None:
-  with _lock:
-    _calls.setdefault("broken", why)
 
 
 def _client() -> Any:
@@ -288,22 +259,18 @@ def check_plan(plan: Any, *, timeout_s: float | None = None) -> None:
   import jax
 
   procs = {p for src, dst in plan.layouts for p in (*src.process_indices, *dst.process_indices)}
-  me = jax.process_index()
-  group = tuple(sorted(procs))
+  me, group = jax.process_index(), tuple(sorted(procs))
   client = _client() if len(group) > 1 and me in procs else None
   if client is None:  # one process, or not started by jax.distributed.initialize
     return
-  timeout = resolve_timeout(timeout_s)
-  fp = plan_fingerprint(plan)
-  seq = _next_seq(group)
+  timeout, fp, seq = resolve_timeout(timeout_s), plan_fingerprint(plan), _next_seq(group)
   base = f"{_KEY_PREFIX}/{'-'.join(map(str, group))}/{seq}"
   try:
     client.key_value_set(f"{base}/{me}", json.dumps(_published(fp)))
   except Exception as e:
-    _mark_broken(str(e))
+    _abort(None, base, me, str(e))
     raise ReshardPeerError(f"could not publish this process's plan fingerprint: {e}") from e
-  deadline = time.monotonic() + timeout
-  peers: dict[int, dict[str, Any]] = {}
+  deadline, peers = time.monotonic() + timeout, dict[int, dict[str, Any]]()
   others = [p for p in group if p != me]
   for i, p in enumerate(others):
     try:
@@ -311,12 +278,10 @@ def check_plan(plan: Any, *, timeout_s: float | None = None) -> None:
     except ReshardPeerError as e:
       _abort(client, base, me, str(e))
       raise
+    where = f"collective reshard #{seq} of processes {list(group)}"
     if raw is None:
       missing = [p, *(q for q in others[i + 1 :] if _try_get(client, f"{base}/{q}") is None)]
-      why = (
-        f"process(es) {missing} did not join collective reshard #{seq} of processes "
-        f"{list(group)} within {timeout:g} s"
-      )
+      why = f"process(es) {missing} did not join {where} within {timeout:g} s"
       _abort(client, base, me, why)
       raise ReshardPeerError(
         f"{why}. Every process that owns a source or destination device must call the plan "
@@ -325,7 +290,7 @@ def check_plan(plan: Any, *, timeout_s: float | None = None) -> None:
         f"{TIMEOUT_ENV}=<seconds> if peers are merely slow."
       )
     if raw == _ABORTED:
-      why = f"process {p} gave up on collective reshard #{seq} of processes {list(group)}"
+      why = f"process {p} gave up on {where}"
       _abort(client, base, me, why)
       raise ReshardPeerError(why + "; see its log for the reason")
     peers[p] = json.loads(raw)
@@ -350,11 +315,13 @@ def _published(fp: PlanFingerprint) -> dict[str, Any]:
 
 
 def _abort(client: Any, base: str, me: int, why: str) -> None:
-  """Marks this call given up (late peers fail instead of running alone) and this process
-  out of step."""
-  _mark_broken(why)
-  with contextlib.suppress(Exception):
-    client.key_value_set(f"{base}/{me}", _ABORTED, allow_overwrite=True)
+  """Marks this process out of step and, with a ``client``, this call given up (late peers
+  fail instead of running alone)."""
+  with _lock:
+    _calls.setdefault("broken", why)
+  if client is not None:
+    with contextlib.suppress(Exception):
+      client.key_value_set(f"{base}/{me}", _ABORTED, allow_overwrite=True)
 
 
 def _mismatch_message(
@@ -375,14 +342,24 @@ def _mismatch_message(
     "process must pass the same tree (paths, shapes, dtypes) with the same source and "
     "destination shardings (and the same max_bucket_bytes and options).",
     f"  this process ({me}): plan {fp.digest[:16]}, {len(fp.leaf_digests)} leaves",
+    *(
+      f"  process {p}: plan {v['digest'][:16]}, {len(v['leaves'])} leaves "
+      f"({'differs' if p in differing else 'same'})"
+      for p, v in sorted(peers.items())
+    ),
   ]
-  for p in sorted(peers):
-    mark = "differs" if p in differing else "same"
-    lines.append(
-      f"  process {p}: plan {peers[p]['digest'][:16]}, {len(peers[p]['leaves'])} leaves ({mark})"
-    )
-  differences = _options_differences(me, dict(fp.options), peers)
-  lines += differences
+  # Each option whose value differs between the processes (a peer of an older version sends
+  # no options).
+  everyone = {me: dict(fp.options), **{p: v.get("options") or {} for p, v in peers.items()}}
+  differences = []
+  for name in dict.fromkeys(n for v in everyone.values() for n in v):
+    values = {p: v.get(name, "<none>") for p, v in sorted(everyone.items())}
+    if len(set(map(repr, values.values()))) > 1:
+      differences.append(
+        f"    {name}: " + "; ".join(f"process {p}: {v}" for p, v in values.items())
+      )
+  if differences:
+    lines += ["  options differ (make_plan's options=):", *differences]
   if k is None:
     if not differences:
       lines.append("  every leaf agrees but the schedules differ (different jax_reshard versions?)")
@@ -398,15 +375,3 @@ def _mismatch_message(
       other = None
     lines.append(f"    process {p}: {other if other is not None else '<no answer>'}")
   return "\n".join(lines)
-
-
-def _options_differences(me: int, mine: dict[str, Any], peers: dict[int, Any]) -> list[str]:
-  """Lines naming each option whose value differs between this process and its peers (a peer
-  of an older version sends none)."""
-  everyone = {me: mine, **{p: v.get("options") or {} for p, v in peers.items()}}
-  lines = []
-  for name in dict.fromkeys(n for v in everyone.values() for n in v):
-    values = {p: v.get(name, "<none>") for p, v in sorted(everyone.items())}
-    if len(set(map(repr, values.values()))) > 1:
-      lines.append(f"    {name}: " + "; ".join(f"process {p}: {v}" for p, v in values.items()))
-  return ["  options differ (make_plan's options=):", *lines] if lines else []

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 
 class ReshardError(ValueError):
-  """A reshard request that cannot be carried out as given.
+  """A reshard request that cannot be carried out as given (a ``ValueError``).
 
-  Raised by every entry point (``reshard``, ``make_plan``, a plan's call, ``plan_layouts``,
-  ``Layout``) before any device work; the message names the offending leaf
-  (``jax.tree_util.keystr`` of its path), shows both layouts and says how to fix the call. A
-  ``ValueError``, so code that catches those keeps working.
+  Raised by every entry point before any device work; the message names the offending leaf
+  (``jax.tree_util.keystr`` of its path), shows both layouts and says how to fix the call.
 
   Example:
     >>> import jax_reshard as jr
@@ -24,8 +22,6 @@ class ReshardError(ValueError):
 class ReshardTypeError(ReshardError, TypeError):
   """A source or destination leaf of the wrong type (e.g. a destination that is no Sharding).
 
-  Both a :class:`ReshardError` and a ``TypeError``; raised before any device work.
-
   Example:
     >>> import jax, numpy as np, jax_reshard as jr
     >>> x = jax.device_put(np.zeros(8, np.float32), jax.devices()[0])
@@ -39,9 +35,6 @@ class ReshardTypeError(ReshardError, TypeError):
 
 class BucketBoundError(ReshardError):
   """``max_bucket_bytes`` is below what one leaf needs even split into its smallest chunks.
-
-  A :class:`ReshardError` raised by ``make_plan``, ``reshard`` and ``plan_layouts`` before any
-  device work; the message names the leaf and the least bound that works.
 
   Attributes:
     leaf: position of the leaf in the list given to :func:`make_schedule`.
@@ -60,5 +53,4 @@ class BucketBoundError(ReshardError):
 
   def __init__(self, message: str, leaf: int, minimum_bytes: int) -> None:
     super().__init__(message)
-    self.leaf = leaf
-    self.minimum_bytes = minimum_bytes
+    self.leaf, self.minimum_bytes = leaf, minimum_bytes

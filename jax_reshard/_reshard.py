@@ -28,40 +28,32 @@ def reshard(
   """Moves ``x`` into the destination layout(s), sending each device only what it lacks.
 
   Args:
-    x: a ``jax.Array`` or pytree of them. NumPy arrays, Python scalars and uncommitted arrays
-      are placed as ``jax.device_put`` places them; PRNG keys, sub-byte, complex and weak
-      types, other memory kinds and device-local layouts move bit for bit.
+    x: a ``jax.Array`` or pytree of them (NumPy arrays and scalars are placed as
+      ``jax.device_put`` places them; PRNG keys, sub-byte, complex and weak types, other
+      memory kinds and device-local layouts move bit for bit).
     dst: one Sharding for every leaf, or a pytree prefix of ``x`` of Shardings (or of leaves
-      carrying ``.sharding``, or ``Format(layout, sharding)`` for a device-local layout; a
-      sharding's ``memory_kind`` is honoured).
-    src: traced ``x`` only (inside ``jax.jit``): the source Sharding(s), one or a pytree prefix
-      of ``x``, needed where JAX does not know the layout (axes not ``Explicit``). Under eager
-      ``jax.grad`` / ``jax.vjp`` the move runs eagerly between any meshes (cotangents move back
-      into the source layouts), and ``src=``, if given, must be where the values are.
-    donate: deletes the donated SOURCE arrays after the call, as ``ReshardPlan.__call__``
-      does (``True`` or a pytree prefix of ``x`` of bools). Concrete ``x`` only; inside
-      ``jax.jit`` use ``donate_argnums``.
+      carrying ``.sharding``, or ``Format(layout, sharding)``).
+    src: inside ``jax.jit`` only: the source Sharding(s), one or a pytree prefix of ``x``,
+      where JAX does not know the layout (axes not ``Explicit``). Under eager ``jax.grad`` /
+      ``jax.vjp`` the move runs eagerly and ``src=``, if given, must be where the values are.
+    donate: concrete ``x`` only: ``True`` or a pytree prefix of ``x`` of bools; deletes the
+      donated source arrays after the call (inside ``jax.jit`` use ``donate_argnums``).
     out: concrete ``x`` only: the current tree in the destination layouts, whose buffers the
-      result reuses and whose arrays are deleted (peak extra memory: the staging alone); one
-      that does not match raises before any device work. Inside ``jax.jit``: donate it.
-    max_bucket_bytes: as in ``make_plan`` (eager calls; inside ``jax.jit`` XLA schedules the
-      memory of the whole computation).
+      result reuses and whose arrays are deleted (inside ``jax.jit``: donate it).
+    max_bucket_bytes: as in ``make_plan`` (eager calls only).
     transform: convert while resharding, as in ``make_plan``; ``dst`` then matches its output.
-      Inside ``jax.jit`` it needs ``src=``, one source mesh and one destination mesh.
-      Differentiable eagerly and inside ``jax.jit``: the gradient is the transform's, laid out
-      as the source.
-    topology: as in ``make_plan`` (relays through device domains), eagerly and inside
-      ``jax.jit``, with ``transform=`` too.
+      Inside ``jax.jit`` it needs ``src=``, one source mesh and one destination mesh. The
+      gradient is the transform's, laid out as the source.
+    topology: as in ``make_plan``, eagerly and inside ``jax.jit``.
     relays: as in ``make_plan``, eagerly and inside ``jax.jit``.
 
   Returns:
     A pytree like ``x`` laid out as ``dst``; ``x`` is left untouched unless donated.
 
   Raises:
-    ReshardError: invalid trees, shapes, dtypes, devices, shardings or options (as
-      ``make_plan``), an ``out=`` tree that does not match, ``src=``, ``donate=`` or ``out=``
-      where they do not apply, or inside ``jax.jit`` a destination on other devices; nothing
-      is moved and nothing deleted.
+    ReshardError: as ``make_plan``; an ``out=`` tree that does not match; ``src=``,
+      ``donate=`` or ``out=`` where they do not apply; inside ``jax.jit`` a destination on
+      other devices. Nothing is moved and nothing deleted.
 
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np, jax_reshard as jr

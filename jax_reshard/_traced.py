@@ -1,10 +1,8 @@
 """``reshard`` on traced values (inside ``jax.jit``, ``scan``, ``cond``, ``grad``).
 
-Source layouts come from ``src=`` or from the values' types (meshes with ``Explicit`` axes);
-source and destination must share the computation's devices. Each group of leaves with one
-(source mesh, destination mesh) pair is planned as the eager path plans it (cached per layout)
-and emitted by ``_emit`` as a differentiable function.
-"""
+Source layouts come from ``src=`` or from the values' types (``Explicit`` axes). Each group of
+leaves with one (source mesh, destination mesh) pair is planned as the eager path plans it and
+emitted by ``_emit`` as a differentiable function (docs/guide.md "Inside jax.jit")."""
 
 from __future__ import annotations
 
@@ -21,39 +19,40 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, Sharding
 from jax_reshard._build import make_bucket_program, make_transform_program
 from jax_reshard._emit import auto_mesh, emit_traced_move, plan_word_bytes
 from jax_reshard._errors import ReshardError
-from jax_reshard._plan import plan_layouts, resolve_relays
+from jax_reshard._plan import LayoutPlan, plan_layouts, resolve_relays
 from jax_reshard._program import BucketProgram
 from jax_reshard._topology import Topology
 from jax_reshard._transform import analyze, output_leaves, plan_transform
 from jax_reshard._tree import Leaf, broadcast_shardings, context_mesh, flatten_tree
 
+_Relays = bool | Literal["auto"] | None
+
 
 def _source_sharding(path: str, x: Any, dst: Any) -> Sharding:
   """The source layout of traced leaf ``x`` from its type (a mesh of ``Explicit`` axes),
-  resolved against the ``jax.set_mesh`` mesh, else ``dst``'s mesh, with the same axes. JAX
-  refuses meshes that order the devices otherwise: a wrong order is an error, never misplaced
-  data."""
+  resolved against the ``jax.set_mesh`` mesh, else ``dst``'s mesh, with the same axes (JAX
+  refuses one that orders the devices otherwise)."""
   sharding: Any = getattr(jax.typeof(x), "sharding", None)
   mesh = getattr(sharding, "mesh", None)
   types = tuple(getattr(mesh, "axis_types", ()))
+  name = path or "<root>"
   if mesh is None or not types or any(t != AxisType.Explicit for t in types):
     raise ReshardError(
-      f"cannot tell the source layout of traced leaf {path or '<root>'}: inside jax.jit its "
+      f"cannot tell the source layout of traced leaf {name}: inside jax.jit its "
       f"type holds one only on a mesh whose axes are all Explicit, and its mesh is {mesh} "
       f"(axis types {types}). Pass it, e.g. jr.reshard(x, dst, src=NamedSharding(trainer_mesh, "
       "P('fsdp', 'tp'))), or make the source mesh with Explicit axes (jax.make_mesh's default)."
     )
   if isinstance(mesh, Mesh):
     return sharding
-  context, axes = context_mesh(), _axes(mesh)
-  dst_mesh = getattr(dst, "mesh", None)
+  context, axes, dst_mesh = context_mesh(), _axes(mesh), getattr(dst, "mesh", None)
   for m in (context, dst_mesh):
     if isinstance(m, Mesh) and not m.empty and _axes(m) == axes:
       m = m if tuple(m.axis_types) == types else Mesh(m.devices, m.axis_names, axis_types=types)
       return NamedSharding(m, sharding.spec, memory_kind=sharding.memory_kind)
   seen = "no mesh" if context.empty else f"a mesh with axes {_axes(context)}"
   raise ReshardError(
-    f"cannot tell the source layout of traced leaf {path or '<root>'}: its type says "
+    f"cannot tell the source layout of traced leaf {name}: its type says "
     f"{sharding.spec} on a mesh with axes {axes} (no devices), and neither the enclosing "
     f"jax.set_mesh ({seen}) nor the destination's mesh (axes "
     f"{_axes(dst_mesh) if isinstance(dst_mesh, Mesh) else None}) has these axes. Call it under "
@@ -71,18 +70,13 @@ def _mesh(sharding: Sharding) -> Mesh:
 
 
 def reshard_traced(
-  x: Any,
-  dst: Any,
-  src: Any,
-  topology: Topology | None = None,
-  relays: bool | Literal["auto"] | None = None,
+  x: Any, dst: Any, src: Any, topology: Topology | None = None, relays: _Relays = None
 ) -> Any:
   """``reshard`` for a pytree containing tracers; see :func:`jax_reshard.reshard`."""
   resolved = resolve_relays(relays, topology)
   flat, treedef = jax.tree_util.tree_flatten_with_path(x)
   dsts = None if src is not None else broadcast_shardings(dst, x, treedef, len(flat), "destination")
-  src_list = _sources(x, flat, treedef, src, dsts)
-  _, leaves = flatten_tree(x, dst, src_shardings=src_list)
+  _, leaves = flatten_tree(x, dst, src_shardings=_sources(x, flat, treedef, src, dsts))
   groups: dict[tuple[Any, Any], list[int]] = {}
   for i, leaf in enumerate(leaves):
     _check_traceable(leaf)
@@ -118,8 +112,7 @@ def _check_traceable(leaf: Leaf) -> None:
       "computation's); call jr.reshard outside jax.jit, which moves data between any device "
       "sets." + leaf.describe()
     )
-  src_order = [d.id for d in _mesh(leaf.src_sharding).devices.flat]
-  dst_order = [d.id for d in _mesh(leaf.dst_sharding).devices.flat]
+  src_order, dst_order = (_device_ids(s) for s in (leaf.src_sharding, leaf.dst_sharding))
   if src_order != dst_order:
     raise ReshardError(
       f"inside jax.jit, JAX requires the meshes to list the devices in one order; the source "
@@ -129,27 +122,19 @@ def _check_traceable(leaf: Leaf) -> None:
     )
 
 
+def _device_ids(sharding: Sharding) -> list[int]:
+  return [d.id for d in _mesh(sharding).devices.flat]
+
+
 @functools.lru_cache(maxsize=512)
 def _group_fn(
-  leaves: tuple[Leaf, ...], topology: Topology | None = None, relays: bool | Literal["auto"] = False
+  leaves: tuple[Leaf, ...], topology: Topology | None = None, relays: _Relays = False
 ) -> Any:
   """The differentiable traced move of leaves sharing a source and a destination mesh (one
   bucket per stage: XLA schedules the memory); its VJP is the move back."""
-  plan = plan_layouts(
-    [lf.layouts() for lf in leaves],
-    [lf.dtype.itemsize for lf in leaves],
-    max_bucket_bytes=None,
-    topology=topology,
-    relays=relays,
-  )
-  ids = [d.id for d in _mesh(leaves[0].src_sharding).devices.flat]
-  dtypes = [lf.dtype for lf in leaves]
-  words = plan_word_bytes(plan)
-  programs = [
-    make_bucket_program(stage, 0, dtypes, ids, max_word_bytes=words)
-    for stage in plan.stages()
-    if stage.schedule.buckets
-  ]
+  layouts, itemsizes = [lf.layouts() for lf in leaves], [lf.dtype.itemsize for lf in leaves]
+  plan = plan_layouts(layouts, itemsizes, max_bucket_bytes=None, topology=topology, relays=relays)
+  programs = _programs(plan, leaves, leaves)
 
   def bwd(cts: tuple[Any, ...]) -> tuple[Any, ...]:
     # Integer leaves carry float0 cotangents: pass them through, move only the others.
@@ -165,12 +150,26 @@ def _group_fn(
   return _with_vjp(lambda *xs: _run(programs, xs, leaves, leaves), bwd)
 
 
+def _programs(
+  plan: LayoutPlan, leaves: Sequence[Leaf], outs: Sequence[Leaf]
+) -> list[BucketProgram]:
+  """The program of each stage with a bucket (one bucket each), over the source mesh's
+  devices; a transformed stage's reads the source leaves ``leaves``."""
+  ids, dtypes = _device_ids(leaves[0].src_sharding), [lf.dtype for lf in outs]
+  return [
+    make_transform_program(stage, 0, [lf.dtype for lf in leaves], dtypes, ids)
+    if stage.pieces is not None
+    else make_bucket_program(stage, 0, dtypes, ids, max_word_bytes=plan_word_bytes(plan))
+    for stage in plan.stages()
+    if stage.schedule.buckets
+  ]
+
+
 def _run(
   programs: Sequence[BucketProgram], xs: Sequence[Any], leaves: Sequence[Leaf], outs: Sequence[Leaf]
 ) -> tuple[Any, ...]:
-  """Runs ``programs`` on traced ``xs`` (source leaves ``leaves``): the first over the source
-  mesh, a relay stage over the destination mesh on its results; output leaves ``outs`` that
-  no program makes (no elements) are zeros."""
+  """Runs ``programs`` on traced ``xs``: the first over the source mesh, a relay stage over the
+  destination mesh on its results; outputs no program makes (no elements) are zeros."""
   src_mesh, dst_mesh = _mesh(leaves[0].src_sharding), _mesh(outs[0].dst_sharding)
   dst_specs = [lf.dst_sharding.spec for lf in outs]  # type: ignore[attr-defined]
   out: list[Any] = [None] * len(outs)
@@ -194,13 +193,8 @@ def _run(
 def _with_vjp(
   move: Callable[..., tuple[Any, ...]], bwd: Callable[[tuple[Any, ...]], tuple[Any, ...]]
 ) -> Callable[..., tuple[Any, ...]]:
-  """``move`` as a ``jax.custom_vjp`` whose backward pass is ``bwd`` (no residuals: every
-  move here is linear)."""
-
-  @jax.custom_vjp
-  def fn(*xs: jax.Array) -> tuple[jax.Array, ...]:
-    return move(*xs)
-
+  """``move`` as a ``jax.custom_vjp`` whose backward pass is ``bwd`` (no residuals: linear)."""
+  fn = jax.custom_vjp(move)
   fn.defvjp(lambda *xs: (move(*xs), None), lambda _, cts: bwd(cts))
   return fn
 
@@ -211,7 +205,7 @@ def reshard_traced_transform(
   src: Any,
   transform: Callable[[Any], Any],
   topology: Topology | None = None,
-  relays: bool | Literal["auto"] | None = None,
+  relays: _Relays = None,
 ) -> Any:
   """``reshard(x, dst, src=src, transform=transform)`` on traced values: every source leaf on
   one mesh, every output leaf on one mesh, over the computation's devices in one order."""
@@ -244,8 +238,7 @@ def reshard_traced_transform(
     )
   resolved = resolve_relays(relays, topology)
   fn = _transform_fn(transform, treedef, tuple(leaves), tuple(outs), topology, resolved)
-  ys = fn(*(v for _, v in flat))
-  return jax.tree_util.tree_unflatten(analysis.out_treedef, ys)
+  return jax.tree_util.tree_unflatten(analysis.out_treedef, fn(*(v for _, v in flat)))
 
 
 @functools.lru_cache(maxsize=512)
@@ -255,23 +248,15 @@ def _transform_fn(
   leaves: tuple[Leaf, ...],
   outs: tuple[Leaf, ...],
   topology: Topology | None = None,
-  relays: bool | Literal["auto"] = False,
+  relays: _Relays = False,
 ) -> Callable[..., tuple[Any, ...]]:
-  """The differentiable traced move of a transformed tree (the transformed program, then any
-  relay stage); its VJP is ``transform``'s, the cotangents placed as the sources."""
+  """The differentiable traced move of a transformed tree; its VJP is ``transform``'s, the
+  cotangents placed as the sources."""
   analysis = analyze(transform, treedef, leaves)
   plan = plan_transform(
     analysis, leaves, outs, max_bucket_bytes=None, topology=topology, relays=relays
   )
-  ids = [d.id for d in _mesh(leaves[0].src_sharding).devices.flat]
-  out_dtypes = [lf.dtype for lf in outs]
-  programs = []
-  if plan.schedule.buckets:
-    programs.append(make_transform_program(plan, 0, [lf.dtype for lf in leaves], out_dtypes, ids))
-  if plan.relay is not None and plan.relay.schedule.buckets:
-    words = plan_word_bytes(plan)
-    programs.append(make_bucket_program(plan.relay, 0, out_dtypes, ids, max_word_bytes=words))
-  pullback = transform_pullback(transform, treedef, leaves)
+  programs, pullback = _programs(plan, leaves, outs), transform_pullback(transform, treedef, leaves)
 
   def bwd(cts: tuple[Any, ...]) -> tuple[Any, ...]:
     # Integer leaves' float0 cotangents stay JAX's zeros (None).
@@ -291,10 +276,8 @@ def _transform_fn(
 def transform_pullback(
   transform: Callable[[Any], Any], treedef: Any, leaves: tuple[Leaf, ...]
 ) -> Callable[[list[Any]], list[Any]]:
-  """The transpose of the linear map ``transform`` on source leaves ``leaves``, jitted over
-  ``Auto`` axes (no ``Explicit`` sharding rule limits it): output cotangents (untyped, ``None``
-  for integer leaves) to source cotangents (``None`` for integer leaves), laid out by XLA. The
-  primal is zeros: the pullback does not read it."""
+  """The transpose of the linear map ``transform`` on ``leaves``, jitted over ``Auto`` axes:
+  output cotangents (untyped) to source cotangents, ``None`` for integer leaves."""
   first = leaves[0].src_sharding  # eagerly, perhaps no NamedSharding: no mesh, no types
   context = (
     auto_mesh(first.mesh).abstract_mesh
@@ -323,8 +306,7 @@ def transform_pullback(
 
 def untyped(x: Any, sharding: Sharding) -> Any:
   """``x`` (laid out as ``sharding``) with no layout in its type: on ``Explicit`` axes an
-  identity ``shard_map`` over the :func:`~jax_reshard._emit.auto_mesh` (no data moves; its VJP
-  types the cotangent back), else ``x``."""
+  identity ``shard_map`` over the ``auto_mesh`` (its VJP types the cotangent back)."""
   if not _explicit(sharding):
     return x
   auto = auto_mesh(_mesh(sharding))

@@ -1,10 +1,10 @@
 """``reshard`` under eager differentiation (``jax.vjp``, ``jax.grad`` outside ``jax.jit``).
 
-The leaves are differentiation tracers over concrete arrays and no computation is being traced,
-so, like ``jax.device_put``, the move runs eagerly between any meshes: a ``jax.custom_vjp``
-runs the eager plan forward and moves the cotangents back into the source shardings (with
-``transform=``: pulls them back through the transform, then moves them). Other tracers
-(``jax.jit``, ``vmap``...) keep the traced path.
+The leaves are differentiation tracers over concrete arrays and no computation is traced, so,
+like ``jax.device_put``, the move runs eagerly between any meshes: a ``jax.custom_vjp`` runs
+the eager plan forward and moves the cotangents back into the source shardings (with
+``transform=``: pulls them back through the transform first). Other tracers keep the traced
+path.
 """
 
 from __future__ import annotations
@@ -33,22 +33,23 @@ from jax_reshard._tree import broadcast_shardings, resolve_sharding
 
 
 def concrete_value(v: Any) -> jax.Array | None:
-  """The concrete array under ``v`` (itself, or under differentiation tracers), else ``None``
-  (other tracers have no ``primal``)."""
+  """The concrete array under ``v`` (itself, or under differentiation tracers), else ``None``."""
   while isinstance(v, jax.core.Tracer):
-    v = getattr(v, "primal", None)
+    v = getattr(v, "primal", None)  # other tracers have none
   return v if isinstance(v, jax.Array) else None
 
 
 def concrete_leaves(x: Any) -> list[jax.Array] | None:
   """Per leaf of ``x`` its concrete array; ``None`` if a leaf has none or a computation is
-  traced beneath the differentiation (the move then belongs to it)."""
+  traced beneath the differentiation."""
   out = [concrete_value(leaf) for leaf in jax.tree_util.tree_leaves(x)]
-  if any(v is None for v in out):
-    return None
-  if any(isinstance(v, jax.core.Tracer) for v in jax.tree_util.tree_leaves(x)) and _staged():
+  if any(v is None for v in out) or (_any_tracer(x) and _staged()):
     return None
   return out  # type: ignore[return-value]
+
+
+def _any_tracer(x: Any) -> bool:
+  return any(isinstance(v, jax.core.Tracer) for v in jax.tree_util.tree_leaves(x))
 
 
 def _staged() -> bool:
@@ -77,15 +78,13 @@ def reshard_vjp(
 ) -> Any:
   """``reshard(x, dst)`` for differentiation tracers over ``values``: the eager plan as a
   ``jax.custom_vjp``, validated (and planned) before anything runs; with ``transform``, its VJP
-  is ``transform``'s (:func:`~jax_reshard._traced.transform_pullback`), moved into the source
-  layouts."""
+  is ``transform``'s, moved into the source layouts."""
   opts: dict[str, Any] = dict(max_bucket_bytes=max_bucket_bytes, topology=topology, relays=relays)
   flat, treedef = jax.tree_util.tree_flatten_with_path(x)
   if src is not None:
     _check_src(src, x, treedef, flat, values)
-  plan: Any = make_plan(
-    jax.tree_util.tree_unflatten(treedef, values), dst, transform=transform, **opts
-  )
+  tree = jax.tree_util.tree_unflatten(treedef, values)
+  plan: Any = make_plan(tree, dst, transform=transform, **opts)
   src_list = [lf.src_sharding for lf in (plan.leaves if transform is None else plan.src_leaves)]
   dst_list = [lf.dst_sharding for lf in plan.leaves]
   out_treedef = treedef if transform is None else plan.analysis.out_treedef
@@ -121,16 +120,15 @@ def reshard_vjp(
 def _move(
   xs: Any, dst: Any, src: Any, opts: dict[str, Any], transform: Callable[[Any], Any] | None = None
 ) -> Any:
-  """``reshard(xs, dst, transform=transform)`` as ``reshard`` picks: the plan on concrete
-  arrays, :func:`reshard_vjp` on differentiation tracers over them, else traced (the leaves
-  laid out as ``src``); ``opts`` are the call's (none: the defaults)."""
+  """``reshard(xs, dst, transform=transform)`` as ``reshard`` picks (traced: laid out as
+  ``src``); ``opts`` are the call's (none: the defaults)."""
   values = concrete_leaves(xs)
   if values is None:
     how = (opts.get("topology"), opts.get("relays"))
     if transform is None:
       return reshard_traced(xs, dst, src, *how)
     return reshard_traced_transform(xs, dst, src, transform, *how)
-  if any(isinstance(v, jax.core.Tracer) for v in jax.tree_util.tree_leaves(xs)):
+  if _any_tracer(xs):
     return reshard_vjp(xs, dst, None, values, **opts, transform=transform)
   return make_plan(xs, dst, **opts)(xs)
 
@@ -159,8 +157,7 @@ def _move_back(
   dst: list[Sharding],
   opts: dict[str, Any],
 ) -> list[Any]:
-  """The sources' cotangents: each output's moved back into its source's layout; zeros for a
-  symbolic zero, ``None`` (JAX's float0 zero) for integer leaves."""
+  """The sources' cotangents, moved back into their layouts; ``None`` for integer leaves."""
   back: list[Any] = [None] * len(cts)
   moving = []
   for i, ct in enumerate(cts):
@@ -177,8 +174,7 @@ def _move_back(
 
 
 def _full_cotangent(ct: Any, leaf: Any) -> Any:
-  """An output leaf's cotangent, untyped, laid out as the leaf (zeros for a symbolic zero,
-  host data placed, concrete arrays moved); ``None`` for integer leaves."""
+  """An output leaf's cotangent, untyped, laid out as the leaf; ``None`` for integer leaves."""
   if _no_cotangent(leaf.dtype):
     return None
   if isinstance(ct, SymbolicZero):
@@ -191,8 +187,8 @@ def _full_cotangent(ct: Any, leaf: Any) -> Any:
 
 
 def _one_device_set(cts: list[Any]) -> list[Any]:
-  """Cotangents on one device set: where concrete ones lie on several, each is moved,
-  replicated, onto the devices of the first."""
+  """Cotangents on one device set: concrete ones on several are moved, replicated, onto the
+  devices of the first."""
   idx = [i for i, c in enumerate(cts) if _concrete(c)]
   if len({frozenset(_sharding(cts[i]).device_set) for i in idx}) < 2:
     return cts
