@@ -9,7 +9,6 @@ emitter, the executables and the pictures read the program; they decide nothing.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
@@ -225,9 +224,8 @@ def _program(
 
 
 def _decided(program: BucketProgram, whole_bytes: int) -> BucketProgram:
-  """``program`` with its lowering decisions recorded: per round its operands (whole source
-  blocks of ``whole_bytes`` or more sent as they are) and the round it repeats; the leaves
-  received whole. The emitter, the executables and the tests read them, never re-derive."""
+  """``program`` with its lowering decisions recorded (docs/design.md): per round its operands
+  and the round it repeats; the leaves received whole."""
   rounds: list[SendRound] = []
   first: dict[tuple[object, ...], int] = {}
   for r, rnd in enumerate(program.rounds):
@@ -241,65 +239,35 @@ def _decided(program: BucketProgram, whole_bytes: int) -> BucketProgram:
   return dataclasses.replace(program, received=_received_whole(program))
 
 
-def _is_whole(cut: Cut, lf: LeafView) -> bool:
-  """Whether ``cut`` is the whole staged source block of ``lf``."""
-  shape = in_words(lf.src_shard, lf.word_ratio)
-  return cut.static_offset == (0,) * len(cut.shape) and cut.shape == shape
-
-
-def _whole_block_leaves(program: BucketProgram, rnd: SendRound) -> tuple[int, ...] | None:
-  """The leaves whose whole source blocks every sender of ``rnd`` sends, uncast, in one order."""
-  if not rnd.packs or any(p.pad_words for p in rnd.packs):
-    return None
-  leaves = tuple(c.leaf for c in rnd.packs[0].cuts)
-  if len(set(leaves)) != len(leaves):
-    return None
-  for p in rnd.packs:
-    if tuple(c.leaf for c in p.cuts) != leaves:
-      return None
-    if any(c.casts or not _is_whole(c, program.sources[c.leaf]) for c in p.cuts):
-      return None
-  return leaves
-
-
-def _whole_segments(
-  program: BucketProgram, rnd: SendRound, whole_bytes: int
-) -> tuple[Segment, ...] | None:
-  """A packed round's payload cut at the big whole source blocks every sender sends at the
-  same words (the rest packed), or ``None``."""
-  common: set[Segment] | None = None
-  for p in rnd.packs:
-    at, found = 0, set[Segment]()
-    for cut in p.cuts:
-      lf, size = program.sources[cut.leaf], cut_words(program, cut)
-      big = size * program.unit.itemsize >= whole_bytes
-      if _is_whole(cut, lf) and big and not cut.casts and travels_as_is(lf.dtype):
-        found.add((at, at + size, cut.leaf))
-      at += size
-    common = found if common is None else common & found
-  if not common:
-    return None
-  out: list[Segment] = []
-  at = 0
-  for start, stop, li in sorted(common):
-    out += [(at, start, None)] if start > at else []
-    out.append((start, stop, li))
-    at = stop
-  return tuple(out + ([(at, rnd.words, None)] if at < rnd.words else []))
+def _segments(program: BucketProgram, pack: Pack) -> list[Segment]:
+  """A pack's cuts as ``(start, stop, leaf)`` (``None``: not a whole uncast source block)."""
+  out, at = [], 0
+  for cut in pack.cuts:
+    shape = in_words(program.sources[cut.leaf].src_shard, program.sources[cut.leaf].word_ratio)
+    whole = not cut.casts and cut.static_offset == (0,) * len(shape) and cut.shape == shape
+    out.append((at, at := at + cut_words(program, cut), cut.leaf if whole else None))
+  return out
 
 
 def _operands(program: BucketProgram, rnd: SendRound, whole_bytes: int) -> tuple[Segment, ...]:
-  """Per operand of a round's ``ppermute``, ``(start, stop, leaf)`` (``None``: packed words)."""
-  whole = _whole_block_leaves(program, rnd)
-  if whole is None:
-    segments = _whole_segments(program, rnd, whole_bytes) if rnd.packs else None
-    return segments or ((0, rnd.words, None),)
-  out, at = [], 0
-  for li in whole:
-    lf = program.sources[li]
-    size = math.prod(in_words(lf.src_shard, lf.word_ratio)) * lf.word.itemsize
-    out.append((at, at := at + size // program.unit.itemsize, li))
-  return tuple(out)
+  """Per operand of a round's ``ppermute``, ``(start, stop, leaf)`` (``None``: packed words):
+  the whole source blocks every sender sends in one order, else the payload cut at those of
+  ``whole_bytes`` or more that travel as they are and every sender sends at the same words."""
+  if not rnd.packs:
+    return ((0, rnd.words, None),)
+  per_pack = [_segments(program, p) for p in rnd.packs]
+  leaves = [li for _, _, li in per_pack[0]]
+  same = all(segs == per_pack[0] for segs in per_pack) and not any(p.pad_words for p in rnd.packs)
+  if same and None not in leaves and len(set(leaves)) == len(leaves):
+    return tuple(per_pack[0])
+  least = -(-whole_bytes // program.unit.itemsize)  # words of a big block
+  as_is = {li for li, lf in enumerate(program.sources) if travels_as_is(lf.dtype)}
+  big = [{(a, b, li) for a, b, li in segs if li in as_is and b - a >= least} for segs in per_pack]
+  out, at = list[Segment](), 0
+  for start, stop, li in sorted(big[0].intersection(*big[1:])):
+    out += [(at, start, None), (start, stop, li)] if start > at else [(start, stop, li)]
+    at = stop
+  return tuple(out + ([(at, rnd.words, None)] if at < rnd.words or not out else []))
 
 
 def _received_whole(program: BucketProgram) -> tuple[tuple[int, int], ...]:
@@ -307,26 +275,22 @@ def _received_whole(program: BucketProgram) -> tuple[tuple[int, int], ...]:
   payload (or operand), landing as it is."""
   out = []
   for li, lf in enumerate(program.leaves):
-    if lf.in_place or lf.dst_input:
-      continue
-    rounds = set()
-    for parts in (role.parts[li] for role in program.assembles):
-      if parts is None:
-        continue
-      p = parts[0] if len(parts) == 1 else None
-      if not isinstance(p, Received) or p.arrange is not None or any(p.offset):
-        break
-      rnd = program.rounds[p.round]
-      segments = {(0, rnd.words)}
-      if (whole := _whole_block_leaves(program, rnd)) is not None and len(whole) > 1:
-        segments = {(a, b) for a, b, _ in rnd.operands}
-      if (p.start, p.stop) not in segments or p.shape != lf.dst_words:
-        break
-      rounds.add(p.round)
-    else:
-      if len(rounds) == 1:
-        out.append((li, rounds.pop()))
+    held = (ps for a in program.assembles if (ps := a.parts[li]) is not None)
+    rounds = {_whole_round(program, lf, parts) for parts in held}
+    if not (lf.in_place or lf.dst_input) and len(rounds) == 1 and (r := rounds.pop()) is not None:
+      out.append((li, r))
   return tuple(out)
+
+
+def _whole_round(program: BucketProgram, lf: LeafView, parts: Sequence[Part]) -> int | None:
+  """The round whose payload or operand ``parts`` are, whole and as it is, or ``None``."""
+  p = parts[0] if len(parts) == 1 else None
+  if not isinstance(p, Received) or p.arrange is not None or any(p.offset):
+    return None
+  rnd = program.rounds[p.round]
+  whole = len(rnd.operands) > 1 and all(li is not None for _, _, li in rnd.operands)
+  segments = {(a, b) for a, b, _ in rnd.operands} if whole else {(0, rnd.words)}
+  return p.round if (p.start, p.stop) in segments and p.shape == lf.dst_words else None
 
 
 def make_transform_program(
