@@ -1,10 +1,6 @@
-"""The program builder: a bucket of a stage's schedule becomes a :class:`BucketProgram`.
-
-Every lowering decision is made here, once, and recorded on the program as data: the payload
-word, sender and destination roles, which whole source blocks a round sends as they are, which
-rounds repeat an earlier payload, which leaves arrive whole, zero blocks, assembling apart. The
-emitter, the executables and the pictures read the program; they decide nothing.
-"""
+"""The program builder: a bucket of a stage's schedule becomes a :class:`BucketProgram`, every
+lowering decision made once and recorded on it (docs/design.md "Where each lowering decision
+lives"); the emitter, the executables and the pictures decide nothing."""
 
 from __future__ import annotations
 
@@ -43,25 +39,18 @@ from jax_reshard._program import (
   travels_as_is,
   uint_dtype,
 )
-from jax_reshard._schedule import (
-  Bucket,
-  Piece,
-  donated_mask,
-  placeholder_mask,
-  staged_block_shape,
-)
+from jax_reshard._schedule import Bucket, Piece, donated_mask, placeholder_mask, staged_block_shape
 
 
 def widest_word(
   plan: LeafPlan, src: Layout, dst: Layout, dtype: np.dtype, *, max_word_bytes: int
 ) -> np.dtype:
   """The widest unsigned word (up to ``max_word_bytes``) dividing a leaf's last-dim bounds."""
-  itemsize = max(dtype.itemsize, 1)
   if not src.shape:
     return uint_dtype(dtype)
   bounds = [src.shard_shape()[-1], dst.shard_shape()[-1], src.shape[-1]]
   g = int(np.gcd.reduce(np.concatenate([bounds, plan.lo[:, -1], plan.hi[:, -1]])))
-  word = itemsize
+  word = itemsize = max(dtype.itemsize, 1)
   while word < max_word_bytes and g % ((word * 2) // itemsize) == 0:
     word *= 2
   return np.dtype(f"uint{8 * word}")
@@ -84,24 +73,22 @@ class _LeafInput:
   rows: tuple[_Row, ...] = ()  # a transformed leaf's transfers
 
   def cut(self, li: int, t: int, dev: int, positions: dict[int, int]) -> Cut:
-    """The cut device ``dev`` reads for transfer ``t`` of this leaf (``li``)."""
-    (lo, shape), (src, casts) = self.src_box(t, dev), self.rows[t][::4] if self.rows else (li, ())
-    return Cut(src, shape, ((positions[dev], lo),), casts)
+    """What device ``dev`` reads for transfer ``t`` of this leaf (``li``): a box in words of its
+    staged source block (a transformed leaf's: of its input, in elements, cast)."""
+    if self.rows:
+      k, src, lo, shape, casts, _ = self.rows[t]
+      at = src.starts[src.device_ids.index(dev)]
+      return Cut(
+        k, shape, ((positions[dev], tuple(a - b for a, b in zip(lo, at, strict=True))),), casts
+      )
+    w = self.view.src_window
+    start = _start(self.src, dev, None if w is None else (w.dim, w.start), self.view.shift)
+    lo, hi, ratio = self.plan.lo[t], self.plan.hi[t], self.view.word_ratio
+    return Cut(li, in_words(hi - lo, ratio), ((positions[dev], in_words(lo - start, ratio)),))
 
   def arrange(self, t: int) -> Arrange | None:
     """How transfer ``t`` lands."""
     return self.rows[t][5] if self.rows else None
-
-  def src_box(self, t: int, dev: int) -> tuple[Box, Box]:
-    """(offset, shape) in words of transfer ``t`` in ``dev``'s staged source block."""
-    if self.rows:  # in its source leaf's elements
-      _, src, lo, shape, _, _ = self.rows[t]
-      at = src.starts[src.device_ids.index(dev)]
-      return tuple(a - b for a, b in zip(lo, at, strict=True)), shape
-    w = self.view.src_window
-    start = _start(self.src, dev, None if w is None else (w.dim, w.start), self.view.shift)
-    lo, hi, ratio = self.plan.lo[t], self.plan.hi[t], self.view.word_ratio
-    return in_words(lo - start, ratio), in_words(hi - lo, ratio)
 
   def dst_offset(self, t: int, dev: int) -> Box:
     """Offset in words of transfer ``t`` in ``dev``'s destination shard (or its slab)."""
@@ -131,32 +118,28 @@ def make_bucket_program(
 ) -> BucketProgram:
   """The program of bucket ``bucket`` of ``plan`` over ``device_ids`` (per mesh position); with
   ``donate`` every leaf takes its destination block as an input, aliased to its output."""
-  sched, leaf_ids = plan.schedule.buckets[bucket], plan.bucket_leaves(bucket)
-  mwb, size = max_word_bytes, lambda d: d.itemsize
+  sched, lis, mwb = plan.schedule.buckets[bucket], plan.bucket_leaves(bucket), max_word_bytes
   wide = [
-    widest_word(plan.leaf_plans[i], *plan.layouts[i], dtypes[i], max_word_bytes=mwb)
-    for i in leaf_ids
+    widest_word(plan.leaf_plans[i], *plan.layouts[i], dtypes[i], max_word_bytes=mwb) for i in lis
   ]
+  size = lambda d: d.itemsize
   unit = min(wide, key=size)
   # Each leaf works in the unit, or in its own width where wider (widening, then narrowing
   # below the element width, trips XLA's bitcast folding).
-  words = [max(uint_dtype(dtypes[i]), unit, key=size) for i in leaf_ids]
+  words = [max(uint_dtype(dtypes[i]), unit, key=size) for i in lis]
   leaves, modes = _leaf_inputs(plan, bucket, dtypes, words, donate)
   apart = assembles_apart(plan, bucket, modes)
-  positions = {d: k for k, d in enumerate(device_ids)}
-  at = None if apart is None else tuple(sorted(positions[d] for d in apart))
+  at = None if apart is None else tuple(sorted(list(device_ids).index(d) for d in apart))
   zeros = _zero_blocks(leaves, sched.union_device_ids, apart is not None)
-  must_apart, whole = apart is not None and sched.must_apart, plan.options.whole_operand_bytes
-  low = chosen_lowering(plan, bucket)
-  return _program(device_ids, sched, leaves, unit, whole, *zeros, at, must_apart, lowering=low)
+  rest = (*zeros, at, apart is not None and sched.must_apart)
+  return _program(plan, bucket, device_ids, leaves, unit, plan.options.whole_operand_bytes, *rest)
 
 
 def rebound_program(
   program: BucketProgram, plan: LayoutPlan, bucket: int, dtypes: Sequence[np.dtype], *, donate: bool
 ) -> BucketProgram:
   """``program`` as bucket ``bucket`` (of the same :func:`program_signature`) runs it."""
-  words = [lf.word for lf in program.leaves]
-  leaves, _ = _leaf_inputs(plan, bucket, dtypes, words, donate)
+  leaves, _ = _leaf_inputs(plan, bucket, dtypes, [lf.word for lf in program.leaves], donate)
   union = plan.schedule.buckets[bucket].union_device_ids
   ph, dst_ph = _zero_blocks(leaves, union, program.assemblers is not None)
   views = tuple(lf.view for lf in leaves)
@@ -174,19 +157,13 @@ def _leaf_inputs(
   plan: LayoutPlan, bucket: int, dtypes: Sequence[Any], words: Sequence[Any], donate: bool
 ) -> tuple[list[_LeafInput], list[LeafMode]]:
   """The bucket's leaves in ``words`` and how the bucket treats them (:func:`leaf_modes`)."""
-  relayed = plan.relayed_leaves() if donate else frozenset()
-  modes = leaf_modes(
-    plan.schedule, plan.layouts, plan.scheduled, bucket, donate=donate, relayed=relayed
-  )
-  out = []
+  modes, out = _modes(plan, bucket, donate), []
   for i, word, mode in zip(plan.bucket_leaves(bucket), words, modes, strict=True):
     src, dst = plan.layouts[i]
-    win = None if mode.window is None else SourceWindow(*mode.window, src.shard_shape())
-    dwin = (
-      None if mode.dst_window is None else DestinationWindow(*mode.dst_window, dst.shard_shape())
-    )
-    same = ("in_place", "dst_input", "carry_out", "shift", "dst_shift")
-    kw = {name: getattr(mode, name) for name in same}
+    w, dw = mode.window, mode.dst_window
+    win = None if w is None else SourceWindow(*w, src.shard_shape())
+    dwin = None if dw is None else DestinationWindow(*dw, dst.shard_shape())
+    kw = {k: getattr(mode, k) for k in ("in_place", "dst_input", "carry_out", "shift", "dst_shift")}
     src_shard = src.shard_shape() if win is None else win.shape()
     dst_shard = dst.shard_shape() if dwin is None else dwin.shape()
     view = _view(
@@ -203,38 +180,26 @@ def _zero_blocks(leaves: Sequence[_LeafInput], union: Sequence[int], apart: bool
 
 
 def _program(
-  ids: Sequence[int],
-  sched: Bucket,
-  leaves: Sequence[_LeafInput],
-  unit: Any,
-  whole: int,
-  *rest: Any,
-  lowering: Any = None,
+  plan: LayoutPlan, bucket: int, ids: Any, leaves: Any, unit: Any, whole: int, *rest: Any
 ) -> BucketProgram:
-  """The program of ``leaves``: its moves, then the fields ``rest`` (placeholders and on), run
-  by ``lowering`` (``Options.lowerings``; ``None``: a ``ppermute`` per round)."""
+  """The program of ``leaves`` of bucket ``bucket``: its moves, then the fields ``rest``
+  (placeholders and on); big whole blocks (``whole`` bytes) sent as they are."""
   positions = {int(d): k for k, d in enumerate(ids)}
-  rounds, incoming = _send_rounds(sched, leaves, unit, positions)
+  rounds, incoming = _send_rounds(plan.schedule.buckets[bucket], leaves, unit, positions)
   assembles = _assembles(leaves, incoming, unit, positions)
-  views = tuple(lf.view for lf in leaves)
-  ids = tuple(int(d) for d in ids)
+  views, ids = tuple(lf.view for lf in leaves), tuple(int(d) for d in ids)
   program = BucketProgram(ids, views, unit, rounds, assembles, *rest)
-  program = dataclasses.replace(program, lowering=lowering)
-  return _decided(program, whole)
+  return _decided(dataclasses.replace(program, lowering=chosen_lowering(plan, bucket)), whole)
 
 
 def _decided(program: BucketProgram, whole_bytes: int) -> BucketProgram:
   """``program`` with its lowering decisions recorded (docs/design.md): per round its operands
   and the round it repeats; the leaves received whole."""
-  rounds: list[SendRound] = []
-  first: dict[tuple[object, ...], int] = {}
+  rounds, first = list[SendRound](), dict[tuple[object, ...], int]()
   for r, rnd in enumerate(program.rounds):
-    operands = _operands(program, rnd, whole_bytes)
-    packed = all(li is None for _, _, li in operands)
-    repeats = first.setdefault((rnd.words, rnd.packs), r) if packed else r
-    rounds.append(
-      dataclasses.replace(rnd, operands=operands, repeats=None if repeats == r else repeats)
-    )
+    ops = _operands(program, rnd, whole_bytes)
+    repeats = first.setdefault((rnd.words, rnd.packs), r) if all(s[2] is None for s in ops) else r
+    rounds.append(dataclasses.replace(rnd, operands=ops, repeats=None if repeats == r else repeats))
   program = dataclasses.replace(program, rounds=tuple(rounds))
   return dataclasses.replace(program, received=_received_whole(program))
 
@@ -307,54 +272,45 @@ def make_transform_program(
   source leaves its outputs read; cuts carry the sender's casts, parts an :class:`Arrange`.
   ``device_ids`` default to the bucket's, ascending."""
   assert plan.pieces is not None and plan.inputs is not None, "not a transformed plan"
-  pieces, src = plan.pieces, plan.inputs
-  sched = plan.schedule.buckets[bucket]
+  pieces, src, sched = plan.pieces, plan.inputs, plan.schedule.buckets[bucket]
   outs = tuple(plan.scheduled[j] for j in sched.leaves)
   modes = _transform_modes(plan, bucket, donate)
-  used = sorted(
-    {p.src_leaf for i, m in zip(outs, modes, strict=True) for p in _moved(pieces[i], m.copies)}
+  marked = (
+    zip(pieces[i], np.broadcast_to(m.copies, len(pieces[i])).tolist(), strict=True)
+    for i, m in zip(outs, modes, strict=True)
   )
+  used = sorted({p.src_leaf for rows in marked for p, moved in rows if moved})  # the rows it moves
   if device_ids is None:
-    held = (d for j in used for d in src[j].device_ids)
-    device_ids = sorted({*sched.union_device_ids, *held})
+    device_ids = sorted({*sched.union_device_ids, *(d for j in used for d in src[j].device_ids)})
   inputs = [(src[j], _own_view(j, src[j], src_dtypes[j])) for j in used]
-  at = {j: k for k, j in enumerate(used)}
+  at = {j: k for k, j in enumerate(used)}  # (rows of other chunks read nothing here)
   leaves = []
   for i, mode in zip(outs, modes, strict=True):
-    senders, dst = plan.layouts[i]
-    rows = tuple(
-      _row(p, src[p.src_leaf], at.get(p.src_leaf, -1)) for p in pieces[i]
-    )  # (rows of other chunks read nothing here)
-    view = _own_view(i, dst, out_dtypes[i], dst_input=mode.dst_input)
+    rows = tuple(_row(p, src[p.src_leaf], at.get(p.src_leaf, -1)) for p in pieces[i])
+    view = _own_view(i, plan.layouts[i][1], out_dtypes[i], dst_input=mode.dst_input)
     view = dataclasses.replace(view, in_place=mode.in_place, carry_out=mode.carry_out)
-    leaves.append(_LeafInput(plan.leaf_plans[i], senders, dst, view, mode.copies, rows=rows))
+    leaves.append(_LeafInput(plan.leaf_plans[i], *plan.layouts[i], view, mode.copies, rows=rows))
   wire = min((p.wire_dtype.itemsize for i in outs for p in pieces[i]), default=1)
-  unit, views = np.dtype(f"uint{8 * wire}"), tuple(view for _, view in inputs)
   ph = _placeholder_groups(inputs, device_ids), _dst_placeholder_groups(leaves, device_ids)
-  whole = options.whole_operand_bytes
-  low = chosen_lowering(plan, bucket)
-  return _program(device_ids, sched, leaves, unit, whole, *ph, None, False, views, lowering=low)
+  rest = (*ph, None, False, tuple(view for _, view in inputs))
+  unit = np.dtype(f"uint{8 * wire}")
+  return _program(plan, bucket, device_ids, leaves, unit, options.whole_operand_bytes, *rest)
+
+
+def _modes(plan: LayoutPlan, bucket: int, donate: bool) -> list[LeafMode]:
+  """How bucket ``bucket`` treats each of its leaves (:func:`leaf_modes`)."""
+  relayed = plan.relayed_leaves() if donate else frozenset()
+  return leaf_modes(
+    plan.schedule, plan.layouts, plan.scheduled, bucket, donate=donate, relayed=relayed
+  )
 
 
 def _transform_modes(plan: LayoutPlan, bucket: int, donate: bool) -> list[LeafMode]:
-  """Per leaf of a transformed bucket, how it treats it: a leaf cut into chunks over several
-  buckets as :func:`leaf_modes` says (written in place, carried on), else whole (donated
-  blocks taken where ``donate``)."""
-  sched, schedule = plan.schedule.buckets[bucket], plan.schedule
-  relayed = plan.relayed_leaves() if donate else frozenset()
-  modes = leaf_modes(schedule, plan.layouts, plan.scheduled, bucket, donate=donate, relayed=relayed)
-  return [
-    m if len(schedule.leaf_buckets[j]) > 1 else LeafMode(dst_input=donate)
-    for j, m in zip(sched.leaves, modes, strict=True)
-  ]
-
-
-def _moved(pieces: Sequence[TransformPiece], copies: np.ndarray | bool) -> list[TransformPiece]:
-  """The pieces of the rows a bucket moves: those ``copies`` marks (``True``: every row)."""
-  if copies is True:
-    return list(pieces)
-  marked = np.broadcast_to(copies, len(pieces)).tolist()
-  return [p for p, c in zip(pieces, marked, strict=True) if c]
+  """Per leaf of a transformed bucket, its mode if cut into chunks over several buckets, else
+  whole (donated blocks taken where ``donate``)."""
+  leaves, many = plan.schedule.buckets[bucket].leaves, plan.schedule.leaf_buckets
+  modes = zip(leaves, _modes(plan, bucket, donate), strict=True)
+  return [m if len(many[j]) > 1 else LeafMode(dst_input=donate) for j, m in modes]
 
 
 def _own_view(index: int, layout: Layout, dtype: np.dtype, *, dst_input: bool = False) -> LeafView:
@@ -384,24 +340,22 @@ def _send_rounds(
   incoming: _Incoming = defaultdict(lambda: defaultdict(list))
   rounds = []
   for r, rnd in enumerate(bucket.rounds):
-    roles: dict[Any, list[tuple[int, list[Piece], list[Cut]]]] = defaultdict(list)
+    roles: dict[Any, list[tuple[int, int, list[Cut]]]] = defaultdict(list)
     for s_dev, d_dev in rnd.pairs:
-      ps = pieces[(s_dev, d_dev)]
-      lis = [local[p.leaf] for p in ps]
-      cuts = [
-        leaves[li].cut(li, p.transfer, s_dev, positions) for li, p in zip(lis, ps, strict=True)
-      ]
-      key = tuple(zip(lis, [dataclasses.replace(c, offsets=()) for c in cuts], strict=True))
-      roles[key].append((s_dev, ps, cuts))  # senders whose cuts match up to offsets
-      for li, p in zip(lis, ps, strict=True):
+      sent = [(local[p.leaf], p) for p in pieces[(s_dev, d_dev)]]
+      cuts = [leaves[li].cut(li, p.transfer, s_dev, positions) for li, p in sent]
+      # senders whose cuts match up to offsets share a role
+      key = tuple((li, _merged([c], True)) for (li, _), c in zip(sent, cuts, strict=True))
+      roles[key].append((positions[s_dev], sum(p.nbytes for _, p in sent), cuts))
+      for li, p in sent:
         incoming[d_dev][li].append((p.transfer, r, p))
     packs = tuple(
       Pack(
-        tuple(positions[dev] for dev, _, _ in m),
-        tuple(_merged([cuts[k] for _, _, cuts in m]) for k in range(len(m[0][2]))),
-        max(rnd.nbytes - sum(p.nbytes for p in m[0][1]), 0) // unit.itemsize,
+        tuple(m[0] for m in ms),
+        tuple(map(_merged, zip(*(m[2] for m in ms), strict=True))),
+        max(rnd.nbytes - ms[0][1], 0) // unit.itemsize,
       )
-      for m in roles.values()
+      for ms in roles.values()
     )
     pairs = tuple((positions[s], positions[d]) for s, d in rnd.pairs)
     rounds.append(SendRound(rnd.nbytes // unit.itemsize, pairs, packs))
@@ -448,14 +402,11 @@ def _assembles(
     parts = _device_parts(dev, leaves, incoming[dev], unit, positions)
     key = tuple(None if ps is None else tuple(_merged([p], True) for p in ps) for ps in parts)
     roles[key].append((dev, parts))
-  out = []
-  for members in roles.values():
-    merged = tuple(
-      None if ps is None else tuple(_merged([m[li][k] for _, m in members]) for k in range(len(ps)))
-      for li, ps in enumerate(members[0][1])
-    )
-    out.append(Assemble(tuple(positions[dev] for dev, _ in members), merged))
-  return tuple(out)
+  merged = lambda ps: None if ps[0] is None else tuple(map(_merged, zip(*ps, strict=True)))
+  return tuple(
+    Assemble(tuple(positions[dev] for dev in devs), tuple(map(merged, zip(*parts, strict=True))))
+    for devs, parts in (zip(*members, strict=True) for members in roles.values())
+  )
 
 
 def _placeholder_groups(sources: Any, device_ids: Sequence[int]) -> tuple[PlaceholderGroup, ...]:
@@ -476,12 +427,8 @@ def _dst_placeholder_groups(leaves: Any, device_ids: Sequence[int]) -> tuple[Pla
   union = np.asarray(device_ids, dtype=np.int64)
   by_devices: dict[tuple[int, ...], list[int]] = defaultdict(list)
   for li, leaf in enumerate(leaves):
-    devs = union[donated_mask(leaf.dst, union, leaf.fresh)]
-    if leaf.view.dst_input and len(devs):
-      by_devices[tuple(devs.tolist())].append(li)
-  return tuple(
-    PlaceholderGroup(
-      ids, tuple((leaves[i].view.dst_block, leaves[i].view.dtype) for i in lis), tuple(lis)
-    )
-    for ids, lis in by_devices.items()
-  )
+    devs = tuple(union[donated_mask(leaf.dst, union, leaf.fresh)].tolist())
+    if leaf.view.dst_input and devs:
+      by_devices[devs].append(li)
+  blocks = lambda lis: tuple((leaves[i].view.dst_block, leaves[i].view.dtype) for i in lis)
+  return tuple(PlaceholderGroup(ids, blocks(lis), tuple(lis)) for ids, lis in by_devices.items())

@@ -110,9 +110,8 @@ class Pack:
 @dataclasses.dataclass(frozen=True, slots=True)
 class SendRound:
   """One ``ppermute`` of ``words`` unit words per position pair; devices in no pack send zeros.
-  ``operands``: its operands as ``(start, stop, leaf)`` (a leaf's whole staged source block sent
-  as it is, or ``None``: packed words); ``repeats``: an earlier round whose packed payload this
-  one sends again (packed once)."""
+  ``operands``: ``(start, stop, leaf)`` (``leaf``'s whole source block as it is, or ``None``:
+  packed words); ``repeats``: an earlier round whose packed payload this one sends again."""
 
   words: int
   pairs: tuple[tuple[int, int], ...]
@@ -179,9 +178,8 @@ class PlaceholderGroup:
 class BucketProgram:
   """Everything a bucket's devices do. ``assemblers``: positions assembling in a program of
   their own; ``must_apart``: never bundled; ``inputs``: a transformed program's sources;
-  ``received``: ``(leaf, round)`` for the leaves every destination device receives whole in one
-  round's payload or operand, landing as it is; ``lowering``: the ``Options.lowerings`` entry
-  that runs the rounds (``None``: one ``ppermute`` each)."""
+  ``received``: ``(leaf, round)`` of the leaves that land whole as one payload or operand;
+  ``lowering``: the ``Options.lowerings`` entry running the rounds (``None``: ``ppermute``)."""
 
   device_ids: tuple[int, ...]
   leaves: tuple[LeafView, ...]
@@ -230,9 +228,8 @@ def program_signature(program: BucketProgram) -> BucketProgram:
     for lf in program.leaves
   )
   inputs = tuple(dataclasses.replace(lf, index=-1) for lf in program.inputs)
-  return dataclasses.replace(
-    program, leaves=leaves, inputs=inputs, placeholders=(), dst_placeholders=()
-  )
+  empty: dict[str, Any] = {"placeholders": (), "dst_placeholders": ()}
+  return dataclasses.replace(program, leaves=leaves, inputs=inputs, **empty)
 
 
 def role_table(num_positions: int, roles: Sequence[Pack | Assemble]) -> np.ndarray:
@@ -331,11 +328,10 @@ def _common_sources(leaf: int, held: Sequence[Sequence[Part]]) -> tuple[Received
   keys = [_write_key(p) for p in held[0]]
   if any([_write_key(p) for p in parts] != keys for parts in held[1:]):
     return None
+  every = lambda j: tuple(sorted(o for ps in held for o in ps[j].cut.offsets))  # type: ignore[union-attr]
   return tuple(
-    first
-    if isinstance(first, Received)
-    else Cut(leaf, first.cut.shape, tuple(sorted(o for ps in held for o in ps[j].cut.offsets)))  # type: ignore[union-attr]
-    for j, first in enumerate(held[0])
+    p if isinstance(p, Received) else Cut(leaf, p.cut.shape, every(j))
+    for j, p in enumerate(held[0])
   )
 
 
@@ -428,19 +424,17 @@ def format_program(program: BucketProgram) -> str:
 
 
 def _format_cut(cut: Cut, src: str) -> str:
-  at = cut.static_offset
-  where = f"@{list(at)}" if at is not None else "@table"
-  return f"{src} {cut.leaf} {list(cut.shape)}{where}{_format_casts(cut.casts)}"
+  where = "table" if (at := cut.static_offset) is None else list(at)
+  return f"{src} {cut.leaf} {list(cut.shape)}@{where}{_format_casts(cut.casts)}"
 
 
 def _format_part(part: Part, src: str) -> str:
+  a = part.arrange
   if isinstance(part, Received):
     text = f"{list(part.offset)}: round {part.round} words {part.start}:{part.stop}"
-    if part.arrange is not None:
-      text += f" as {part.arrange.wire.name}"
+    text += "" if a is None else f" as {a.wire.name}"
   else:
     text = f"{list(part.offset)}: own {_format_cut(part.cut, src)}"
-  a = part.arrange
   if a is not None and a.perm != tuple(range(len(a.perm))):
     text += f" transposed {list(a.perm)}"
   return text + ("" if a is None else _format_casts(a.casts))
