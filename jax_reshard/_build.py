@@ -160,15 +160,12 @@ def _leaf_inputs(
   modes, out = _modes(plan, bucket, donate), []
   for i, word, mode in zip(plan.bucket_leaves(bucket), words, modes, strict=True):
     src, dst = plan.layouts[i]
-    w, dw = mode.window, mode.dst_window
-    win = None if w is None else SourceWindow(*w, src.shard_shape())
-    dwin = None if dw is None else DestinationWindow(*dw, dst.shard_shape())
+    ss, ds = src.shard_shape(), dst.shard_shape()
+    win = mode.window and SourceWindow(*mode.window, ss)
+    dwin = mode.dst_window and DestinationWindow(*mode.dst_window, ds)
     kw = {k: getattr(mode, k) for k in ("in_place", "dst_input", "carry_out", "shift", "dst_shift")}
-    src_shard = src.shard_shape() if win is None else win.shape()
-    dst_shard = dst.shard_shape() if dwin is None else dwin.shape()
-    view = _view(
-      i, src.shape, dtypes[i], word, src_shard, dst_shard, src_window=win, dst_window=dwin, **kw
-    )
+    shards = (win.shape() if win else ss), (dwin.shape() if dwin else ds)
+    view = _view(i, src.shape, dtypes[i], word, *shards, src_window=win, dst_window=dwin, **kw)
     out.append(_LeafInput(plan.leaf_plans[i], src, dst, view, mode.copies, mode.fresh))
   return out, modes
 
@@ -367,10 +364,7 @@ def _device_parts(
 ) -> tuple[tuple[Part, ...] | None, ...]:
   """Per leaf, the parts device ``dev`` assembles its shard from, by offset."""
   out: list[tuple[Part, ...] | None] = []
-  for li, leaf in enumerate(leaves):
-    if dev not in leaf.dst.device_ids:
-      out.append(None)
-      continue
+  for li, leaf in enumerate(leaves):  # (a device holding no shard of it has no parts)
     plan, parts = leaf.plan, list[Part]()
     for t in np.nonzero(plan.local & (plan.dst_device == dev) & leaf.copies)[0].tolist():
       cut = leaf.cut(li, t, dev, positions)
@@ -379,7 +373,8 @@ def _device_parts(
       a, b = piece.offset // unit.itemsize, (piece.offset + piece.nbytes) // unit.itemsize
       shape = in_words(plan.hi[t] - plan.lo[t], leaf.view.word_ratio)
       parts.append(Received(leaf.dst_offset(t, dev), shape, r, a, b, leaf.arrange(t)))
-    out.append(tuple(sorted(parts, key=lambda q: q.offset)))
+    held = dev in leaf.dst.device_ids
+    out.append(tuple(sorted(parts, key=lambda q: q.offset)) if held else None)
   return tuple(out)
 
 
@@ -417,9 +412,8 @@ def _placeholder_groups(sources: Any, device_ids: Sequence[int]) -> tuple[Placeh
     needs[(view.src_block, view.dtype)] |= set(union[placeholder_mask(src, union)].tolist())
   by_devices: dict[tuple[int, ...], list[tuple[Box, np.dtype]]] = defaultdict(list)
   for key, devs in needs.items():
-    if devs:
-      by_devices[tuple(sorted(devs))].append(key)
-  return tuple(PlaceholderGroup(ids, tuple(keys)) for ids, keys in by_devices.items())
+    by_devices[tuple(sorted(devs))].append(key)
+  return tuple(PlaceholderGroup(ids, tuple(keys)) for ids, keys in by_devices.items() if ids)
 
 
 def _dst_placeholder_groups(leaves: Any, device_ids: Sequence[int]) -> tuple[PlaceholderGroup, ...]:

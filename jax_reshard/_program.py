@@ -279,12 +279,10 @@ def _write_key(part: Part) -> tuple[Any, ...]:
 def chunk_writes(program: BucketProgram, leaf: int) -> ChunkWrites | None:
   """The slot writes of an in-place leaf, or ``None`` where the roles cannot share them (or
   its parts are arranged: a transformed program's)."""
-  if program.inputs:
-    return None
   every = (a.parts[leaf] for a in program.assembles)
   roles = [None if ps is None else sorted(ps, key=_write_key) for ps in every]
   held = [parts for parts in roles if parts is not None]
-  if not program.leaves[leaf].dst_shard or not held:
+  if program.inputs or not program.leaves[leaf].dst_shard or not held:
     return None
   sources = _common_sources(leaf, held)
   fills: list[tuple[Part | None, ...] | None]
