@@ -1,15 +1,10 @@
-"""The program builder: a bucket of a stage's schedule becomes a :class:`BucketProgram`.
-
-Every lowering decision is made here, once, and recorded on the program as data: the payload
-word, sender and destination roles, which whole source blocks a round sends as they are, which
-rounds repeat an earlier payload, which leaves arrive whole, zero blocks, assembling apart. The
-emitter, the executables and the pictures read the program; they decide nothing.
-"""
+"""The program builder: a bucket of a stage's schedule becomes a :class:`BucketProgram`, every
+lowering decision made once and recorded on it (docs/design.md "Where each lowering decision
+lives"); the emitter, the executables and the pictures decide nothing."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
@@ -44,25 +39,18 @@ from jax_reshard._program import (
   travels_as_is,
   uint_dtype,
 )
-from jax_reshard._schedule import (
-  Bucket,
-  Piece,
-  donated_mask,
-  placeholder_mask,
-  staged_block_shape,
-)
+from jax_reshard._schedule import Bucket, Piece, donated_mask, placeholder_mask, staged_block_shape
 
 
 def widest_word(
   plan: LeafPlan, src: Layout, dst: Layout, dtype: np.dtype, *, max_word_bytes: int
 ) -> np.dtype:
   """The widest unsigned word (up to ``max_word_bytes``) dividing a leaf's last-dim bounds."""
-  itemsize = max(dtype.itemsize, 1)
   if not src.shape:
     return uint_dtype(dtype)
   bounds = [src.shard_shape()[-1], dst.shard_shape()[-1], src.shape[-1]]
   g = int(np.gcd.reduce(np.concatenate([bounds, plan.lo[:, -1], plan.hi[:, -1]])))
-  word = itemsize
+  word = itemsize = max(dtype.itemsize, 1)
   while word < max_word_bytes and g % ((word * 2) // itemsize) == 0:
     word *= 2
   return np.dtype(f"uint{8 * word}")
@@ -85,24 +73,22 @@ class _LeafInput:
   rows: tuple[_Row, ...] = ()  # a transformed leaf's transfers
 
   def cut(self, li: int, t: int, dev: int, positions: dict[int, int]) -> Cut:
-    """The cut device ``dev`` reads for transfer ``t`` of this leaf (``li``)."""
-    (lo, shape), (src, casts) = self.src_box(t, dev), self.rows[t][::4] if self.rows else (li, ())
-    return Cut(src, shape, ((positions[dev], lo),), casts)
+    """What device ``dev`` reads for transfer ``t`` of this leaf (``li``): a box in words of its
+    staged source block (a transformed leaf's: of its input, in elements, cast)."""
+    if self.rows:
+      k, src, lo, shape, casts, _ = self.rows[t]
+      at = src.starts[src.device_ids.index(dev)]
+      return Cut(
+        k, shape, ((positions[dev], tuple(a - b for a, b in zip(lo, at, strict=True))),), casts
+      )
+    w = self.view.src_window
+    start = _start(self.src, dev, None if w is None else (w.dim, w.start), self.view.shift)
+    lo, hi, ratio = self.plan.lo[t], self.plan.hi[t], self.view.word_ratio
+    return Cut(li, in_words(hi - lo, ratio), ((positions[dev], in_words(lo - start, ratio)),))
 
   def arrange(self, t: int) -> Arrange | None:
     """How transfer ``t`` lands."""
     return self.rows[t][5] if self.rows else None
-
-  def src_box(self, t: int, dev: int) -> tuple[Box, Box]:
-    """(offset, shape) in words of transfer ``t`` in ``dev``'s staged source block."""
-    if self.rows:  # in its source leaf's elements
-      _, src, lo, shape, _, _ = self.rows[t]
-      at = src.starts[src.device_ids.index(dev)]
-      return tuple(a - b for a, b in zip(lo, at, strict=True)), shape
-    w = self.view.src_window
-    start = _start(self.src, dev, None if w is None else (w.dim, w.start), self.view.shift)
-    lo, hi, ratio = self.plan.lo[t], self.plan.hi[t], self.view.word_ratio
-    return in_words(lo - start, ratio), in_words(hi - lo, ratio)
 
   def dst_offset(self, t: int, dev: int) -> Box:
     """Offset in words of transfer ``t`` in ``dev``'s destination shard (or its slab)."""
@@ -132,32 +118,28 @@ def make_bucket_program(
 ) -> BucketProgram:
   """The program of bucket ``bucket`` of ``plan`` over ``device_ids`` (per mesh position); with
   ``donate`` every leaf takes its destination block as an input, aliased to its output."""
-  sched, leaf_ids = plan.schedule.buckets[bucket], plan.bucket_leaves(bucket)
-  mwb, size = max_word_bytes, lambda d: d.itemsize
+  sched, lis, mwb = plan.schedule.buckets[bucket], plan.bucket_leaves(bucket), max_word_bytes
   wide = [
-    widest_word(plan.leaf_plans[i], *plan.layouts[i], dtypes[i], max_word_bytes=mwb)
-    for i in leaf_ids
+    widest_word(plan.leaf_plans[i], *plan.layouts[i], dtypes[i], max_word_bytes=mwb) for i in lis
   ]
+  size = lambda d: d.itemsize
   unit = min(wide, key=size)
   # Each leaf works in the unit, or in its own width where wider (widening, then narrowing
   # below the element width, trips XLA's bitcast folding).
-  words = [max(uint_dtype(dtypes[i]), unit, key=size) for i in leaf_ids]
+  words = [max(uint_dtype(dtypes[i]), unit, key=size) for i in lis]
   leaves, modes = _leaf_inputs(plan, bucket, dtypes, words, donate)
   apart = assembles_apart(plan, bucket, modes)
-  positions = {d: k for k, d in enumerate(device_ids)}
-  at = None if apart is None else tuple(sorted(positions[d] for d in apart))
+  at = None if apart is None else tuple(sorted(list(device_ids).index(d) for d in apart))
   zeros = _zero_blocks(leaves, sched.union_device_ids, apart is not None)
-  must_apart, whole = apart is not None and sched.must_apart, plan.options.whole_operand_bytes
-  low = chosen_lowering(plan, bucket)
-  return _program(device_ids, sched, leaves, unit, whole, *zeros, at, must_apart, lowering=low)
+  rest = (*zeros, at, apart is not None and sched.must_apart)
+  return _program(plan, bucket, device_ids, leaves, unit, plan.options.whole_operand_bytes, *rest)
 
 
 def rebound_program(
   program: BucketProgram, plan: LayoutPlan, bucket: int, dtypes: Sequence[np.dtype], *, donate: bool
 ) -> BucketProgram:
   """``program`` as bucket ``bucket`` (of the same :func:`program_signature`) runs it."""
-  words = [lf.word for lf in program.leaves]
-  leaves, _ = _leaf_inputs(plan, bucket, dtypes, words, donate)
+  leaves, _ = _leaf_inputs(plan, bucket, dtypes, [lf.word for lf in program.leaves], donate)
   union = plan.schedule.buckets[bucket].union_device_ids
   ph, dst_ph = _zero_blocks(leaves, union, program.assemblers is not None)
   views = tuple(lf.view for lf in leaves)
@@ -175,24 +157,15 @@ def _leaf_inputs(
   plan: LayoutPlan, bucket: int, dtypes: Sequence[Any], words: Sequence[Any], donate: bool
 ) -> tuple[list[_LeafInput], list[LeafMode]]:
   """The bucket's leaves in ``words`` and how the bucket treats them (:func:`leaf_modes`)."""
-  relayed = plan.relayed_leaves() if donate else frozenset()
-  modes = leaf_modes(
-    plan.schedule, plan.layouts, plan.scheduled, bucket, donate=donate, relayed=relayed
-  )
-  out = []
+  modes, out = _modes(plan, bucket, donate), []
   for i, word, mode in zip(plan.bucket_leaves(bucket), words, modes, strict=True):
     src, dst = plan.layouts[i]
-    win = None if mode.window is None else SourceWindow(*mode.window, src.shard_shape())
-    dwin = (
-      None if mode.dst_window is None else DestinationWindow(*mode.dst_window, dst.shard_shape())
-    )
-    same = ("in_place", "dst_input", "carry_out", "shift", "dst_shift")
-    kw = {name: getattr(mode, name) for name in same}
-    src_shard = src.shard_shape() if win is None else win.shape()
-    dst_shard = dst.shard_shape() if dwin is None else dwin.shape()
-    view = _view(
-      i, src.shape, dtypes[i], word, src_shard, dst_shard, src_window=win, dst_window=dwin, **kw
-    )
+    ss, ds = src.shard_shape(), dst.shard_shape()
+    win = mode.window and SourceWindow(*mode.window, ss)
+    dwin = mode.dst_window and DestinationWindow(*mode.dst_window, ds)
+    kw = {k: getattr(mode, k) for k in ("in_place", "dst_input", "carry_out", "shift", "dst_shift")}
+    shards = (win.shape() if win else ss), (dwin.shape() if dwin else ds)
+    view = _view(i, src.shape, dtypes[i], word, *shards, src_window=win, dst_window=dwin, **kw)
     out.append(_LeafInput(plan.leaf_plans[i], src, dst, view, mode.copies, mode.fresh))
   return out, modes
 
@@ -204,102 +177,59 @@ def _zero_blocks(leaves: Sequence[_LeafInput], union: Sequence[int], apart: bool
 
 
 def _program(
-  ids: Sequence[int],
-  sched: Bucket,
-  leaves: Sequence[_LeafInput],
-  unit: Any,
-  whole: int,
-  *rest: Any,
-  lowering: Any = None,
+  plan: LayoutPlan, bucket: int, ids: Any, leaves: Any, unit: Any, whole: int, *rest: Any
 ) -> BucketProgram:
-  """The program of ``leaves``: its moves, then the fields ``rest`` (placeholders and on), run
-  by ``lowering`` (``Options.lowerings``; ``None``: a ``ppermute`` per round)."""
+  """The program of ``leaves`` of bucket ``bucket``: its moves, then the fields ``rest``
+  (placeholders and on); big whole blocks (``whole`` bytes) sent as they are."""
   positions = {int(d): k for k, d in enumerate(ids)}
-  rounds, incoming = _send_rounds(sched, leaves, unit, positions)
+  rounds, incoming = _send_rounds(plan.schedule.buckets[bucket], leaves, unit, positions)
   assembles = _assembles(leaves, incoming, unit, positions)
-  views = tuple(lf.view for lf in leaves)
-  ids = tuple(int(d) for d in ids)
+  views, ids = tuple(lf.view for lf in leaves), tuple(int(d) for d in ids)
   program = BucketProgram(ids, views, unit, rounds, assembles, *rest)
-  program = dataclasses.replace(program, lowering=lowering)
-  return _decided(program, whole)
+  return _decided(dataclasses.replace(program, lowering=chosen_lowering(plan, bucket)), whole)
 
 
 def _decided(program: BucketProgram, whole_bytes: int) -> BucketProgram:
-  """``program`` with its lowering decisions recorded: per round its operands (whole source
-  blocks of ``whole_bytes`` or more sent as they are) and the round it repeats; the leaves
-  received whole. The emitter, the executables and the tests read them, never re-derive."""
-  rounds: list[SendRound] = []
-  first: dict[tuple[object, ...], int] = {}
+  """``program`` with its lowering decisions recorded (docs/design.md): per round its operands
+  and the round it repeats; the leaves received whole."""
+  rounds, first = list[SendRound](), dict[tuple[object, ...], int]()
   for r, rnd in enumerate(program.rounds):
-    operands = _operands(program, rnd, whole_bytes)
-    packed = all(li is None for _, _, li in operands)
-    repeats = first.setdefault((rnd.words, rnd.packs), r) if packed else r
-    rounds.append(
-      dataclasses.replace(rnd, operands=operands, repeats=None if repeats == r else repeats)
-    )
+    ops = _operands(program, rnd, whole_bytes)
+    repeats = first.setdefault((rnd.words, rnd.packs), r) if all(s[2] is None for s in ops) else r
+    rounds.append(dataclasses.replace(rnd, operands=ops, repeats=None if repeats == r else repeats))
   program = dataclasses.replace(program, rounds=tuple(rounds))
   return dataclasses.replace(program, received=_received_whole(program))
 
 
-def _is_whole(cut: Cut, lf: LeafView) -> bool:
-  """Whether ``cut`` is the whole staged source block of ``lf``."""
-  shape = in_words(lf.src_shard, lf.word_ratio)
-  return cut.static_offset == (0,) * len(cut.shape) and cut.shape == shape
-
-
-def _whole_block_leaves(program: BucketProgram, rnd: SendRound) -> tuple[int, ...] | None:
-  """The leaves whose whole source blocks every sender of ``rnd`` sends, uncast, in one order."""
-  if not rnd.packs or any(p.pad_words for p in rnd.packs):
-    return None
-  leaves = tuple(c.leaf for c in rnd.packs[0].cuts)
-  if len(set(leaves)) != len(leaves):
-    return None
-  for p in rnd.packs:
-    if tuple(c.leaf for c in p.cuts) != leaves:
-      return None
-    if any(c.casts or not _is_whole(c, program.sources[c.leaf]) for c in p.cuts):
-      return None
-  return leaves
-
-
-def _whole_segments(
-  program: BucketProgram, rnd: SendRound, whole_bytes: int
-) -> tuple[Segment, ...] | None:
-  """A packed round's payload cut at the big whole source blocks every sender sends at the
-  same words (the rest packed), or ``None``."""
-  common: set[Segment] | None = None
-  for p in rnd.packs:
-    at, found = 0, set[Segment]()
-    for cut in p.cuts:
-      lf, size = program.sources[cut.leaf], cut_words(program, cut)
-      big = size * program.unit.itemsize >= whole_bytes
-      if _is_whole(cut, lf) and big and not cut.casts and travels_as_is(lf.dtype):
-        found.add((at, at + size, cut.leaf))
-      at += size
-    common = found if common is None else common & found
-  if not common:
-    return None
-  out: list[Segment] = []
-  at = 0
-  for start, stop, li in sorted(common):
-    out += [(at, start, None)] if start > at else []
-    out.append((start, stop, li))
-    at = stop
-  return tuple(out + ([(at, rnd.words, None)] if at < rnd.words else []))
+def _segments(program: BucketProgram, pack: Pack) -> list[Segment]:
+  """A pack's cuts as ``(start, stop, leaf)`` (``None``: not a whole uncast source block)."""
+  out, at = [], 0
+  for cut in pack.cuts:
+    shape = in_words(program.sources[cut.leaf].src_shard, program.sources[cut.leaf].word_ratio)
+    whole = not cut.casts and cut.static_offset == (0,) * len(shape) and cut.shape == shape
+    out.append((at, at := at + cut_words(program, cut), cut.leaf if whole else None))
+  return out
 
 
 def _operands(program: BucketProgram, rnd: SendRound, whole_bytes: int) -> tuple[Segment, ...]:
-  """Per operand of a round's ``ppermute``, ``(start, stop, leaf)`` (``None``: packed words)."""
-  whole = _whole_block_leaves(program, rnd)
-  if whole is None:
-    segments = _whole_segments(program, rnd, whole_bytes) if rnd.packs else None
-    return segments or ((0, rnd.words, None),)
-  out, at = [], 0
-  for li in whole:
-    lf = program.sources[li]
-    size = math.prod(in_words(lf.src_shard, lf.word_ratio)) * lf.word.itemsize
-    out.append((at, at := at + size // program.unit.itemsize, li))
-  return tuple(out)
+  """Per operand of a round's ``ppermute``, ``(start, stop, leaf)`` (``None``: packed words):
+  the whole source blocks every sender sends in one order, else the payload cut at those of
+  ``whole_bytes`` or more that travel as they are and every sender sends at the same words."""
+  if not rnd.packs:
+    return ((0, rnd.words, None),)
+  per_pack = [_segments(program, p) for p in rnd.packs]
+  leaves = [li for _, _, li in per_pack[0]]
+  same = all(segs == per_pack[0] for segs in per_pack) and not any(p.pad_words for p in rnd.packs)
+  if same and None not in leaves and len(set(leaves)) == len(leaves):
+    return tuple(per_pack[0])
+  least = -(-whole_bytes // program.unit.itemsize)  # words of a big block
+  as_is = {li for li, lf in enumerate(program.sources) if travels_as_is(lf.dtype)}
+  big = [{(a, b, li) for a, b, li in segs if li in as_is and b - a >= least} for segs in per_pack]
+  out, at = list[Segment](), 0
+  for start, stop, li in sorted(big[0].intersection(*big[1:])):
+    out += [(at, start, None), (start, stop, li)] if start > at else [(start, stop, li)]
+    at = stop
+  return tuple(out + ([(at, rnd.words, None)] if at < rnd.words or not out else []))
 
 
 def _received_whole(program: BucketProgram) -> tuple[tuple[int, int], ...]:
@@ -307,26 +237,22 @@ def _received_whole(program: BucketProgram) -> tuple[tuple[int, int], ...]:
   payload (or operand), landing as it is."""
   out = []
   for li, lf in enumerate(program.leaves):
-    if lf.in_place or lf.dst_input:
-      continue
-    rounds = set()
-    for parts in (role.parts[li] for role in program.assembles):
-      if parts is None:
-        continue
-      p = parts[0] if len(parts) == 1 else None
-      if not isinstance(p, Received) or p.arrange is not None or any(p.offset):
-        break
-      rnd = program.rounds[p.round]
-      segments = {(0, rnd.words)}
-      if (whole := _whole_block_leaves(program, rnd)) is not None and len(whole) > 1:
-        segments = {(a, b) for a, b, _ in rnd.operands}
-      if (p.start, p.stop) not in segments or p.shape != lf.dst_words:
-        break
-      rounds.add(p.round)
-    else:
-      if len(rounds) == 1:
-        out.append((li, rounds.pop()))
+    held = (ps for a in program.assembles if (ps := a.parts[li]) is not None)
+    rounds = {_whole_round(program, lf, parts) for parts in held}
+    if not (lf.in_place or lf.dst_input) and len(rounds) == 1 and (r := rounds.pop()) is not None:
+      out.append((li, r))
   return tuple(out)
+
+
+def _whole_round(program: BucketProgram, lf: LeafView, parts: Sequence[Part]) -> int | None:
+  """The round whose payload or operand ``parts`` are, whole and as it is, or ``None``."""
+  p = parts[0] if len(parts) == 1 else None
+  if not isinstance(p, Received) or p.arrange is not None or any(p.offset):
+    return None
+  rnd = program.rounds[p.round]
+  whole = len(rnd.operands) > 1 and all(li is not None for _, _, li in rnd.operands)
+  segments = {(a, b) for a, b, _ in rnd.operands} if whole else {(0, rnd.words)}
+  return p.round if (p.start, p.stop) in segments and p.shape == lf.dst_words else None
 
 
 def make_transform_program(
@@ -343,54 +269,45 @@ def make_transform_program(
   source leaves its outputs read; cuts carry the sender's casts, parts an :class:`Arrange`.
   ``device_ids`` default to the bucket's, ascending."""
   assert plan.pieces is not None and plan.inputs is not None, "not a transformed plan"
-  pieces, src = plan.pieces, plan.inputs
-  sched = plan.schedule.buckets[bucket]
+  pieces, src, sched = plan.pieces, plan.inputs, plan.schedule.buckets[bucket]
   outs = tuple(plan.scheduled[j] for j in sched.leaves)
   modes = _transform_modes(plan, bucket, donate)
-  used = sorted(
-    {p.src_leaf for i, m in zip(outs, modes, strict=True) for p in _moved(pieces[i], m.copies)}
+  marked = (
+    zip(pieces[i], np.broadcast_to(m.copies, len(pieces[i])).tolist(), strict=True)
+    for i, m in zip(outs, modes, strict=True)
   )
+  used = sorted({p.src_leaf for rows in marked for p, moved in rows if moved})  # the rows it moves
   if device_ids is None:
-    held = (d for j in used for d in src[j].device_ids)
-    device_ids = sorted({*sched.union_device_ids, *held})
+    device_ids = sorted({*sched.union_device_ids, *(d for j in used for d in src[j].device_ids)})
   inputs = [(src[j], _own_view(j, src[j], src_dtypes[j])) for j in used]
-  at = {j: k for k, j in enumerate(used)}
+  at = {j: k for k, j in enumerate(used)}  # (rows of other chunks read nothing here)
   leaves = []
   for i, mode in zip(outs, modes, strict=True):
-    senders, dst = plan.layouts[i]
-    rows = tuple(
-      _row(p, src[p.src_leaf], at.get(p.src_leaf, -1)) for p in pieces[i]
-    )  # (rows of other chunks read nothing here)
-    view = _own_view(i, dst, out_dtypes[i], dst_input=mode.dst_input)
+    rows = tuple(_row(p, src[p.src_leaf], at.get(p.src_leaf, -1)) for p in pieces[i])
+    view = _own_view(i, plan.layouts[i][1], out_dtypes[i], dst_input=mode.dst_input)
     view = dataclasses.replace(view, in_place=mode.in_place, carry_out=mode.carry_out)
-    leaves.append(_LeafInput(plan.leaf_plans[i], senders, dst, view, mode.copies, rows=rows))
+    leaves.append(_LeafInput(plan.leaf_plans[i], *plan.layouts[i], view, mode.copies, rows=rows))
   wire = min((p.wire_dtype.itemsize for i in outs for p in pieces[i]), default=1)
-  unit, views = np.dtype(f"uint{8 * wire}"), tuple(view for _, view in inputs)
   ph = _placeholder_groups(inputs, device_ids), _dst_placeholder_groups(leaves, device_ids)
-  whole = options.whole_operand_bytes
-  low = chosen_lowering(plan, bucket)
-  return _program(device_ids, sched, leaves, unit, whole, *ph, None, False, views, lowering=low)
+  rest = (*ph, None, False, tuple(view for _, view in inputs))
+  unit = np.dtype(f"uint{8 * wire}")
+  return _program(plan, bucket, device_ids, leaves, unit, options.whole_operand_bytes, *rest)
+
+
+def _modes(plan: LayoutPlan, bucket: int, donate: bool) -> list[LeafMode]:
+  """How bucket ``bucket`` treats each of its leaves (:func:`leaf_modes`)."""
+  relayed = plan.relayed_leaves() if donate else frozenset()
+  return leaf_modes(
+    plan.schedule, plan.layouts, plan.scheduled, bucket, donate=donate, relayed=relayed
+  )
 
 
 def _transform_modes(plan: LayoutPlan, bucket: int, donate: bool) -> list[LeafMode]:
-  """Per leaf of a transformed bucket, how it treats it: a leaf cut into chunks over several
-  buckets as :func:`leaf_modes` says (written in place, carried on), else whole (donated
-  blocks taken where ``donate``)."""
-  sched, schedule = plan.schedule.buckets[bucket], plan.schedule
-  relayed = plan.relayed_leaves() if donate else frozenset()
-  modes = leaf_modes(schedule, plan.layouts, plan.scheduled, bucket, donate=donate, relayed=relayed)
-  return [
-    m if len(schedule.leaf_buckets[j]) > 1 else LeafMode(dst_input=donate)
-    for j, m in zip(sched.leaves, modes, strict=True)
-  ]
-
-
-def _moved(pieces: Sequence[TransformPiece], copies: np.ndarray | bool) -> list[TransformPiece]:
-  """The pieces of the rows a bucket moves: those ``copies`` marks (``True``: every row)."""
-  if copies is True:
-    return list(pieces)
-  marked = np.broadcast_to(copies, len(pieces)).tolist()
-  return [p for p, c in zip(pieces, marked, strict=True) if c]
+  """Per leaf of a transformed bucket, its mode if cut into chunks over several buckets, else
+  whole (donated blocks taken where ``donate``)."""
+  leaves, many = plan.schedule.buckets[bucket].leaves, plan.schedule.leaf_buckets
+  modes = zip(leaves, _modes(plan, bucket, donate), strict=True)
+  return [m if len(many[j]) > 1 else LeafMode(dst_input=donate) for j, m in modes]
 
 
 def _own_view(index: int, layout: Layout, dtype: np.dtype, *, dst_input: bool = False) -> LeafView:
@@ -420,24 +337,22 @@ def _send_rounds(
   incoming: _Incoming = defaultdict(lambda: defaultdict(list))
   rounds = []
   for r, rnd in enumerate(bucket.rounds):
-    roles: dict[Any, list[tuple[int, list[Piece], list[Cut]]]] = defaultdict(list)
+    roles: dict[Any, list[tuple[int, int, list[Cut]]]] = defaultdict(list)
     for s_dev, d_dev in rnd.pairs:
-      ps = pieces[(s_dev, d_dev)]
-      lis = [local[p.leaf] for p in ps]
-      cuts = [
-        leaves[li].cut(li, p.transfer, s_dev, positions) for li, p in zip(lis, ps, strict=True)
-      ]
-      key = tuple(zip(lis, [dataclasses.replace(c, offsets=()) for c in cuts], strict=True))
-      roles[key].append((s_dev, ps, cuts))  # senders whose cuts match up to offsets
-      for li, p in zip(lis, ps, strict=True):
+      sent = [(local[p.leaf], p) for p in pieces[(s_dev, d_dev)]]
+      cuts = [leaves[li].cut(li, p.transfer, s_dev, positions) for li, p in sent]
+      # senders whose cuts match up to offsets share a role
+      key = tuple((li, _merged([c], True)) for (li, _), c in zip(sent, cuts, strict=True))
+      roles[key].append((positions[s_dev], sum(p.nbytes for _, p in sent), cuts))
+      for li, p in sent:
         incoming[d_dev][li].append((p.transfer, r, p))
     packs = tuple(
       Pack(
-        tuple(positions[dev] for dev, _, _ in m),
-        tuple(_merged([cuts[k] for _, _, cuts in m]) for k in range(len(m[0][2]))),
-        max(rnd.nbytes - sum(p.nbytes for p in m[0][1]), 0) // unit.itemsize,
+        tuple(m[0] for m in ms),
+        tuple(map(_merged, zip(*(m[2] for m in ms), strict=True))),
+        max(rnd.nbytes - ms[0][1], 0) // unit.itemsize,
       )
-      for m in roles.values()
+      for ms in roles.values()
     )
     pairs = tuple((positions[s], positions[d]) for s, d in rnd.pairs)
     rounds.append(SendRound(rnd.nbytes // unit.itemsize, pairs, packs))
@@ -449,10 +364,7 @@ def _device_parts(
 ) -> tuple[tuple[Part, ...] | None, ...]:
   """Per leaf, the parts device ``dev`` assembles its shard from, by offset."""
   out: list[tuple[Part, ...] | None] = []
-  for li, leaf in enumerate(leaves):
-    if dev not in leaf.dst.device_ids:
-      out.append(None)
-      continue
+  for li, leaf in enumerate(leaves):  # (a device holding no shard of it has no parts)
     plan, parts = leaf.plan, list[Part]()
     for t in np.nonzero(plan.local & (plan.dst_device == dev) & leaf.copies)[0].tolist():
       cut = leaf.cut(li, t, dev, positions)
@@ -461,7 +373,8 @@ def _device_parts(
       a, b = piece.offset // unit.itemsize, (piece.offset + piece.nbytes) // unit.itemsize
       shape = in_words(plan.hi[t] - plan.lo[t], leaf.view.word_ratio)
       parts.append(Received(leaf.dst_offset(t, dev), shape, r, a, b, leaf.arrange(t)))
-    out.append(tuple(sorted(parts, key=lambda q: q.offset)))
+    held = dev in leaf.dst.device_ids
+    out.append(tuple(sorted(parts, key=lambda q: q.offset)) if held else None)
   return tuple(out)
 
 
@@ -484,14 +397,11 @@ def _assembles(
     parts = _device_parts(dev, leaves, incoming[dev], unit, positions)
     key = tuple(None if ps is None else tuple(_merged([p], True) for p in ps) for ps in parts)
     roles[key].append((dev, parts))
-  out = []
-  for members in roles.values():
-    merged = tuple(
-      None if ps is None else tuple(_merged([m[li][k] for _, m in members]) for k in range(len(ps)))
-      for li, ps in enumerate(members[0][1])
-    )
-    out.append(Assemble(tuple(positions[dev] for dev, _ in members), merged))
-  return tuple(out)
+  merged = lambda ps: None if ps[0] is None else tuple(map(_merged, zip(*ps, strict=True)))
+  return tuple(
+    Assemble(tuple(positions[dev] for dev in devs), tuple(map(merged, zip(*parts, strict=True))))
+    for devs, parts in (zip(*members, strict=True) for members in roles.values())
+  )
 
 
 def _placeholder_groups(sources: Any, device_ids: Sequence[int]) -> tuple[PlaceholderGroup, ...]:
@@ -502,9 +412,8 @@ def _placeholder_groups(sources: Any, device_ids: Sequence[int]) -> tuple[Placeh
     needs[(view.src_block, view.dtype)] |= set(union[placeholder_mask(src, union)].tolist())
   by_devices: dict[tuple[int, ...], list[tuple[Box, np.dtype]]] = defaultdict(list)
   for key, devs in needs.items():
-    if devs:
-      by_devices[tuple(sorted(devs))].append(key)
-  return tuple(PlaceholderGroup(ids, tuple(keys)) for ids, keys in by_devices.items())
+    by_devices[tuple(sorted(devs))].append(key)
+  return tuple(PlaceholderGroup(ids, tuple(keys)) for ids, keys in by_devices.items() if ids)
 
 
 def _dst_placeholder_groups(leaves: Any, device_ids: Sequence[int]) -> tuple[PlaceholderGroup, ...]:
@@ -512,12 +421,8 @@ def _dst_placeholder_groups(leaves: Any, device_ids: Sequence[int]) -> tuple[Pla
   union = np.asarray(device_ids, dtype=np.int64)
   by_devices: dict[tuple[int, ...], list[int]] = defaultdict(list)
   for li, leaf in enumerate(leaves):
-    devs = union[donated_mask(leaf.dst, union, leaf.fresh)]
-    if leaf.view.dst_input and len(devs):
-      by_devices[tuple(devs.tolist())].append(li)
-  return tuple(
-    PlaceholderGroup(
-      ids, tuple((leaves[i].view.dst_block, leaves[i].view.dtype) for i in lis), tuple(lis)
-    )
-    for ids, lis in by_devices.items()
-  )
+    devs = tuple(union[donated_mask(leaf.dst, union, leaf.fresh)].tolist())
+    if leaf.view.dst_input and devs:
+      by_devices[devs].append(li)
+  blocks = lambda lis: tuple((leaves[i].view.dst_block, leaves[i].view.dtype) for i in lis)
+  return tuple(PlaceholderGroup(ids, blocks(lis), tuple(lis)) for ids, lis in by_devices.items())

@@ -1,17 +1,14 @@
 """Bucket programs: what every device of a bucket does, as frozen, printable data (NumPy only).
 
-Per round every sender of a bucket's 1-D mesh packs cuts of its source shards and one
-``ppermute`` moves the payloads; then every destination device assembles its shards. Devices
-whose work differs only in offsets share a role (:class:`Pack`, :class:`Assemble`) reading them
-from a table. Data moves as unsigned words. ``_build`` makes programs, deciding every lowering
-once and recording it here as data; ``_emit`` turns one into ``shard_map`` code.
+Senders pack cuts into unsigned words, a ``ppermute`` per round moves them, destinations assemble;
+devices differing only in offsets share a role. ``_build`` makes programs, ``_emit`` runs them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
-from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
@@ -73,10 +70,7 @@ class LeafView:
 
 def in_words(v: Sequence[int] | np.ndarray, ratio: int) -> Box:
   """Element coordinates (or a shape) in words of ``ratio`` elements (the last one divided)."""
-  out = [int(x) for x in v]
-  if out:
-    out[-1] //= ratio
-  return tuple(out)
+  return (*map(int, v[:-1]), int(v[-1]) // ratio) if len(v) else ()
 
 
 def offset_table(offsets: Sequence[tuple[int, Box]], ndim: int, num_positions: int) -> np.ndarray:
@@ -116,9 +110,8 @@ class Pack:
 @dataclasses.dataclass(frozen=True, slots=True)
 class SendRound:
   """One ``ppermute`` of ``words`` unit words per position pair; devices in no pack send zeros.
-  ``operands``: its operands as ``(start, stop, leaf)`` (a leaf's whole staged source block sent
-  as it is, or ``None``: packed words); ``repeats``: an earlier round whose packed payload this
-  one sends again (packed once)."""
+  ``operands``: ``(start, stop, leaf)`` (``leaf``'s whole source block as it is, or ``None``:
+  packed words); ``repeats``: an earlier round whose packed payload this one sends again."""
 
   words: int
   pairs: tuple[tuple[int, int], ...]
@@ -185,9 +178,8 @@ class PlaceholderGroup:
 class BucketProgram:
   """Everything a bucket's devices do. ``assemblers``: positions assembling in a program of
   their own; ``must_apart``: never bundled; ``inputs``: a transformed program's sources;
-  ``received``: ``(leaf, round)`` for the leaves every destination device receives whole in one
-  round's payload or operand, landing as it is; ``lowering``: the ``Options.lowerings`` entry
-  that runs the rounds (``None``: one ``ppermute`` each)."""
+  ``received``: ``(leaf, round)`` of the leaves that land whole as one payload or operand;
+  ``lowering``: the ``Options.lowerings`` entry running the rounds (``None``: ``ppermute``)."""
 
   device_ids: tuple[int, ...]
   leaves: tuple[LeafView, ...]
@@ -230,14 +222,14 @@ def program_signature(program: BucketProgram) -> BucketProgram:
   """``program`` without what its compiled code does not depend on: equal for buckets that
   share an executable."""
   z = lambda s: None if s is None else (s[0], 0)
-  windows: dict[str, Any] = {"src_window": None, "dst_window": None, "carry_out": False}
-  leaves = [
-    dataclasses.replace(lf, index=-1, shift=z(lf.shift), **windows) for lf in program.leaves
-  ]
-  leaves = [dataclasses.replace(lf, dst_shift=z(lf.dst_shift)) for lf in leaves]
+  kw: dict[str, Any] = {"index": -1, "src_window": None, "dst_window": None, "carry_out": False}
+  leaves = tuple(
+    dataclasses.replace(lf, shift=z(lf.shift), dst_shift=z(lf.dst_shift), **kw)
+    for lf in program.leaves
+  )
   inputs = tuple(dataclasses.replace(lf, index=-1) for lf in program.inputs)
-  zeros: dict[str, Any] = {"placeholders": (), "dst_placeholders": ()}
-  return dataclasses.replace(program, leaves=tuple(leaves), inputs=inputs, **zeros)
+  empty: dict[str, Any] = {"placeholders": (), "dst_placeholders": ()}
+  return dataclasses.replace(program, leaves=leaves, inputs=inputs, **empty)
 
 
 def role_table(num_positions: int, roles: Sequence[Pack | Assemble]) -> np.ndarray:
@@ -287,12 +279,10 @@ def _write_key(part: Part) -> tuple[Any, ...]:
 def chunk_writes(program: BucketProgram, leaf: int) -> ChunkWrites | None:
   """The slot writes of an in-place leaf, or ``None`` where the roles cannot share them (or
   its parts are arranged: a transformed program's)."""
-  if program.inputs:
-    return None
   every = (a.parts[leaf] for a in program.assembles)
   roles = [None if ps is None else sorted(ps, key=_write_key) for ps in every]
   held = [parts for parts in roles if parts is not None]
-  if not program.leaves[leaf].dst_shard or not held:
+  if program.inputs or not program.leaves[leaf].dst_shard or not held:
     return None
   sources = _common_sources(leaf, held)
   fills: list[tuple[Part | None, ...] | None]
@@ -314,29 +304,21 @@ def _padded_fills(
 ) -> tuple[list[Box], list[tuple[Part | None, ...] | None]] | None:
   """Slots by shape; per role, its parts padded by repeats, or ``None`` for a shape it lacks,
   ordered with write-backs first (``None`` where no such order exists)."""
-  counts: dict[Box, int] = defaultdict(int)
-  for parts in (p for p in roles if p is not None):
-    for shape in {_write_key(p)[-1] for p in parts}:
-      counts[shape] = max(counts[shape], sum(_write_key(p)[-1] == shape for p in parts))
-  shapes = [shape for shape in sorted(counts) for _ in range(counts[shape])]
+  shape, held = lambda p: _write_key(p)[-1], [ps for ps in roles if ps is not None]
+  every = sorted({shape(p) for ps in held for p in ps})
+  counts = {s: max(sum(shape(p) == s for p in ps) for ps in held) for s in every}
+  shapes = [s for s, n in counts.items() for _ in range(n)]
   pad = lambda same, n: same + [same[0]] * (n - len(same)) if same else [None] * n
-  fills = [
-    None
-    if ps is None
-    else [
-      p for s in sorted(counts) for p in pad([q for q in ps if _write_key(q)[-1] == s], counts[s])
-    ]
-    for ps in roles
+  slots = lambda ps: [
+    p for s, n in counts.items() for p in pad([q for q in ps if shape(q) == s], n)
   ]
-  held = [f for f in fills if f is not None]
-  order = sorted(range(len(shapes)), key=lambda j: -sum(f[j] is None for f in held))
-  for f in held:
-    kinds = [f[j] is None for j in order]
-    if kinds != sorted(kinds, reverse=True):
-      return None  # this role would write back over its own writes
-  return [shapes[j] for j in order], [
-    None if f is None else tuple(f[j] for j in order) for f in fills
-  ]
+  fills = [None if ps is None else slots(ps) for ps in roles]
+  filled = [f for f in fills if f is not None]
+  order = sorted(range(len(shapes)), key=lambda j: -sum(f[j] is None for f in filled))
+  if any((k := [f[j] is None for j in order]) != sorted(k, reverse=True) for f in filled):
+    return None  # a role would write back over its own writes
+  pick = lambda f: None if f is None else tuple(f[j] for j in order)
+  return [shapes[j] for j in order], [pick(f) for f in fills]
 
 
 def _common_sources(leaf: int, held: Sequence[Sequence[Part]]) -> tuple[Received | Cut, ...] | None:
@@ -344,11 +326,10 @@ def _common_sources(leaf: int, held: Sequence[Sequence[Part]]) -> tuple[Received
   keys = [_write_key(p) for p in held[0]]
   if any([_write_key(p) for p in parts] != keys for parts in held[1:]):
     return None
+  every = lambda j: tuple(sorted(o for ps in held for o in ps[j].cut.offsets))  # type: ignore[union-attr]
   return tuple(
-    first
-    if isinstance(first, Received)
-    else Cut(leaf, first.cut.shape, tuple(sorted(o for ps in held for o in ps[j].cut.offsets)))  # type: ignore[union-attr]
-    for j, first in enumerate(held[0])
+    p if isinstance(p, Received) else Cut(leaf, p.cut.shape, every(j))
+    for j, p in enumerate(held[0])
   )
 
 
@@ -378,13 +359,12 @@ def block_bytes(shape: Box, dtype: np.dtype) -> int:
 
 def make_bundle(program: BucketProgram, leaves: Sequence[int]) -> Bundle:
   """The :class:`Bundle` of ``program``'s ``leaves``, blocks one after another."""
-  spans: list[list[tuple[int, int]]] = [[], []]
-  for k, side in enumerate(("src_block", "dst_block")):
-    at = 0
-    for li in leaves:
-      lf = program.leaves[li]
-      spans[k].append((at, at := at + block_bytes(getattr(lf, side), lf.dtype)))
-  return Bundle(tuple(leaves), tuple(spans[0]), tuple(spans[1]))
+  lfs = [program.leaves[li] for li in leaves]
+  ends = [
+    np.cumsum([0] + [block_bytes(getattr(lf, side), lf.dtype) for lf in lfs]).tolist()
+    for side in ("src_block", "dst_block")
+  ]
+  return Bundle(tuple(leaves), *(tuple(itertools.pairwise(e)) for e in ends))
 
 
 def enters_whole(lf: LeafView) -> bool:
@@ -395,34 +375,23 @@ def enters_whole(lf: LeafView) -> bool:
 
 def format_program(program: BucketProgram) -> str:
   """Readable text: the leaves, then per round who packs what, then who assembles what."""
-  lines = [
-    f"BucketProgram on devices {list(program.device_ids)} (positions 0..."
-    f"{len(program.device_ids) - 1}), payload word {program.unit.name}"
-  ]
-  for k, lf in enumerate(program.inputs):
-    lines.append(
-      f"  input {k} (#{lf.index}) {lf.dtype.name}{list(lf.shape)} in {lf.word.name}: "
-      f"{list(lf.src_shard)}"
-    )
-  src = "input" if program.inputs else "leaf"  # what cuts read
+  ids, src = list(program.device_ids), "input" if program.inputs else "leaf"  # what cuts read
+  word = f"payload word {program.unit.name}"
+  lines = [f"BucketProgram on devices {ids} (positions 0...{len(ids) - 1}), {word}"]
+  head = lambda lf: f"(#{lf.index}) {lf.dtype.name}{list(lf.shape)} in {lf.word.name}:"
+  lines += [f"  input {k} {head(lf)} {list(lf.src_shard)}" for k, lf in enumerate(program.inputs)]
+  slab = lambda w: f"the slab {w.start}:{w.stop} of dim {w.dim} of {list(w.shard)}"
+  at = lambda d: f"offsets from index {d[1]} of dim {d[0]} (an argument)"
   for li, lf in enumerate(program.leaves):
+    w, dw, d, dd = lf.src_window, lf.dst_window, lf.shift, lf.dst_shift
     mode = (" in place" if lf.in_place else "") + (", into its input" if lf.dst_input else "")
-    mode += ", carried to the next bucket" if lf.carry_out else ""
-    if (w := lf.src_window) is not None:
-      mode += f", staging the slab {w.start}:{w.stop} of dim {w.dim} of {list(w.shard)}"
-    if (w := lf.dst_window) is not None:
-      mode += (
-        f", writing the slab {w.start}:{w.stop} of dim {w.dim} of {list(w.shard)} after it runs"
-      )
-    if (d := lf.shift) is not None:
-      mode += f", offsets from index {d[1]} of dim {d[0]} (an argument)"
-    if (d := lf.dst_shift) is not None:
-      mode += f", destination offsets from index {d[1]} of dim {d[0]} (an argument)"
-    shard = "" if program.inputs else f"{list(lf.src_shard)} "
-    lines.append(
-      f"  leaf {li} (#{lf.index}) {lf.dtype.name}{list(lf.shape)} in {lf.word.name}: "
-      f"{shard}-> {list(lf.dst_shard)}{mode}"
+    mode += (", carried to the next bucket" if lf.carry_out else "") + (
+      f", staging {slab(w)}" if w else ""
     )
+    mode += f", writing {slab(dw)} after it runs" if dw else ""
+    mode += (f", {at(d)}" if d else "") + (f", destination {at(dd)}" if dd else "")
+    shard = "" if program.inputs else f"{list(lf.src_shard)} "
+    lines.append(f"  leaf {li} {head(lf)} {shard}-> {list(lf.dst_shard)}{mode}")
   for r, rnd in enumerate(program.rounds):
     how = "".join(
       f", {src} {li}'s block as it is at {a}:{b}" for a, b, li in rnd.operands if li is not None
@@ -437,11 +406,9 @@ def format_program(program: BucketProgram) -> str:
     lines.append(f"  rounds run as {getattr(low, 'name', type(low).__name__)}")
   for li, r in program.received:
     lines.append(f"  leaf {li} arrives whole in round {r}'s payload, as it is")
-  if program.assemblers is not None:
-    lines.append(
-      f"  positions {list(program.assemblers)} assemble in a program of their own, "
-      "taking the received payloads"
-    )
+  if (apart := program.assemblers) is not None:
+    own = "assemble in a program of their own, taking the received payloads"
+    lines.append(f"  positions {list(apart)} {own}")
   for a in program.assembles:
     lines.append(f"  devices {list(a.positions)} assemble")
     for li, parts in enumerate(a.parts):
@@ -455,19 +422,17 @@ def format_program(program: BucketProgram) -> str:
 
 
 def _format_cut(cut: Cut, src: str) -> str:
-  at = cut.static_offset
-  where = f"@{list(at)}" if at is not None else "@table"
-  return f"{src} {cut.leaf} {list(cut.shape)}{where}{_format_casts(cut.casts)}"
+  where = "table" if (at := cut.static_offset) is None else list(at)
+  return f"{src} {cut.leaf} {list(cut.shape)}@{where}{_format_casts(cut.casts)}"
 
 
 def _format_part(part: Part, src: str) -> str:
+  a = part.arrange
   if isinstance(part, Received):
     text = f"{list(part.offset)}: round {part.round} words {part.start}:{part.stop}"
-    if part.arrange is not None:
-      text += f" as {part.arrange.wire.name}"
+    text += "" if a is None else f" as {a.wire.name}"
   else:
     text = f"{list(part.offset)}: own {_format_cut(part.cut, src)}"
-  a = part.arrange
   if a is not None and a.perm != tuple(range(len(a.perm))):
     text += f" transposed {list(a.perm)}"
   return text + ("" if a is None else _format_casts(a.casts))
