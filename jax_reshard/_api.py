@@ -79,16 +79,12 @@ class ReshardPlan:
     self.dst_shardings = jax.tree_util.tree_unflatten(treedef, [lf.dst_sharding for lf in leaves])
     # Leaves whose whole shards travel as they are: only an array plan knows the types.
     self._as_is = frozenset(i for i, lf in enumerate(leaves) if _program.travels_as_is(lf.dtype))
-    self._treedef, self._transformed = treedef, src_leaves is not None
+    self._treedef = treedef
     self._src_treedef = treedef if src_treedef is None else src_treedef
-    self._src_leaves = leaves if src_leaves is None else src_leaves
-    self._src_paths = [lf.path for lf in self._src_leaves]
-    self._stage_buckets, self._by_stage, self._classes = _classes_of(layout_plan, leaves)
-    self._bucket_leaves = [stage.bucket_leaves(b) for stage, b in self._stage_buckets]
-    scheduled = set(layout_plan.scheduled)
-    self._unscheduled = [i for i in range(len(leaves)) if i not in scheduled]
+    src = leaves if src_leaves is None else src_leaves
+    self._src_leaves, self._src_paths = src, [lf.path for lf in src]
     self._default_layouts = _edge.DefaultLayouts()
-    self._built: dict[Any, Any] = {}  # stats, programs and executables; shared by with_edges
+    self._b = _Buckets.of(layout_plan, leaves, src, src_leaves is not None, self._as_is)
 
   @property
   def stats(self) -> _plan.PlanStats:
@@ -102,7 +98,7 @@ class ReshardPlan:
       >>> st.bytes_moved, st.lower_bound_bytes, st.gather_broadcast_bytes  # 7 of 8 f32 values
       (224, 224, 1792)
     """
-    return _cached(self, "stats", _stats)
+    return _cached(self._b, "stats", _stats)
 
   def programs(self, *, out: bool = False) -> list[_program.BucketProgram]:
     """Per bucket of every stage, in run order, what every device does (NumPy; ``print`` one).
@@ -119,7 +115,7 @@ class ReshardPlan:
         leaf 0 (#0) float32[8, 8] in uint32: [1, 8] -> [8, 1]
       ...
     """
-    return _cached(self, ("programs", out), _programs, out)
+    return _cached(self._b, ("programs", out), _programs, out)
 
   def estimate(self, topology: Topology | None = None, *, out: bool = False) -> Estimate:
     """The predicted time of a call on ``topology`` (see :func:`jax_reshard.estimate`).
@@ -139,7 +135,7 @@ class ReshardPlan:
       >>> plan.estimate(jr.Topology.h100_nodes()).num_rounds
       7
     """
-    dtypes, by_stage = [lf.dtype for lf in self.leaves], _program_classes(self)[0]
+    dtypes, by_stage = [lf.dtype for lf in self.leaves], _program_classes(self._b)[0]
     return estimate(self.layout_plan, topology, self._as_is, by_stage, kinds=dtypes, out=out)
 
   def executables(self, *, out: bool = False) -> list[BucketExecutable]:
@@ -156,7 +152,7 @@ class ReshardPlan:
       >>> [exe.program.device_ids for exe in plan.executables()]
       [(0, 1, 2, 3, 4, 5, 6, 7)]
     """
-    return _cached(self, ("executables", out), _executables, out)
+    return _cached(self._b, ("executables", out), _executables, out)
 
   def memory_analysis(self, *, out: bool = False) -> list[Any]:
     """XLA's ``memory_analysis()`` of every compiled program (compiled if needed), in order.
@@ -204,13 +200,13 @@ class ReshardPlan:
       (True, True, True, True)
     """
     if self._edges is not None:
-      return _call_edged(self, self._edges, x, donate, out)
+      return _call_edged(self, self._b, self._treedef, self._edges, x, donate, out)
     flags = None if donate is False else _edge.donated_leaves(donate, x, self._src_paths)
     arrays = check_arrays(self._src_treedef, self._src_leaves, x)
     old = None if out is None else check_donated(self._treedef, self.leaves, out, arrays)
     if old is not None:
       _edge.check_out_layouts([lf.name for lf in self.leaves], old)
-    result = _move(self, self._default_layouts(arrays), old)
+    result = _move(self, self._b, self._default_layouts(arrays), old)
     if flags is not None:
       _edge.delete_donated(arrays, flags, result)
     return jax.tree_util.tree_unflatten(self._treedef, result)
@@ -313,66 +309,98 @@ class TransformPlan(ReshardPlan):
     )
 
 
-def _classes_of(layout_plan: _plan.LayoutPlan, leaves: Sequence[Leaf]) -> tuple[Any, Any, Any]:
-  """The buckets of every stage in order (a relay stage's after the first's); per stage, per
-  bucket, the first bucket of the stage with its program; per bucket, the first of all."""
-  stages, dtypes = layout_plan.stages(), [lf.dtype for lf in leaves]
-  stage_buckets = [(st, b) for st in stages for b in range(len(st.schedule.buckets))]
-  by_stage = [  # a transformed stage's buckets each their own (see _program_classes)
-    (st.bucket_classes or ())
-    if st.pieces is not None
-    else stage_classes(st.leaf_plans, st.layouts, st.scheduled, st.schedule, dtypes)
-    for st in stages
-  ]
-  classes: list[int] = []
-  for c in by_stage:
-    classes += [len(classes) + k for k in c]
-  return stage_buckets, by_stage, classes
+@dataclasses.dataclass
+class _Buckets:
+  """A plan's buckets over every stage (a relay stage's after the first's), which share a program,
+  and what is built from them once (``built``: stats, programs, executables; shared by the
+  copies ``with_edges`` makes)."""
+
+  layout_plan: _plan.LayoutPlan
+  leaves: tuple[Leaf, ...]
+  src_leaves: tuple[Leaf, ...]
+  transformed: bool
+  as_is: frozenset[int]
+  stage_buckets: list[tuple[_plan.LayoutPlan, int]]
+  by_stage: list[tuple[int, ...]]  # per stage, per bucket, the first of the stage with its program
+  classes: list[int]  # per bucket, the first with its program (over every stage)
+  unscheduled: list[int]
+  bucket_leaves: list[Any]  # per bucket, its leaves
+  built: dict[Any, Any] = dataclasses.field(default_factory=dict)
+
+  @classmethod
+  def of(
+    cls, layout_plan: _plan.LayoutPlan, leaves: Any, src: Any, transformed: bool, as_is: Any
+  ) -> _Buckets:
+    """The buckets of ``layout_plan``; a transformed stage's each their own program class."""
+    stages, dtypes = layout_plan.stages(), [lf.dtype for lf in leaves]
+    by_stage = [
+      (st.bucket_classes or ())
+      if st.pieces is not None
+      else stage_classes(st.leaf_plans, st.layouts, st.scheduled, st.schedule, dtypes)
+      for st in stages
+    ]
+    classes: list[int] = []
+    for c in by_stage:
+      classes += [len(classes) + k for k in c]
+    scheduled = set(layout_plan.scheduled)
+    return cls(
+      layout_plan,
+      leaves,
+      src,
+      transformed,
+      as_is,
+      [(st, b) for st in stages for b in range(len(st.schedule.buckets))],
+      by_stage,
+      classes,
+      [i for i in range(len(leaves)) if i not in scheduled],
+      [st.bucket_leaves(b) for st in stages for b in range(len(st.schedule.buckets))],
+    )
 
 
-def _cached(plan: ReshardPlan, key: Any, make: Callable[..., Any], *args: Any) -> Any:
-  """``make(plan, *args)``, once per plan and its copies (``with_edges`` shares the dict)."""
-  if key not in plan._built:
-    plan._built[key] = make(plan, *args)
-  return plan._built[key]
+def _cached(run: _Buckets, key: Any, make: Callable[..., Any], *args: Any) -> Any:
+  """``make(run, *args)``, once per plan and its copies."""
+  if key not in run.built:
+    run.built[key] = make(run, *args)
+  return run.built[key]
 
 
-def _program_classes(plan: ReshardPlan) -> tuple[list[tuple[int, ...]], int]:
+def _program_classes(run: _Buckets) -> tuple[list[tuple[int, ...]], int]:
   """Per stage, per bucket, the first bucket of the stage with its program; how many. With a
   transform, from the built programs' signatures (a transformed bucket's rows carry pieces)."""
-  if not plan._transformed:
-    return plan._by_stage, len(set(plan._classes))
-  signatures = [_program.program_signature(p) for p in plan.programs()]
+  if not run.transformed:
+    return run.by_stage, len(set(run.classes))
+  programs = _cached(run, ("programs", False), _programs, False)
+  signatures = [_program.program_signature(p) for p in programs]
   out, at = [], 0
-  for stage in plan.layout_plan.stages():
+  for stage in run.layout_plan.stages():
     n, first = len(stage.schedule.buckets), dict[_program.BucketProgram, int]()
     out.append(tuple(first.setdefault(sig, b) for b, sig in enumerate(signatures[at : at + n])))
     at += n
   return out, len(set(signatures))
 
 
-def _stats(plan: ReshardPlan) -> _plan.PlanStats:
+def _stats(run: _Buckets) -> _plan.PlanStats:
   """The layout plan's stats with the program count and bundled copies' passes."""
-  by_stage, num_programs = _program_classes(plan)
-  st, moved = plan.layout_plan.stats, plan.layout_plan.stats.bytes_moved
-  passes = _plan.passes_per_moved_byte(plan.layout_plan, by_stage, plan._as_is)
-  extra = sum(exe.bundle_pass_bytes() for exe in plan.executables())
-  passes += extra / (2 * moved) if moved else 0.0
+  by_stage, num_programs = _program_classes(run)
+  st, moved = run.layout_plan.stats, run.layout_plan.stats.bytes_moved
+  passes = _plan.passes_per_moved_byte(run.layout_plan, by_stage, run.as_is)
+  executables = _cached(run, ("executables", False), _executables, False)
+  passes += sum(exe.bundle_pass_bytes() for exe in executables) / (2 * moved) if moved else 0.0
   return dataclasses.replace(st, num_programs=num_programs, passes_per_moved_byte=passes)
 
 
-def _programs(plan: ReshardPlan, out: bool) -> list[_program.BucketProgram]:
+def _programs(run: _Buckets, out: bool) -> list[_program.BucketProgram]:
   """Per bucket of every stage, its program (rebound where an earlier bucket has the same)."""
-  dtypes, src_dtypes = [lf.dtype for lf in plan.leaves], [lf.dtype for lf in plan._src_leaves]
-  first_stage, words = plan.layout_plan.stages()[0], plan_word_bytes(plan.layout_plan)
+  dtypes, src_dtypes = [lf.dtype for lf in run.leaves], [lf.dtype for lf in run.src_leaves]
+  first_stage, words = run.layout_plan.stages()[0], plan_word_bytes(run.layout_plan)
   programs: list[_program.BucketProgram] = []
-  for k, (stage, b) in enumerate(plan._stage_buckets):
-    donate, first = out and stage is first_stage, plan._classes[k]
+  for k, (stage, b) in enumerate(run.stage_buckets):
+    donate, first = out and stage is first_stage, run.classes[k]
     if first < k:  # the same program as an earlier bucket, on other leaves
       p = _build.rebound_program(programs[first], stage, b, dtypes, donate=donate)
     elif stage.pieces is not None:  # a transformed stage: inputs are the source leaves
       p = _build.make_transform_program(
-        stage, b, src_dtypes, dtypes, donate=donate, options=plan.options
+        stage, b, src_dtypes, dtypes, donate=donate, options=run.layout_plan.options
       )
     else:
       ids = stage.schedule.buckets[b].union_device_ids
@@ -381,21 +409,22 @@ def _programs(plan: ReshardPlan, out: bool) -> list[_program.BucketProgram]:
   return programs
 
 
-def _executables(plan: ReshardPlan, out: bool) -> list[BucketExecutable]:
+def _executables(run: _Buckets, out: bool) -> list[BucketExecutable]:
   """Per bucket, its program emitted for its union mesh."""
-  devices, first_stage = _devices((*plan._src_leaves, *plan.leaves)), plan.layout_plan.stages()[0]
+  devices, first_stage = _devices((*run.src_leaves, *run.leaves)), run.layout_plan.stages()[0]
+  programs = _cached(run, ("programs", out), _programs, out)
   exes = []
-  for (stage, _), p in zip(plan._stage_buckets, plan.programs(out=out), strict=True):
-    dst = [plan.leaves[lf.index].dst_sharding for lf in p.leaves]
+  for (stage, _), p in zip(run.stage_buckets, programs, strict=True):
+    dst = [run.leaves[lf.index].dst_sharding for lf in p.leaves]
     # A relay stage takes the first stage's results, laid out as the destination.
     src = (
-      [plan._src_leaves[lf.index].src_sharding for lf in p.sources] if stage is first_stage else dst
+      [run.src_leaves[lf.index].src_sharding for lf in p.sources] if stage is first_stage else dst
     )
-    exes.append(BucketExecutable(p, devices, dst, src, options=plan.options))
+    exes.append(BucketExecutable(p, devices, dst, src, options=run.layout_plan.options))
   return exes
 
 
-def _move(plan: ReshardPlan, arrays: list[Any], old: list[Any] | None) -> list[Any]:
+def _move(plan: ReshardPlan, run: _Buckets, arrays: list[Any], old: list[Any] | None) -> list[Any]:
   """Runs the buckets in order on checked arrays (default layouts), a leaf's destination
   blocks going from bucket to bucket; deletes ``old``'s arrays."""
   if jax.process_count() > 1:  # all processes must hold this plan before any collective
@@ -403,19 +432,19 @@ def _move(plan: ReshardPlan, arrays: list[Any], old: list[Any] | None) -> list[A
 
     _distributed.check_plan(plan)
   with _no_mesh():
-    executables = plan.executables(out=old is not None)
-    out: list[Any] = [None] * len(plan.leaves)
-    for i in plan._unscheduled:
-      lf = plan.leaves[i]
+    executables = _cached(run, ("executables", old is not None), _executables, old is not None)
+    out: list[Any] = [None] * len(run.leaves)
+    for i in run.unscheduled:
+      lf = run.leaves[i]
       out[i] = empty_like_sharded(lf.shape, lf.dtype, lf.dst_sharding)
     carry: dict[int, dict[int, Any]] = (
-      {} if old is None else {i: buffers_by_device(old[i]) for i in plan.layout_plan.scheduled}
+      {} if old is None else {i: buffers_by_device(old[i]) for i in run.layout_plan.scheduled}
     )
     # Blocks of devices without a destination shard, left by the last bucket that took
     # destination inputs: the next bucket's placeholders, dropped after the call.
     spares: dict[Any, list[Any]] = {}
-    in_flight = InFlight(plan.options.in_flight_buckets)
-    for idx, exe in zip(plan._bucket_leaves, executables, strict=True):
+    in_flight = InFlight(run.layout_plan.options.in_flight_buckets)
+    for idx, exe in zip(run.bucket_leaves, executables, strict=True):
       leaves = zip(idx, exe.program.leaves, strict=True) if exe.takes_destinations else ()
       dsts = [carry.pop(i, None) if lf.dst_input or lf.dst_window else None for i, lf in leaves]
       if exe.program.inputs:  # a transformed stage reads the source leaves
@@ -433,16 +462,19 @@ def _move(plan: ReshardPlan, arrays: list[Any], old: list[Any] | None) -> list[A
   return out
 
 
-def _call_edged(plan: ReshardPlan, edges: _edge.Edges, x: Any, donate: Any, out: Any) -> Any:
-  """A call with :mod:`_edge` steps: every check, steps in, the move, steps out."""
-  values, treedef = jax.tree_util.tree_flatten(x)
-  edges.check(values, treedef)
+def _call_edged(
+  plan: ReshardPlan, run: _Buckets, treedef: Any, edges: _edge.Edges, x: Any, donate: Any, out: Any
+) -> Any:
+  """A call with :mod:`_edge` steps: every check, steps in, the move, steps out; ``treedef``:
+  the plan's tree of carriers."""
+  values, x_treedef = jax.tree_util.tree_flatten(x)
+  edges.check(values, x_treedef)
   flags = _edge.donated_leaves(donate, x, edges.paths)
   old = None if out is None else edges.check_out(out)
   with _no_mesh():
     carriers = jax.tree_util.tree_leaves(edges.carriers(values))
-    tree = jax.tree_util.tree_unflatten(plan._treedef, carriers)
-    moved = _move(plan, check_arrays(plan._treedef, plan.leaves, tree), None)
+    tree = jax.tree_util.tree_unflatten(treedef, carriers)
+    moved = _move(plan, run, check_arrays(treedef, run.leaves, tree), None)
     result = edges.results(values, moved)
   _edge.delete_donated(values, flags, result)
   _delete(old or ())  # written fresh: the old buffers are freed as out= promises
