@@ -79,40 +79,12 @@ class ReshardPlan:
     self.dst_shardings = jax.tree_util.tree_unflatten(treedef, [lf.dst_sharding for lf in leaves])
     # Leaves whose whole shards travel as they are: only an array plan knows the types.
     self._as_is = frozenset(i for i, lf in enumerate(leaves) if _program.travels_as_is(lf.dtype))
-    self._treedef, self._transformed = treedef, src_leaves is not None
+    self._treedef = treedef
     self._src_treedef = treedef if src_treedef is None else src_treedef
-    self._src_leaves = leaves if src_leaves is None else src_leaves
-    self._src_paths = [lf.path for lf in self._src_leaves]
-    # The buckets of every stage in order (a relay stage's after the first's).
-    stages, dtypes = layout_plan.stages(), [lf.dtype for lf in leaves]
-    self._stage_buckets = [(st, b) for st in stages for b in range(len(st.schedule.buckets))]
-    self._bucket_leaves = [stage.bucket_leaves(b) for stage, b in self._stage_buckets]
-    self._by_stage = [  # a transformed stage's buckets each their own (see _program_classes)
-      (st.bucket_classes or ())
-      if st.pieces is not None
-      else stage_classes(st.leaf_plans, st.layouts, st.scheduled, st.schedule, dtypes)
-      for st in stages
-    ]
-    self._classes: list[int] = []  # per bucket, the first with its program (over every stage)
-    for classes in self._by_stage:
-      self._classes += [len(self._classes) + c for c in classes]
-    scheduled = set(layout_plan.scheduled)
-    self._unscheduled = [i for i in range(len(leaves)) if i not in scheduled]
+    src = leaves if src_leaves is None else src_leaves
+    self._src_leaves, self._src_paths = src, [lf.path for lf in src]
     self._default_layouts = _edge.DefaultLayouts()
-    self._built: dict[Any, Any] = {}  # stats, programs and executables; shared by with_edges
-
-  def _program_classes(self) -> tuple[list[tuple[int, ...]], int]:
-    """Per stage, per bucket, the first bucket of the stage with its program; how many. With a
-    transform, from the built programs' signatures (a transformed bucket's rows carry pieces)."""
-    if not self._transformed:
-      return self._by_stage, len(set(self._classes))
-    signatures = [_program.program_signature(p) for p in self.programs()]
-    out, at = [], 0
-    for stage in self.layout_plan.stages():
-      n, first = len(stage.schedule.buckets), dict[_program.BucketProgram, int]()
-      out.append(tuple(first.setdefault(sig, b) for b, sig in enumerate(signatures[at : at + n])))
-      at += n
-    return out, len(set(signatures))
+    self._b = _Buckets.of(layout_plan, leaves, src, src_leaves is not None, self._as_is)
 
   @property
   def stats(self) -> _plan.PlanStats:
@@ -126,16 +98,7 @@ class ReshardPlan:
       >>> st.bytes_moved, st.lower_bound_bytes, st.gather_broadcast_bytes  # 7 of 8 f32 values
       (224, 224, 1792)
     """
-    if "stats" not in self._built:
-      by_stage, num_programs = self._program_classes()
-      st, moved = self.layout_plan.stats, self.layout_plan.stats.bytes_moved
-      passes = _plan.passes_per_moved_byte(self.layout_plan, by_stage, self._as_is)
-      extra = sum(exe.bundle_pass_bytes() for exe in self.executables())
-      passes += extra / (2 * moved) if moved else 0.0
-      self._built["stats"] = dataclasses.replace(
-        st, num_programs=num_programs, passes_per_moved_byte=passes
-      )
-    return self._built["stats"]
+    return _cached(self._b, "stats", _stats)
 
   def programs(self, *, out: bool = False) -> list[_program.BucketProgram]:
     """Per bucket of every stage, in run order, what every device does (NumPy; ``print`` one).
@@ -152,25 +115,7 @@ class ReshardPlan:
         leaf 0 (#0) float32[8, 8] in uint32: [1, 8] -> [8, 1]
       ...
     """
-    if ("programs", out) in self._built:
-      return self._built["programs", out]
-    dtypes, src_dtypes = [lf.dtype for lf in self.leaves], [lf.dtype for lf in self._src_leaves]
-    first_stage, words = self.layout_plan.stages()[0], plan_word_bytes(self.layout_plan)
-    programs: list[_program.BucketProgram] = []
-    for k, (stage, b) in enumerate(self._stage_buckets):
-      donate, first = out and stage is first_stage, self._classes[k]
-      if first < k:  # the same program as an earlier bucket, on other leaves
-        p = _build.rebound_program(programs[first], stage, b, dtypes, donate=donate)
-      elif stage.pieces is not None:  # a transformed stage: inputs are the source leaves
-        p = _build.make_transform_program(
-          stage, b, src_dtypes, dtypes, donate=donate, options=self.options
-        )
-      else:
-        ids = stage.schedule.buckets[b].union_device_ids
-        p = _build.make_bucket_program(stage, b, dtypes, ids, max_word_bytes=words, donate=donate)
-      programs.append(p)
-    self._built["programs", out] = programs
-    return programs
+    return _cached(self._b, ("programs", out), _programs, out)
 
   def estimate(self, topology: Topology | None = None, *, out: bool = False) -> Estimate:
     """The predicted time of a call on ``topology`` (see :func:`jax_reshard.estimate`).
@@ -190,7 +135,7 @@ class ReshardPlan:
       >>> plan.estimate(jr.Topology.h100_nodes()).num_rounds
       7
     """
-    dtypes, by_stage = [lf.dtype for lf in self.leaves], self._program_classes()[0]
+    dtypes, by_stage = [lf.dtype for lf in self.leaves], _program_classes(self._b)[0]
     return estimate(self.layout_plan, topology, self._as_is, by_stage, kinds=dtypes, out=out)
 
   def executables(self, *, out: bool = False) -> list[BucketExecutable]:
@@ -207,21 +152,7 @@ class ReshardPlan:
       >>> [exe.program.device_ids for exe in plan.executables()]
       [(0, 1, 2, 3, 4, 5, 6, 7)]
     """
-    if ("executables", out) in self._built:
-      return self._built["executables", out]
-    devices, first_stage = _devices((*self._src_leaves, *self.leaves)), self.layout_plan.stages()[0]
-    exes = []
-    for (stage, _), p in zip(self._stage_buckets, self.programs(out=out), strict=True):
-      dst = [self.leaves[lf.index].dst_sharding for lf in p.leaves]
-      # A relay stage takes the first stage's results, laid out as the destination.
-      src = (
-        [self._src_leaves[lf.index].src_sharding for lf in p.sources]
-        if stage is first_stage
-        else dst
-      )
-      exes.append(BucketExecutable(p, devices, dst, src, options=self.options))
-    self._built["executables", out] = exes
-    return exes
+    return _cached(self._b, ("executables", out), _executables, out)
 
   def memory_analysis(self, *, out: bool = False) -> list[Any]:
     """XLA's ``memory_analysis()`` of every compiled program (compiled if needed), in order.
@@ -269,68 +200,16 @@ class ReshardPlan:
       (True, True, True, True)
     """
     if self._edges is not None:
-      return self._call_edged(self._edges, x, donate, out)
+      return _call_edged(self, self._b, self._treedef, self._edges, x, donate, out)
     flags = None if donate is False else _edge.donated_leaves(donate, x, self._src_paths)
     arrays = check_arrays(self._src_treedef, self._src_leaves, x)
     old = None if out is None else check_donated(self._treedef, self.leaves, out, arrays)
     if old is not None:
       _edge.check_out_layouts([lf.name for lf in self.leaves], old)
-    result = self._move(self._default_layouts(arrays), old)
+    result = _move(self, self._b, self._default_layouts(arrays), old)
     if flags is not None:
       _edge.delete_donated(arrays, flags, result)
     return jax.tree_util.tree_unflatten(self._treedef, result)
-
-  def _call_edged(self, edges: _edge.Edges, x: Any, donate: Any, out: Any) -> Any:
-    """A call with :mod:`_edge` steps: every check, steps in, the move, steps out."""
-    values, treedef = jax.tree_util.tree_flatten(x)
-    edges.check(values, treedef)
-    flags = _edge.donated_leaves(donate, x, edges.paths)
-    old = None if out is None else edges.check_out(out)
-    with _no_mesh():
-      carriers = jax.tree_util.tree_leaves(edges.carriers(values))
-      tree = jax.tree_util.tree_unflatten(self._treedef, carriers)
-      moved = self._move(check_arrays(self._treedef, self.leaves, tree), None)
-      result = edges.results(values, moved)
-    _edge.delete_donated(values, flags, result)
-    _delete(old or ())  # written fresh: the old buffers are freed as out= promises
-    return jax.tree_util.tree_unflatten(edges.treedef, result)
-
-  def _move(self, arrays: list[Any], old: list[Any] | None) -> list[Any]:
-    """Runs the buckets in order on checked arrays (default layouts), a leaf's destination
-    blocks going from bucket to bucket; deletes ``old``'s arrays."""
-    if jax.process_count() > 1:  # all processes must hold this plan before any collective
-      from jax_reshard import _distributed
-
-      _distributed.check_plan(self)
-    with _no_mesh():
-      executables = self.executables(out=old is not None)
-      out: list[Any] = [None] * len(self.leaves)
-      for i in self._unscheduled:
-        lf = self.leaves[i]
-        out[i] = empty_like_sharded(lf.shape, lf.dtype, lf.dst_sharding)
-      carry: dict[int, dict[int, Any]] = (
-        {} if old is None else {i: buffers_by_device(old[i]) for i in self.layout_plan.scheduled}
-      )
-      # Blocks of devices without a destination shard, left by the last bucket that took
-      # destination inputs: the next bucket's placeholders, dropped after the call.
-      spares: dict[Any, list[Any]] = {}
-      in_flight = InFlight(self.options.in_flight_buckets)
-      for idx, exe in zip(self._bucket_leaves, executables, strict=True):
-        leaves = zip(idx, exe.program.leaves, strict=True) if exe.takes_destinations else ()
-        dsts = [carry.pop(i, None) if lf.dst_input or lf.dst_window else None for i, lf in leaves]
-        if exe.program.inputs:  # a transformed stage reads the source leaves
-          xs = [arrays[lf.index] for lf in exe.program.inputs]
-        else:  # a relay stage reads the first stage's results
-          xs = [arrays[i] if out[i] is None else out[i] for i in idx]
-        ys = exe(xs, dsts, spares, in_flight.wait_for(exe))
-        in_flight.add(ys)
-        for i, y in zip(idx, ys, strict=True):
-          if isinstance(y, dict):
-            carry[i] = y
-          else:
-            out[i] = y
-    _delete(old or ())
-    return out
 
   def with_edges(self, edges: _edge.Edges) -> ReshardPlan:
     """A copy of this plan that takes the tree ``edges`` describes; ``make_plan`` uses it.
@@ -428,6 +307,178 @@ class TransformPlan(ReshardPlan):
       f"  rounds {st.num_rounds}; per device max send {fmt(st.max_send_bytes)}, "
       f"recv {fmt(st.max_recv_bytes)}"
     )
+
+
+@dataclasses.dataclass
+class _Buckets:
+  """A plan's buckets over every stage (a relay stage's after the first's), which share a program,
+  and what is built from them once (``built``: stats, programs, executables; shared by the
+  copies ``with_edges`` makes)."""
+
+  layout_plan: _plan.LayoutPlan
+  leaves: tuple[Leaf, ...]
+  src_leaves: tuple[Leaf, ...]
+  transformed: bool
+  as_is: frozenset[int]
+  stage_buckets: list[tuple[_plan.LayoutPlan, int]]
+  by_stage: list[tuple[int, ...]]  # per stage, per bucket, the first of the stage with its program
+  classes: list[int]  # per bucket, the first with its program (over every stage)
+  unscheduled: list[int]
+  bucket_leaves: list[Any]  # per bucket, its leaves
+  built: dict[Any, Any] = dataclasses.field(default_factory=dict)
+
+  @classmethod
+  def of(
+    cls, layout_plan: _plan.LayoutPlan, leaves: Any, src: Any, transformed: bool, as_is: Any
+  ) -> _Buckets:
+    """The buckets of ``layout_plan``; a transformed stage's each their own program class."""
+    stages, dtypes = layout_plan.stages(), [lf.dtype for lf in leaves]
+    by_stage = [
+      (st.bucket_classes or ())
+      if st.pieces is not None
+      else stage_classes(st.leaf_plans, st.layouts, st.scheduled, st.schedule, dtypes)
+      for st in stages
+    ]
+    classes: list[int] = []
+    for c in by_stage:
+      classes += [len(classes) + k for k in c]
+    scheduled = set(layout_plan.scheduled)
+    return cls(
+      layout_plan,
+      leaves,
+      src,
+      transformed,
+      as_is,
+      [(st, b) for st in stages for b in range(len(st.schedule.buckets))],
+      by_stage,
+      classes,
+      [i for i in range(len(leaves)) if i not in scheduled],
+      [st.bucket_leaves(b) for st in stages for b in range(len(st.schedule.buckets))],
+    )
+
+
+def _cached(run: _Buckets, key: Any, make: Callable[..., Any], *args: Any) -> Any:
+  """``make(run, *args)``, once per plan and its copies."""
+  if key not in run.built:
+    run.built[key] = make(run, *args)
+  return run.built[key]
+
+
+def _program_classes(run: _Buckets) -> tuple[list[tuple[int, ...]], int]:
+  """Per stage, per bucket, the first bucket of the stage with its program; how many. With a
+  transform, from the built programs' signatures (a transformed bucket's rows carry pieces)."""
+  if not run.transformed:
+    return run.by_stage, len(set(run.classes))
+  programs = _cached(run, ("programs", False), _programs, False)
+  signatures = [_program.program_signature(p) for p in programs]
+  out, at = [], 0
+  for stage in run.layout_plan.stages():
+    n, first = len(stage.schedule.buckets), dict[_program.BucketProgram, int]()
+    out.append(tuple(first.setdefault(sig, b) for b, sig in enumerate(signatures[at : at + n])))
+    at += n
+  return out, len(set(signatures))
+
+
+def _stats(run: _Buckets) -> _plan.PlanStats:
+  """The layout plan's stats with the program count and bundled copies' passes."""
+  by_stage, num_programs = _program_classes(run)
+  st, moved = run.layout_plan.stats, run.layout_plan.stats.bytes_moved
+  passes = _plan.passes_per_moved_byte(run.layout_plan, by_stage, run.as_is)
+  executables = _cached(run, ("executables", False), _executables, False)
+  passes += sum(exe.bundle_pass_bytes() for exe in executables) / (2 * moved) if moved else 0.0
+  return dataclasses.replace(st, num_programs=num_programs, passes_per_moved_byte=passes)
+
+
+def _programs(run: _Buckets, out: bool) -> list[_program.BucketProgram]:
+  """Per bucket of every stage, its program (rebound where an earlier bucket has the same)."""
+  dtypes, src_dtypes = [lf.dtype for lf in run.leaves], [lf.dtype for lf in run.src_leaves]
+  first_stage, words = run.layout_plan.stages()[0], plan_word_bytes(run.layout_plan)
+  programs: list[_program.BucketProgram] = []
+  for k, (stage, b) in enumerate(run.stage_buckets):
+    donate, first = out and stage is first_stage, run.classes[k]
+    if first < k:  # the same program as an earlier bucket, on other leaves
+      p = _build.rebound_program(programs[first], stage, b, dtypes, donate=donate)
+    elif stage.pieces is not None:  # a transformed stage: inputs are the source leaves
+      p = _build.make_transform_program(
+        stage, b, src_dtypes, dtypes, donate=donate, options=run.layout_plan.options
+      )
+    else:
+      ids = stage.schedule.buckets[b].union_device_ids
+      p = _build.make_bucket_program(stage, b, dtypes, ids, max_word_bytes=words, donate=donate)
+    programs.append(p)
+  return programs
+
+
+def _executables(run: _Buckets, out: bool) -> list[BucketExecutable]:
+  """Per bucket, its program emitted for its union mesh."""
+  devices, first_stage = _devices((*run.src_leaves, *run.leaves)), run.layout_plan.stages()[0]
+  programs = _cached(run, ("programs", out), _programs, out)
+  exes = []
+  for (stage, _), p in zip(run.stage_buckets, programs, strict=True):
+    dst = [run.leaves[lf.index].dst_sharding for lf in p.leaves]
+    # A relay stage takes the first stage's results, laid out as the destination.
+    src = (
+      [run.src_leaves[lf.index].src_sharding for lf in p.sources] if stage is first_stage else dst
+    )
+    exes.append(BucketExecutable(p, devices, dst, src, options=run.layout_plan.options))
+  return exes
+
+
+def _move(plan: ReshardPlan, run: _Buckets, arrays: list[Any], old: list[Any] | None) -> list[Any]:
+  """Runs the buckets in order on checked arrays (default layouts), a leaf's destination
+  blocks going from bucket to bucket; deletes ``old``'s arrays."""
+  if jax.process_count() > 1:  # all processes must hold this plan before any collective
+    from jax_reshard import _distributed
+
+    _distributed.check_plan(plan)
+  with _no_mesh():
+    executables = _cached(run, ("executables", old is not None), _executables, old is not None)
+    out: list[Any] = [None] * len(run.leaves)
+    for i in run.unscheduled:
+      lf = run.leaves[i]
+      out[i] = empty_like_sharded(lf.shape, lf.dtype, lf.dst_sharding)
+    carry: dict[int, dict[int, Any]] = (
+      {} if old is None else {i: buffers_by_device(old[i]) for i in run.layout_plan.scheduled}
+    )
+    # Blocks of devices without a destination shard, left by the last bucket that took
+    # destination inputs: the next bucket's placeholders, dropped after the call.
+    spares: dict[Any, list[Any]] = {}
+    in_flight = InFlight(run.layout_plan.options.in_flight_buckets)
+    for idx, exe in zip(run.bucket_leaves, executables, strict=True):
+      leaves = zip(idx, exe.program.leaves, strict=True) if exe.takes_destinations else ()
+      dsts = [carry.pop(i, None) if lf.dst_input or lf.dst_window else None for i, lf in leaves]
+      if exe.program.inputs:  # a transformed stage reads the source leaves
+        xs = [arrays[lf.index] for lf in exe.program.inputs]
+      else:  # a relay stage reads the first stage's results
+        xs = [arrays[i] if out[i] is None else out[i] for i in idx]
+      ys = exe(xs, dsts, spares, in_flight.wait_for(exe))
+      in_flight.add(ys)
+      for i, y in zip(idx, ys, strict=True):
+        if isinstance(y, dict):
+          carry[i] = y
+        else:
+          out[i] = y
+  _delete(old or ())
+  return out
+
+
+def _call_edged(
+  plan: ReshardPlan, run: _Buckets, treedef: Any, edges: _edge.Edges, x: Any, donate: Any, out: Any
+) -> Any:
+  """A call with :mod:`_edge` steps: every check, steps in, the move, steps out; ``treedef``:
+  the plan's tree of carriers."""
+  values, x_treedef = jax.tree_util.tree_flatten(x)
+  edges.check(values, x_treedef)
+  flags = _edge.donated_leaves(donate, x, edges.paths)
+  old = None if out is None else edges.check_out(out)
+  with _no_mesh():
+    carriers = jax.tree_util.tree_leaves(edges.carriers(values))
+    tree = jax.tree_util.tree_unflatten(treedef, carriers)
+    moved = _move(plan, run, check_arrays(treedef, run.leaves, tree), None)
+    result = edges.results(values, moved)
+  _edge.delete_donated(values, flags, result)
+  _delete(old or ())  # written fresh: the old buffers are freed as out= promises
+  return jax.tree_util.tree_unflatten(edges.treedef, result)
 
 
 def _no_mesh() -> Any:
