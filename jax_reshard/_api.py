@@ -344,16 +344,16 @@ class _Buckets:
       classes += [len(classes) + k for k in c]
     scheduled = set(layout_plan.scheduled)
     return cls(
-      layout_plan,
-      leaves,
-      src,
-      transformed,
-      as_is,
-      [(st, b) for st in stages for b in range(len(st.schedule.buckets))],
-      by_stage,
-      classes,
-      [i for i in range(len(leaves)) if i not in scheduled],
-      [st.bucket_leaves(b) for st in stages for b in range(len(st.schedule.buckets))],
+      layout_plan=layout_plan,
+      leaves=leaves,
+      src_leaves=src,
+      transformed=transformed,
+      as_is=as_is,
+      stage_buckets=[(st, b) for st in stages for b in range(len(st.schedule.buckets))],
+      by_stage=by_stage,
+      classes=classes,
+      unscheduled=[i for i in range(len(leaves)) if i not in scheduled],
+      bucket_leaves=[st.bucket_leaves(b) for st in stages for b in range(len(st.schedule.buckets))],
     )
 
 

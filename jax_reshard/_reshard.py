@@ -32,14 +32,15 @@ def reshard(
       ``jax.device_put`` places them; PRNG keys, sub-byte, complex and weak types, other
       memory kinds and device-local layouts move bit for bit).
     dst: one Sharding for every leaf, or a pytree prefix of ``x`` of Shardings (or of leaves
-      carrying ``.sharding``, or ``Format(layout, sharding)``).
+      carrying ``.sharding``, or ``Format(layout, sharding)``; a ``memory_kind`` is honoured).
     src: inside ``jax.jit`` only: the source Sharding(s), one or a pytree prefix of ``x``,
       where JAX does not know the layout (axes not ``Explicit``). Under eager ``jax.grad`` /
       ``jax.vjp`` the move runs eagerly and ``src=``, if given, must be where the values are.
     donate: concrete ``x`` only: ``True`` or a pytree prefix of ``x`` of bools; deletes the
       donated source arrays after the call (inside ``jax.jit`` use ``donate_argnums``).
     out: concrete ``x`` only: the current tree in the destination layouts, whose buffers the
-      result reuses and whose arrays are deleted (inside ``jax.jit``: donate it).
+      result reuses and whose arrays are deleted (peak extra memory: the staging alone;
+      inside ``jax.jit``: donate it).
     max_bucket_bytes: as in ``make_plan`` (eager calls only).
     transform: convert while resharding, as in ``make_plan``; ``dst`` then matches its output.
       Inside ``jax.jit`` it needs ``src=``, one source mesh and one destination mesh. The
